@@ -1,0 +1,42 @@
+# rnbd — see README.md. Every target installs what it needs first (deps).
+SHELL := /bin/bash
+GO    ?= go
+BIN   := bin
+
+.PHONY: all deps build demo test vet bench fuzz clean
+
+all: build
+
+# Install what the build and the tests need (Debian packages as root, Go
+# modules), or say clearly what is missing.
+deps:
+	@scripts/deps.sh
+
+build: deps
+	$(GO) build -o $(BIN)/ ./cmd/...
+
+# The quick start's first command: a server and a client exchanging
+# verified IO over RTRS on loopback, over two paths.
+demo: build
+	@scripts/demo.sh
+
+vet:
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
+	$(GO) vet ./...
+
+# The quick start's second command. As root it also runs the privileged
+# tests (network namespaces); otherwise they skip and say why.
+test: deps vet
+	$(GO) test -race -count=1 -timeout 30m ./...
+
+bench: deps
+	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...
+
+# Run every fuzz target for FUZZTIME each (their seeds run in make test).
+FUZZTIME ?= 30s
+fuzz: deps
+	@scripts/fuzz.sh $(FUZZTIME)
+
+clean:
+	rm -rf $(BIN)

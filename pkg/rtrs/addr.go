@@ -1,0 +1,108 @@
+package rtrs
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+)
+
+// PathAddr is the source and destination of a path. Src may be unset, in
+// which case the fabric picks the source and the path learns it on connect.
+type PathAddr struct {
+	Src netip.AddrPort
+	Dst netip.AddrPort
+	// GID marks addresses given as "gid:" (AF_IB); only RDMA can use them.
+	GID bool
+}
+
+// ErrBadAddr is returned for an address the kernel's grammar does not accept.
+var ErrBadAddr = errors.New("rtrs: bad path address")
+
+// ParseAddr parses one address the way rtrs_str_to_sockaddr does:
+// "ip:<ipv4>", "ip:<ipv6>[%scope]" or "gid:<gid>".
+func ParseAddr(s string, port uint16) (netip.AddrPort, bool, error) {
+	var gid bool
+	switch {
+	case strings.HasPrefix(s, "ip:"):
+		s = s[3:]
+	case strings.HasPrefix(s, "gid:"):
+		s, gid = s[4:], true
+	default:
+		return netip.AddrPort{}, false, fmt.Errorf("%w %q: want ip:<addr> or gid:<gid>", ErrBadAddr, s)
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.AddrPort{}, false, fmt.Errorf("%w %q: %v", ErrBadAddr, s, err)
+	}
+	if gid && (!a.Is6() || a.Zone() != "") {
+		return netip.AddrPort{}, false, fmt.Errorf("%w: gid %q is not a GID", ErrBadAddr, s)
+	}
+	return netip.AddrPortFrom(a, port), gid, nil
+}
+
+// ParsePathAddr parses "[src(,|@)]dst" as rtrs_addr_to_sockaddr does; a
+// single address is the destination, reached at port.
+func ParsePathAddr(s string, port uint16) (PathAddr, error) {
+	var p PathAddr
+	i := strings.IndexByte(s, ',')
+	if i < 0 {
+		i = strings.IndexByte(s, '@')
+	}
+	dst := s
+	if i >= 0 {
+		src, gid, err := ParseAddr(s[:i], 0)
+		if err != nil {
+			return PathAddr{}, err
+		}
+		p.Src, p.GID = src, gid
+		dst = s[i+1:]
+	}
+	d, gid, err := ParseAddr(dst, port)
+	if err != nil {
+		return PathAddr{}, err
+	}
+	if i >= 0 && gid != p.GID {
+		return PathAddr{}, fmt.Errorf("%w %q: source and destination of different kinds", ErrBadAddr, s)
+	}
+	p.Dst, p.GID = d, gid
+	return p, nil
+}
+
+// FormatAddr prints an address as the kernel's sockaddr_to_str does:
+// "ip:1.2.3.4", "ip:fe80::1" (no scope), "gid:fe80:0000:...".
+func FormatAddr(a netip.Addr, gid bool) string {
+	if !a.IsValid() {
+		return "<invalid address family>"
+	}
+	if gid {
+		b := a.As16()
+		return fmt.Sprintf("gid:%x:%x:%x:%x:%x:%x:%x:%x",
+			[]byte{b[0], b[1]}, []byte{b[2], b[3]}, []byte{b[4], b[5]}, []byte{b[6], b[7]},
+			[]byte{b[8], b[9]}, []byte{b[10], b[11]}, []byte{b[12], b[13]}, []byte{b[14], b[15]})
+	}
+	return "ip:" + a.Unmap().WithZone("").String()
+}
+
+// String is the path's name, "src@dst", as in /sys/class/rtrs-client/<sess>/paths/.
+func (p PathAddr) String() string {
+	return FormatAddr(p.Src.Addr(), p.GID) + "@" + FormatAddr(p.Dst.Addr(), p.GID)
+}
+
+// ParseListenAddr parses a listen address "tcp://HOST[:PORT]" (HOST may be
+// a bracketed IPv6 address); the port defaults to DefaultPort.
+func ParseListenAddr(s string) (netip.AddrPort, error) {
+	rest, ok := strings.CutPrefix(s, "tcp://")
+	if !ok {
+		return netip.AddrPort{}, fmt.Errorf("%w %q: want tcp://HOST[:PORT]", ErrBadAddr, s)
+	}
+	if ap, err := netip.ParseAddrPort(rest); err == nil {
+		return ap, nil
+	}
+	host := strings.TrimSuffix(strings.TrimPrefix(rest, "["), "]")
+	a, err := netip.ParseAddr(host)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("%w %q: %v", ErrBadAddr, s, err)
+	}
+	return netip.AddrPortFrom(a, DefaultPort), nil
+}

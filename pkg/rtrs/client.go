@@ -1,0 +1,792 @@
+package rtrs
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// Errors of the client side. Errors from the server arrive as syscall.Errno.
+var (
+	// ErrClosed is returned after Session.Close.
+	ErrClosed = errors.New("rtrs: session closed")
+	// ErrNoPath fails a request when no path is connected and
+	// no_path_timeout is 0 or has expired. It matches ECONNABORTED, the
+	// kernel's error in that case.
+	ErrNoPath = fmt.Errorf("rtrs: no connected path: %w", syscall.ECONNABORTED)
+	// ErrMsgSize is returned for a request that does not fit the
+	// server's chunk or header limits.
+	ErrMsgSize = fmt.Errorf("rtrs: request too large: %w", syscall.EMSGSIZE)
+	// ErrQueueDepthChanged is the reason a reconnect is refused when the
+	// server's queue depth changed; the path then waits for a manual
+	// reconnect, as the kernel does.
+	ErrQueueDepthChanged = fmt.Errorf("rtrs: server queue depth changed: %w", syscall.ECONNRESET)
+
+	errPathDown = errors.New("rtrs: path not connected")
+)
+
+// ClientLinkEvent is what a session tells its user about its paths as a
+// whole (enum rtrs_clt_link_ev).
+type ClientLinkEvent int
+
+const (
+	// LinkReconnected: a path came up after all were down.
+	LinkReconnected ClientLinkEvent = iota
+	// LinkDisconnected: the last connected path went down.
+	LinkDisconnected
+)
+
+func (e ClientLinkEvent) String() string {
+	if e == LinkReconnected {
+		return "RECONNECTED"
+	}
+	return "DISCONNECTED"
+}
+
+// ConType selects the connection of a permit: IO connections, or the
+// service connection (cid 0) for admin messages.
+type ConType uint8
+
+const (
+	IOCon ConType = iota
+	AdminCon
+)
+
+// ClientConfig configures a client session. Start from DefaultClientConfig:
+// zero values are taken literally.
+type ClientConfig struct {
+	// SessName names the session on the server: 1..254 bytes, no '/'
+	// or '.'.
+	SessName string
+	// Paths are connected, in order, by Open.
+	Paths []PathAddr
+	// Fabric carries the connections.
+	Fabric fabric.Fabric
+	// ConnsPerPath is the number of IO connections of each path; each
+	// path also has a service connection. Default: the number of CPUs.
+	ConnsPerPath int
+	// MPPolicy picks the path of each IO. Default: min-inflight.
+	MPPolicy MPPolicy
+	// MaxReconnectAttempts bounds automatic reconnects of a path: -1
+	// retries forever (default), 0 never reconnects automatically.
+	MaxReconnectAttempts int
+	// ReconnectDelay is the wait before the first reconnect attempt; it
+	// doubles after each failed attempt up to ReconnectMaxDelay, and a
+	// random ReconnectJitter is added to spread clients out.
+	ReconnectDelay    time.Duration
+	ReconnectMaxDelay time.Duration
+	ReconnectJitter   time.Duration
+	// HBInterval and HBMissedMax drive the heartbeat (5 s, 5).
+	HBInterval  time.Duration
+	HBMissedMax int
+	// NoPathTimeout is how long a request waits for a path when none is
+	// connected. 0 fails it at once, as the kernel does.
+	NoPathTimeout time.Duration
+	// ConnectTimeout bounds establishing one path (30 s).
+	ConnectTimeout time.Duration
+	// LinkEvent, if set, is told when the last path goes down and when a
+	// path comes back. Calls are serialized; it must not call back into
+	// the session's path controls.
+	LinkEvent func(ClientLinkEvent)
+	// Log receives the session's messages.
+	Log *log.Entry
+}
+
+// DefaultNoPathTimeout is how long requests wait for a path by default:
+// long enough for a heartbeat to detect a silent peer (about 35 s with the
+// kernel's 5 s x 5) and for reconnects to bring a restarted server back.
+const DefaultNoPathTimeout = 120 * time.Second
+
+// DefaultClientConfig returns the defaults: the kernel's where it has
+// them, and a no-path timeout that protects a filesystem.
+func DefaultClientConfig() ClientConfig {
+	return ClientConfig{
+		ConnsPerPath:         runtime.NumCPU(),
+		MPPolicy:             MPMinInflight,
+		MaxReconnectAttempts: -1,
+		ReconnectDelay:       time.Second,
+		ReconnectMaxDelay:    30 * time.Second,
+		ReconnectJitter:      time.Second,
+		HBInterval:           DefaultHBInterval,
+		HBMissedMax:          DefaultHBMissedMax,
+		NoPathTimeout:        DefaultNoPathTimeout,
+		ConnectTimeout:       DefaultConnectTimeout,
+	}
+}
+
+func (c *ClientConfig) validate() error {
+	if err := ValidSessName(c.SessName); err != nil {
+		return err
+	}
+	if len(c.Paths) == 0 || len(c.Paths) > MaxPathsNum {
+		return fmt.Errorf("rtrs: a session needs 1..%d paths, got %d", MaxPathsNum, len(c.Paths))
+	}
+	if c.Fabric == nil {
+		return errors.New("rtrs: no fabric")
+	}
+	if c.ConnsPerPath < 1 || c.ConnsPerPath >= MaxConnsPerPath {
+		return fmt.Errorf("rtrs: %d IO connections per path, want 1..%d", c.ConnsPerPath, MaxConnsPerPath-1)
+	}
+	if _, err := ParseMPPolicy(fmt.Sprint(int32(c.MPPolicy))); err != nil {
+		return err
+	}
+	if c.MaxReconnectAttempts < -1 {
+		return fmt.Errorf("rtrs: max_reconnect_attempts %d, want -1 or more", c.MaxReconnectAttempts)
+	}
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 {
+		return errors.New("rtrs: heartbeat interval must be positive and missed count not negative")
+	}
+	if c.ReconnectDelay < 0 || c.ReconnectJitter < 0 || c.NoPathTimeout < 0 || c.ConnectTimeout <= 0 {
+		return errors.New("rtrs: negative delay or timeout")
+	}
+	if c.ReconnectMaxDelay < c.ReconnectDelay {
+		c.ReconnectMaxDelay = c.ReconnectDelay
+	}
+	if c.Log == nil {
+		c.Log = log.L
+	}
+	return nil
+}
+
+// Confirmer receives the result of a request: nil, a syscall.Errno the
+// server answered, or an error of this package. It is called exactly once,
+// from a fabric goroutine, and must not block.
+type Confirmer interface {
+	Confirm(err error)
+}
+
+// Session is a client session: a name, a paths UUID, and the paths to one
+// server. It is safe for concurrent use.
+type Session struct {
+	cfg  ClientConfig
+	name string
+	uuid [16]byte
+	log  *log.Entry
+
+	policy               atomic.Int32
+	rrCursor             atomic.Uint32
+	maxReconnectAttempts atomic.Int32
+	noPathTimeout        atomic.Int64
+
+	// mu guards the path list and the link-event bookkeeping.
+	mu        sync.Mutex
+	paths     []*Path
+	pathsSnap atomic.Pointer[[]*Path] // lock-free copy for the IO path
+	pathsUp   int
+	opened    bool
+
+	// evMu serializes link events to the user.
+	evMu sync.Mutex
+
+	// Set once by the first connection of the first path, then fixed.
+	initOnce   sync.Once
+	initErr    error
+	queueDepth int
+	hdrSlot    int // bytes of header memory per permit
+	maxIOSize  atomic.Uint32
+	permits    []Permit
+	permitCh   chan *Permit
+	hdrMem     fabric.Memory
+
+	// regMu guards regions and every path's registrations of them.
+	regMu   sync.Mutex
+	regions []*Buffer // index = region id; 0 is the header memory
+
+	// pmu guards the requests waiting for a path.
+	pmu       sync.Mutex
+	pending   []*Permit
+	pendTimer *time.Timer
+
+	closed    atomic.Bool
+	closeOnce sync.Once
+	wg        sync.WaitGroup
+}
+
+// Open establishes a session with every path of cfg, one after another,
+// and returns when all are connected (rtrs_clt_open). If any path fails,
+// the session is closed and the error returned.
+func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	s := &Session{cfg: cfg, name: cfg.SessName}
+	if _, err := rand.Read(s.uuid[:]); err != nil {
+		return nil, err
+	}
+	s.log = cfg.Log.WithField("session", s.name)
+	s.policy.Store(int32(cfg.MPPolicy))
+	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
+	s.noPathTimeout.Store(int64(cfg.NoPathTimeout))
+	s.pathsSnap.Store(&[]*Path{})
+	for i, pa := range cfg.Paths {
+		p := s.newPath(pa, i == 0)
+		s.addPathLocked(p)
+		if err := p.connect(ctx); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("rtrs: open session %s: path %s: %w", s.name, pa, err)
+		}
+	}
+	s.mu.Lock()
+	s.opened = true
+	s.mu.Unlock()
+	return s, nil
+}
+
+// initResources sizes the session from the first connection response:
+// permits (one per server chunk) and header memory.
+func (s *Session) initResources(qd int, maxHdr, maxIO uint32) error {
+	s.initOnce.Do(func() {
+		if qd < 1 || qd > MaxSessQueueDepth {
+			s.initErr = fmt.Errorf("rtrs: server queue depth %d", qd)
+			return
+		}
+		if maxHdr < RDMAReadSize+SGDescSize || maxHdr > 1<<20 {
+			s.initErr = fmt.Errorf("rtrs: server max_hdr_size %d", maxHdr)
+			return
+		}
+		s.queueDepth = qd
+		s.hdrSlot = int(maxHdr)
+		s.maxIOSize.Store(maxIO)
+		mem, err := s.cfg.Fabric.AllocMemory(qd * s.hdrSlot)
+		if err != nil {
+			s.initErr = err
+			return
+		}
+		s.hdrMem = mem
+		s.regMu.Lock()
+		s.regions = append(s.regions, &Buffer{sess: s, idx: 0, mem: mem, b: mem.Bytes()})
+		s.regMu.Unlock()
+		memBits := MemBits(uint32(qd))
+		s.permits = make([]Permit, qd)
+		s.permitCh = make(chan *Permit, qd)
+		for i := range s.permits {
+			p := &s.permits[i]
+			p.sess = s
+			p.id = uint16(i)
+			p.memOff = uint32(i) << memBits
+			p.hdr = s.hdrMem.Bytes()[i*s.hdrSlot : (i+1)*s.hdrSlot]
+			s.permitCh <- p
+		}
+	})
+	return s.initErr
+}
+
+// Name returns the session name.
+func (s *Session) Name() string { return s.name }
+
+// UUID returns the paths UUID shared by all paths of the session.
+func (s *Session) UUID() [16]byte { return s.uuid }
+
+// QueueDepth is the number of permits (server chunks).
+func (s *Session) QueueDepth() int { return s.queueDepth }
+
+// MaxIOSize is the largest data length of one request: the smallest
+// max_io_size any path's server announced.
+func (s *Session) MaxIOSize() int { return int(s.maxIOSize.Load()) }
+
+// MaxUsrLen is the largest user header a request of either direction
+// can carry.
+func (s *Session) MaxUsrLen() int { return s.hdrSlot - RDMAReadSize - SGDescSize }
+
+// MPPolicy returns the multipath policy.
+func (s *Session) MPPolicy() MPPolicy { return MPPolicy(s.policy.Load()) }
+
+// SetMPPolicy switches the multipath policy; requests already on a path
+// stay there.
+func (s *Session) SetMPPolicy(p MPPolicy) error {
+	if _, err := ParseMPPolicy(fmt.Sprint(int32(p))); err != nil {
+		return err
+	}
+	s.policy.Store(int32(p))
+	return nil
+}
+
+// MaxReconnectAttempts returns the reconnect bound (-1: forever).
+func (s *Session) MaxReconnectAttempts() int { return int(s.maxReconnectAttempts.Load()) }
+
+// SetMaxReconnectAttempts sets the bound, -1..9999 as the kernel's sysfs.
+func (s *Session) SetMaxReconnectAttempts(n int) error {
+	if n < -1 || n > 9999 {
+		return fmt.Errorf("rtrs: max_reconnect_attempts %d out of range -1..9999: %w", n, syscall.EINVAL)
+	}
+	s.maxReconnectAttempts.Store(int32(n))
+	return nil
+}
+
+// NoPathTimeout returns how long requests wait for a path.
+func (s *Session) NoPathTimeout() time.Duration { return time.Duration(s.noPathTimeout.Load()) }
+
+// SetNoPathTimeout changes it; requests already waiting keep their
+// deadline.
+func (s *Session) SetNoPathTimeout(d time.Duration) error {
+	if d < 0 {
+		return fmt.Errorf("rtrs: negative no_path_timeout: %w", syscall.EINVAL)
+	}
+	s.noPathTimeout.Store(int64(d))
+	return nil
+}
+
+// Paths returns the session's paths.
+func (s *Session) Paths() []*Path {
+	return append([]*Path(nil), *s.pathsSnap.Load()...)
+}
+
+// Connected reports whether at least one path is connected.
+func (s *Session) Connected() bool {
+	for _, p := range *s.pathsSnap.Load() {
+		if p.State() == PathConnected {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Session) addPathLocked(p *Path) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paths = append(s.paths, p)
+	snap := append([]*Path(nil), s.paths...)
+	s.pathsSnap.Store(&snap)
+}
+
+func (s *Session) removePath(p *Path) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, q := range s.paths {
+		if q == p {
+			s.paths = append(s.paths[:i:i], s.paths[i+1:]...)
+			break
+		}
+	}
+	snap := append([]*Path(nil), s.paths...)
+	s.pathsSnap.Store(&snap)
+}
+
+// AddPath adds a path to the session and connects it (add_path). It
+// blocks until the path is connected or has failed; a failed path is
+// removed again.
+func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	s.mu.Lock()
+	n := len(s.paths)
+	s.mu.Unlock()
+	if n >= MaxPathsNum {
+		return nil, fmt.Errorf("rtrs: session %s has %d paths already: %w", s.name, n, syscall.EINVAL)
+	}
+	// With no path left, the server may have dropped the session: the
+	// new path must be allowed to create it.
+	p := s.newPath(pa, n == 0)
+	s.addPathLocked(p)
+	if err := p.connect(ctx); err != nil {
+		p.Remove()
+		return nil, fmt.Errorf("rtrs: add path %s: %w", pa, err)
+	}
+	return p, nil
+}
+
+// pathUp counts a path that became connected and reports RECONNECTED when
+// it is the first after all were down (rtrs_clt_path_up).
+func (s *Session) pathUp() {
+	s.mu.Lock()
+	s.pathsUp++
+	ev := s.opened && s.pathsUp == 1
+	s.mu.Unlock()
+	if ev {
+		s.linkEvent(LinkReconnected)
+	}
+	s.kickPending()
+}
+
+// pathDown reports DISCONNECTED when the last connected path went down.
+func (s *Session) pathDown() {
+	s.mu.Lock()
+	s.pathsUp--
+	ev := s.opened && s.pathsUp == 0
+	s.mu.Unlock()
+	if ev {
+		s.linkEvent(LinkDisconnected)
+	}
+}
+
+func (s *Session) linkEvent(ev ClientLinkEvent) {
+	s.log.WithField("event", ev).Info("link event")
+	if s.cfg.LinkEvent == nil || s.closed.Load() {
+		return
+	}
+	s.evMu.Lock()
+	defer s.evMu.Unlock()
+	s.cfg.LinkEvent(ev)
+}
+
+// Close disconnects every path and fails requests still waiting for one.
+func (s *Session) Close() error {
+	s.closeOnce.Do(func() {
+		s.closed.Store(true)
+		for _, p := range s.Paths() {
+			p.Remove()
+		}
+		s.pmu.Lock()
+		waiting := s.pending
+		s.pending = nil
+		if s.pendTimer != nil {
+			s.pendTimer.Stop()
+		}
+		s.pmu.Unlock()
+		for _, p := range waiting {
+			p.req.conf.Confirm(ErrClosed)
+		}
+		s.wg.Wait()
+	})
+	return nil
+}
+
+// Permit is one server chunk, held by one request at a time, and the
+// header memory that goes with it (struct rtrs_permit).
+type Permit struct {
+	sess    *Session
+	id      uint16
+	memOff  uint32
+	conType ConType
+	held    atomic.Bool
+	hdr     []byte // registered header memory: usr message, then RTRS message
+	req     request
+}
+
+// ID is the permit's chunk number (buf_id, msg_id on the wire).
+func (p *Permit) ID() int { return int(p.id) }
+
+// request is the state of the one request a permit carries.
+type request struct {
+	dir      Dir
+	conf     Confirmer
+	usrLen   int
+	buf      *Buffer
+	off, n   int
+	start    time.Time
+	deadline time.Time // for waiting without a path
+}
+
+// GetPermit takes a permit, waiting for one if all are in use.
+func (s *Session) GetPermit(ctx context.Context, t ConType) (*Permit, error) {
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	select {
+	case p := <-s.permitCh:
+		p.held.Store(true)
+		p.conType = t
+		return p, nil
+	default:
+	}
+	select {
+	case p := <-s.permitCh:
+		p.held.Store(true)
+		p.conType = t
+		return p, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// TryGetPermit takes a permit if one is free.
+func (s *Session) TryGetPermit(t ConType) *Permit {
+	select {
+	case p := <-s.permitCh:
+		p.held.Store(true)
+		p.conType = t
+		return p
+	default:
+		return nil
+	}
+}
+
+// PutPermit returns a permit. Its request, if any, must have completed.
+func (s *Session) PutPermit(p *Permit) {
+	if p.sess != s || !p.held.Swap(false) {
+		panic("rtrs: PutPermit of a permit not held")
+	}
+	p.req.conf, p.req.buf = nil, nil
+	s.permitCh <- p
+}
+
+// Buffer is registered memory a request's data must live in: reads land
+// in it, writes are sent from it. Bytes stays valid until Free.
+type Buffer struct {
+	sess *Session
+	idx  int
+	mem  fabric.Memory
+	b    []byte
+}
+
+// Bytes returns the buffer's memory.
+func (b *Buffer) Bytes() []byte { return b.b }
+
+// AllocBuffer allocates n bytes of memory registered with every path.
+func (s *Session) AllocBuffer(n int) (*Buffer, error) {
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	mem, err := s.cfg.Fabric.AllocMemory(n)
+	if err != nil {
+		return nil, err
+	}
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	b := &Buffer{sess: s, idx: len(s.regions), mem: mem, b: mem.Bytes()}
+	for _, p := range s.Paths() {
+		if err := p.registerLocked(b); err != nil {
+			for _, q := range s.Paths() {
+				q.deregisterLocked(b)
+			}
+			mem.Free()
+			return nil, err
+		}
+	}
+	s.regions = append(s.regions, b)
+	return b, nil
+}
+
+// Free deregisters the buffer and releases its memory. No request may be
+// using it.
+func (b *Buffer) Free() error {
+	s := b.sess
+	s.regMu.Lock()
+	defer s.regMu.Unlock()
+	if b.idx == 0 || b.idx >= len(s.regions) || s.regions[b.idx] != b {
+		return errors.New("rtrs: buffer already freed")
+	}
+	for _, p := range s.Paths() {
+		p.deregisterLocked(b)
+	}
+	s.regions[b.idx] = nil
+	return b.mem.Free()
+}
+
+// Request sends one request on permit p (rtrs_clt_request). For Write, the
+// n bytes at buf[off:] and the user header usr are written into the
+// permit's chunk on the server; for Read, the server writes n bytes of
+// answer into buf[off:]. conf is told the outcome. A request that finds no
+// connected path waits up to the session's no-path timeout; the error
+// returned here is for requests that could not be started at all.
+func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	if p == nil || p.sess != s || !p.held.Load() {
+		return errors.New("rtrs: request on a permit not held")
+	}
+	if conf == nil {
+		return errors.New("rtrs: request without a confirmer")
+	}
+	hdrLen := RDMAWriteSize
+	if dir == Read {
+		hdrLen = RDMAReadSize + SGDescSize
+	}
+	if len(usr)+hdrLen > s.hdrSlot || len(usr) > 0xffff {
+		return ErrMsgSize
+	}
+	if n < 0 || n > s.MaxIOSize() {
+		return ErrMsgSize
+	}
+	if n > 0 {
+		if buf == nil || buf.sess != s || off < 0 || off > len(buf.b) || n > len(buf.b)-off {
+			return errors.New("rtrs: data outside the registered buffer")
+		}
+	}
+	r := &p.req
+	r.dir, r.conf, r.buf, r.off, r.n = dir, conf, buf, off, n
+	r.usrLen = copy(p.hdr, usr)
+	r.start = time.Now()
+	r.deadline = time.Time{}
+	_, err := s.submit(p)
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, ErrMsgSize) {
+		return err
+	}
+	if s.NoPathTimeout() == 0 {
+		return ErrNoPath
+	}
+	s.enqueuePending(p)
+	return nil
+}
+
+// submit tries the paths in the policy's order and posts p on the first
+// connected one that takes it.
+func (s *Session) submit(p *Permit) (*Path, error) {
+	var it pathIter
+	it.init(s, *s.pathsSnap.Load())
+	for path := it.next(); path != nil; path = it.next() {
+		err := path.post(p)
+		if err == nil {
+			return path, nil
+		}
+		if errors.Is(err, ErrMsgSize) {
+			return nil, err
+		}
+	}
+	return nil, ErrNoPath
+}
+
+// failover re-issues a request whose path failed on another connected
+// path (rtrs_clt_failover_req); without one it waits for a path.
+func (s *Session) failover(p *Permit) {
+	if s.closed.Load() {
+		p.req.conf.Confirm(ErrClosed)
+		return
+	}
+	path, err := s.submit(p)
+	if err == nil {
+		path.stats.failoverCnt.Add(1)
+		return
+	}
+	if errors.Is(err, ErrMsgSize) || s.NoPathTimeout() == 0 {
+		p.req.conf.Confirm(err)
+		return
+	}
+	s.enqueuePending(p)
+}
+
+// enqueuePending parks a request until a path connects or its no-path
+// deadline passes.
+func (s *Session) enqueuePending(p *Permit) {
+	if p.req.deadline.IsZero() {
+		p.req.deadline = time.Now().Add(s.NoPathTimeout())
+	}
+	s.pmu.Lock()
+	if s.closed.Load() {
+		s.pmu.Unlock()
+		p.req.conf.Confirm(ErrClosed)
+		return
+	}
+	s.pending = append(s.pending, p)
+	s.armPendingLocked()
+	s.pmu.Unlock()
+	// A path may have come up after submit gave up and before the
+	// request was queued; its kick would have missed it.
+	if s.Connected() {
+		s.kickPending()
+	}
+}
+
+func (s *Session) armPendingLocked() {
+	if len(s.pending) == 0 {
+		if s.pendTimer != nil {
+			s.pendTimer.Stop()
+		}
+		return
+	}
+	first := s.pending[0].req.deadline
+	for _, p := range s.pending[1:] {
+		if p.req.deadline.Before(first) {
+			first = p.req.deadline
+		}
+	}
+	d := time.Until(first)
+	if s.pendTimer == nil {
+		s.pendTimer = time.AfterFunc(d, s.expirePending)
+	} else {
+		s.pendTimer.Reset(d)
+	}
+}
+
+// expirePending fails the waiting requests whose deadline has passed.
+func (s *Session) expirePending() {
+	now := time.Now()
+	var expired []*Permit
+	s.pmu.Lock()
+	keep := s.pending[:0]
+	for _, p := range s.pending {
+		if !p.req.deadline.After(now) {
+			expired = append(expired, p)
+		} else {
+			keep = append(keep, p)
+		}
+	}
+	clear(s.pending[len(keep):])
+	s.pending = keep
+	s.armPendingLocked()
+	s.pmu.Unlock()
+	if len(expired) > 0 {
+		s.log.WithField("requests", len(expired)).Warn("no path came back within no_path_timeout: failing requests")
+	}
+	for _, p := range expired {
+		p.req.conf.Confirm(ErrNoPath)
+	}
+}
+
+// kickPending re-submits the waiting requests; those that still find no
+// path wait on with their original deadline.
+func (s *Session) kickPending() {
+	s.pmu.Lock()
+	waiting := s.pending
+	s.pending = nil
+	s.armPendingLocked()
+	s.pmu.Unlock()
+	var again []*Permit
+	for _, p := range waiting {
+		if _, err := s.submit(p); err != nil {
+			if errors.Is(err, ErrMsgSize) {
+				p.req.conf.Confirm(err)
+				continue
+			}
+			again = append(again, p)
+		}
+	}
+	if len(again) == 0 {
+		return
+	}
+	s.pmu.Lock()
+	if s.closed.Load() {
+		s.pmu.Unlock()
+		for _, p := range again {
+			p.req.conf.Confirm(ErrClosed)
+		}
+		return
+	}
+	s.pending = append(s.pending, again...)
+	s.armPendingLocked()
+	s.pmu.Unlock()
+}
+
+// Pending is the number of requests waiting for a path.
+func (s *Session) Pending() int {
+	s.pmu.Lock()
+	defer s.pmu.Unlock()
+	return len(s.pending)
+}
+
+// chanConfirmer delivers a result on a channel.
+type chanConfirmer chan error
+
+func (c chanConfirmer) Confirm(err error) { c <- err }
+
+// Do runs one request synchronously: it takes a permit, sends, waits and
+// returns the permit. It is for admin messages and tools; the IO path
+// should use Request with its own Confirmer.
+func (s *Session) Do(ctx context.Context, t ConType, dir Dir, usr []byte, buf *Buffer, off, n int) error {
+	p, err := s.GetPermit(ctx, t)
+	if err != nil {
+		return err
+	}
+	done := make(chanConfirmer, 1)
+	if err := s.Request(dir, p, done, usr, buf, off, n); err != nil {
+		s.PutPermit(p)
+		return err
+	}
+	err = <-done
+	s.PutPermit(p)
+	return err
+}

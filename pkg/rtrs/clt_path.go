@@ -1,0 +1,873 @@
+package rtrs
+
+import (
+	"context"
+	crand "crypto/rand"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// Path is one src@dst path of a client session (struct rtrs_clt_path):
+// a service connection (cid 0) and ConnsPerPath IO connections. Its
+// lifecycle (connect, error recovery, reconnect, close) runs in one
+// goroutine; IO is posted by the callers' goroutines.
+type Path struct {
+	sess  *Session
+	uuid  [16]byte
+	stats *PathStats
+	hb    heartbeat
+	logp  atomic.Pointer[log.Entry]
+	rl    log.Limiter
+
+	state atomic.Int32 // PathState; written under mu
+	// mu guards the state changes and the fields below.
+	mu                sync.Mutex
+	addr              PathAddr
+	hcaName           string
+	hcaPort           int
+	reconnectAttempts int
+	forNewClt         bool
+	established       bool
+	reconCnt          uint16
+	stateCh           chan struct{} // closed and replaced on every state change
+
+	// submitMu fences IO against recovery: posters hold it shared while
+	// they check the state and post; recovery takes it exclusively once
+	// after leaving CONNECTED, so every post that saw CONNECTED is done
+	// (the kernel's synchronize_rcu).
+	submitMu sync.RWMutex
+	res      *pathRes // the current connection attempt's resources
+
+	cmds      chan pathCmd
+	recoverCh chan struct{}
+	done      chan struct{}
+}
+
+// pathRes holds what one connection attempt of a path set up. It is built
+// by the path's goroutine before the path is CONNECTED and torn down after
+// it left it; IO and completions only read it.
+type pathRes struct {
+	path       *Path
+	dev        fabric.Device
+	pd         fabric.PD
+	conns      []*cltConn
+	queueDepth int
+	maxHdrSize int
+	maxIOSize  int
+	chunkSize  int
+	flags      uint32
+	sigIntv    uint32
+	rbufs      []rbuf
+	reqs       []pathReq
+	mrs        atomic.Pointer[[]fabric.MR] // per session region id
+	infoMem    fabric.Memory
+	infoMR     fabric.MR
+	infoDone   chan error // cap 1
+}
+
+// rbuf is a server chunk: its address and current rkey (struct rtrs_rbuf).
+type rbuf struct {
+	addr uint64
+	rkey atomic.Uint32
+}
+
+// pathReq is a request in flight on this path (struct rtrs_clt_io_req):
+// the permit of the same index carries the rest.
+type pathReq struct {
+	inUse atomic.Bool
+	wr    fabric.SendWR
+}
+
+type pathCmdOp int
+
+const (
+	cmdConnect pathCmdOp = iota
+	cmdReconnect
+	cmdDisconnect
+	cmdRemove
+)
+
+type pathCmd struct {
+	op    pathCmdOp
+	ctx   context.Context
+	reply chan error
+}
+
+func (s *Session) newPath(pa PathAddr, forNewClt bool) *Path {
+	p := &Path{
+		sess:      s,
+		addr:      pa,
+		stats:     newPathStats(),
+		forNewClt: forNewClt,
+		stateCh:   make(chan struct{}),
+		cmds:      make(chan pathCmd),
+		recoverCh: make(chan struct{}, 1),
+		done:      make(chan struct{}),
+		hcaName:   "",
+	}
+	crand.Read(p.uuid[:])
+	p.state.Store(int32(PathConnecting))
+	p.logp.Store(s.log.WithField("path", pa.String()))
+	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {
+		p.lg().Error("heartbeat: peer silent for too long")
+		p.errorRecovery(nil)
+	})
+	s.wg.Add(1)
+	go p.run()
+	return p
+}
+
+// State returns the path's state.
+func (p *Path) State() PathState { return PathState(p.state.Load()) }
+
+// Name is the path's "src@dst" name.
+func (p *Path) Name() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.addr.String()
+}
+
+// Addr returns the path's addresses; Src is the one actually used once
+// the path has connected.
+func (p *Path) Addr() PathAddr {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.addr
+}
+
+// HCAName and HCAPort name the device the path runs on.
+func (p *Path) HCAName() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.hcaName
+}
+
+func (p *Path) HCAPort() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.hcaPort
+}
+
+// UUID is the path's UUID (sess_uuid on the wire).
+func (p *Path) UUID() [16]byte { return p.uuid }
+
+// Stats returns the path's counters.
+func (p *Path) Stats() *PathStats { return p.stats }
+
+// CurLatency is the last heartbeat round trip (cur_latency).
+func (p *Path) CurLatency() time.Duration { return p.hb.latency() }
+
+// changeStateLocked applies the kernel's transition table; every state
+// change goes through here.
+func (p *Path) changeStateLocked(to PathState) bool {
+	from := PathState(p.state.Load())
+	if !pathTransitionAllowed(from, to) {
+		return false
+	}
+	p.state.Store(int32(to))
+	close(p.stateCh)
+	p.stateCh = make(chan struct{})
+	return true
+}
+
+func (p *Path) changeStateFromTo(from, to PathState) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if PathState(p.state.Load()) != from {
+		return false
+	}
+	return p.changeStateLocked(to)
+}
+
+func (p *Path) changeStateGetOld(to PathState) (bool, PathState) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	old := PathState(p.state.Load())
+	return p.changeStateLocked(to), old
+}
+
+// errorRecovery is called on a connection error or a heartbeat timeout
+// (rtrs_rdma_error_recovery): a connected path goes RECONNECTING and its
+// goroutine recovers; a path being established goes CONNECTING_ERR.
+func (p *Path) errorRecovery(res *pathRes) {
+	if res != nil && p.curRes() != res {
+		return // a stale attempt's connection
+	}
+	if p.changeStateFromTo(PathConnected, PathReconnecting) {
+		select {
+		case p.recoverCh <- struct{}{}:
+		default:
+		}
+		return
+	}
+	if p.changeStateFromTo(PathConnecting, PathConnectingErr) && res != nil {
+		select {
+		case res.infoDone <- errPathDown:
+		default:
+		}
+	}
+}
+
+func (p *Path) curRes() *pathRes {
+	p.submitMu.RLock()
+	defer p.submitMu.RUnlock()
+	return p.res
+}
+
+// run is the path's goroutine: it serializes establishment, error
+// recovery, reconnects and the control commands.
+func (p *Path) run() {
+	defer p.sess.wg.Done()
+	defer close(p.done)
+	var timer *time.Timer
+	var timerC <-chan time.Time
+	stopTimer := func() {
+		if timer != nil {
+			timer.Stop()
+			timer, timerC = nil, nil
+		}
+	}
+	schedule := func() {
+		stopTimer()
+		timer = time.NewTimer(p.reconnectDelay())
+		timerC = timer.C
+	}
+	for {
+		select {
+		case <-p.recoverCh:
+			if p.State() != PathReconnecting {
+				continue
+			}
+			p.stopAndDestroyConns()
+			schedule()
+		case <-timerC:
+			timer, timerC = nil, nil
+			if p.reconnectWork(false) {
+				schedule()
+			}
+		case c := <-p.cmds:
+			switch c.op {
+			case cmdConnect:
+				c.reply <- p.initPath(c.ctx)
+			case cmdReconnect:
+				stopTimer()
+				err := p.reconnectCmd()
+				if p.State() == PathReconnecting {
+					schedule()
+				}
+				c.reply <- err
+			case cmdDisconnect:
+				stopTimer()
+				p.closeConns()
+				c.reply <- nil
+			case cmdRemove:
+				stopTimer()
+				for {
+					p.closeConns()
+					if ok, old := p.changeStateGetOld(PathDead); ok || old == PathDead {
+						break
+					}
+				}
+				p.sess.removePath(p)
+				c.reply <- nil
+				return
+			}
+		}
+	}
+}
+
+func (p *Path) do(ctx context.Context, op pathCmdOp) error {
+	c := pathCmd{op: op, ctx: ctx, reply: make(chan error, 1)}
+	select {
+	case p.cmds <- c:
+	case <-p.done:
+		return fmt.Errorf("rtrs: path removed: %w", syscall.ENODEV)
+	}
+	return <-c.reply
+}
+
+// connect establishes the path for the first time.
+func (p *Path) connect(ctx context.Context) error { return p.do(ctx, cmdConnect) }
+
+// Reconnect disconnects and reconnects the path now (paths/<p>/reconnect).
+// It returns nil if the path is connected afterwards, ENOTCONN if not, and
+// EBUSY if the path is in a state that cannot be reconnected (closing,
+// or being established). It bypasses max_reconnect_attempts.
+func (p *Path) Reconnect(ctx context.Context) error { return p.do(ctx, cmdReconnect) }
+
+// Disconnect closes the path's connections and keeps it CLOSED until a
+// Reconnect (paths/<p>/disconnect). Requests in flight fail over.
+func (p *Path) Disconnect() error { return p.do(context.Background(), cmdDisconnect) }
+
+// Remove disconnects the path and removes it from the session
+// (paths/<p>/remove_path).
+func (p *Path) Remove() error {
+	err := p.do(context.Background(), cmdRemove)
+	if errors.Is(err, syscall.ENODEV) {
+		return nil
+	}
+	return err
+}
+
+func (p *Path) reconnectDelay() time.Duration {
+	cfg := &p.sess.cfg
+	p.mu.Lock()
+	n := p.reconnectAttempts
+	p.mu.Unlock()
+	d := cfg.ReconnectDelay
+	for i := 0; i < n && d < cfg.ReconnectMaxDelay; i++ {
+		d *= 2
+	}
+	d = min(d, cfg.ReconnectMaxDelay)
+	if cfg.ReconnectJitter > 0 {
+		d += rand.N(cfg.ReconnectJitter)
+	}
+	return d
+}
+
+// reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are
+// spent, else try to establish the path again. It reports whether another
+// attempt should be scheduled.
+func (p *Path) reconnectWork(manual bool) bool {
+	if p.State() != PathReconnecting {
+		return false
+	}
+	max := p.sess.MaxReconnectAttempts()
+	p.mu.Lock()
+	giveUp := !manual && (p.reconnectAttempts < 0 || (max >= 0 && p.reconnectAttempts >= max))
+	if !giveUp {
+		p.reconnectAttempts++
+	}
+	p.mu.Unlock()
+	if giveUp {
+		p.lg().WithField("max_reconnect_attempts", max).Warn("giving up reconnecting; trigger a manual reconnect")
+		p.closeConns()
+		return false
+	}
+	if !p.changeStateFromTo(PathReconnecting, PathConnecting) {
+		return false
+	}
+	err := p.initPath(context.Background())
+	if err == nil {
+		return false
+	}
+	if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
+		p.stats.reconnFail.Add(1)
+		p.lg().WithError(err).Warn("reconnect failed")
+		return true
+	}
+	return false
+}
+
+// reconnectCmd is rtrs_clt_reconnect_from_sysfs.
+func (p *Path) reconnectCmd() error {
+	changed, old := p.changeStateGetOld(PathReconnecting)
+	if !changed && old != PathReconnecting {
+		return fmt.Errorf("rtrs: path is %v: %w", old, syscall.EBUSY)
+	}
+	if changed {
+		p.mu.Lock()
+		p.reconnectAttempts = 0
+		p.mu.Unlock()
+		p.stopAndDestroyConns()
+	}
+	p.reconnectWork(true)
+	if p.State() != PathConnected {
+		return fmt.Errorf("rtrs: path did not reconnect: %w", syscall.ENOTCONN)
+	}
+	return nil
+}
+
+// closeConns is rtrs_clt_close_conns with wait: CLOSING, tear down, CLOSED.
+func (p *Path) closeConns() {
+	if ok, _ := p.changeStateGetOld(PathClosing); ok {
+		p.stopAndDestroyConns()
+		p.changeStateFromTo(PathClosing, PathClosed)
+	}
+}
+
+// initPath establishes all connections of the path and exchanges
+// INFO_REQ/INFO_RSP (init_path). On failure the path is CONNECTING_ERR
+// and nothing of the attempt is left.
+func (p *Path) initPath(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, p.sess.cfg.ConnectTimeout)
+	defer cancel()
+	p.mu.Lock()
+	p.reconCnt++
+	p.mu.Unlock()
+	res, err := p.initConns(ctx)
+	if err == nil {
+		err = p.sendPathInfo(ctx, res)
+	}
+	if err != nil {
+		p.changeStateFromTo(PathConnecting, PathConnectingErr)
+		if res != nil {
+			p.destroyRes(res)
+		}
+		return err
+	}
+	if !p.changeStateFromTo(PathConnecting, PathConnected) {
+		p.destroyRes(res)
+		return fmt.Errorf("rtrs: path failed while connecting: %w", syscall.ECONNRESET)
+	}
+	p.mu.Lock()
+	p.established = true
+	p.reconnectAttempts = 0
+	p.forNewClt = true // a later reconnect may recreate a lost server session
+	p.mu.Unlock()
+	p.stats.reconnSucc.Add(1)
+	p.hb.start()
+	p.lg().Info("path connected")
+	p.sess.pathUp()
+	return nil
+}
+
+// initConns resolves the device and dials every connection of the path
+// (init_conns), learning the server's limits from cid 0's answer.
+func (p *Path) initConns(ctx context.Context) (*pathRes, error) {
+	s := p.sess
+	p.mu.Lock()
+	pa, reconCnt, first := p.addr, p.reconCnt, p.forNewClt
+	p.mu.Unlock()
+	dev, err := s.cfg.Fabric.Resolve(ctx, pa.Src, pa.Dst)
+	if err != nil {
+		return nil, err
+	}
+	pd, err := dev.AllocPD()
+	if err != nil {
+		return nil, err
+	}
+	res := &pathRes{path: p, dev: dev, pd: pd, infoDone: make(chan error, 1)}
+	empty := []fabric.MR{}
+	res.mrs.Store(&empty)
+	p.submitMu.Lock()
+	p.res = res
+	p.submitMu.Unlock()
+	cidNum := s.cfg.ConnsPerPath + 1
+	for cid := 0; cid < cidNum; cid++ {
+		req := ConnReq{
+			Magic: Magic, Version: ProtoVer,
+			CID: uint16(cid), CIDNum: uint16(cidNum), ReconCnt: reconCnt,
+			SessUUID: p.uuid, PathsUUID: s.uuid, FirstConn: first,
+		}
+		var priv [ConnReqSize]byte
+		c := &cltConn{path: p, res: res, cid: cid}
+		attr := fabric.ConnAttr{Handler: c}
+		if cid == 0 {
+			attr.MaxSendWR = ServiceConQueueDepth*2 + 2
+			attr.MaxRecvWR = attr.MaxSendWR
+		} else {
+			attr.MaxSendWR = res.queueDepth*4 + 1
+			attr.MaxRecvWR = res.queueDepth*3 + 1
+		}
+		qp, rsp, err := dev.Dial(ctx, fabric.DialParams{
+			Src: pa.Src, Dst: pa.Dst, PD: pd, PrivateData: req.Encode(priv[:]), Attr: attr,
+		})
+		if err != nil {
+			var rej *fabric.RejectError
+			if errors.As(err, &rej) {
+				err = rejectErr(rej.PrivateData)
+			}
+			return res, fmt.Errorf("connect cid %d: %w", cid, err)
+		}
+		_ = qp // c.qp was set by Attached
+		res.conns = append(res.conns, c)
+		if err := p.connEstablished(res, c, rsp); err != nil {
+			return res, fmt.Errorf("connect cid %d: %w", cid, err)
+		}
+	}
+	return res, nil
+}
+
+// rejectErr turns a reject's conn_rsp into the errno it carries.
+func rejectErr(priv []byte) error {
+	var rsp ConnRsp
+	if rsp.Decode(priv) != nil || rsp.Errno == 0 {
+		return fmt.Errorf("rtrs: rejected with a malformed message: %w", syscall.ECONNRESET)
+	}
+	if rsp.Errno == syscall.EBUSY {
+		return fmt.Errorf("rtrs: previous session still exists on the server, retry later: %w", rsp.Errno)
+	}
+	return fmt.Errorf("rtrs: rejected by server: %w", rsp.Errno)
+}
+
+// connEstablished checks a conn_rsp (rtrs_rdma_conn_established); cid 0's
+// sets the path's and, the first time, the session's limits.
+func (p *Path) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
+	var rsp ConnRsp
+	if err := rsp.Decode(priv); err != nil {
+		return fmt.Errorf("invalid RTRS connection response: %w", syscall.ECONNRESET)
+	}
+	if rsp.Magic != Magic {
+		return fmt.Errorf("invalid RTRS magic %#x: %w", rsp.Magic, syscall.ECONNRESET)
+	}
+	if rsp.Version>>8 != ProtoVerMajor {
+		return fmt.Errorf("unsupported RTRS version %d.%d: %w", rsp.Version>>8, rsp.Version&0xff, syscall.ECONNRESET)
+	}
+	if rsp.Errno != 0 {
+		return fmt.Errorf("server answered with errno %w: %w", rsp.Errno, syscall.ECONNRESET)
+	}
+	if c.cid != 0 {
+		return nil
+	}
+	s := p.sess
+	qd := int(rsp.QueueDepth)
+	if s.queueDepth != 0 && qd != s.queueDepth {
+		p.mu.Lock()
+		p.reconnectAttempts = -1 // stop automatic reconnects
+		p.mu.Unlock()
+		p.lg().WithFields(log.Fields{"was": s.queueDepth, "now": qd}).
+			Error("queue depth changed: disabling auto-reconnect; trigger a manual reconnect after the issue is resolved")
+		return ErrQueueDepthChanged
+	}
+	if rsp.MaxHdrSize < RDMAReadSize+SGDescSize || rsp.MaxIOSize == 0 ||
+		uint64(rsp.MaxIOSize)+uint64(rsp.MaxHdrSize) > 1<<immPayloadBits {
+		return fmt.Errorf("server limits max_io_size %d max_hdr_size %d: %w", rsp.MaxIOSize, rsp.MaxHdrSize, syscall.ECONNRESET)
+	}
+	if err := s.initResources(qd, rsp.MaxHdrSize, rsp.MaxIOSize); err != nil {
+		return err
+	}
+	if qd != s.queueDepth {
+		return ErrQueueDepthChanged
+	}
+	res.queueDepth = qd
+	res.maxHdrSize = int(rsp.MaxHdrSize)
+	res.maxIOSize = int(rsp.MaxIOSize)
+	res.chunkSize = res.maxIOSize + res.maxHdrSize
+	res.flags = rsp.Flags
+	res.sigIntv = uint32(min(qd, ServiceConQueueDepth))
+	res.rbufs = make([]rbuf, qd)
+	res.reqs = make([]pathReq, qd)
+	for {
+		m := s.maxIOSize.Load()
+		if rsp.MaxIOSize >= m || s.maxIOSize.CompareAndSwap(m, rsp.MaxIOSize) {
+			break
+		}
+	}
+	p.mu.Lock()
+	if la := c.qp.LocalAddr(); la.IsValid() {
+		p.addr.Src = netip.AddrPortFrom(la.Addr().Unmap(), 0)
+	}
+	p.hcaName, p.hcaPort = res.dev.Name(), res.dev.Port()
+	p.logp.Store(s.log.WithField("path", p.addr.String()))
+	p.mu.Unlock()
+	return nil
+}
+
+// sendPathInfo registers the session's memory in the path's PD, sends
+// INFO_REQ and waits for INFO_RSP (rtrs_send_path_info).
+func (p *Path) sendPathInfo(ctx context.Context, res *pathRes) error {
+	s := p.sess
+	s.regMu.Lock()
+	for _, b := range s.regions {
+		if b == nil {
+			continue
+		}
+		if err := p.registerResLocked(res, b); err != nil {
+			s.regMu.Unlock()
+			return err
+		}
+	}
+	s.regMu.Unlock()
+	for _, c := range res.conns {
+		if err := c.allocIUs(); err != nil {
+			return err
+		}
+	}
+	rxSize := InfoRspSize(res.queueDepth)
+	mem, err := s.cfg.Fabric.AllocMemory(InfoReqSize + rxSize)
+	if err != nil {
+		return err
+	}
+	res.infoMem = mem
+	if res.infoMR, err = res.pd.RegisterMR(mem.Bytes(), fabric.AccessLocalWrite); err != nil {
+		return err
+	}
+	tx, rx := mem.Bytes()[:InfoReqSize], mem.Bytes()[InfoReqSize:]
+	con0 := res.conns[0]
+	if err := con0.qp.PostRecv(&fabric.RecvWR{ID: wrInfoRsp, Buf: rx, LKey: res.infoMR.LKey()}); err != nil {
+		return err
+	}
+	req := InfoReq{Pathname: s.name}
+	req.Encode(tx)
+	wr := fabric.SendWR{ID: wrInfoReq, Op: fabric.OpSend, NumSGE: 1, Signaled: true}
+	wr.SG[0] = fabric.SGE{Buf: tx, LKey: res.infoMR.LKey()}
+	if err := con0.qp.PostSend(&wr); err != nil {
+		return err
+	}
+	select {
+	case err := <-res.infoDone:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the path info response: %w", syscall.ETIMEDOUT)
+	}
+}
+
+// processInfoRsp checks the server's chunk descriptors and posts the
+// receives of every connection (process_info_rsp).
+func (res *pathRes) processInfoRsp(wc *fabric.WC) error {
+	if wc.Status != fabric.WCSuccess {
+		return fmt.Errorf("path info response receive failed: %w", syscall.ECONNRESET)
+	}
+	buf := res.infoMem.Bytes()[InfoReqSize:]
+	var msg InfoRsp
+	if err := msg.Decode(buf[:min(int(wc.ByteLen), len(buf))]); err != nil {
+		return fmt.Errorf("path info response is malformed: %v: %w", err, syscall.EINVAL)
+	}
+	n := len(msg.Desc)
+	qd, chunk := res.queueDepth, res.chunkSize
+	if n == 0 || qd%n != 0 {
+		return fmt.Errorf("incorrect sg_cnt %d for queue depth %d: %w", n, qd, syscall.EINVAL)
+	}
+	if err := CheckImmBudget(uint32(n), uint32(chunk)); err != nil {
+		return fmt.Errorf("%v: %w", err, syscall.EINVAL)
+	}
+	total, i := uint64(0), 0
+	for _, d := range msg.Desc {
+		if d.Len == 0 || int(d.Len)%chunk != 0 {
+			return fmt.Errorf("incorrect descriptor length %d: %w", d.Len, syscall.EINVAL)
+		}
+		total += uint64(d.Len)
+		for l, a := int(d.Len), d.Addr; l > 0 && i < qd; i++ {
+			res.rbufs[i].addr = a
+			res.rbufs[i].rkey.Store(d.Key)
+			l -= chunk
+			a += uint64(chunk)
+		}
+	}
+	if i != qd || total != uint64(chunk)*uint64(qd) {
+		return fmt.Errorf("incorrect sg vector, not fully mapped: %w", syscall.EINVAL)
+	}
+	for _, c := range res.conns {
+		if err := c.postRecvs(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// stopAndDestroyConns is rtrs_clt_stop_and_destroy_conns: fence IO, stop
+// the heartbeat, close every connection (no completion can arrive after),
+// fail over the requests that were in flight, and release the attempt.
+func (p *Path) stopAndDestroyConns() {
+	p.submitMu.Lock()
+	res := p.res
+	p.submitMu.Unlock()
+	p.hb.stop()
+	if res == nil {
+		return
+	}
+	for _, c := range res.conns {
+		c.qp.Close()
+	}
+	var failed []*Permit
+	for i := range res.reqs {
+		if res.reqs[i].inUse.CompareAndSwap(true, false) {
+			p.stats.inflight.Add(-1)
+			failed = append(failed, &p.sess.permits[i])
+		}
+	}
+	p.mu.Lock()
+	wasUp := p.established
+	p.established = false
+	p.mu.Unlock()
+	if wasUp {
+		p.sess.pathDown()
+	}
+	if len(failed) > 0 {
+		p.lg().WithField("requests", len(failed)).Info("failing over requests in flight")
+	}
+	for _, pm := range failed {
+		p.sess.failover(pm)
+	}
+	p.destroyRes(res)
+}
+
+// destroyRes releases what an attempt set up; its connections must be
+// closed or never started.
+func (p *Path) destroyRes(res *pathRes) {
+	for _, c := range res.conns {
+		c.qp.Close()
+	}
+	p.sess.regMu.Lock()
+	for _, mr := range *res.mrs.Load() {
+		if mr != nil {
+			mr.Close()
+		}
+	}
+	empty := []fabric.MR{}
+	res.mrs.Store(&empty)
+	p.sess.regMu.Unlock()
+	for _, c := range res.conns {
+		c.freeIUs()
+	}
+	if res.infoMR != nil {
+		res.infoMR.Close()
+	}
+	if res.infoMem != nil {
+		res.infoMem.Free()
+	}
+	res.pd.Close()
+	p.submitMu.Lock()
+	if p.res == res {
+		p.res = nil
+	}
+	p.submitMu.Unlock()
+}
+
+// registerLocked registers session region b with the path's current
+// attempt, if any. s.regMu must be held.
+func (p *Path) registerLocked(b *Buffer) error {
+	res := p.curRes()
+	if res == nil {
+		return nil
+	}
+	return p.registerResLocked(res, b)
+}
+
+func (p *Path) registerResLocked(res *pathRes, b *Buffer) error {
+	old := *res.mrs.Load()
+	if b.idx < len(old) && old[b.idx] != nil {
+		return nil
+	}
+	mr, err := res.pd.RegisterMR(b.b, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+	if err != nil {
+		return err
+	}
+	mrs := make([]fabric.MR, max(len(old), b.idx+1))
+	copy(mrs, old)
+	mrs[b.idx] = mr
+	res.mrs.Store(&mrs)
+	return nil
+}
+
+func (p *Path) deregisterLocked(b *Buffer) {
+	res := p.curRes()
+	if res == nil {
+		return
+	}
+	old := *res.mrs.Load()
+	if b.idx >= len(old) || old[b.idx] == nil {
+		return
+	}
+	mrs := append([]fabric.MR(nil), old...)
+	mr := mrs[b.idx]
+	mrs[b.idx] = nil
+	res.mrs.Store(&mrs)
+	mr.Close()
+}
+
+// post sends request pm on this path if it is connected
+// (rtrs_clt_write_req / rtrs_clt_read_req).
+func (p *Path) post(pm *Permit) error {
+	p.submitMu.RLock()
+	defer p.submitMu.RUnlock()
+	if p.State() != PathConnected {
+		return errPathDown
+	}
+	res := p.res
+	r := &pm.req
+	hdrLen := RDMAWriteSize
+	if r.dir == Read {
+		hdrLen = RDMAReadSize
+		if r.n > 0 {
+			hdrLen += SGDescSize
+		}
+	}
+	if r.usrLen+hdrLen > res.maxHdrSize || hdrLen+r.n+r.usrLen > res.chunkSize {
+		return ErrMsgSize
+	}
+	mrs := *res.mrs.Load()
+	hdrMR := mrs[0]
+	var dataMR fabric.MR
+	if r.n > 0 {
+		if r.buf.idx >= len(mrs) || mrs[r.buf.idx] == nil {
+			return errors.New("rtrs: buffer not registered")
+		}
+		dataMR = mrs[r.buf.idx]
+	}
+	con := res.conns[0]
+	if pm.conType == IOCon && len(res.conns) > 1 {
+		con = res.conns[1+int(pm.id)%(len(res.conns)-1)]
+	}
+	rb := &res.rbufs[pm.id]
+	pr := &res.reqs[pm.id]
+	wr := &pr.wr
+	*wr = fabric.SendWR{ID: wrIO | uint64(pm.id), Op: fabric.OpWriteImm, RKey: rb.rkey.Load()}
+	if r.dir == Write {
+		(&RDMAWrite{UsrLen: uint16(r.usrLen)}).Encode(pm.hdr[r.usrLen:])
+		hdr := fabric.SGE{Buf: pm.hdr[:r.usrLen+RDMAWriteSize], LKey: hdrMR.LKey()}
+		if r.n > 0 {
+			wr.SG[0] = fabric.SGE{Buf: r.buf.b[r.off : r.off+r.n], LKey: dataMR.LKey()}
+			wr.SG[1] = hdr
+			wr.NumSGE = 2
+		} else {
+			wr.SG[0], wr.NumSGE = hdr, 1
+		}
+		wr.RemoteAddr = rb.addr
+	} else {
+		msg := RDMARead{UsrLen: uint16(r.usrLen)}
+		if r.n > 0 {
+			msg.SGCnt = 1
+			msg.Desc = SGDesc{Addr: dataMR.Addr() + uint64(r.off), Key: dataMR.RKey(), Len: uint32(r.n)}
+		}
+		msg.Encode(pm.hdr[r.usrLen:])
+		wr.SG[0] = fabric.SGE{Buf: pm.hdr[:r.usrLen+msg.Size()], LKey: hdrMR.LKey()}
+		wr.NumSGE = 1
+		// The message goes after the room for the data, so the server
+		// finds it where a write's would be.
+		wr.RemoteAddr = rb.addr + uint64(r.n)
+	}
+	wr.Imm = ToImm(ImmIOReq, pm.memOff+uint32(r.n+r.usrLen))
+	wr.Signaled = con.wrCnt.Add(1)%res.sigIntv == 0
+	pr.inUse.Store(true)
+	p.stats.update(r.dir, r.usrLen+r.n)
+	if err := con.qp.PostSend(wr); err != nil {
+		pr.inUse.Store(false)
+		p.stats.inflight.Add(-1)
+		p.rl.Log(p.lg().WithError(err), log.WarnLevel, "posting a request failed")
+		return err
+	}
+	return nil
+}
+
+// processIORsp completes the request msgID (process_io_rsp).
+func (res *pathRes) processIORsp(msgID uint32, errno syscall.Errno) error {
+	if int(msgID) >= res.queueDepth {
+		return fmt.Errorf("response for msg_id %d >= queue depth %d: %w", msgID, res.queueDepth, syscall.EPROTO)
+	}
+	p := res.path
+	if !res.reqs[msgID].inUse.CompareAndSwap(true, false) {
+		p.rl.Log(p.lg().WithField("msg_id", msgID), log.WarnLevel, "response for a request not in flight: ignored")
+		return nil
+	}
+	p.stats.inflight.Add(-1)
+	pm := &p.sess.permits[msgID]
+	p.stats.observeLatency(pm.req.dir, time.Since(pm.req.start))
+	var err error
+	if errno != 0 {
+		err = errno
+	}
+	pm.req.conf.Confirm(err)
+	return nil
+}
+
+// sendHB posts a HB_MSG on the service connection.
+func (p *Path) sendHB() error {
+	res := p.curRes()
+	if res == nil || len(res.conns) == 0 {
+		return errPathDown
+	}
+	return res.conns[0].postHB(ImmHBMsg)
+}
+
+func (p *Path) lg() *log.Entry { return p.logp.Load() }

@@ -1,0 +1,310 @@
+// Package fabric states the reliable-connection contract that package rtrs
+// is written against, in the terms of RDMA verbs: devices, protection
+// domains, memory regions with remote keys, connections (queue pairs) with
+// send and receive work requests, and completions.
+//
+// Implementations: fabric/tcp emulates the contract over TCP (as soft-iWARP
+// emulates RDMA), fabric/fabrictest runs the same emulation over an
+// in-memory network with fault injection, and fabric/rdma maps it onto verbs.
+//
+// The contract:
+//   - A memory region (MR) is registered in a protection domain (PD) and
+//     has an address, a local key and a remote key. A remote write names
+//     (address, rkey); it is allowed only if the rkey is currently valid in
+//     the PD of the connection it arrives on and the whole range lies inside
+//     the region. Anything else is a fatal remote-access error for that
+//     connection, as on an HCA.
+//   - Work requests on one connection execute in the order posted. A write
+//     with immediate (also of zero length) and a send each consume one posted
+//     receive at the peer and complete it with the immediate. If no receive
+//     is posted the sender waits, as an RC QP with infinite RNR retry does.
+//   - Any error kills the connection: Handler.Disconnected is called once,
+//     and work requests still outstanding are discarded without completions
+//     (the kernel sees them as flush errors and ignores them).
+//   - Completions are delivered by the fabric's goroutines: receive
+//     completions in order on one goroutine, send completions in order on
+//     another. Handlers must not block.
+package fabric
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+)
+
+// ErrNotSupported is returned (wrapped) when a fabric cannot do something on
+// this machine, e.g. RDMA without devices or without cgo.
+var ErrNotSupported = errors.New("fabric: not supported")
+
+// ErrClosed is returned for operations on a closed connection or listener.
+var ErrClosed = errors.New("fabric: closed")
+
+// ErrQueueFull is returned by PostSend and PostRecv when the queue has no
+// room: ENOMEM from ibv_post_send.
+var ErrQueueFull = errors.New("fabric: work queue full")
+
+// RejectError is returned by Dial when the peer rejected the connection;
+// PrivateData is what it attached (an rtrs conn_rsp carrying an errno).
+type RejectError struct {
+	PrivateData []byte
+}
+
+func (e *RejectError) Error() string { return "fabric: connection rejected by peer" }
+
+// Fabric is a transport: it resolves addresses to devices and listens.
+type Fabric interface {
+	// Name is the transport name: "tcp", "rdma", "mem".
+	Name() string
+	// Resolve returns the device through which dst is reached from src
+	// (src may be the zero value).
+	Resolve(ctx context.Context, src, dst netip.AddrPort) (Device, error)
+	// Listen accepts connection requests on addr.
+	Listen(addr netip.AddrPort) (Listener, error)
+	// AllocMemory returns n bytes suitable for registration with this
+	// fabric. For RDMA they live outside the Go heap; release with Free.
+	AllocMemory(n int) (Memory, error)
+}
+
+// Memory is registrable memory. Bytes stays valid until Free.
+type Memory interface {
+	Bytes() []byte
+	Free() error
+}
+
+// Device is an HCA (or its emulation).
+type Device interface {
+	// Name is the HCA name, e.g. "mlx5_0", "rxe0", or "tcp".
+	Name() string
+	// Port is the HCA port number.
+	Port() int
+	// AllocPD allocates a protection domain.
+	AllocPD() (PD, error)
+	// Dial connects to a listener, sending PrivateData with the request. It
+	// returns the connection and the private data of the peer's accept. A
+	// rejection is a *RejectError.
+	Dial(ctx context.Context, p DialParams) (Conn, []byte, error)
+}
+
+// DialParams are the arguments of Device.Dial.
+type DialParams struct {
+	Src, Dst    netip.AddrPort
+	PD          PD
+	PrivateData []byte
+	Attr        ConnAttr
+}
+
+// Access are memory region access rights.
+type Access uint32
+
+const (
+	AccessLocalWrite Access = 1 << iota
+	AccessRemoteWrite
+	AccessRemoteRead
+)
+
+// PD is a protection domain: memory regions and connections belong to one,
+// and a remote access is checked against the regions of the connection's PD.
+type PD interface {
+	// RegisterMR registers buf (from Fabric.AllocMemory) for access.
+	RegisterMR(buf []byte, access Access) (MR, error)
+	// Close releases the PD; its regions must be closed first.
+	Close() error
+}
+
+// MR is a registered memory region.
+type MR interface {
+	Buf() []byte
+	// Addr is the address a peer uses for this region's first byte.
+	Addr() uint64
+	LKey() uint32
+	// RKey is the current remote key; it changes with Reregister.
+	RKey() uint32
+	// Invalidate revokes remote access now: after it returns no remote
+	// write with the current rkey can land (LOCAL_INV).
+	Invalidate() error
+	// Reregister grants remote access again under a new rkey, which it
+	// returns (REG_MR with ib_inc_rkey).
+	Reregister() (uint32, error)
+	// Close deregisters the region.
+	Close() error
+}
+
+// ConnAttr describes a connection's queues and its completion handler.
+type ConnAttr struct {
+	MaxSendWR int
+	MaxRecvWR int
+	Handler   Handler
+	// Recvs are posted before the connection is accepted or dialed, so the
+	// peer's first message always finds one.
+	Recvs []RecvWR
+}
+
+// Handler receives a connection's completions and its failure.
+type Handler interface {
+	// Attached is called once with the connection, before any other call
+	// and before Dial or Accept return, so completions can always find it.
+	Attached(c Conn)
+	// Completion reports one work completion. wc is valid only during
+	// the call. It must not block.
+	Completion(wc *WC)
+	// Disconnected reports, once, that the connection failed or the peer
+	// closed it. It is not called after Conn.Close. It must not block.
+	Disconnected(err error)
+}
+
+// Conn is a reliable connection (an RC queue pair).
+type Conn interface {
+	// PostSend posts a chain of work requests (linked by Next). The
+	// structures may be reused when it returns; the buffers they name
+	// must stay untouched until the work request has completed (or, for
+	// unsignaled ones, until the peer has answered).
+	PostSend(wr *SendWR) error
+	// PostRecv posts a chain of receive work requests.
+	PostRecv(wr *RecvWR) error
+	LocalAddr() netip.AddrPort
+	RemoteAddr() netip.AddrPort
+	// Close disconnects and drains: when it returns, no further
+	// completions or Disconnected calls are made. It must not be called
+	// from a Handler.
+	Close() error
+}
+
+// Listener accepts connection requests.
+type Listener interface {
+	// Accept returns the next connection request.
+	Accept(ctx context.Context) (ConnRequest, error)
+	Addr() netip.AddrPort
+	Close() error
+}
+
+// ConnRequest is an incoming connection request (RDMA_CM_EVENT_CONNECT_REQUEST).
+// Exactly one of Accept or Reject must be called.
+type ConnRequest interface {
+	PrivateData() []byte
+	// LocalAddr is the address the request arrived at; RemoteAddr is the
+	// peer's.
+	LocalAddr() netip.AddrPort
+	RemoteAddr() netip.AddrPort
+	// Device is the device the request arrived on.
+	Device() Device
+	// Accept creates the connection in pd, posts attr.Recvs and answers
+	// with priv.
+	Accept(pd PD, attr ConnAttr, priv []byte) (Conn, error)
+	// Reject refuses the request, sending priv to the peer.
+	Reject(priv []byte) error
+}
+
+// Opcode is the operation of a send work request.
+type Opcode uint8
+
+const (
+	// OpWrite writes the local buffers to (RemoteAddr, RKey).
+	OpWrite Opcode = iota + 1
+	// OpWriteImm writes like OpWrite, then consumes a receive at the peer
+	// completing it with Imm. Zero length is allowed.
+	OpWriteImm
+	// OpSend sends the local buffers into the peer's next receive.
+	OpSend
+	// OpSendImm sends like OpSend and delivers Imm.
+	OpSendImm
+	// OpSendInv sends like OpSend and invalidates InvRKey at the peer.
+	OpSendInv
+)
+
+func (o Opcode) String() string {
+	switch o {
+	case OpWrite:
+		return "RDMA_WRITE"
+	case OpWriteImm:
+		return "RDMA_WRITE_WITH_IMM"
+	case OpSend:
+		return "SEND"
+	case OpSendImm:
+		return "SEND_WITH_IMM"
+	case OpSendInv:
+		return "SEND_WITH_INV"
+	}
+	return fmt.Sprintf("Opcode(%d)", uint8(o))
+}
+
+// MaxSGE is the largest scatter-gather list of a send work request (the
+// kernel's RTRS uses at most 2 SGEs).
+const MaxSGE = 2
+
+// SGE is one local buffer of a work request.
+type SGE struct {
+	Buf  []byte
+	LKey uint32
+}
+
+// SendWR is a send work request (struct ib_send_wr).
+type SendWR struct {
+	ID         uint64
+	Op         Opcode
+	SG         [MaxSGE]SGE
+	NumSGE     int
+	RemoteAddr uint64
+	RKey       uint32
+	Imm        uint32
+	InvRKey    uint32
+	Signaled   bool
+	Next       *SendWR
+}
+
+// Len is the total length of the work request's local buffers.
+func (wr *SendWR) Len() int {
+	n := 0
+	for i := 0; i < wr.NumSGE; i++ {
+		n += len(wr.SG[i].Buf)
+	}
+	return n
+}
+
+// RecvWR is a receive work request. A nil Buf is an empty receive, enough
+// for a write with immediate but not for a send with payload.
+type RecvWR struct {
+	ID   uint64
+	Buf  []byte
+	LKey uint32
+	Next *RecvWR
+}
+
+// WCOpcode tells what completed.
+type WCOpcode uint8
+
+const (
+	WCSend WCOpcode = iota + 1
+	WCWrite
+	WCRecv
+	WCRecvRDMAWithImm
+)
+
+// WCStatus is the status of a completion.
+type WCStatus uint8
+
+const (
+	WCSuccess WCStatus = iota
+	WCLocLenErr
+	WCRemAccessErr
+	WCGeneralErr
+)
+
+// WCFlags qualify a receive completion.
+type WCFlags uint8
+
+const (
+	WCWithImm WCFlags = 1 << iota
+	WCWithInv
+)
+
+// WC is a work completion (struct ib_wc).
+type WC struct {
+	ID      uint64
+	Status  WCStatus
+	Opcode  WCOpcode
+	Flags   WCFlags
+	ByteLen uint32
+	Imm     uint32
+	InvRKey uint32
+}

@@ -1,0 +1,390 @@
+package tcp
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// Frame header of one work request on the wire, little-endian, 24 bytes:
+//
+//	off 0  u8   opcode (fabric.Opcode)
+//	off 1  u8   flags (0)
+//	off 2  u16  reserved (0)
+//	off 4  u32  payload length
+//	off 8  u32  immediate data
+//	off 12 u32  rkey (writes) or the rkey to invalidate (SEND_WITH_INV)
+//	off 16 u64  remote address (writes)
+//
+// The payload follows. A write lands in the registered region named by
+// (rkey, remote address) after the receiver checked key and bounds.
+const frameHdrSize = 24
+
+// maxFrameLen bounds one frame's payload; the largest legitimate one is a
+// chunk (at most 2^28 bytes can be addressed by an immediate).
+const maxFrameLen = 1 << 28
+
+var errProtocol = errors.New("tcp fabric: protocol violation")
+
+// conn emulates an RC queue pair over a byte stream. One goroutine writes
+// the send queue in batches with writev; one reads frames and turns them
+// into remote writes and receive completions.
+type conn struct {
+	nc     net.Conn
+	dev    *device
+	pd     *pd
+	h      fabric.Handler
+	local  netip.AddrPort
+	remote netip.AddrPort
+
+	// sqMu guards the send queue ring.
+	sqMu   sync.Mutex
+	sq     []fabric.SendWR
+	sqHead int
+	sqLen  int
+	wake   chan struct{} // cap 1: send queue has work
+
+	// rqMu guards the receive queue ring; rqCond waits for a posted
+	// receive (RNR wait) or close.
+	rqMu   sync.Mutex
+	rqCond sync.Cond
+	rq     []fabric.RecvWR
+	rqHead int
+	rqLen  int
+
+	closed     atomic.Bool   // no more posts; goroutines stopping
+	userClosed atomic.Bool   // Close was called: do not report Disconnected
+	closeCh    chan struct{} // closed by fail
+	failOnce   sync.Once
+	wg         sync.WaitGroup
+}
+
+func newConn(nc net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, error) {
+	if attr.Handler == nil {
+		return nil, errors.New("tcp fabric: connection needs a handler")
+	}
+	if p == nil || p.dev != dev {
+		return nil, errors.New("tcp fabric: protection domain of another device")
+	}
+	sqCap, rqCap := attr.MaxSendWR, attr.MaxRecvWR
+	if sqCap <= 0 {
+		sqCap = 64
+	}
+	if rqCap <= 0 {
+		rqCap = 64
+	}
+	c := &conn{
+		nc:      nc,
+		dev:     dev,
+		pd:      p,
+		h:       attr.Handler,
+		local:   addrPortOf(nc.LocalAddr()),
+		remote:  addrPortOf(nc.RemoteAddr()),
+		sq:      make([]fabric.SendWR, sqCap),
+		rq:      make([]fabric.RecvWR, rqCap),
+		wake:    make(chan struct{}, 1),
+		closeCh: make(chan struct{}),
+	}
+	c.rqCond.L = &c.rqMu
+	c.h.Attached(c)
+	for i := range attr.Recvs {
+		r := attr.Recvs[i]
+		r.Next = nil
+		if err := c.PostRecv(&r); err != nil {
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+func (c *conn) start() {
+	c.wg.Add(2)
+	go c.writer()
+	go c.reader()
+}
+
+func (c *conn) LocalAddr() netip.AddrPort  { return c.local }
+func (c *conn) RemoteAddr() netip.AddrPort { return c.remote }
+
+// PostSend queues a chain of work requests. It never blocks on the network.
+func (c *conn) PostSend(wr *fabric.SendWR) error {
+	n := 0
+	for w := wr; w != nil; w = w.Next {
+		if err := checkSendWR(w); err != nil {
+			return err
+		}
+		n++
+	}
+	c.sqMu.Lock()
+	if c.closed.Load() {
+		c.sqMu.Unlock()
+		return fabric.ErrClosed
+	}
+	if c.sqLen+n > len(c.sq) {
+		c.sqMu.Unlock()
+		return fabric.ErrQueueFull
+	}
+	for w := wr; w != nil; w = w.Next {
+		i := (c.sqHead + c.sqLen) % len(c.sq)
+		c.sq[i] = *w
+		c.sq[i].Next = nil
+		c.sqLen++
+	}
+	c.sqMu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+func checkSendWR(w *fabric.SendWR) error {
+	if w.NumSGE < 0 || w.NumSGE > fabric.MaxSGE {
+		return fmt.Errorf("tcp fabric: %d SGEs: %w", w.NumSGE, errProtocol)
+	}
+	switch w.Op {
+	case fabric.OpWrite, fabric.OpWriteImm, fabric.OpSend, fabric.OpSendImm, fabric.OpSendInv:
+	default:
+		return fmt.Errorf("tcp fabric: unknown opcode %v", w.Op)
+	}
+	return nil
+}
+
+// PostRecv queues a chain of receive work requests.
+func (c *conn) PostRecv(wr *fabric.RecvWR) error {
+	c.rqMu.Lock()
+	defer c.rqMu.Unlock()
+	if c.closed.Load() {
+		return fabric.ErrClosed
+	}
+	for w := wr; w != nil; w = w.Next {
+		if c.rqLen == len(c.rq) {
+			return fabric.ErrQueueFull
+		}
+		i := (c.rqHead + c.rqLen) % len(c.rq)
+		c.rq[i] = *w
+		c.rq[i].Next = nil
+		c.rqLen++
+	}
+	c.rqCond.Signal()
+	return nil
+}
+
+// popRecv takes the oldest posted receive, waiting for one if none is
+// posted (RNR with infinite retry). It fails once the connection closes.
+func (c *conn) popRecv() (fabric.RecvWR, bool) {
+	c.rqMu.Lock()
+	defer c.rqMu.Unlock()
+	for c.rqLen == 0 {
+		if c.closed.Load() {
+			return fabric.RecvWR{}, false
+		}
+		c.rqCond.Wait()
+	}
+	r := c.rq[c.rqHead]
+	c.rq[c.rqHead] = fabric.RecvWR{}
+	c.rqHead = (c.rqHead + 1) % len(c.rq)
+	c.rqLen--
+	return r, true
+}
+
+// fail kills the connection once: close the stream, wake the goroutines,
+// and report to the handler unless the user closed it.
+func (c *conn) fail(err error) {
+	c.failOnce.Do(func() {
+		c.sqMu.Lock()
+		c.closed.Store(true)
+		c.sqMu.Unlock()
+		c.nc.Close()
+		close(c.closeCh)
+		c.rqMu.Lock()
+		c.rqCond.Broadcast()
+		c.rqMu.Unlock()
+		if !c.userClosed.Load() {
+			c.h.Disconnected(err)
+		}
+	})
+}
+
+// Close disconnects and waits until no more completions can be delivered.
+func (c *conn) Close() error {
+	c.userClosed.Store(true)
+	c.fail(fabric.ErrClosed)
+	c.wg.Wait()
+	return nil
+}
+
+func (c *conn) writer() {
+	defer c.wg.Done()
+	batch := make([]fabric.SendWR, len(c.sq))
+	hdrs := make([]byte, len(c.sq)*frameHdrSize)
+	iov := make([][]byte, 0, len(c.sq)*(1+fabric.MaxSGE))
+	// bufs escapes into WriteTo: declared once, so it is allocated once.
+	var bufs net.Buffers
+	var wc fabric.WC
+	for {
+		select {
+		case <-c.wake:
+		case <-c.closeCh:
+			return
+		}
+		for {
+			c.sqMu.Lock()
+			n := c.sqLen
+			for i := 0; i < n; i++ {
+				j := (c.sqHead + i) % len(c.sq)
+				batch[i] = c.sq[j]
+				c.sq[j] = fabric.SendWR{}
+			}
+			c.sqHead = (c.sqHead + n) % len(c.sq)
+			c.sqLen = 0
+			c.sqMu.Unlock()
+			if n == 0 {
+				break
+			}
+			iov = iov[:0]
+			for i := 0; i < n; i++ {
+				w := &batch[i]
+				h := hdrs[i*frameHdrSize : (i+1)*frameHdrSize]
+				putFrameHdr(h, w)
+				iov = append(iov, h)
+				for s := 0; s < w.NumSGE; s++ {
+					if len(w.SG[s].Buf) > 0 {
+						iov = append(iov, w.SG[s].Buf)
+					}
+				}
+			}
+			bufs = iov
+			if _, err := bufs.WriteTo(c.nc); err != nil {
+				c.fail(err)
+				return
+			}
+			for i := 0; i < n; i++ {
+				w := &batch[i]
+				if w.Signaled {
+					op := fabric.WCSend
+					if w.Op == fabric.OpWrite || w.Op == fabric.OpWriteImm {
+						op = fabric.WCWrite
+					}
+					wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
+					c.h.Completion(&wc)
+				}
+				*w = fabric.SendWR{}
+			}
+			clear(iov[:cap(iov)])
+		}
+	}
+}
+
+func putFrameHdr(h []byte, w *fabric.SendWR) {
+	h[0] = byte(w.Op)
+	h[1] = 0
+	binary.LittleEndian.PutUint16(h[2:], 0)
+	binary.LittleEndian.PutUint32(h[4:], uint32(w.Len()))
+	binary.LittleEndian.PutUint32(h[8:], w.Imm)
+	rkey := w.RKey
+	if w.Op == fabric.OpSendInv {
+		rkey = w.InvRKey
+	}
+	binary.LittleEndian.PutUint32(h[12:], rkey)
+	binary.LittleEndian.PutUint64(h[16:], w.RemoteAddr)
+}
+
+func (c *conn) reader() {
+	defer c.wg.Done()
+	br := bufio.NewReaderSize(c.nc, 128<<10)
+	var hdr [frameHdrSize]byte
+	var wc fabric.WC
+	for {
+		if _, err := io.ReadFull(br, hdr[:]); err != nil {
+			c.fail(err)
+			return
+		}
+		op := fabric.Opcode(hdr[0])
+		n := binary.LittleEndian.Uint32(hdr[4:])
+		imm := binary.LittleEndian.Uint32(hdr[8:])
+		rkey := binary.LittleEndian.Uint32(hdr[12:])
+		raddr := binary.LittleEndian.Uint64(hdr[16:])
+		if hdr[1] != 0 || hdr[2] != 0 || hdr[3] != 0 || n > maxFrameLen {
+			c.fail(fmt.Errorf("bad frame header: %w", errProtocol))
+			return
+		}
+		switch op {
+		case fabric.OpWrite, fabric.OpWriteImm:
+			if n > 0 {
+				dst, e, st, err := c.dev.mrs.lookup(rkey, c.pd, raddr, int(n))
+				if err != nil {
+					c.fail(fmt.Errorf("%v of %d bytes at %#x rkey %#x: %w", op, n, raddr, rkey, err))
+					return
+				}
+				if _, err := io.ReadFull(br, dst); err != nil {
+					c.fail(err)
+					return
+				}
+				if e.state.Load() != st {
+					c.fail(errChangedMR)
+					return
+				}
+			}
+			if op == fabric.OpWrite {
+				continue
+			}
+			r, ok := c.popRecv()
+			if !ok {
+				return
+			}
+			wc = fabric.WC{ID: r.ID, Opcode: fabric.WCRecvRDMAWithImm, Flags: fabric.WCWithImm, ByteLen: n, Imm: imm}
+			c.h.Completion(&wc)
+		case fabric.OpSend, fabric.OpSendImm, fabric.OpSendInv:
+			r, ok := c.popRecv()
+			if !ok {
+				return
+			}
+			if int(n) > len(r.Buf) {
+				c.fail(fmt.Errorf("%v of %d bytes into a %d-byte receive: local length error", op, n, len(r.Buf)))
+				return
+			}
+			if _, err := io.ReadFull(br, r.Buf[:n]); err != nil {
+				c.fail(err)
+				return
+			}
+			wc = fabric.WC{ID: r.ID, Opcode: fabric.WCRecv, ByteLen: n}
+			switch op {
+			case fabric.OpSendImm:
+				wc.Flags, wc.Imm = fabric.WCWithImm, imm
+			case fabric.OpSendInv:
+				if err := c.dev.mrs.invalidate(rkey, c.pd); err != nil {
+					c.fail(fmt.Errorf("send with invalidate of rkey %#x: %w", rkey, err))
+					return
+				}
+				wc.Flags, wc.InvRKey = fabric.WCWithInv, rkey
+			}
+			c.h.Completion(&wc)
+		default:
+			c.fail(fmt.Errorf("unknown opcode %d: %w", op, errProtocol))
+			return
+		}
+	}
+}
+
+func addrPortOf(a net.Addr) netip.AddrPort {
+	switch a := a.(type) {
+	case *net.TCPAddr:
+		return a.AddrPort()
+	case interface{ AddrPort() netip.AddrPort }:
+		return a.AddrPort()
+	}
+	if a == nil {
+		return netip.AddrPort{}
+	}
+	ap, _ := netip.ParseAddrPort(a.String())
+	return ap
+}

@@ -1,0 +1,399 @@
+// Package tcp is the TCP fabric: the reliable-connection contract of
+// package fabric emulated over one TCP connection per RTRS connection, in
+// the way soft-iWARP emulates RDMA. Memory regions have rkeys; every remote
+// write is checked against the key and the region's bounds before a byte
+// lands, so always_invalidate means on TCP what it means on an HCA.
+//
+// The wire format (connection handshake and work-request frames) is ours;
+// docs/protocol.md describes it. The RTRS messages inside are the kernel's.
+package tcp
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// Network is what the fabric runs on: real TCP by default, or an
+// in-memory network in tests (package fabrictest).
+type Network interface {
+	Dial(ctx context.Context, src, dst netip.AddrPort) (net.Conn, error)
+	Listen(addr netip.AddrPort) (net.Listener, error)
+}
+
+// Options configure a Fabric. The zero value is usable.
+type Options struct {
+	// Network defaults to TCP.
+	Network Network
+	// Name is the fabric and device name; "tcp" by default.
+	Name string
+	// HandshakeTimeout bounds the connection handshake (10 s).
+	HandshakeTimeout time.Duration
+	// UserTimeout is TCP_USER_TIMEOUT for real TCP: how long sent data
+	// may stay unacknowledged before the kernel kills the connection
+	// (30 s). Heartbeats detect silent peers; this bounds a stuck send.
+	UserTimeout time.Duration
+	// Backlog is how many handshaken requests may wait for Accept (64).
+	Backlog int
+}
+
+// Fabric is the TCP fabric. It is safe for concurrent use.
+type Fabric struct {
+	opts Options
+	dev  *device
+}
+
+// New returns a TCP fabric.
+func New(opts Options) *Fabric {
+	if opts.Name == "" {
+		opts.Name = "tcp"
+	}
+	if opts.HandshakeTimeout <= 0 {
+		opts.HandshakeTimeout = 10 * time.Second
+	}
+	if opts.UserTimeout <= 0 {
+		opts.UserTimeout = 30 * time.Second
+	}
+	if opts.Backlog <= 0 {
+		opts.Backlog = 64
+	}
+	if opts.Network == nil {
+		opts.Network = tcpNetwork{userTimeout: opts.UserTimeout}
+	}
+	f := &Fabric{opts: opts}
+	f.dev = &device{fab: f}
+	return f
+}
+
+var _ fabric.Fabric = (*Fabric)(nil)
+
+func (f *Fabric) Name() string { return f.opts.Name }
+
+// Resolve returns the fabric's one device: every address is reachable
+// through the host's network stack.
+func (f *Fabric) Resolve(ctx context.Context, src, dst netip.AddrPort) (fabric.Device, error) {
+	if !dst.IsValid() {
+		return nil, fmt.Errorf("tcp fabric: invalid destination %v", dst)
+	}
+	return f.dev, nil
+}
+
+// AllocMemory returns Go memory: the TCP fabric never hands it to hardware.
+func (f *Fabric) AllocMemory(n int) (fabric.Memory, error) {
+	if n <= 0 {
+		return nil, errors.New("tcp fabric: memory size must be positive")
+	}
+	return &heapMemory{b: make([]byte, n)}, nil
+}
+
+type heapMemory struct{ b []byte }
+
+func (m *heapMemory) Bytes() []byte { return m.b }
+func (m *heapMemory) Free() error   { return nil }
+
+type device struct {
+	fab *Fabric
+	mrs mrTable
+}
+
+func (d *device) Name() string { return d.fab.opts.Name }
+func (d *device) Port() int    { return 1 }
+
+func (d *device) AllocPD() (fabric.PD, error) { return &pd{dev: d}, nil }
+
+// The handshake stands in for the CM's REQ, REP and REJ. Each frame is a
+// 12-byte header, then private data:
+//
+//	off 0  [7]u8 "RTRSTCP"
+//	off 7  u8    version (1)
+//	off 8  u8    type: 1 REQ, 2 REP (accept), 3 REJ (reject)
+//	off 9  u8    reserved (0)
+//	off 10 le16  private data length (at most 256)
+const (
+	hsHdrSize   = 12
+	hsVersion   = 1
+	hsREQ       = 1
+	hsREP       = 2
+	hsREJ       = 3
+	maxPrivData = 256
+)
+
+var hsMagic = [7]byte{'R', 'T', 'R', 'S', 'T', 'C', 'P'}
+
+func writeHandshake(w io.Writer, typ byte, priv []byte) error {
+	if len(priv) > maxPrivData {
+		return fmt.Errorf("tcp fabric: %d bytes of private data, at most %d", len(priv), maxPrivData)
+	}
+	b := make([]byte, hsHdrSize+len(priv))
+	copy(b, hsMagic[:])
+	b[7] = hsVersion
+	b[8] = typ
+	binary.LittleEndian.PutUint16(b[10:], uint16(len(priv)))
+	copy(b[hsHdrSize:], priv)
+	_, err := w.Write(b)
+	return err
+}
+
+func readHandshake(r io.Reader) (typ byte, priv []byte, err error) {
+	var h [hsHdrSize]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return 0, nil, err
+	}
+	if [7]byte(h[:7]) != hsMagic || h[7] != hsVersion {
+		return 0, nil, fmt.Errorf("tcp fabric: not an RTRS/TCP peer: %w", errProtocol)
+	}
+	n := binary.LittleEndian.Uint16(h[10:])
+	if n > maxPrivData {
+		return 0, nil, fmt.Errorf("tcp fabric: %d bytes of private data: %w", n, errProtocol)
+	}
+	priv = make([]byte, n)
+	if _, err := io.ReadFull(r, priv); err != nil {
+		return 0, nil, err
+	}
+	return h[8], priv, nil
+}
+
+// Dial connects and performs the handshake.
+func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []byte, error) {
+	pdp, ok := p.PD.(*pd)
+	if !ok || pdp.dev != d {
+		return nil, nil, errors.New("tcp fabric: dial with a protection domain of another device")
+	}
+	nc, err := d.fab.opts.Network.Dial(ctx, p.Src, p.Dst)
+	if err != nil {
+		return nil, nil, err
+	}
+	deadline := time.Now().Add(d.fab.opts.HandshakeTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	nc.SetDeadline(deadline)
+	stop := context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if err := writeHandshake(nc, hsREQ, p.PrivateData); err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	typ, priv, err := readHandshake(nc)
+	if err != nil {
+		nc.Close()
+		if ctx.Err() != nil {
+			return nil, nil, ctx.Err()
+		}
+		return nil, nil, fmt.Errorf("tcp fabric: handshake with %v: %w", p.Dst, err)
+	}
+	if !stop() {
+		nc.Close()
+		return nil, nil, ctx.Err()
+	}
+	nc.SetDeadline(time.Time{})
+	switch typ {
+	case hsREP:
+	case hsREJ:
+		nc.Close()
+		return nil, nil, &fabric.RejectError{PrivateData: priv}
+	default:
+		nc.Close()
+		return nil, nil, fmt.Errorf("tcp fabric: handshake reply of type %d: %w", typ, errProtocol)
+	}
+	c, err := newConn(nc, d, pdp, p.Attr)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	c.start()
+	return c, priv, nil
+}
+
+// Listen starts accepting connections on addr.
+func (f *Fabric) Listen(addr netip.AddrPort) (fabric.Listener, error) {
+	nl, err := f.opts.Network.Listen(addr)
+	if err != nil {
+		return nil, err
+	}
+	l := &listener{
+		fab:  f,
+		nl:   nl,
+		reqs: make(chan *connReq, f.opts.Backlog),
+		done: make(chan struct{}),
+	}
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l, nil
+}
+
+type listener struct {
+	fab       *Fabric
+	nl        net.Listener
+	reqs      chan *connReq
+	done      chan struct{}
+	closeOnce sync.Once
+	wg        sync.WaitGroup
+}
+
+func (l *listener) Addr() netip.AddrPort { return addrPortOf(l.nl.Addr()) }
+
+func (l *listener) acceptLoop() {
+	defer l.wg.Done()
+	for {
+		nc, err := l.nl.Accept()
+		if err != nil {
+			select {
+			case <-l.done:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond) // EMFILE and friends: do not spin
+			continue
+		}
+		l.wg.Add(1)
+		go l.handshake(nc)
+	}
+}
+
+// handshake reads a REQ within the handshake timeout and queues it for
+// Accept. A peer that sends garbage or nothing only costs its own socket.
+func (l *listener) handshake(nc net.Conn) {
+	defer l.wg.Done()
+	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
+	typ, priv, err := readHandshake(nc)
+	if err != nil || typ != hsREQ {
+		nc.Close()
+		return
+	}
+	r := &connReq{l: l, nc: nc, priv: priv}
+	select {
+	case l.reqs <- r:
+	case <-l.done:
+		nc.Close()
+	default: // backlog full: drop, as a listen backlog overflow does
+		nc.Close()
+	}
+}
+
+func (l *listener) Accept(ctx context.Context) (fabric.ConnRequest, error) {
+	select {
+	case r := <-l.reqs:
+		return r, nil
+	case <-l.done:
+		return nil, fabric.ErrClosed
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (l *listener) Close() error {
+	l.closeOnce.Do(func() {
+		close(l.done)
+		l.nl.Close()
+	})
+	l.wg.Wait()
+	for {
+		select {
+		case r := <-l.reqs:
+			r.nc.Close()
+		default:
+			return nil
+		}
+	}
+}
+
+type connReq struct {
+	l    *listener
+	nc   net.Conn
+	priv []byte
+	once sync.Once
+}
+
+func (r *connReq) PrivateData() []byte        { return r.priv }
+func (r *connReq) LocalAddr() netip.AddrPort  { return addrPortOf(r.nc.LocalAddr()) }
+func (r *connReq) RemoteAddr() netip.AddrPort { return addrPortOf(r.nc.RemoteAddr()) }
+func (r *connReq) Device() fabric.Device      { return r.l.fab.dev }
+
+var errAnswered = errors.New("tcp fabric: connection request already answered")
+
+func (r *connReq) Accept(p fabric.PD, attr fabric.ConnAttr, priv []byte) (fabric.Conn, error) {
+	err := errAnswered
+	var c *conn
+	r.once.Do(func() {
+		pdp, ok := p.(*pd)
+		if !ok {
+			err = errors.New("tcp fabric: accept with a protection domain of another fabric")
+			r.nc.Close()
+			return
+		}
+		c, err = newConn(r.nc, r.l.fab.dev, pdp, attr)
+		if err != nil {
+			r.nc.Close()
+			return
+		}
+		r.nc.SetDeadline(time.Now().Add(r.l.fab.opts.HandshakeTimeout))
+		if err = writeHandshake(r.nc, hsREP, priv); err != nil {
+			r.nc.Close()
+			return
+		}
+		r.nc.SetDeadline(time.Time{})
+		c.start()
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func (r *connReq) Reject(priv []byte) error {
+	err := errAnswered
+	r.once.Do(func() {
+		r.nc.SetDeadline(time.Now().Add(r.l.fab.opts.HandshakeTimeout))
+		err = writeHandshake(r.nc, hsREJ, priv)
+		r.nc.Close()
+	})
+	return err
+}
+
+// tcpNetwork is the host's TCP.
+type tcpNetwork struct {
+	userTimeout time.Duration
+}
+
+func (n tcpNetwork) control(network, address string, c syscall.RawConn) error {
+	var serr error
+	err := c.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(n.userTimeout/time.Millisecond))
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+func (n tcpNetwork) Dial(ctx context.Context, src, dst netip.AddrPort) (net.Conn, error) {
+	d := net.Dialer{Control: n.control, KeepAlive: 15 * time.Second}
+	if src.Addr().IsValid() {
+		d.LocalAddr = &net.TCPAddr{IP: src.Addr().AsSlice(), Port: int(src.Port()), Zone: src.Addr().Zone()}
+	}
+	return d.DialContext(ctx, "tcp", dst.String())
+}
+
+func (n tcpNetwork) Listen(addr netip.AddrPort) (net.Listener, error) {
+	lc := net.ListenConfig{Control: n.control, KeepAlive: 15 * time.Second}
+	return lc.Listen(context.Background(), "tcp", addr.String())
+}

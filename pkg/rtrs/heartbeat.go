@@ -1,0 +1,99 @@
+package rtrs
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// heartbeat is the algorithm of rtrs.c hb_work, run by both sides on the
+// service connection of a path: every interval, if more than missedMax
+// ticks passed without traffic from the peer, the path is declared dead;
+// otherwise a HB_MSG is sent when the previous one was answered (missed
+// count zero) and the tick is counted. Any traffic from the peer resets
+// the count (alive); a HB_ACK also measures the round trip (ack).
+type heartbeat struct {
+	interval  time.Duration
+	missedMax int32
+	epoch     time.Time
+
+	// mu serializes ticks with start and stop, so stop returns only
+	// when no tick is running.
+	mu      sync.Mutex
+	timer   *time.Timer
+	running bool
+
+	missed     atomic.Int32
+	lastSent   atomic.Int64 // ns since epoch
+	curLatency atomic.Int64 // ns, the last HB round trip
+
+	send  func() error // post a HB_MSG
+	onErr func()       // the peer is gone or the send failed
+}
+
+func (h *heartbeat) init(interval time.Duration, missedMax int, send func() error, onErr func()) {
+	h.interval, h.missedMax = interval, int32(missedMax)
+	h.epoch = time.Now()
+	h.send, h.onErr = send, onErr
+}
+
+// start begins ticking; the first tick comes one interval after the path
+// is up ("start hb after path_up").
+func (h *heartbeat) start() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.missed.Store(0)
+	h.running = true
+	if h.timer == nil {
+		h.timer = time.AfterFunc(h.interval, h.tick)
+	} else {
+		h.timer.Reset(h.interval)
+	}
+}
+
+// stop halts ticking and waits for a running tick.
+func (h *heartbeat) stop() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.running = false
+	if h.timer != nil {
+		h.timer.Stop()
+	}
+	h.missed.Store(0)
+}
+
+func (h *heartbeat) tick() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.running {
+		return
+	}
+	if h.missed.Load() > h.missedMax {
+		h.running = false
+		h.onErr()
+		return
+	}
+	if h.missed.Add(1) != 1 {
+		h.timer.Reset(h.interval)
+		return
+	}
+	h.lastSent.Store(int64(time.Since(h.epoch)))
+	if err := h.send(); err != nil {
+		h.running = false
+		h.onErr()
+		return
+	}
+	h.timer.Reset(h.interval)
+}
+
+// alive notes traffic from the peer.
+func (h *heartbeat) alive() { h.missed.Store(0) }
+
+// ack notes a HB_ACK: traffic, and a latency sample.
+func (h *heartbeat) ack() {
+	h.missed.Store(0)
+	h.curLatency.Store(int64(time.Since(h.epoch)) - h.lastSent.Load())
+}
+
+// latency is the last measured heartbeat round trip.
+func (h *heartbeat) latency() time.Duration { return time.Duration(h.curLatency.Load()) }

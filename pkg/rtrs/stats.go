@@ -1,0 +1,199 @@
+package rtrs
+
+import (
+	"fmt"
+	"math/bits"
+	"strings"
+	"sync/atomic"
+	"time"
+)
+
+// Dir is the direction of an IO: READ moves data from server to client.
+type Dir uint8
+
+const (
+	Read Dir = iota
+	Write
+)
+
+func (d Dir) String() string {
+	if d == Read {
+		return "read"
+	}
+	return "write"
+}
+
+// latBuckets is the number of log2 latency buckets: bucket i counts IOs that
+// took less than 2^i microseconds (i = 0 .. latBuckets-2), the last counts
+// the rest. 2^26 µs is about 67 s.
+const latBuckets = 28
+
+// PathStats are a client path's counters, in the kernel's stats/ formats.
+// All methods are safe for concurrent use.
+type PathStats struct {
+	rdCnt, rdBytes atomic.Uint64
+	wrCnt, wrBytes atomic.Uint64
+	inflight       atomic.Int64
+	failoverCnt    atomic.Uint64
+	// reconnSucc starts at -1: the first connection makes it 0, as
+	// rtrs_clt_init_stats arranges.
+	reconnSucc atomic.Int64
+	reconnFail atomic.Int64
+	lat        [2][latBuckets]atomic.Uint64
+	latMax     [2]atomic.Int64 // ns
+}
+
+func newPathStats() *PathStats {
+	s := &PathStats{}
+	s.reconnSucc.Store(-1)
+	return s
+}
+
+// update counts a request of usr+data bytes as it is posted, as
+// rtrs_clt_update_all_stats does.
+func (s *PathStats) update(d Dir, size int) {
+	if d == Read {
+		s.rdCnt.Add(1)
+		s.rdBytes.Add(uint64(size))
+	} else {
+		s.wrCnt.Add(1)
+		s.wrBytes.Add(uint64(size))
+	}
+	s.inflight.Add(1)
+}
+
+func (s *PathStats) observeLatency(d Dir, lat time.Duration) {
+	us := uint64(lat / time.Microsecond)
+	b := bits.Len64(us)
+	if b >= latBuckets {
+		b = latBuckets - 1
+	}
+	s.lat[d][b].Add(1)
+	for {
+		m := s.latMax[d].Load()
+		if int64(lat) <= m || s.latMax[d].CompareAndSwap(m, int64(lat)) {
+			break
+		}
+	}
+}
+
+// RDMA is stats/rdma: "rd_cnt rd_bytes wr_cnt wr_bytes inflight failover_cnt".
+func (s *PathStats) RDMA() string {
+	return fmt.Sprintf("%d %d %d %d %d %d\n", s.rdCnt.Load(), s.rdBytes.Load(),
+		s.wrCnt.Load(), s.wrBytes.Load(), s.inflight.Load(), s.failoverCnt.Load())
+}
+
+// Reconnects is stats/reconnects: "successful failed".
+func (s *PathStats) Reconnects() string {
+	return fmt.Sprintf("%d %d\n", s.reconnSucc.Load(), s.reconnFail.Load())
+}
+
+// Counters returns the numbers behind RDMA and Reconnects.
+func (s *PathStats) Counters() StatsCounters {
+	return StatsCounters{
+		ReadCount: s.rdCnt.Load(), ReadBytes: s.rdBytes.Load(),
+		WriteCount: s.wrCnt.Load(), WriteBytes: s.wrBytes.Load(),
+		Inflight: s.inflight.Load(), FailoverCount: s.failoverCnt.Load(),
+		ReconnectsSuccessful: s.reconnSucc.Load(), ReconnectsFailed: s.reconnFail.Load(),
+	}
+}
+
+// StatsCounters is a snapshot of a path's counters.
+type StatsCounters struct {
+	ReadCount, ReadBytes   uint64
+	WriteCount, WriteBytes uint64
+	Inflight               int64
+	FailoverCount          uint64
+	ReconnectsSuccessful   int64
+	ReconnectsFailed       int64
+}
+
+// LatencyHist is stats/rdma_lat, the seed documentation's log2 histogram,
+// in microseconds: one line per bucket "<2^i> us: <reads> <writes>", then
+// ">= <2^26> us" and "maximum us".
+func (s *PathStats) LatencyHist() string {
+	var b strings.Builder
+	for i := 0; i < latBuckets-1; i++ {
+		fmt.Fprintf(&b, "%d us: %d %d\n", uint64(1)<<i, s.lat[Read][i].Load(), s.lat[Write][i].Load())
+	}
+	fmt.Fprintf(&b, ">= %d us: %d %d\n", uint64(1)<<(latBuckets-2),
+		s.lat[Read][latBuckets-1].Load(), s.lat[Write][latBuckets-1].Load())
+	fmt.Fprintf(&b, "maximum us: %d %d\n", s.latMax[Read].Load()/1000, s.latMax[Write].Load()/1000)
+	return b.String()
+}
+
+// ResetRDMA clears stats/rdma except inflight, which tracks live requests.
+func (s *PathStats) ResetRDMA() {
+	s.rdCnt.Store(0)
+	s.rdBytes.Store(0)
+	s.wrCnt.Store(0)
+	s.wrBytes.Store(0)
+	s.failoverCnt.Store(0)
+}
+
+// ResetReconnects clears stats/reconnects.
+func (s *PathStats) ResetReconnects() {
+	s.reconnSucc.Store(0)
+	s.reconnFail.Store(0)
+}
+
+// ResetLatency clears stats/rdma_lat.
+func (s *PathStats) ResetLatency() {
+	for d := range s.lat {
+		for i := range s.lat[d] {
+			s.lat[d][i].Store(0)
+		}
+		s.latMax[d].Store(0)
+	}
+}
+
+// ResetAll is stats/reset_all. Unlike the kernel it keeps inflight, which
+// counts requests still on the wire and would go negative if cleared.
+func (s *PathStats) ResetAll() {
+	s.ResetRDMA()
+	s.ResetReconnects()
+	s.ResetLatency()
+}
+
+// SrvPathStats are a server path's counters: stats/rdma in the newest
+// kernels' four-value format, plus the in-flight count the older format had.
+type SrvPathStats struct {
+	rdCnt, rdBytes atomic.Uint64
+	wrCnt, wrBytes atomic.Uint64
+	inflight       atomic.Int64
+}
+
+func (s *SrvPathStats) update(d Dir, size int) {
+	if d == Read {
+		s.rdCnt.Add(1)
+		s.rdBytes.Add(uint64(size))
+	} else {
+		s.wrCnt.Add(1)
+		s.wrBytes.Add(uint64(size))
+	}
+}
+
+// RDMA is stats/rdma of a server path: "rd_cnt rd_bytes wr_cnt wr_bytes".
+func (s *SrvPathStats) RDMA() string {
+	return fmt.Sprintf("%d %d %d %d\n", s.rdCnt.Load(), s.rdBytes.Load(), s.wrCnt.Load(), s.wrBytes.Load())
+}
+
+// Inflight is the number of IOs handed to the user and not yet answered.
+func (s *SrvPathStats) Inflight() int64 { return s.inflight.Load() }
+
+// Counters returns the numbers behind RDMA.
+func (s *SrvPathStats) Counters() StatsCounters {
+	return StatsCounters{
+		ReadCount: s.rdCnt.Load(), ReadBytes: s.rdBytes.Load(),
+		WriteCount: s.wrCnt.Load(), WriteBytes: s.wrBytes.Load(),
+		Inflight: s.inflight.Load(),
+	}
+}
+
+// Reset clears the counters except inflight.
+func (s *SrvPathStats) Reset() {
+	s.rdCnt.Store(0)
+	s.rdBytes.Store(0)
+	s.wrCnt.Store(0)
+	s.wrBytes.Store(0)
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install what rnbd's build and tests need: Go modules always; Debian
+# packages when running as root on Debian. Elsewhere, say what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_go="1.26"
+if ! command -v go >/dev/null 2>&1; then
+	echo "deps: Go $need_go or newer is needed and 'go' is not on PATH (https://go.dev/dl/)" >&2
+	exit 1
+fi
+have_go=$(go env GOVERSION | sed 's/^go//')
+if [ "$(printf '%s\n%s\n' "$need_go" "$have_go" | sort -V | head -1)" != "$need_go" ]; then
+	echo "deps: Go $need_go or newer is needed, found $have_go" >&2
+	exit 1
+fi
+
+# command -> Debian package
+declare -A pkgs=(
+	[ip]=iproute2
+)
+missing=()
+for cmd in "${!pkgs[@]}"; do
+	command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkgs[$cmd]}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+	if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+		echo "deps: installing ${missing[*]}"
+		export DEBIAN_FRONTEND=noninteractive
+		apt-get update -qq >/dev/null || true
+		apt-get install -y -qq "${missing[@]}" >/dev/null
+	else
+		echo "deps: missing (install them to run every test): ${missing[*]}" >&2
+	fi
+fi
+
+go mod download
