@@ -131,7 +131,8 @@ type rig struct {
 	disk *memDisk
 	srv  *Server
 	sess *Session
-	buf  *Buffer
+	buf  *Buffer // for write and read
+	ibuf *Buffer // for inflight
 }
 
 func newRig(t testing.TB, fab fabric.Fabric, scfg ServerConfig, ccfg ClientConfig) *rig {
@@ -150,8 +151,10 @@ func newRig(t testing.TB, fab fabric.Fabric, scfg ServerConfig, ccfg ClientConfi
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { r.sess.Close() })
-	r.buf, err = r.sess.AllocBuffer(1 << 20)
-	if err != nil {
+	if r.buf, err = r.sess.AllocBuffer(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if r.ibuf, err = r.sess.AllocBuffer(1 << 20); err != nil {
 		t.Fatal(err)
 	}
 	return r

@@ -103,7 +103,7 @@ func (c *ServerConfig) validate() error {
 }
 
 // Server is the RTRS server (struct rtrs_srv_ctx): it accepts paths,
-// groups them into sessions by paths UUID, owns each session's chunks and
+// groups them into sessions by paths UUID, owns each path's chunks and
 // hands every IO to its handler. It is safe for concurrent use.
 type Server struct {
 	cfg       ServerConfig
@@ -301,12 +301,7 @@ func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool) (*SrvSession,
 	if len(s.sessions) >= s.cfg.MaxSessions {
 		return nil, syscall.ENOSPC
 	}
-	qd, chunk := s.cfg.QueueDepth, s.cfg.MaxChunkSize
-	mem, err := s.cfg.Fabric.AllocMemory(qd * chunk)
-	if err != nil {
-		return nil, syscall.ENOMEM
-	}
-	x := &SrvSession{srv: s, uuid: uuid, queueDepth: qd, chunkSize: chunk, chunks: mem, refs: 1}
+	x := &SrvSession{srv: s, uuid: uuid, queueDepth: s.cfg.QueueDepth, chunkSize: s.cfg.MaxChunkSize, refs: 1}
 	x.acceptCond.L = &x.mu
 	x.logp.Store(s.log.WithField("session_uuid", fmt.Sprintf("%x", uuid[:4])))
 	s.sessions[uuid] = x
@@ -321,9 +316,6 @@ func (s *Server) putSession(x *SrvSession) {
 		delete(s.sessions, x.uuid)
 	}
 	s.mu.Unlock()
-	if free {
-		x.chunks.Free()
-	}
 }
 
 // nameTaken reports whether another session already uses name
@@ -338,13 +330,19 @@ func (s *Server) nameTaken(name string, uuid [16]byte) bool {
 }
 
 // SrvSession is a client session as the server sees it (struct
-// rtrs_srv_sess): its paths and its chunks.
+// rtrs_srv_sess): its paths.
+//
+// Unlike the kernel, each path has chunks of its own rather than sharing
+// the session's. The protocol allows it (a client keeps the chunk
+// descriptors per path), and it means a request failed over from a dead
+// path never lands in memory that the dead path's unfinished IO may still
+// be reading: with shared chunks that IO could write another request's
+// data to its own, stale, offset.
 type SrvSession struct {
 	srv        *Server
 	uuid       [16]byte
 	queueDepth int
 	chunkSize  int
-	chunks     fabric.Memory
 	logp       atomic.Pointer[log.Entry]
 	priv       atomic.Value
 
@@ -399,9 +397,10 @@ func (x *SrvSession) Close() {
 	}
 }
 
-func (x *SrvSession) chunk(id uint32) []byte {
-	b := x.chunks.Bytes()
-	return b[int(id)*x.chunkSize : (int(id)+1)*x.chunkSize]
+func (p *SrvPath) chunk(id uint32) []byte {
+	b := p.chunks.Bytes()
+	cs := p.sess.chunkSize
+	return b[int(id)*cs : (int(id)+1)*cs]
 }
 
 func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
@@ -521,6 +520,7 @@ type SrvPath struct {
 	conns     []*srvConn // set under sess.mu while connecting
 	accepting int        // under sess.mu: connections being accepted
 	pd        fabric.PD
+	chunks    fabric.Memory
 	mrs       []fabric.MR // one per chunk with always_invalidate, else one
 	memBits   int
 	ops       []SrvOp
@@ -578,10 +578,13 @@ func (p *SrvPath) allocResources() error {
 	if p.pd, err = p.dev.AllocPD(); err != nil {
 		return err
 	}
-	chunks := x.chunks.Bytes()
+	if p.chunks, err = cfg.Fabric.AllocMemory(qd * x.chunkSize); err != nil {
+		return err
+	}
+	chunks := p.chunks.Bytes()
 	if cfg.AlwaysInvalidate {
 		for i := 0; i < qd; i++ {
-			mr, err := p.pd.RegisterMR(x.chunk(uint32(i)), fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+			mr, err := p.pd.RegisterMR(p.chunk(uint32(i)), fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
 			if err != nil {
 				return err
 			}
@@ -624,7 +627,7 @@ func (p *SrvPath) freeResources() {
 			mr.Close()
 		}
 	}
-	for _, m := range []fabric.Memory{p.rkeyMem, p.infoMem} {
+	for _, m := range []fabric.Memory{p.rkeyMem, p.infoMem, p.chunks} {
 		if m != nil {
 			m.Free()
 		}
@@ -788,7 +791,7 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 		p.rl.Log(p.lg(), log.WarnLevel, "request on a path that is not connected: dropped")
 		return nil
 	}
-	chunk := x.chunk(msgID)
+	chunk := p.chunk(msgID)
 	if int(off)+2 > len(chunk) {
 		return fmt.Errorf("message at offset %d past the chunk", off)
 	}

@@ -1,0 +1,293 @@
+package rtrs
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+)
+
+// inflight issues n writes of distinct data at distinct offsets without
+// waiting for them, and returns a function that waits for all results.
+func (r *rig) inflight(n, size int) (wait func() []error, data [][]byte) {
+	r.t.Helper()
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		d := bytes.Repeat([]byte{byte(i + 1)}, size)
+		data = append(data, d)
+		p, err := r.sess.GetPermit(context.Background(), IOCon)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		copy(r.ibuf.Bytes()[i*size:], d)
+		done := make(chanConfirmer, 1)
+		if err := r.sess.Request(Write, p, done, offsetHdr(uint64(i*size)), r.ibuf, i*size, size); err != nil {
+			r.t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = <-done
+			r.sess.PutPermit(p)
+		}()
+	}
+	return func() []error { wg.Wait(); return errs }, data
+}
+
+func (r *rig) verify(data [][]byte) {
+	r.t.Helper()
+	for i, d := range data {
+		got, err := r.read(uint64(i*len(d)), len(d))
+		if err != nil {
+			r.t.Fatalf("read back %d: %v", i, err)
+		}
+		if !bytes.Equal(got, d) {
+			r.t.Fatalf("block %d: read back other data than written: got %x.. want %x.., disk %x..", i, got[:4], d[:4], r.disk.bytes(i*len(d), 4))
+		}
+	}
+}
+
+func noErrors(t *testing.T, errs []error) {
+	t.Helper()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("request %d failed: %v", i, err)
+		}
+	}
+}
+
+func (d *memDisk) holdIO() func() {
+	d.hold = make(chan struct{})
+	var once sync.Once
+	return func() { once.Do(func() { close(d.hold) }) }
+}
+
+// TestFailoverInFlightMem kills one of two paths while requests are in
+// flight on both: the dead path's requests move silently to the other.
+func TestFailoverInFlightMem(t *testing.T) {
+	net, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	release := disk.holdIO()
+	defer release()
+	srvAddr := ap("10.2.0.1:1234")
+	scfg := testServerConfig(fab, disk, srvAddr)
+	ccfg := testClientConfig(fab, pa("10.2.0.2", "10.2.0.1:1234"), pa("10.2.0.3", "10.2.0.1:1234"))
+	ccfg.MPPolicy = MPRoundRobin
+	r := newRig(t, fab, scfg, ccfg)
+	wait, data := r.inflight(32, 4096)
+	waitFor(t, 10*time.Second, "requests at the server", func() bool {
+		return srvInflight(r.srv) == 32
+	})
+	paths := r.sess.Paths()
+	onA := paths[0].Stats().Counters().Inflight
+	if onA == 0 || onA == 32 {
+		t.Fatalf("%d of 32 requests on the first path: round robin should spread them", onA)
+	}
+	net.Cut(netip.MustParseAddr("10.2.0.2"), srvAddr.Addr())
+	// The dead path's requests reach the server again on the other path.
+	waitFor(t, 10*time.Second, "failed-over requests at the server", func() bool {
+		return paths[1].Stats().Counters().FailoverCount == uint64(onA)
+	})
+	release()
+	noErrors(t, wait())
+	if c := paths[1].Stats().Counters(); c.Inflight != 0 || c.FailoverCount != uint64(onA) {
+		t.Fatalf("surviving path: %+v, want failover_cnt %d", c, onA)
+	}
+	waitFor(t, 10*time.Second, "the cut path to reconnect", func() bool {
+		return paths[0].State() == PathConnected
+	})
+	if c := paths[0].Stats().Counters(); c.ReconnectsSuccessful != 1 || c.Inflight != 0 {
+		t.Fatalf("reconnected path: %+v", c)
+	}
+	r.verify(data)
+}
+
+func srvInflight(s *Server) int64 {
+	var n int64
+	for _, x := range s.Sessions() {
+		for _, p := range x.Paths() {
+			n += p.Stats().Inflight()
+		}
+	}
+	return n
+}
+
+// TestFailoverInFlightTCP does the same over TCP sockets: the server drops
+// one path while both carry requests.
+func TestFailoverInFlightTCP(t *testing.T) {
+	fab := tcp.New(tcp.Options{})
+	dst := loopbackListener(t)
+	disk := newMemDisk(1 << 20)
+	release := disk.holdIO()
+	defer release()
+	scfg := testServerConfig(fab, disk, dst)
+	ccfg := testClientConfig(fab, pa("127.0.0.1", dst.String()), pa("127.0.0.2", dst.String()))
+	ccfg.MPPolicy = MPRoundRobin
+	r := newRig(t, fab, scfg, ccfg)
+	wait, data := r.inflight(32, 8192)
+	waitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 32 })
+	paths := r.sess.Paths()
+	onA := paths[0].Stats().Counters().Inflight
+	var victim *SrvPath
+	for _, p := range r.srv.Sessions()[0].Paths() {
+		if p.ClientAddr().Addr() == netip.MustParseAddr("127.0.0.1") {
+			victim = p
+		}
+	}
+	victim.Disconnect()
+	waitFor(t, 10*time.Second, "failed-over requests", func() bool {
+		return paths[1].Stats().Counters().FailoverCount == uint64(onA)
+	})
+	release()
+	noErrors(t, wait())
+	waitFor(t, 10*time.Second, "the path to reconnect", func() bool { return paths[0].State() == PathConnected })
+	r.verify(data)
+}
+
+// TestNoPathFailFast: with no_path_timeout 0 a request fails at once
+// when no path is connected, as in the kernel.
+func TestNoPathFailFast(t *testing.T) {
+	net, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	srvAddr := ap("10.3.0.1:1234")
+	ccfg := testClientConfig(fab, pa("10.3.0.2", srvAddr.String()))
+	ccfg.NoPathTimeout = 0
+	r := newRig(t, fab, testServerConfig(fab, disk, srvAddr), ccfg)
+	net.SetLink(netip.MustParseAddr("10.3.0.2"), srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "the path to go down", func() bool { return !r.sess.Connected() })
+	err := r.write(0, []byte("x"))
+	if !errors.Is(err, ErrNoPath) || !errors.Is(err, syscall.ECONNABORTED) {
+		t.Fatalf("write without a path: %v, want ECONNABORTED", err)
+	}
+}
+
+// TestNoPathQueue: requests in flight when the only path dies, and new
+// ones, wait for the path to come back and then succeed.
+func TestNoPathQueue(t *testing.T) {
+	net, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	release := disk.holdIO()
+	srvAddr := ap("10.4.0.1:1234")
+	cli := netip.MustParseAddr("10.4.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.NoPathTimeout = time.Minute
+	var evMu sync.Mutex
+	var events []ClientLinkEvent
+	ccfg.LinkEvent = func(ev ClientLinkEvent) {
+		evMu.Lock()
+		events = append(events, ev)
+		evMu.Unlock()
+	}
+	r := newRig(t, fab, testServerConfig(fab, disk, srvAddr), ccfg)
+	wait, data := r.inflight(8, 4096)
+	waitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 8 })
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "requests to wait for a path", func() bool { return r.sess.Pending() == 8 })
+	release() // the server's answers go nowhere: the path is gone
+	// A new request while no path exists waits too.
+	late := make(chan error, 1)
+	go func() { late <- r.write(8*4096, bytes.Repeat([]byte{9}, 4096)) }()
+	waitFor(t, 10*time.Second, "the new request to wait", func() bool { return r.sess.Pending() == 9 })
+	time.Sleep(100 * time.Millisecond) // several reconnect attempts fail meanwhile
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	noErrors(t, wait())
+	if err := <-late; err != nil {
+		t.Fatalf("request issued without a path: %v", err)
+	}
+	data = append(data, bytes.Repeat([]byte{9}, 4096))
+	r.verify(data)
+	c := r.sess.Paths()[0].Stats().Counters()
+	if c.ReconnectsFailed == 0 || c.ReconnectsSuccessful != 1 {
+		t.Fatalf("reconnects %d/%d, want some failed and 1 successful", c.ReconnectsSuccessful, c.ReconnectsFailed)
+	}
+	evMu.Lock()
+	defer evMu.Unlock()
+	if fmt.Sprint(events) != "[DISCONNECTED RECONNECTED]" {
+		t.Fatalf("link events %v", events)
+	}
+}
+
+// TestNoPathTimeout: waiting requests fail with ECONNABORTED once
+// no_path_timeout passes, not before.
+func TestNoPathTimeout(t *testing.T) {
+	net, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	srvAddr := ap("10.5.0.1:1234")
+	cli := netip.MustParseAddr("10.5.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.NoPathTimeout = 300 * time.Millisecond
+	r := newRig(t, fab, testServerConfig(fab, disk, srvAddr), ccfg)
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "the path to go down", func() bool { return !r.sess.Connected() })
+	start := time.Now()
+	err := r.write(0, []byte("x"))
+	el := time.Since(start)
+	if !errors.Is(err, syscall.ECONNABORTED) {
+		t.Fatalf("write: %v, want ECONNABORTED", err)
+	}
+	if el < 300*time.Millisecond || el > 5*time.Second {
+		t.Fatalf("failed after %v, want about 300ms", el)
+	}
+	// A shorter timeout applies to new requests at once.
+	if err := r.sess.SetNoPathTimeout(0); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.write(0, []byte("x")); !errors.Is(err, ErrNoPath) {
+		t.Fatalf("write with no_path_timeout 0: %v", err)
+	}
+}
+
+// TestServerRestart: the server goes away and a new one comes up on the
+// same address; the session reconnects (first_conn creates the new server
+// session) and a request in flight across the restart succeeds.
+func TestServerRestart(t *testing.T) {
+	_, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	srvAddr := ap("10.6.0.1:1234")
+	ccfg := testClientConfig(fab, pa("10.6.0.2", srvAddr.String()), pa("10.6.0.3", srvAddr.String()))
+	scfg := testServerConfig(fab, disk, srvAddr)
+	r := newRig(t, fab, scfg, ccfg)
+	if err := r.write(0, []byte("before")); err != nil {
+		t.Fatal(err)
+	}
+	r.srv.Close()
+	waitFor(t, 10*time.Second, "both paths to go down", func() bool { return !r.sess.Connected() })
+	done := make(chan error, 1)
+	go func() { done <- r.write(4096, []byte("during")) }()
+	waitFor(t, 10*time.Second, "the request to wait", func() bool { return r.sess.Pending() == 1 })
+	srv2, err := NewServer(scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv2.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("request across the restart: %v", err)
+	}
+	waitFor(t, 10*time.Second, "both paths back", func() bool {
+		for _, p := range r.sess.Paths() {
+			if p.State() != PathConnected {
+				return false
+			}
+		}
+		return true
+	})
+	if n := len(srv2.Sessions()); n != 1 {
+		t.Fatalf("new server has %d sessions", n)
+	}
+	if got := disk.bytes(0, 6); string(got) != "before" {
+		t.Fatalf("disk: %q", got)
+	}
+	got, err := r.read(4096, 6)
+	if err != nil || string(got) != "during" {
+		t.Fatalf("read after restart: %q %v", got, err)
+	}
+}

@@ -1,0 +1,105 @@
+package rtrs
+
+import (
+	"testing"
+)
+
+// TestPathStateTable checks all 7x7 transitions against the table of
+// rtrs_clt_change_state, written out here independently of state.go.
+func TestPathStateTable(t *testing.T) {
+	states := []PathState{PathConnecting, PathConnectingErr, PathReconnecting, PathConnected, PathClosing, PathClosed, PathDead}
+	allowed := map[[2]PathState]bool{
+		{PathReconnecting, PathConnecting}: true,
+
+		{PathConnected, PathReconnecting}:     true,
+		{PathConnectingErr, PathReconnecting}: true,
+		{PathClosed, PathReconnecting}:        true,
+
+		{PathConnecting, PathConnected}: true,
+
+		{PathConnecting, PathConnectingErr}: true,
+
+		{PathConnecting, PathClosing}:    true,
+		{PathConnectingErr, PathClosing}: true,
+		{PathReconnecting, PathClosing}:  true,
+		{PathConnected, PathClosing}:     true,
+
+		{PathClosing, PathClosed}: true,
+
+		{PathClosed, PathDead}: true,
+	}
+	n := 0
+	for _, from := range states {
+		for _, to := range states {
+			want := allowed[[2]PathState{from, to}]
+			p := &Path{stateCh: make(chan struct{})}
+			p.state.Store(int32(from))
+			ch := p.stateCh
+			p.mu.Lock()
+			got := p.changeStateLocked(to)
+			p.mu.Unlock()
+			if got != want {
+				t.Errorf("%v -> %v: changed=%v, want %v", from, to, got, want)
+			}
+			if got {
+				n++
+				if p.State() != to {
+					t.Errorf("%v -> %v: state is %v", from, to, p.State())
+				}
+				select {
+				case <-ch:
+				default:
+					t.Errorf("%v -> %v: waiters not woken", from, to)
+				}
+			} else if p.State() != from {
+				t.Errorf("%v -> %v refused but state is %v", from, to, p.State())
+			}
+		}
+	}
+	if n != len(allowed) {
+		t.Fatalf("%d transitions allowed, want %d", n, len(allowed))
+	}
+}
+
+func TestPathStateFromTo(t *testing.T) {
+	p := &Path{stateCh: make(chan struct{})}
+	p.state.Store(int32(PathConnected))
+	if p.changeStateFromTo(PathConnecting, PathConnectingErr) {
+		t.Fatal("from-to changed a path that was not in the from state")
+	}
+	if !p.changeStateFromTo(PathConnected, PathReconnecting) || p.State() != PathReconnecting {
+		t.Fatal("CONNECTED -> RECONNECTING refused")
+	}
+	if ok, old := p.changeStateGetOld(PathConnected); ok || old != PathReconnecting {
+		t.Fatalf("RECONNECTING -> CONNECTED: changed=%v old=%v", ok, old)
+	}
+}
+
+func TestSrvStateTable(t *testing.T) {
+	states := []SrvPathState{SrvPathConnecting, SrvPathConnected, SrvPathClosing, SrvPathClosed}
+	allowed := map[[2]SrvPathState]bool{
+		{SrvPathConnecting, SrvPathConnected}: true,
+		{SrvPathConnecting, SrvPathClosing}:   true,
+		{SrvPathConnected, SrvPathClosing}:    true,
+		{SrvPathClosing, SrvPathClosed}:       true,
+	}
+	for _, from := range states {
+		for _, to := range states {
+			p := &SrvPath{}
+			p.state.Store(int32(from))
+			got := p.changeState(to)
+			if want := allowed[[2]SrvPathState{from, to}]; got != want {
+				t.Errorf("%v -> %v: changed=%v, want %v", from, to, got, want)
+			}
+		}
+	}
+}
+
+func TestStateStrings(t *testing.T) {
+	if PathConnected.SysfsString() != "connected" || PathReconnecting.SysfsString() != "disconnected" {
+		t.Fatal("sysfs state strings")
+	}
+	if PathConnectingErr.String() != "CONNECTING_ERR" || PathDead.String() != "DEAD" {
+		t.Fatal("state names")
+	}
+}
