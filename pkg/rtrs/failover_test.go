@@ -65,10 +65,18 @@ func noErrors(t *testing.T, errs []error) {
 	}
 }
 
+// holdIO makes the disk hold every IO until the returned release is
+// called.
 func (d *memDisk) holdIO() func() {
-	d.hold = make(chan struct{})
+	h := make(chan struct{})
+	d.hold.Store(&h)
 	var once sync.Once
-	return func() { once.Do(func() { close(d.hold) }) }
+	return func() {
+		once.Do(func() {
+			d.hold.Store(nil)
+			close(h)
+		})
+	}
 }
 
 // TestFailoverInFlightMem kills one of two paths while requests are in

@@ -51,6 +51,9 @@ func testWriteRead(t *testing.T, fab fabric.Fabric, dst netip.AddrPort, alwaysIn
 		}
 	}
 	r.assertHealthy()
+	if ev := disk.linkEvents(); len(ev) != 1 || ev[0] != SrvLinkConnected {
+		t.Fatalf("server link events %v, want [CONNECTED]", ev)
+	}
 }
 
 func TestWriteReadMem(t *testing.T) {

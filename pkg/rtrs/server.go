@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -795,23 +797,25 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 	if int(off)+2 > len(chunk) {
 		return fmt.Errorf("message at offset %d past the chunk", off)
 	}
-	op := &p.ops[msgID]
-	var usrLen int
+	// Decode into locals: the op may still belong to a request in flight
+	// until the busy flag is won below.
+	var (
+		usrLen int
+		dir    Dir
+		rd     RDMARead
+	)
 	switch typ := le.Uint16(chunk[off:]); typ {
 	case MsgWrite:
 		var m RDMAWrite
 		if err := m.Decode(chunk[off:]); err != nil {
 			return err
 		}
-		usrLen = int(m.UsrLen)
-		op.dir = Write
-		op.rd = RDMARead{}
+		usrLen, dir = int(m.UsrLen), Write
 	case MsgRead:
-		if err := op.rd.Decode(chunk[off:]); err != nil {
+		if err := rd.Decode(chunk[off:]); err != nil {
 			return err
 		}
-		usrLen = int(op.rd.UsrLen)
-		op.dir = Read
+		usrLen, dir = int(rd.UsrLen), Read
 	default:
 		return fmt.Errorf("unknown message type %d", typ)
 	}
@@ -819,13 +823,14 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 		return fmt.Errorf("usr_len %d > offset %d", usrLen, off)
 	}
 	dataLen := int(off) - usrLen
-	if op.dir == Read && op.rd.SGCnt == 1 && (op.rd.Desc.Len == 0 || int(op.rd.Desc.Len) > dataLen) {
-		return fmt.Errorf("read descriptor of %d bytes for %d bytes of data", op.rd.Desc.Len, dataLen)
+	if dir == Read && rd.SGCnt == 1 && (rd.Desc.Len == 0 || int(rd.Desc.Len) > dataLen) {
+		return fmt.Errorf("read descriptor of %d bytes for %d bytes of data", rd.Desc.Len, dataLen)
 	}
+	op := &p.ops[msgID]
 	if !op.busy.CompareAndSwap(false, true) {
 		return fmt.Errorf("request for chunk %d, which is still in use", msgID)
 	}
-	op.con = c
+	op.con, op.dir, op.rd = c, dir, rd
 	op.data = chunk[:dataLen]
 	op.usr = chunk[dataLen:off]
 	p.stats.update(op.dir, int(off))
@@ -1068,7 +1073,13 @@ func (c *srvConn) violation(msg string, err error) {
 }
 
 func (c *srvConn) Disconnected(err error) {
-	c.path.rl.Log(c.path.lg().WithField("cid", c.cid).WithError(err), log.InfoLevel, "connection lost")
+	// A peer hanging up is routine; anything else (a remote access
+	// violation, a protocol error) is worth a warning.
+	level := log.WarnLevel
+	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET) {
+		level = log.InfoLevel
+	}
+	c.path.rl.Log(c.path.lg().WithField("cid", c.cid).WithError(err), level, "connection lost")
 	c.path.close("connection lost")
 }
 

@@ -1,0 +1,258 @@
+package rtrs
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/netip"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+)
+
+func counters(p *Path) StatsCounters { return p.Stats().Counters() }
+
+// TestReconnectLimit: after max_reconnect_attempts failed attempts the
+// path closes and stays closed until a manual reconnect.
+func TestReconnectLimit(t *testing.T) {
+	net, fab := memNet()
+	srvAddr := ap("10.7.0.1:1234")
+	cli := netip.MustParseAddr("10.7.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.MaxReconnectAttempts = 2
+	ccfg.NoPathTimeout = 0
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	p := r.sess.Paths()[0]
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	if c := counters(p); c.ReconnectsFailed != 2 || c.ReconnectsSuccessful != 0 {
+		t.Fatalf("reconnects %d/%d, want 0 successful, 2 failed", c.ReconnectsSuccessful, c.ReconnectsFailed)
+	}
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	time.Sleep(300 * time.Millisecond) // longer than the reconnect delays
+	if p.State() != PathClosed {
+		t.Fatalf("path is %v after giving up, want CLOSED", p.State())
+	}
+	if err := p.Reconnect(context.Background()); err != nil {
+		t.Fatalf("manual reconnect: %v", err)
+	}
+	if p.State() != PathConnected || counters(p).ReconnectsSuccessful != 1 {
+		t.Fatalf("after manual reconnect: %v %+v", p.State(), counters(p))
+	}
+	if err := r.write(0, []byte("ok")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReconnectDisabled: max_reconnect_attempts 0 closes at once.
+func TestReconnectDisabled(t *testing.T) {
+	net, fab := memNet()
+	srvAddr := ap("10.8.0.1:1234")
+	cli := netip.MustParseAddr("10.8.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.MaxReconnectAttempts = 0
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	p := r.sess.Paths()[0]
+	net.Cut(cli, srvAddr.Addr())
+	waitFor(t, 10*time.Second, "the path to close", func() bool { return p.State() == PathClosed })
+	if c := counters(p); c.ReconnectsFailed != 0 {
+		t.Fatalf("%d reconnect attempts with the limit at 0", c.ReconnectsFailed)
+	}
+}
+
+// TestReconnectForever: -1 keeps trying until the link returns.
+func TestReconnectForever(t *testing.T) {
+	net, fab := memNet()
+	srvAddr := ap("10.9.0.1:1234")
+	cli := netip.MustParseAddr("10.9.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.MaxReconnectAttempts = -1
+	ccfg.ReconnectMaxDelay = 20 * time.Millisecond
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	p := r.sess.Paths()[0]
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "failed attempts", func() bool { return counters(p).ReconnectsFailed >= 5 })
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	waitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == PathConnected })
+	// A manual reconnect while it keeps failing reports ENOTCONN.
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == PathReconnecting })
+	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("reconnect over a dead link: %v, want ENOTCONN", err)
+	}
+}
+
+// TestPathControls: disconnect, reconnect, remove and add_path with the
+// kernel's blocking behaviour and return values, under IO.
+func TestPathControls(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.10.0.1:1234")
+	ccfg := testClientConfig(fab, pa("10.10.0.2", srvAddr.String()), pa("10.10.0.3", srvAddr.String()))
+	ccfg.MPPolicy = MPRoundRobin
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	a, b := r.sess.Paths()[0], r.sess.Paths()[1]
+	io := func(n int) {
+		t.Helper()
+		for i := 0; i < n; i++ {
+			d := bytes.Repeat([]byte{byte(i)}, 1024)
+			if err := r.write(uint64(i*1024), d); err != nil {
+				t.Fatal(err)
+			}
+			if got, err := r.read(uint64(i*1024), 1024); err != nil || !bytes.Equal(got, d) {
+				t.Fatalf("read back: %v", err)
+			}
+		}
+	}
+	if err := a.Disconnect(); err != nil || a.State() != PathClosed {
+		t.Fatalf("disconnect: %v, state %v", err, a.State())
+	}
+	if err := a.Disconnect(); err != nil {
+		t.Fatalf("second disconnect: %v", err)
+	}
+	before := counters(a).WriteCount
+	io(10)
+	if counters(a).WriteCount != before {
+		t.Fatal("IO went to a disconnected path")
+	}
+	time.Sleep(200 * time.Millisecond)
+	if a.State() != PathClosed {
+		t.Fatalf("a disconnected path reconnected by itself: %v", a.State())
+	}
+	if err := a.Reconnect(context.Background()); err != nil || a.State() != PathConnected {
+		t.Fatalf("reconnect: %v, state %v", err, a.State())
+	}
+	// Reconnecting a connected path tears it down and connects again.
+	if err := b.Reconnect(context.Background()); err != nil || b.State() != PathConnected {
+		t.Fatalf("reconnect of a connected path: %v, state %v", err, b.State())
+	}
+	io(10)
+	if err := a.Remove(); err != nil {
+		t.Fatalf("remove: %v", err)
+	}
+	if ps := r.sess.Paths(); len(ps) != 1 || ps[0] != b {
+		t.Fatalf("paths after remove: %v", ps)
+	}
+	if a.State() != PathDead {
+		t.Fatalf("removed path is %v, want DEAD", a.State())
+	}
+	if err := a.Reconnect(context.Background()); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("reconnect of a removed path: %v, want ENODEV", err)
+	}
+	io(10)
+	c, err := r.sess.AddPath(context.Background(), pa("10.10.0.4", srvAddr.String()))
+	if err != nil || c.State() != PathConnected || len(r.sess.Paths()) != 2 {
+		t.Fatalf("add_path: %v", err)
+	}
+	// add_path to an address nobody listens on fails and leaves no path.
+	if _, err := r.sess.AddPath(context.Background(), pa("10.10.0.5", "10.10.0.99:1234")); err == nil {
+		t.Fatal("add_path to nowhere succeeded")
+	}
+	if n := len(r.sess.Paths()); n != 2 {
+		t.Fatalf("%d paths after a failed add_path", n)
+	}
+	// The server refuses a second path with the same addresses (EEXIST).
+	if _, err := r.sess.AddPath(context.Background(), pa("10.10.0.4", srvAddr.String())); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("duplicate add_path: %v, want EEXIST", err)
+	}
+	io(10)
+	for _, p := range r.sess.Paths() {
+		if counters(p).FailoverCount != 0 {
+			t.Fatalf("path %s failed over IO during clean controls", p.Name())
+		}
+	}
+}
+
+// TestRemoveLastPathThenAdd: with every path removed the server drops the
+// session; a new path must be allowed to create it again (first_conn).
+func TestRemoveLastPathThenAdd(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.11.0.1:1234")
+	ccfg := testClientConfig(fab, pa("10.11.0.2", srvAddr.String()))
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	if err := r.sess.Paths()[0].Remove(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the server to drop the session", func() bool { return len(r.srv.Sessions()) == 0 })
+	if _, err := r.sess.AddPath(context.Background(), pa("10.11.0.2", srvAddr.String())); err != nil {
+		t.Fatalf("add_path after removing all: %v", err)
+	}
+	if err := r.write(0, []byte("again")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestQueueDepthChanged: a server that comes back with another queue
+// depth is refused and auto-reconnect stops, as in the kernel; a manual
+// reconnect works once the server is right again.
+func TestQueueDepthChanged(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.12.0.1:1234")
+	disk := newMemDisk(1 << 20)
+	scfg := testServerConfig(fab, disk, srvAddr)
+	ccfg := testClientConfig(fab, pa("10.12.0.2", srvAddr.String()))
+	ccfg.NoPathTimeout = 0
+	r := newRig(t, fab, scfg, ccfg)
+	p := r.sess.Paths()[0]
+	r.srv.Close()
+	scfg2 := scfg
+	scfg2.QueueDepth = 32
+	srv2, err := NewServer(scfg2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("manual reconnect to the wrong queue depth: %v", err)
+	}
+	srv2.Close()
+	srv3, err := NewServer(scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv3.Close()
+	if err := p.Reconnect(context.Background()); err != nil {
+		t.Fatalf("manual reconnect to the right queue depth: %v", err)
+	}
+	if err := r.write(0, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestConfigLimits: the runtime knobs refuse what sysfs refuses.
+func TestConfigLimits(t *testing.T) {
+	s := &Session{}
+	for _, n := range []int{-2, 10000} {
+		if err := s.SetMaxReconnectAttempts(n); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("max_reconnect_attempts %d: %v", n, err)
+		}
+	}
+	for _, n := range []int{-1, 0, 9999} {
+		if err := s.SetMaxReconnectAttempts(n); err != nil || s.MaxReconnectAttempts() != n {
+			t.Errorf("max_reconnect_attempts %d: %v", n, err)
+		}
+	}
+	if err := s.SetNoPathTimeout(-time.Second); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("negative no_path_timeout: %v", err)
+	}
+	cfg := DefaultClientConfig()
+	cfg.SessName, cfg.Paths = "x", []PathAddr{{Dst: ap("1.2.3.4:1")}}
+	cfg.Fabric = fabrictest.NewNetwork().Fabric()
+	for name, mut := range map[string]func(*ClientConfig){
+		"bad name":      func(c *ClientConfig) { c.SessName = "a.b" },
+		"no paths":      func(c *ClientConfig) { c.Paths = nil },
+		"no fabric":     func(c *ClientConfig) { c.Fabric = nil },
+		"zero conns":    func(c *ClientConfig) { c.ConnsPerPath = 0 },
+		"bad policy":    func(c *ClientConfig) { c.MPPolicy = 9 },
+		"bad attempts":  func(c *ClientConfig) { c.MaxReconnectAttempts = -3 },
+		"zero hb":       func(c *ClientConfig) { c.HBInterval = 0 },
+		"negative wait": func(c *ClientConfig) { c.NoPathTimeout = -1 },
+	} {
+		c := cfg
+		mut(&c)
+		if _, err := Open(context.Background(), c); err == nil {
+			t.Errorf("%s: Open succeeded", name)
+		}
+	}
+}
