@@ -21,6 +21,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/demo"
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -57,7 +58,7 @@ func newRootCommand() *cobra.Command {
 func newServerCommand() *cobra.Command {
 	var (
 		listen    []string
-		size      int64
+		size      = units.Size(64 << 20)
 		qd        int
 		chunk     int
 		inv       bool
@@ -79,6 +80,7 @@ func newServerCommand() *cobra.Command {
 				addrs = append(addrs, a)
 			}
 			backend := demo.NewBackend(int(size))
+
 			cfg := rtrs.DefaultServerConfig()
 			cfg.Fabric, cfg.Handler, cfg.Listen = tcp.New(tcp.Options{}), backend, addrs
 			cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate = qd, chunk, inv
@@ -92,8 +94,8 @@ func newServerCommand() *cobra.Command {
 			for _, a := range srv.Addrs() {
 				bound = append(bound, "tcp://"+a.String())
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "rtrs-demo server: listening on %s, %d MiB of memory, queue depth %d, chunk %d, always_invalidate %v\n",
-				strings.Join(bound, " "), size>>20, qd, chunk, inv)
+			fmt.Fprintf(cmd.OutOrStdout(), "rtrs-demo server: listening on %s, %v of memory, queue depth %d, chunk %d, always_invalidate %v\n",
+				strings.Join(bound, " "), &size, qd, chunk, inv)
 			if readyFile != "" {
 				if err := os.WriteFile(readyFile, []byte(strings.Join(bound, "\n")+"\n"), 0o644); err != nil {
 					return err
@@ -108,7 +110,7 @@ func newServerCommand() *cobra.Command {
 	}
 	f := cmd.Flags()
 	f.StringArrayVar(&listen, "listen", []string{"tcp://127.0.0.1:1234"}, "address to listen on, tcp://HOST[:PORT] (repeatable)")
-	f.Int64Var(&size, "size", 64<<20, "bytes of memory to serve")
+	f.Var(&size, "size", "memory to serve (bytes, or K, M, G)")
 	f.IntVar(&qd, "queue-depth", rtrs.DefaultQueueDepth, "chunks per session")
 	f.IntVar(&chunk, "chunk-size", rtrs.DefaultMaxChunkSize, "bytes per chunk (a power of two)")
 	f.BoolVar(&inv, "always-invalidate", true, "rotate each chunk's rkey after every IO")
@@ -144,7 +146,7 @@ func newLoadCommand() *cobra.Command {
 		port        uint16
 		conns       int
 		policy      string
-		size        int64
+		size        = units.Size(64 << 20)
 		bs          int
 		qd          int
 		writePct    int
@@ -193,11 +195,11 @@ func newLoadCommand() *cobra.Command {
 			if !jsonOut {
 				fmt.Fprintf(out, "session %s: %d paths connected, queue depth %d, max IO %d bytes, policy %s\n",
 					sess.Name(), len(sess.Paths()), sess.QueueDepth(), sess.MaxIOSize(), sess.MPPolicy())
-				fmt.Fprintf(out, "running %d%% writes of %d bytes at queue depth %d over %d MiB for %v...\n",
-					writePct, bs, qd, size>>20, duration)
+				fmt.Fprintf(out, "running %d%% writes of %d bytes at queue depth %d over %v for %v...\n",
+					writePct, bs, qd, &size, duration)
 			}
 			res, runErr := demo.Run(ctx, demo.LoadConfig{
-				Session: sess, Size: size, BlockSize: bs, QueueDepth: qd,
+				Session: sess, Size: int64(size), BlockSize: bs, QueueDepth: qd,
 				WritePct: writePct, Duration: duration, IOs: ios, Seed: uint64(time.Now().UnixNano()),
 			})
 			rep := loadReport{Session: sess.Name(), Policy: sess.MPPolicy().Name(), Result: res, Duration: res.Elapsed.String()}
@@ -235,7 +237,7 @@ func newLoadCommand() *cobra.Command {
 	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
 	f.IntVar(&conns, "conns-per-path", 0, "IO connections per path (default: number of CPUs)")
 	f.StringVar(&policy, "mpath-policy", "min-inflight", "round-robin, min-inflight or min-latency")
-	f.Int64Var(&size, "size", 64<<20, "bytes of the server's memory to use")
+	f.Var(&size, "size", "how much of the server's memory to use (bytes, or K, M, G)")
 	f.IntVar(&bs, "bs", 4096, "IO size in bytes")
 	f.IntVar(&qd, "qd", 32, "requests in flight")
 	f.IntVar(&writePct, "write-pct", 50, "share of writes in percent")

@@ -22,7 +22,7 @@ import (
 type memDisk struct {
 	mu    sync.Mutex
 	b     []byte
-	async bool          // answer from another goroutine
+	async bool                          // answer from another goroutine
 	hold  atomic.Pointer[chan struct{}] // if set, IO waits for it to be closed
 	ios   atomic.Int64
 

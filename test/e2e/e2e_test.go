@@ -1,0 +1,135 @@
+// Package e2e runs the real binaries as processes: as root, in network
+// namespaces joined by veth pairs, so paths can be cut like cables.
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+var binDir string
+
+// TestMain builds the binaries once for every test of the package.
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "rnbd-e2e-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binDir = dir
+	root, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "go env GOMOD:", err)
+		os.Exit(1)
+	}
+	build := exec.Command("go", "build", "-o", dir+"/", "./cmd/...")
+	build.Dir = filepath.Dir(strings.TrimSpace(string(root)))
+	if out, err := build.CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "building the binaries: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func bin(name string) string { return filepath.Join(binDir, name) }
+
+// requireRoot skips unless the test can create network namespaces.
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces and veth pairs (CI runs as root)")
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		t.Skip("needs ip from iproute2 (make deps installs it)")
+	}
+}
+
+func sh(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// netns creates a namespace with loopback up and removes it at the end.
+func netns(t *testing.T, name string) string {
+	t.Helper()
+	exec.Command("ip", "netns", "del", name).Run() // a leftover of a killed run
+	sh(t, "ip", "netns", "add", name)
+	t.Cleanup(func() { exec.Command("ip", "netns", "del", name).Run() })
+	sh(t, "ip", "-n", name, "link", "set", "lo", "up")
+	return name
+}
+
+// veth joins two namespaces with a pair of interfaces and addresses.
+func veth(t *testing.T, nsA, ifA, addrA, nsB, ifB, addrB string) {
+	t.Helper()
+	sh(t, "ip", "link", "add", ifA, "netns", nsA, "type", "veth", "peer", "name", ifB, "netns", nsB)
+	sh(t, "ip", "-n", nsA, "addr", "add", addrA, "dev", ifA)
+	sh(t, "ip", "-n", nsB, "addr", "add", addrB, "dev", ifB)
+	sh(t, "ip", "-n", nsA, "link", "set", ifA, "up")
+	sh(t, "ip", "-n", nsB, "link", "set", ifB, "up")
+}
+
+// proc is a background process the test started.
+type proc struct {
+	cmd  *exec.Cmd
+	out  bytes.Buffer
+	done chan error
+}
+
+func start(t *testing.T, args ...string) *proc {
+	t.Helper()
+	p := &proc{cmd: exec.Command(args[0], args[1:]...), done: make(chan error, 1)}
+	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.done <- p.cmd.Wait() }()
+	t.Cleanup(func() {
+		select {
+		case <-p.done:
+		default:
+			p.cmd.Process.Kill()
+			<-p.done
+		}
+	})
+	return p
+}
+
+// wait waits for the process to exit within d.
+func (p *proc) wait(t *testing.T, d time.Duration) error {
+	t.Helper()
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return err
+	case <-time.After(d):
+		t.Fatalf("%s did not finish within %v\n%s", p.cmd.Path, d, p.out.String())
+	}
+	return nil
+}
+
+func waitFile(t *testing.T, path string, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s did not appear within %v", path, d)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
