@@ -207,6 +207,7 @@ type Session struct {
 	pendTimer *time.Timer
 
 	closed    atomic.Bool
+	closedCh  chan struct{} // closed by Close: wakes GetPermit
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
@@ -218,7 +219,7 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Session{cfg: cfg, name: cfg.SessName}
+	s := &Session{cfg: cfg, name: cfg.SessName, closedCh: make(chan struct{})}
 	if _, err := rand.Read(s.uuid[:]); err != nil {
 		return nil, err
 	}
@@ -263,7 +264,9 @@ func (s *Session) initResources(qd int, maxHdr, maxIO uint32) error {
 		}
 		s.hdrMem = mem
 		s.regMu.Lock()
-		s.regions = append(s.regions, &Buffer{sess: s, idx: 0, mem: mem, b: mem.Bytes()})
+		// The server never writes into the header memory: it is
+		// registered for local access only.
+		s.regions = append(s.regions, &Buffer{sess: s, idx: 0, mem: mem, b: mem.Bytes(), local: true})
 		s.regMu.Unlock()
 		memBits := MemBits(uint32(qd))
 		s.permits = make([]Permit, qd)
@@ -433,6 +436,7 @@ func (s *Session) linkEvent(ev ClientLinkEvent) {
 func (s *Session) Close() error {
 	s.closeOnce.Do(func() {
 		s.closed.Store(true)
+		close(s.closedCh)
 		for _, p := range s.Paths() {
 			p.Remove()
 		}
@@ -494,6 +498,8 @@ func (s *Session) GetPermit(ctx context.Context, t ConType) (*Permit, error) {
 		p.held.Store(true)
 		p.conType = t
 		return p, nil
+	case <-s.closedCh:
+		return nil, ErrClosed
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
@@ -523,10 +529,11 @@ func (s *Session) PutPermit(p *Permit) {
 // Buffer is registered memory a request's data must live in: reads land
 // in it, writes are sent from it. Bytes stays valid until Free.
 type Buffer struct {
-	sess *Session
-	idx  int
-	mem  fabric.Memory
-	b    []byte
+	sess  *Session
+	idx   int
+	mem   fabric.Memory
+	b     []byte
+	local bool // no remote access: request headers
 }
 
 // Bytes returns the buffer's memory.

@@ -50,6 +50,9 @@ type Path struct {
 	cmds      chan pathCmd
 	recoverCh chan struct{}
 	done      chan struct{}
+	// connecting cancels the connection attempt the goroutine is in, so
+	// a disconnect or remove need not wait for it to time out.
+	connecting atomic.Pointer[context.CancelFunc]
 }
 
 // pathRes holds what one connection attempt of a path set up. It is built
@@ -286,6 +289,11 @@ func (p *Path) run() {
 }
 
 func (p *Path) do(ctx context.Context, op pathCmdOp) error {
+	if op == cmdDisconnect || op == cmdRemove {
+		if cancel := p.connecting.Load(); cancel != nil {
+			(*cancel)()
+		}
+	}
 	c := pathCmd{op: op, ctx: ctx, reply: make(chan error, 1)}
 	select {
 	case p.cmds <- c:
@@ -401,6 +409,8 @@ func (p *Path) closeConns() {
 func (p *Path) initPath(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, p.sess.cfg.ConnectTimeout)
 	defer cancel()
+	p.connecting.Store(&cancel)
+	defer p.connecting.Store(nil)
 	p.mu.Lock()
 	p.reconCnt++
 	p.mu.Unlock()
@@ -739,7 +749,11 @@ func (p *Path) registerResLocked(res *pathRes, b *Buffer) error {
 	if b.idx < len(old) && old[b.idx] != nil {
 		return nil
 	}
-	mr, err := res.pd.RegisterMR(b.b, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+	access := fabric.AccessLocalWrite | fabric.AccessRemoteWrite
+	if b.local {
+		access = fabric.AccessLocalWrite
+	}
+	mr, err := res.pd.RegisterMR(b.b, access)
 	if err != nil {
 		return err
 	}

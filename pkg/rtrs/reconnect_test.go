@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"syscall"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
@@ -254,5 +255,68 @@ func TestConfigLimits(t *testing.T) {
 		if _, err := Open(context.Background(), c); err == nil {
 			t.Errorf("%s: Open succeeded", name)
 		}
+	}
+}
+
+// TestRemoveWhileReconnecting: removing a path whose reconnect hangs on
+// a silent link does not wait for the connect timeout.
+func TestRemoveWhileReconnecting(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		net := fabrictest.NewNetwork()
+		fab := net.Fabric()
+		srvAddr := ap("10.14.0.1:1234")
+		cli := netip.MustParseAddr("10.14.0.2")
+		srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer srv.Close()
+		ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+		ccfg.ConnectTimeout = time.Minute
+		sess, err := Open(context.Background(), ccfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sess.Close()
+		p := sess.Paths()[0]
+		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkBlackhole)
+		net.Cut(cli, srvAddr.Addr())
+		time.Sleep(time.Second) // the reconnect attempt now hangs in its dial
+		synctest.Wait()
+		if p.State() != PathConnecting {
+			t.Fatalf("path is %v, want CONNECTING (a reconnect in progress)", p.State())
+		}
+		start := time.Now()
+		if err := p.Remove(); err != nil {
+			t.Fatal(err)
+		}
+		if d := time.Since(start); d > time.Second {
+			t.Fatalf("remove waited %v for the connect timeout", d)
+		}
+	})
+}
+
+// TestGetPermitWakesOnClose: a caller waiting for a permit learns that
+// the session closed.
+func TestGetPermitWakesOnClose(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.15.0.1:1234")
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), testClientConfig(fab, pa("10.15.0.2", srvAddr.String())))
+	for r.sess.TryGetPermit(IOCon) != nil {
+	}
+	got := make(chan error, 1)
+	go func() {
+		_, err := r.sess.GetPermit(context.Background(), IOCon)
+		got <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	r.sess.Close()
+	select {
+	case err := <-got:
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("GetPermit: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("GetPermit still waiting after Close")
 	}
 }

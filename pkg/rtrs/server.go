@@ -695,7 +695,6 @@ func (p *SrvPath) close(why string) {
 func (p *SrvPath) closeWork() {
 	x := p.sess
 	defer x.srv.wg.Done()
-	p.hb.stop()
 	p.zombie.Stop()
 	x.mu.Lock()
 	for p.accepting > 0 {
@@ -708,6 +707,8 @@ func (p *SrvPath) closeWork() {
 			c.qp.Close()
 		}
 	}
+	// Only now: a completion still running could have started it.
+	p.hb.stop()
 	for _, c := range conns {
 		if c != nil {
 			for _, op := range c.takeWaiting() {

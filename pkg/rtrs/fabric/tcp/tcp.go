@@ -46,6 +46,10 @@ type Options struct {
 	UserTimeout time.Duration
 	// Backlog is how many handshaken requests may wait for Accept (64).
 	Backlog int
+	// MaxHandshakes bounds the handshakes in progress at once (256):
+	// more connections are closed at once, so a flood costs sockets,
+	// not goroutines.
+	MaxHandshakes int
 }
 
 // Fabric is the TCP fabric. It is safe for concurrent use.
@@ -67,6 +71,9 @@ func New(opts Options) *Fabric {
 	}
 	if opts.Backlog <= 0 {
 		opts.Backlog = 64
+	}
+	if opts.MaxHandshakes <= 0 {
+		opts.MaxHandshakes = 256
 	}
 	if opts.Network == nil {
 		opts.Network = tcpNetwork{userTimeout: opts.UserTimeout}
@@ -223,10 +230,11 @@ func (f *Fabric) Listen(addr netip.AddrPort) (fabric.Listener, error) {
 		return nil, err
 	}
 	l := &listener{
-		fab:  f,
-		nl:   nl,
-		reqs: make(chan *connReq, f.opts.Backlog),
-		done: make(chan struct{}),
+		fab:   f,
+		nl:    nl,
+		reqs:  make(chan *connReq, f.opts.Backlog),
+		done:  make(chan struct{}),
+		slots: make(chan struct{}, f.opts.MaxHandshakes),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
@@ -238,6 +246,7 @@ type listener struct {
 	nl        net.Listener
 	reqs      chan *connReq
 	done      chan struct{}
+	slots     chan struct{} // one per handshake in progress
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
@@ -264,6 +273,12 @@ func (l *listener) acceptLoop() {
 			time.Sleep(10 * time.Millisecond) // EMFILE and friends: do not spin
 			continue
 		}
+		select {
+		case l.slots <- struct{}{}:
+		default:
+			nc.Close() // too many handshakes in progress
+			continue
+		}
 		l.wg.Add(1)
 		go l.handshake(nc)
 	}
@@ -273,6 +288,7 @@ func (l *listener) acceptLoop() {
 // Accept. A peer that sends garbage or nothing only costs its own socket.
 func (l *listener) handshake(nc net.Conn) {
 	defer l.wg.Done()
+	defer func() { <-l.slots }()
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
 	typ, priv, err := readHandshake(nc)
 	if err != nil || typ != hsREQ {
