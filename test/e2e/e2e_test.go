@@ -1,5 +1,3 @@
-// Package e2e runs the real binaries as processes: as root, in network
-// namespaces joined by veth pairs, so paths can be cut like cables.
 package e2e
 
 import (

@@ -279,7 +279,7 @@ func (c *conn) writer() {
 				}
 				*w = fabric.SendWR{}
 			}
-			clear(iov[:cap(iov)])
+			clear(iov) // drop the references to the buffers written
 		}
 	}
 }
