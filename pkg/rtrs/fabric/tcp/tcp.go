@@ -19,6 +19,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -96,12 +97,22 @@ func (f *Fabric) Resolve(ctx context.Context, src, dst netip.AddrPort) (fabric.D
 	return f.dev, nil
 }
 
-// AllocMemory returns Go memory: the TCP fabric never hands it to hardware.
+// AllocMemory returns Go memory (the TCP fabric never hands it to
+// hardware), aligned to 4 KiB so that chunks can be read and written with
+// O_DIRECT.
 func (f *Fabric) AllocMemory(n int) (fabric.Memory, error) {
 	if n <= 0 {
 		return nil, errors.New("tcp fabric: memory size must be positive")
 	}
-	return &heapMemory{b: make([]byte, n)}, nil
+	return &heapMemory{b: AlignedBytes(n)}, nil
+}
+
+// AlignedBytes returns n zeroed bytes whose first byte is 4 KiB aligned.
+func AlignedBytes(n int) []byte {
+	const align = 4096
+	b := make([]byte, n+align)
+	off := (align - int(uintptr(unsafe.Pointer(&b[0]))%align)) % align
+	return b[off : off+n : off+n]
 }
 
 type heapMemory struct{ b []byte }
