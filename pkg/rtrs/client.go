@@ -228,9 +228,12 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
 	s.noPathTimeout.Store(int64(cfg.NoPathTimeout))
 	s.pathsSnap.Store(&[]*Path{})
-	for i, pa := range cfg.Paths {
-		p := s.newPath(pa, i == 0)
-		s.addPathLocked(p)
+	for _, pa := range cfg.Paths {
+		p, err := s.addPath(pa)
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
 		if err := p.connect(ctx); err != nil {
 			s.Close()
 			return nil, fmt.Errorf("rtrs: open session %s: path %s: %w", s.name, pa, err)
@@ -255,7 +258,10 @@ func (s *Session) initResources(qd int, maxHdr, maxIO uint32) error {
 			return
 		}
 		s.queueDepth = qd
-		s.hdrSlot = int(maxHdr)
+		// The header room per permit is what the server allows, capped
+		// at a page as the kernel's server announces: that is plenty for
+		// any user message and keeps qd × slot small whatever it says.
+		s.hdrSlot = int(min(maxHdr, MaxHdrSize))
 		s.maxIOSize.Store(maxIO)
 		mem, err := s.cfg.Fabric.AllocMemory(qd * s.hdrSlot)
 		if err != nil {
@@ -353,12 +359,26 @@ func (s *Session) Connected() bool {
 	return false
 }
 
-func (s *Session) addPathLocked(p *Path) {
+// addPath creates a path, lists it and starts its goroutine, unless the
+// session is closed or full. A path added to a session with no path left
+// may create the session on the server again (the server may have dropped
+// it).
+func (s *Session) addPath(pa PathAddr) (*Path, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	if len(s.paths) >= MaxPathsNum {
+		return nil, fmt.Errorf("rtrs: session %s has %d paths already: %w", s.name, len(s.paths), syscall.EINVAL)
+	}
+	p := s.newPath(pa, len(s.paths) == 0)
 	s.paths = append(s.paths, p)
 	snap := append([]*Path(nil), s.paths...)
 	s.pathsSnap.Store(&snap)
+	s.wg.Add(1)
+	go p.run()
+	return p, nil
 }
 
 func (s *Session) removePath(p *Path) {
@@ -378,19 +398,10 @@ func (s *Session) removePath(p *Path) {
 // blocks until the path is connected or has failed; a failed path is
 // removed again.
 func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
-	if s.closed.Load() {
-		return nil, ErrClosed
+	p, err := s.addPath(pa)
+	if err != nil {
+		return nil, err
 	}
-	s.mu.Lock()
-	n := len(s.paths)
-	s.mu.Unlock()
-	if n >= MaxPathsNum {
-		return nil, fmt.Errorf("rtrs: session %s has %d paths already: %w", s.name, n, syscall.EINVAL)
-	}
-	// With no path left, the server may have dropped the session: the
-	// new path must be allowed to create it.
-	p := s.newPath(pa, n == 0)
-	s.addPathLocked(p)
 	if err := p.connect(ctx); err != nil {
 		p.Remove()
 		return nil, fmt.Errorf("rtrs: add path %s: %w", pa, err)
@@ -401,41 +412,39 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
 // pathUp counts a path that became connected and reports RECONNECTED when
 // it is the first after all were down (rtrs_clt_path_up).
 func (s *Session) pathUp() {
-	s.mu.Lock()
-	s.pathsUp++
-	ev := s.opened && s.pathsUp == 1
-	s.mu.Unlock()
-	if ev {
-		s.linkEvent(LinkReconnected)
-	}
+	s.pathEvent(+1, 1, LinkReconnected)
 	s.kickPending()
 }
 
 // pathDown reports DISCONNECTED when the last connected path went down.
-func (s *Session) pathDown() {
-	s.mu.Lock()
-	s.pathsUp--
-	ev := s.opened && s.pathsUp == 0
-	s.mu.Unlock()
-	if ev {
-		s.linkEvent(LinkDisconnected)
-	}
-}
+func (s *Session) pathDown() { s.pathEvent(-1, 0, LinkDisconnected) }
 
-func (s *Session) linkEvent(ev ClientLinkEvent) {
-	s.log.WithField("event", ev).Info("link event")
-	if s.cfg.LinkEvent == nil || s.closed.Load() {
-		return
-	}
+// pathEvent counts a path going up or down and reports ev when the count
+// reaches at. evMu is held across the count and the report, so the user
+// sees DISCONNECTED and RECONNECTED in the order the paths changed.
+func (s *Session) pathEvent(delta, at int, ev ClientLinkEvent) {
 	s.evMu.Lock()
 	defer s.evMu.Unlock()
-	s.cfg.LinkEvent(ev)
+	s.mu.Lock()
+	s.pathsUp += delta
+	fire := s.opened && s.pathsUp == at
+	s.mu.Unlock()
+	if !fire {
+		return
+	}
+	s.log.WithField("event", ev).Info("link event")
+	if s.cfg.LinkEvent != nil && !s.closed.Load() {
+		s.cfg.LinkEvent(ev)
+	}
 }
 
 // Close disconnects every path and fails requests still waiting for one.
 func (s *Session) Close() error {
 	s.closeOnce.Do(func() {
+		// Under mu, so no path is added after the snapshot below.
+		s.mu.Lock()
 		s.closed.Store(true)
+		s.mu.Unlock()
 		close(s.closedCh)
 		for _, p := range s.Paths() {
 			p.Remove()
@@ -635,14 +644,18 @@ func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *B
 func (s *Session) submit(p *Permit) (*Path, error) {
 	var it pathIter
 	it.init(s, *s.pathsSnap.Load())
+	tooBig := false
 	for path := it.next(); path != nil; path = it.next() {
 		err := path.post(p)
 		if err == nil {
 			return path, nil
 		}
-		if errors.Is(err, ErrMsgSize) {
-			return nil, err
-		}
+		// Paths may run to servers of different limits: one too
+		// small is no reason not to try the next.
+		tooBig = tooBig || errors.Is(err, ErrMsgSize)
+	}
+	if tooBig {
+		return nil, ErrMsgSize
 	}
 	return nil, ErrNoPath
 }

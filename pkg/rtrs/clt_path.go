@@ -124,8 +124,6 @@ func (s *Session) newPath(pa PathAddr, forNewClt bool) *Path {
 		p.lg().Error("heartbeat: peer silent for too long")
 		p.errorRecovery(nil)
 	})
-	s.wg.Add(1)
-	go p.run()
 	return p
 }
 
@@ -254,7 +252,7 @@ func (p *Path) run() {
 			schedule()
 		case <-timerC:
 			timer, timerC = nil, nil
-			if p.reconnectWork(false) {
+			if retry, _ := p.reconnectWork(false); retry {
 				schedule()
 			}
 		case c := <-p.cmds:
@@ -344,10 +342,10 @@ func (p *Path) reconnectDelay() time.Duration {
 
 // reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are
 // spent, else try to establish the path again. It reports whether another
-// attempt should be scheduled.
-func (p *Path) reconnectWork(manual bool) bool {
+// attempt should be scheduled, and why the attempt failed.
+func (p *Path) reconnectWork(manual bool) (bool, error) {
 	if p.State() != PathReconnecting {
-		return false
+		return false, nil
 	}
 	max := p.sess.MaxReconnectAttempts()
 	p.mu.Lock()
@@ -359,22 +357,31 @@ func (p *Path) reconnectWork(manual bool) bool {
 	if giveUp {
 		p.lg().WithField("max_reconnect_attempts", max).Warn("giving up reconnecting; trigger a manual reconnect")
 		p.closeConns()
-		return false
+		return false, nil
 	}
+	// The path may have failed again between the recovery that scheduled
+	// this attempt and now (an error on a connection of the previous
+	// attempt): whatever is left of it goes before a new one starts.
+	p.stopAndDestroyConns()
 	if !p.changeStateFromTo(PathReconnecting, PathConnecting) {
-		return false
+		return false, nil
 	}
 	err := p.initPath(context.Background())
 	if err == nil {
-		return false
+		return false, nil
 	}
 	if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
 		p.stats.reconnFail.Add(1)
 		p.lg().WithError(err).Warn("reconnect failed")
-		return true
+		return true, err
 	}
-	return false
+	return false, err
 }
+
+// manualBusyRetries bounds how often a manual reconnect retries while the
+// server still holds the path's previous connection: the server drops
+// that one when it sees the new attempt, so the next try normally works.
+const manualBusyRetries = 5
 
 // reconnectCmd is rtrs_clt_reconnect_from_sysfs.
 func (p *Path) reconnectCmd() error {
@@ -388,7 +395,13 @@ func (p *Path) reconnectCmd() error {
 		p.mu.Unlock()
 		p.stopAndDestroyConns()
 	}
-	p.reconnectWork(true)
+	for i := 0; ; i++ {
+		retry, err := p.reconnectWork(true)
+		if !retry || !errors.Is(err, syscall.EBUSY) || i == manualBusyRetries {
+			break
+		}
+		time.Sleep(min(p.sess.cfg.ReconnectDelay, 100*time.Millisecond) << i)
+	}
 	if p.State() != PathConnected {
 		return fmt.Errorf("rtrs: path did not reconnect: %w", syscall.ENOTCONN)
 	}
@@ -460,6 +473,13 @@ func (p *Path) initConns(ctx context.Context) (*pathRes, error) {
 	empty := []fabric.MR{}
 	res.mrs.Store(&empty)
 	p.submitMu.Lock()
+	if p.res != nil {
+		// Only the path's goroutine creates attempts and it destroys
+		// each before the next: a leftover is a bug, not a peer's doing.
+		p.submitMu.Unlock()
+		pd.Close()
+		return nil, fmt.Errorf("rtrs: path still holds a previous connection attempt: %w", syscall.EBUSY)
+	}
 	p.res = res
 	p.submitMu.Unlock()
 	cidNum := s.cfg.ConnsPerPath + 1
@@ -638,6 +658,9 @@ func (res *pathRes) processInfoRsp(wc *fabric.WC) error {
 	if n == 0 || qd%n != 0 {
 		return fmt.Errorf("incorrect sg_cnt %d for queue depth %d: %w", n, qd, syscall.EINVAL)
 	}
+	if err := CheckImmBudget(uint32(qd), uint32(chunk)); err != nil {
+		return fmt.Errorf("%v: %w", err, syscall.EINVAL)
+	}
 	if err := CheckImmBudget(uint32(n), uint32(chunk)); err != nil {
 		return fmt.Errorf("%v: %w", err, syscall.EINVAL)
 	}
@@ -709,6 +732,13 @@ func (p *Path) destroyRes(res *pathRes) {
 		c.qp.Close()
 	}
 	p.sess.regMu.Lock()
+	// Unpublish the attempt before its registrations go, so a region
+	// registered or deregistered concurrently no longer finds it.
+	p.submitMu.Lock()
+	if p.res == res {
+		p.res = nil
+	}
+	p.submitMu.Unlock()
 	for _, mr := range *res.mrs.Load() {
 		if mr != nil {
 			mr.Close()
@@ -727,11 +757,6 @@ func (p *Path) destroyRes(res *pathRes) {
 		res.infoMem.Free()
 	}
 	res.pd.Close()
-	p.submitMu.Lock()
-	if p.res == res {
-		p.res = nil
-	}
-	p.submitMu.Unlock()
 }
 
 // registerLocked registers session region b with the path's current
@@ -846,7 +871,11 @@ func (p *Path) post(pm *Permit) error {
 	pr.inUse.Store(true)
 	p.stats.update(r.dir, r.usrLen+r.n)
 	if err := con.qp.PostSend(wr); err != nil {
-		pr.inUse.Store(false)
+		if !pr.inUse.CompareAndSwap(true, false) {
+			// The connection failed after taking the request and its
+			// completion (or the failover of it) already ran.
+			return nil
+		}
 		p.stats.inflight.Add(-1)
 		p.rl.Log(p.lg().WithError(err), log.WarnLevel, "posting a request failed")
 		return err

@@ -62,12 +62,18 @@ type ServerConfig struct {
 	HBMissedMax      int
 	// ConnectTimeout closes a path that does not finish connecting.
 	ConnectTimeout time.Duration
-	// MaxSessions bounds the sessions the server keeps (each owns
-	// QueueDepth chunks).
+	// MaxSessions bounds the sessions the server keeps.
 	MaxSessions int
-	Handler     ServerHandler
-	Log         *log.Entry
+	// MaxChunkMemory bounds the memory of all paths' chunks together
+	// (each path owns QueueDepth × MaxChunkSize bytes): a path that would
+	// pass it is refused with ENOMEM. 0 means no bound.
+	MaxChunkMemory int64
+	Handler        ServerHandler
+	Log            *log.Entry
 }
+
+// DefaultMaxChunkMemory lets 128 paths of the default 512 × 128 KiB chunks.
+const DefaultMaxChunkMemory = 8 << 30
 
 // DefaultServerConfig returns the kernel module's defaults.
 func DefaultServerConfig() ServerConfig {
@@ -79,6 +85,7 @@ func DefaultServerConfig() ServerConfig {
 		HBMissedMax:      DefaultHBMissedMax,
 		ConnectTimeout:   DefaultConnectTimeout,
 		MaxSessions:      1024,
+		MaxChunkMemory:   DefaultMaxChunkMemory,
 	}
 }
 
@@ -95,7 +102,7 @@ func (c *ServerConfig) validate() error {
 	if err := CheckImmBudget(uint32(c.QueueDepth), uint32(c.MaxChunkSize)); err != nil {
 		return err
 	}
-	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 {
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 {
 		return errors.New("rtrs: bad heartbeat, timeout or session limit")
 	}
 	if c.Log == nil {
@@ -115,6 +122,11 @@ type Server struct {
 
 	mu       sync.Mutex // guards sessions
 	sessions map[[16]byte]*SrvSession
+	// nameMu serializes session naming (claimName); taken before mu
+	// and any session's mu.
+	nameMu sync.Mutex
+	// chunkMem is the memory all paths' chunks take (MaxChunkMemory).
+	chunkMem atomic.Int64
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -164,7 +176,13 @@ func (s *Server) Sessions() []*SrvSession {
 
 // Close stops listening, closes every path and waits until they are gone.
 func (s *Server) Close() error {
-	if s.closed.Swap(true) {
+	// Under mu: a session found or created after this sees it, and so
+	// does a path added to one (allocPathLocked runs after the session
+	// lookup), so none escapes the snapshot below.
+	s.mu.Lock()
+	was := s.closed.Swap(true)
+	s.mu.Unlock()
+	if was {
 		return nil
 	}
 	s.cancel()
@@ -293,6 +311,9 @@ func (s *Server) handleConnReq(req fabric.ConnRequest) {
 func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool) (*SrvSession, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return nil, syscall.ECONNRESET
+	}
 	if x := s.sessions[uuid]; x != nil {
 		x.refs++
 		return x, 0
@@ -320,15 +341,27 @@ func (s *Server) putSession(x *SrvSession) {
 	s.mu.Unlock()
 }
 
-// nameTaken reports whether another session already uses name
-// (exist_pathname).
-func (s *Server) nameTaken(name string, uuid [16]byte) bool {
-	for _, x := range s.Sessions() {
-		if x.uuid != uuid && x.Name() == name {
-			return true
+// claimName gives the session its name, unless another session uses it
+// (exist_pathname) or the session already has a different one. The check
+// and the claim are one step under the server's nameMu, so two sessions
+// connecting at once cannot both take a name.
+func (x *SrvSession) claimName(name string) error {
+	s := x.srv
+	s.nameMu.Lock()
+	defer s.nameMu.Unlock()
+	for _, o := range s.Sessions() {
+		if o != x && o.Name() == name {
+			return fmt.Errorf("session name %q is taken by another session: %w", name, syscall.EPERM)
 		}
 	}
-	return false
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.name != "" && x.name != name {
+		return fmt.Errorf("session %q cannot take a path named %q", x.name, name)
+	}
+	x.name = name
+	x.logp.Store(s.log.WithField("session", name))
+	return nil
 }
 
 // SrvSession is a client session as the server sees it (struct
@@ -418,6 +451,9 @@ func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
 // protection domain and registrations of the session's chunks.
 func (x *SrvSession) allocPathLocked(req fabric.ConnRequest, msg *ConnReq) (*SrvPath, syscall.Errno, error) {
 	s := x.srv
+	if s.closed.Load() {
+		return nil, syscall.ECONNRESET, errors.New("server closing")
+	}
 	if len(x.paths) >= MaxPathsNum {
 		return nil, syscall.ECONNRESET, errors.New("too many paths")
 	}
@@ -523,13 +559,15 @@ type SrvPath struct {
 	accepting int        // under sess.mu: connections being accepted
 	pd        fabric.PD
 	chunks    fabric.Memory
-	mrs       []fabric.MR // one per chunk with always_invalidate, else one
-	memBits   int
-	ops       []SrvOp
-	rkeyMem   fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
-	rkeyMR    fabric.MR
-	infoMem   fabric.Memory // INFO_REQ in, INFO_RSP out
-	infoMR    fabric.MR
+	// chunkMemSize is what the path counts against MaxChunkMemory.
+	chunkMemSize int64
+	mrs          []fabric.MR // one per chunk with always_invalidate, else one
+	memBits      int
+	ops          []SrvOp
+	rkeyMem      fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
+	rkeyMR       fabric.MR
+	infoMem      fabric.Memory // INFO_REQ in, INFO_RSP out
+	infoMR       fabric.MR
 
 	established bool
 	inflight    sync.WaitGroup // IOs handed to the user
@@ -577,6 +615,12 @@ func (p *SrvPath) allocResources() error {
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
 	var err error
+	size := int64(qd) * int64(x.chunkSize)
+	if total := x.srv.chunkMem.Add(size); cfg.MaxChunkMemory > 0 && total > cfg.MaxChunkMemory {
+		x.srv.chunkMem.Add(-size)
+		return fmt.Errorf("chunks of %d bytes would pass max_chunk_memory %d: %w", size, cfg.MaxChunkMemory, syscall.ENOMEM)
+	}
+	p.chunkMemSize = size
 	if p.pd, err = p.dev.AllocPD(); err != nil {
 		return err
 	}
@@ -637,6 +681,8 @@ func (p *SrvPath) freeResources() {
 	if p.pd != nil {
 		p.pd.Close()
 	}
+	p.sess.srv.chunkMem.Add(-p.chunkMemSize)
+	p.chunkMemSize = 0
 }
 
 // newConnLocked reserves connection cid of a path (create_con).
@@ -742,26 +788,18 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 		return err
 	}
 	x.mu.Lock()
-	for i, cc := range p.conns {
+	conns := append([]*srvConn(nil), p.conns...)
+	x.mu.Unlock()
+	for i, cc := range conns {
 		if cc == nil || !cc.attached.Load() {
-			x.mu.Unlock()
 			return fmt.Errorf("INFO_REQ before connection %d was established", i)
 		}
 	}
-	x.mu.Unlock()
-	if x.srv.nameTaken(msg.Pathname, x.uuid) {
-		return fmt.Errorf("session name %q is taken by another session: %w", msg.Pathname, syscall.EPERM)
+	if err := x.claimName(msg.Pathname); err != nil {
+		return err
 	}
-	x.mu.Lock()
-	if x.name != "" && x.name != msg.Pathname {
-		x.mu.Unlock()
-		return fmt.Errorf("session %q cannot take a path named %q", x.name, msg.Pathname)
-	}
-	x.name = msg.Pathname
-	x.logp.Store(x.srv.log.WithField("session", x.name))
 	p.logp.Store(x.logp.Load().WithField("path", p.Name()))
-	x.mu.Unlock()
-	for _, cc := range p.conns {
+	for _, cc := range conns {
 		if err := cc.postRecvs(); err != nil {
 			return err
 		}
@@ -954,7 +992,9 @@ func (op *SrvOp) Respond(err error) {
 	}
 	op.nwr = n
 	if err := op.con.post(&op.wrs[0], n, op); err != nil {
-		p.rl.Log(p.lg().WithError(err), log.ErrorLevel, "posting a response failed")
+		if !errors.Is(err, ErrClosed) {
+			p.rl.Log(p.lg().WithError(err), log.ErrorLevel, "posting a response failed")
+		}
 		p.close("posting a response failed")
 		op.finish()
 		return
@@ -985,6 +1025,7 @@ type srvConn struct {
 	unsig   int
 	sigIntv int
 	waiting []*SrvOp
+	closed  bool // set by takeWaiting: nothing is parked after it
 
 	rwr    fabric.RecvWR // scratch for reposting (receive goroutine only)
 	hbWR   [2]fabric.SendWR
@@ -1019,6 +1060,9 @@ func (c *srvConn) postRecvs() error {
 func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) error {
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
 	if c.sqAvail < n {
 		if op == nil {
 			return fabric.ErrQueueFull
@@ -1046,9 +1090,13 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) error {
 	return nil
 }
 
+// takeWaiting closes the connection for posting and returns the ops that
+// were parked on it: the closing path finishes them, and a response
+// arriving after this fails at once instead of being parked for ever.
 func (c *srvConn) takeWaiting() []*SrvOp {
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
+	c.closed = true
 	w := c.waiting
 	c.waiting = nil
 	return w

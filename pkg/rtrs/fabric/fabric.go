@@ -120,8 +120,14 @@ type MR interface {
 	LKey() uint32
 	// RKey is the current remote key; it changes with Reregister.
 	RKey() uint32
-	// Invalidate revokes remote access now: after it returns no remote
-	// write with the current rkey can land (LOCAL_INV).
+	// Invalidate revokes remote access (LOCAL_INV): a remote write with
+	// the current rkey that starts after it returns fails and breaks its
+	// connection. On a verbs device a write already under way is also
+	// fenced; the TCP fabric may still land the bytes of a write it is in
+	// the middle of receiving, then breaks that connection. Either way
+	// the peer can only reach memory it was granted, and only through
+	// connections of the region's PD, which the owner closes (and so
+	// stops) before it frees the memory.
 	Invalidate() error
 	// Reregister grants remote access again under a new rkey, which it
 	// returns (REG_MR with ib_inc_rkey).
