@@ -1,0 +1,469 @@
+package blockdev
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Kind is what a backend stores its data in.
+type Kind int
+
+const (
+	KindFile Kind = iota
+	KindBlockDevice
+)
+
+func (k Kind) String() string {
+	if k == KindBlockDevice {
+		return "blockdev"
+	}
+	return "file"
+}
+
+// Options tune how a backend is opened.
+type Options struct {
+	// ReadOnly opens the backend for reading only.
+	ReadOnly bool
+	// Direct bypasses the page cache (O_DIRECT): IO must then be aligned
+	// to the logical block size, which the RNBD server enforces anyway.
+	Direct bool
+	// LogicalBlockSize and PhysicalBlockSize apply to files (defaults 512
+	// and 4096); a block device reports its own.
+	LogicalBlockSize  int
+	PhysicalBlockSize int
+}
+
+// Caps are what a backend can do, as OPEN_RSP reports them.
+type Caps struct {
+	// Discard deallocates; MaxDiscardBytes is the largest single request.
+	Discard            bool
+	MaxDiscardBytes    uint64
+	DiscardGranularity uint32
+	DiscardAlignment   uint32
+	// WriteZeroes is always available (emulated by writing zeros where
+	// the system cannot); ZeroRange tells whether it avoids writing.
+	MaxWriteZeroesBytes uint64
+	ZeroRange           bool
+	// SecureErase is BLKSECDISCARD on a device that supports it.
+	SecureErase bool
+	// WriteCache: the backend has a volatile cache, flushes matter.
+	WriteCache bool
+	// FUA: the backend can make a single write durable (O_DSYNC).
+	FUA bool
+	// MaxIOBytes and MaxSegments bound a single read or write.
+	MaxIOBytes  uint32
+	MaxSegments uint16
+}
+
+// Backend is an exported file or block device. All methods are safe for
+// concurrent use; IO to overlapping ranges is not ordered among itself.
+type Backend struct {
+	path  string
+	kind  Kind
+	f     *os.File // for reads, writes, fallocate and ioctls
+	fsync *os.File // the same file opened O_DSYNC: FUA writes
+	size  int64
+	lbs   int
+	pbs   int
+	ro    bool
+	caps  Caps
+	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
+	ino   uint64
+
+	closeOnce sync.Once
+}
+
+// ErrOutOfRange is returned for IO past the end of the backend; it wraps
+// EINVAL for reads and ENOSPC for writes, as NBD reports them.
+var ErrOutOfRange = errors.New("blockdev: IO past the end of the device")
+
+// ErrNotSupported is returned for an operation the backend cannot do.
+var ErrNotSupported = fmt.Errorf("blockdev: operation not supported: %w", syscall.EOPNOTSUPP)
+
+// maxZeroBytes bounds one discard or write-zeroes request on a file.
+const maxZeroBytes = 1 << 30
+
+// Open opens path, a regular file or a block device.
+func Open(path string, opts Options) (*Backend, error) {
+	return openWith(path, opts, func(flags int) (*os.File, error) {
+		return os.OpenFile(path, flags, 0)
+	})
+}
+
+// ErrEscapes is returned by OpenBeneath for a name that leads out of its
+// directory: through "..", an absolute symlink, or a symlink to outside.
+var ErrEscapes = fmt.Errorf("blockdev: path leads out of its directory: %w", syscall.EINVAL)
+
+// OpenBeneath opens name inside dir and refuses, atomically, any name
+// that resolves to something outside dir (openat2 with RESOLVE_BENEATH):
+// no "..", no symlink that leaves dir, no /proc magic links. Leading
+// slashes of name are dropped: "/dev/x" means dir/dev/x, as the kernel's
+// dev_search_path concatenation does.
+func OpenBeneath(dir, name string, opts Options) (*Backend, error) {
+	name = strings.TrimLeft(name, "/")
+	if name == "" {
+		return nil, fmt.Errorf("blockdev: empty name: %w", syscall.EINVAL)
+	}
+	d, err := os.OpenFile(dir, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	full := filepath.Join(dir, name)
+	return openWith(full, opts, func(flags int) (*os.File, error) {
+		how := unix.OpenHow{Flags: uint64(flags), Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
+		fd, err := unix.Openat2(int(d.Fd()), name, &how)
+		if err == unix.EXDEV {
+			return nil, fmt.Errorf("%s: %w", full, ErrEscapes)
+		}
+		if err != nil {
+			return nil, &os.PathError{Op: "open", Path: full, Err: err}
+		}
+		return os.NewFile(uintptr(fd), full), nil
+	})
+}
+
+func openWith(path string, opts Options, open func(flags int) (*os.File, error)) (*Backend, error) {
+	flags := os.O_RDWR
+	if opts.ReadOnly {
+		flags = os.O_RDONLY
+	}
+	if opts.Direct {
+		flags |= syscall.O_DIRECT
+	}
+	f, err := open(flags | syscall.O_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	b := &Backend{path: path, f: f, ro: opts.ReadOnly}
+	if err := b.probe(opts); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("blockdev: %s: %w", path, err)
+	}
+	if !b.ro {
+		// A second descriptor of the same file with O_DSYNC serves
+		// FUA writes. Reopened through the first, never by path, so
+		// it is the very same file.
+		b.fsync, err = os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), flags|syscall.O_DSYNC|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+	}
+	return b, nil
+}
+
+func (b *Backend) probe(opts Options) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(b.f.Fd()), &st); err != nil {
+		return err
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		b.kind = KindFile
+		b.size = st.Size
+		b.dev, b.ino = st.Dev, st.Ino
+		b.lbs, b.pbs = opts.LogicalBlockSize, opts.PhysicalBlockSize
+		if b.lbs == 0 {
+			b.lbs = 512
+		}
+		if b.pbs == 0 {
+			b.pbs = 4096
+		}
+		if !validBlockSize(b.lbs) || !validBlockSize(b.pbs) || b.pbs < b.lbs {
+			return fmt.Errorf("block sizes %d/%d: want powers of two from 512 to 65536, physical >= logical: %w", b.lbs, b.pbs, syscall.EINVAL)
+		}
+		b.probeFile()
+	case unix.S_IFBLK:
+		b.kind = KindBlockDevice
+		b.dev, b.ino = st.Rdev, 0
+		if err := b.probeDevice(); err != nil {
+			return err
+		}
+	default:
+		return fmt.Errorf("not a regular file or block device: %w", syscall.EINVAL)
+	}
+	if b.size%int64(b.lbs) != 0 {
+		// The tail that is not a whole block cannot be addressed.
+		b.size -= b.size % int64(b.lbs)
+	}
+	return nil
+}
+
+func validBlockSize(n int) bool { return n >= 512 && n <= 65536 && n&(n-1) == 0 }
+
+// probeFile learns what the file's filesystem can do, without changing
+// the file: fallocate past the end with KEEP_SIZE is a no-op where it is
+// supported and EOPNOTSUPP where not.
+func (b *Backend) probeFile() {
+	b.caps = Caps{
+		MaxIOBytes:          8 << 20,
+		MaxSegments:         256,
+		WriteCache:          true,
+		FUA:                 true,
+		MaxWriteZeroesBytes: maxZeroBytes,
+	}
+	if b.ro {
+		return
+	}
+	fd := int(b.f.Fd())
+	if unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size+1<<20, 4096) == nil {
+		b.caps.Discard = true
+		b.caps.MaxDiscardBytes = maxZeroBytes
+		b.caps.DiscardGranularity = uint32(b.pbs)
+	}
+	if unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, b.size+1<<20, 4096) == nil {
+		b.caps.ZeroRange = true
+	}
+}
+
+func (b *Backend) probeDevice() error {
+	fd := int(b.f.Fd())
+	size, err := ioctlUint64(b.f, unix.BLKGETSIZE64)
+	if err != nil {
+		return fmt.Errorf("BLKGETSIZE64: %w", err)
+	}
+	b.size = int64(size)
+	if b.lbs, err = unix.IoctlGetInt(fd, unix.BLKSSZGET); err != nil {
+		return fmt.Errorf("BLKSSZGET: %w", err)
+	}
+	if b.pbs, err = unix.IoctlGetInt(fd, unix.BLKPBSZGET); err != nil {
+		return fmt.Errorf("BLKPBSZGET: %w", err)
+	}
+	ro, err := unix.IoctlGetInt(fd, unix.BLKROGET)
+	if err != nil {
+		return fmt.Errorf("BLKROGET: %w", err)
+	}
+	if ro != 0 && !b.ro {
+		return fmt.Errorf("device is read-only: %w", syscall.EROFS)
+	}
+	q := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(b.dev), unix.Minor(b.dev))
+	num := func(name string) uint64 {
+		s, err := os.ReadFile(filepath.Join(q, name))
+		if err != nil {
+			return 0
+		}
+		n, _ := strconv.ParseUint(strings.TrimSpace(string(s)), 10, 64)
+		return n
+	}
+	str := func(name string) string {
+		s, _ := os.ReadFile(filepath.Join(q, name))
+		return strings.TrimSpace(string(s))
+	}
+	b.caps = Caps{
+		MaxDiscardBytes:     num("queue/discard_max_bytes"),
+		DiscardGranularity:  uint32(num("queue/discard_granularity")),
+		DiscardAlignment:    uint32(num("discard_alignment")),
+		MaxWriteZeroesBytes: num("queue/write_zeroes_max_bytes"),
+		WriteCache:          str("queue/write_cache") == "write back",
+		FUA:                 num("queue/fua") == 1,
+		MaxIOBytes:          uint32(min(num("queue/max_hw_sectors_kb")<<10, 1<<31)),
+		MaxSegments:         uint16(min(num("queue/max_segments"), 65535)),
+	}
+	b.caps.Discard = b.caps.MaxDiscardBytes > 0 && !b.ro
+	b.caps.ZeroRange = b.caps.MaxWriteZeroesBytes > 0
+	if b.caps.MaxWriteZeroesBytes == 0 {
+		b.caps.MaxWriteZeroesBytes = maxZeroBytes // emulated
+	}
+	if b.caps.MaxIOBytes == 0 {
+		b.caps.MaxIOBytes = 128 << 10
+	}
+	if b.caps.MaxSegments == 0 {
+		b.caps.MaxSegments = 128
+	}
+	return nil
+}
+
+// Path is the path the backend was opened from.
+func (b *Backend) Path() string { return b.path }
+
+// Kind is file or block device.
+func (b *Backend) Kind() Kind { return b.kind }
+
+// Size is the addressable size in bytes, a multiple of the logical block.
+func (b *Backend) Size() int64 { return b.size }
+
+// LogicalBlockSize and PhysicalBlockSize are in bytes.
+func (b *Backend) LogicalBlockSize() int  { return b.lbs }
+func (b *Backend) PhysicalBlockSize() int { return b.pbs }
+
+// ReadOnly reports whether the backend was opened read-only.
+func (b *Backend) ReadOnly() bool { return b.ro }
+
+// Caps returns what the backend can do.
+func (b *Backend) Caps() Caps { return b.caps }
+
+// ID identifies the storage: device and inode of a file, the device
+// number of a block device. Two opens of one backend have the same ID.
+func (b *Backend) ID() string {
+	if b.kind == KindBlockDevice {
+		return fmt.Sprintf("blk:%d:%d", unix.Major(b.dev), unix.Minor(b.dev))
+	}
+	return fmt.Sprintf("file:%d:%d", b.dev, b.ino)
+}
+
+func (b *Backend) check(off int64, n int, write bool) error {
+	if off < 0 || n < 0 || off > b.size || int64(n) > b.size-off {
+		if write {
+			return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, b.size, syscall.ENOSPC)
+		}
+		return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, b.size, syscall.EINVAL)
+	}
+	if write && b.ro {
+		return fmt.Errorf("blockdev: %s is read-only: %w", b.path, syscall.EROFS)
+	}
+	return nil
+}
+
+// ReadAt reads exactly len(p) bytes at off.
+func (b *Backend) ReadAt(p []byte, off int64) error {
+	if err := b.check(off, len(p), false); err != nil {
+		return err
+	}
+	n, err := b.f.ReadAt(p, off)
+	if n == len(p) {
+		return nil
+	}
+	if err == nil || errors.Is(err, io.EOF) {
+		// The file shrank under us: never hand back a short read.
+		return fmt.Errorf("blockdev: short read of %d bytes at %d: %w", n, off, syscall.EIO)
+	}
+	return err
+}
+
+// WriteAt writes all of p at off; with fua the data is durable when it
+// returns (an O_DSYNC write).
+func (b *Backend) WriteAt(p []byte, off int64, fua bool) error {
+	if err := b.check(off, len(p), true); err != nil {
+		return err
+	}
+	f := b.f
+	if fua {
+		f = b.fsync
+	}
+	_, err := f.WriteAt(p, off)
+	return err
+}
+
+// Flush makes every write that completed before it durable.
+func (b *Backend) Flush() error {
+	if b.ro {
+		return nil
+	}
+	return unix.Fdatasync(int(b.f.Fd()))
+}
+
+// Discard deallocates n bytes at off; reads of them return zeros after.
+func (b *Backend) Discard(off, n int64) error {
+	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+		return err
+	}
+	if !b.caps.Discard {
+		return ErrNotSupported
+	}
+	if b.kind == KindBlockDevice {
+		return ioctlRange(b.f, unix.BLKDISCARD, off, n)
+	}
+	return unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+}
+
+// WriteZeroes makes n bytes at off read as zeros. With noUnmap the space
+// stays allocated (FALLOC_FL_ZERO_RANGE, or zeros written); without it the
+// range may be deallocated (a hole punched) when that is supported.
+func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
+	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+		return err
+	}
+	fd := int(b.f.Fd())
+	if !noUnmap && b.caps.Discard {
+		// A hole reads as zeros; on a block device this is a write
+		// zeroes that may unmap, without falling back to writing.
+		if unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n) == nil {
+			return nil
+		}
+	}
+	if b.caps.ZeroRange {
+		if b.kind == KindBlockDevice {
+			return ioctlRange(b.f, unix.BLKZEROOUT, off, n)
+		}
+		if err := unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil {
+			return nil
+		}
+	}
+	return b.writeZeros(off, n)
+}
+
+// zeroBuf is the source of emulated write-zeroes; it is never written.
+var zeroBuf = make([]byte, 1<<20)
+
+func (b *Backend) writeZeros(off, n int64) error {
+	for n > 0 {
+		c := min(n, int64(len(zeroBuf)))
+		if _, err := b.f.WriteAt(zeroBuf[:c], off); err != nil {
+			return err
+		}
+		off += c
+		n -= c
+	}
+	return nil
+}
+
+// SecureErase is BLKSECDISCARD on a block device; files cannot.
+func (b *Backend) SecureErase(off, n int64) error {
+	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+		return err
+	}
+	if b.kind != KindBlockDevice {
+		return ErrNotSupported
+	}
+	return ioctlRange(b.f, unix.BLKSECDISCARD, off, n)
+}
+
+// ioctlUint64 issues an ioctl that returns a u64 (BLKGETSIZE64).
+func ioctlUint64(f *os.File, req uint) (uint64, error) {
+	var v uint64
+	_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(&v)))
+	runtime.KeepAlive(f)
+	if e != 0 {
+		return 0, e
+	}
+	return v, nil
+}
+
+// ioctlRange issues a block ioctl that takes a {start, length} range in
+// bytes (BLKDISCARD, BLKZEROOUT, BLKSECDISCARD).
+func ioctlRange(f *os.File, req uint, off, n int64) error {
+	r := [2]uint64{uint64(off), uint64(n)}
+	_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(&r)))
+	runtime.KeepAlive(&r)
+	runtime.KeepAlive(f)
+	if e != 0 {
+		return e
+	}
+	return nil
+}
+
+// Close closes the backend.
+func (b *Backend) Close() error {
+	var err error
+	b.closeOnce.Do(func() {
+		err = b.f.Close()
+		if b.fsync != nil {
+			if e := b.fsync.Close(); err == nil {
+				err = e
+			}
+		}
+	})
+	return err
+}
