@@ -1,0 +1,774 @@
+package rnbd
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// Error is an error of the server side with the errno the client sees;
+// it prints only its message.
+type Error struct {
+	Errno syscall.Errno
+	Msg   string
+}
+
+func (e *Error) Error() string { return e.Msg }
+func (e *Error) Unwrap() error { return e.Errno }
+
+func errorf(errno syscall.Errno, format string, args ...any) error {
+	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
+}
+
+// pathMax is PATH_MAX: the kernel refuses longer device paths.
+const pathMax = 4096
+
+// Export is a device served under a name chosen by the administrator
+// (rnbd-server map NAME PATH).
+type Export struct {
+	Name     string   `json:"name"`
+	Path     string   `json:"path"`
+	ReadOnly bool     `json:"read_only,omitempty"`
+	Allow    []string `json:"allow,omitempty"` // session names; empty: every session
+
+	withdrawing bool // being unmapped: no new opens
+}
+
+func (e *Export) allows(sess string) bool {
+	if len(e.Allow) == 0 {
+		return true
+	}
+	for _, a := range e.Allow {
+		if a == sess {
+			return true
+		}
+	}
+	return false
+}
+
+// ServerConfig configures the RNBD server.
+type ServerConfig struct {
+	// DevSearchPath resolves device names that are not explicit exports,
+	// as the kernel's dev_search_path: the name is opened beneath it. It
+	// may contain %SESSNAME%, which selects a directory per session (the
+	// part of the path after the token is dropped, as in the kernel).
+	// Empty: only explicit exports are served.
+	DevSearchPath string
+	// Direct opens backends with O_DIRECT.
+	Direct bool
+	// Workers bounds the backend IO running at once (default 128).
+	Workers int
+	// MaxIOSize is the transport's largest IO (the RTRS chunk minus its
+	// header room); OPEN_RSP never announces more.
+	MaxIOSize int
+	Log       *log.Entry
+}
+
+// Server is the RNBD server: the user of an RTRS server. It is safe for
+// concurrent use.
+type Server struct {
+	cfg ServerConfig
+	log *log.Entry
+	rl  log.Limiter
+	ios chan *rtrs.SrvOp
+
+	// mu guards exports, sessions and devices. Lock order: Session.mu,
+	// then Server.mu, then device.mu; never take a Session.mu while
+	// holding Server.mu (snapshot the sessions instead).
+	mu       sync.Mutex
+	exports  map[string]*Export
+	sessions map[*rtrs.SrvSession]*Session
+	devices  map[string]*device // by backend identity
+
+	closed atomic.Bool
+	wg     sync.WaitGroup
+
+	// beforeIO, if set, runs when an IO holds its device, before the
+	// backend sees it (tests hold IO in flight with it).
+	beforeIO func()
+}
+
+// NewServer returns an RNBD server; pass it as the RTRS server's handler.
+func NewServer(cfg ServerConfig) *Server {
+	if cfg.Workers <= 0 {
+		cfg.Workers = 128
+	}
+	if cfg.MaxIOSize <= 0 {
+		cfg.MaxIOSize = rtrs.DefaultMaxChunkSize - rtrs.MaxHdrSize
+	}
+	if cfg.Log == nil {
+		cfg.Log = log.L
+	}
+	s := &Server{
+		cfg:      cfg,
+		log:      cfg.Log,
+		ios:      make(chan *rtrs.SrvOp, 4096),
+		exports:  make(map[string]*Export),
+		sessions: make(map[*rtrs.SrvSession]*Session),
+		devices:  make(map[string]*device),
+	}
+	for i := 0; i < cfg.Workers; i++ {
+		s.wg.Add(1)
+		go s.worker()
+	}
+	return s
+}
+
+// Close stops the workers. The RTRS server must be closed first, so that
+// no request is in flight.
+func (s *Server) Close() {
+	if s.closed.Swap(true) {
+		return
+	}
+	close(s.ios)
+	s.wg.Wait()
+}
+
+// device is one backing store, whichever names it is opened by: the
+// writers of all sessions are counted here (struct rnbd_srv_dev).
+type device struct {
+	id   string // backend identity
+	path string
+
+	mu           sync.Mutex
+	openWriteCnt int
+	sessDevs     []*SessDev
+}
+
+// Session is a client session (struct rnbd_srv_session).
+type Session struct {
+	srv  *Server
+	rtrs *rtrs.SrvSession
+	name string
+	ver  atomic.Uint32
+
+	// mu guards devs and nextID.
+	mu     sync.Mutex
+	devs   map[uint32]*SessDev // a nil value is an id kept after force_close
+	nextID uint32
+}
+
+// Name is the session's name.
+func (x *Session) Name() string { return x.name }
+
+// SessDev is a device opened by a session (struct rnbd_srv_sess_dev).
+type SessDev struct {
+	sess     *Session
+	dev      *device
+	id       uint32
+	name     string // the name the client opened
+	export   string // the export it resolved to, if explicit
+	access   AccessMode
+	readonly bool
+	backend  *blockdev.Backend
+
+	// rdSect and wrSect count the sectors read and written.
+	rdSect, wrSect atomic.Uint64
+
+	// refs counts IO in flight plus one for being open; closing waits
+	// for it to drain.
+	refs    sync.WaitGroup
+	mu      sync.Mutex
+	closing bool
+}
+
+// LinkEvent creates the RNBD session when the first path of an RTRS
+// session is up, and closes all of its devices when the last goes down.
+func (s *Server) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
+	switch ev {
+	case rtrs.SrvLinkConnected:
+		x := &Session{srv: s, rtrs: rs, name: rs.Name(), devs: make(map[uint32]*SessDev)}
+		x.ver.Store(ProtoVerMajor)
+		s.mu.Lock()
+		s.sessions[rs] = x
+		s.mu.Unlock()
+		rs.SetPriv(x)
+		s.log.WithField("session", x.name).Info("session connected")
+	case rtrs.SrvLinkDisconnected:
+		s.mu.Lock()
+		x := s.sessions[rs]
+		delete(s.sessions, rs)
+		s.mu.Unlock()
+		if x == nil {
+			return nil
+		}
+		x.mu.Lock()
+		var devs []*SessDev
+		for _, d := range x.devs {
+			if d != nil {
+				devs = append(devs, d)
+			}
+		}
+		x.devs = nil
+		x.mu.Unlock()
+		for _, d := range devs {
+			d.close()
+		}
+		s.log.WithFields(log.Fields{"session": x.name, "devices": len(devs)}).Info("session disconnected: devices closed")
+	}
+	return nil
+}
+
+// HandleIO takes a request from RTRS. Everything runs on the workers:
+// closing waits for IO and backend IO may block.
+func (s *Server) HandleIO(op *rtrs.SrvOp) error {
+	if s.closed.Load() {
+		return syscall.ESHUTDOWN
+	}
+	select {
+	case s.ios <- op:
+	default:
+		// Every worker busy and the queue full: do not stall the
+		// connection's receive path.
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serve(op)
+		}()
+	}
+	return nil
+}
+
+func (s *Server) worker() {
+	defer s.wg.Done()
+	for op := range s.ios {
+		s.serve(op)
+	}
+}
+
+func (s *Server) serve(op *rtrs.SrvOp) {
+	x, _ := op.Session().Priv().(*Session)
+	if x == nil {
+		op.Respond(syscall.ENOTCONN)
+		return
+	}
+	typ, err := MsgType(op.Usr())
+	if err != nil {
+		op.Respond(syscall.EINVAL)
+		return
+	}
+	switch typ {
+	case MsgIO:
+		op.Respond(x.processIO(op))
+	case MsgOpen:
+		op.Respond(x.processOpen(op))
+	case MsgSessInfo:
+		op.Respond(x.processSessInfo(op))
+	case MsgClose:
+		op.Respond(x.processClose(op))
+	default:
+		s.rl.Log(s.log.WithFields(log.Fields{"session": x.name, "type": typ}), log.WarnLevel, "unexpected message type")
+		op.Respond(syscall.EINVAL)
+	}
+}
+
+// processSessInfo answers SESS_INFO with min(client, our) version; the
+// answer goes into the read buffer of the request.
+func (x *Session) processSessInfo(op *rtrs.SrvOp) error {
+	var m SessInfo
+	if err := m.Decode(op.Usr(), MsgSessInfo); err != nil {
+		return syscall.EINVAL
+	}
+	if op.Dir() != rtrs.Read || len(op.Data()) < SessInfoRspSize {
+		return syscall.EINVAL
+	}
+	v := min(m.Ver, ProtoVerMajor)
+	x.ver.Store(uint32(v))
+	(&SessInfo{Ver: v}).Encode(op.Data(), MsgSessInfoRsp)
+	return nil
+}
+
+// processClose closes a device the session opened, after its IO drained.
+func (x *Session) processClose(op *rtrs.SrvOp) error {
+	var m Close
+	if err := m.Decode(op.Usr()); err != nil {
+		return syscall.EINVAL
+	}
+	x.mu.Lock()
+	d := x.devs[m.DeviceID]
+	if d != nil {
+		delete(x.devs, m.DeviceID)
+	}
+	x.mu.Unlock()
+	if d == nil {
+		return nil // already closed, or force-closed: nothing to do
+	}
+	d.close()
+	return nil
+}
+
+// processOpen opens (or finds) a device for the session (process_msg_open).
+func (x *Session) processOpen(op *rtrs.SrvOp) error {
+	var m Open
+	if err := m.Decode(op.Usr()); err != nil {
+		x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "malformed open")
+		return syscall.EINVAL
+	}
+	if op.Dir() != rtrs.Read || len(op.Data()) < OpenRspSize {
+		return syscall.EINVAL
+	}
+	if m.AccessMode > AccessMigration {
+		return syscall.EINVAL
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.devs == nil {
+		return syscall.ENOTCONN // the session is going
+	}
+	for _, d := range x.devs {
+		if d != nil && d.name == m.DevName {
+			x.fillOpenRsp(d, op.Data())
+			return nil
+		}
+	}
+	d, err := x.srv.open(x, m.DevName, m.AccessMode)
+	if err != nil {
+		x.srv.rl.Log(x.log().WithFields(log.Fields{"device": m.DevName, "access_mode": m.AccessMode}).WithError(err),
+			log.WarnLevel, "open refused")
+		return err
+	}
+	for {
+		x.nextID++
+		if _, used := x.devs[x.nextID]; !used && x.nextID != 0 {
+			break
+		}
+	}
+	d.id = x.nextID
+	x.devs[d.id] = d
+	x.fillOpenRsp(d, op.Data())
+	x.log().WithFields(log.Fields{"device": d.name, "path": d.backend.Path(), "device_id": d.id, "access_mode": d.access}).Info("device opened")
+	return nil
+}
+
+func (x *Session) log() *log.Entry { return x.srv.log.WithField("session", x.name) }
+
+func (x *Session) fillOpenRsp(d *SessDev, b []byte) {
+	be := d.backend
+	c := be.Caps()
+	maxIO := uint32(min(int(c.MaxIOBytes), x.srv.cfg.MaxIOSize))
+	rsp := OpenRsp{
+		DeviceID:          d.id,
+		NSectors:          uint64(be.Size()) / 512,
+		MaxHWSectors:      maxIO / 512,
+		PhysicalBlockSize: uint16(be.PhysicalBlockSize()),
+		LogicalBlockSize:  uint16(be.LogicalBlockSize()),
+		MaxSegments:       c.MaxSegments,
+	}
+	if !d.readonly {
+		rsp.MaxWriteZeroesSectors = uint32(min(c.MaxWriteZeroesBytes/512, 1<<31))
+		if c.Discard {
+			rsp.MaxDiscardSectors = uint32(min(c.MaxDiscardBytes/512, 1<<31))
+			rsp.DiscardGranularity = c.DiscardGranularity
+			rsp.DiscardAlignment = c.DiscardAlignment
+		}
+		if c.SecureErase {
+			rsp.SecureDiscard = 1
+		}
+	}
+	if c.WriteCache {
+		rsp.CachePolicy |= CacheWriteback
+	}
+	if c.FUA {
+		rsp.CachePolicy |= CacheFUA
+	}
+	rsp.Encode(b)
+}
+
+// open resolves name for session x, opens the backend and takes the
+// access mode on its device. x.mu is held.
+func (s *Server) open(x *Session, name string, mode AccessMode) (*SessDev, error) {
+	readonly := mode == AccessRO
+	opts := blockdev.Options{ReadOnly: readonly, Direct: s.cfg.Direct}
+	s.mu.Lock()
+	var exp *Export
+	if e := s.exports[name]; e != nil && !e.withdrawing {
+		c := *e
+		exp = &c
+	}
+	s.mu.Unlock()
+	var be *blockdev.Backend
+	var err error
+	switch {
+	case exp != nil:
+		if !exp.allows(x.name) {
+			return nil, errorf(syscall.EPERM, "export %s does not allow session %s", name, x.name)
+		}
+		if exp.ReadOnly && !readonly {
+			return nil, errorf(syscall.EPERM, "export %s is read-only", name)
+		}
+		be, err = blockdev.Open(exp.Path, opts)
+	case s.cfg.DevSearchPath != "":
+		var dir string
+		if dir, err = s.searchDir(x.name, name); err == nil {
+			be, err = blockdev.OpenBeneath(dir, name, opts)
+		}
+	default:
+		return nil, errorf(syscall.ENOENT, "no export %s", name)
+	}
+	if err != nil {
+		if errors.Is(err, blockdev.ErrEscapes) {
+			s.log.WithFields(log.Fields{"session": x.name, "device": name}).Warn("device name leads out of the search path: refused")
+		}
+		return nil, err
+	}
+	dev, err := s.takeDevice(be, mode)
+	if err != nil {
+		be.Close()
+		return nil, err
+	}
+	d := &SessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
+	if exp != nil {
+		d.export = exp.Name
+	}
+	d.refs.Add(1) // open
+	dev.mu.Lock()
+	dev.sessDevs = append(dev.sessDevs, d)
+	dev.mu.Unlock()
+	return d, nil
+}
+
+// searchDir is rnbd_srv_get_full_path: the directory a name is resolved
+// beneath. Names with ".." are refused outright, as the kernel does, and
+// OpenBeneath refuses every other way out (symlinks, absolute jumps).
+func (s *Server) searchDir(sess, name string) (string, error) {
+	if strings.Contains(name, "..") {
+		return "", errorf(syscall.EINVAL, "device name %q contains ..", name)
+	}
+	sp := s.cfg.DevSearchPath
+	dir := sp
+	if i := strings.Index(sp, "%SESSNAME%"); i >= 0 {
+		if strings.ContainsAny(sess, "/.") || sess == "" {
+			return "", errorf(syscall.EINVAL, "session name %q cannot select a directory", sess)
+		}
+		dir = filepath.Join(sp[:i], sess)
+	}
+	if len(dir)+1+len(name) >= pathMax {
+		return "", errorf(syscall.EINVAL, "device path of %q is longer than PATH_MAX", name)
+	}
+	return dir, nil
+}
+
+// takeDevice finds the device behind be and applies the access mode rules
+// (rnbd_srv_check_update_open_perm): ro always, rw only with no writer,
+// migration with at most one.
+func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode) (*device, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	dev := s.devices[be.ID()]
+	if dev == nil {
+		dev = &device{id: be.ID(), path: be.Path()}
+		s.devices[dev.id] = dev
+	}
+	dev.mu.Lock()
+	defer dev.mu.Unlock()
+	switch mode {
+	case AccessRO:
+	case AccessRW:
+		if dev.openWriteCnt != 0 {
+			return nil, errorf(syscall.EPERM, "%s is open for writing by another session", be.Path())
+		}
+		dev.openWriteCnt++
+	case AccessMigration:
+		if dev.openWriteCnt >= 2 {
+			return nil, errorf(syscall.EPERM, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
+		}
+		dev.openWriteCnt++
+	}
+	return dev, nil
+}
+
+// close waits for the device's IO, then releases it (rnbd_destroy_sess_dev).
+// The caller has already taken it out of its session's table.
+func (d *SessDev) close() {
+	d.mu.Lock()
+	if d.closing {
+		d.mu.Unlock()
+		return
+	}
+	d.closing = true
+	d.mu.Unlock()
+	d.refs.Done() // the open reference
+	d.refs.Wait() // every IO has answered
+	d.backend.Close()
+	s := d.sess.srv
+	s.mu.Lock()
+	dev := d.dev
+	dev.mu.Lock()
+	if !d.readonly {
+		dev.openWriteCnt--
+	}
+	for i, x := range dev.sessDevs {
+		if x == d {
+			dev.sessDevs = append(dev.sessDevs[:i:i], dev.sessDevs[i+1:]...)
+			break
+		}
+	}
+	if len(dev.sessDevs) == 0 {
+		delete(s.devices, dev.id)
+	}
+	dev.mu.Unlock()
+	s.mu.Unlock()
+	d.sess.log().WithFields(log.Fields{"device": d.name, "device_id": d.id}).Info("device closed")
+}
+
+// get returns the open device id with an IO reference, or nil.
+func (x *Session) get(id uint32) *SessDev {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	d := x.devs[id]
+	if d == nil {
+		return nil
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closing {
+		return nil
+	}
+	d.refs.Add(1)
+	return d
+}
+
+// processIO runs one IO on the backend, straight from or into the chunk.
+func (x *Session) processIO(op *rtrs.SrvOp) error {
+	var m IO
+	if err := m.Decode(op.Usr()); err != nil {
+		return syscall.EINVAL
+	}
+	if err := CheckRW(m.RW); err != nil {
+		return syscall.EINVAL
+	}
+	d := x.get(m.DeviceID)
+	if d == nil {
+		x.srv.rl.Log(x.log().WithField("device_id", m.DeviceID), log.WarnLevel, "IO for a device that is not open")
+		return syscall.ENOTCONN
+	}
+	defer d.refs.Done()
+	if h := x.srv.beforeIO; h != nil {
+		h()
+	}
+	return d.do(op, &m)
+}
+
+func (d *SessDev) do(op *rtrs.SrvOp, m *IO) error {
+	be := d.backend
+	lbs := int64(be.LogicalBlockSize())
+	if m.Sector > uint64(be.Size()) {
+		return syscall.EINVAL
+	}
+	off, n := int64(m.Sector)*512, int64(m.Size)
+	data := op.Data()
+	if off%lbs != 0 || n%lbs != 0 {
+		return syscall.EINVAL
+	}
+	write := m.Op() != OpRead
+	if write && d.readonly {
+		return syscall.EROFS
+	}
+	switch m.Op() {
+	case OpRead, OpWrite:
+		// The data is in the chunk: its length must be the IO's.
+		if int64(len(data)) != n || (m.Op() == OpRead) != (op.Dir() == rtrs.Read) {
+			return syscall.EINVAL
+		}
+		if m.Op() == OpRead {
+			d.rdSect.Add(uint64(n / 512))
+			return be.ReadAt(data, off)
+		}
+		if m.RW&FPreflush != 0 {
+			if err := be.Flush(); err != nil {
+				return err
+			}
+		}
+		d.wrSect.Add(uint64(n / 512))
+		return be.WriteAt(data, off, m.RW&FFUA != 0)
+	}
+	if len(data) != 0 {
+		return syscall.EINVAL
+	}
+	switch m.Op() {
+	case OpFlush:
+		return be.Flush()
+	case OpDiscard:
+		return be.Discard(off, n)
+	case OpWriteZeroes:
+		return be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
+	case OpSecureErase:
+		return be.SecureErase(off, n)
+	}
+	return syscall.EINVAL
+}
+
+// Map adds an explicit export. Paths are checked when a session opens them.
+func (s *Server) Map(e Export) error {
+	if e.Name == "" || len(e.Name) >= nameMax || strings.IndexByte(e.Name, 0) >= 0 {
+		return errorf(syscall.EINVAL, "export name %q: want 1..254 bytes without NUL", e.Name)
+	}
+	if !filepath.IsAbs(e.Path) {
+		return errorf(syscall.EINVAL, "export path %q must be absolute", e.Path)
+	}
+	if _, err := os.Stat(e.Path); err != nil {
+		return fmt.Errorf("export %s: %w", e.Name, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.exports[e.Name]; ok {
+		return errorf(syscall.EEXIST, "export %s already exists", e.Name)
+	}
+	e.Allow = append([]string(nil), e.Allow...)
+	s.exports[e.Name] = &e
+	return nil
+}
+
+// Unmap withdraws an export. Without force it refuses while a session has
+// it open; with force it closes it for every session, keeping their device
+// ids reserved so their later IO fails with ENOTCONN.
+func (s *Server) Unmap(name string, force bool) error {
+	s.mu.Lock()
+	e := s.exports[name]
+	if e == nil || e.withdrawing {
+		s.mu.Unlock()
+		return errorf(syscall.ENOENT, "no export %s", name)
+	}
+	e.withdrawing = true // opens from now on fail; those under way finish
+	s.mu.Unlock()
+	open := s.collect(func(d *SessDev) bool { return d.export == name })
+	s.mu.Lock()
+	if len(open) > 0 && !force {
+		e.withdrawing = false
+		s.mu.Unlock()
+		return errorf(syscall.EBUSY, "export %s is open by %d session(s); --force closes it for them", name, len(open))
+	}
+	delete(s.exports, name)
+	s.mu.Unlock()
+	for _, d := range open {
+		d.forceClose()
+	}
+	return nil
+}
+
+// collect returns the open devices of every session that match; it takes
+// each session's lock without holding the server's.
+func (s *Server) collect(match func(*SessDev) bool) []*SessDev {
+	var out []*SessDev
+	for _, x := range s.Sessions() {
+		x.mu.Lock()
+		for _, d := range x.devs {
+			if d != nil && match(d) {
+				out = append(out, d)
+			}
+		}
+		x.mu.Unlock()
+	}
+	return out
+}
+
+// Exports lists the explicit exports, by name.
+func (s *Server) Exports() []Export {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var es []Export
+	for _, e := range s.exports {
+		c := *e
+		c.Allow = append([]string(nil), e.Allow...)
+		es = append(es, c)
+	}
+	sort.Slice(es, func(i, j int) bool { return es[i].Name < es[j].Name })
+	return es
+}
+
+// forceClose closes a session's device and keeps its id reserved
+// (rnbd_srv_sess_dev_force_close).
+func (d *SessDev) forceClose() {
+	x := d.sess
+	x.mu.Lock()
+	if x.devs != nil && x.devs[d.id] == d {
+		x.devs[d.id] = nil
+	}
+	x.mu.Unlock()
+	d.close()
+}
+
+// ForceClose closes device name for the named session, or for every
+// session that has it open when session is empty. It returns how many
+// were closed.
+func (s *Server) ForceClose(name, session string) (int, error) {
+	victims := s.collect(func(d *SessDev) bool {
+		return (session == "" || d.sess.name == session) && (d.name == name || d.export == name)
+	})
+	if len(victims) == 0 {
+		return 0, errorf(syscall.ENOENT, "%s is not open by %s", name, orAll(session))
+	}
+	for _, d := range victims {
+		d.forceClose()
+	}
+	return len(victims), nil
+}
+
+func orAll(session string) string {
+	if session == "" {
+		return "any session"
+	}
+	return "session " + session
+}
+
+// SessDevInfo describes a device a session has open.
+type SessDevInfo struct {
+	Session    string
+	Name       string // as the client opened it
+	Export     string // the explicit export, if any
+	Path       string
+	DeviceID   uint32
+	AccessMode AccessMode
+	ReadOnly   bool
+	// ReadSectors and WrittenSectors count the device's IO, in 512-byte
+	// sectors, since it was opened.
+	ReadSectors, WrittenSectors uint64
+}
+
+// OpenDevices lists every device every session has open, by session and
+// name.
+func (s *Server) OpenDevices() []SessDevInfo {
+	var out []SessDevInfo
+	for _, d := range s.collect(func(*SessDev) bool { return true }) {
+		out = append(out, SessDevInfo{
+			Session: d.sess.name, Name: d.name, Export: d.export, Path: d.backend.Path(),
+			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
+			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(),
+		})
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Session != out[j].Session {
+			return out[i].Session < out[j].Session
+		}
+		return out[i].Name < out[j].Name
+	})
+	return out
+}
+
+// Sessions lists the RNBD sessions.
+func (s *Server) Sessions() []*Session {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*Session
+	for _, x := range s.sessions {
+		out = append(out, x)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].name < out[j].name })
+	return out
+}
+
+// RTRS is the session's transport session.
+func (x *Session) RTRS() *rtrs.SrvSession { return x.rtrs }
+
+// Version is the protocol major version agreed with the client.
+func (x *Session) Version() int { return int(x.ver.Load()) }

@@ -1,0 +1,639 @@
+package rnbd
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var srvAddr = netip.MustParseAddrPort("10.20.0.1:1234")
+
+// srig is an RNBD server over RTRS on the in-memory fabric, serving files
+// from a search directory and explicit exports.
+type srig struct {
+	t    *testing.T
+	fab  fabric.Fabric
+	dir  string // dev_search_path
+	srv  *Server
+	rs   *rtrs.Server
+	next atomic.Int32
+}
+
+func newSrig(t *testing.T, cfg ServerConfig) *srig {
+	t.Helper()
+	r := &srig{t: t, fab: fabrictest.NewNetwork().Fabric()}
+	if cfg.DevSearchPath == "" {
+		r.dir = t.TempDir()
+		cfg.DevSearchPath = r.dir
+	} else {
+		r.dir = cfg.DevSearchPath
+	}
+	cfg.Log = log.Discard()
+	r.srv = NewServer(cfg)
+	scfg := rtrs.DefaultServerConfig()
+	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{srvAddr}, log.Discard()
+	scfg.QueueDepth, scfg.MaxChunkSize = 64, 128<<10
+	var err error
+	if r.rs, err = rtrs.NewServer(scfg); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		r.rs.Close()
+		r.srv.Close()
+	})
+	return r
+}
+
+// file creates a sparse file of size in the search directory.
+func (r *srig) file(name string, size int64) string {
+	r.t.Helper()
+	p := filepath.Join(r.dir, name)
+	os.MkdirAll(filepath.Dir(p), 0o755)
+	f, err := os.Create(p)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	f.Truncate(size)
+	f.Close()
+	return p
+}
+
+// client opens an RTRS session named sess and an RNBD client on it.
+func (r *srig) client(sess string) *Client {
+	r.t.Helper()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName, cfg.Fabric, cfg.Log = sess, r.fab, log.Discard()
+	cfg.ConnsPerPath = 2
+	src := netip.AddrFrom4([4]byte{10, 20, 1, byte(r.next.Add(1))})
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(src, 0), Dst: srvAddr}}
+	s, err := rtrs.Open(context.Background(), cfg)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { s.Close() })
+	c, err := NewClient(context.Background(), s)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return c
+}
+
+// io runs one IO of dev through a buffer of its own.
+type dio struct {
+	t   *testing.T
+	d   *Device
+	buf *rtrs.Buffer
+}
+
+func (r *srig) dev(c *Client, name string, mode AccessMode) *dio {
+	r.t.Helper()
+	d, err := c.Open(context.Background(), name, mode)
+	if err != nil {
+		r.t.Fatalf("open %s %v: %v", name, mode, err)
+	}
+	buf, err := c.Session().AllocBuffer(1 << 20)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return &dio{t: r.t, d: d, buf: buf}
+}
+
+func (x *dio) write(off int64, data []byte, flags uint32) error {
+	copy(x.buf.Bytes(), data)
+	return x.d.Do(context.Background(), OpWrite, flags, off, len(data), x.buf, 0)
+}
+
+func (x *dio) read(off int64, n int) ([]byte, error) {
+	if err := x.d.Do(context.Background(), OpRead, 0, off, n, x.buf, 0); err != nil {
+		return nil, err
+	}
+	return append([]byte(nil), x.buf.Bytes()[:n]...), nil
+}
+
+// readAll reads n bytes at off in pieces the transport carries.
+func (x *dio) readAll(off int64, n int) []byte {
+	x.t.Helper()
+	var out []byte
+	for n > 0 {
+		c := min(n, 64<<10)
+		b, err := x.read(off, c)
+		if err != nil {
+			x.t.Fatalf("read %d at %d: %v", c, off, err)
+		}
+		out = append(out, b...)
+		off += int64(c)
+		n -= c
+	}
+	return out
+}
+
+func (x *dio) op(op Op, flags uint32, off int64, n int) error {
+	return x.d.Do(context.Background(), op, flags, off, n, nil, 0)
+}
+
+func TestOpenIOClose(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	path := r.file("vol1", 4<<20)
+	c := r.client("client1")
+	if c.Version() != ProtoVerMajor {
+		t.Fatalf("version %d", c.Version())
+	}
+	x := r.dev(c, "vol1", AccessRW)
+	info := x.d.Info
+	if info.NSectors != 4<<20/512 || info.LogicalBlockSize != 512 || info.PhysicalBlockSize != 4096 ||
+		info.CachePolicy != CacheWriteback|CacheFUA || info.MaxDiscardSectors == 0 || info.MaxWriteZeroesSectors == 0 ||
+		info.MaxHWSectors != (128<<10-4096)/512 {
+		t.Fatalf("open_rsp %+v", info)
+	}
+	data := bytes.Repeat([]byte("rnbd"), 16384)
+	if err := x.write(4096, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	got, err := x.read(4096, len(data))
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back: %v", err)
+	}
+	onDisk, _ := os.ReadFile(path)
+	if !bytes.Equal(onDisk[4096:4096+len(data)], data) {
+		t.Fatal("the file does not hold what was written")
+	}
+	// Opening the same name again returns the same device.
+	again, err := c.Open(context.Background(), "vol1", AccessRW)
+	if err != nil || again.Info.DeviceID != info.DeviceID {
+		t.Fatalf("second open: %v, id %d want %d", err, again.Info.DeviceID, info.DeviceID)
+	}
+	if err := x.d.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.op(OpFlush, 0, 0, 0); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("IO after close: %v, want ENOTCONN", err)
+	}
+	if n := len(r.srv.OpenDevices()); n != 0 {
+		t.Fatalf("%d devices open after close", n)
+	}
+}
+
+func TestSessInfoVersion(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	c := r.client("v")
+	for _, c2 := range []struct{ ask, want uint8 }{{1, 1}, {2, 2}, {9, 2}} {
+		var usr [SessInfoSize]byte
+		(&SessInfo{Ver: c2.ask}).Encode(usr[:], MsgSessInfo)
+		if err := c.sess.Do(context.Background(), rtrs.AdminCon, rtrs.Read, usr[:], c.admin, 0, SessInfoRspSize); err != nil {
+			t.Fatal(err)
+		}
+		var rsp SessInfo
+		if err := rsp.Decode(c.admin.Bytes()[:SessInfoRspSize], MsgSessInfoRsp); err != nil || rsp.Ver != c2.want {
+			t.Fatalf("asked %d: got %d %v, want %d", c2.ask, rsp.Ver, err, c2.want)
+		}
+	}
+}
+
+func TestAccessModes(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("shared", 1<<20)
+	a, b, c := r.client("a"), r.client("b"), r.client("c")
+	open := func(cl *Client, mode AccessMode) error {
+		_, err := cl.Open(context.Background(), "shared", mode)
+		return err
+	}
+	if err := open(a, AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	if err := open(b, AccessRW); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("second writer: %v, want EPERM", err)
+	}
+	if err := open(b, AccessRO); err != nil {
+		t.Fatalf("reader beside a writer: %v", err)
+	}
+	if err := open(c, AccessMigration); err != nil {
+		t.Fatalf("migration beside one writer: %v", err)
+	}
+	d := r.client("d")
+	if err := open(d, AccessMigration); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("third writer: %v, want EPERM", err)
+	}
+	if err := open(d, AccessRO); err != nil {
+		t.Fatal(err)
+	}
+	// A read-only open refuses writes.
+	ro := r.dev(d, "shared", AccessRO)
+	if err := ro.write(0, make([]byte, 512), 0); !errors.Is(err, syscall.EROFS) {
+		t.Fatalf("write on a read-only open: %v", err)
+	}
+	// Access mode 3 does not exist.
+	if _, err := d.Open(context.Background(), "other", 3); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("access mode 3: %v", err)
+	}
+	// When the writer's session goes away its devices close and the
+	// device takes a writer again.
+	a.Session().Close()
+	waitFor(t, "a's device to close", func() bool { return len(r.srv.OpenDevices()) == 3 })
+	if err := open(d, AccessRW); !errors.Is(err, syscall.EPERM) {
+		// d has "shared" open read-only already: same name, same device.
+		if err != nil {
+			t.Fatalf("d reopening: %v", err)
+		}
+	}
+	e := r.client("e")
+	if err := open(e, AccessMigration); err != nil {
+		t.Fatalf("second migration writer after a's exit: %v", err)
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestPathTraversal(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, "exports")
+	os.MkdirAll(dir, 0o755)
+	os.WriteFile(filepath.Join(root, "secret"), make([]byte, 4096), 0o600)
+	r := newSrig(t, ServerConfig{DevSearchPath: dir})
+	os.Symlink(filepath.Join(root, "secret"), filepath.Join(dir, "link-out"))
+	os.Symlink("../secret", filepath.Join(dir, "rel-out"))
+	r.file("ok", 1<<20)
+	c := r.client("t")
+	for name, want := range map[string]syscall.Errno{
+		"../secret":               syscall.EINVAL,
+		"a/../../secret":          syscall.EINVAL,
+		"..":                      syscall.EINVAL,
+		"/etc/passwd":             syscall.ENOENT, // resolved beneath the search path, as the kernel does
+		"link-out":                syscall.EINVAL,
+		"rel-out":                 syscall.EINVAL,
+		"missing":                 syscall.ENOENT,
+		string(make([]byte, 254)): syscall.EINVAL,
+	} {
+		_, err := c.Open(context.Background(), name, AccessRO)
+		if !errors.Is(err, want) {
+			t.Errorf("open %q: %v, want %v", name, err, want)
+		}
+	}
+	if _, err := c.Open(context.Background(), "ok", AccessRO); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Open(context.Background(), "/ok", AccessRO); err != nil {
+		t.Fatalf("/ok: %v", err)
+	}
+}
+
+func TestSessnameSearchPath(t *testing.T) {
+	root := t.TempDir()
+	r := newSrig(t, ServerConfig{DevSearchPath: filepath.Join(root, "%SESSNAME%", "ignored")})
+	os.MkdirAll(filepath.Join(root, "alice"), 0o755)
+	os.MkdirAll(filepath.Join(root, "bob"), 0o755)
+	os.WriteFile(filepath.Join(root, "alice", "disk"), make([]byte, 1<<20), 0o600)
+	os.WriteFile(filepath.Join(root, "bob", "disk"), make([]byte, 2<<20), 0o600)
+	a := r.dev(r.client("alice"), "disk", AccessRW)
+	b := r.dev(r.client("bob"), "disk", AccessRW)
+	if a.d.Size() != 1<<20 || b.d.Size() != 2<<20 {
+		t.Fatalf("each session sees its own directory: %d %d", a.d.Size(), b.d.Size())
+	}
+	// Nobody reaches another session's directory.
+	if _, err := r.client("carol").Open(context.Background(), "../alice/disk", AccessRO); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("carol into alice's directory: %v", err)
+	}
+	// Session names that would move the directory never get here: RTRS
+	// refuses '/' and '.', and the resolver checks again.
+	for _, bad := range []string{"..", "a/b", ".", ""} {
+		if _, err := r.srv.searchDir(bad, "disk"); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("session %q: %v", bad, err)
+		}
+	}
+}
+
+func TestExports(t *testing.T) {
+	r := newSrig(t, ServerConfig{DevSearchPath: ""})
+	r.srv.cfg.DevSearchPath = "" // explicit exports only
+	other := t.TempDir()
+	p := filepath.Join(other, "img")
+	os.WriteFile(p, make([]byte, 1<<20), 0o600)
+	if err := r.srv.Map(Export{Name: "vol", Path: p, Allow: []string{"ok"}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("second map: %v", err)
+	}
+	if err := r.srv.Map(Export{Name: "ro", Path: p, ReadOnly: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.srv.Map(Export{Name: "x", Path: "relative"}); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("relative path: %v", err)
+	}
+	if err := r.srv.Map(Export{Name: "y", Path: "/nonexistent/img"}); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("missing path: %v", err)
+	}
+	ok, nope := r.client("ok"), r.client("nope")
+	x := r.dev(ok, "vol", AccessRW)
+	if _, err := nope.Open(context.Background(), "vol", AccessRO); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("session not in the allow list: %v", err)
+	}
+	if _, err := nope.Open(context.Background(), "ro", AccessRW); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("rw open of a read-only export: %v", err)
+	}
+	if _, err := nope.Open(context.Background(), "ro", AccessRO); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nope.Open(context.Background(), "unknown", AccessRO); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("unknown export without a search path: %v", err)
+	}
+	// Two names of one file share the writer count.
+	if _, err := ok.Open(context.Background(), "ro", AccessRO); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.srv.Unmap("vol", false); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("unmap of an open export: %v", err)
+	}
+	if err := x.write(0, bytes.Repeat([]byte("still works!"), 128), 0); err != nil {
+		t.Fatalf("IO after a refused unmap: %v", err)
+	}
+	if err := r.srv.Unmap("vol", true); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.write(0, make([]byte, 512), 0); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("IO after a forced unmap: %v, want ENOTCONN", err)
+	}
+	if _, err := ok.Open(context.Background(), "vol", AccessRW); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("open after unmap: %v", err)
+	}
+	if err := r.srv.Unmap("vol", false); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("second unmap: %v", err)
+	}
+	if got := r.srv.Exports(); len(got) != 1 || got[0].Name != "ro" {
+		t.Fatalf("exports %+v", got)
+	}
+}
+
+func TestForceClose(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 1<<20)
+	r.file("b", 1<<20)
+	c := r.client("fc")
+	x := r.dev(c, "a", AccessRW)
+	if err := x.write(0, []byte("x"), 0); err == nil {
+		// 1 byte is not a multiple of the block: refused.
+		t.Fatal("unaligned write accepted")
+	}
+	if n, err := r.srv.ForceClose("a", "fc"); n != 1 || err != nil {
+		t.Fatalf("force close: %d %v", n, err)
+	}
+	if err := x.write(0, make([]byte, 512), 0); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("IO after force close: %v, want ENOTCONN", err)
+	}
+	// The id stays reserved: another device does not get it.
+	y := r.dev(c, "b", AccessRW)
+	if y.d.Info.DeviceID == x.d.Info.DeviceID {
+		t.Fatal("a force-closed device's id was reused")
+	}
+	if _, err := r.srv.ForceClose("a", "fc"); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("second force close: %v", err)
+	}
+	// The writer count was released: "a" opens for writing again.
+	if _, err := r.client("other").Open(context.Background(), "a", AccessRW); err != nil {
+		t.Fatalf("rw open after force close: %v", err)
+	}
+}
+
+// TestCloseWaitsForIO: CLOSE returns only after the device's IO in flight
+// has answered, and that IO succeeds.
+func TestCloseWaitsForIO(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("slow", 1<<20)
+	hold := make(chan struct{})
+	var held atomic.Int32
+	r.srv.beforeIO = func() {
+		held.Add(1)
+		<-hold
+	}
+	c := r.client("w")
+	x := r.dev(c, "slow", AccessRW)
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = x.op(OpFlush, 0, 0, 0)
+		}()
+	}
+	waitFor(t, "IO at the server", func() bool { return held.Load() == 4 })
+	closed := make(chan error, 1)
+	go func() { closed <- x.d.Close(context.Background()) }()
+	select {
+	case err := <-closed:
+		t.Fatalf("close returned with IO in flight: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(hold)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("IO %d in flight across close: %v", i, err)
+		}
+	}
+}
+
+// TestIOSemantics checks flush, FUA, preflush, discard and write-zeroes
+// against the file: holes, allocation and data.
+func TestIOSemantics(t *testing.T) {
+	for _, dir := range []string{os.TempDir(), "/dev/shm"} {
+		t.Run(filepath.Base(dir), func(t *testing.T) {
+			sp, _ := os.MkdirTemp(dir, "rnbd-sem-")
+			defer os.RemoveAll(sp)
+			r := newSrig(t, ServerConfig{DevSearchPath: sp})
+			path := r.file("f", 8<<20)
+			x := r.dev(r.client("sem"), "f", AccessRW)
+			data := bytes.Repeat([]byte{0x5a}, 64<<10)
+			for _, flags := range []uint32{0, FFUA, FPreflush, FPreflush | FFUA, FSync} {
+				if err := x.write(1<<20, data[:64<<10], flags); err != nil {
+					t.Fatalf("write with flags %#x: %v", flags, err)
+				}
+			}
+			for off := int64(2 << 20); off < 2<<20+256<<10; off += 64 << 10 {
+				if err := x.write(off, data, FFUA); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := x.op(OpFlush, 0, 0, 0); err != nil {
+				t.Fatal(err)
+			}
+			// Discard: a hole that reads as zeros.
+			if err := x.op(OpDiscard, 0, 2<<20, 64<<10); err != nil {
+				t.Fatal(err)
+			}
+			if !isHole(t, path, 2<<20) {
+				t.Fatal("discard did not punch a hole")
+			}
+			got := x.readAll(2<<20, 128<<10)
+			if !bytes.Equal(got[:64<<10], make([]byte, 64<<10)) || !bytes.Equal(got[64<<10:], data) {
+				t.Fatal("discard changed the wrong bytes")
+			}
+			// Write zeroes with NOUNMAP keeps the blocks.
+			before := allocated(t, path)
+			if err := x.op(OpWriteZeroes, FNoUnmap, 2<<20+64<<10, 64<<10); err != nil {
+				t.Fatal(err)
+			}
+			if after := allocated(t, path); after < before-8<<10 {
+				t.Fatalf("write zeroes with NOUNMAP freed blocks: %d -> %d", before, after)
+			}
+			// Without it, the blocks may go, and here do.
+			before = allocated(t, path)
+			if err := x.op(OpWriteZeroes, 0, 2<<20+128<<10, 64<<10); err != nil {
+				t.Fatal(err)
+			}
+			if after := allocated(t, path); after > before-48<<10 { // ext4 counts extent metadata blocks too
+				t.Fatalf("write zeroes that may unmap: %d -> %d bytes allocated", before, after)
+			}
+			got = x.readAll(2<<20, 256<<10)
+			if !bytes.Equal(got[:192<<10], make([]byte, 192<<10)) || !bytes.Equal(got[192<<10:], data) {
+				t.Fatal("zeroed ranges read wrong")
+			}
+			if err := x.op(OpSecureErase, 0, 0, 4096); !errors.Is(err, syscall.EOPNOTSUPP) {
+				t.Fatalf("secure erase of a file: %v", err)
+			}
+		})
+	}
+}
+
+// TestPastTheEnd: IO beyond the device fails whole and the file does not
+// grow.
+func TestPastTheEnd(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	path := r.file("small", 1<<20)
+	x := r.dev(r.client("end"), "small", AccessRW)
+	for _, c := range []struct {
+		name string
+		err  error
+	}{
+		{"write straddling", x.write(1<<20-4096, make([]byte, 8192), 0)},
+		{"write past", x.write(1<<20, make([]byte, 4096), 0)},
+		{"read straddling", func() error { _, err := x.read(1<<20-512, 1024); return err }()},
+		{"discard past", x.op(OpDiscard, 0, 1<<20, 4096)},
+		{"zeroes past", x.op(OpWriteZeroes, 0, 1<<20-512, 4096)},
+		{"sector beyond any size", x.op(OpWriteZeroes, 0, 1<<40, 512)},
+	} {
+		if c.err == nil {
+			t.Errorf("%s: no error", c.name)
+		}
+	}
+	if st, _ := os.Stat(path); st.Size() != 1<<20 {
+		t.Fatalf("file grew to %d", st.Size())
+	}
+}
+
+func allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks * 512
+}
+
+func isHole(t *testing.T, path string, off int64) bool {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h, err := unix.Seek(int(f.Fd()), off, unix.SEEK_HOLE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h == off
+}
+
+// TestHostileMessages: malformed RNBD messages get an errno and never
+// crash the server or disturb a well-behaved device.
+func TestHostileMessages(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("good", 1<<20)
+	c := r.client("h")
+	good := r.dev(c, "good", AccessRW)
+	s := c.Session()
+	buf, _ := s.AllocBuffer(1 << 16)
+	ioMsg := func(m IO, n int) []byte { return m.Encode(make([]byte, IOSize))[:n] }
+	open := (&Open{AccessMode: AccessRO, DevName: "good"}).Encode(make([]byte, OpenSize))
+	unterminated := append([]byte(nil), open...)
+	for i := 6; i < 6+255; i++ {
+		unterminated[i] = 'a'
+	}
+	id := good.d.Info.DeviceID
+	for _, c := range []struct {
+		name string
+		dir  rtrs.Dir
+		usr  []byte
+		n    int
+		want syscall.Errno
+	}{
+		{"short header", rtrs.Write, []byte{4, 0}, 0, syscall.EINVAL},
+		{"unknown type", rtrs.Write, []byte{9, 0, 0, 0}, 0, syscall.EINVAL},
+		{"server-to-client type", rtrs.Write, (&SessInfo{Ver: 2}).Encode(make([]byte, 36), MsgSessInfoRsp), 0, syscall.EINVAL},
+		{"short sess info", rtrs.Read, []byte{0, 0, 0, 0, 2}, 36, syscall.EINVAL},
+		{"sess info without room for the answer", rtrs.Read, (&SessInfo{Ver: 2}).Encode(make([]byte, 36), MsgSessInfo), 8, syscall.EINVAL},
+		{"open as a write", rtrs.Write, open, 0, syscall.EINVAL},
+		{"open without room for the answer", rtrs.Read, open, 16, syscall.EINVAL},
+		{"open with an unterminated name", rtrs.Read, unterminated, 56, syscall.EINVAL},
+		{"short open", rtrs.Read, open[:100], 56, syscall.EINVAL},
+		{"io with an unknown op", rtrs.Write, ioMsg(IO{DeviceID: id, RW: 9}, 32), 0, syscall.EINVAL},
+		{"io with unknown flags", rtrs.Write, ioMsg(IO{DeviceID: id, RW: 2 | 1<<20}, 32), 0, syscall.EINVAL},
+		{"io for an unknown device", rtrs.Write, ioMsg(IO{DeviceID: 999, RW: uint32(OpFlush)}, 32), 0, syscall.ENOTCONN},
+		{"io too short", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpFlush)}, 20), 0, syscall.EINVAL},
+		{"read longer than its data", rtrs.Read, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 8192}, 32), 4096, syscall.EINVAL},
+		{"write shorter than its data", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpWrite), Size: 512}, 32), 4096, syscall.EINVAL},
+		{"read sent as a write", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 4096}, 32), 4096, syscall.EINVAL},
+		{"discard with data", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpDiscard), Size: 4096}, 32), 4096, syscall.EINVAL},
+		{"unaligned read", rtrs.Read, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 100}, 32), 100, syscall.EINVAL},
+		{"sector that overflows", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpDiscard), Sector: 1 << 62, Size: 512}, 32), 0, syscall.EINVAL},
+	} {
+		err := s.Do(context.Background(), rtrs.IOCon, c.dir, c.usr, buf, 0, c.n)
+		if !errors.Is(err, c.want) {
+			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+	// A close of an id that is not open is harmless.
+	if err := s.Do(context.Background(), rtrs.AdminCon, rtrs.Write, (&Close{DeviceID: 12345}).Encode(make([]byte, 8)), nil, 0, 0); err != nil {
+		t.Fatalf("close of an unknown id: %v", err)
+	}
+	// The well-behaved device still works, and a 24-byte IO (no prio) too.
+	data := bytes.Repeat([]byte("ok"), 2048)
+	if err := good.write(0, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Do(context.Background(), rtrs.IOCon, rtrs.Read, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 4096}, 24), buf, 0, 4096); err != nil {
+		t.Fatalf("24-byte io: %v", err)
+	}
+	if !bytes.Equal(buf.Bytes()[:4096], data) {
+		t.Fatal("read back")
+	}
+}
