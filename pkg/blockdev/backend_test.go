@@ -10,8 +10,7 @@ import (
 	"syscall"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
@@ -28,31 +27,6 @@ func sparseFile(t *testing.T, dir string, size int64) string {
 	}
 	f.Close()
 	return f.Name()
-}
-
-// allocated returns the bytes the file has allocated (st_blocks).
-func allocated(t *testing.T, path string) int64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Blocks * 512
-}
-
-// isHole reports whether the byte at off is in a hole of the file.
-func isHole(t *testing.T, path string, off int64) bool {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h, err := unix.Seek(int(f.Fd()), off, unix.SEEK_HOLE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h == off
 }
 
 func open(t *testing.T, path string, opts Options) *Backend {
@@ -99,7 +73,7 @@ func TestFileBackend(t *testing.T) {
 			if err := b.Discard(1<<20, 64<<10); err != nil {
 				t.Fatal(err)
 			}
-			if !isHole(t, path, 1<<20) {
+			if !testfs.IsHole(t, path, 1<<20) {
 				t.Fatal("discard left data allocated")
 			}
 			b.ReadAt(got[:64<<10], 1<<20)
@@ -109,11 +83,11 @@ func TestFileBackend(t *testing.T) {
 			// Write zeroes with NOUNMAP keeps the space allocated (on ext4
 			// as unwritten extents, which SEEK_HOLE reports as holes: count
 			// the blocks instead).
-			before := allocated(t, path)
+			before := testfs.Allocated(t, path)
 			if err := b.WriteZeroes(3<<20, 64<<10, true); err != nil {
 				t.Fatal(err)
 			}
-			if after := allocated(t, path); after < before-8<<10 {
+			if after := testfs.Allocated(t, path); after < before-8<<10 {
 				t.Fatalf("write zeroes with NOUNMAP deallocated: %d -> %d bytes", before, after)
 			}
 			b.ReadAt(got[:64<<10], 3<<20)
@@ -121,11 +95,11 @@ func TestFileBackend(t *testing.T) {
 				t.Fatal("zeroed range does not read as zeros")
 			}
 			// Without NOUNMAP it may deallocate, and here does.
-			before = allocated(t, path)
+			before = testfs.Allocated(t, path)
 			if err := b.WriteZeroes(3<<20+64<<10, 64<<10, false); err != nil {
 				t.Fatal(err)
 			}
-			if after := allocated(t, path); after > before-48<<10 { // ext4 counts extent metadata blocks too
+			if after := testfs.Allocated(t, path); after > before-48<<10 { // ext4 counts extent metadata blocks too
 				t.Fatalf("write zeroes that may unmap: %d -> %d bytes allocated", before, after)
 			}
 			// The untouched rest of the data survived.
@@ -167,7 +141,7 @@ func TestPastTheEnd(t *testing.T) {
 	if st.Size() != 1<<20 {
 		t.Fatalf("file grew to %d", st.Size())
 	}
-	if !isHole(t, path, 1<<20-4096) {
+	if !testfs.IsHole(t, path, 1<<20-4096) {
 		t.Fatal("a refused write wrote the part that fitted")
 	}
 }
@@ -265,7 +239,7 @@ func TestBlockDevice(t *testing.T) {
 		t.Fatalf("write past the device: %v", err)
 	}
 	// The device's image file saw the discard as a hole.
-	if !isHole(t, img, 4<<20) {
+	if !testfs.IsHole(t, img, 4<<20) {
 		t.Fatal("BLKDISCARD did not reach the image file")
 	}
 	// A read-only loop device refuses a read-write open.

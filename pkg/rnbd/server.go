@@ -327,6 +327,11 @@ func (x *Session) processOpen(op *rtrs.SrvOp) error {
 	}
 	for _, d := range x.devs {
 		if d != nil && d.name == m.DevName {
+			// The kernel answers with the open device whatever the
+			// mode; a writer must not get a device it cannot write.
+			if d.readonly && m.AccessMode != AccessRO {
+				return errorf(syscall.EPERM, "%s is open read-only by this session; close it to reopen it %v", m.DevName, m.AccessMode)
+			}
 			x.fillOpenRsp(d, op.Data())
 			return nil
 		}

@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
-	"golang.org/x/sys/unix"
 
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
@@ -490,7 +490,7 @@ func TestIOSemantics(t *testing.T) {
 			if err := x.op(OpDiscard, 0, 2<<20, 64<<10); err != nil {
 				t.Fatal(err)
 			}
-			if !isHole(t, path, 2<<20) {
+			if !testfs.IsHole(t, path, 2<<20) {
 				t.Fatal("discard did not punch a hole")
 			}
 			got := x.readAll(2<<20, 128<<10)
@@ -498,19 +498,19 @@ func TestIOSemantics(t *testing.T) {
 				t.Fatal("discard changed the wrong bytes")
 			}
 			// Write zeroes with NOUNMAP keeps the blocks.
-			before := allocated(t, path)
+			before := testfs.Allocated(t, path)
 			if err := x.op(OpWriteZeroes, FNoUnmap, 2<<20+64<<10, 64<<10); err != nil {
 				t.Fatal(err)
 			}
-			if after := allocated(t, path); after < before-8<<10 {
+			if after := testfs.Allocated(t, path); after < before-8<<10 {
 				t.Fatalf("write zeroes with NOUNMAP freed blocks: %d -> %d", before, after)
 			}
 			// Without it, the blocks may go, and here do.
-			before = allocated(t, path)
+			before = testfs.Allocated(t, path)
 			if err := x.op(OpWriteZeroes, 0, 2<<20+128<<10, 64<<10); err != nil {
 				t.Fatal(err)
 			}
-			if after := allocated(t, path); after > before-48<<10 { // ext4 counts extent metadata blocks too
+			if after := testfs.Allocated(t, path); after > before-48<<10 { // ext4 counts extent metadata blocks too
 				t.Fatalf("write zeroes that may unmap: %d -> %d bytes allocated", before, after)
 			}
 			got = x.readAll(2<<20, 256<<10)
@@ -548,29 +548,6 @@ func TestPastTheEnd(t *testing.T) {
 	if st, _ := os.Stat(path); st.Size() != 1<<20 {
 		t.Fatalf("file grew to %d", st.Size())
 	}
-}
-
-func allocated(t *testing.T, path string) int64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Blocks * 512
-}
-
-func isHole(t *testing.T, path string, off int64) bool {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h, err := unix.Seek(int(f.Fd()), off, unix.SEEK_HOLE)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h == off
 }
 
 // TestHostileMessages: malformed RNBD messages get an errno and never
