@@ -1,0 +1,156 @@
+// Package cli is what the rnbd-server and rnbd-client command lines share:
+// the global flags, talking to the daemon, printing records, running a
+// daemon with signals and sd_notify, and turning errors into one line and
+// an exit code.
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/internal/sdnotify"
+)
+
+// Globals are the flags every control command takes.
+type Globals struct {
+	Socket string
+	Format string
+	Fields string
+}
+
+// Add registers the global flags on root.
+func (g *Globals) Add(root *cobra.Command, defaultSocket string) {
+	f := root.PersistentFlags()
+	f.StringVar(&g.Socket, "socket", defaultSocket, "the daemon's control socket")
+	f.StringVarP(&g.Format, "format", "f", "table", "output format: table, json, csv or xml")
+	f.StringVar(&g.Fields, "fields", "", `fields to show: "f1,f2", "+f" to add, "-f" to remove, or "all"`)
+}
+
+// Client returns a client of the daemon's socket.
+func (g *Globals) Client() *ctl.Client { return ctl.Dial(g.Socket) }
+
+// Call sends one request to the daemon with a 2-minute bound: control
+// commands must not hang on a dead path.
+func (g *Globals) Call(method, path string, body, out any) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	return g.Client().Do(ctx, method, path, body, out)
+}
+
+// List fetches records from path and prints them with the selected fields.
+func (g *Globals) List(w io.Writer, path, kind string, defaults, all []string) error {
+	var recs []output.Record
+	if err := g.Call("GET", path, nil, &recs); err != nil {
+		return err
+	}
+	fields, err := output.Fields(g.Fields, defaults, all)
+	if err != nil {
+		return ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	return output.Print(w, g.Format, output.List{Kind: kind, Fields: fields, Records: recs})
+}
+
+// Main runs root and exits: one line on stderr and the error's exit code.
+func Main(name string, root *cobra.Command) {
+	root.SilenceUsage = true
+	root.SilenceErrors = true
+	err := root.Execute()
+	if err == nil {
+		os.Exit(0)
+	}
+	fmt.Fprintf(os.Stderr, "%s: %v\n", name, err)
+	code := ctl.ExitCode(err)
+	var ce *ctl.Error
+	if !errors.As(err, &ce) && code == 1 && isUsage(err) {
+		code = 2
+	}
+	os.Exit(code)
+}
+
+// isUsage reports a cobra argument or flag error.
+func isUsage(err error) bool {
+	s := err.Error()
+	for _, p := range []string{"unknown command", "unknown flag", "unknown shorthand", "accepts ", "requires ", "invalid argument", "flag needs"} {
+		if len(s) >= len(p) && contains(s, p) {
+			return true
+		}
+	}
+	return false
+}
+
+func contains(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if s[i:i+len(sub)] == sub {
+			return true
+		}
+	}
+	return false
+}
+
+// Daemon is what RunDaemon runs.
+type Daemon interface {
+	Stop() error
+}
+
+// RunDaemon starts a daemon and serves until SIGTERM or SIGINT: signals
+// are caught before the start so none is missed; READY=1 goes to systemd
+// once it serves and STOPPING=1 when it stops. SIGUSR1 logs every
+// goroutine's stack.
+func RunDaemon(start func() (Daemon, error)) error {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGUSR1, syscall.SIGHUP, syscall.SIGPIPE)
+	defer signal.Stop(sigs)
+	d, err := start()
+	if err != nil {
+		return err
+	}
+	if ok, err := sdnotify.Notify(sdnotify.Ready); err != nil {
+		log.L.WithError(err).Warn("sd_notify READY failed")
+	} else if !ok {
+		log.L.Debug("not started by systemd: no readiness notification")
+	}
+	for s := range sigs {
+		switch s {
+		case syscall.SIGUSR1:
+			buf := make([]byte, 1<<20)
+			n := runtime.Stack(buf, true)
+			log.L.WithField("stacks", string(buf[:n])).Info("goroutine dump")
+		case syscall.SIGHUP, syscall.SIGPIPE:
+			// Not a reason to stop: CLIs and terminals go away.
+		default:
+			log.L.WithField("signal", s).Info("stopping")
+			sdnotify.Notify(sdnotify.Stopping)
+			return d.Stop()
+		}
+	}
+	return nil
+}
+
+// SetupLog applies a log level and format ("text" or "json").
+func SetupLog(level, format string) error {
+	l, err := log.ParseLevel(level)
+	if err != nil {
+		return ctl.Errorf(ctl.CodeInvalid, "log level %q: %v", level, err)
+	}
+	log.SetLevel(l)
+	switch format {
+	case "", "text":
+	case "json":
+		log.SetJSON()
+	default:
+		return ctl.Errorf(ctl.CodeInvalid, "log format %q: want text or json", format)
+	}
+	return nil
+}

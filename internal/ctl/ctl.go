@@ -1,0 +1,249 @@
+// Package ctl is the control API between a daemon and its CLI: HTTP with
+// JSON bodies over a unix socket (mode 0600), and a small fixed set of
+// error classes that the CLI turns into one clear line and an exit code.
+// docs/control-api.md documents the endpoints; they are a stable ABI.
+package ctl
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+// Code is an error class.
+type Code string
+
+const (
+	CodeNotFound     Code = "not_found"
+	CodeExists       Code = "already_exists"
+	CodeBusy         Code = "busy"
+	CodeInvalid      Code = "invalid_argument"
+	CodePermission   Code = "permission_denied"
+	CodeUnavailable  Code = "unavailable"
+	CodeInternal     Code = "internal"
+	CodeNotSupported Code = "not_supported"
+)
+
+var codeStatus = map[Code]int{
+	CodeNotFound:     http.StatusNotFound,
+	CodeExists:       http.StatusConflict,
+	CodeBusy:         http.StatusLocked,
+	CodeInvalid:      http.StatusBadRequest,
+	CodePermission:   http.StatusForbidden,
+	CodeUnavailable:  http.StatusServiceUnavailable,
+	CodeInternal:     http.StatusInternalServerError,
+	CodeNotSupported: http.StatusNotImplemented,
+}
+
+// exitCodes are the CLI's exit codes per class (docs/control-api.md).
+var exitCodes = map[Code]int{
+	CodeInternal:     1,
+	CodeInvalid:      2,
+	CodeNotFound:     3,
+	CodeExists:       4,
+	CodeBusy:         5,
+	CodeUnavailable:  6,
+	CodePermission:   7,
+	CodeNotSupported: 8,
+}
+
+// Error is an error with a class, as it crosses the socket.
+type Error struct {
+	Code    Code   `json:"code"`
+	Message string `json:"error"`
+}
+
+func (e *Error) Error() string { return e.Message }
+
+// Errorf makes an Error of class code.
+func Errorf(code Code, format string, args ...any) *Error {
+	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// Classify finds the class of err: an *Error's own, else by errno.
+func Classify(err error) Code {
+	var ce *Error
+	if errors.As(err, &ce) {
+		return ce.Code
+	}
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		switch e {
+		case syscall.ENOENT, syscall.ENODEV, syscall.ENXIO:
+			return CodeNotFound
+		case syscall.EEXIST, syscall.EALREADY:
+			return CodeExists
+		case syscall.EBUSY:
+			return CodeBusy
+		case syscall.EINVAL, syscall.ERANGE, syscall.ENAMETOOLONG, syscall.EISDIR, syscall.ENOTDIR:
+			return CodeInvalid
+		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
+			return CodePermission
+		case syscall.ENOTCONN, syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.ETIMEDOUT, syscall.EHOSTUNREACH,
+			syscall.ENETUNREACH, syscall.ECONNABORTED:
+			return CodeUnavailable
+		case syscall.EOPNOTSUPP:
+			return CodeNotSupported
+		}
+	}
+	return CodeInternal
+}
+
+// ExitCode is the CLI exit code for err (0 for nil).
+func ExitCode(err error) int {
+	if err == nil {
+		return 0
+	}
+	return exitCodes[Classify(err)]
+}
+
+// Server serves the control API on a unix socket.
+type Server struct {
+	path string
+	l    net.Listener
+	mux  *http.ServeMux
+	hs   *http.Server
+}
+
+// Listen creates the socket at path (its directory 0755, the socket
+// 0600). A stale socket left by a dead daemon is replaced; a live one
+// means another daemon runs: that is an error.
+func Listen(path string) (*Server, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("control socket %s: another daemon is running: %w", path, syscall.EADDRINUSE)
+	}
+	os.Remove(path)
+	old := syscall.Umask(0o177)
+	l, err := net.Listen("unix", path)
+	syscall.Umask(old)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	s := &Server{path: path, l: l, mux: http.NewServeMux()}
+	s.hs = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second}
+	return s, nil
+}
+
+// Handler answers a request: a value encoded as JSON, or an error.
+type Handler func(r *http.Request) (any, error)
+
+// Handle registers h for a pattern like "GET /v1/devices/{name}".
+func (s *Server) Handle(pattern string, h Handler) {
+	s.mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
+		v, err := h(r)
+		w.Header().Set("Content-Type", "application/json")
+		if err != nil {
+			code := Classify(err)
+			w.WriteHeader(codeStatus[code])
+			json.NewEncoder(w).Encode(&Error{Code: code, Message: err.Error()})
+			return
+		}
+		if v == nil {
+			v = struct{}{}
+		}
+		json.NewEncoder(w).Encode(v)
+	})
+}
+
+// Serve serves until Close.
+func (s *Server) Serve() error {
+	err := s.hs.Serve(s.l)
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// Close stops serving and removes the socket.
+func (s *Server) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := s.hs.Shutdown(ctx)
+	os.Remove(s.path)
+	return err
+}
+
+// Decode reads a JSON request body into v; a bad body is CodeInvalid.
+func Decode(r *http.Request, v any) error {
+	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return Errorf(CodeInvalid, "bad request body: %v", err)
+	}
+	return nil
+}
+
+// Client talks to a daemon's control socket.
+type Client struct {
+	path string
+	hc   *http.Client
+}
+
+// Dial returns a client of the socket at path; nothing connects until a
+// request is made.
+func Dial(path string) *Client {
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		},
+	}
+	return &Client{path: path, hc: &http.Client{Transport: tr}}
+}
+
+// Do sends a request with body (encoded as JSON if not nil) and decodes
+// the answer into out (if not nil). A daemon that is not running is
+// CodeUnavailable; the daemon's errors keep their class.
+func (c *Client) Do(ctx context.Context, method, path string, body, out any) error {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://daemon"+path, rd)
+	if err != nil {
+		return err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
+			return Errorf(CodeUnavailable, "daemon not running (no daemon listens on %s)", c.path)
+		}
+		if errors.Is(err, syscall.EACCES) {
+			return Errorf(CodePermission, "no permission to use %s (run as root)", c.path)
+		}
+		return Errorf(CodeUnavailable, "control socket %s: %v", c.path, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		var e Error
+		if json.NewDecoder(resp.Body).Decode(&e) != nil || e.Code == "" {
+			return Errorf(CodeInternal, "daemon answered %s", resp.Status)
+		}
+		return &e
+	}
+	if out == nil {
+		return nil
+	}
+	return json.NewDecoder(resp.Body).Decode(out)
+}

@@ -1,0 +1,112 @@
+package ctl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+)
+
+func TestClassifyAndExitCodes(t *testing.T) {
+	cases := []struct {
+		err  error
+		code Code
+		exit int
+	}{
+		{nil, "", 0},
+		{Errorf(CodeBusy, "x"), CodeBusy, 5},
+		{fmt.Errorf("wrapped: %w", syscall.ENOENT), CodeNotFound, 3},
+		{syscall.EEXIST, CodeExists, 4},
+		{syscall.EINVAL, CodeInvalid, 2},
+		{syscall.EPERM, CodePermission, 7},
+		{syscall.ENOTCONN, CodeUnavailable, 6},
+		{syscall.EOPNOTSUPP, CodeNotSupported, 8},
+		{errors.New("surprise"), CodeInternal, 1},
+	}
+	for _, c := range cases {
+		if c.err != nil && Classify(c.err) != c.code {
+			t.Errorf("Classify(%v) = %s, want %s", c.err, Classify(c.err), c.code)
+		}
+		if got := ExitCode(c.err); got != c.exit {
+			t.Errorf("ExitCode(%v) = %d, want %d", c.err, got, c.exit)
+		}
+	}
+}
+
+// A request crosses the socket with its body; an error comes back with
+// its class; the socket is the owner's only.
+func TestServerAndClient(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "run", "d.sock")
+	s, err := Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type echo struct {
+		Name string `json:"name"`
+	}
+	s.Handle("POST /v1/echo", func(r *http.Request) (any, error) {
+		var e echo
+		if err := Decode(r, &e); err != nil {
+			return nil, err
+		}
+		return e, nil
+	})
+	s.Handle("GET /v1/busy", func(r *http.Request) (any, error) { return nil, fmt.Errorf("in use: %w", syscall.EBUSY) })
+	served := make(chan error, 1)
+	go func() { served <- s.Serve() }()
+	defer func() {
+		s.Close()
+		<-served
+	}()
+	st, err := os.Stat(sock)
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode %v (%v), want 0600", st.Mode(), err)
+	}
+	c := Dial(sock)
+	ctx := context.Background()
+	var out echo
+	if err := c.Do(ctx, "POST", "/v1/echo", echo{Name: "d0"}, &out); err != nil || out.Name != "d0" {
+		t.Fatalf("echo: %+v %v", out, err)
+	}
+	err = c.Do(ctx, "GET", "/v1/busy", nil, nil)
+	if Classify(err) != CodeBusy || err.Error() != "in use: device or resource busy" {
+		t.Fatalf("busy: %v (%s)", err, Classify(err))
+	}
+	if err := c.Do(ctx, "POST", "/v1/echo", map[string]int{"bogus": 1}, nil); Classify(err) != CodeInvalid {
+		t.Fatalf("unknown field: %v", err)
+	}
+	if err := c.Do(ctx, "GET", "/v1/nothing", nil, nil); err == nil {
+		t.Fatal("an unknown endpoint answered")
+	}
+	// A second daemon on the same socket is refused while the first lives.
+	if _, err := Listen(sock); !errors.Is(err, syscall.EADDRINUSE) {
+		t.Fatalf("second Listen: %v, want EADDRINUSE", err)
+	}
+}
+
+func TestDaemonNotRunning(t *testing.T) {
+	dir := t.TempDir()
+	err := Dial(filepath.Join(dir, "none.sock")).Do(context.Background(), "GET", "/v1/x", nil, nil)
+	if Classify(err) != CodeUnavailable || ExitCode(err) != 6 {
+		t.Fatalf("no daemon: %v", err)
+	}
+	// A stale socket of a dead daemon is replaced by the next one.
+	sock := filepath.Join(dir, "stale.sock")
+	s, err := Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.l.Close() // dies without removing the file
+	if _, err := os.Stat(sock); err != nil {
+		t.Skip("the listener removed its socket; nothing stale to test")
+	}
+	s2, err := Listen(sock)
+	if err != nil {
+		t.Fatalf("Listen over a stale socket: %v", err)
+	}
+	s2.Close()
+}
