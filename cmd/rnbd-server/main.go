@@ -1,0 +1,281 @@
+// Command rnbd-server exports files and block devices over RNBD/RTRS:
+// "rnbd-server daemon" serves, the other commands control the running
+// daemon through its socket. See docs/server.md.
+package main
+
+import (
+	"fmt"
+	"net/url"
+	"path/filepath"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/serverd"
+	"github.com/rnbd/rnbd/internal/units"
+)
+
+func main() { cli.Main("rnbd-server", newRoot()) }
+
+func newRoot() *cobra.Command {
+	var g cli.Globals
+	root := &cobra.Command{
+		Use:   "rnbd-server",
+		Short: "Export files and block devices over RNBD/RTRS",
+		Long: `rnbd-server exports files and block devices to rnbd clients over RTRS.
+
+Run "rnbd-server daemon" to serve; the other commands control the running
+daemon through its control socket.`,
+	}
+	g.Add(root, serverd.DefaultControlSocket)
+	root.AddCommand(
+		newDaemon(),
+		newMap(&g), newUnmap(&g),
+		newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
+	)
+	return root
+}
+
+func newDaemon() *cobra.Command {
+	var (
+		configFile string
+		over       serverd.Config
+		chunkMem   units.Size
+	)
+	cmd := &cobra.Command{
+		Use:   "daemon",
+		Short: "Run the server daemon (flags override the configuration file)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cfg, warnings, err := serverd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			if err != nil {
+				return err
+			}
+			f := cmd.Flags()
+			set := func(name string, apply func()) {
+				if f.Changed(name) {
+					apply()
+				}
+			}
+			set("listen", func() { cfg.Listen = over.Listen })
+			set("dev-search-path", func() { cfg.DevSearchPath = over.DevSearchPath })
+			set("queue-depth", func() { cfg.QueueDepth = over.QueueDepth })
+			set("chunk-size", func() { cfg.MaxChunkSize = over.MaxChunkSize })
+			set("max-chunk-memory", func() { cfg.MaxChunkMemory = serverd.Size(chunkMem) })
+			set("always-invalidate", func() { cfg.AlwaysInvalidate = over.AlwaysInvalidate })
+			set("direct-io", func() { cfg.DirectIO = over.DirectIO })
+			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
+			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
+			set("control-socket", func() { cfg.ControlSocket = over.ControlSocket })
+			set("state-file", func() { cfg.StateFile = over.StateFile })
+			set("log-level", func() { cfg.LogLevel = over.LogLevel })
+			set("log-format", func() { cfg.LogFormat = over.LogFormat })
+			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
+				return err
+			}
+			for _, w := range warnings {
+				fmt.Fprintln(cmd.ErrOrStderr(), "rnbd-server:", w)
+			}
+			return cli.RunDaemon(func() (cli.Daemon, error) {
+				return serverd.Start(cfg, serverd.Options{})
+			})
+		},
+	}
+	d := serverd.DefaultConfig()
+	f := cmd.Flags()
+	f.StringVar(&configFile, "config", serverd.DefaultConfigFile, "TOML configuration file")
+	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] (repeatable)")
+	f.StringVar(&over.DevSearchPath, "dev-search-path", "", "resolve device names beneath this directory (may contain %SESSNAME%)")
+	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
+	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
+	chunkMem = units.Size(d.MaxChunkMemory)
+	f.Var(&chunkMem, "max-chunk-memory", "memory all paths' chunks may take together; a path past it is refused (0: no bound)")
+	f.BoolVar(&over.AlwaysInvalidate, "always-invalidate", d.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
+	f.BoolVar(&over.DirectIO, "direct-io", false, "open backends with O_DIRECT")
+	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
+	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
+	f.StringVar(&over.ControlSocket, "control-socket", d.ControlSocket, "control socket path")
+	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the explicit exports are kept")
+	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
+	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
+	return cmd
+}
+
+func newMap(g *cli.Globals) *cobra.Command {
+	var (
+		ro    bool
+		allow []string
+	)
+	cmd := &cobra.Command{
+		Use:   "map NAME PATH",
+		Short: "Export PATH (a file or block device) under NAME",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			p, err := filepath.Abs(args[1])
+			if err != nil {
+				return err
+			}
+			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow}
+			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "exported %s as %s\n", p, args[0])
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
+	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
+	return cmd
+}
+
+func newUnmap(g *cli.Globals) *cobra.Command {
+	var force bool
+	cmd := &cobra.Command{
+		Use:   "unmap NAME",
+		Short: "Withdraw an export (refused while open unless --force)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			path := "/v1/exports/" + url.PathEscape(args[0])
+			if force {
+				path += "?force=true"
+			}
+			if err := g.Call("DELETE", path, nil, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "unmapped %s\n", args[0])
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&force, "force", false, "close it for every session that has it open (their IO then fails with ENOTCONN)")
+	return cmd
+}
+
+func newDevice(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "device", Short: "List, show and close exported devices"}
+	defaults := []string{"devname", "sessname", "mapping_path", "access_mode", "state"}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List exports and the devices sessions have open",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/devices", "device", defaults, serverd.DeviceFields)
+		},
+	}, &cobra.Command{
+		Use:   "show NAME",
+		Short: "Show a device with every session that has it open",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/devices/"+url.PathEscape(args[0]), "device", serverd.DeviceFields, serverd.DeviceFields)
+		},
+	})
+	var session string
+	closeCmd := &cobra.Command{
+		Use:   "close NAME",
+		Short: "Force-close a device for a session (all sessions without --session); its id stays reserved",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var resp serverd.CloseResponse
+			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/close", serverd.CloseRequest{Session: session}, &resp); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "closed %s for %d session(s)\n", args[0], resp.Closed)
+			return nil
+		},
+	}
+	closeCmd.Flags().StringVar(&session, "session", "", "only for this session")
+	cmd.AddCommand(closeCmd)
+	return cmd
+}
+
+func newSession(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "session", Short: "List, show and disconnect client sessions"}
+	defaults := []string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List client sessions",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/sessions", "session", defaults, serverd.SessionFields)
+		},
+	}, &cobra.Command{
+		Use:   "show NAME",
+		Short: "Show a session",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/sessions/"+url.PathEscape(args[0]), "session", serverd.SessionFields, serverd.SessionFields)
+		},
+	}, &cobra.Command{
+		Use:   "disconnect NAME",
+		Short: "Disconnect every path of a session (its devices close)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/disconnect", nil, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "disconnecting %s\n", args[0])
+			return nil
+		},
+	})
+	return cmd
+}
+
+func newPath(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "path", Short: "List, show and disconnect paths"}
+	var session string
+	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
+	q := func() string {
+		if session == "" {
+			return ""
+		}
+		return "?session=" + url.QueryEscape(session)
+	}
+	defaults := []string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List paths",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/paths"+q(), "path", defaults, serverd.PathFields)
+		},
+	}, &cobra.Command{
+		Use:   "show PATH",
+		Short: "Show a path (client@server)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/paths/"+url.PathEscape(args[0])+q(), "path", serverd.PathFields, serverd.PathFields)
+		},
+	}, &cobra.Command{
+		Use:   "disconnect PATH",
+		Short: "Disconnect a path (without waiting, as the kernel's)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("POST", "/v1/paths/"+url.PathEscape(args[0])+"/disconnect"+q(), nil, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "disconnecting %s\n", args[0])
+			return nil
+		},
+	})
+	return cmd
+}
+
+func newStats(g *cli.Globals) *cobra.Command {
+	var reset bool
+	cmd := &cobra.Command{
+		Use:   "stats",
+		Short: "Show every path's stats/rdma (rd_cnt rd_bytes wr_cnt wr_bytes) and inflight, or reset them",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if reset {
+				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
+				return nil
+			}
+			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", serverd.StatsFields, serverd.StatsFields)
+		},
+	}
+	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
+	return cmd
+}

@@ -1,0 +1,152 @@
+// Package serverd is the rnbd-server daemon: it runs the RTRS server and
+// the RNBD server on top, keeps the explicit exports in a state file, and
+// answers the control API on a unix socket.
+package serverd
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"time"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/rnbd/rnbd/internal/units"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// Default paths.
+const (
+	DefaultConfigFile    = "/etc/rnbd/server.toml"
+	DefaultControlSocket = "/run/rnbd/server.sock"
+	DefaultStateFile     = "/var/lib/rnbd/server.json"
+)
+
+// ConfigVersion is the version of the configuration format; a file with a
+// newer version is refused rather than half understood.
+const ConfigVersion = 1
+
+// Config is the daemon's configuration: the TOML file, then flags.
+type Config struct {
+	Version          int      `toml:"version"`
+	Listen           []string `toml:"listen"`
+	DevSearchPath    string   `toml:"dev_search_path"`
+	QueueDepth       int      `toml:"queue_depth"`
+	MaxChunkSize     int      `toml:"max_chunk_size"`
+	MaxChunkMemory   Size     `toml:"max_chunk_memory"`
+	AlwaysInvalidate bool     `toml:"always_invalidate"`
+	DirectIO         bool     `toml:"direct_io"`
+	HBInterval       Duration `toml:"hb_interval"`
+	HBMissedMax      int      `toml:"hb_missed_max"`
+	ControlSocket    string   `toml:"control_socket"`
+	StateFile        string   `toml:"state_file"`
+	LogLevel         string   `toml:"log_level"`
+	LogFormat        string   `toml:"log_format"`
+}
+
+// Duration is a time.Duration written as "5s" in the file.
+type Duration struct{ time.Duration }
+
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
+
+// Size is a byte count written as 8589934592 or "8GiB" in the file.
+type Size int64
+
+func (v *Size) UnmarshalTOML(x any) error {
+	switch t := x.(type) {
+	case int64:
+		if t < 0 {
+			return fmt.Errorf("negative size %d", t)
+		}
+		*v = Size(t)
+		return nil
+	case string:
+		n, err := units.ParseSize(t)
+		*v = Size(n)
+		return err
+	}
+	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
+}
+
+// DefaultConfig returns the defaults: the kernel module's where it has
+// them (port 1234, 512 chunks of 128 KiB, always_invalidate on).
+func DefaultConfig() Config {
+	return Config{
+		Version:          ConfigVersion,
+		Listen:           []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort)},
+		QueueDepth:       rtrs.DefaultQueueDepth,
+		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
+		MaxChunkMemory:   rtrs.DefaultMaxChunkMemory,
+		AlwaysInvalidate: true,
+		HBInterval:       Duration{rtrs.DefaultHBInterval},
+		HBMissedMax:      rtrs.DefaultHBMissedMax,
+		ControlSocket:    DefaultControlSocket,
+		StateFile:        DefaultStateFile,
+		LogLevel:         "info",
+		LogFormat:        "text",
+	}
+}
+
+// LoadConfig reads path over the defaults. A missing file is fine when
+// mustExist is false (the default path); unknown keys are returned as
+// warnings, not errors, so an older daemon reads a newer file's known part.
+func LoadConfig(path string, mustExist bool) (Config, []string, error) {
+	cfg := DefaultConfig()
+	md, err := toml.DecodeFile(path, &cfg)
+	if errors.Is(err, fs.ErrNotExist) && !mustExist {
+		return cfg, nil, nil
+	}
+	if err != nil {
+		return cfg, nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	if cfg.Version > ConfigVersion {
+		return cfg, nil, fmt.Errorf("config %s: version %d is newer than this daemon understands (%d)", path, cfg.Version, ConfigVersion)
+	}
+	var warnings []string
+	for _, k := range md.Undecoded() {
+		warnings = append(warnings, fmt.Sprintf("config %s: unknown key %q ignored", path, k.String()))
+	}
+	return cfg, warnings, nil
+}
+
+// Validate checks the configuration before anything starts.
+func (c *Config) Validate() error {
+	if len(c.Listen) == 0 {
+		return errors.New("no listen address")
+	}
+	for _, l := range c.Listen {
+		if _, err := rtrs.ParseListenAddr(l); err != nil {
+			return err
+		}
+	}
+	if c.DevSearchPath != "" {
+		st, err := os.Stat(dirOf(c.DevSearchPath))
+		if err != nil || !st.IsDir() {
+			return fmt.Errorf("dev_search_path %s: not a directory", c.DevSearchPath)
+		}
+	}
+	if c.ControlSocket == "" || c.StateFile == "" {
+		return errors.New("control_socket and state_file must be set")
+	}
+	return nil
+}
+
+// dirOf is the part of a search path that must exist: up to %SESSNAME%.
+func dirOf(sp string) string {
+	for i := 0; i+len("%SESSNAME%") <= len(sp); i++ {
+		if sp[i:i+len("%SESSNAME%")] == "%SESSNAME%" {
+			return sp[:i]
+		}
+	}
+	return sp
+}

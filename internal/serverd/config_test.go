@@ -1,0 +1,61 @@
+package serverd
+
+import (
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// The example configuration in deploy/ is the defaults, written out: it
+// must parse without warnings and change nothing.
+func TestExampleConfigIsTheDefaults(t *testing.T) {
+	cfg, warnings, err := LoadConfig("../../deploy/server.toml", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(warnings) != 0 {
+		t.Fatalf("warnings: %v", warnings)
+	}
+	if d := DefaultConfig(); !reflect.DeepEqual(cfg, d) {
+		t.Fatalf("deploy/server.toml\n%+v\ndiffers from the defaults\n%+v", cfg, d)
+	}
+}
+
+func TestLoadConfig(t *testing.T) {
+	dir := t.TempDir()
+	write := func(s string) string {
+		p := filepath.Join(dir, "c.toml")
+		if err := os.WriteFile(p, []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	cfg, warnings, err := LoadConfig(write("max_chunk_memory = 1048576\nfuture_key = 1\n"), true)
+	if err != nil || cfg.MaxChunkMemory != 1<<20 {
+		t.Fatalf("integer size: %v %v", cfg.MaxChunkMemory, err)
+	}
+	if len(warnings) != 1 || !strings.Contains(warnings[0], "future_key") {
+		t.Fatalf("unknown key warnings: %v", warnings)
+	}
+	if cfg, _, err = LoadConfig(write(`max_chunk_memory = "2GiB"`), true); err != nil || cfg.MaxChunkMemory != 2<<30 {
+		t.Fatalf("string size: %v %v", cfg.MaxChunkMemory, err)
+	}
+	for _, bad := range []string{`max_chunk_memory = "lots"`, `max_chunk_memory = -1`, `version = 2`, `queue_depth = "x"`} {
+		if _, _, err := LoadConfig(write(bad), true); err == nil {
+			t.Errorf("%s: accepted", bad)
+		}
+	}
+	if _, _, err := LoadConfig(filepath.Join(dir, "missing.toml"), true); err == nil {
+		t.Error("a missing file named explicitly was accepted")
+	}
+	if cfg, _, err := LoadConfig(filepath.Join(dir, "missing.toml"), false); err != nil || !reflect.DeepEqual(cfg, DefaultConfig()) {
+		t.Errorf("missing default file: %v", err)
+	}
+	bad := DefaultConfig()
+	bad.Listen = []string{"udp://1.2.3.4"}
+	if err := bad.Validate(); err == nil {
+		t.Error("udp listen address accepted")
+	}
+}

@@ -1,0 +1,468 @@
+package serverd
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+)
+
+// StateVersion is the version of the state file format.
+const StateVersion = 1
+
+// State is what survives a restart: the explicit exports.
+type State struct {
+	Version int           `json:"version"`
+	Exports []rnbd.Export `json:"exports"`
+}
+
+// Daemon is a running rnbd-server.
+type Daemon struct {
+	cfg  Config
+	log  *log.Entry
+	rnbd *rnbd.Server
+	rtrs *rtrs.Server
+	ctl  *ctl.Server
+
+	// stateMu serializes changes of the exports and their saving.
+	stateMu sync.Mutex
+	served  chan error
+}
+
+// Options are what a daemon is started with beyond its configuration.
+type Options struct {
+	// Fabric overrides the TCP fabric (tests).
+	Fabric fabric.Fabric
+	Log    *log.Entry
+}
+
+// Start loads the state, opens the control socket and starts serving.
+// On error nothing is left running.
+func Start(cfg Config, opts Options) (*Daemon, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if opts.Log == nil {
+		opts.Log = log.L
+	}
+	if opts.Fabric == nil {
+		opts.Fabric = tcp.New(tcp.Options{})
+	}
+	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1)}
+	var addrs []netip.AddrPort
+	for _, l := range cfg.Listen {
+		a, _ := rtrs.ParseListenAddr(l)
+		addrs = append(addrs, a)
+	}
+	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
+		DevSearchPath: cfg.DevSearchPath,
+		Direct:        cfg.DirectIO,
+		MaxIOSize:     cfg.MaxChunkSize - rtrs.MaxHdrSize,
+		Log:           opts.Log,
+	})
+	st, err := loadState(cfg.StateFile)
+	if err != nil {
+		d.rnbd.Close()
+		return nil, err
+	}
+	for _, e := range st.Exports {
+		if err := d.rnbd.Map(e); err != nil {
+			// Keep going: the rest of the exports are still served,
+			// and the state file keeps the entry for when it returns.
+			d.log.WithError(err).WithField("export", e.Name).Error("restoring export failed")
+		}
+	}
+	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
+		d.rnbd.Close()
+		return nil, err
+	}
+	rcfg := rtrs.DefaultServerConfig()
+	rcfg.Fabric, rcfg.Handler, rcfg.Listen, rcfg.Log = opts.Fabric, d.rnbd, addrs, opts.Log
+	rcfg.QueueDepth, rcfg.MaxChunkSize, rcfg.AlwaysInvalidate = cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate
+	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
+	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
+	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {
+		d.ctl.Close()
+		d.rnbd.Close()
+		return nil, err
+	}
+	d.routes()
+	go func() { d.served <- d.ctl.Serve() }()
+	var bound []string
+	for _, a := range d.rtrs.Addrs() {
+		bound = append(bound, "tcp://"+a.String())
+	}
+	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
+		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath}).Info("rnbd-server started")
+	return d, nil
+}
+
+// Addrs are the addresses the daemon listens on for RTRS.
+func (d *Daemon) Addrs() []netip.AddrPort { return d.rtrs.Addrs() }
+
+// Stop drains and stops: no new connections, every path closed after its
+// IO answered, then the control socket.
+func (d *Daemon) Stop() error {
+	d.rtrs.Close()
+	d.rnbd.Close()
+	err := d.ctl.Close()
+	<-d.served
+	d.log.Info("rnbd-server stopped")
+	return err
+}
+
+func loadState(path string) (State, error) {
+	var st State
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return State{Version: StateVersion}, nil
+	}
+	if err != nil {
+		return st, fmt.Errorf("state file %s: %w", path, err)
+	}
+	if err := json.Unmarshal(b, &st); err != nil {
+		return st, fmt.Errorf("state file %s: %w", path, err)
+	}
+	if st.Version > StateVersion {
+		return st, fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, st.Version)
+	}
+	return st, nil
+}
+
+// saveState writes the exports atomically: a temporary file, synced, then
+// renamed over the old one, and the directory synced.
+func (d *Daemon) saveState() error {
+	st := State{Version: StateVersion, Exports: d.rnbd.Exports()}
+	b, err := json.MarshalIndent(st, "", "  ")
+	if err != nil {
+		return err
+	}
+	return WriteFileAtomic(d.cfg.StateFile, append(b, '\n'))
+}
+
+// WriteFileAtomic replaces path with data so that a crash leaves either
+// the old or the new content.
+func WriteFileAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, ".state-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		return err
+	}
+	if df, err := os.Open(dir); err == nil {
+		df.Sync()
+		df.Close()
+	}
+	return nil
+}
+
+// Requests of the control API.
+type (
+	MapRequest struct {
+		Name     string   `json:"name"`
+		Path     string   `json:"path"`
+		ReadOnly bool     `json:"read_only"`
+		Allow    []string `json:"allow"`
+	}
+	CloseRequest struct {
+		Session string `json:"session"`
+	}
+	CloseResponse struct {
+		Closed int `json:"closed"`
+	}
+)
+
+// Field lists of the records the API returns, in the rnbd tool's names.
+var (
+	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "rx_sect", "tx_sect", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "direction"}
+	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
+	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
+)
+
+func (d *Daemon) routes() {
+	h := d.ctl.Handle
+	h("GET /v1/devices", func(r *http.Request) (any, error) { return d.devices(""), nil })
+	h("GET /v1/devices/{name}", func(r *http.Request) (any, error) {
+		rows := d.devices(r.PathValue("name"))
+		if len(rows) == 0 {
+			return nil, ctl.Errorf(ctl.CodeNotFound, "no device %s", r.PathValue("name"))
+		}
+		return rows, nil
+	})
+	h("POST /v1/devices/{name}/close", func(r *http.Request) (any, error) {
+		var req CloseRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
+		return CloseResponse{Closed: n}, err
+	})
+	h("GET /v1/exports", func(r *http.Request) (any, error) { return d.rnbd.Exports(), nil })
+	h("POST /v1/exports", func(r *http.Request) (any, error) {
+		var req MapRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow})
+	})
+	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
+		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
+	})
+	h("GET /v1/sessions", func(r *http.Request) (any, error) { return d.sessions(""), nil })
+	h("GET /v1/sessions/{name}", func(r *http.Request) (any, error) {
+		rows := d.sessions(r.PathValue("name"))
+		if len(rows) == 0 {
+			return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
+		}
+		return rows, nil
+	})
+	h("POST /v1/sessions/{name}/disconnect", func(r *http.Request) (any, error) {
+		x := d.findSession(r.PathValue("name"))
+		if x == nil {
+			return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
+		}
+		for _, p := range x.Paths() {
+			p.Disconnect()
+		}
+		return nil, nil
+	})
+	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.paths("", r.URL.Query().Get("session")), nil })
+	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
+		p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
+		if err != nil {
+			return nil, err
+		}
+		return []output.Record{pathRecord(p)}, nil
+	})
+	h("POST /v1/paths/{name}/disconnect", func(r *http.Request) (any, error) {
+		p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
+		if err != nil {
+			return nil, err
+		}
+		p.Disconnect()
+		return nil, nil
+	})
+	h("GET /v1/stats", func(r *http.Request) (any, error) { return d.stats(), nil })
+	h("POST /v1/stats/reset", func(r *http.Request) (any, error) {
+		for _, x := range d.rtrs.Sessions() {
+			for _, p := range x.Paths() {
+				p.Stats().Reset()
+			}
+		}
+		return nil, nil
+	})
+}
+
+// Map adds an export and saves the state; if saving fails the export is
+// withdrawn again, so the daemon never serves what a restart would lose.
+func (d *Daemon) Map(e rnbd.Export) error {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if err := d.rnbd.Map(e); err != nil {
+		return err
+	}
+	if err := d.saveState(); err != nil {
+		d.rnbd.Unmap(e.Name, true)
+		return fmt.Errorf("saving the state file: %w", err)
+	}
+	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow}).Info("export mapped")
+	return nil
+}
+
+// Unmap withdraws an export and saves the state.
+func (d *Daemon) Unmap(name string, force bool) error {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if err := d.rnbd.Unmap(name, force); err != nil {
+		return err
+	}
+	if err := d.saveState(); err != nil {
+		return fmt.Errorf("export withdrawn, but saving the state file failed: %w", err)
+	}
+	d.log.WithFields(log.Fields{"export": name, "force": force}).Info("export unmapped")
+	return nil
+}
+
+func (d *Daemon) devices(name string) []output.Record {
+	var rows []output.Record
+	open := map[string]bool{}
+	for _, o := range d.rnbd.OpenDevices() {
+		devname := o.Name
+		if o.Export != "" {
+			devname = o.Export
+			open[o.Export] = true
+		}
+		if name != "" && devname != name && o.Name != name {
+			continue
+		}
+		rows = append(rows, output.Record{
+			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
+			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
+			"state": "open", "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "direction": "server",
+		})
+	}
+	for _, e := range d.rnbd.Exports() {
+		if open[e.Name] || (name != "" && e.Name != name) {
+			continue
+		}
+		rows = append(rows, output.Record{
+			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
+			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
+			"state": "exported", "rx_sect": 0, "tx_sect": 0, "direction": "server",
+		})
+	}
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })
+	return rows
+}
+
+func (d *Daemon) findSession(name string) *rtrs.SrvSession {
+	for _, x := range d.rtrs.Sessions() {
+		if x.Name() == name {
+			return x
+		}
+	}
+	return nil
+}
+
+func (d *Daemon) sessions(name string) []output.Record {
+	devs := map[string]int{}
+	for _, o := range d.rnbd.OpenDevices() {
+		devs[o.Session]++
+	}
+	var rows []output.Record
+	for _, x := range d.rtrs.Sessions() {
+		if name != "" && x.Name() != name {
+			continue
+		}
+		var up int
+		var uu strings.Builder
+		var rx, tx uint64
+		var inflight int64
+		paths := x.Paths()
+		for _, p := range paths {
+			c := p.Stats().Counters()
+			rx, tx, inflight = rx+c.WriteBytes, tx+c.ReadBytes, inflight+c.Inflight
+			if p.State() == rtrs.SrvPathConnected {
+				up++
+				uu.WriteByte('U')
+			} else {
+				uu.WriteByte('_')
+			}
+		}
+		state := "disconnected"
+		if up > 0 {
+			state = "connected"
+		}
+		rows = append(rows, output.Record{
+			"sessname": x.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
+			"path_uu": uu.String(), "rx_bytes": rx, "tx_bytes": tx, "inflights": inflight,
+			"devices": devs[x.Name()], "direction": "server",
+		})
+	}
+	sort.Slice(rows, func(i, j int) bool { return rows[i]["sessname"].(string) < rows[j]["sessname"].(string) })
+	return rows
+}
+
+func pathRecord(p *rtrs.SrvPath) output.Record {
+	c := p.Stats().Counters()
+	return output.Record{
+		"sessname": p.Session().Name(), "pathname": p.Name(),
+		"src_addr": rtrs.FormatAddr(p.ClientAddr().Addr(), false), "dst_addr": rtrs.FormatAddr(p.ServerAddr().Addr(), false),
+		"hca_name": p.HCAName(), "hca_port": p.HCAPort(), "state": p.State().SysfsString(),
+		"rx_bytes": c.WriteBytes, "tx_bytes": c.ReadBytes, "inflights": c.Inflight, "direction": "server",
+	}
+}
+
+func (d *Daemon) paths(name, session string) []output.Record {
+	var rows []output.Record
+	for _, x := range d.rtrs.Sessions() {
+		if session != "" && x.Name() != session {
+			continue
+		}
+		for _, p := range x.Paths() {
+			if name == "" || p.Name() == name {
+				rows = append(rows, pathRecord(p))
+			}
+		}
+	}
+	sort.Slice(rows, func(i, j int) bool {
+		a, b := rows[i], rows[j]
+		if a["sessname"] != b["sessname"] {
+			return a["sessname"].(string) < b["sessname"].(string)
+		}
+		return a["pathname"].(string) < b["pathname"].(string)
+	})
+	return rows
+}
+
+// findPath finds a path by name, within session if given; a name that
+// several sessions share needs the session.
+func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
+	var found []*rtrs.SrvPath
+	for _, x := range d.rtrs.Sessions() {
+		if session != "" && x.Name() != session {
+			continue
+		}
+		for _, p := range x.Paths() {
+			if p.Name() == name {
+				found = append(found, p)
+			}
+		}
+	}
+	switch len(found) {
+	case 0:
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", name)
+	case 1:
+		return found[0], nil
+	}
+	return nil, fmt.Errorf("path %s exists in %d sessions, name the session: %w", name, len(found), syscall.EINVAL)
+}
+
+func (d *Daemon) stats() []output.Record {
+	var rows []output.Record
+	for _, r := range d.paths("", "") {
+		p, err := d.findPath(r["pathname"].(string), r["sessname"].(string))
+		if err != nil {
+			continue
+		}
+		rows = append(rows, output.Record{
+			"sessname": r["sessname"], "pathname": r["pathname"],
+			"rdma": strings.TrimSpace(p.Stats().RDMA()), "inflights": p.Stats().Inflight(),
+		})
+	}
+	return rows
+}
