@@ -1,0 +1,639 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+)
+
+// lockedBuffer collects a process's output while the test reads it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// serverDaemon is a real rnbd-server process on loopback.
+type serverDaemon struct {
+	t      *testing.T
+	dir    string // its state file, control socket and config live here
+	sock   string
+	port   int
+	cmd    *exec.Cmd
+	out    *lockedBuffer
+	done   chan error
+	notify *net.UnixConn
+}
+
+// freePort finds a loopback port nobody listens on.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// startServer runs rnbd-server daemon in dir and waits for its READY=1 on
+// a notify socket of the test's, as systemd would.
+func startServer(t *testing.T, dir string, port int, extra ...string) *serverDaemon {
+	t.Helper()
+	d := &serverDaemon{t: t, dir: dir, sock: filepath.Join(dir, "server.sock"), port: port,
+		out: &lockedBuffer{}, done: make(chan error, 1)}
+	notifyPath := filepath.Join(dir, "notify.sock")
+	os.Remove(notifyPath)
+	var err error
+	d.notify, err = net.ListenUnixgram("unixgram", &net.UnixAddr{Name: notifyPath, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The configuration file sets most; flags override it.
+	conf := filepath.Join(dir, "server.toml")
+	err = os.WriteFile(conf, []byte(fmt.Sprintf(`version = 1
+listen = ["tcp://127.0.0.1:%d"]
+queue_depth = 128
+max_chunk_memory = "1GiB"
+hb_interval = "1s"
+control_socket = %q
+state_file = %q
+log_level = "debug"
+`, port, d.sock, filepath.Join(dir, "state.json"))), 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := append([]string{"daemon", "--config", conf, "--hb-missed-max", "10"}, extra...)
+	d.cmd = exec.Command(bin("rnbd-server"), args...)
+	d.cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
+	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { d.done <- d.cmd.Wait() }()
+	t.Cleanup(func() {
+		select {
+		case <-d.done:
+		default:
+			d.cmd.Process.Kill()
+			<-d.done
+		}
+		d.notify.Close()
+		if t.Failed() {
+			t.Logf("rnbd-server output:\n%s", d.out.String())
+		}
+	})
+	if got := d.waitNotify(); got != "READY=1" {
+		t.Fatalf("first notification %q, want READY=1", got)
+	}
+	return d
+}
+
+func (d *serverDaemon) waitNotify() string {
+	d.t.Helper()
+	buf := make([]byte, 256)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		d.notify.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		n, err := d.notify.Read(buf)
+		if err == nil {
+			return string(buf[:n])
+		}
+		select {
+		case err := <-d.done:
+			d.done <- err
+			d.t.Fatalf("rnbd-server exited (%v) instead of notifying\n%s", err, d.out.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			d.t.Fatalf("waiting for sd_notify: %v\n%s", err, d.out.String())
+		}
+	}
+}
+
+// stop sends SIGTERM and expects STOPPING=1 and a clean exit.
+func (d *serverDaemon) stop() {
+	d.t.Helper()
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	if got := d.waitNotify(); got != "STOPPING=1" {
+		d.t.Fatalf("notification on SIGTERM %q, want STOPPING=1", got)
+	}
+	select {
+	case err := <-d.done:
+		d.done <- err
+		if err != nil {
+			d.t.Fatalf("rnbd-server exited with %v\n%s", err, d.out.String())
+		}
+	case <-time.After(30 * time.Second):
+		d.t.Fatalf("rnbd-server did not exit after SIGTERM\n%s", d.out.String())
+	}
+}
+
+// ctl runs a control command against the daemon and returns its output
+// and exit code.
+func (d *serverDaemon) ctl(args ...string) (string, string, int) {
+	d.t.Helper()
+	cmd := exec.Command(bin("rnbd-server"), append(args, "--socket", d.sock)...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		d.t.Fatalf("rnbd-server %v: %v", args, err)
+	}
+	return stdout.String(), stderr.String(), code
+}
+
+// ok runs a control command that must succeed.
+func (d *serverDaemon) ok(args ...string) string {
+	d.t.Helper()
+	out, errOut, code := d.ctl(args...)
+	if code != 0 {
+		d.t.Fatalf("rnbd-server %s: exit %d: %s", strings.Join(args, " "), code, errOut)
+	}
+	return out
+}
+
+// fails runs a control command that must fail with code and one line.
+func (d *serverDaemon) fails(code int, args ...string) string {
+	d.t.Helper()
+	out, errOut, got := d.ctl(args...)
+	if got != code {
+		d.t.Fatalf("rnbd-server %s: exit %d (%s%s), want %d", strings.Join(args, " "), got, out, errOut, code)
+	}
+	if lines := strings.Count(strings.TrimRight(errOut, "\n"), "\n"); lines != 0 || !strings.HasPrefix(errOut, "rnbd-server: ") {
+		d.t.Fatalf("rnbd-server %s: error output is not one line: %q", strings.Join(args, " "), errOut)
+	}
+	return errOut
+}
+
+// records runs a list command with --format json and decodes it.
+func (d *serverDaemon) records(args ...string) []map[string]any {
+	d.t.Helper()
+	out := d.ok(append(args, "--format", "json")...)
+	var recs []map[string]any
+	if err := json.Unmarshal([]byte(out), &recs); err != nil {
+		d.t.Fatalf("rnbd-server %s --format json: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return recs
+}
+
+// client opens an RTRS session to the daemon and an RNBD client on it.
+func (d *serverDaemon) client(sessname string, paths int) *rnbd.Client {
+	d.t.Helper()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName = sessname
+	cfg.Fabric = tcp.New(tcp.Options{})
+	cfg.ConnsPerPath = 2
+	cfg.Log = log.Discard()
+	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(d.port))
+	for i := 0; i < paths; i++ {
+		src := netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(2 + i)}), 0)
+		cfg.Paths = append(cfg.Paths, rtrs.PathAddr{Src: src, Dst: dst})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := rtrs.Open(ctx, cfg)
+	if err != nil {
+		d.t.Fatalf("rtrs session %s: %v", sessname, err)
+	}
+	d.t.Cleanup(func() { s.Close() })
+	c, err := rnbd.NewClient(ctx, s)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	return c
+}
+
+func sparseFile(t *testing.T, path string, size int64) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// randPool is random bytes that writes take their data from.
+var randPool = func() []byte {
+	b := make([]byte, 4<<20)
+	r := rand.NewChaCha8([32]byte{42})
+	r.Read(b)
+	return b
+}()
+
+// worker drives one region of a device with mixed IO and checks every
+// read against a model of the region.
+type worker struct {
+	t     *testing.T
+	dev   *rnbd.Device
+	buf   *rtrs.Buffer
+	base  int64
+	model []byte
+	rng   *rand.Rand
+	moved int64 // bytes read and written
+	ops   map[string]int
+}
+
+func (w *worker) do(op rnbd.Op, flags uint32, off int64, n int) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	return w.dev.Do(ctx, op, flags, w.base+off, n, w.buf, 0)
+}
+
+func (w *worker) verify(off int64, n int) error {
+	if err := w.do(rnbd.OpRead, 0, off, n); err != nil {
+		return fmt.Errorf("read %d at %d: %w", n, w.base+off, err)
+	}
+	if !bytes.Equal(w.buf.Bytes()[:n], w.model[off:off+int64(n)]) {
+		return fmt.Errorf("read %d at %d: data differs from what was written", n, w.base+off)
+	}
+	w.moved += int64(n)
+	return nil
+}
+
+func (w *worker) step(maxIO int) error {
+	const blk = 4096
+	n := (1 + w.rng.IntN(maxIO/blk)) * blk
+	off := int64(w.rng.IntN((len(w.model)-n)/blk+1)) * blk
+	switch r := w.rng.IntN(100); {
+	case r < 45: // write, some with FUA or PREFLUSH
+		flags := uint32(0)
+		switch w.rng.IntN(10) {
+		case 0:
+			flags = rnbd.FFUA
+		case 1:
+			flags = rnbd.FPreflush
+		}
+		// Random data from a pool at a random offset: cheap, and
+		// different for every write.
+		b := w.buf.Bytes()[:n]
+		copy(b, randPool[w.rng.IntN(len(randPool)-n):])
+		if err := w.do(rnbd.OpWrite, flags, off, n); err != nil {
+			return fmt.Errorf("write %d at %d: %w", n, w.base+off, err)
+		}
+		copy(w.model[off:], b)
+		w.moved += int64(n)
+		w.ops["write"]++
+	case r < 85:
+		w.ops["read"]++
+		return w.verify(off, n)
+	case r < 91:
+		if err := w.do(rnbd.OpWriteZeroes, 0, off, n); err != nil {
+			return fmt.Errorf("write zeroes %d at %d: %w", n, w.base+off, err)
+		}
+		clear(w.model[off : off+int64(n)])
+		w.ops["write_zeroes"]++
+	case r < 97:
+		if err := w.do(rnbd.OpDiscard, 0, off, n); err != nil {
+			return fmt.Errorf("discard %d at %d: %w", n, w.base+off, err)
+		}
+		clear(w.model[off : off+int64(n)]) // a file's punched hole reads zeroes
+		w.ops["discard"]++
+	default:
+		if err := w.do(rnbd.OpFlush, 0, 0, 0); err != nil {
+			return fmt.Errorf("flush: %w", err)
+		}
+		w.ops["flush"]++
+	}
+	return nil
+}
+
+// TestServerEndToEnd runs the real rnbd-server binary and drives it with
+// the Go RTRS+RNBD client: an export mapped with the control command, 1
+// GiB of mixed verified IO over two paths, the control commands' JSON
+// while it is open, unmap with and without --force, force close, and a
+// restart that keeps the export.
+func TestServerEndToEnd(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk0.img")
+	const size = 256 << 20
+	sparseFile(t, img, size)
+	port := freePort(t)
+	d := startServer(t, dir, port)
+
+	out := d.ok("map", "disk0", img)
+	if !strings.Contains(out, "disk0") {
+		t.Fatalf("map output %q", out)
+	}
+	d.fails(4, "map", "disk0", img) // already exists
+	d.fails(3, "unmap", "nothere")  // not found
+	recs := d.records("device", "list")
+	if len(recs) != 1 || recs[0]["devname"] != "disk0" || recs[0]["state"] != "exported" {
+		t.Fatalf("device list before open: %v", recs)
+	}
+
+	c := d.client("e2e-sess", 2)
+	dev, err := c.Open(context.Background(), "disk0", rnbd.AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dev.Size() != size {
+		t.Fatalf("device size %d, want %d", dev.Size(), size)
+	}
+	maxIO := min(int(dev.Info.MaxHWSectors)*512, c.Session().MaxIOSize())
+	if maxIO < 4096 {
+		t.Fatalf("max IO %d", maxIO)
+	}
+
+	// 1 GiB of mixed IO: four workers, each on its own quarter.
+	const workers = 4
+	var wg sync.WaitGroup
+	ws := make([]*worker, workers)
+	errs := make(chan error, workers)
+	start := time.Now()
+	for i := range ws {
+		buf, err := c.Session().AllocBuffer(maxIO)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws[i] = &worker{t: t, dev: dev, buf: buf, base: int64(i) * size / workers,
+			model: make([]byte, size/workers), rng: rand.New(rand.NewPCG(uint64(i), 42)), ops: map[string]int{}}
+		wg.Add(1)
+		go func(w *worker) {
+			defer wg.Done()
+			for w.moved < (1<<30)/workers {
+				if err := w.step(maxIO); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(ws[i])
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	var moved int64
+	ops := map[string]int{}
+	for _, w := range ws {
+		moved += w.moved
+		for k, v := range w.ops {
+			ops[k] += v
+		}
+	}
+	el := time.Since(start)
+	t.Logf("mixed IO: %d MiB in %v (%.0f MiB/s), ops %v", moved>>20, el.Round(time.Millisecond), float64(moved)/(1<<20)/el.Seconds(), ops)
+
+	// The control commands see the session, its two paths and the device.
+	sess := d.records("session", "list")
+	if len(sess) != 1 || sess[0]["sessname"] != "e2e-sess" || sess[0]["state"] != "connected" ||
+		sess[0]["path_uu"] != "UU" || sess[0]["devices"] != float64(1) {
+		t.Fatalf("session list: %v", sess)
+	}
+	paths := d.records("path", "list", "--fields", "all")
+	if len(paths) != 2 {
+		t.Fatalf("path list: %v", paths)
+	}
+	for _, p := range paths {
+		if p["state"] != "connected" || p["sessname"] != "e2e-sess" || p["dst_addr"] != "ip:127.0.0.1" {
+			t.Fatalf("path: %v", p)
+		}
+	}
+	devs := d.records("device", "show", "disk0")
+	if len(devs) != 1 || devs[0]["sessname"] != "e2e-sess" || devs[0]["access_mode"] != "rw" ||
+		devs[0]["state"] != "open" || devs[0]["devpath"] != img {
+		t.Fatalf("device show: %v", devs)
+	}
+	if devs[0]["rx_sect"].(float64) == 0 || devs[0]["tx_sect"].(float64) == 0 {
+		t.Fatalf("device show counts no IO: %v", devs)
+	}
+	stats := d.records("stats")
+	var rdma []string
+	for _, s := range stats {
+		rdma = append(rdma, s["rdma"].(string))
+		// The server's stats/rdma of newest kernels: rd_cnt rd_bytes
+		// wr_cnt wr_bytes (inflight is a field of its own).
+		if f := strings.Fields(s["rdma"].(string)); len(f) != 4 || f[0] == "0" || f[2] == "0" {
+			t.Fatalf("stats rdma %q: want four counters, IO counted", s["rdma"])
+		}
+	}
+	if len(stats) != 2 {
+		t.Fatalf("stats: %v", stats)
+	}
+	d.ok("stats", "--reset")
+	for _, s := range d.records("stats") {
+		if f := strings.Fields(s["rdma"].(string)); f[0] != "0" || f[2] != "0" {
+			t.Fatalf("stats after reset: %v (before: %v)", s["rdma"], rdma)
+		}
+	}
+	// csv and xml carry the same records.
+	if out := d.ok("session", "list", "--format", "csv"); !strings.HasPrefix(out, "sessname,") || !strings.Contains(out, "e2e-sess") {
+		t.Fatalf("csv: %q", out)
+	}
+	if out := d.ok("path", "list", "--format", "xml"); !strings.Contains(out, "<paths>") || strings.Count(out, "<path>") != 2 {
+		t.Fatalf("xml: %q", out)
+	}
+
+	// Unmap refuses while the device is open.
+	d.fails(5, "unmap", "disk0")
+
+	// Everything written is there: read the whole device back, then
+	// close it and compare the file itself.
+	for _, w := range ws {
+		for off := 0; off < len(w.model); off += maxIO {
+			if err := w.verify(int64(off), min(maxIO, len(w.model)-off)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := dev.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	onDisk, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, w := range ws {
+		if !bytes.Equal(onDisk[w.base:w.base+int64(len(w.model))], w.model) {
+			t.Fatalf("the backing file's quarter %d differs from what was written", i)
+		}
+	}
+	if recs := d.records("device", "list"); len(recs) != 1 || recs[0]["state"] != "exported" {
+		t.Fatalf("device list after close: %v", recs)
+	}
+
+	// Force close: the session's IO on the device then fails ENOTCONN.
+	dev, err = c.Open(context.Background(), "disk0", rnbd.AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.fails(3, "device", "close", "disk0", "--session", "other-sess")
+	if out := d.ok("device", "close", "disk0", "--session", "e2e-sess"); !strings.Contains(out, "1 session") {
+		t.Fatalf("device close: %q", out)
+	}
+	if err := ws[0].do(rnbd.OpRead, 0, 0, 4096); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("IO after force close: %v, want ENOTCONN", err)
+	}
+
+	// unmap --force withdraws an export a session has open.
+	img1 := filepath.Join(dir, "disk1.img")
+	sparseFile(t, img1, 16<<20)
+	d.ok("map", "disk1", img1, "--ro", "--allow", "e2e-sess")
+	dev1, err := c.Open(context.Background(), "disk1", rnbd.AccessRO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRW); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("rw open of a read-only export: %v, want EPERM", err)
+	}
+	d.fails(5, "unmap", "disk1")
+	d.ok("unmap", "disk1", "--force")
+	if err := dev1.Do(context.Background(), rnbd.OpRead, 0, 0, 4096, ws[0].buf, 0); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("IO after unmap --force: %v, want ENOTCONN", err)
+	}
+	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRO); err == nil {
+		t.Fatal("opened an unmapped export")
+	}
+	d.ok("map", "disk1", img1, "--ro", "--allow", "someone-else")
+
+	// A restart keeps the explicit exports, with their options.
+	c.Session().Close()
+	d.stop()
+	d = startServer(t, dir, port)
+	recs = d.records("device", "list", "--fields", "all")
+	if len(recs) != 2 || recs[0]["devname"] != "disk0" || recs[0]["devpath"] != img ||
+		recs[1]["devname"] != "disk1" || recs[1]["read_only"] != true {
+		t.Fatalf("device list after restart: %v", recs)
+	}
+	c = d.client("e2e-sess2", 1)
+	dev, err = c.Open(context.Background(), "disk0", rnbd.AccessRO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := c.Session().AllocBuffer(maxIO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &worker{t: t, dev: dev, buf: buf, base: 0, model: ws[0].model}
+	for off := 0; off < 16<<20; off += maxIO {
+		if err := w.verify(int64(off), maxIO); err != nil {
+			t.Fatalf("after restart: %v", err)
+		}
+	}
+	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRO); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("open of an export that does not allow the session: %v, want EPERM", err)
+	}
+	d.stop()
+	// A control command without a daemon fails with "unavailable".
+	if msg := d.fails(6, "device", "list"); !strings.Contains(msg, "not running") && !strings.Contains(msg, "connect") {
+		t.Fatalf("control command without a daemon: %q", msg)
+	}
+}
+
+// TestServerHostileClients sends the daemon what a broken or malicious
+// client might: garbage instead of a connection request, a truncated
+// request, names escaping the search directory. Each gets refused and the
+// daemon keeps serving.
+func TestServerHostileClients(t *testing.T) {
+	dir := t.TempDir()
+	search := filepath.Join(dir, "devs", "%SESSNAME%")
+	os.MkdirAll(filepath.Join(dir, "devs", "good"), 0o755)
+	sparseFile(t, filepath.Join(dir, "devs", "good", "d0"), 1<<20)
+	secret := filepath.Join(dir, "secret")
+	if err := os.WriteFile(secret, bytes.Repeat([]byte("S"), 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Symlink(secret, filepath.Join(dir, "devs", "good", "link"))
+	port := freePort(t)
+	d := startServer(t, dir, port, "--dev-search-path", search)
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+
+	raw := func(what string, data []byte) {
+		t.Helper()
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		defer c.Close()
+		c.Write(data)
+		// The daemon must hang up (or answer with a reject) and not hang.
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		var b [4096]byte
+		for {
+			if _, err := c.Read(b[:]); err != nil {
+				var ne net.Error
+				if errors.As(err, &ne) && ne.Timeout() {
+					t.Fatalf("%s: the daemon kept the connection open", what)
+				}
+				return
+			}
+		}
+	}
+	raw("garbage", bytes.Repeat([]byte{0xff}, 4096))
+	raw("truncated header", []byte{1, 2, 3})
+	raw("huge frame length", append([]byte{0x01, 0, 0, 0}, bytes.Repeat([]byte{0xff}, 60)...))
+
+	c := d.client("good", 1)
+	for _, name := range []string{"../../secret", "/etc/passwd", "link", "../good/../../secret", strings.Repeat("a", 4000)} {
+		if _, err := c.Open(context.Background(), name, rnbd.AccessRO); err == nil {
+			t.Fatalf("open %q succeeded", name)
+		}
+	}
+	// A session whose name would lead out of the search directory.
+	for _, sess := range []string{"..", "../good"} {
+		cfg := rtrs.DefaultClientConfig()
+		cfg.SessName, cfg.Fabric, cfg.Log = sess, tcp.New(tcp.Options{}), log.Discard()
+		cfg.Paths = []rtrs.PathAddr{{Dst: netip.MustParseAddrPort(addr)}}
+		s, err := rtrs.Open(context.Background(), cfg)
+		if err != nil {
+			continue // refused at the session level: fine
+		}
+		cl, err := rnbd.NewClient(context.Background(), s)
+		if err == nil {
+			if _, err := cl.Open(context.Background(), "d0", rnbd.AccessRO); err == nil {
+				t.Fatalf("session %q opened a device", sess)
+			}
+		}
+		s.Close()
+	}
+	// Still serving: the good device opens and reads.
+	dev, err := c.Open(context.Background(), "d0", rnbd.AccessRO)
+	if err != nil {
+		t.Fatalf("after the hostile clients: %v", err)
+	}
+	buf, _ := c.Session().AllocBuffer(4096)
+	if err := dev.Do(context.Background(), rnbd.OpRead, 0, 0, 4096, buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if recs := d.records("session", "list"); len(recs) != 1 || recs[0]["sessname"] != "good" {
+		t.Fatalf("sessions after the hostile clients: %v", recs)
+	}
+	d.stop()
+}
