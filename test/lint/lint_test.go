@@ -57,15 +57,18 @@ func TestCgoOnlyInIbverbs(t *testing.T) {
 }
 
 // TestDependencyDirection: cmd -> internal -> pkg/rnbd -> pkg/rtrs ->
-// fabric -> pkg/ibverbs. Nothing under pkg imports cmd or internal
-// packages other than log and units; pkg/rtrs knows nothing of RNBD, NBD
-// or ublk; pkg/rnbd knows nothing of NBD or ublk.
+// fabric -> pkg/ibverbs, and pkg/rnbd -> pkg/blockdev (the backends; the
+// NBD and ublk frontends live in packages below it). Nothing under pkg
+// imports cmd or internal packages other than log and units; pkg/rtrs
+// knows nothing of RNBD, NBD or ublk; pkg/rnbd knows nothing of NBD or
+// ublk; the backends know nothing of RNBD or RTRS.
 func TestDependencyDirection(t *testing.T) {
 	forbidden := map[string][]string{
-		module + "/pkg/":      {module + "/cmd/", module + "/test/"},
-		module + "/pkg/rtrs":  {module + "/pkg/rnbd", module + "/pkg/blockdev"},
-		module + "/pkg/rnbd":  {module + "/pkg/blockdev"},
-		module + "/internal/": {module + "/cmd/"},
+		module + "/pkg/":         {module + "/cmd/", module + "/test/"},
+		module + "/pkg/rtrs":     {module + "/pkg/rnbd", module + "/pkg/blockdev"},
+		module + "/pkg/rnbd":     {module + "/pkg/blockdev/"},
+		module + "/pkg/blockdev": {module + "/pkg/rnbd", module + "/pkg/rtrs"},
+		module + "/internal/":    {module + "/cmd/"},
 	}
 	allowedInternal := map[string]bool{module + "/internal/log": true, module + "/internal/units": true}
 	for _, p := range packages(t) {
