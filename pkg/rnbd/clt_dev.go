@@ -1,0 +1,624 @@
+package rnbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// CltSession is an RNBD client session (struct rnbd_clt_session): an RTRS
+// session, the protocol version agreed on it, and the devices mapped
+// through it, which share its paths and permits.
+//
+// Requests that find no path wait here, not in RTRS: a server that lost
+// every path of a session forgets its devices, so after a reconnect every
+// device is opened again — possibly under another id — before the
+// requests that waited go out, re-encoded with the new id.
+type CltSession struct {
+	*Client
+	log *log.Entry
+
+	noPathTimeout atomic.Int64
+	// pieces[i] is the piece of IO that permit i carries.
+	pieces []piece
+
+	mu      sync.Mutex
+	devs    []*CltDev
+	up      bool // a path is connected and every device was reopened
+	gen     uint64
+	closed  bool
+	reopenQ chan struct{} // cap 1: wakes the reopen goroutine
+	done    chan struct{}
+	wg      sync.WaitGroup
+}
+
+// DialSession opens an RTRS session with cfg and negotiates RNBD on it.
+// noPathTimeout is how long IO waits when no path is connected (0 fails
+// it at once); cfg.NoPathTimeout and cfg.LinkEvent are the session's own.
+func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.Duration) (*CltSession, error) {
+	if noPathTimeout < 0 {
+		return nil, fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
+	}
+	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
+	s.noPathTimeout.Store(int64(noPathTimeout))
+	if cfg.Log == nil {
+		cfg.Log = log.L
+	}
+	s.log = cfg.Log.WithField("session", cfg.SessName)
+	cfg.NoPathTimeout = 0
+	cfg.LinkEvent = s.linkEvent
+	sess, err := rtrs.Open(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	c, err := NewClient(ctx, sess)
+	if err != nil {
+		sess.Close()
+		return nil, err
+	}
+	s.mu.Lock()
+	s.Client = c
+	s.pieces = make([]piece, sess.QueueDepth())
+	s.up = true
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go s.reopenLoop()
+	return s, nil
+}
+
+// NoPathTimeout is how long IO waits for a path.
+func (s *CltSession) NoPathTimeout() time.Duration { return time.Duration(s.noPathTimeout.Load()) }
+
+// SetNoPathTimeout changes it for IO that starts waiting from now on.
+func (s *CltSession) SetNoPathTimeout(d time.Duration) error {
+	if d < 0 {
+		return fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
+	}
+	s.noPathTimeout.Store(int64(d))
+	return nil
+}
+
+// Devices returns the session's mapped devices.
+func (s *CltSession) Devices() []*CltDev {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]*CltDev(nil), s.devs...)
+}
+
+// linkEvent runs inside RTRS's path bookkeeping: it must not wait for
+// the network. On DISCONNECTED every device stops sending (after the
+// submissions under way, which only post); on RECONNECTED the reopen
+// goroutine takes over.
+func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
+	s.mu.Lock()
+	if s.Client == nil || s.closed {
+		s.mu.Unlock()
+		return
+	}
+	devs := append([]*CltDev(nil), s.devs...)
+	if ev == rtrs.LinkDisconnected {
+		s.up = false
+		s.gen++
+	}
+	s.mu.Unlock()
+	if ev == rtrs.LinkDisconnected {
+		for _, d := range devs {
+			d.disconnected()
+		}
+		return
+	}
+	select {
+	case s.reopenQ <- struct{}{}:
+	default:
+	}
+}
+
+// reopenLoop re-negotiates the session and reopens its devices after a
+// reconnect (rnbd_clt_reconnect), then lets the waiting IO go.
+func (s *CltSession) reopenLoop() {
+	defer s.wg.Done()
+	for {
+		select {
+		case <-s.done:
+			return
+		case <-s.reopenQ:
+		}
+		if !s.sess.Connected() {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := s.SessInfo(ctx)
+		if err != nil {
+			cancel()
+			s.log.WithError(err).Warn("session info after reconnect failed; devices stay closed until the next reconnect")
+			continue
+		}
+		s.mu.Lock()
+		s.up = true
+		devs := append([]*CltDev(nil), s.devs...)
+		s.mu.Unlock()
+		for _, d := range devs {
+			if err := d.reopen(ctx); err != nil {
+				d.log().WithError(err).Warn("reopening the device after reconnect failed")
+			}
+		}
+		cancel()
+	}
+}
+
+// Close unmaps nothing on the server beyond what closing the session
+// does (the server closes the session's devices when its last path goes):
+// it fails the waiting IO and closes the RTRS session.
+func (s *CltSession) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	devs := append([]*CltDev(nil), s.devs...)
+	s.mu.Unlock()
+	close(s.done)
+	for _, d := range devs {
+		d.setState(DevUnmapped)
+		d.failParked(rtrs.ErrClosed)
+	}
+	err := s.sess.Close()
+	s.wg.Wait()
+	return err
+}
+
+// DevState is a mapped device's state.
+type DevState int32
+
+const (
+	// DevInit: being opened for the first time.
+	DevInit DevState = iota
+	// DevOpen: open on the server; IO flows.
+	DevOpen
+	// DevClosed: the session lost every path (or the reopen after it
+	// failed); IO waits for a reopen up to no_path_timeout.
+	DevClosed
+	// DevUnmapped: closed for good; IO fails.
+	DevUnmapped
+)
+
+func (s DevState) String() string {
+	switch s {
+	case DevInit:
+		return "init"
+	case DevOpen:
+		return "open"
+	case DevClosed:
+		return "closed"
+	case DevUnmapped:
+		return "unmapped"
+	}
+	return fmt.Sprintf("DevState(%d)", int32(s))
+}
+
+// CltDev is a device mapped through a client session (struct rnbd_clt_dev).
+type CltDev struct {
+	s    *CltSession
+	name string
+	mode AccessMode
+
+	state atomic.Int32
+	// ioMu fences submissions against a change of the device id: IO
+	// holds it shared while it checks the state and posts.
+	ioMu sync.RWMutex
+	info OpenRsp // under ioMu
+	// localSectors is the size the device shows (resize); 0: the remote size.
+	localSectors atomic.Uint64
+
+	pmu       sync.Mutex
+	parked    []*parked
+	parkTimer *time.Timer
+	inflight  sync.WaitGroup // IOReqs submitted and not done
+}
+
+// Map opens the remote device name with mode and adds it to the session
+// (rnbd_clt_map_device).
+func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*CltDev, error) {
+	s.mu.Lock()
+	for _, d := range s.devs {
+		if d.name == name {
+			s.mu.Unlock()
+			return nil, fmt.Errorf("rnbd: %s is already mapped through session %s: %w", name, s.sess.Name(), syscall.EEXIST)
+		}
+	}
+	s.mu.Unlock()
+	dev, err := s.Open(ctx, name, mode)
+	if err != nil {
+		return nil, err
+	}
+	d := &CltDev{s: s, name: name, mode: mode, info: dev.Info}
+	d.state.Store(int32(DevOpen))
+	s.mu.Lock()
+	s.devs = append(s.devs, d)
+	s.mu.Unlock()
+	return d, nil
+}
+
+func (d *CltDev) log() *log.Entry { return d.s.log.WithField("device", d.name) }
+
+// Name is the remote device name (device_path).
+func (d *CltDev) Name() string { return d.name }
+
+// Mode is the access mode it was opened with.
+func (d *CltDev) Mode() AccessMode { return d.mode }
+
+// Session is the session the device is mapped through.
+func (d *CltDev) Session() *CltSession { return d.s }
+
+// State is the device's state.
+func (d *CltDev) State() DevState { return DevState(d.state.Load()) }
+
+func (d *CltDev) setState(st DevState) {
+	d.ioMu.Lock()
+	d.state.Store(int32(st))
+	d.ioMu.Unlock()
+}
+
+// Info is the server's last OPEN_RSP for the device.
+func (d *CltDev) Info() OpenRsp {
+	d.ioMu.RLock()
+	defer d.ioMu.RUnlock()
+	return d.info
+}
+
+// Size is the size the device shows, in bytes.
+func (d *CltDev) Size() int64 {
+	if n := d.localSectors.Load(); n != 0 {
+		return int64(n) * 512
+	}
+	return int64(d.Info().NSectors) * 512
+}
+
+// Resize sets the size the device shows (the kernel's resize): at most
+// the remote size, a multiple of the logical block size.
+func (d *CltDev) Resize(bytes int64) error {
+	info := d.Info()
+	lbs := int64(info.LogicalBlockSize)
+	if bytes <= 0 || bytes%lbs != 0 {
+		return fmt.Errorf("rnbd: size %d is not a positive multiple of the block size %d: %w", bytes, lbs, syscall.EINVAL)
+	}
+	if uint64(bytes)/512 > info.NSectors {
+		return fmt.Errorf("rnbd: size %d is larger than the remote device (%d): %w", bytes, info.NSectors*512, syscall.EINVAL)
+	}
+	d.localSectors.Store(uint64(bytes) / 512)
+	return nil
+}
+
+func (d *CltDev) disconnected() {
+	if d.State() == DevOpen {
+		d.setState(DevClosed)
+	}
+}
+
+// reopen opens the device again on the server (after a reconnect, or the
+// rnbd tool's remap) and lets the IO that waited go.
+func (d *CltDev) reopen(ctx context.Context) error {
+	if d.State() == DevUnmapped {
+		return nil
+	}
+	dev, err := d.s.Open(ctx, d.name, d.mode)
+	if err != nil {
+		return err
+	}
+	d.ioMu.Lock()
+	if d.State() == DevUnmapped {
+		d.ioMu.Unlock()
+		return nil
+	}
+	old := d.info.NSectors
+	d.info = dev.Info
+	d.state.Store(int32(DevOpen))
+	d.ioMu.Unlock()
+	if dev.Info.NSectors != old {
+		d.log().WithFields(log.Fields{"was": old * 512, "now": dev.Info.NSectors * 512}).Info("remote device size changed")
+	}
+	d.log().WithField("device_id", dev.Info.DeviceID).Info("device reopened")
+	d.resubmitParked()
+	return nil
+}
+
+// Remap opens the device on the server again and refreshes what the
+// server says of it (the rnbd tool's remap).
+func (d *CltDev) Remap(ctx context.Context) error {
+	if d.State() == DevUnmapped {
+		return fmt.Errorf("rnbd: %s is unmapped: %w", d.name, syscall.ENODEV)
+	}
+	if !d.s.sess.Connected() {
+		return fmt.Errorf("rnbd: session %s has no connected path: %w", d.s.sess.Name(), syscall.ENOTCONN)
+	}
+	return d.reopen(ctx)
+}
+
+// Unmap closes the device on the server and removes it from the session
+// (rnbd_clt_unmap_device). IO in flight is waited for; IO after fails.
+func (d *CltDev) Unmap(ctx context.Context) error {
+	s := d.s
+	s.mu.Lock()
+	for i, x := range s.devs {
+		if x == d {
+			s.devs = append(s.devs[:i:i], s.devs[i+1:]...)
+			break
+		}
+	}
+	s.mu.Unlock()
+	was := d.State()
+	d.setState(DevUnmapped)
+	d.failParked(errUnmapped)
+	d.inflight.Wait()
+	if was != DevOpen {
+		return nil // the server forgot it with the session's last path
+	}
+	var usr [CloseSize]byte
+	(&Close{DeviceID: d.Info().DeviceID}).Encode(usr[:])
+	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Write, usr[:], nil, 0, 0); err != nil {
+		return fmt.Errorf("rnbd: close %s on the server: %w", d.name, err)
+	}
+	return nil
+}
+
+var errUnmapped = fmt.Errorf("rnbd: device unmapped: %w", syscall.ENODEV)
+
+// IOReq is one block request on a mapped device: it is split into pieces
+// the transport carries, each on a permit of its own.
+type IOReq struct {
+	Op     Op
+	Flags  uint32 // FFUA, FPreflush, FNoUnmap, FSync
+	Off    int64  // bytes, a multiple of 512
+	Len    int    // bytes
+	Buf    *rtrs.Buffer
+	BufOff int
+	// Done is called once with nil or the first error, from any
+	// goroutine; it must not block.
+	Done func(r *IOReq, err error)
+
+	dev     *CltDev
+	pending atomic.Int32
+	err     atomic.Pointer[error]
+}
+
+// piece is the part of a request one permit carries.
+type piece struct {
+	r      *IOReq
+	p      *rtrs.Permit
+	off    int64
+	n      int
+	bufOff int
+	sess   *CltSession
+}
+
+// parked is a piece waiting for the device to be reopened.
+type parked struct {
+	r        *IOReq
+	off      int64
+	n        int
+	bufOff   int
+	deadline time.Time
+}
+
+// Submit starts r. It waits for permits when all are in use (back
+// pressure) and returns an error without calling Done only for a request
+// that cannot be valid.
+func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
+	if r.Off < 0 || r.Off%512 != 0 || r.Len < 0 || r.Op >= opLast {
+		return syscall.EINVAL
+	}
+	if d.State() == DevUnmapped {
+		return errUnmapped
+	}
+	if r.Op == OpRead || r.Op == OpWrite {
+		if r.Buf == nil || r.BufOff < 0 || r.BufOff+r.Len > len(r.Buf.Bytes()) {
+			return syscall.EINVAL
+		}
+	}
+	if r.Op != OpFlush && r.Off+int64(r.Len) > d.Size() {
+		return syscall.EINVAL
+	}
+	r.dev = d
+	r.err.Store(nil)
+	step := d.pieceSize(r.Op)
+	if step <= 0 {
+		return syscall.EOPNOTSUPP
+	}
+	n := 1
+	if r.Len > step {
+		n = (r.Len + step - 1) / step
+	}
+	d.inflight.Add(1)
+	r.pending.Store(int32(n))
+	for i := 0; i < n; i++ {
+		off := int64(i) * int64(step)
+		l := min(step, r.Len-int(off))
+		if r.Len == 0 {
+			l = 0
+		}
+		d.sendPiece(ctx, r, r.Off+off, l, r.BufOff+int(off))
+	}
+	return nil
+}
+
+// pieceSize is the most one request of op may carry.
+func (d *CltDev) pieceSize(op Op) int {
+	info := d.Info()
+	switch op {
+	case OpRead, OpWrite:
+		n := min(int(info.MaxHWSectors)*512, d.s.sess.MaxIOSize())
+		return n &^ (int(info.LogicalBlockSize) - 1)
+	case OpDiscard, OpSecureErase:
+		if op == OpSecureErase && info.SecureDiscard == 0 {
+			return 0
+		}
+		return int(min(uint64(info.MaxDiscardSectors)*512, 1<<30))
+	case OpWriteZeroes:
+		return int(min(uint64(info.MaxWriteZeroesSectors)*512, 1<<30))
+	}
+	return 1 << 30 // flush
+}
+
+// sendPiece sends one piece, or parks it while the device is closed.
+func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, off int64, n, bufOff int) {
+	s := d.s
+	p, err := s.sess.GetPermit(ctx, rtrs.IOCon)
+	if err != nil {
+		r.pieceDone(err)
+		return
+	}
+	d.ioMu.RLock()
+	switch d.State() {
+	case DevOpen:
+	case DevClosed, DevInit:
+		d.ioMu.RUnlock()
+		s.sess.PutPermit(p)
+		d.park(r, off, n, bufOff)
+		return
+	default:
+		d.ioMu.RUnlock()
+		s.sess.PutPermit(p)
+		r.pieceDone(errUnmapped)
+		return
+	}
+	pc := &s.pieces[p.ID()]
+	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s}
+	var usr [IOSize]byte
+	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(r.Op) | r.Flags, Size: uint32(n)}).Encode(usr[:])
+	switch r.Op {
+	case OpRead:
+		err = s.sess.Request(rtrs.Read, p, pc, usr[:], r.Buf, bufOff, n)
+	case OpWrite:
+		err = s.sess.Request(rtrs.Write, p, pc, usr[:], r.Buf, bufOff, n)
+	default:
+		err = s.sess.Request(rtrs.Write, p, pc, usr[:], nil, 0, 0)
+	}
+	d.ioMu.RUnlock()
+	if err != nil {
+		s.sess.PutPermit(p)
+		if errors.Is(err, rtrs.ErrNoPath) {
+			d.park(r, off, n, bufOff)
+			return
+		}
+		r.pieceDone(err)
+	}
+}
+
+// Confirm ends a piece: on success or a server error the request counts
+// it; without a path it waits for the device to be reopened.
+func (pc *piece) Confirm(err error) {
+	r, s := pc.r, pc.sess
+	off, n, bufOff := pc.off, pc.n, pc.bufOff
+	s.sess.PutPermit(pc.p)
+	if errors.Is(err, rtrs.ErrNoPath) {
+		r.dev.park(r, off, n, bufOff)
+		return
+	}
+	r.pieceDone(err)
+}
+
+func (r *IOReq) pieceDone(err error) {
+	if err != nil {
+		r.err.CompareAndSwap(nil, &err)
+	}
+	if r.pending.Add(-1) != 0 {
+		return
+	}
+	var e error
+	if p := r.err.Load(); p != nil {
+		e = *p
+	}
+	d := r.dev
+	r.Done(r, e)
+	d.inflight.Done()
+}
+
+// park keeps a piece until the device is reopened or no_path_timeout.
+func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
+	t := d.s.NoPathTimeout()
+	if t == 0 {
+		r.pieceDone(rtrs.ErrNoPath)
+		return
+	}
+	d.pmu.Lock()
+	if d.State() == DevUnmapped {
+		d.pmu.Unlock()
+		r.pieceDone(errUnmapped)
+		return
+	}
+	d.parked = append(d.parked, &parked{r: r, off: off, n: n, bufOff: bufOff, deadline: time.Now().Add(t)})
+	if d.parkTimer == nil {
+		d.parkTimer = time.AfterFunc(t, d.expireParked)
+	} else if len(d.parked) == 1 {
+		d.parkTimer.Reset(t)
+	}
+	d.pmu.Unlock()
+	// The device may have been reopened between the state check and
+	// the append: its resubmission would have missed this piece.
+	if d.State() == DevOpen {
+		d.resubmitParked()
+	}
+}
+
+func (d *CltDev) takeParked(expiredOnly bool) []*parked {
+	d.pmu.Lock()
+	defer d.pmu.Unlock()
+	now := time.Now()
+	var out, keep []*parked
+	for _, p := range d.parked {
+		if !expiredOnly || !p.deadline.After(now) {
+			out = append(out, p)
+		} else {
+			keep = append(keep, p)
+		}
+	}
+	d.parked = keep
+	if len(keep) > 0 {
+		next := keep[0].deadline
+		for _, p := range keep[1:] {
+			if p.deadline.Before(next) {
+				next = p.deadline
+			}
+		}
+		d.parkTimer.Reset(time.Until(next))
+	}
+	return out
+}
+
+func (d *CltDev) expireParked() {
+	expired := d.takeParked(true)
+	if len(expired) > 0 {
+		d.log().WithField("requests", len(expired)).Warn("no path within no_path_timeout: failing requests")
+	}
+	for _, p := range expired {
+		p.r.pieceDone(rtrs.ErrNoPath)
+	}
+}
+
+func (d *CltDev) failParked(err error) {
+	for _, p := range d.takeParked(false) {
+		p.r.pieceDone(err)
+	}
+}
+
+func (d *CltDev) resubmitParked() {
+	ps := d.takeParked(false)
+	if len(ps) == 0 {
+		return
+	}
+	d.log().WithField("requests", len(ps)).Info("resubmitting requests that waited for the device")
+	// Not on the caller's goroutine: sending waits for permits.
+	go func() {
+		for _, p := range ps {
+			d.sendPiece(context.Background(), p.r, p.off, p.n, p.bufOff)
+		}
+	}()
+}

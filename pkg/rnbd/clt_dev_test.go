@@ -1,0 +1,177 @@
+package rnbd
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/netip"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// cltSession dials an RNBD client session to the rig's server.
+func (r *srig) cltSession(name string, noPath time.Duration) *CltSession {
+	r.t.Helper()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName, cfg.Fabric, cfg.Log = name, r.fab, log.Discard()
+	cfg.ConnsPerPath = 2
+	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
+	src := netip.AddrFrom4([4]byte{10, 20, 2, byte(r.next.Add(1))})
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(src, 0), Dst: srvAddr}}
+	s, err := DialSession(context.Background(), cfg, noPath)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// syncIO runs one request on d and waits for it.
+func syncIO(d *CltDev, op Op, flags uint32, off int64, n int, buf *rtrs.Buffer) error {
+	done := make(chan error, 1)
+	r := &IOReq{Op: op, Flags: flags, Off: off, Len: n, Buf: buf, Done: func(_ *IOReq, err error) { done <- err }}
+	if err := d.Submit(context.Background(), r); err != nil {
+		return err
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(30 * time.Second):
+		return errors.New("request never completed")
+	}
+}
+
+// A request larger than one transport message is split and reassembled;
+// two devices share one session.
+func TestCltDevSplitAndShare(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 8<<20)
+	r.file("b", 8<<20)
+	s := r.cltSession("cs", 0)
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := s.Map(context.Background(), "b", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Map(context.Background(), "a", AccessRW); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("second map of a: %v, want EEXIST", err)
+	}
+	buf, _ := s.Session().AllocBuffer(2 << 20)
+	data := bytes.Repeat([]byte("0123456789abcdef"), (1<<20+8192)/16)
+	copy(buf.Bytes(), data)
+	if err := syncIO(a, OpWrite, FFUA, 4096, len(data), buf); err != nil {
+		t.Fatal(err)
+	}
+	clear(buf.Bytes())
+	if err := syncIO(a, OpRead, 0, 4096, len(data), buf); err != nil || !bytes.Equal(buf.Bytes()[:len(data)], data) {
+		t.Fatalf("read back through the split: %v", err)
+	}
+	if err := syncIO(b, OpRead, 0, 4096, 4096, buf); err != nil || !bytes.Equal(buf.Bytes()[:4096], make([]byte, 4096)) {
+		t.Fatalf("device b sees a's data: %v", err)
+	}
+	if err := syncIO(a, OpRead, 0, 8<<20, 4096, buf); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("read past the end: %v, want EINVAL", err)
+	}
+	if err := a.Resize(4 << 20); err != nil || a.Size() != 4<<20 {
+		t.Fatalf("resize: %v, size %d", err, a.Size())
+	}
+	if err := a.Resize(16 << 20); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("resize beyond the remote size: %v", err)
+	}
+	if err := a.Unmap(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("IO after unmap: %v, want ENODEV", err)
+	}
+	if len(s.Devices()) != 1 || s.Devices()[0] != b {
+		t.Fatalf("devices after unmap: %v", s.Devices())
+	}
+}
+
+// When the session loses every path the server forgets its devices; IO
+// issued meanwhile waits, the devices are reopened after the reconnect and
+// the IO completes against the right device.
+func TestCltDevReopenAfterReconnect(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 8<<20)
+	s := r.cltSession("cs", 30*time.Second)
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, _ := s.Session().AllocBuffer(1 << 20)
+	copy(buf.Bytes(), bytes.Repeat([]byte{0xA5}, 4096))
+	if err := syncIO(a, OpWrite, 0, 0, 4096, buf); err != nil {
+		t.Fatal(err)
+	}
+	// Drop every path from the server side: the server session and its
+	// devices go.
+	for _, x := range r.rs.Sessions() {
+		x.Close()
+	}
+	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	wbuf, _ := s.Session().AllocBuffer(4096)
+	copy(wbuf.Bytes(), bytes.Repeat([]byte{0x5A}, 4096))
+	done := make(chan error, 1)
+	if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: 4096, Len: 4096, Buf: wbuf,
+		Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("IO across the reconnect: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("IO across the reconnect never completed")
+	}
+	if a.State() != DevOpen {
+		t.Fatalf("state after reconnect %v", a.State())
+	}
+	clear(buf.Bytes()[:8192])
+	if err := syncIO(a, OpRead, 0, 0, 8192, buf); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(buf.Bytes()[:4096], bytes.Repeat([]byte{0xA5}, 4096)) || !bytes.Equal(buf.Bytes()[4096:8192], bytes.Repeat([]byte{0x5A}, 4096)) {
+		t.Fatal("data across the reconnect differs")
+	}
+}
+
+// With no_path_timeout 0 IO without a path fails at once.
+func TestCltDevNoPathFailsAtOnce(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 1<<20)
+	s := r.cltSession("cs", 0)
+	a, err := s.Map(context.Background(), "a", AccessRO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Session().SetMaxReconnectAttempts(0)
+	for _, x := range r.rs.Sessions() {
+		x.Close()
+	}
+	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	buf, _ := s.Session().AllocBuffer(4096)
+	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) {
+		t.Fatalf("IO without a path: %v, want ErrNoPath", err)
+	}
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
