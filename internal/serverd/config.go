@@ -6,13 +6,9 @@ package serverd
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
-	"time"
 
-	"github.com/BurntSushi/toml"
-
-	"github.com/rnbd/rnbd/internal/units"
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
@@ -45,38 +41,11 @@ type Config struct {
 	LogFormat        string   `toml:"log_format"`
 }
 
-// Duration is a time.Duration written as "5s" in the file.
-type Duration struct{ time.Duration }
-
-func (d *Duration) UnmarshalText(b []byte) error {
-	v, err := time.ParseDuration(string(b))
-	if err != nil {
-		return err
-	}
-	d.Duration = v
-	return nil
-}
-
-func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
-
-// Size is a byte count written as 8589934592 or "8GiB" in the file.
-type Size int64
-
-func (v *Size) UnmarshalTOML(x any) error {
-	switch t := x.(type) {
-	case int64:
-		if t < 0 {
-			return fmt.Errorf("negative size %d", t)
-		}
-		*v = Size(t)
-		return nil
-	case string:
-		n, err := units.ParseSize(t)
-		*v = Size(n)
-		return err
-	}
-	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
-}
+// Duration and Size are written as "5s" and "8GiB" in the file.
+type (
+	Duration = conf.Duration
+	Size     = conf.Size
+)
 
 // DefaultConfig returns the defaults: the kernel module's where it has
 // them (port 1234, 512 chunks of 128 KiB, always_invalidate on).
@@ -88,7 +57,7 @@ func DefaultConfig() Config {
 		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
 		MaxChunkMemory:   rtrs.DefaultMaxChunkMemory,
 		AlwaysInvalidate: true,
-		HBInterval:       Duration{rtrs.DefaultHBInterval},
+		HBInterval:       Duration{Duration: rtrs.DefaultHBInterval},
 		HBMissedMax:      rtrs.DefaultHBMissedMax,
 		ControlSocket:    DefaultControlSocket,
 		StateFile:        DefaultStateFile,
@@ -102,21 +71,8 @@ func DefaultConfig() Config {
 // warnings, not errors, so an older daemon reads a newer file's known part.
 func LoadConfig(path string, mustExist bool) (Config, []string, error) {
 	cfg := DefaultConfig()
-	md, err := toml.DecodeFile(path, &cfg)
-	if errors.Is(err, fs.ErrNotExist) && !mustExist {
-		return cfg, nil, nil
-	}
-	if err != nil {
-		return cfg, nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	if cfg.Version > ConfigVersion {
-		return cfg, nil, fmt.Errorf("config %s: version %d is newer than this daemon understands (%d)", path, cfg.Version, ConfigVersion)
-	}
-	var warnings []string
-	for _, k := range md.Undecoded() {
-		warnings = append(warnings, fmt.Sprintf("config %s: unknown key %q ignored", path, k.String()))
-	}
-	return cfg, warnings, nil
+	warnings, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
+	return cfg, warnings, err
 }
 
 // Validate checks the configuration before anything starts.

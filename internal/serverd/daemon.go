@@ -8,12 +8,12 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
 	"syscall"
 
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/output"
@@ -153,40 +153,7 @@ func (d *Daemon) saveState() error {
 	if err != nil {
 		return err
 	}
-	return WriteFileAtomic(d.cfg.StateFile, append(b, '\n'))
-}
-
-// WriteFileAtomic replaces path with data so that a crash leaves either
-// the old or the new content.
-func WriteFileAtomic(path string, data []byte) error {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	f, err := os.CreateTemp(dir, ".state-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(f.Name())
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(f.Name(), path); err != nil {
-		return err
-	}
-	if df, err := os.Open(dir); err == nil {
-		df.Sync()
-		df.Close()
-	}
-	return nil
+	return conf.WriteFileAtomic(d.cfg.StateFile, append(b, '\n'))
 }
 
 // Requests of the control API.

@@ -1,0 +1,106 @@
+// Package conf is what both daemons' configuration and state files
+// share: TOML loading with warnings for unknown keys, durations and sizes
+// as people write them, and atomic file replacement.
+package conf
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/rnbd/rnbd/internal/units"
+)
+
+// Duration is a time.Duration written as "5s" in a file.
+type Duration struct{ time.Duration }
+
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
+
+// Size is a byte count written as 8589934592 or "8GiB" in a file.
+type Size int64
+
+func (v *Size) UnmarshalTOML(x any) error {
+	switch t := x.(type) {
+	case int64:
+		if t < 0 {
+			return fmt.Errorf("negative size %d", t)
+		}
+		*v = Size(t)
+		return nil
+	case string:
+		n, err := units.ParseSize(t)
+		*v = Size(n)
+		return err
+	}
+	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
+}
+
+// LoadTOML decodes path over v (which holds the defaults and a Version
+// field at most version). A missing file is fine unless mustExist;
+// unknown keys come back as warnings, so an older daemon reads a newer
+// file's known part.
+func LoadTOML(path string, mustExist bool, v any, version func() int, newest int) ([]string, error) {
+	md, err := toml.DecodeFile(path, v)
+	if errors.Is(err, fs.ErrNotExist) && !mustExist {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	if n := version(); n > newest {
+		return nil, fmt.Errorf("config %s: version %d is newer than this daemon understands (%d)", path, n, newest)
+	}
+	var warnings []string
+	for _, k := range md.Undecoded() {
+		warnings = append(warnings, fmt.Sprintf("config %s: unknown key %q ignored", path, k.String()))
+	}
+	return warnings, nil
+}
+
+// WriteFileAtomic replaces path with data so that a crash leaves either
+// the old or the new content: a temporary file, synced, renamed over the
+// old one, and the directory synced.
+func WriteFileAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, ".state-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		return err
+	}
+	if df, err := os.Open(dir); err == nil {
+		df.Sync()
+		df.Close()
+	}
+	return nil
+}
