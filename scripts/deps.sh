@@ -18,6 +18,11 @@ fi
 # command -> Debian package
 declare -A pkgs=(
 	[ip]=iproute2
+	[qemu-io]=qemu-utils
+	[nbdinfo]=libnbd-bin
+	[fio]=fio
+	[nbdkit]=nbdkit
+	[jq]=jq
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do

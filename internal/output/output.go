@@ -48,6 +48,10 @@ func str(v any) string {
 	case string:
 		return v
 	case float64:
+		// JSON numbers arrive as float64: counters print as integers.
+		if v == float64(int64(v)) {
+			return fmt.Sprintf("%d", int64(v))
+		}
 		return fmt.Sprintf("%g", v)
 	}
 	return fmt.Sprint(v)

@@ -1,0 +1,356 @@
+// Command rnbd-client maps remote RNBD devices and serves them to NBD
+// clients: `rnbd-client daemon` holds the sessions and devices, the other
+// commands talk to it over its control socket.
+package main
+
+import (
+	"fmt"
+	"net/url"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/clientd"
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+func main() { cli.Main("rnbd-client", newRoot()) }
+
+func newRoot() *cobra.Command {
+	var g cli.Globals
+	root := &cobra.Command{
+		Use:   "rnbd-client",
+		Short: "Map remote RNBD devices and serve them as NBD devices",
+	}
+	g.Add(root, clientd.DefaultControlSocket)
+	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
+		newDevice(&g), newSession(&g), newPath(&g), newStats(&g))
+	return root
+}
+
+func newDaemon() *cobra.Command {
+	var (
+		configFile string
+		over       clientd.Config
+	)
+	cmd := &cobra.Command{
+		Use:   "daemon",
+		Short: "Run the client daemon (flags override the configuration file)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			cfg, warnings, err := clientd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			if err != nil {
+				return err
+			}
+			f := cmd.Flags()
+			set := func(name string, apply func()) {
+				if f.Changed(name) {
+					apply()
+				}
+			}
+			set("control-socket", func() { cfg.ControlSocket = over.ControlSocket })
+			set("state-file", func() { cfg.StateFile = over.StateFile })
+			set("socket-dir", func() { cfg.SocketDir = over.SocketDir })
+			set("conns-per-path", func() { cfg.ConnsPerPath = over.ConnsPerPath })
+			set("mpath-policy", func() { cfg.MPPolicy = over.MPPolicy })
+			set("max-reconnect-attempts", func() { cfg.MaxReconnectAttempts = over.MaxReconnectAttempts })
+			set("no-path-timeout", func() { cfg.NoPathTimeout = over.NoPathTimeout })
+			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
+			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
+			set("log-level", func() { cfg.LogLevel = over.LogLevel })
+			set("log-format", func() { cfg.LogFormat = over.LogFormat })
+			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
+				return err
+			}
+			for _, w := range warnings {
+				fmt.Fprintln(cmd.ErrOrStderr(), "rnbd-client:", w)
+			}
+			return cli.RunDaemon(func() (cli.Daemon, error) {
+				return clientd.Start(cfg, clientd.Options{})
+			})
+		},
+	}
+	d := clientd.DefaultConfig()
+	f := cmd.Flags()
+	f.StringVar(&configFile, "config", clientd.DefaultConfigFile, "TOML configuration file")
+	f.StringVar(&over.ControlSocket, "control-socket", d.ControlSocket, "control socket path")
+	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the mappings are kept")
+	f.StringVar(&over.SocketDir, "socket-dir", d.SocketDir, "where NBD sockets of mappings without --as go")
+	f.IntVar(&over.ConnsPerPath, "conns-per-path", d.ConnsPerPath, "IO connections per path")
+	f.StringVar(&over.MPPolicy, "mpath-policy", d.MPPolicy, "round-robin, min-inflight or min-latency")
+	f.IntVar(&over.MaxReconnectAttempts, "max-reconnect-attempts", d.MaxReconnectAttempts, "-1 forever, 0 never, or N")
+	f.DurationVar(&over.NoPathTimeout.Duration, "no-path-timeout", d.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
+	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
+	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
+	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
+	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
+	return cmd
+}
+
+func newMap(g *cli.Globals) *cobra.Command {
+	var m clientd.Mapping
+	var port uint16
+	cmd := &cobra.Command{
+		Use:   `map [--sessname S --path P... --device-path D | "sessname=S path=P device_path=D ..."]`,
+		Short: "Map a remote device and serve it (prints the device and its NBD socket)",
+		Long: `Map a remote device. The parameters are the kernel's map_device tokens, as
+flags or as its one-line string:
+
+  rnbd-client map --sessname s1 --path ip:10.0.0.1 --path ip:10.0.1.1 --device-path vol1
+  rnbd-client map "sessname=s1 path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw"
+
+A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
+		Args: cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 1 {
+				line, err := clientd.ParseMapString(args[0])
+				if err != nil {
+					return err
+				}
+				merge(&m, line)
+			}
+			if cmd.Flags().Changed("dest-port") {
+				m.DestPort = port
+			}
+			fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
+			var out clientd.Mapping
+			if err := g.Call("POST", "/v1/devices", m, &out); err != nil {
+				return err
+			}
+			sock := strings.TrimPrefix(out.As, "socket:")
+			fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: nbd+unix:///%s?socket=%s\n", out.Device, out.DevicePath, sock)
+			fmt.Fprintf(cmd.ErrOrStderr(), "unmap it with: rnbd-client unmap %s\n", out.Device)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&m.SessName, "sessname", "", "session name (the server sees it; devices of one session share its paths)")
+	f.StringArrayVar(&m.Paths, "path", nil, "path [ip:SRC@]ip:DST (repeat for multipath)")
+	f.StringVar(&m.DevicePath, "device-path", "", "the device's name on the server")
+	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
+	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
+	f.StringVar(&m.Transport, "transport", "auto", "auto, tcp or rdma")
+	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN) or socket:PATH (an NBD unix socket); default a socket in the daemon's socket_dir")
+	return cmd
+}
+
+// merge fills what the flags left empty from the kernel-style line.
+func merge(m *clientd.Mapping, line clientd.Mapping) {
+	if m.SessName == "" {
+		m.SessName = line.SessName
+	}
+	m.Paths = append(m.Paths, line.Paths...)
+	if m.DevicePath == "" {
+		m.DevicePath = line.DevicePath
+	}
+	if line.AccessMode != "" {
+		m.AccessMode = line.AccessMode
+	}
+	if line.DestPort != 0 {
+		m.DestPort = line.DestPort
+	}
+}
+
+func devCmd(g *cli.Globals, use, short, op string, body func() any, done string) *cobra.Command {
+	return &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/"+op, body(), nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s %s\n", args[0], done)
+			return nil
+		},
+	}
+}
+
+func newUnmap(g *cli.Globals) *cobra.Command {
+	var force bool
+	cmd := devCmd(g, "unmap DEV", "Unmap a device (refused while NBD clients are connected, unless --force)", "unmap",
+		func() any { return clientd.UnmapRequest{Force: force} }, "unmapped")
+	cmd.Flags().BoolVar(&force, "force", false, "disconnect its NBD clients first")
+	return cmd
+}
+
+func newRemap(g *cli.Globals) *cobra.Command {
+	return devCmd(g, "remap DEV", "Open the device on the server again and refresh its size and limits", "remap",
+		func() any { return nil }, "remapped")
+}
+
+func newResize(g *cli.Globals) *cobra.Command {
+	var size string
+	cmd := &cobra.Command{
+		Use:   "resize DEV SIZE",
+		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			size = args[1]
+			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/resize", clientd.ResizeRequest{Size: size}, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s resized to %s\n", args[0], size)
+			return nil
+		},
+	}
+	return cmd
+}
+
+func listCmds(g *cli.Globals, kind, path string, defaults, all []string) []*cobra.Command {
+	return []*cobra.Command{{
+		Use:   "list",
+		Short: "List " + kind + "s",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), path, kind, defaults, all)
+		},
+	}, {
+		Use:   "show NAME",
+		Short: "Show a " + kind + " with every field",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), path+"/"+url.PathEscape(args[0]), kind, all, all)
+		},
+	}}
+}
+
+func newDevice(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "device", Short: "List and show mapped devices"}
+	cmd.AddCommand(listCmds(g, "device", "/v1/devices",
+		[]string{"devname", "sessname", "mapping_path", "access_mode", "state", "size", "socket"}, clientd.DeviceFields)...)
+	return cmd
+}
+
+func newSession(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "session", Short: "List, show, reconnect and tune sessions"}
+	cmd.AddCommand(listCmds(g, "session", "/v1/sessions",
+		[]string{"sessname", "state", "path_uu", "mpath_policy", "tx_bytes", "rx_bytes", "devices"}, clientd.SessionFields)...)
+	cmd.AddCommand(&cobra.Command{
+		Use:   "reconnect NAME",
+		Short: "Reconnect every path of a session",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/reconnect", nil, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s reconnected\n", args[0])
+			return nil
+		},
+	}, &cobra.Command{
+		Use:   "set NAME KEY=VALUE...",
+		Short: "Set mpath_policy, max_reconnect_attempts or no_path_timeout of a session",
+		Args:  cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var req clientd.SetRequest
+			for _, kv := range args[1:] {
+				k, v, ok := strings.Cut(kv, "=")
+				if !ok {
+					return ctl.Errorf(ctl.CodeInvalid, "%q: want KEY=VALUE", kv)
+				}
+				switch k {
+				case "mpath_policy", "mp_policy":
+					req.MPPolicy = &v
+				case "max_reconnect_attempts":
+					var n int
+					if _, err := fmt.Sscan(v, &n); err != nil {
+						return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %q: want a number", v)
+					}
+					req.MaxReconnectAttempts = &n
+				case "no_path_timeout":
+					req.NoPathTimeout = &v
+				default:
+					return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want mpath_policy, max_reconnect_attempts or no_path_timeout", k)
+				}
+			}
+			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/set", req, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s updated\n", args[0])
+			return nil
+		},
+	})
+	return cmd
+}
+
+func newPath(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "path", Short: "List, show, add, remove, reconnect and disconnect paths"}
+	var session string
+	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
+	q := func() string {
+		if session == "" {
+			return ""
+		}
+		return "?session=" + url.QueryEscape(session)
+	}
+	all := clientd.PathFields
+	defaults := []string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "List paths",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/paths"+q(), "path", defaults, all)
+		},
+	}, &cobra.Command{
+		Use:   "show PATH",
+		Short: "Show a path (src@dst)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/paths/"+url.PathEscape(args[0])+q(), "path", all, all)
+		},
+	}, &cobra.Command{
+		Use:   "add SESSION PATH",
+		Short: "Add a path ([ip:SRC@]ip:DST) to a session and connect it",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/paths", clientd.PathRequest{Path: args[1]}, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "path %s added to %s\n", args[1], args[0])
+			return nil
+		},
+	})
+	for _, op := range []struct{ name, short, done string }{
+		{"remove", "Disconnect a path and remove it from its session", "removed"},
+		{"reconnect", "Reconnect a path now", "reconnected"},
+		{"disconnect", "Disconnect a path (it stays until reconnected or removed)", "disconnected"},
+	} {
+		cmd.AddCommand(&cobra.Command{
+			Use:   op.name + " PATH",
+			Short: op.short,
+			Args:  cobra.ExactArgs(1),
+			RunE: func(cmd *cobra.Command, args []string) error {
+				if err := g.Call("POST", "/v1/paths/"+url.PathEscape(args[0])+"/"+op.name+q(), nil, nil); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "path %s %s\n", args[0], op.done)
+				return nil
+			},
+		})
+	}
+	return cmd
+}
+
+func newStats(g *cli.Globals) *cobra.Command {
+	var reset bool
+	cmd := &cobra.Command{
+		Use:   "stats",
+		Short: "Show every path's stats/rdma, stats/reconnects and cur_latency, or reset them",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if reset {
+				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
+				return nil
+			}
+			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", clientd.StatsFields, clientd.StatsFields)
+		},
+	}
+	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
+	return cmd
+}

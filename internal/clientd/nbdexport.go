@@ -1,0 +1,145 @@
+package clientd
+
+import (
+	"context"
+	"sync"
+
+	"github.com/rnbd/rnbd/pkg/blockdev/nbd"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// slotSize is the request memory one NBD request up to that size takes
+// from a device's pool; larger requests get memory of their own.
+const slotSize = 1 << 20
+
+// nbdBackend serves a mapped device to the NBD server: request data lives
+// in registered transport memory, so it goes from the NBD socket to the
+// wire (and back) without another copy.
+type nbdBackend struct {
+	dev   *rnbd.CltDev
+	pool  *rtrs.Buffer  // slots of slotSize
+	slots chan *slotBuf // free slots
+	reqs  sync.Pool     // *ioReq
+}
+
+func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
+	pool, err := dev.Session().Session().AllocBuffer(nslots * slotSize)
+	if err != nil {
+		return nil, err
+	}
+	b := &nbdBackend{dev: dev, pool: pool, slots: make(chan *slotBuf, nslots)}
+	for i := 0; i < nslots; i++ {
+		b.slots <- &slotBuf{b: b, slot: i, buf: pool, off: i * slotSize}
+	}
+	b.reqs.New = func() any { return new(ioReq) }
+	return b, nil
+}
+
+func (b *nbdBackend) close() { b.pool.Free() }
+
+// slotBuf is a slot of the pool, or a buffer of its own for a request
+// larger than a slot.
+type slotBuf struct {
+	b    *nbdBackend
+	slot int // -1: own
+	buf  *rtrs.Buffer
+	off  int
+	data []byte
+}
+
+func (s *slotBuf) Bytes() []byte { return s.data }
+
+func (s *slotBuf) Release() {
+	if s.slot < 0 {
+		s.buf.Free()
+		return
+	}
+	s.b.slots <- s
+}
+
+func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
+	if n > slotSize {
+		buf, err := b.dev.Session().Session().AllocBuffer(n)
+		if err != nil {
+			return nil, err
+		}
+		return &slotBuf{b: b, slot: -1, buf: buf, data: buf.Bytes()[:n]}, nil
+	}
+	select {
+	case s := <-b.slots:
+		s.data = b.pool.Bytes()[s.off : s.off+n]
+		return s, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// ioReq carries one NBD request through the device.
+type ioReq struct {
+	rnbd.IOReq
+	nr   *nbd.Request
+	done func(*nbd.Request, error)
+	b    *nbdBackend
+}
+
+func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
+	nr, done, b := r.nr, r.done, r.b
+	r.nr, r.done = nil, nil
+	b.reqs.Put(r)
+	done(nr, err)
+}
+
+func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
+	r := b.reqs.Get().(*ioReq)
+	r.nr, r.done, r.b = nr, done, b
+	r.IOReq = rnbd.IOReq{Off: nr.Offset, Len: int(nr.Length), Done: r.complete}
+	switch nr.Cmd {
+	case nbd.CmdRead:
+		r.Op = rnbd.OpRead
+	case nbd.CmdWrite:
+		r.Op = rnbd.OpWrite
+	case nbd.CmdFlush:
+		r.Op, r.Len = rnbd.OpFlush, 0
+	case nbd.CmdTrim:
+		r.Op = rnbd.OpDiscard
+	case nbd.CmdWriteZeroes:
+		r.Op = rnbd.OpWriteZeroes
+		if nr.NoHole {
+			r.Flags |= rnbd.FNoUnmap
+		}
+	}
+	if nr.FUA {
+		r.Flags |= rnbd.FFUA
+	}
+	if nr.Cmd == nbd.CmdRead || nr.Cmd == nbd.CmdWrite {
+		sb := nr.Buf().(*slotBuf)
+		r.Buf, r.BufOff = sb.buf, sb.off
+	}
+	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
+		r.complete(&r.IOReq, err)
+	}
+}
+
+// export describes the device to the NBD server.
+func (b *nbdBackend) export(name string) *nbd.Export {
+	info := b.dev.Info()
+	ro := b.dev.Mode() == rnbd.AccessRO
+	return &nbd.Export{
+		Name:        name,
+		Description: "rnbd " + b.dev.Session().Session().Name() + "/" + b.dev.Name(),
+		Size:        b.dev.Size(),
+		ReadOnly:    ro,
+		Flush:       true,
+		FUA:         info.CachePolicy&rnbd.CacheFUA != 0,
+		Trim:        !ro && info.MaxDiscardSectors > 0,
+		WriteZeroes: !ro && info.MaxWriteZeroesSectors > 0,
+		// Every connection funnels into the same session and device,
+		// and FLUSH reaches the server's backend: coherent.
+		MultiConn:  true,
+		MinBlock:   uint32(info.LogicalBlockSize),
+		PrefBlock:  uint32(max(info.PhysicalBlockSize, 4096)),
+		MaxPayload: 32 << 20,
+		Backend:    b,
+	}
+}

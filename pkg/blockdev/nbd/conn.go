@@ -1,0 +1,309 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"syscall"
+)
+
+// conn is one connection in transmission.
+type conn struct {
+	s      *Server
+	exp    *Export
+	nc     net.Conn
+	ctx    context.Context
+	cancel context.CancelFunc
+	free   chan *Request // the in-flight limit: a request is taken per command
+	done   chan struct{}
+
+	mu         sync.Mutex
+	ready      []*Request // completed, waiting for the writer
+	inflight   int        // taken from free and not yet retired
+	readerDone bool
+	wake       chan struct{} // cap 1
+	closeOnce  sync.Once
+}
+
+func (s *Server) transmit(nc net.Conn, e *Export) {
+	c := &conn{s: s, exp: e, nc: nc, done: make(chan struct{}), wake: make(chan struct{}, 1),
+		free: make(chan *Request, s.opts.MaxInflight)}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	for i := 0; i < s.opts.MaxInflight; i++ {
+		c.free <- &Request{c: c}
+	}
+	s.mu.Lock()
+	if s.closed || s.exports[e.Name] != e {
+		s.mu.Unlock()
+		return
+	}
+	s.conns[c] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		c.cancel()
+		close(c.done)
+	}()
+	wdone := make(chan struct{})
+	go func() {
+		defer close(wdone)
+		c.writer()
+	}()
+	if err := c.reader(); err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+		s.log.WithError(err).WithField("export", e.Name).Warn("nbd: closing the connection")
+		c.close()
+	}
+	c.mu.Lock()
+	c.readerDone = true
+	c.mu.Unlock()
+	c.signal()
+	<-wdone
+}
+
+func (c *conn) close() {
+	c.closeOnce.Do(func() {
+		c.cancel()
+		c.nc.Close()
+	})
+}
+
+func (c *conn) signal() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+var errProtocol = errors.New("nbd: protocol violation")
+
+// reader parses requests and hands them on; it returns at DISC, at the
+// end of the stream, or at a violation that leaves the stream unusable.
+func (c *conn) reader() error {
+	br := bufio.NewReaderSize(c.nc, 128<<10)
+	e := c.exp
+	var h [requestSize]byte
+	for {
+		if _, err := io.ReadFull(br, h[:]); err != nil {
+			return err
+		}
+		if binary.BigEndian.Uint32(h[0:]) != magicRequest {
+			return errProtocol
+		}
+		flags := binary.BigEndian.Uint16(h[4:])
+		typ := binary.BigEndian.Uint16(h[6:])
+		cookie := binary.BigEndian.Uint64(h[8:])
+		off := binary.BigEndian.Uint64(h[16:])
+		n := binary.BigEndian.Uint32(h[24:])
+		if typ == cmdDisc {
+			return nil
+		}
+		var r *Request
+		select {
+		case r = <-c.free:
+		case <-c.ctx.Done():
+			return net.ErrClosed
+		}
+		c.mu.Lock()
+		c.inflight++
+		c.mu.Unlock()
+		*r = Request{Cmd: Cmd(typ), FUA: flags&cmdFlagFUA != 0, NoHole: flags&cmdFlagNoHole != 0,
+			Offset: int64(off), Length: n, cookie: cookie, c: c}
+		errno := c.check(r, flags)
+		if r.Cmd == CmdWrite && n > e.MaxPayload {
+			// The payload cannot be skipped safely at any size.
+			c.retire(r)
+			return errProtocol
+		}
+		if errno != 0 {
+			if r.Cmd == CmdWrite {
+				if _, err := io.CopyN(io.Discard, br, int64(n)); err != nil {
+					c.retire(r)
+					return err
+				}
+			}
+			c.complete(r, errno)
+			continue
+		}
+		if (r.Cmd == CmdRead || r.Cmd == CmdWrite) && n == 0 {
+			c.complete(r, 0)
+			continue
+		}
+		if r.Cmd == CmdRead || r.Cmd == CmdWrite {
+			buf, err := e.Backend.Buffer(c.ctx, int(n))
+			if err != nil {
+				if r.Cmd == CmdWrite {
+					io.CopyN(io.Discard, br, int64(n))
+				}
+				c.complete(r, syscall.ENOMEM)
+				continue
+			}
+			r.buf, r.Data = buf, buf.Bytes()
+			if r.Cmd == CmdWrite {
+				if _, err := io.ReadFull(br, r.Data); err != nil {
+					c.retire(r)
+					return err
+				}
+			}
+		}
+		e.Backend.Submit(r, doneFunc)
+	}
+}
+
+// check validates a request against the export; 0 means go ahead.
+func (c *conn) check(r *Request, flags uint16) syscall.Errno {
+	e := c.exp
+	if flags&^(cmdFlagFUA|cmdFlagNoHole) != 0 {
+		return syscall.EINVAL
+	}
+	write := false
+	switch r.Cmd {
+	case CmdRead:
+		if r.Length > e.MaxPayload {
+			return syscall.EINVAL
+		}
+	case CmdWrite:
+		write = true
+	case CmdFlush:
+		if !e.Flush {
+			return syscall.EINVAL
+		}
+		return 0
+	case CmdTrim:
+		if !e.Trim {
+			return syscall.EINVAL
+		}
+		write = true
+	case CmdWriteZeroes:
+		if !e.WriteZeroes {
+			return syscall.EINVAL
+		}
+		write = true
+	default:
+		return syscall.EINVAL
+	}
+	if r.NoHole && r.Cmd != CmdWriteZeroes {
+		return syscall.EINVAL
+	}
+	if r.FUA && !(r.Cmd == CmdWrite || r.Cmd == CmdWriteZeroes || r.Cmd == CmdTrim) {
+		return syscall.EINVAL
+	}
+	if write && e.ReadOnly {
+		return syscall.EPERM
+	}
+	if uint64(r.Offset) > uint64(e.Size) || uint64(r.Length) > uint64(e.Size)-uint64(r.Offset) {
+		if write {
+			return syscall.ENOSPC
+		}
+		return syscall.EINVAL
+	}
+	if e.MinBlock > 1 && (uint64(r.Offset)%uint64(e.MinBlock) != 0 || r.Length%e.MinBlock != 0) {
+		return syscall.EINVAL
+	}
+	return 0
+}
+
+// doneFunc is the completion every request is submitted with: one
+// function value, so submitting allocates nothing.
+var doneFunc = func(r *Request, err error) { r.c.complete(r, toErrno(err)) }
+
+// toErrno maps an error to the NBD error values.
+func toErrno(err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		switch e {
+		case syscall.EPERM, syscall.EROFS, syscall.EACCES:
+			return syscall.EPERM
+		case syscall.EIO, syscall.ENOMEM, syscall.EINVAL, syscall.ENOSPC, syscall.EOVERFLOW, syscall.ESHUTDOWN:
+			return e
+		case syscall.EOPNOTSUPP:
+			return syscall.EOPNOTSUPP
+		case syscall.EFBIG:
+			return syscall.ENOSPC
+		}
+	}
+	return syscall.EIO
+}
+
+// nbdErrno is the protocol's value of an errno (the NBD values are the
+// Linux ones except ENOTSUP).
+func nbdErrno(e syscall.Errno) uint32 {
+	if e == syscall.EOPNOTSUPP {
+		return 95
+	}
+	return uint32(e)
+}
+
+// complete queues r's reply for the writer.
+func (c *conn) complete(r *Request, errno syscall.Errno) {
+	r.errno = nbdErrno(errno)
+	c.mu.Lock()
+	c.ready = append(c.ready, r)
+	c.mu.Unlock()
+	c.signal()
+}
+
+// retire ends a request that gets no reply.
+func (c *conn) retire(r *Request) {
+	if r.buf != nil {
+		r.buf.Release()
+		r.buf, r.Data = nil, nil
+	}
+	c.mu.Lock()
+	c.inflight--
+	c.mu.Unlock()
+	c.free <- r
+	c.signal()
+}
+
+// writer sends replies as they complete, every ready one in one writev.
+// After a write error it keeps retiring requests so that the reader and
+// the backend can finish.
+func (c *conn) writer() {
+	var batch []*Request
+	var bufs net.Buffers
+	hdrs := make([]byte, replySize*c.s.opts.MaxInflight)
+	broken := false
+	for {
+		c.mu.Lock()
+		batch, c.ready = c.ready, batch[:0]
+		exit := len(batch) == 0 && c.readerDone && c.inflight == 0
+		c.mu.Unlock()
+		if exit {
+			return
+		}
+		if len(batch) == 0 {
+			<-c.wake
+			continue
+		}
+		if !broken {
+			bufs = bufs[:0]
+			for i, r := range batch {
+				h := hdrs[i*replySize : (i+1)*replySize]
+				binary.BigEndian.PutUint32(h[0:], magicReply)
+				binary.BigEndian.PutUint32(h[4:], r.errno)
+				binary.BigEndian.PutUint64(h[8:], r.cookie)
+				bufs = append(bufs, h)
+				if r.Cmd == CmdRead && r.errno == 0 && r.Length > 0 {
+					bufs = append(bufs, r.Data)
+				}
+			}
+			b := bufs
+			if _, err := b.WriteTo(c.nc); err != nil {
+				broken = true
+				c.close()
+			}
+		}
+		for _, r := range batch {
+			c.retire(r)
+		}
+	}
+}

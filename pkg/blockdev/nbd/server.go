@@ -1,0 +1,486 @@
+// Package nbd is a pipelined NBD server: the frontend that serves mapped
+// devices to NBD clients (qemu, libnbd tools, fio's nbd engine) over unix
+// or TCP sockets, and to the kernel's nbd driver over socketpairs.
+//
+// Each connection has one reader, which parses requests and hands them to
+// the backend without waiting, and one writer, which sends the replies in
+// the order they complete, batching whatever is ready into one writev.
+package nbd
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+)
+
+// Protocol constants (doc/proto.md of the NBD project).
+const (
+	magicNBD        = 0x4e42444d41474943 // "NBDMAGIC"
+	magicOpt        = 0x49484156454f5054 // "IHAVEOPT"
+	magicOptReply   = 0x3e889045565a9
+	magicRequest    = 0x25609513
+	magicReply      = 0x67446698
+	flagFixedNew    = 1 << 0
+	flagNoZeroes    = 1 << 1
+	optExportName   = 1
+	optAbort        = 2
+	optList         = 3
+	optInfo         = 6
+	optGo           = 7
+	repAck          = 1
+	repServer       = 2
+	repInfo         = 3
+	repErrUnsup     = 1<<31 + 1
+	repErrInvalid   = 1<<31 + 3
+	repErrUnknown   = 1<<31 + 6
+	infoExport      = 0
+	infoName        = 1
+	infoDescription = 2
+	infoBlockSize   = 3
+
+	tflagHasFlags    = 1 << 0
+	tflagReadOnly    = 1 << 1
+	tflagSendFlush   = 1 << 2
+	tflagSendFUA     = 1 << 3
+	tflagSendTrim    = 1 << 5
+	tflagSendZeroes  = 1 << 6
+	tflagCanMulti    = 1 << 8
+	cmdDisc          = 2
+	cmdFlagFUA       = 1 << 0
+	cmdFlagNoHole    = 1 << 1
+	requestSize      = 28
+	replySize        = 16
+	maxOptionLen     = 64 << 10
+	maxOptions       = 64
+	handshakeTimeout = 30 * time.Second
+)
+
+// Cmd is an NBD command the backend serves.
+type Cmd uint16
+
+const (
+	CmdRead        Cmd = 0
+	CmdWrite       Cmd = 1
+	CmdFlush       Cmd = 3
+	CmdTrim        Cmd = 4
+	CmdWriteZeroes Cmd = 6
+)
+
+// Buf is request memory the backend hands out.
+type Buf interface {
+	Bytes() []byte
+	Release()
+}
+
+// Request is one command in flight. The server owns and reuses it.
+type Request struct {
+	Cmd    Cmd
+	FUA    bool
+	NoHole bool
+	Offset int64
+	Length uint32
+	Data   []byte // reads and writes: Buf().Bytes()
+
+	cookie uint64
+	buf    Buf
+	errno  uint32
+	c      *conn
+}
+
+// Buf is the memory of a read or write.
+func (r *Request) Buf() Buf { return r.buf }
+
+// Backend serves one export.
+type Backend interface {
+	// Buffer returns memory for n bytes; it may block (back pressure)
+	// until ctx, cancelled when the connection goes, is done.
+	Buffer(ctx context.Context, n int) (Buf, error)
+	// Submit starts r and returns; done is called once, from any
+	// goroutine, with nil or an error (a syscall.Errno keeps its value).
+	Submit(r *Request, done func(r *Request, err error))
+}
+
+// Export is what the server offers under a name.
+type Export struct {
+	Name        string
+	Description string
+	Size        int64
+	ReadOnly    bool
+	Flush       bool
+	FUA         bool
+	Trim        bool
+	WriteZeroes bool
+	MultiConn   bool
+	MinBlock    uint32 // default 1
+	PrefBlock   uint32 // default 4096
+	MaxPayload  uint32 // default 32 MiB
+	Backend     Backend
+}
+
+func (e *Export) flags() uint16 {
+	f := uint16(tflagHasFlags)
+	if e.ReadOnly {
+		f |= tflagReadOnly
+	}
+	if e.Flush {
+		f |= tflagSendFlush
+		if e.FUA {
+			f |= tflagSendFUA
+		}
+	}
+	if e.Trim && !e.ReadOnly {
+		f |= tflagSendTrim
+	}
+	if e.WriteZeroes && !e.ReadOnly {
+		f |= tflagSendZeroes
+	}
+	if e.MultiConn {
+		f |= tflagCanMulti
+	}
+	return f
+}
+
+// Options configure a Server.
+type Options struct {
+	MaxInflight int // per connection, default 128
+	Log         *log.Entry
+}
+
+// Server serves exports to NBD clients.
+type Server struct {
+	opts Options
+	log  *log.Entry
+
+	mu        sync.Mutex
+	exports   map[string]*Export
+	conns     map[*conn]struct{}
+	listeners map[net.Listener]struct{}
+	closed    bool
+	wg        sync.WaitGroup
+}
+
+// NewServer returns a server with no exports.
+func NewServer(opts Options) *Server {
+	if opts.MaxInflight <= 0 {
+		opts.MaxInflight = 128
+	}
+	if opts.Log == nil {
+		opts.Log = log.L
+	}
+	return &Server{opts: opts, log: opts.Log, exports: map[string]*Export{},
+		conns: map[*conn]struct{}{}, listeners: map[net.Listener]struct{}{}}
+}
+
+// AddExport offers e.
+func (s *Server) AddExport(e *Export) error {
+	if e.MinBlock == 0 {
+		e.MinBlock = 1
+	}
+	if e.PrefBlock == 0 {
+		e.PrefBlock = 4096
+	}
+	if e.MaxPayload == 0 {
+		e.MaxPayload = 32 << 20
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exports[e.Name] != nil {
+		return fmt.Errorf("nbd: export %q exists: %w", e.Name, syscall.EEXIST)
+	}
+	s.exports[e.Name] = e
+	return nil
+}
+
+// RemoveExport withdraws an export and closes its connections, waiting
+// for their requests in flight.
+func (s *Server) RemoveExport(name string) error {
+	s.mu.Lock()
+	e := s.exports[name]
+	delete(s.exports, name)
+	var cs []*conn
+	for c := range s.conns {
+		if c.exp == e {
+			cs = append(cs, c)
+		}
+	}
+	s.mu.Unlock()
+	if e == nil {
+		return fmt.Errorf("nbd: no export %q: %w", name, syscall.ENOENT)
+	}
+	for _, c := range cs {
+		c.close()
+		<-c.done
+	}
+	return nil
+}
+
+// Conns counts the connections serving an export.
+func (s *Server) Conns(name string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for c := range s.conns {
+		if c.exp != nil && c.exp.Name == name {
+			n++
+		}
+	}
+	return n
+}
+
+// Serve accepts connections on l until l or the server closes.
+func (s *Server) Serve(l net.Listener) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.listeners[l] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	defer s.wg.Done()
+	for {
+		nc, err := l.Accept()
+		if err != nil {
+			s.mu.Lock()
+			delete(s.listeners, l)
+			closed := s.closed
+			s.mu.Unlock()
+			if closed || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			return err
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.ServeConn(nc)
+		}()
+	}
+}
+
+// ServeConn runs the handshake, then serves the connection until it ends.
+func (s *Server) ServeConn(nc net.Conn) {
+	defer nc.Close()
+	nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	e, err := s.handshake(nc)
+	if err != nil {
+		if !errors.Is(err, io.EOF) && !errors.Is(err, errAbort) {
+			s.log.WithError(err).Debug("nbd: handshake failed")
+		}
+		return
+	}
+	nc.SetDeadline(time.Time{})
+	s.transmit(nc, e)
+}
+
+// ServeKernel serves a connection that skips the handshake (the kernel's
+// socketpairs), until it ends.
+func (s *Server) ServeKernel(nc net.Conn, exportName string) error {
+	s.mu.Lock()
+	e := s.exports[exportName]
+	s.mu.Unlock()
+	if e == nil {
+		nc.Close()
+		return fmt.Errorf("nbd: no export %q: %w", exportName, syscall.ENOENT)
+	}
+	defer nc.Close()
+	s.transmit(nc, e)
+	return nil
+}
+
+// Close stops the listeners, closes every connection and waits.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	for l := range s.listeners {
+		l.Close()
+	}
+	var cs []*conn
+	for c := range s.conns {
+		cs = append(cs, c)
+	}
+	s.mu.Unlock()
+	for _, c := range cs {
+		c.close()
+	}
+	s.wg.Wait()
+	return nil
+}
+
+var errAbort = errors.New("nbd: client aborted")
+
+func (s *Server) export(name string) *Export {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if name == "" && len(s.exports) == 1 {
+		for _, e := range s.exports {
+			return e
+		}
+	}
+	return s.exports[name]
+}
+
+// handshake is the fixed-newstyle negotiation.
+func (s *Server) handshake(nc net.Conn) (*Export, error) {
+	var b [18]byte
+	binary.BigEndian.PutUint64(b[0:], magicNBD)
+	binary.BigEndian.PutUint64(b[8:], magicOpt)
+	binary.BigEndian.PutUint16(b[16:], flagFixedNew|flagNoZeroes)
+	if _, err := nc.Write(b[:]); err != nil {
+		return nil, err
+	}
+	if _, err := io.ReadFull(nc, b[:4]); err != nil {
+		return nil, err
+	}
+	cflags := binary.BigEndian.Uint32(b[:4])
+	if cflags&^uint32(flagFixedNew|flagNoZeroes) != 0 {
+		return nil, fmt.Errorf("unknown client flags %#x", cflags)
+	}
+	noZeroes := cflags&flagNoZeroes != 0
+	for i := 0; i < maxOptions; i++ {
+		var h [16]byte
+		if _, err := io.ReadFull(nc, h[:]); err != nil {
+			return nil, err
+		}
+		if binary.BigEndian.Uint64(h[0:]) != magicOpt {
+			return nil, errors.New("bad option magic")
+		}
+		opt, n := binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:])
+		if n > maxOptionLen {
+			return nil, fmt.Errorf("option %d of %d bytes", opt, n)
+		}
+		data := make([]byte, n)
+		if _, err := io.ReadFull(nc, data); err != nil {
+			return nil, err
+		}
+		switch opt {
+		case optExportName:
+			e := s.export(string(data))
+			if e == nil {
+				return nil, fmt.Errorf("unknown export %q", data)
+			}
+			out := make([]byte, 10, 134)
+			binary.BigEndian.PutUint64(out[0:], uint64(e.Size))
+			binary.BigEndian.PutUint16(out[8:], e.flags())
+			if !noZeroes {
+				out = out[:134]
+			}
+			_, err := nc.Write(out)
+			return e, err
+		case optAbort:
+			optReply(nc, opt, repAck, nil)
+			return nil, errAbort
+		case optList:
+			if n != 0 {
+				if err := optReply(nc, opt, repErrInvalid, nil); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			s.mu.Lock()
+			var names []string
+			for name := range s.exports {
+				names = append(names, name)
+			}
+			s.mu.Unlock()
+			for _, name := range names {
+				p := make([]byte, 4+len(name))
+				binary.BigEndian.PutUint32(p, uint32(len(name)))
+				copy(p[4:], name)
+				if err := optReply(nc, opt, repServer, p); err != nil {
+					return nil, err
+				}
+			}
+			if err := optReply(nc, opt, repAck, nil); err != nil {
+				return nil, err
+			}
+		case optInfo, optGo:
+			e, err := s.info(nc, opt, data)
+			if err != nil {
+				return nil, err
+			}
+			if e != nil && opt == optGo {
+				return e, nil
+			}
+		default:
+			if err := optReply(nc, opt, repErrUnsup, nil); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return nil, errors.New("too many options")
+}
+
+// info answers OPT_INFO and OPT_GO; it returns the export if the answer
+// was an ACK.
+func (s *Server) info(nc net.Conn, opt uint32, data []byte) (*Export, error) {
+	if len(data) < 6 {
+		return nil, optReply(nc, opt, repErrInvalid, nil)
+	}
+	nl := binary.BigEndian.Uint32(data)
+	if uint64(nl)+6 > uint64(len(data)) {
+		return nil, optReply(nc, opt, repErrInvalid, nil)
+	}
+	name := string(data[4 : 4+nl])
+	nreq := binary.BigEndian.Uint16(data[4+nl:])
+	reqs := data[6+nl:]
+	if len(reqs) != int(nreq)*2 {
+		return nil, optReply(nc, opt, repErrInvalid, nil)
+	}
+	e := s.export(name)
+	if e == nil {
+		return nil, optReply(nc, opt, repErrUnknown, nil)
+	}
+	var p [18]byte
+	binary.BigEndian.PutUint16(p[0:], infoExport)
+	binary.BigEndian.PutUint64(p[2:], uint64(e.Size))
+	binary.BigEndian.PutUint16(p[10:], e.flags())
+	if err := optReply(nc, opt, repInfo, p[:12]); err != nil {
+		return nil, err
+	}
+	binary.BigEndian.PutUint16(p[0:], infoBlockSize)
+	binary.BigEndian.PutUint32(p[2:], e.MinBlock)
+	binary.BigEndian.PutUint32(p[6:], e.PrefBlock)
+	binary.BigEndian.PutUint32(p[10:], e.MaxPayload)
+	if err := optReply(nc, opt, repInfo, p[:14]); err != nil {
+		return nil, err
+	}
+	for i := 0; i < int(nreq); i++ {
+		var text string
+		typ := binary.BigEndian.Uint16(reqs[2*i:])
+		switch typ {
+		case infoName:
+			text = e.Name
+		case infoDescription:
+			text = e.Description
+		default:
+			continue
+		}
+		q := make([]byte, 2+len(text))
+		binary.BigEndian.PutUint16(q, typ)
+		copy(q[2:], text)
+		if err := optReply(nc, opt, repInfo, q); err != nil {
+			return nil, err
+		}
+	}
+	return e, optReply(nc, opt, repAck, nil)
+}
+
+func optReply(w io.Writer, opt, typ uint32, data []byte) error {
+	b := make([]byte, 20+len(data))
+	binary.BigEndian.PutUint64(b[0:], magicOptReply)
+	binary.BigEndian.PutUint32(b[8:], opt)
+	binary.BigEndian.PutUint32(b[12:], typ)
+	binary.BigEndian.PutUint32(b[16:], uint32(len(data)))
+	copy(b[20:], data)
+	_, err := w.Write(b)
+	return err
+}

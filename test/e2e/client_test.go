@@ -1,0 +1,266 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// clientDaemon is a real rnbd-client process.
+type clientDaemon struct {
+	t    *testing.T
+	dir  string
+	sock string
+	cmd  *exec.Cmd
+	out  *lockedBuffer
+	done chan error
+}
+
+func startClient(t *testing.T, dir string, extra ...string) *clientDaemon {
+	t.Helper()
+	c := &clientDaemon{t: t, dir: dir, sock: filepath.Join(dir, "client.sock"), out: &lockedBuffer{}, done: make(chan error, 1)}
+	args := append([]string{"daemon", "--config", "/dev/null",
+		"--control-socket", c.sock,
+		"--state-file", filepath.Join(dir, "client.json"),
+		"--socket-dir", dir,
+		"--conns-per-path", "2",
+		"--hb-interval", "1s",
+	}, extra...)
+	c.cmd = exec.Command(bin("rnbd-client"), args...)
+	c.cmd.Stdout, c.cmd.Stderr = c.out, c.out
+	if err := c.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { c.done <- c.cmd.Wait() }()
+	t.Cleanup(func() {
+		select {
+		case <-c.done:
+		default:
+			c.cmd.Process.Kill()
+			<-c.done
+		}
+		if t.Failed() {
+			t.Logf("rnbd-client output:\n%s", c.out.String())
+		}
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, _, code := c.ctl("device", "list"); code == 0 {
+			return c
+		}
+		select {
+		case err := <-c.done:
+			c.done <- err
+			t.Fatalf("rnbd-client exited: %v\n%s", err, c.out.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("rnbd-client did not come up\n%s", c.out.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (c *clientDaemon) stop() {
+	c.t.Helper()
+	c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-c.done:
+		c.done <- err
+		if err != nil {
+			c.t.Fatalf("rnbd-client exited with %v\n%s", err, c.out.String())
+		}
+	case <-time.After(30 * time.Second):
+		c.t.Fatalf("rnbd-client did not stop\n%s", c.out.String())
+	}
+}
+
+func (c *clientDaemon) ctl(args ...string) (string, string, int) {
+	cmd := exec.Command(bin("rnbd-client"), append(args, "--socket", c.sock)...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return stdout.String(), stderr.String(), ee.ExitCode()
+	}
+	if err != nil {
+		c.t.Fatalf("rnbd-client %v: %v", args, err)
+	}
+	return stdout.String(), stderr.String(), 0
+}
+
+func (c *clientDaemon) ok(args ...string) string {
+	c.t.Helper()
+	out, errOut, code := c.ctl(args...)
+	if code != 0 {
+		c.t.Fatalf("rnbd-client %s: exit %d: %s", strings.Join(args, " "), code, errOut)
+	}
+	return out
+}
+
+func (c *clientDaemon) records(args ...string) []map[string]any {
+	c.t.Helper()
+	out := c.ok(append(args, "--format", "json", "--fields", "all")...)
+	var recs []map[string]any
+	if err := json.Unmarshal([]byte(out), &recs); err != nil {
+		c.t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return recs
+}
+
+func needTools(t *testing.T, tools ...string) {
+	t.Helper()
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s (make deps installs it as root on Debian)", tool)
+		}
+	}
+}
+
+func run(t *testing.T, timeout time.Duration, name string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(name, args...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out.String())
+		}
+	case <-time.After(timeout):
+		cmd.Process.Kill()
+		<-done
+		t.Fatalf("%s did not finish within %v\n%s", name, timeout, out.String())
+	}
+	return out.String()
+}
+
+// TestClientEndToEnd runs both daemons and drives a mapping with the real
+// NBD clients: qemu-img, qemu-io, nbdinfo and fio's nbd engine.
+func TestClientEndToEnd(t *testing.T) {
+	needTools(t, "qemu-io", "qemu-img", "nbdinfo", "fio")
+	dir := t.TempDir()
+	const size = 1 << 30
+	for _, n := range []string{"vol0", "vol1"} {
+		sparseFile(t, filepath.Join(dir, n+".img"), size)
+	}
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol0", filepath.Join(dir, "vol0.img"))
+	srv.ok("map", "vol1", filepath.Join(dir, "vol1.img"))
+	cl := startClient(t, dir, "--no-path-timeout", "60s")
+	path := fmt.Sprintf("ip:127.0.0.1")
+	out := cl.ok("map", fmt.Sprintf("sessname=e2e path=%s device_path=vol0 dest_port=%d", path, port))
+	if !strings.HasPrefix(out, "rnbd0 mapped: nbd+unix:///vol0?socket=") {
+		t.Fatalf("map output %q", out)
+	}
+	sock0 := filepath.Join(dir, "rnbd0.sock")
+	uri0 := "nbd+unix:///vol0?socket=" + sock0
+	// A second device on the same session, read-only.
+	cl.ok("map", "--sessname", "e2e", "--path", path, "--device-path", "vol1", "--access-mode", "ro",
+		"--dest-port", fmt.Sprint(port), "--as", "socket:"+filepath.Join(dir, "ro.sock"))
+	uri1 := "nbd+unix:///vol1?socket=" + filepath.Join(dir, "ro.sock")
+	if s := cl.records("session", "list"); len(s) != 1 || s[0]["devices"] != float64(2) {
+		t.Fatalf("sessions: %v", s)
+	}
+	// A missing device: a clear error and the not-found exit code.
+	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory\n") {
+		t.Fatalf("map of a missing device: exit %d %q", code, errOut)
+	}
+
+	if info := run(t, time.Minute, "qemu-img", "info", uri0); !strings.Contains(info, "virtual size: 1 GiB") {
+		t.Fatalf("qemu-img info: %s", info)
+	}
+	var ni struct {
+		Exports []struct {
+			Size      int64 `json:"export-size"`
+			CanFlush  bool  `json:"can_flush"`
+			CanTrim   bool  `json:"can_trim"`
+			CanZero   bool  `json:"can_zero"`
+			CanMulti  bool  `json:"can_multi_conn"`
+			ReadOnly  bool  `json:"is_read_only"`
+			BlockSize int   `json:"block_size_preferred"`
+		} `json:"exports"`
+	}
+	if err := json.Unmarshal([]byte(run(t, time.Minute, "nbdinfo", "--json", uri0)), &ni); err != nil || len(ni.Exports) != 1 {
+		t.Fatalf("nbdinfo: %v %+v", err, ni)
+	}
+	if e := ni.Exports[0]; e.Size != size || !e.CanFlush || !e.CanTrim || !e.CanZero || !e.CanMulti || e.ReadOnly {
+		t.Fatalf("nbdinfo: %+v", e)
+	}
+	for _, can := range []string{"flush", "trim", "zero", "multi-conn"} {
+		run(t, time.Minute, "nbdinfo", "--can", can, uri0)
+	}
+	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "write -P 0xab 1M 256k", "-c", "write -z 2M 64k", uri0)
+	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "read -P 0xab 1M 256k", "-c", "read -P 0 2M 64k", uri0)
+	// The read-only mapping refuses writes.
+	cmd := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 1 0 4k", uri1)
+	if out, err := cmd.CombinedOutput(); err == nil && !strings.Contains(string(out), "denied") && !strings.Contains(string(out), "read-only") && !strings.Contains(string(out), "Operation not permitted") {
+		t.Fatalf("write to a read-only mapping: %s", out)
+	}
+	// fio: 1 GiB of random writes of mixed sizes, then every block read
+	// back and verified.
+	out = run(t, 10*time.Minute, "fio", "--name=mixed", "--ioengine=nbd", "--uri="+uri0,
+		"--rw=randwrite", "--bsrange=4k-256k", "--iodepth=16", "--size=1g", "--verify=crc32c",
+		"--verify_fatal=1", "--do_verify=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
+	if !strings.Contains(out, `"error" : 0`) {
+		t.Fatalf("fio: %s", out)
+	}
+
+	// The server restarts: the client reconnects, reopens the device and
+	// the IO that waited meanwhile completes.
+	srv.stop()
+	ioDone := make(chan string, 1)
+	go func() {
+		cmd := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0xcd 8M 64k", "-c", "read -P 0xcd 8M 64k", uri0)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			out = append(out, []byte(err.Error())...)
+		}
+		ioDone <- string(out)
+	}()
+	srv = startServer(t, dir, port)
+	select {
+	case out := <-ioDone:
+		if strings.Contains(out, "error") || strings.Contains(out, "failed") || strings.Contains(out, "exit status") {
+			t.Fatalf("IO across the server restart: %s", out)
+		}
+	case <-time.After(90 * time.Second):
+		t.Fatal("IO across the server restart did not finish")
+	}
+	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "read -P 0xcd 8M 64k", uri0)
+	cl.ok("remap", "rnbd0")
+
+	// A client restart restores the mappings.
+	cl.stop()
+	cl = startClient(t, dir, "--no-path-timeout", "60s")
+	if d := cl.records("device", "list"); len(d) != 2 || d[0]["devname"] != "rnbd0" || d[0]["state"] != "open" {
+		t.Fatalf("devices after restart: %v", d)
+	}
+	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "read -P 0xcd 8M 64k", uri0)
+
+	// Unmap; the socket goes away.
+	cl.ok("unmap", "rnbd0")
+	if _, err := os.Stat(sock0); err == nil {
+		t.Fatal("the socket of an unmapped device is still there")
+	}
+	if _, _, code := cl.ctl("unmap", "rnbd0"); code != 3 {
+		t.Fatalf("second unmap: exit %d, want 3", code)
+	}
+	cl.ok("unmap", "rnbd1")
+	cl.stop()
+}
