@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The rnbd full path as one peers.sh candidate: rnbd-server exporting FILE,
+# rnbd-client mapping it over RTRS/TCP on loopback and serving it on the
+# NBD socket SOCK. Runs in the foreground until SIGTERM, as peers.sh wants.
+#   scripts/peer-candidate.sh FILE SOCK
+set -euo pipefail
+file=$1 sock=$2
+bin=$(cd "$(dirname "$0")/../bin" && pwd)
+dir=$(mktemp -d /tmp/rnbd-peer-XXXXXX)
+port=$((20000 + RANDOM % 20000))
+"$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
+	--control-socket "$dir/s.sock" --state-file "$dir/s.json" --log-level warn &
+spid=$!
+"$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/c.sock" \
+	--state-file "$dir/c.json" --socket-dir "$dir" --log-level warn &
+cpid=$!
+trap 'kill $cpid 2>/dev/null; wait $cpid 2>/dev/null; kill $spid 2>/dev/null; wait $spid 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'exit 0' TERM INT
+for _ in $(seq 100); do [ -S "$dir/s.sock" ] && [ -S "$dir/c.sock" ] && break; sleep 0.05; done
+"$bin/rnbd-server" --socket "$dir/s.sock" map bench "$file" >/dev/null
+"$bin/rnbd-client" --socket "$dir/c.sock" map --sessname peer --path ip:127.0.0.1 --dest-port "$port" \
+	--device-path bench --as "socket:$sock" >/dev/null 2>&1
+wait $cpid
