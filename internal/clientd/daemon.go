@@ -81,6 +81,7 @@ type Daemon struct {
 	mu       sync.Mutex
 	sessions map[string]*session
 	maps     map[string]*mapped
+	failed   []Mapping // saved mappings that did not come back; kept in the state file
 	wg       sync.WaitGroup
 }
 
@@ -90,9 +91,8 @@ type Options struct {
 	Log    *log.Entry
 }
 
-// Start loads the state, opens the control socket, and restores the
-// mappings (each in the background: a server that is down does not hold
-// up the others).
+// Start loads the state, opens the control socket and restores the
+// mappings, each bounded in time, before it answers commands.
 func Start(cfg Config, opts Options) (*Daemon, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -114,12 +114,15 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.routes()
-	go func() { d.served <- d.ctl.Serve() }()
+	// The saved mappings come back before the control socket answers, so
+	// a command after the start sees them.
 	for _, m := range st.Mappings {
 		if err := d.restore(m); err != nil {
 			d.log.WithError(err).WithField("device", m.Device).Error("restoring mapping failed; it stays in the state file")
+			d.failed = append(d.failed, m)
 		}
 	}
+	go func() { d.served <- d.ctl.Serve() }()
 	d.log.WithFields(log.Fields{"control": cfg.ControlSocket, "mappings": len(st.Mappings)}).Info("rnbd-client started")
 	return d, nil
 }
@@ -168,14 +171,14 @@ func loadState(path string) (State, error) {
 
 // saveState writes the mappings; d.mapMu is held. Mappings that failed
 // to restore are kept: the operator unmaps them explicitly.
-func (d *Daemon) saveState(extra ...Mapping) error {
+func (d *Daemon) saveState() error {
 	st := State{Version: StateVersion}
 	d.mu.Lock()
 	for _, m := range d.maps {
 		st.Mappings = append(st.Mappings, m.Mapping)
 	}
+	st.Mappings = append(st.Mappings, d.failed...)
 	d.mu.Unlock()
-	st.Mappings = append(st.Mappings, extra...)
 	sort.Slice(st.Mappings, func(i, j int) bool { return st.Mappings[i].Device < st.Mappings[j].Device })
 	b, err := json.MarshalIndent(st, "", "  ")
 	if err != nil {
@@ -297,7 +300,11 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 func (d *Daemon) nextDeviceLocked() string {
 	for i := 0; ; i++ {
 		name := fmt.Sprintf("rnbd%d", i)
-		if d.maps[name] == nil {
+		taken := d.maps[name] != nil
+		for _, f := range d.failed {
+			taken = taken || f.Device == name
+		}
+		if !taken {
 			return name
 		}
 	}
@@ -431,6 +438,16 @@ func (d *Daemon) Unmap(ctx context.Context, device string, force bool) error {
 func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) error {
 	d.mu.Lock()
 	m := d.maps[device]
+	if m == nil {
+		for i, f := range d.failed {
+			if f.Device == device {
+				// Never came back after a restart: only forget it.
+				d.failed = append(d.failed[:i:i], d.failed[i+1:]...)
+				d.mu.Unlock()
+				return nil
+			}
+		}
+	}
 	d.mu.Unlock()
 	if m == nil {
 		return ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
