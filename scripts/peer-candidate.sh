@@ -8,11 +8,13 @@ file=$1 sock=$2
 bin=$(cd "$(dirname "$0")/../bin" && pwd)
 dir=$(mktemp -d /tmp/rnbd-peer-XXXXXX)
 port=$((20000 + RANDOM % 20000))
-"$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
+# RNBD_PROFILE_DIR=dir: each daemon writes a CPU profile there until it stops.
+prof() { [ -n "${RNBD_PROFILE_DIR:-}" ] && echo "RNBD_CPUPROFILE=$RNBD_PROFILE_DIR/$1.prof" || true; }
+env $(prof server) "$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
 	--control-socket "$dir/s.sock" --state-file "$dir/s.json" --log-level warn &
 spid=$!
-"$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/c.sock" \
-	--state-file "$dir/c.json" --socket-dir "$dir" --log-level warn &
+env $(prof client) "$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/c.sock" \
+	--state-file "$dir/c.json" --socket-dir "$dir" --log-level warn ${RNBD_CLIENT_ARGS:-} &
 cpid=$!
 trap 'kill $cpid 2>/dev/null; wait $cpid 2>/dev/null; kill $spid 2>/dev/null; wait $spid 2>/dev/null; rm -rf "$dir"' EXIT
 trap 'exit 0' TERM INT

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"runtime/pprof"
 	"syscall"
 	"time"
 
@@ -112,6 +113,13 @@ func RunDaemon(start func() (Daemon, error)) error {
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGUSR1, syscall.SIGHUP, syscall.SIGPIPE)
 	defer signal.Stop(sigs)
+	if f := os.Getenv("RNBD_CPUPROFILE"); f != "" {
+		stop, err := startCPUProfile(f)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	d, err := start()
 	if err != nil {
 		return err
@@ -136,6 +144,23 @@ func RunDaemon(start func() (Daemon, error)) error {
 		}
 	}
 	return nil
+}
+
+// startCPUProfile writes a CPU profile of the daemon to path until it
+// stops: the profiling hook for benchmarks (RNBD_CPUPROFILE=path).
+func startCPUProfile(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
 
 // SetupLog applies a log level and format ("text" or "json").

@@ -80,6 +80,7 @@ type Backend struct {
 	caps  Caps
 	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
 	ino   uint64
+	nw    nowaitState
 
 	closeOnce sync.Once
 }
@@ -151,6 +152,7 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 		f.Close()
 		return nil, fmt.Errorf("blockdev: %s: %w", path, err)
 	}
+	b.probeNowait(opts.Direct)
 	if !b.ro {
 		// A second descriptor of the same file with O_DSYNC serves
 		// FUA writes. Reopened through the first, never by path, so

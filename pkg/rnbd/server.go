@@ -93,6 +93,9 @@ type Server struct {
 	closed atomic.Bool
 	wg     sync.WaitGroup
 
+	// inline counts IO answered on the receive path (tryInline).
+	inline atomic.Uint64
+
 	// beforeIO, if set, runs when an IO holds its device, before the
 	// backend sees it (tests hold IO in flight with it).
 	beforeIO func()
@@ -219,11 +222,17 @@ func (s *Server) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
 	return nil
 }
 
-// HandleIO takes a request from RTRS. Everything runs on the workers:
-// closing waits for IO and backend IO may block.
+// HandleIO takes a request from RTRS, on the connection's receive path.
+// A read or write that cannot block (blockdev's TryReadAt/TryWriteAt) runs
+// right here: that costs a memory copy, where a hand-off to a worker costs
+// a goroutine switch. Everything else runs on the workers: closing waits
+// for IO and backend IO may block.
 func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 	if s.closed.Load() {
 		return syscall.ESHUTDOWN
+	}
+	if s.tryInline(op) {
+		return nil
 	}
 	select {
 	case s.ios <- op:
@@ -237,6 +246,40 @@ func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 		}()
 	}
 	return nil
+}
+
+// tryInline answers a plain read or write whose backend IO cannot block,
+// and reports whether it did. Anything else, including every error the
+// full path would log, is left to a worker.
+func (s *Server) tryInline(op *rtrs.SrvOp) bool {
+	if s.beforeIO != nil {
+		return false
+	}
+	x, _ := op.Session().Priv().(*Session)
+	if x == nil {
+		return false
+	}
+	if typ, err := MsgType(op.Usr()); err != nil || typ != MsgIO {
+		return false
+	}
+	var m IO
+	if m.Decode(op.Usr()) != nil || CheckRW(m.RW) != nil {
+		return false
+	}
+	if m.RW&(FPreflush|FFUA) != 0 || (m.Op() != OpRead && m.Op() != OpWrite) {
+		return false
+	}
+	d := x.get(m.DeviceID)
+	if d == nil {
+		return false
+	}
+	done, err := d.do(op, &m, true)
+	d.refs.Done()
+	if done {
+		s.inline.Add(1)
+		op.Respond(err)
+	}
+	return done
 }
 
 func (s *Server) worker() {
@@ -561,56 +604,74 @@ func (x *Session) processIO(op *rtrs.SrvOp) error {
 	if h := x.srv.beforeIO; h != nil {
 		h()
 	}
-	return d.do(op, &m)
+	_, err := d.do(op, &m, false)
+	return err
 }
 
-func (d *SessDev) do(op *rtrs.SrvOp, m *IO) error {
+// do runs one IO on the backend. With nowait it runs only a plain read or
+// write that cannot block and reports whether it did; a request that fails
+// a check is then left for the full path, which answers it.
+func (d *SessDev) do(op *rtrs.SrvOp, m *IO, nowait bool) (done bool, err error) {
 	be := d.backend
 	lbs := int64(be.LogicalBlockSize())
 	if m.Sector > uint64(be.Size()) {
-		return syscall.EINVAL
+		return !nowait, syscall.EINVAL
 	}
 	off, n := int64(m.Sector)*512, int64(m.Size)
 	data := op.Data()
 	if off%lbs != 0 || n%lbs != 0 {
-		return syscall.EINVAL
+		return !nowait, syscall.EINVAL
 	}
 	write := m.Op() != OpRead
 	if write && d.readonly {
-		return syscall.EROFS
+		return !nowait, syscall.EROFS
 	}
 	switch m.Op() {
 	case OpRead, OpWrite:
 		// The data is in the chunk: its length must be the IO's.
 		if int64(len(data)) != n || (m.Op() == OpRead) != (op.Dir() == rtrs.Read) {
-			return syscall.EINVAL
+			return !nowait, syscall.EINVAL
 		}
 		if m.Op() == OpRead {
+			if nowait {
+				done, err = be.TryReadAt(data, off)
+				if done {
+					d.rdSect.Add(uint64(n / 512))
+				}
+				return done, err
+			}
 			d.rdSect.Add(uint64(n / 512))
-			return be.ReadAt(data, off)
+			return true, be.ReadAt(data, off)
+		}
+		if nowait {
+			done, err = be.TryWriteAt(data, off)
+			if done {
+				d.wrSect.Add(uint64(n / 512))
+			}
+			return done, err
 		}
 		if m.RW&FPreflush != 0 {
-			if err := be.Flush(); err != nil {
-				return err
+			if err = be.Flush(); err != nil {
+				return true, err
 			}
 		}
 		d.wrSect.Add(uint64(n / 512))
-		return be.WriteAt(data, off, m.RW&FFUA != 0)
+		return true, be.WriteAt(data, off, m.RW&FFUA != 0)
 	}
-	if len(data) != 0 {
-		return syscall.EINVAL
+	if len(data) != 0 || nowait {
+		return !nowait, syscall.EINVAL
 	}
 	switch m.Op() {
 	case OpFlush:
-		return be.Flush()
+		return true, be.Flush()
 	case OpDiscard:
-		return be.Discard(off, n)
+		return true, be.Discard(off, n)
 	case OpWriteZeroes:
-		return be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
+		return true, be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
 	case OpSecureErase:
-		return be.SecureErase(off, n)
+		return true, be.SecureErase(off, n)
 	}
-	return syscall.EINVAL
+	return true, syscall.EINVAL
 }
 
 // Map adds an explicit export. Paths are checked when a session opens them.

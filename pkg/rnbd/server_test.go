@@ -614,3 +614,50 @@ func TestHostileMessages(t *testing.T) {
 		t.Fatal("read back")
 	}
 }
+
+// TestInlineIO: on tmpfs, plain reads and writes are answered on the
+// receive path, with the same data and errors as on the workers; FUA
+// writes, flushes and writes to a read-only device still go to them.
+func TestInlineIO(t *testing.T) {
+	dir, err := os.MkdirTemp("/dev/shm", "rnbd-inline-")
+	if err != nil {
+		t.Skip(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	r := newSrig(t, ServerConfig{DevSearchPath: dir})
+	path := r.file("mem", 1<<20)
+	c := r.client("inline")
+	x := r.dev(c, "mem", AccessRW)
+	data := bytes.Repeat([]byte("inline.."), 8192) // 64 KiB
+	if err := x.write(8192, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := x.read(8192, len(data)); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back: %v", err)
+	}
+	if onDisk, _ := os.ReadFile(path); !bytes.Equal(onDisk[8192:8192+len(data)], data) {
+		t.Fatal("the file does not hold what was written")
+	}
+	if n := r.srv.inline.Load(); n != 2 {
+		t.Fatalf("%d IOs answered inline, want the write and the read", n)
+	}
+	if err := x.write(0, data[:4096], FFUA); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.op(OpFlush, 0, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.write(1<<20-4096, make([]byte, 8192), 0); !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("write past the end: %v, want ENOSPC", err)
+	}
+	if n := r.srv.inline.Load(); n != 3 {
+		t.Fatalf("%d IOs answered inline, want 3: FUA and flush go to the workers, the write past the end not", n)
+	}
+	ro := r.dev(r.client("inline-ro"), "mem", AccessRO)
+	if err := ro.write(0, data[:4096], 0); !errors.Is(err, syscall.EROFS) {
+		t.Fatalf("write to a read-only device: %v, want EROFS", err)
+	}
+	if got, err := ro.read(8192, 4096); err != nil || !bytes.Equal(got, data[:4096]) {
+		t.Fatalf("read-only read: %v", err)
+	}
+}
