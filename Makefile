@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build demo test vet bench fuzz clean
+.PHONY: all deps build demo demo-rtrs test vet bench fuzz clean
 
 all: build
 
@@ -15,10 +15,15 @@ deps:
 build: deps
 	$(GO) build -o $(BIN)/ ./cmd/...
 
-# The quick start's first command: a server and a client exchanging
-# verified IO over RTRS on loopback, over two paths.
+# The quick start's first command: both daemons, a sparse demo export, a
+# mapping over RTRS/TCP on loopback and a short verified IO through it.
 demo: build
 	@scripts/demo.sh
+
+# The transport on its own: an RTRS server and client exchanging verified
+# IO over two loopback paths.
+demo-rtrs: build
+	@scripts/demo-rtrs.sh
 
 vet:
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

@@ -1,22 +1,99 @@
 #!/usr/bin/env bash
-# The quick start's main job: an RTRS server and a client in two processes
-# exchanging verified IO over TCP on loopback, over two paths (sources
-# 127.0.0.1 and 127.0.0.2), then the client's per-path stats.
+# The quick start's main job, on one machine: rnbd-server exporting a
+# sparse file, rnbd-client mapping it over RTRS/TCP on loopback (as
+# /dev/nbdN where the kernel has nbd, else as an NBD unix socket), and a
+# short verified IO through the mapping. The daemons keep running; the
+# script prints where the device is and how to unmap it and stop them.
+#   DEMO_DIR=dir   where sockets, state and the sparse file go (default /tmp/rnbd-demo)
+#   DEMO_STOP=1    unmap and stop the daemons at the end (used by the tests)
+#   RNBD_BIN=dir   where the binaries are (default bin/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-port=${PORT:-12345}
-tmp=$(mktemp -d)
-trap 'kill "$srv" 2>/dev/null || true; wait "$srv" 2>/dev/null || true; rm -rf "$tmp"' EXIT
+bin=${RNBD_BIN:-$PWD/bin}
+dir=${DEMO_DIR:-/tmp/rnbd-demo}
+port=${PORT:-$((21000 + RANDOM % 20000))}
+say() { printf 'demo: %s\n' "$*"; }
+die() { printf 'demo: %s\n' "$*" >&2; exit 1; }
 
-bin/rtrs-demo server --listen "tcp://127.0.0.1:$port" --hb-interval 1s --ready-file "$tmp/ready" &
-srv=$!
+if [ -s "$dir/pids" ]; then
+	for p in $(cat "$dir/pids"); do
+		kill -0 "$p" 2>/dev/null && die "a demo is already running (pids $(tr '\n' ' ' <"$dir/pids")); stop it first: kill $(tr '\n' ' ' <"$dir/pids")"
+	done
+fi
+mkdir -p "$dir"
+rm -f "$dir"/*.sock "$dir"/*.json "$dir/pids"
+
+"$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
+	--control-socket "$dir/server.sock" --state-file "$dir/server.json" --log-level warn \
+	>>"$dir/server.log" 2>&1 &
+echo $! >>"$dir/pids"
+"$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/client.sock" \
+	--state-file "$dir/client.json" --socket-dir "$dir" --log-level warn \
+	>>"$dir/client.log" 2>&1 &
+echo $! >>"$dir/pids"
+stop() { # SIGTERM the daemons this script started, wait up to 10 s for them
+	local pids p
+	pids=$(cat "$dir/pids")
+	kill $pids 2>/dev/null || true
+	for p in $pids; do
+		for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+	done
+	rm -f "$dir/pids"
+}
+trap 'stop' ERR
 for _ in $(seq 100); do
-	[ -s "$tmp/ready" ] && break
-	kill -0 "$srv" 2>/dev/null || { echo "demo: the server did not start" >&2; exit 1; }
+	[ -S "$dir/server.sock" ] && [ -S "$dir/client.sock" ] && break
 	sleep 0.1
 done
-[ -s "$tmp/ready" ] || { echo "demo: the server did not come up in 10 s" >&2; exit 1; }
+[ -S "$dir/server.sock" ] && [ -S "$dir/client.sock" ] || die "the daemons did not start: see $dir/server.log and $dir/client.log"
+say "rnbd-server on tcp://127.0.0.1:$port, rnbd-client running (logs in $dir)"
 
-bin/rtrs-demo load --dest-port "$port" \
-	--path ip:127.0.0.1@ip:127.0.0.1 --path ip:127.0.0.2@ip:127.0.0.1 \
-	--hb-interval 1s --duration "${DURATION:-5s}" --qd 32 --bs 4096 --write-pct 50
+truncate -s 1G "$dir/disk0.img"
+"$bin/rnbd-server" --socket "$dir/server.sock" map demo0 "$dir/disk0.img" >/dev/null
+say "exported $dir/disk0.img (1 GiB, sparse) as demo0"
+
+as=socket:$dir/demo0.sock
+if [ -e /sys/module/nbd ] || modprobe nbd 2>/dev/null; then
+	as=nbd
+fi
+cli=("$bin/rnbd-client" --socket "$dir/client.sock")
+out=$("${cli[@]}" map --sessname demo --path ip:127.0.0.1 --dest-port "$port" \
+	--device-path demo0 --access-mode rw --as "$as" 2>/dev/null) || die "map failed: $("${cli[@]}" device list 2>&1)"
+# "NAME mapped: URI" for a socket, "NAME mapped: /dev/nbdN" for the kernel.
+read -r name _ where <<<"$out"
+say "mapped demo0 as $name: $where"
+
+# A short verified IO: 4 MiB of random data at 1 MiB, read back and compared.
+case $where in
+/dev/*)
+	dev=$where
+	head -c $((4 << 20)) /dev/urandom >"$dir/pattern"
+	dd if="$dir/pattern" of="$dev" bs=1M seek=1 oflag=direct status=none
+	cmp <(dd if="$dev" bs=1M skip=1 count=4 iflag=direct status=none) "$dir/pattern" ||
+		die "the data read back from $dev differs from what was written"
+	rm -f "$dir/pattern"
+	;;
+*)
+	uri=$where
+	command -v qemu-io >/dev/null || die "qemu-io (Debian: qemu-utils) is needed to check the mapping"
+	qemu-io -f raw -c "write -P 0xa5 1M 4M" "$uri" >/dev/null
+	res=$(qemu-io -f raw -r -c "read -P 0xa5 1M 4M" "$uri" 2>&1) || die "read back through $uri: $res"
+	case $res in *failed*) die "read back through $uri: $res" ;; esac
+	;;
+esac
+say "wrote 4 MiB through the mapping, read it back: identical"
+
+if [ "${DEMO_STOP:-0}" = 1 ]; then
+	"${cli[@]}" unmap "$name" >/dev/null
+	stop
+	say "unmapped and stopped"
+	exit 0
+fi
+cat <<MSG
+
+The device $name is at $where
+  (an NBD URI serves qemu-io -f raw, qemu-img, nbdinfo, nbdcopy and fio --ioengine=nbd)
+List:   ${cli[*]} device list
+Unmap:  ${cli[*]} unmap $name
+Stop the daemons:  kill $(tr '\n' ' ' <"$dir/pids")
+MSG

@@ -11,7 +11,7 @@ port=$((20000 + RANDOM % 20000))
 # RNBD_PROFILE_DIR=dir: each daemon writes a CPU profile there until it stops.
 prof() { [ -n "${RNBD_PROFILE_DIR:-}" ] && echo "RNBD_CPUPROFILE=$RNBD_PROFILE_DIR/$1.prof" || true; }
 env $(prof server) "$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
-	--control-socket "$dir/s.sock" --state-file "$dir/s.json" --log-level warn &
+	--control-socket "$dir/s.sock" --state-file "$dir/s.json" --log-level warn ${RNBD_SERVER_ARGS:-} &
 spid=$!
 env $(prof client) "$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/c.sock" \
 	--state-file "$dir/c.json" --socket-dir "$dir" --log-level warn ${RNBD_CLIENT_ARGS:-} &
