@@ -119,8 +119,12 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 			if err := g.Call("POST", "/v1/devices", m, &out); err != nil {
 				return err
 			}
-			sock := strings.TrimPrefix(out.As, "socket:")
-			fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: nbd+unix:///%s?socket=%s\n", out.Device, out.DevicePath, sock)
+			if out.Kernel != "" {
+				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: %s\n", out.Device, out.Kernel)
+			} else {
+				sock := strings.TrimPrefix(out.As, "socket:")
+				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: nbd+unix:///%s?socket=%s\n", out.Device, out.DevicePath, sock)
+			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "unmap it with: rnbd-client unmap %s\n", out.Device)
 			return nil
 		},
@@ -132,7 +136,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
 	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
 	f.StringVar(&m.Transport, "transport", "auto", "auto, tcp or rdma")
-	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN) or socket:PATH (an NBD unix socket); default a socket in the daemon's socket_dir")
+	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir")
 	return cmd
 }
 

@@ -42,7 +42,10 @@ type Mapping struct {
 	AccessMode string   `json:"access_mode"`
 	DestPort   uint16   `json:"dest_port"`
 	Transport  string   `json:"transport"`
-	As         string   `json:"as"` // socket:PATH
+	As         string   `json:"as"` // nbd or socket:PATH
+	// Kernel is the /dev/nbdN a mapping "as nbd" got; a restart asks
+	// for the same device back.
+	Kernel string `json:"kernel_device,omitempty"`
 }
 
 // State is what survives a restart: the mappings.
@@ -56,8 +59,9 @@ type mapped struct {
 	Mapping
 	dev  *rnbd.CltDev
 	be   *nbdBackend
-	l    net.Listener
+	l    net.Listener // socket mappings
 	sock string
+	k    *kernelDev // kernel mappings
 }
 
 // session is a client session and the mappings through it.
@@ -138,8 +142,17 @@ func (d *Daemon) Stop() error {
 	d.maps, d.sessions = map[string]*mapped{}, map[string]*session{}
 	d.mu.Unlock()
 	for _, m := range maps {
-		m.l.Close()
-		os.Remove(m.sock)
+		if m.k != nil {
+			// Not disconnected: the kernel keeps the device and its
+			// queued IO for kernelDeadConnTimeout, and the restarted
+			// daemon takes it back.
+			for _, c := range m.k.ours {
+				c.Close()
+			}
+		} else {
+			m.l.Close()
+			os.Remove(m.sock)
+		}
 		m.be.close()
 	}
 	for _, s := range sessions {
@@ -252,10 +265,17 @@ func (d *Daemon) normalize(m *Mapping) error {
 		return ctl.Errorf(ctl.CodeInvalid, "transport %q: want auto, tcp or rdma", m.Transport)
 	}
 	switch {
-	case m.As == "" || m.As == "socket":
-		m.As = "" // a socket in socket_dir, named when the device is
+	case m.As == "":
+		if kernelHasNBD() {
+			m.As = "nbd"
+		}
+		// else a socket in socket_dir, named when the device is
+	case m.As == "socket":
+		m.As = ""
 	case m.As == "nbd":
-		return ctl.Errorf(ctl.CodeNotSupported, "attaching a kernel /dev/nbdN is not implemented yet; use --as socket:PATH")
+		if !kernelHasNBD() {
+			return ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
+		}
 	case strings.HasPrefix(m.As, "socket:") && len(m.As) > len("socket:"):
 		p := m.As[len("socket:"):]
 		if !filepath.IsAbs(p) {
@@ -290,6 +310,9 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 	if err := d.mapLocked(ctx, m); err != nil {
 		return m, err
 	}
+	d.mu.Lock()
+	m = d.maps[m.Device].Mapping // with the kernel device it got
+	d.mu.Unlock()
 	if err := d.saveState(); err != nil {
 		d.unmapLocked(ctx, m.Device, true)
 		return m, fmt.Errorf("saving the state file: %w", err)
@@ -351,6 +374,21 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 	if err := d.nbd.AddExport(be.export(m.DevicePath)); err != nil {
 		be.close()
 		return fail(err)
+	}
+	if m.As == "nbd" {
+		k, err := d.attachKernel(be.export(m.DevicePath), "rnbd:"+m.SessName+"/"+m.DevicePath, parseKernelIndex(m.Kernel))
+		if err != nil {
+			d.nbd.RemoveExport(m.DevicePath)
+			be.close()
+			return fail(err)
+		}
+		m.Kernel = k.Path()
+		d.mu.Lock()
+		d.maps[m.Device] = &mapped{Mapping: m, dev: dev, be: be, k: k}
+		d.mu.Unlock()
+		d.log.WithFields(log.Fields{"device": m.Device, "session": m.SessName, "device_path": m.DevicePath,
+			"access_mode": m.AccessMode, "kernel_device": m.Kernel, "size": dev.Size()}).Info("device mapped")
+		return nil
 	}
 	sock := m.As[len("socket:"):]
 	os.MkdirAll(filepath.Dir(sock), 0o755)
@@ -452,14 +490,22 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	if m == nil {
 		return ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
 	}
-	if n := d.nbd.Conns(m.DevicePath); n > 0 && !force {
+	if m.k != nil {
+		if !force && m.k.inUse() {
+			return ctl.Errorf(ctl.CodeBusy, "%s (%s) is in use (mounted?); unmount it or unmap --force", device, m.Kernel)
+		}
+	} else if n := d.nbd.Conns(m.DevicePath); n > 0 && !force {
 		return ctl.Errorf(ctl.CodeBusy, "%s has %d NBD connection(s); close them or unmap --force", device, n)
 	}
 	d.mu.Lock()
 	delete(d.maps, device)
 	d.mu.Unlock()
-	m.l.Close()
-	os.Remove(m.sock)
+	if m.k != nil {
+		m.k.detach(d.log)
+	} else {
+		m.l.Close()
+		os.Remove(m.sock)
+	}
 	d.nbd.RemoveExport(m.DevicePath) // closes the connections, waits for their IO
 	err := m.dev.Unmap(ctx)
 	m.be.close()
@@ -699,10 +745,14 @@ func (d *Daemon) devices(name string) []output.Record {
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
 	var recs []output.Record
 	for _, m := range ms {
+		devpath, mode := m.sock, "nbd-socket"
+		if m.k != nil {
+			devpath, mode = m.Kernel, "nbd-kernel"
+		}
 		recs = append(recs, output.Record{
-			"devname": m.Device, "sessname": m.SessName, "devpath": m.sock, "mapping_path": m.DevicePath,
+			"devname": m.Device, "sessname": m.SessName, "devpath": devpath, "mapping_path": m.DevicePath,
 			"access_mode": m.AccessMode, "state": m.dev.State().String(), "size": m.dev.Size(),
-			"socket": m.sock, "io_mode": "nbd-socket", "direction": "client",
+			"socket": m.sock, "io_mode": mode, "direction": "client",
 		})
 	}
 	return recs

@@ -181,6 +181,12 @@ func TestClientEndToEnd(t *testing.T) {
 	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory\n") {
 		t.Fatalf("map of a missing device: exit %d %q", code, errOut)
 	}
+	// A kernel device where the kernel has no nbd: said so, exit 8.
+	if _, err := os.Stat("/sys/module/nbd"); err != nil {
+		if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "vol0", "--dest-port", fmt.Sprint(port), "--as", "nbd"); code != 8 || !strings.Contains(errOut, "no nbd driver (modprobe nbd)") {
+			t.Fatalf("map --as nbd without nbd: exit %d %q", code, errOut)
+		}
+	}
 
 	if info := run(t, time.Minute, "qemu-img", "info", uri0); !strings.Contains(info, "virtual size: 1 GiB") {
 		t.Fatalf("qemu-img info: %s", info)

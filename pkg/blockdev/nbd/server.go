@@ -125,6 +125,10 @@ type Export struct {
 	Backend     Backend
 }
 
+// TransmissionFlags are the NBD transmission flags the export advertises
+// (what the kernel's nbd driver is told at attach).
+func (e *Export) TransmissionFlags() uint16 { return e.flags() }
+
 func (e *Export) flags() uint16 {
 	f := uint16(tflagHasFlags)
 	if e.ReadOnly {

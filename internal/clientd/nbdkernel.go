@@ -1,0 +1,156 @@
+package clientd
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/nbdnl"
+	"github.com/rnbd/rnbd/pkg/blockdev/nbd"
+)
+
+// kernelDeadConnTimeout is how long the kernel keeps a device's IO queued
+// after its sockets died (the daemon stopped or crashed), waiting for the
+// restarted daemon to RECONFIGURE it with new ones.
+const kernelDeadConnTimeout = 120 * time.Second
+
+// kernelDev is a mapping served to the kernel's nbd driver over one
+// socketpair per CPU (hardware queue).
+type kernelDev struct {
+	index uint32
+	ours  []net.Conn
+}
+
+// Path is the block device: /dev/nbdN.
+func (k *kernelDev) Path() string { return fmt.Sprintf("/dev/nbd%d", k.index) }
+
+// attachKernel connects a kernel nbd device to export e. With index >= 0
+// it first tries to take that device back (a restart: RECONFIGURE of its
+// dead sockets), else the kernel picks a free one.
+func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kernelDev, error) {
+	nl, err := nbdnl.Dial()
+	if errors.Is(err, nbdnl.ErrNoFamily) {
+		return nil, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer nl.Close()
+	n := runtime.NumCPU()
+	ours := make([]net.Conn, 0, n)
+	theirs := make([]*os.File, 0, n)
+	defer func() {
+		for _, f := range theirs {
+			f.Close() // the kernel holds its own references
+		}
+	}()
+	closeOurs := func() {
+		for _, c := range ours {
+			c.Close()
+		}
+	}
+	for i := 0; i < n; i++ {
+		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+		if err != nil {
+			closeOurs()
+			return nil, fmt.Errorf("socketpair: %w", err)
+		}
+		f := os.NewFile(uintptr(fds[0]), "nbd-ours")
+		c, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			syscall.Close(fds[1])
+			closeOurs()
+			return nil, err
+		}
+		ours = append(ours, c)
+		theirs = append(theirs, os.NewFile(uintptr(fds[1]), "nbd-kernel"))
+	}
+	cfg := nbdnl.Config{
+		Index:     -1,
+		SizeBytes: uint64(e.Size),
+		BlockSize: uint64(min(max(e.MinBlock, 512), 4096)),
+		// No per-request timeout: IO waits in RNBD for no_path_timeout,
+		// and a kernel timeout would only kill healthy sockets.
+		DeadConnTimeout: kernelDeadConnTimeout,
+		ServerFlags:     uint64(e.TransmissionFlags()),
+		BackendID:       backendID,
+	}
+	// Serve our ends first: the kernel may send IO (partition scan) as
+	// soon as CONNECT returns.
+	for _, c := range ours {
+		d.wg.Add(1)
+		go func(c net.Conn) {
+			defer d.wg.Done()
+			if err := d.nbd.ServeKernel(c, e.Name); err != nil {
+				d.log.WithError(err).Warn("kernel nbd socket")
+			}
+		}(c)
+	}
+	k := &kernelDev{ours: ours}
+	if index >= 0 {
+		if err := nl.Reconfigure(uint32(index), cfg, theirs); err == nil {
+			k.index = uint32(index)
+			return k, nil
+		} else {
+			d.log.WithError(err).WithField("nbd", index).Warn("could not take the device back; attaching a new one")
+		}
+	}
+	idx, err := nl.Connect(cfg, theirs)
+	if err != nil {
+		closeOurs()
+		return nil, err
+	}
+	k.index = idx
+	return k, nil
+}
+
+// inUse reports whether someone holds the device exclusively (a mounted
+// filesystem, LVM, md): an exclusive open then fails with EBUSY.
+func (k *kernelDev) inUse() bool {
+	fd, err := syscall.Open(k.Path(), syscall.O_RDONLY|syscall.O_EXCL|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return errors.Is(err, syscall.EBUSY)
+	}
+	syscall.Close(fd)
+	return false
+}
+
+// detach disconnects the kernel device and closes our sockets.
+func (k *kernelDev) detach(l *log.Entry) {
+	if nl, err := nbdnl.Dial(); err == nil {
+		if err := nl.Disconnect(k.index); err != nil {
+			l.WithError(err).WithField("nbd", k.index).Warn("kernel nbd disconnect")
+		}
+		nl.Close()
+	}
+	for _, c := range k.ours {
+		c.Close()
+	}
+}
+
+// parseKernelIndex reads N of /dev/nbdN (-1 if there is none).
+func parseKernelIndex(path string) int {
+	var n int
+	if !strings.HasPrefix(path, "/dev/nbd") {
+		return -1
+	}
+	if _, err := fmt.Sscanf(path, "/dev/nbd%d", &n); err != nil {
+		return -1
+	}
+	return n
+}
+
+// kernelHasNBD reports whether this kernel can attach /dev/nbdN: the nbd
+// module is loaded (the machine's modules-load.d loads it at boot).
+func kernelHasNBD() bool {
+	_, err := os.Stat("/sys/module/nbd")
+	return err == nil
+}
