@@ -269,7 +269,8 @@ func (c *conn) retire(r *Request) {
 // the backend can finish.
 func (c *conn) writer() {
 	var batch []*Request
-	var bufs net.Buffers
+	// bufs and wb escape into WriteTo: declared once, allocated once.
+	var bufs, wb net.Buffers
 	hdrs := make([]byte, replySize*c.s.opts.MaxInflight)
 	broken := false
 	for {
@@ -296,8 +297,8 @@ func (c *conn) writer() {
 					bufs = append(bufs, r.Data)
 				}
 			}
-			b := bufs
-			if _, err := b.WriteTo(c.nc); err != nil {
+			wb = bufs
+			if _, err := wb.WriteTo(c.nc); err != nil {
 				broken = true
 				c.close()
 			}

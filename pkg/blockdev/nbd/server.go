@@ -166,6 +166,7 @@ type Server struct {
 	mu        sync.Mutex
 	exports   map[string]*Export
 	conns     map[*conn]struct{}
+	shaking   map[net.Conn]struct{} // in the handshake
 	listeners map[net.Listener]struct{}
 	closed    bool
 	wg        sync.WaitGroup
@@ -180,7 +181,7 @@ func NewServer(opts Options) *Server {
 		opts.Log = log.L
 	}
 	return &Server{opts: opts, log: opts.Log, exports: map[string]*Export{},
-		conns: map[*conn]struct{}{}, listeners: map[net.Listener]struct{}{}}
+		conns: map[*conn]struct{}{}, shaking: map[net.Conn]struct{}{}, listeners: map[net.Listener]struct{}{}}
 }
 
 // AddExport offers e.
@@ -270,11 +271,33 @@ func (s *Server) Serve(l net.Listener) error {
 	}
 }
 
+// enter counts a connection being served, so that Close waits for it; it
+// fails once the server is closed.
+func (s *Server) enter(nc net.Conn, handshake bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	if handshake {
+		s.shaking[nc] = struct{}{}
+	}
+	return true
+}
+
 // ServeConn runs the handshake, then serves the connection until it ends.
 func (s *Server) ServeConn(nc net.Conn) {
 	defer nc.Close()
+	if !s.enter(nc, true) {
+		return
+	}
+	defer s.wg.Done()
 	nc.SetDeadline(time.Now().Add(handshakeTimeout))
 	e, err := s.handshake(nc)
+	s.mu.Lock()
+	delete(s.shaking, nc)
+	s.mu.Unlock()
 	if err != nil {
 		if !errors.Is(err, io.EOF) && !errors.Is(err, errAbort) {
 			s.log.WithError(err).Debug("nbd: handshake failed")
@@ -288,14 +311,17 @@ func (s *Server) ServeConn(nc net.Conn) {
 // ServeKernel serves a connection that skips the handshake (the kernel's
 // socketpairs), until it ends.
 func (s *Server) ServeKernel(nc net.Conn, exportName string) error {
+	defer nc.Close()
+	if !s.enter(nc, false) {
+		return net.ErrClosed
+	}
+	defer s.wg.Done()
 	s.mu.Lock()
 	e := s.exports[exportName]
 	s.mu.Unlock()
 	if e == nil {
-		nc.Close()
 		return fmt.Errorf("nbd: no export %q: %w", exportName, syscall.ENOENT)
 	}
-	defer nc.Close()
 	s.transmit(nc, e)
 	return nil
 }
@@ -310,6 +336,9 @@ func (s *Server) Close() error {
 	var cs []*conn
 	for c := range s.conns {
 		cs = append(cs, c)
+	}
+	for nc := range s.shaking {
+		nc.Close() // the handshake fails at once
 	}
 	s.mu.Unlock()
 	for _, c := range cs {
