@@ -32,7 +32,11 @@ func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
 	for i := 0; i < nslots; i++ {
 		b.slots <- &slotBuf{b: b, slot: i, buf: pool, off: i * slotSize}
 	}
-	b.reqs.New = func() any { return new(ioReq) }
+	b.reqs.New = func() any {
+		r := new(ioReq)
+		r.doneFn = r.complete // a method value allocates: once per ioReq
+		return r
+	}
 	return b, nil
 }
 
@@ -78,9 +82,10 @@ func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 // ioReq carries one NBD request through the device.
 type ioReq struct {
 	rnbd.IOReq
-	nr   *nbd.Request
-	done func(*nbd.Request, error)
-	b    *nbdBackend
+	nr     *nbd.Request
+	done   func(*nbd.Request, error)
+	b      *nbdBackend
+	doneFn func(*rnbd.IOReq, error)
 }
 
 func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
@@ -93,7 +98,7 @@ func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
 func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 	r := b.reqs.Get().(*ioReq)
 	r.nr, r.done, r.b = nr, done, b
-	r.IOReq = rnbd.IOReq{Off: nr.Offset, Len: int(nr.Length), Done: r.complete}
+	r.IOReq = rnbd.IOReq{Off: nr.Offset, Len: int(nr.Length), Done: r.doneFn}
 	switch nr.Cmd {
 	case nbd.CmdRead:
 		r.Op = rnbd.OpRead
