@@ -3,36 +3,42 @@
 // RECONFIGURE to replace dead sockets, DISCONNECT, STATUS, and the
 // LINK_DEAD multicast the kernel sends when a socket dies while
 // dead_conn_timeout holds the device. The numbers are those of the
-// kernel's include/uapi/linux/nbd-netlink.h.
+// kernel's include/uapi/linux/nbd-netlink.h and include/uapi/linux/nbd.h.
 //
 // Kernels without the "nbd" generic netlink family (before 4.12, or with
-// the module not loaded) get ErrNoFamily; ioctl.go is the fallback.
+// the module not loaded) make Dial fail with an error wrapping
+// ErrNoFamily; ioctl.go is the fallback for them.
+//
+// Errors from the kernel wrap its errno, so callers can test them with
+// errors.Is(err, unix.EBUSY) and the like.
 package nbdnl
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
-	"sync"
+	"runtime"
 	"time"
 
 	"github.com/mdlayher/genetlink"
 	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
 )
 
-// Generic netlink family, version and multicast group of the nbd driver.
-const (
-	FamilyName = "nbd"
-	groupName  = "nbd_mc_group"
-)
+// FamilyName is the generic netlink family of the nbd driver.
+const FamilyName = "nbd"
 
-// Commands.
+// groupName is the family's multicast group, which carries LINK_DEAD.
+const groupName = "nbd_mc_group"
+
+// Commands (NBD_CMD_*).
 const (
 	cmdConnect     = 1
 	cmdDisconnect  = 2
 	cmdReconfigure = 3
-	cmdLinkDead    = 4
+	cmdLinkDead    = 4 // kernel -> user, multicast
 	cmdStatus      = 5
 )
 
@@ -44,83 +50,125 @@ const (
 	attrTimeout           = 4  // u64, seconds
 	attrServerFlags       = 5  // u64
 	attrClientFlags       = 6  // u64
-	attrSockets           = 7  // nested: sockItem{sockFD}
+	attrSockets           = 7  // nested: sockItem{sockFD}...
 	attrDeadConnTimeout   = 8  // u64, seconds
-	attrDeviceList        = 9  // nested: deviceItem{deviceIndex, deviceConnected}
-	attrBackendIdentifier = 10 // string
+	attrDeviceList        = 9  // nested: deviceItem{deviceIndex, deviceConnected}...
+	attrBackendIdentifier = 10 // NUL-terminated string (kernel 5.19+)
 
-	sockItem = 1
-	sockFD   = 1
+	sockItem = 1 // NBD_SOCK_ITEM
+	sockFD   = 1 // NBD_SOCK_FD, u32
 
-	deviceItem      = 1
-	deviceIndex     = 1 // u32
-	deviceConnected = 2 // u8
+	deviceItem      = 1 // NBD_DEVICE_ITEM
+	deviceIndex     = 1 // NBD_DEVICE_INDEX, u32
+	deviceConnected = 2 // NBD_DEVICE_CONNECTED, u8
 )
 
-// Client flags (NBD_CFLAG_*).
+// Client flags (NBD_CFLAG_*), for Config.ClientFlags.
 const (
 	// DestroyOnDisconnect deletes the device when it disconnects.
 	DestroyOnDisconnect = 1 << 0
-	// DisconnectOnClose disconnects when the last opener closes it.
+	// DisconnectOnClose disconnects the device when its last opener
+	// closes it.
 	DisconnectOnClose = 1 << 1
 )
 
+// Transmission flags of the NBD protocol (NBD_FLAG_*), for
+// Config.ServerFlags and AttachIoctl: they tell the kernel which commands
+// the server takes.
+const (
+	FlagHasFlags        = 1 << 0
+	FlagReadOnly        = 1 << 1
+	FlagSendFlush       = 1 << 2
+	FlagSendFUA         = 1 << 3
+	FlagRotational      = 1 << 4
+	FlagSendTrim        = 1 << 5
+	FlagSendWriteZeroes = 1 << 6
+	FlagCanMultiConn    = 1 << 8
+)
+
 // ErrNoFamily means the kernel has no nbd generic netlink family: the nbd
-// module is not loaded, or the kernel predates it (use the ioctls).
+// module is not loaded, or the kernel predates it (use AttachIoctl).
 var ErrNoFamily = errors.New("nbdnl: the kernel has no nbd generic netlink family (is the nbd module loaded?)")
 
-// Config is what CONNECT and RECONFIGURE tell the kernel.
+// Config is what CONNECT and RECONFIGURE tell the kernel. Zero fields are
+// left out, so the kernel keeps its default (CONNECT) or the current
+// value (RECONFIGURE).
 type Config struct {
-	// Index is the device minor N of /dev/nbdN; -1 lets the kernel pick
-	// a free device (or create one).
+	// Index is N of /dev/nbdN; -1 lets the kernel pick a free device
+	// (creating one if needed). Reconfigure ignores it.
 	Index int
-	// SizeBytes and BlockSize (a power of two, 512..PAGE_SIZE).
+	// SizeBytes is the device size; BlockSize the logical block size,
+	// a power of two in 512..PAGE_SIZE. Reconfigure ignores both.
 	SizeBytes uint64
 	BlockSize uint64
-	// Timeout is the per-request timeout; DeadConnTimeout is how long
-	// IO waits for a RECONFIGURE after a socket died. Whole seconds.
+	// Timeout is the per-request timeout; DeadConnTimeout how long IO
+	// waits for a RECONFIGURE after a socket died instead of failing.
+	// Both go to the kernel in whole seconds, rounded up.
 	Timeout         time.Duration
 	DeadConnTimeout time.Duration
-	// ServerFlags are the NBD transmission flags of the export;
-	// ClientFlags the NBD_CFLAG_* bits above.
+	// ServerFlags are the NBD transmission flags of the export (Flag*).
 	ServerFlags uint64
+	// ClientFlags are the NBD_CFLAG_* bits (DestroyOnDisconnect,
+	// DisconnectOnClose). Reconfigure always sends them, so 0 clears.
 	ClientFlags uint64
-	// BackendID names the backend (kernel 5.19+ keeps it in
-	// /sys/block/nbdN/backend and refuses a RECONFIGURE naming another).
+	// BackendID names the backend: kernel 5.19+ shows it in
+	// /sys/block/nbdN/backend and refuses a RECONFIGURE naming another.
+	// Older kernels reject the attribute (EINVAL), so leave it empty there.
 	BackendID string
 }
 
-// Conn talks to the nbd family. It is safe for concurrent use.
-type Conn struct {
-	mu  sync.Mutex
-	c   *genetlink.Conn
-	fam genetlink.Family
+// watchConn is the part of a genetlink.Conn that WatchLinkDead uses.
+type watchConn interface {
+	JoinGroup(group uint32) error
+	Receive() ([]genetlink.Message, []netlink.Message, error)
+	Close() error
 }
 
-// Dial opens a generic netlink socket and looks up the nbd family.
+// Conn talks to the kernel's nbd family. It is safe for concurrent use.
+type Conn struct {
+	c   *genetlink.Conn
+	fam genetlink.Family
+	// dialWatch opens the separate socket WatchLinkDead listens on.
+	dialWatch func() (watchConn, error)
+}
+
+// Dial opens a generic netlink socket and looks up the nbd family. When
+// the kernel has none, the error wraps ErrNoFamily (and ENOENT).
 func Dial() (*Conn, error) {
 	c, err := genetlink.Dial(nil)
 	if err != nil {
-		return nil, fmt.Errorf("nbdnl: %w", err)
+		return nil, fmt.Errorf("nbdnl: dial generic netlink: %w", err)
 	}
 	return newConn(c)
 }
 
+// newConn looks up the nbd family on c and takes c over: it is closed if
+// that fails.
 func newConn(c *genetlink.Conn) (*Conn, error) {
 	fam, err := c.GetFamily(FamilyName)
 	if err != nil {
 		c.Close()
 		if errors.Is(err, os.ErrNotExist) {
-			return nil, ErrNoFamily
+			return nil, fmt.Errorf("%w: %w", ErrNoFamily, err)
 		}
-		return nil, fmt.Errorf("nbdnl: family %s: %w", FamilyName, err)
+		return nil, fmt.Errorf("nbdnl: family %q: %w", FamilyName, err)
 	}
-	return &Conn{c: c, fam: fam}, nil
+	return &Conn{c: c, fam: fam, dialWatch: dialWatch}, nil
 }
 
-// Close closes the netlink socket.
+func dialWatch() (watchConn, error) {
+	c, err := genetlink.Dial(nil)
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close closes the netlink socket. Watchers started by WatchLinkDead
+// have sockets of their own and stop with their context.
 func (c *Conn) Close() error { return c.c.Close() }
 
+// secs converts d to whole seconds, rounding up.
 func secs(d time.Duration) uint64 {
 	if d <= 0 {
 		return 0
@@ -129,14 +177,16 @@ func secs(d time.Duration) uint64 {
 }
 
 // encodeConfig lays out cfg and the sockets' descriptors as attributes.
-func encodeConfig(ae *netlink.AttributeEncoder, cfg Config, fds []int) {
-	if cfg.Index >= 0 {
-		ae.Uint32(attrIndex, uint32(cfg.Index))
+// With reconfigure, size and block size are left out and the client
+// flags are always sent.
+func encodeConfig(ae *netlink.AttributeEncoder, index int, cfg Config, fds []int, reconfigure bool) {
+	if index >= 0 {
+		ae.Uint32(attrIndex, uint32(index))
 	}
-	if cfg.SizeBytes != 0 {
+	if !reconfigure && cfg.SizeBytes != 0 {
 		ae.Uint64(attrSizeBytes, cfg.SizeBytes)
 	}
-	if cfg.BlockSize != 0 {
+	if !reconfigure && cfg.BlockSize != 0 {
 		ae.Uint64(attrBlockSizeBytes, cfg.BlockSize)
 	}
 	if cfg.Timeout > 0 {
@@ -148,14 +198,14 @@ func encodeConfig(ae *netlink.AttributeEncoder, cfg Config, fds []int) {
 	if cfg.ServerFlags != 0 {
 		ae.Uint64(attrServerFlags, cfg.ServerFlags)
 	}
-	if cfg.ClientFlags != 0 {
+	if reconfigure || cfg.ClientFlags != 0 {
 		ae.Uint64(attrClientFlags, cfg.ClientFlags)
 	}
 	if len(fds) > 0 {
-		ae.Nested(attrSockets, func(nae *netlink.AttributeEncoder) error {
+		ae.Nested(attrSockets, func(list *netlink.AttributeEncoder) error {
 			for _, fd := range fds {
-				nae.Nested(sockItem, func(s *netlink.AttributeEncoder) error {
-					s.Uint32(sockFD, uint32(fd))
+				list.Nested(sockItem, func(item *netlink.AttributeEncoder) error {
+					item.Uint32(sockFD, uint32(fd))
 					return nil
 				})
 			}
@@ -167,23 +217,27 @@ func encodeConfig(ae *netlink.AttributeEncoder, cfg Config, fds []int) {
 	}
 }
 
-func fdsOf(socks []*os.File) []int {
+// fdsOf returns the descriptors of socks. The caller keeps socks alive
+// (runtime.KeepAlive) until the kernel took its references.
+func fdsOf(socks []*os.File) ([]int, error) {
 	fds := make([]int, len(socks))
 	for i, f := range socks {
+		if f == nil {
+			return nil, fmt.Errorf("nbdnl: socket %d is nil: %w", i, unix.EBADF)
+		}
 		fds[i] = int(f.Fd())
 	}
-	return fds
+	return fds, nil
 }
 
-// execute sends one command; CONNECT and STATUS get a reply, DISCONNECT
-// and RECONFIGURE only an acknowledgement.
+// execute sends one command. CONNECT and STATUS get a reply message;
+// DISCONNECT and RECONFIGURE send none, so they ask for an
+// acknowledgement instead (else Execute would wait forever).
 func (c *Conn) execute(cmd uint8, data []byte, ack bool) ([]genetlink.Message, error) {
 	flags := netlink.Request
 	if ack {
 		flags |= netlink.Acknowledge
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	msgs, err := c.c.Execute(genetlink.Message{
 		Header: genetlink.Header{Command: cmd, Version: c.fam.Version},
 		Data:   data,
@@ -202,75 +256,100 @@ func cmdName(cmd uint8) string {
 		return "DISCONNECT"
 	case cmdReconfigure:
 		return "RECONFIGURE"
+	case cmdLinkDead:
+		return "LINK_DEAD"
 	case cmdStatus:
 		return "STATUS"
 	}
 	return fmt.Sprintf("command %d", cmd)
 }
 
-// Connect attaches a device to socks (one per hardware queue) and returns
-// its index: /dev/nbdN. The kernel duplicates the descriptors; the caller
-// keeps and may close its own.
+// Connect attaches a device to socks, one socket per hardware queue,
+// already in the NBD transmission phase, and returns the device's index
+// N (/dev/nbdN) from the kernel's reply. The kernel takes references of
+// its own: the caller may close its descriptors afterwards.
 func (c *Conn) Connect(cfg Config, socks []*os.File) (uint32, error) {
 	if len(socks) == 0 {
-		return 0, errors.New("nbdnl: CONNECT needs at least one socket")
+		return 0, fmt.Errorf("nbdnl: CONNECT needs at least one socket: %w", unix.EINVAL)
+	}
+	if int64(cfg.Index) > math.MaxUint32 || cfg.Index < -1 {
+		return 0, fmt.Errorf("nbdnl: device index %d out of range: %w", cfg.Index, unix.EINVAL)
+	}
+	fds, err := fdsOf(socks)
+	if err != nil {
+		return 0, err
 	}
 	ae := netlink.NewAttributeEncoder()
-	encodeConfig(ae, cfg, fdsOf(socks))
+	encodeConfig(ae, cfg.Index, cfg, fds, false)
 	b, err := ae.Encode()
 	if err != nil {
-		return 0, err
+		return 0, fmt.Errorf("nbdnl: CONNECT: %w", err)
 	}
 	msgs, err := c.execute(cmdConnect, b, false)
+	runtime.KeepAlive(socks)
 	if err != nil {
 		return 0, err
 	}
+	return decodeConnectReply(msgs)
+}
+
+// decodeConnectReply finds the device index in CONNECT's reply.
+func decodeConnectReply(msgs []genetlink.Message) (uint32, error) {
 	for _, m := range msgs {
-		if idx, ok, err := decodeIndex(m.Data); err != nil {
-			return 0, err
-		} else if ok {
+		idx, ok, err := decodeIndex(m.Data)
+		if err != nil {
+			return 0, fmt.Errorf("nbdnl: CONNECT reply: %w", err)
+		}
+		if ok {
 			return idx, nil
 		}
 	}
-	return 0, errors.New("nbdnl: CONNECT reply carries no device index")
+	return 0, fmt.Errorf("nbdnl: CONNECT reply carries no device index: %w", unix.EPROTO)
 }
 
-// Reconfigure replaces the dead sockets of device index with socks and
-// updates its timeouts and flags (the kernel cannot add sockets: it
-// answers ENOSPC when none is dead).
+// Reconfigure hands device index new sockets in place of its dead ones
+// and updates its timeouts and client flags; cfg.Index, SizeBytes and
+// BlockSize are ignored. The kernel cannot add sockets: it answers
+// ENOSPC when none is dead, and EINVAL when cfg.BackendID differs from
+// the device's.
 func (c *Conn) Reconfigure(index uint32, cfg Config, socks []*os.File) error {
-	cfg.Index = int(index)
-	cfg.SizeBytes, cfg.BlockSize = 0, 0 // RECONFIGURE does not resize
-	ae := netlink.NewAttributeEncoder()
-	encodeConfig(ae, cfg, fdsOf(socks))
-	b, err := ae.Encode()
+	fds, err := fdsOf(socks)
 	if err != nil {
 		return err
 	}
+	ae := netlink.NewAttributeEncoder()
+	encodeConfig(ae, int(index), cfg, fds, true)
+	b, err := ae.Encode()
+	if err != nil {
+		return fmt.Errorf("nbdnl: RECONFIGURE: %w", err)
+	}
 	_, err = c.execute(cmdReconfigure, b, true)
+	runtime.KeepAlive(socks)
 	return err
 }
 
-// Disconnect detaches device index: queued IO fails, the device stays
-// (unless it was connected with DestroyOnDisconnect).
+// Disconnect detaches device index: the kernel sends NBD_CMD_DISC on its
+// sockets, and IO still queued fails. The device itself stays unless it
+// was connected with DestroyOnDisconnect.
 func (c *Conn) Disconnect(index uint32) error {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, index)
 	b, err := ae.Encode()
 	if err != nil {
-		return err
+		return fmt.Errorf("nbdnl: DISCONNECT: %w", err)
 	}
 	_, err = c.execute(cmdDisconnect, b, true)
 	return err
 }
 
-// Status reports whether device index is connected.
-func (c *Conn) Status(index uint32) (bool, error) {
+// Status reports whether device index is connected. A device the kernel
+// does not have gives an error wrapping ENOENT.
+func (c *Conn) Status(index uint32) (connected bool, err error) {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, index)
 	b, err := ae.Encode()
 	if err != nil {
-		return false, err
+		return false, fmt.Errorf("nbdnl: STATUS: %w", err)
 	}
 	st, err := c.status(b)
 	if err != nil {
@@ -278,12 +357,13 @@ func (c *Conn) Status(index uint32) (bool, error) {
 	}
 	connected, ok := st[index]
 	if !ok {
-		return false, fmt.Errorf("nbdnl: STATUS: no device nbd%d: %w", index, os.ErrNotExist)
+		return false, fmt.Errorf("nbdnl: STATUS: no device nbd%d: %w", index, unix.ENOENT)
 	}
 	return connected, nil
 }
 
-// StatusAll reports every nbd device and whether it is connected.
+// StatusAll reports every nbd device the kernel has, and whether it is
+// connected.
 func (c *Conn) StatusAll() (map[uint32]bool, error) { return c.status(nil) }
 
 func (c *Conn) status(req []byte) (map[uint32]bool, error) {
@@ -300,27 +380,28 @@ func (c *Conn) status(req []byte) (map[uint32]bool, error) {
 	return out, nil
 }
 
-// decodeIndex finds NBD_ATTR_INDEX in a reply or notification.
+// decodeIndex finds NBD_ATTR_INDEX among the attributes b.
 func decodeIndex(b []byte) (idx uint32, ok bool, err error) {
 	ad, err := netlink.NewAttributeDecoder(b)
 	if err != nil {
-		return 0, false, fmt.Errorf("nbdnl: %w", err)
+		return 0, false, err
 	}
 	for ad.Next() {
 		if ad.Type() == attrIndex {
-			if len(ad.Bytes()) != 4 {
-				return 0, false, fmt.Errorf("nbdnl: index attribute of %d bytes", len(ad.Bytes()))
+			if n := len(ad.Bytes()); n != 4 {
+				return 0, false, fmt.Errorf("index attribute of %d bytes: %w", n, unix.EPROTO)
 			}
 			idx, ok = ad.Uint32(), true
 		}
 	}
 	if err := ad.Err(); err != nil {
-		return 0, false, fmt.Errorf("nbdnl: %w", err)
+		return 0, false, err
 	}
 	return idx, ok, nil
 }
 
-// decodeStatus adds the devices of a STATUS reply to out.
+// decodeStatus adds the devices listed in a STATUS reply's attributes b
+// to out.
 func decodeStatus(b []byte, out map[uint32]bool) error {
 	ad, err := netlink.NewAttributeDecoder(b)
 	if err != nil {
@@ -336,27 +417,7 @@ func decodeStatus(b []byte, out map[uint32]bool) error {
 					continue
 				}
 				list.Nested(func(item *netlink.AttributeDecoder) error {
-					var idx uint32
-					var haveIdx, connected bool
-					for item.Next() {
-						switch item.Type() {
-						case deviceIndex:
-							if len(item.Bytes()) != 4 {
-								return fmt.Errorf("device index of %d bytes", len(item.Bytes()))
-							}
-							idx, haveIdx = item.Uint32(), true
-						case deviceConnected:
-							if len(item.Bytes()) != 1 {
-								return fmt.Errorf("connected flag of %d bytes", len(item.Bytes()))
-							}
-							connected = item.Uint8() != 0
-						}
-					}
-					if !haveIdx {
-						return errors.New("device item without an index")
-					}
-					out[idx] = connected
-					return nil
+					return decodeDevice(item, out)
 				})
 			}
 			return nil
@@ -368,62 +429,95 @@ func decodeStatus(b []byte, out map[uint32]bool) error {
 	return nil
 }
 
-// WatchLinkDead joins the nbd multicast group on a socket of its own and
-// sends the index of every device whose socket died (LINK_DEAD) until ctx
-// ends; then it closes the channel.
-func WatchLinkDead(ctx context.Context) (<-chan uint32, error) {
-	c, err := genetlink.Dial(nil)
-	if err != nil {
-		return nil, fmt.Errorf("nbdnl: %w", err)
+// decodeDevice decodes one NBD_DEVICE_ITEM into out.
+func decodeDevice(item *netlink.AttributeDecoder, out map[uint32]bool) error {
+	var idx uint32
+	var haveIdx, connected bool
+	for item.Next() {
+		switch item.Type() {
+		case deviceIndex:
+			if n := len(item.Bytes()); n != 4 {
+				return fmt.Errorf("device index of %d bytes: %w", n, unix.EPROTO)
+			}
+			idx, haveIdx = item.Uint32(), true
+		case deviceConnected:
+			if n := len(item.Bytes()); n != 1 {
+				return fmt.Errorf("connected flag of %d bytes: %w", n, unix.EPROTO)
+			}
+			connected = item.Uint8() != 0
+		}
 	}
-	return watchLinkDead(ctx, c)
+	if !haveIdx {
+		return fmt.Errorf("device item without an index: %w", unix.EPROTO)
+	}
+	out[idx] = connected
+	return nil
 }
 
-func watchLinkDead(ctx context.Context, c *genetlink.Conn) (<-chan uint32, error) {
-	fam, err := c.GetFamily(FamilyName)
-	if err != nil {
-		c.Close()
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, ErrNoFamily
-		}
-		return nil, fmt.Errorf("nbdnl: family %s: %w", FamilyName, err)
+// decodeLinkDead returns the device index a LINK_DEAD notification
+// carries; ok is false for any other message and for a malformed one.
+func decodeLinkDead(m genetlink.Message) (index uint32, ok bool) {
+	if m.Header.Command != cmdLinkDead {
+		return 0, false
 	}
+	idx, ok, err := decodeIndex(m.Data)
+	return idx, ok && err == nil
+}
+
+// WatchLinkDead joins the nbd multicast group on a netlink socket of its
+// own and delivers the index of every device one of whose sockets died
+// (LINK_DEAD): the kernel then holds the device's IO for its
+// DeadConnTimeout, waiting for a Reconfigure with new sockets.
+//
+// The channel is closed when ctx is done (which also closes the socket)
+// or when the socket fails; ctx.Err() tells the two apart. If the
+// receiver lags so far behind that the kernel drops notifications
+// (ENOBUFS), the watch goes on without them: callers that must not miss
+// a device should reconcile with StatusAll.
+func (c *Conn) WatchLinkDead(ctx context.Context) (<-chan uint32, error) {
 	var group uint32
-	for _, g := range fam.Groups {
+	for _, g := range c.fam.Groups {
 		if g.Name == groupName {
 			group = g.ID
 		}
 	}
 	if group == 0 {
-		c.Close()
-		return nil, fmt.Errorf("nbdnl: family %s has no group %s", FamilyName, groupName)
+		return nil, fmt.Errorf("nbdnl: family %q has no multicast group %q: %w", FamilyName, groupName, unix.ENOENT)
 	}
-	if err := c.JoinGroup(group); err != nil {
-		c.Close()
+	wc, err := c.dialWatch()
+	if err != nil {
+		return nil, fmt.Errorf("nbdnl: dial generic netlink: %w", err)
+	}
+	if err := wc.JoinGroup(group); err != nil {
+		wc.Close()
 		return nil, fmt.Errorf("nbdnl: join %s: %w", groupName, err)
 	}
-	return runWatch(ctx, c.Receive, c.Close), nil
+	return runWatch(ctx, wc), nil
 }
 
-// runWatch delivers LINK_DEAD indices from receive until ctx ends (then
-// closeFn unblocks receive) or receive fails.
-func runWatch(ctx context.Context, receive func() ([]genetlink.Message, []netlink.Message, error), closeFn func() error) <-chan uint32 {
+// runWatch delivers LINK_DEAD indices received on wc until ctx ends or
+// wc fails, then closes the channel. It owns wc and closes it: that
+// unblocks a pending Receive when ctx ends.
+func runWatch(ctx context.Context, wc watchConn) <-chan uint32 {
 	ch := make(chan uint32, 16)
-	stop := make(chan struct{})
+	stopped := make(chan struct{})
 	go func() {
 		select {
 		case <-ctx.Done():
-		case <-stop:
+		case <-stopped:
 		}
-		closeFn() // unblocks receive
+		wc.Close()
 	}()
 	go func() {
 		defer close(ch)
-		defer close(stop)
+		defer close(stopped)
 		for {
-			msgs, _, err := receive()
+			msgs, _, err := wc.Receive()
 			if err != nil {
-				return // closed (ctx done) or the socket failed
+				if errors.Is(err, unix.ENOBUFS) && ctx.Err() == nil {
+					continue // notifications were dropped; keep listening
+				}
+				return // closed because ctx ended, or the socket failed
 			}
 			for _, m := range msgs {
 				idx, ok := decodeLinkDead(m)
@@ -439,13 +533,4 @@ func runWatch(ctx context.Context, receive func() ([]genetlink.Message, []netlin
 		}
 	}()
 	return ch
-}
-
-// decodeLinkDead returns the device index of a LINK_DEAD notification.
-func decodeLinkDead(m genetlink.Message) (uint32, bool) {
-	if m.Header.Command != cmdLinkDead {
-		return 0, false
-	}
-	idx, ok, err := decodeIndex(m.Data)
-	return idx, ok && err == nil
 }
