@@ -96,12 +96,13 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kern
 	}
 	k := &kernelDev{ours: ours}
 	if index >= 0 {
-		if err := nl.Reconfigure(uint32(index), cfg, theirs); err == nil {
+		err := nl.Reconfigure(uint32(index), cfg, theirs)
+		if err == nil {
 			k.index = uint32(index)
 			return k, nil
-		} else {
-			d.log.WithError(err).WithField("nbd", index).Warn("could not take the device back; attaching a new one")
 		}
+		// Past dead_conn_timeout, or the device went to someone else.
+		d.log.WithError(err).WithField("nbd", index).Warn("could not take the device back; attaching a new one")
 	}
 	idx, err := nl.Connect(cfg, theirs)
 	if err != nil {
