@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math"
 	"os"
+	"slices"
 	"sort"
 	"sync"
 	"testing"
@@ -183,16 +184,8 @@ func TestConnectSendsEverything(t *testing.T) {
 }
 
 func equalInts(a, b []int) bool {
-	sort.Ints(b)
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
+	slices.Sort(b)
+	return slices.Equal(a, b)
 }
 
 func TestConnectChosenIndexAndMinimalConfig(t *testing.T) {
