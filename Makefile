@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build demo demo-rtrs test vet bench fuzz clean
+.PHONY: all deps build demo demo-rtrs test test-vm vet bench fuzz clean
 
 all: build
 
@@ -34,6 +34,11 @@ vet:
 # tests (network namespaces); otherwise they skip and say why.
 test: deps vet
 	$(GO) test -race -count=1 -timeout 30m ./...
+
+# The VM tier: the kernel paths (/dev/nbdN over netlink) on a real Debian
+# kernel under qemu (root; installs qemu from apt). See docs/testing.md.
+test-vm: deps
+	@test/vm/run.sh
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...

@@ -1,0 +1,103 @@
+#!/bin/busybox sh
+# /init of the VM tier's guest (busybox sh): the kernel /dev/nbdN scenarios
+# against a real kernel. Both daemons run in the guest and talk RTRS over
+# TCP on its loopback. Prints one "RESULT name PASS|FAIL detail" line per
+# check, then "N passed, N failed" and VMTEST-DONE, and powers off.
+/bin/busybox --install -s /bin
+mount -t proc p /proc
+mount -t sysfs s /sys
+mount -t devtmpfs d /dev
+mount -t tmpfs t /tmp
+mkdir -p /run /mnt
+ip link set lo up
+pass=0 fail=0
+res() { # name PASS|FAIL detail
+	echo "RESULT $1 $2 $3"
+	case $2 in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; esac
+}
+check() { # name command... : PASS if the command succeeds
+	local name=$1
+	shift
+	if out=$("$@" 2>&1); then res "$name" PASS ""; else res "$name" FAIL "$(echo "$out" | tail -3 | tr '\n' ' ')"; fi
+}
+finish() {
+	echo "--- rnbd-client log"; tail -15 /tmp/client.log
+	echo "--- rnbd-server log"; tail -5 /tmp/server.log
+	echo "$pass passed, $fail failed"
+	echo VMTEST-DONE
+	poweroff -f
+}
+cli() { /bin/rnbd-client --socket /tmp/c.sock "$@"; }
+start_client() {
+	/bin/rnbd-client daemon --config /dev/null --control-socket /tmp/c.sock --state-file /tmp/c.json \
+		--socket-dir /tmp --log-level info >>/tmp/client.log 2>&1 &
+	for _ in $(seq 100); do [ -S /tmp/c.sock ] && return 0; sleep 0.1; done
+	return 1
+}
+mb() { echo $(($1 * 1024 * 1024)); }
+
+for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
+[ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
+
+cd /tmp
+truncate -s 256M disk0.img
+/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:1234 --control-socket /tmp/s.sock \
+	--state-file /tmp/s.json --log-level info >/tmp/server.log 2>&1 &
+start_client || { res daemons FAIL "no control socket"; finish; }
+for _ in $(seq 100); do [ -S /tmp/s.sock ] && break; sleep 0.1; done
+/bin/rnbd-server --socket /tmp/s.sock map disk0 /tmp/disk0.img >/dev/null
+
+# 1. map with the default --as: nbd, since the module is loaded.
+out=$(cli map --sessname vm --path ip:127.0.0.1 --device-path disk0 2>/dev/null)
+dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+case $dev in /dev/nbd*) res map-as-nbd PASS "$dev" ;; *) res map-as-nbd FAIL "$out"; finish ;; esac
+b=/sys/block/${dev#/dev/}
+for _ in $(seq 50); do [ "$(cat $b/size)" != 0 ] && break; sleep 0.1; done
+[ "$(cat $b/size)" = $((256 * 2048)) ] && res size PASS "" || res size FAIL "$(cat $b/size) sectors"
+nq=$(ls $b/mq | wc -l)
+[ "$nq" = "$(grep -c ^processor /proc/cpuinfo)" ] && res queue-per-cpu PASS "$nq" || res queue-per-cpu FAIL "$nq queues"
+[ "$(cat $b/backend 2>/dev/null)" = rnbd:vm/disk0 ] && res backend-identifier PASS "" || res backend-identifier FAIL "$(cat $b/backend 2>&1)"
+
+# 2. O_DIRECT pattern, read back through the device and found in the file.
+dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
+dd if=/tmp/pat of="$dev" bs=1M seek=4 oflag=direct 2>/dev/null
+dd if="$dev" of=/tmp/back bs=1M skip=4 count=16 iflag=direct 2>/dev/null
+check direct-io cmp /tmp/pat /tmp/back
+dd if=/tmp/disk0.img of=/tmp/onfile bs=1M skip=4 count=16 2>/dev/null
+check on-backend cmp /tmp/pat /tmp/onfile
+
+# 3. discard reaches the file: the range becomes a hole.
+before=$(du -k /tmp/disk0.img | cut -f1)
+blkdiscard -o "$(mb 4)" -l "$(mb 8)" "$dev" && sync
+after=$(du -k /tmp/disk0.img | cut -f1)
+[ $((before - after)) -ge 8000 ] && res discard-hole PASS "${before}K -> ${after}K" || res discard-hole FAIL "${before}K -> ${after}K"
+
+# 4. restart of the client daemon: the same device comes back (RECONFIGURE).
+kill "$(pidof rnbd-client)"
+for _ in $(seq 100); do pidof rnbd-client >/dev/null || break; sleep 0.1; done
+rm -f /tmp/c.sock
+start_client || res restart FAIL "no control socket"
+dd if="$dev" of=/tmp/back2 bs=1M skip=12 count=8 iflag=direct 2>/dev/null
+dd if=/tmp/pat of=/tmp/pat2 bs=1M skip=8 count=8 2>/dev/null
+check restart-reconfigure cmp /tmp/pat2 /tmp/back2
+[ "$(cli device list --format csv --fields devpath 2>/dev/null | tail -1)" = "$dev" ] && res same-device PASS "" || res same-device FAIL "$(cli device list 2>&1)"
+
+# 5. a filesystem: write, sync, unmount, mount again, compare.
+if mke2fs -q "$dev" && mount -t ext4 "$dev" /mnt && cp /tmp/pat /mnt/f && sync; then
+	res mkfs-mount PASS ""
+	umount /mnt && mount -t ext4 "$dev" /mnt
+	check remount-compare cmp /tmp/pat /mnt/f
+	# 6. unmap is refused while mounted, --force takes it away.
+	out=$(cli unmap rnbd0 2>&1)
+	rc=$?
+	[ $rc = 5 ] && res unmap-busy PASS "" || res unmap-busy FAIL "rc=$rc $out"
+	check unmap-force cli unmap --force rnbd0
+	cat /mnt/f >/dev/null 2>&1
+	umount /mnt 2>/dev/null
+else
+	res mkfs-mount FAIL ""
+	check unmap cli unmap rnbd0
+fi
+[ "$(cat $b/size)" = 0 ] && res disconnected PASS "" || res disconnected FAIL "$(cat $b/size) sectors"
+[ -z "$(cli device list --format csv 2>/dev/null | tail -n +2)" ] && res unmapped PASS "" || res unmapped FAIL "$(cli device list 2>&1)"
+finish

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The VM tier: proves the kernel paths on a real kernel. Boots a stock
+# Debian kernel (bookworm-backports 6.12: nbd, ublk_drv, rdma_rxe) under
+# qemu with an initramfs holding busybox, our two binaries and the guest
+# scenarios (test/vm/guest/init.sh), with no network device (-nic none).
+# Prints the guest's RESULT lines and exits non-zero on any FAIL, on a
+# missing result or on a timeout. Run as root on Debian 12: it installs
+# qemu-system-x86, busybox-static, cpio, xz-utils and kmod from apt.
+#
+#   VM_CACHE=dir   downloads and the extracted kernel (default /var/cache/rnbd-vm)
+#   KPKG=linux-image-…  pin the kernel package (default: backports' linux-image-amd64)
+#   VM_TIMEOUT=s   bound on the guest run (default 600)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$PWD
+cache=${VM_CACHE:-/var/cache/rnbd-vm}
+timeout=${VM_TIMEOUT:-600}
+log() { printf '== [%(%T)T] %s\n' -1 "$*" >&2; }
+die() { log "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "the VM tier needs root (apt-get, the kernel package)"
+need=()
+for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod; do
+	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+done
+# The guest has no libc: busybox must be busybox-static's.
+bb=/bin/busybox
+static() {
+	[ -x "$bb" ] || return 1
+	case $(LC_ALL=C ldd "$bb" 2>&1 || true) in *"not a dynamic executable"* | *"statically linked"*) return 0 ;; esac
+	return 1
+}
+static || need+=(busybox-static)
+if [ ${#need[@]} -gt 0 ]; then
+	log "apt-get install ${need[*]}"
+	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
+		die "apt-get install ${need[*]}"
+fi
+static || die "$bb is not statically linked"
+
+# The kernel, from bookworm-backports through a private apt state: the
+# host's apt sources stay as they are.
+mkdir -p "$cache/apt/lists/partial" "$cache/apt/cache/archives/partial"
+mirror=${DEBIAN_MIRROR:-$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)}
+[ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 ~ /^https?:/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+[ -n "$mirror" ] || die "no Debian mirror in the apt sources; set DEBIAN_MIRROR"
+echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror bookworm-backports main" >"$cache/apt/sources.list"
+apt=(-o Dir::Etc::SourceList="$cache/apt/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+	-o Dir::State::Lists="$cache/apt/lists" -o Dir::Cache="$cache/apt/cache")
+kpkg=${KPKG:-}
+if [ -z "$kpkg" ]; then
+	timeout 300 apt-get "${apt[@]}" update -qq || die "apt-get update (bookworm-backports)"
+	kpkg=$(apt-cache "${apt[@]}" depends linux-image-amd64 | awk '/Depends: linux-image-/ {print $2; exit}')
+	[ -n "$kpkg" ] || die "no linux-image-amd64 in bookworm-backports"
+fi
+kv=${kpkg#linux-image-}
+kr=$cache/k-$kv
+if [ ! -f "$kr/boot/vmlinuz-$kv" ]; then
+	log "download $kpkg"
+	(cd "$cache" && ls "${kpkg}"_*.deb >/dev/null 2>&1 || timeout 600 apt-get "${apt[@]}" download "$kpkg" >/dev/null 2>&1) ||
+		die "apt-get download $kpkg"
+	rm -rf "$kr"
+	mkdir -p "$kr"
+	dpkg-deb -x "$(ls "$cache/${kpkg}"_*.deb | head -1)" "$kr"
+	depmod -b "$kr" "$kv"
+fi
+log "kernel $kv"
+
+# The initramfs: busybox, our binaries (static), the modules, the scenarios.
+work=$(mktemp -d /tmp/rnbd-vm.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+root=$work/root
+mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
+cp "$bb" "$root/bin/busybox"
+CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+: >"$root/lib/modules/order"
+i=0
+for m in ext4 nbd; do # ext4 (and what it needs) for the filesystem checks
+	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
+		name=$(basename "${ko%.xz}")
+		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
+		i=$((i + 1))
+		n=$(printf '%02d' $i)-$name
+		case $ko in *.xz) xz -dc "$ko" >"$root/lib/modules/$n" ;; *) cp "$ko" "$root/lib/modules/$n" ;; esac
+		echo "$n" >>"$root/lib/modules/order"
+	done
+done
+cp "$repo/test/vm/guest/init.sh" "$root/init"
+chmod +x "$root/init"
+(cd "$root" && find . -print0 | cpio --null -o -H newc --owner=0:0 --quiet | gzip -1) >"$work/initrd.gz"
+
+log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
+start=$(date +%s)
+set +e
+timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
+	-nographic -nic none -m 1G -smp 2 -no-reboot -accel tcg,thread=multi -cpu max \
+	-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1
+rc=$?
+set -e
+secs=$(($(date +%s) - start))
+tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|[0-9]+ passed)' || true
+if ! grep -aq VMTEST-DONE "$work/serial.log"; then
+	tr -d '\r' <"$work/serial.log" | tail -40 >&2
+	die "the guest did not finish (qemu exit $rc after ${secs}s)"
+fi
+if grep -aq '^RESULT [^ ]* FAIL' <(tr -d '\r' <"$work/serial.log"); then
+	tr -d '\r' <"$work/serial.log" | sed -n '/^--- rnbd-client log/,/VMTEST-DONE/p' >&2
+	die "a scenario failed (${secs}s)"
+fi
+log "VM tier passed in ${secs}s"
