@@ -75,7 +75,7 @@ cp "$bb" "$root/bin/busybox"
 CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
 : >"$root/lib/modules/order"
 i=0
-for m in ext4 nbd; do # ext4 (and what it needs) for the filesystem checks
+for m in ext4 nbd dummy; do # ext4 for the filesystem checks, dummy for a second path
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -85,6 +85,16 @@ for m in ext4 nbd; do # ext4 (and what it needs) for the filesystem checks
 		echo "$n" >>"$root/lib/modules/order"
 	done
 done
+# fio (with libaio), a dynamic binary: copied with the libraries it needs.
+copy_elf() {
+	local f=$1
+	mkdir -p "$root$(dirname "$f")"
+	cp -L "$f" "$root$f"
+	ldd "$f" 2>/dev/null | awk '/=> \// {print $3} /^\t\/.*ld-linux/ {print $1}' | while read -r lib; do
+		[ -e "$root$lib" ] || { mkdir -p "$root$(dirname "$lib")"; cp -L "$lib" "$root$lib"; }
+	done
+}
+if command -v fio >/dev/null; then copy_elf "$(command -v fio)"; else log "no fio on the host: the guest skips fio-verify"; fi
 cp "$repo/test/vm/guest/init.sh" "$root/init"
 chmod +x "$root/init"
 (cd "$root" && find . -print0 | cpio --null -o -H newc --owner=0:0 --quiet | gzip -1) >"$work/initrd.gz"

@@ -100,4 +100,65 @@ else
 fi
 [ "$(cat $b/size)" = 0 ] && res disconnected PASS "" || res disconnected FAIL "$(cat $b/size) sectors"
 [ -z "$(cli device list --format csv 2>/dev/null | tail -n +2)" ] && res unmapped PASS "" || res unmapped FAIL "$(cli device list 2>&1)"
+
+# 7. fio with verify on the kernel device.
+truncate -s 128M /tmp/disk1.img
+/bin/rnbd-server --socket /tmp/s.sock map disk1 /tmp/disk1.img >/dev/null
+# A second path over a dummy interface of the guest's own.
+ip link add mp0 type dummy && ip addr add 10.77.0.1/24 dev mp0 && ip link set mp0 up
+start_server() {
+	/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:1234 --listen tcp://10.77.0.1:1234 \
+		--control-socket /tmp/s.sock --state-file /tmp/s.json --log-level info >>/tmp/server.log 2>&1 &
+	for _ in $(seq 100); do [ -S /tmp/s.sock ] && return 0; sleep 0.1; done
+	return 1
+}
+kill "$(pidof rnbd-server)"
+for _ in $(seq 100); do pidof rnbd-server >/dev/null || break; sleep 0.1; done
+rm -f /tmp/s.sock
+start_server || res server-restart FAIL "no control socket"
+out=$(cli map --sessname mp --path ip:127.0.0.1 --path ip:10.77.0.1 --device-path disk1 2>/dev/null)
+dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+case $dev in /dev/nbd*) res map-two-paths PASS "$dev" ;; *) res map-two-paths FAIL "$out"; finish ;; esac
+if command -v fio >/dev/null; then
+	check fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+fi
+
+# 8. kill -9 of the server under IO, started again within no_path_timeout:
+# the IO waits in the client and completes without an error.
+dd if=/dev/urandom of=/tmp/pat3 bs=1M count=32 2>/dev/null
+# Four passes over the same 32 MiB, so that the fault lands mid-IO.
+writer() { for _ in 1 2 3 4; do dd if="$1" of="$dev" bs=1M seek="$2" oflag=direct 2>>/tmp/dd.err || return 1; done; }
+writer /tmp/pat3 0 &
+ddpid=$!
+sleep 0.5
+kill -0 $ddpid 2>/dev/null && during=1 || during=0
+kill -9 "$(pidof rnbd-server)"
+sleep 1
+rm -f /tmp/s.sock
+start_server || res server-restart FAIL "no control socket"
+if wait $ddpid && [ $during = 1 ]; then res server-kill-under-io PASS ""
+else res server-kill-under-io FAIL "during=$during $(cat /tmp/dd.err)"; fi
+dd if="$dev" of=/tmp/back3 bs=1M count=32 iflag=direct 2>/dev/null
+check server-kill-data cmp /tmp/pat3 /tmp/back3
+
+# 9. one of the two paths cut under IO: no error, the data is whole.
+dd if=/dev/urandom of=/tmp/pat4 bs=1M count=32 2>/dev/null
+: >/tmp/dd.err
+writer /tmp/pat4 32 &
+ddpid=$!
+sleep 0.5
+kill -0 $ddpid 2>/dev/null && during=1 || during=0
+ip addr del 10.77.0.1/24 dev mp0
+ip link set mp0 down
+if wait $ddpid && [ $during = 1 ]; then res path-cut-under-io PASS ""
+else res path-cut-under-io FAIL "during=$during $(cat /tmp/dd.err)"; fi
+# The cut path must have noticed (not connected, or reconnected since).
+st=$(cli path list --format csv --fields dst_addr,state,reconnects 2>/dev/null | grep 10.77.0.1)
+case $st in *,connected,0) res path-cut-seen FAIL "$st" ;; "") res path-cut-seen FAIL "no such path" ;; *) res path-cut-seen PASS "$st" ;; esac
+dd if="$dev" of=/tmp/back4 bs=1M skip=32 count=32 iflag=direct 2>/dev/null
+check path-cut-data cmp /tmp/pat4 /tmp/back4
+ip link set mp0 up
+ip addr add 10.77.0.1/24 dev mp0
+check unmap-two-paths cli unmap "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)"
 finish
