@@ -95,6 +95,7 @@ copy_elf() {
 	done
 }
 if command -v fio >/dev/null; then copy_elf "$(command -v fio)"; else log "no fio on the host: the guest skips fio-verify"; fi
+"$bb" sh -n "$repo/test/vm/guest/init.sh" || die "test/vm/guest/init.sh does not parse"
 cp "$repo/test/vm/guest/init.sh" "$root/init"
 chmod +x "$root/init"
 (cd "$root" && find . -print0 | cpio --null -o -H newc --owner=0:0 --quiet | gzip -1) >"$work/initrd.gz"

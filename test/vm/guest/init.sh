@@ -160,5 +160,39 @@ dd if="$dev" of=/tmp/back4 bs=1M skip=32 count=32 iflag=direct 2>/dev/null
 check path-cut-data cmp /tmp/pat4 /tmp/back4
 ip link set mp0 up
 ip addr add 10.77.0.1/24 dev mp0
+
+# 10. the client daemon stopped (SIGTERM) and started again while the
+# device is busy: the kernel holds the IO (dead_conn_timeout), the new
+# daemon RECONFIGUREs the same device, and dd ends without an error.
+dd if=/dev/urandom of=/tmp/pat5 bs=1M count=32 2>/dev/null
+: >/tmp/dd.err
+writer /tmp/pat5 64 &
+ddpid=$!
+sleep 0.5
+kill -0 $ddpid 2>/dev/null && during=1 || during=0
+kill "$(pidof rnbd-client)"
+for _ in $(seq 100); do pidof rnbd-client >/dev/null || break; sleep 0.1; done
+rm -f /tmp/c.sock
+start_client || res client-restart FAIL "no control socket"
+if wait $ddpid && [ $during = 1 ]; then res client-restart-under-io PASS ""
+else res client-restart-under-io FAIL "during=$during $(cat /tmp/dd.err)"; fi
+dd if="$dev" of=/tmp/back5 bs=1M skip=64 count=32 iflag=direct 2>/dev/null
+check client-restart-data cmp /tmp/pat5 /tmp/back5
+[ "$(cli device list --format csv --fields devpath 2>/dev/null | tail -1)" = "$dev" ] && res client-restart-same-device PASS "" ||
+	res client-restart-same-device FAIL "$(cli device list 2>&1)"
+
+# 11. BACKEND_IDENTIFIER: a mapping that now names another export must not
+# take the old device back. The state file is edited while the daemon is
+# down; the kernel refuses the RECONFIGURE and a new device is attached.
+kill "$(pidof rnbd-client)"
+for _ in $(seq 100); do pidof rnbd-client >/dev/null || break; sleep 0.1; done
+rm -f /tmp/c.sock
+sed -i 's/"device_path": *"disk1"/"device_path":"disk0"/' /tmp/c.json
+start_client || res client-restart FAIL "no control socket"
+new=$(cli device list --format csv --fields devpath 2>/dev/null | tail -1)
+case $new in /dev/nbd*) [ "$new" != "$dev" ] && res backend-id-refused PASS "$dev kept, $new attached" || res backend-id-refused FAIL "$new" ;;
+*) res backend-id-refused FAIL "$(cli device list 2>&1)" ;; esac
+why=$(grep "could not take the device back" /tmp/client.log | tail -1 | sed -n 's/.*error="\([^"]*\)".*/\1/p')
+[ -n "$why" ] && res backend-id-logged PASS "$why" || res backend-id-logged FAIL ""
 check unmap-two-paths cli unmap "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)"
 finish
