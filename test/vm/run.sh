@@ -109,7 +109,7 @@ timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$w
 rc=$?
 set -e
 secs=$(($(date +%s) - start))
-tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|[0-9]+ passed)' || true
+tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|[0-9]+ passed)' || true
 if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	tr -d '\r' <"$work/serial.log" | tail -40 >&2
 	die "the guest did not finish (qemu exit $rc after ${secs}s)"

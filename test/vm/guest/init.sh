@@ -119,6 +119,13 @@ start_server || res server-restart FAIL "no control socket"
 out=$(cli map --sessname mp --path ip:127.0.0.1 --path ip:10.77.0.1 --device-path disk1 2>/dev/null)
 dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/nbd*) res map-two-paths PASS "$dev" ;; *) res map-two-paths FAIL "$out"; finish ;; esac
+# Throughput under emulation (TCG): recorded, not judged.
+t0=$(cut -d' ' -f1 /proc/uptime)
+dd if=/dev/zero of="$dev" bs=1M count=64 oflag=direct 2>/dev/null
+t1=$(cut -d' ' -f1 /proc/uptime)
+dd if="$dev" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
+t2=$(cut -d' ' -f1 /proc/uptime)
+echo "TPUT nbd dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
 if command -v fio >/dev/null; then
 	check fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
 		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
