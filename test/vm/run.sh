@@ -72,10 +72,10 @@ trap 'rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
-CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/ublkcheck
 : >"$root/lib/modules/order"
 i=0
-for m in ext4 nbd dummy; do # ext4 for the filesystem checks, dummy for a second path
+for m in ext4 nbd dummy ublk_drv; do # ext4 for the filesystem checks, dummy for a second path
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue

@@ -39,6 +39,20 @@ mb() { echo $(($1 * 1024 * 1024)); }
 for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
 [ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
 
+# ublk: pkg/blockdev/ublk on its own, over an asynchronous RAM backend
+# (test/vm/ublkcheck prints its own RESULT lines).
+if [ -e /dev/ublk-control ]; then
+	res ublk-module PASS ""
+	timeout 300 /bin/ublkcheck >/tmp/ublkcheck.out 2>&1 || res ublkcheck-exit FAIL "exit $?"
+	cat /tmp/ublkcheck.out
+	while read -r tag _ st _; do
+		[ "$tag" = RESULT ] || continue
+		case $st in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; esac
+	done </tmp/ublkcheck.out
+else
+	res ublk-module FAIL "no /dev/ublk-control"
+fi
+
 cd /tmp
 truncate -s 256M disk0.img
 /bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:1234 --control-socket /tmp/s.sock \
