@@ -23,6 +23,7 @@ import (
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/blockdev/nbd"
+	"github.com/rnbd/rnbd/pkg/blockdev/ublk"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -61,7 +62,8 @@ type mapped struct {
 	be   *nbdBackend
 	l    net.Listener // socket mappings
 	sock string
-	k    *kernelDev // kernel mappings
+	k    *kernelDev   // kernel nbd mappings
+	u    *ublk.Device // ublk mappings
 }
 
 // session is a client session and the mappings through it.
@@ -142,7 +144,13 @@ func (d *Daemon) Stop() error {
 	d.maps, d.sessions = map[string]*mapped{}, map[string]*session{}
 	d.mu.Unlock()
 	for _, m := range maps {
-		if m.k != nil {
+		if m.u != nil {
+			// A ublk device goes with the daemon (no user recovery
+			// yet); the next start makes it again.
+			if err := m.u.Stop(); err != nil {
+				d.log.WithError(err).WithField("device", m.Device).Warn("ublk stop")
+			}
+		} else if m.k != nil {
 			// Not disconnected: the kernel keeps the device and its
 			// queued IO for kernelDeadConnTimeout, and the restarted
 			// daemon takes it back.
@@ -276,13 +284,17 @@ func (d *Daemon) normalize(m *Mapping) error {
 		if !kernelHasNBD() {
 			return ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
 		}
+	case m.As == "ublk":
+		if !kernelHasUblk() {
+			return ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
+		}
 	case strings.HasPrefix(m.As, "socket:") && len(m.As) > len("socket:"):
 		p := m.As[len("socket:"):]
 		if !filepath.IsAbs(p) {
 			return ctl.Errorf(ctl.CodeInvalid, "--as socket:PATH needs an absolute path")
 		}
 	default:
-		return ctl.Errorf(ctl.CodeInvalid, "--as %q: want nbd or socket:PATH", m.As)
+		return ctl.Errorf(ctl.CodeInvalid, "--as %q: want nbd, ublk or socket:PATH", m.As)
 	}
 	return nil
 }
@@ -370,6 +382,20 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 	be, err := newNBDBackend(dev, 64)
 	if err != nil {
 		return fail(err)
+	}
+	if m.As == "ublk" {
+		u, err := attachUblk(be)
+		if err != nil {
+			be.close()
+			return fail(err)
+		}
+		m.Kernel = u.Path()
+		d.mu.Lock()
+		d.maps[m.Device] = &mapped{Mapping: m, dev: dev, be: be, u: u}
+		d.mu.Unlock()
+		d.log.WithFields(log.Fields{"device": m.Device, "session": m.SessName, "device_path": m.DevicePath,
+			"access_mode": m.AccessMode, "kernel_device": m.Kernel, "size": dev.Size()}).Info("device mapped")
+		return nil
 	}
 	if err := d.nbd.AddExport(be.export(m.DevicePath)); err != nil {
 		be.close()
@@ -490,8 +516,8 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	if m == nil {
 		return ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
 	}
-	if m.k != nil {
-		if !force && m.k.inUse() {
+	if m.k != nil || m.u != nil {
+		if !force && inUse(m.Kernel) {
 			return ctl.Errorf(ctl.CodeBusy, "%s (%s) is in use (mounted?); unmount it or unmap --force", device, m.Kernel)
 		}
 	} else if n := d.nbd.Conns(m.DevicePath); n > 0 && !force {
@@ -500,9 +526,14 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	d.mu.Lock()
 	delete(d.maps, device)
 	d.mu.Unlock()
-	if m.k != nil {
+	switch {
+	case m.u != nil:
+		if err := m.u.Stop(); err != nil {
+			d.log.WithError(err).WithField("device", device).Warn("ublk stop")
+		}
+	case m.k != nil:
 		m.k.detach(d.log)
-	} else {
+	default:
 		m.l.Close()
 		os.Remove(m.sock)
 	}
@@ -746,8 +777,11 @@ func (d *Daemon) devices(name string) []output.Record {
 	var recs []output.Record
 	for _, m := range ms {
 		devpath, mode := m.sock, "nbd-socket"
-		if m.k != nil {
+		switch {
+		case m.k != nil:
 			devpath, mode = m.Kernel, "nbd-kernel"
+		case m.u != nil:
+			devpath, mode = m.Kernel, "ublk"
 		}
 		recs = append(recs, output.Record{
 			"devname": m.Device, "sessname": m.SessName, "devpath": devpath, "mapping_path": m.DevicePath,

@@ -113,10 +113,11 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kern
 	return k, nil
 }
 
-// inUse reports whether someone holds the device exclusively (a mounted
-// filesystem, LVM, md): an exclusive open then fails with EBUSY.
-func (k *kernelDev) inUse() bool {
-	fd, err := syscall.Open(k.Path(), syscall.O_RDONLY|syscall.O_EXCL|syscall.O_CLOEXEC, 0)
+// inUse reports whether someone holds the block device at path
+// exclusively (a mounted filesystem, LVM, md): an exclusive open then
+// fails with EBUSY.
+func inUse(path string) bool {
+	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_EXCL|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return errors.Is(err, syscall.EBUSY)
 	}

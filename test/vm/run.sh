@@ -10,6 +10,7 @@
 #   VM_CACHE=dir   downloads and the extracted kernel (default /var/cache/rnbd-vm)
 #   KPKG=linux-image-…  pin the kernel package (default: backports' linux-image-amd64)
 #   VM_TIMEOUT=s   bound on the guest run (default 600)
+#   VM_LOG=file    keep the guest's whole serial console output there
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -68,7 +69,7 @@ log "kernel $kv"
 
 # The initramfs: busybox, our binaries (static), the modules, the scenarios.
 work=$(mktemp -d /tmp/rnbd-vm.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+trap '[ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
@@ -104,7 +105,7 @@ log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
 start=$(date +%s)
 set +e
 timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
-	-nographic -nic none -m 1G -smp 2 -no-reboot -accel tcg,thread=multi -cpu max \
+	-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=multi -cpu max \
 	-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1
 rc=$?
 set -e

@@ -353,9 +353,10 @@ func New(opts Options, be Backend) (*Device, error) {
 	if d.ioctlEnc {
 		flags |= FlagCmdIoctlEncode
 	}
-	if d.features&FlagUserRecovery != 0 {
-		flags |= FlagUserRecovery
-	}
+	// Not UBLK_F_USER_RECOVERY: START/END_USER_RECOVERY are not written
+	// yet, and with the flag a daemon that dies leaves the device
+	// quiesced with its IO held, which nothing could then recover. Without
+	// it the kernel fails the device's IO when the daemon dies.
 	info := devInfo{
 		NrHWQueues:    uint16(opts.Queues),
 		QueueDepth:    uint16(opts.QueueDepth),

@@ -216,4 +216,44 @@ case $new in /dev/nbd*) [ "$new" != "$dev" ] && res backend-id-refused PASS "$de
 why=$(grep "could not take the device back" /tmp/client.log | tail -1 | sed -n 's/.*error="\([^"]*\)".*/\1/p')
 [ -n "$why" ] && res backend-id-logged PASS "$why" || res backend-id-logged FAIL ""
 check unmap-two-paths cli unmap "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)"
+
+# 12. the same device as ublk: --as ublk makes /dev/ublkbN.
+out=$(cli map --sessname ub --path ip:127.0.0.1 --device-path disk1 --as ublk 2>&1)
+dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+case $dev in /dev/ublkb*) res ublk-map PASS "$dev" ;; *) res ublk-map FAIL "$out"; finish ;; esac
+ub=/sys/block/${dev#/dev/}
+[ "$(cat $ub/size)" = $((128 * 2048)) ] && res ublk-size PASS "" || res ublk-size FAIL "$(cat $ub/size) sectors"
+dd if=/tmp/pat of="$dev" bs=1M seek=2 oflag=direct 2>/dev/null
+dd if="$dev" of=/tmp/uback bs=1M skip=2 count=16 iflag=direct 2>/dev/null
+check ublk-direct-io cmp /tmp/pat /tmp/uback
+dd if=/tmp/disk1.img of=/tmp/uonfile bs=1M skip=2 count=16 2>/dev/null
+check ublk-on-backend cmp /tmp/pat /tmp/uonfile
+before=$(du -k /tmp/disk1.img | cut -f1)
+blkdiscard -o "$(mb 2)" -l "$(mb 8)" "$dev" && sync
+after=$(du -k /tmp/disk1.img | cut -f1)
+[ $((before - after)) -ge 8000 ] && res ublk-discard-hole PASS "${before}K -> ${after}K" || res ublk-discard-hole FAIL "${before}K -> ${after}K"
+if command -v fio >/dev/null; then
+	check ublk-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+fi
+t0=$(cut -d' ' -f1 /proc/uptime)
+dd if=/dev/zero of="$dev" bs=1M count=64 oflag=direct 2>/dev/null
+t1=$(cut -d' ' -f1 /proc/uptime)
+dd if="$dev" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
+t2=$(cut -d' ' -f1 /proc/uptime)
+echo "TPUT rnbd-ublk dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
+if mke2fs -q "$dev" && mount -t ext4 "$dev" /mnt && cp /tmp/pat /mnt/f && sync; then
+	umount /mnt && mount -t ext4 "$dev" /mnt
+	check ublk-fs cmp /tmp/pat /mnt/f
+	out=$(cli unmap "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)" 2>&1)
+	rc=$?
+	[ $rc = 5 ] && res ublk-unmap-busy PASS "" || res ublk-unmap-busy FAIL "rc=$rc $out"
+	check ublk-unmap-force cli unmap --force "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)"
+	cat /mnt/f >/dev/null 2>&1
+	umount /mnt 2>/dev/null
+else
+	res ublk-fs FAIL "mkfs or mount"
+	check ublk-unmap cli unmap "$(cli device list --format csv --fields devname 2>/dev/null | tail -1)"
+fi
+[ ! -e "$dev" ] && res ublk-gone PASS "" || res ublk-gone FAIL "$dev still there"
 finish
