@@ -390,11 +390,7 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 			return fail(err)
 		}
 		m.Kernel = u.Path()
-		d.mu.Lock()
-		d.maps[m.Device] = &mapped{Mapping: m, dev: dev, be: be, u: u}
-		d.mu.Unlock()
-		d.log.WithFields(log.Fields{"device": m.Device, "session": m.SessName, "device_path": m.DevicePath,
-			"access_mode": m.AccessMode, "kernel_device": m.Kernel, "size": dev.Size()}).Info("device mapped")
+		d.register(&mapped{Mapping: m, dev: dev, be: be, u: u}, "kernel_device", m.Kernel)
 		return nil
 	}
 	if err := d.nbd.AddExport(be.export(m.DevicePath)); err != nil {
@@ -409,11 +405,7 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 			return fail(err)
 		}
 		m.Kernel = k.Path()
-		d.mu.Lock()
-		d.maps[m.Device] = &mapped{Mapping: m, dev: dev, be: be, k: k}
-		d.mu.Unlock()
-		d.log.WithFields(log.Fields{"device": m.Device, "session": m.SessName, "device_path": m.DevicePath,
-			"access_mode": m.AccessMode, "kernel_device": m.Kernel, "size": dev.Size()}).Info("device mapped")
+		d.register(&mapped{Mapping: m, dev: dev, be: be, k: k}, "kernel_device", m.Kernel)
 		return nil
 	}
 	sock := m.As[len("socket:"):]
@@ -426,18 +418,22 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 		return fail(err)
 	}
 	os.Chmod(sock, 0o600)
-	mp := &mapped{Mapping: m, dev: dev, be: be, l: l, sock: sock}
-	d.mu.Lock()
-	d.maps[m.Device] = mp
-	d.mu.Unlock()
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
 		d.nbd.Serve(l)
 	}()
-	d.log.WithFields(log.Fields{"device": m.Device, "session": m.SessName, "device_path": m.DevicePath,
-		"access_mode": m.AccessMode, "socket": sock, "size": dev.Size()}).Info("device mapped")
+	d.register(&mapped{Mapping: m, dev: dev, be: be, l: l, sock: sock}, "socket", sock)
 	return nil
+}
+
+// register records a mapping that is being served and says where.
+func (d *Daemon) register(mp *mapped, whereKey, where string) {
+	d.mu.Lock()
+	d.maps[mp.Device] = mp
+	d.mu.Unlock()
+	d.log.WithFields(log.Fields{"device": mp.Device, "session": mp.SessName, "device_path": mp.DevicePath,
+		"access_mode": mp.AccessMode, whereKey: where, "size": mp.dev.Size()}).Info("device mapped")
 }
 
 // getSession finds the session named in m or dials it. A session of that

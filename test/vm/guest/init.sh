@@ -35,6 +35,15 @@ start_client() {
 	return 1
 }
 mb() { echo $(($1 * 1024 * 1024)); }
+throughput() { # name dev: 64 MiB written and read with 1 MiB O_DIRECT requests (TCG: recorded, not judged)
+	local t0 t1 t2
+	t0=$(cut -d' ' -f1 /proc/uptime)
+	dd if=/dev/zero of="$2" bs=1M count=64 oflag=direct 2>/dev/null
+	t1=$(cut -d' ' -f1 /proc/uptime)
+	dd if="$2" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
+	t2=$(cut -d' ' -f1 /proc/uptime)
+	echo "TPUT $1 dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
+}
 
 for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
 [ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
@@ -133,13 +142,7 @@ start_server || res server-restart FAIL "no control socket"
 out=$(cli map --sessname mp --path ip:127.0.0.1 --path ip:10.77.0.1 --device-path disk1 2>/dev/null)
 dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/nbd*) res map-two-paths PASS "$dev" ;; *) res map-two-paths FAIL "$out"; finish ;; esac
-# Throughput under emulation (TCG): recorded, not judged.
-t0=$(cut -d' ' -f1 /proc/uptime)
-dd if=/dev/zero of="$dev" bs=1M count=64 oflag=direct 2>/dev/null
-t1=$(cut -d' ' -f1 /proc/uptime)
-dd if="$dev" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
-t2=$(cut -d' ' -f1 /proc/uptime)
-echo "TPUT nbd dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
+throughput nbd "$dev"
 if command -v fio >/dev/null; then
 	check fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
 		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
@@ -236,12 +239,7 @@ if command -v fio >/dev/null; then
 	check ublk-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
 		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
 fi
-t0=$(cut -d' ' -f1 /proc/uptime)
-dd if=/dev/zero of="$dev" bs=1M count=64 oflag=direct 2>/dev/null
-t1=$(cut -d' ' -f1 /proc/uptime)
-dd if="$dev" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
-t2=$(cut -d' ' -f1 /proc/uptime)
-echo "TPUT rnbd-ublk dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
+throughput rnbd-ublk "$dev"
 if mke2fs -q "$dev" && mount -t ext4 "$dev" /mnt && cp /tmp/pat /mnt/f && sync; then
 	umount /mnt && mount -t ext4 "$dev" /mnt
 	check ublk-fs cmp /tmp/pat /mnt/f
