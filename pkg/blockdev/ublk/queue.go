@@ -25,7 +25,9 @@ type completion struct {
 
 // queue is one hardware queue: its ring, descriptors and tag buffers are
 // used only by the goroutine in run, locked to its OS thread as the
-// kernel requires (all of a queue's commands come from one task).
+// kernel requires (all of a queue's commands come from one task). That
+// goroutine ends with the thread still locked, so the thread exits with
+// it: the kernel ties the queue to that task, and recovery wants it gone.
 type queue struct {
 	d     *Device
 	id    int
@@ -34,7 +36,8 @@ type queue struct {
 
 	ring  *uring.Ring
 	descs []byte // mmapped descriptor array, read only
-	bufs  []byte // depth × maxIO, mmapped anonymous
+	bufs  []byte // depth × maxIO: the BufferProvider's, or mmapped anonymous
+	bp    BufferProvider
 	efd   int
 	wbuf  *uint64 // eventfd READ target (heap: does not move)
 	reqs  []Request
@@ -45,6 +48,7 @@ type queue struct {
 	closed    bool
 	wakeArmed atomic.Bool // an eventfd write is on its way
 	stopping  atomic.Bool
+	detaching atomic.Bool // stopping without STOP_DEV: new requests stay with the kernel
 	inBackend atomic.Int64
 	exited    chan struct{}
 	err       error
@@ -75,8 +79,18 @@ func (q *queue) setup() error {
 	if err != nil {
 		return fmt.Errorf("ublk: queue %d: mmap descriptors: %w", q.id, err)
 	}
-	q.bufs, err = unix.Mmap(-1, 0, q.depth*q.maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
+	n := q.depth * q.maxIO
+	if bp, ok := q.d.be.(BufferProvider); ok {
+		b, err := bp.QueueBuffers(q.id, n)
+		if err != nil {
+			return fmt.Errorf("ublk: queue %d: buffers: %w", q.id, err)
+		}
+		if len(b) < n {
+			bp.ReleaseQueueBuffers(q.id, b)
+			return fmt.Errorf("ublk: queue %d: buffers: %d bytes, want %d", q.id, len(b), n)
+		}
+		q.bufs, q.bp = b[:n:n], bp
+	} else if q.bufs, err = unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
 		return fmt.Errorf("ublk: queue %d: mmap buffers: %w", q.id, err)
 	}
 	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
@@ -101,7 +115,11 @@ func (q *queue) cleanup() {
 		q.descs = nil
 	}
 	if q.bufs != nil && q.inBackend.Load() == 0 {
-		unix.Munmap(q.bufs)
+		if q.bp != nil {
+			q.bp.ReleaseQueueBuffers(q.id, q.bufs)
+		} else {
+			unix.Munmap(q.bufs)
+		}
 		q.bufs = nil
 	}
 	q.mu.Lock()
@@ -167,7 +185,11 @@ func (q *queue) wakeLocked() {
 	}
 }
 
-func (q *queue) stop() {
+// stop makes the queue goroutine finish what the backend holds and exit.
+// With detach, requests that arrive meanwhile are left to the kernel,
+// which requeues them for the next server, instead of served.
+func (q *queue) stop(detach bool) {
+	q.detaching.Store(detach)
 	q.stopping.Store(true)
 	q.mu.Lock()
 	q.wakeArmed.Store(false)
@@ -205,12 +227,13 @@ func errnoResult(err error) int32 {
 	return -int32(syscall.EIO)
 }
 
+// run is the queue goroutine. It never unlocks its thread, which
+// therefore exits with it.
 func (q *queue) run(ready chan<- error) {
 	runtime.LockOSThread()
 	defer close(q.exited)
 	if err := q.setup(); err != nil {
 		q.cleanup()
-		runtime.UnlockOSThread()
 		ready <- err
 		return
 	}
@@ -218,14 +241,12 @@ func (q *queue) run(ready chan<- error) {
 	if err != nil {
 		q.err = err
 		q.cleanup()
-		runtime.UnlockOSThread()
 		ready <- err
 		return
 	}
 	ready <- nil
 	q.err = q.loop()
 	q.cleanup()
-	runtime.UnlockOSThread()
 }
 
 func (q *queue) start() error {
@@ -258,11 +279,12 @@ func (q *queue) start() error {
 func (q *queue) loop() error {
 	var firstErr error
 	for {
-		if q.stopping.Load() && q.inBackend.Load() == 0 {
-			return firstErr
-		}
-		if q.live == 0 && q.inBackend.Load() == 0 {
-			// Every tag was aborted: the device is gone.
+		if (q.stopping.Load() || q.live == 0) && q.inBackend.Load() == 0 {
+			// Stopped, or every tag was aborted (the device is gone).
+			// The last commits go to the kernel before the ring closes.
+			if _, err := q.ring.Submit(); err != nil && firstErr == nil {
+				firstErr = fmt.Errorf("ublk: queue %d: %w", q.id, err)
+			}
 			return firstErr
 		}
 		if _, err := q.ring.SubmitAndWait(1); err != nil {
@@ -311,6 +333,11 @@ func (q *queue) handle(c uring.CQE) error {
 		return nil // the device is stopping: this tag is done
 	default:
 		return fmt.Errorf("ublk: queue %d tag %d: command failed: %w", q.id, tag, syscall.Errno(-c.Res))
+	}
+	if q.detaching.Load() {
+		// Left with the kernel: it requeues the request when the ring
+		// closes and the next server gets it.
+		return nil
 	}
 	off := int(tag) * sizeIODesc
 	desc := decodeIODesc(q.descs[off : off+sizeIODesc])

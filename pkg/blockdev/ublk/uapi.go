@@ -95,6 +95,14 @@ const (
 	FlagPerIODaemon       = 1 << 13
 )
 
+// Device states (UBLK_S_DEV_*), as GET_DEV_INFO reports them.
+const (
+	devStateDead     = 0
+	devStateLive     = 1
+	devStateQuiesced = 2
+	devStateFailIO   = 3
+)
+
 // IO results the kernel reports on FETCH/COMMIT_AND_FETCH completions.
 const (
 	ioResOK          = 0
@@ -231,6 +239,22 @@ func (p *params) encode(b []byte) {
 	ne.PutUint32(b[52:], p.Discard.MaxWriteZeroesSectors)
 	ne.PutUint16(b[56:], p.Discard.MaxDiscardSegments)
 	// devt (60..76) is read-only, zoned (76..108) unused.
+}
+
+// decodeParamsBasic reads the basic part of struct ublk_params as
+// GET_PARAMS returned it.
+func decodeParamsBasic(b []byte) paramBasic {
+	return paramBasic{
+		Attrs:            ne.Uint32(b[8:]),
+		LogicalBSShift:   b[12],
+		PhysicalBSShift:  b[13],
+		IOOptShift:       b[14],
+		IOMinShift:       b[15],
+		MaxSectors:       ne.Uint32(b[16:]),
+		ChunkSectors:     ne.Uint32(b[20:]),
+		DevSectors:       ne.Uint64(b[24:]),
+		VirtBoundaryMask: ne.Uint64(b[32:]),
+	}
 }
 
 // ioDesc is struct ublksrv_io_desc, one per tag in the mmapped area.

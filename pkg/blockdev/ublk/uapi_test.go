@@ -55,6 +55,34 @@ func TestParamsEncoding(t *testing.T) {
 	golden(t, "ublk_params", b, "70000000030000000c000000090c0c0c000400000000000000000200000000000000000000000000000000000010000000004000000040000100000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000")
 }
 
+// GET_PARAMS hands back what SET_PARAMS sent: the basic part decodes to
+// what buildParams made.
+func TestParamsBasicRoundTrip(t *testing.T) {
+	o := Options{Size: 3 << 30, LogicalBlockSize: 4096, ReadOnly: true, VolatileCache: true, FUA: true}
+	if err := o.setDefaults(); err != nil {
+		t.Fatal(err)
+	}
+	p := buildParams(&o)
+	b := make([]byte, sizeParams)
+	p.encode(b)
+	if got := decodeParamsBasic(b); got != p.Basic {
+		t.Errorf("decoded %+v, want %+v", got, p.Basic)
+	}
+}
+
+func TestDevInfoCookie(t *testing.T) {
+	// The cookie travels in ublksrv_flags, at offset 32.
+	d := devInfo{SrvFlags: 0x0102030405060708}
+	b := make([]byte, sizeDevInfo)
+	d.encode(b)
+	if ne.Uint64(b[32:]) != 0x0102030405060708 || infoOf(decodeDevInfo(b)).Cookie != 0x0102030405060708 {
+		t.Errorf("cookie not at ublksrv_flags: %x", b)
+	}
+	if s := (StateQuiesced).String(); s != "quiesced" {
+		t.Errorf("StateQuiesced = %q", s)
+	}
+}
+
 func TestBuildParams(t *testing.T) {
 	o := Options{Size: 1 << 30, LogicalBlockSize: 4096, ReadOnly: true, Discard: true}
 	if err := o.setDefaults(); err != nil {
@@ -191,5 +219,14 @@ func TestNoUblk(t *testing.T) {
 	}
 	if _, err := Probe(); !errors.Is(err, ErrNoUblk) {
 		t.Fatalf("Probe: %v", err)
+	}
+	if _, err := Recover(0, Options{}, nil); !errors.Is(err, ErrNoUblk) {
+		t.Fatalf("Recover: %v", err)
+	}
+	if _, err := GetInfo(0); !errors.Is(err, ErrNoUblk) {
+		t.Fatalf("GetInfo: %v", err)
+	}
+	if err := Remove(0); !errors.Is(err, ErrNoUblk) {
+		t.Fatalf("Remove: %v", err)
 	}
 }

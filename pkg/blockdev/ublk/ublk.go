@@ -7,12 +7,21 @@
 //
 // Data moves through per-tag buffers the kernel copies into (WRITE) and
 // out of (READ); no UBLK_F_USER_COPY or zero copy, so any kernel with
-// ublk (6.0+) works. Control commands use the ioctl-encoded opcodes
-// when the kernel reports UBLK_F_CMD_IOCTL_ENCODE, the legacy ones
-// otherwise.
+// ublk (6.0+) works. A Backend that implements BufferProvider supplies
+// that memory itself (registered transport memory), so the data needs no
+// further copy. Control commands use the ioctl-encoded opcodes when the
+// kernel reports UBLK_F_CMD_IOCTL_ENCODE, the legacy ones otherwise.
+//
+// A device made with Options.Recovery outlives the process serving it
+// (UBLK_F_USER_RECOVERY with UBLK_F_USER_RECOVERY_REISSUE): when that
+// process exits, crashes or calls Detach, the kernel quiesces the device,
+// holds its IO and requeues what the server had not completed; the next
+// server takes it over with Recover and the held IO runs there. Nothing
+// fails in between, however long it takes.
 package ublk
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -30,6 +39,14 @@ import (
 // ErrNoUblk means the kernel offers no ublk: /dev/ublk-control is missing
 // (ublk_drv not loaded or not built) or io_uring is unavailable.
 var ErrNoUblk = errors.New("ublk: kernel has no ublk support")
+
+// ErrNoDevice means there is no ublk device with the number asked for.
+var ErrNoDevice = errors.New("ublk: no such device")
+
+// ErrNotRecoverable means Recover cannot take the device over: it was made
+// without recovery, it is stopped, another live process serves it, or its
+// cookie says it serves something else.
+var ErrNotRecoverable = errors.New("ublk: device cannot be recovered")
 
 // ControlPath is the ublk control device.
 const ControlPath = "/dev/ublk-control"
@@ -87,6 +104,10 @@ type Request struct {
 func (r *Request) Queue() int { return r.q.id }
 func (r *Request) Tag() int   { return int(r.tag) }
 
+// BufferOffset is where Data starts in its queue's buffer (the memory a
+// BufferProvider gave): Tag × MaxIOBytes.
+func (r *Request) BufferOffset() int { return int(r.tag) * r.q.maxIO }
+
 // Backend performs IO. Submit must not block for long (it runs on the
 // queue's thread); done may be called from any goroutine, exactly once,
 // also from within Submit. A nil error completes the whole request; an
@@ -94,6 +115,17 @@ func (r *Request) Tag() int   { return int(r.tag) }
 // errors.As, else EIO).
 type Backend interface {
 	Submit(r *Request, done func(*Request, error))
+}
+
+// BufferProvider is implemented by a Backend that supplies the tag
+// buffers: QueueBuffers returns n bytes (the queue's depth × MaxIOBytes,
+// page aligned) for queue q, which the kernel copies request data into
+// and out of; each Request's Data lies in it at BufferOffset. The memory
+// is handed back with ReleaseQueueBuffers once no request uses it. A
+// Backend without it gets anonymous memory.
+type BufferProvider interface {
+	QueueBuffers(q, n int) ([]byte, error)
+	ReleaseQueueBuffers(q int, b []byte)
 }
 
 // Options describe the device.
@@ -112,6 +144,15 @@ type Options struct {
 	MaxIOBytes int
 	// What the backend can do: the kernel only sends the ops enabled here.
 	Discard, WriteZeroes, VolatileCache, FUA, ReadOnly bool
+	// Recovery makes the device outlive its server (see the package
+	// doc), where the kernel offers UBLK_F_USER_RECOVERY and
+	// UBLK_F_USER_RECOVERY_REISSUE; Device.Recoverable tells.
+	Recovery bool
+	// Cookie is kept with the device in the kernel (ublksrv_flags, which
+	// the driver stores and never reads): Recover takes over only a
+	// device whose cookie matches, so a device is never served with
+	// another backend's data.
+	Cookie uint64
 }
 
 func (o *Options) setDefaults() error {
@@ -216,6 +257,45 @@ type Device struct {
 	stopErr  error
 }
 
+// DevState is a device's state in the kernel (UBLK_S_DEV_*).
+type DevState uint16
+
+const (
+	StateDead     DevState = devStateDead     // not started, or stopped
+	StateLive     DevState = devStateLive     // served
+	StateQuiesced DevState = devStateQuiesced // its server is gone; IO held for recovery
+	StateFailIO   DevState = devStateFailIO   // its server is gone; IO fails until recovery
+)
+
+func (s DevState) String() string {
+	switch s {
+	case StateDead:
+		return "dead"
+	case StateLive:
+		return "live"
+	case StateQuiesced:
+		return "quiesced"
+	case StateFailIO:
+		return "fail-io"
+	}
+	return fmt.Sprintf("state%d", uint16(s))
+}
+
+// Info is what the kernel reports of a device (GET_DEV_INFO).
+type Info struct {
+	ID                             int
+	State                          DevState
+	Queues, QueueDepth, MaxIOBytes int
+	Flags                          uint64 // UBLK_F_*
+	Cookie                         uint64
+	ServerPID                      int
+}
+
+func infoOf(d devInfo) Info {
+	return Info{ID: int(d.DevID), State: DevState(d.State), Queues: int(d.NrHWQueues), QueueDepth: int(d.QueueDepth),
+		MaxIOBytes: int(d.MaxIOBufBytes), Flags: d.Flags, Cookie: d.SrvFlags, ServerPID: int(d.SrvPID)}
+}
+
 // Scratch layout.
 const (
 	scratchDevInfo  = 0
@@ -237,6 +317,61 @@ func Probe() (uint64, error) {
 	return d.features, nil
 }
 
+// GetInfo reports device id as the kernel sees it; an error wraps
+// ErrNoDevice if there is none (or ErrNoUblk).
+func GetInfo(id int) (Info, error) {
+	d := &Device{ctrlFd: -1, id: uint32(id)}
+	if err := d.openControl(); err != nil {
+		return Info{}, err
+	}
+	defer d.closeControl()
+	di, err := d.getInfo()
+	return infoOf(di), err
+}
+
+// Remove stops and deletes device id, which nobody serves any more (a
+// server that died and will not be recovered): IO it holds fails.
+func Remove(id int) error {
+	d := &Device{ctrlFd: -1, id: uint32(id)}
+	if err := d.openControl(); err != nil {
+		return err
+	}
+	defer d.closeControl()
+	if _, err := d.getInfo(); err != nil {
+		return err
+	}
+	if err := d.devCmd("STOP_DEV", cmdStopDev, ctrlCmd{}); err != nil {
+		return err
+	}
+	return d.delDev()
+}
+
+func (d *Device) getInfo() (devInfo, error) {
+	clear(d.scratch[scratchDevInfo : scratchDevInfo+sizeDevInfo])
+	res, err := d.ctrl(cmdGetDevInfo, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff, Len: sizeDevInfo,
+		Addr: d.scratchAddr(scratchDevInfo)})
+	if err == nil && res == -int32(syscall.ENODEV) {
+		return devInfo{}, fmt.Errorf("%w: /dev/ublkb%d", ErrNoDevice, d.id)
+	}
+	if err := ctrlErr("GET_DEV_INFO", res, err); err != nil {
+		return devInfo{}, err
+	}
+	return decodeDevInfo(d.scratch[scratchDevInfo:]), nil
+}
+
+func (d *Device) getParams() (paramBasic, error) {
+	b := d.scratch[scratchParams : scratchParams+sizeParams]
+	clear(b)
+	ne.PutUint32(b, sizeParams)
+	err := d.devCmd("GET_PARAMS", cmdGetParams, ctrlCmd{Len: sizeParams, Addr: d.scratchAddr(scratchParams)})
+	if err != nil {
+		return paramBasic{}, err
+	}
+	if ne.Uint32(b[4:])&paramTypeBasic == 0 {
+		return paramBasic{}, errors.New("ublk: GET_PARAMS: the device has no basic parameters")
+	}
+	return decodeParamsBasic(b), nil
+}
 func (d *Device) openControl() error {
 	fd, err := unix.Open(ControlPath, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -353,10 +488,12 @@ func New(opts Options, be Backend) (*Device, error) {
 	if d.ioctlEnc {
 		flags |= FlagCmdIoctlEncode
 	}
-	// Not UBLK_F_USER_RECOVERY: START/END_USER_RECOVERY are not written
-	// yet, and with the flag a daemon that dies leaves the device
-	// quiesced with its IO held, which nothing could then recover. Without
-	// it the kernel fails the device's IO when the daemon dies.
+	// Recovery needs both flags: USER_RECOVERY alone would fail the IO
+	// the dead server had taken instead of handing it to the next one.
+	const recovery = FlagUserRecovery | FlagUserRecoveryReiss
+	if opts.Recovery && d.features&recovery == recovery {
+		flags |= recovery
+	}
 	info := devInfo{
 		NrHWQueues:    uint16(opts.Queues),
 		QueueDepth:    uint16(opts.QueueDepth),
@@ -364,6 +501,7 @@ func New(opts Options, be Backend) (*Device, error) {
 		DevID:         ^uint32(0),
 		SrvPID:        int32(os.Getpid()),
 		Flags:         flags,
+		SrvFlags:      opts.Cookie,
 	}
 	info.encode(d.scratch[scratchDevInfo:])
 	res, err := d.ctrl(cmdAddDev, d.ioctlEnc, ctrlCmd{DevID: ^uint32(0), QueueID: 0xffff,
@@ -375,7 +513,7 @@ func New(opts Options, be Backend) (*Device, error) {
 	d.info = decodeDevInfo(d.scratch[scratchDevInfo:])
 	d.id = d.info.DevID
 	if err := d.setup(); err != nil {
-		d.teardown(false)
+		d.teardown(false, false)
 		return nil, err
 	}
 	return d, nil
@@ -391,6 +529,17 @@ func (d *Device) setup() error {
 	if err := d.devCmd("SET_PARAMS", cmdSetParams, ctrlCmd{Len: sizeParams, Addr: d.scratchAddr(scratchParams)}); err != nil {
 		return err
 	}
+	if err := d.startQueues(); err != nil {
+		return err
+	}
+	// START_DEV waits until every tag has been fetched, then adds the
+	// disk, which reads the partition table through the queues.
+	return d.devCmd("START_DEV", cmdStartDev, ctrlCmd{Data: uint64(os.Getpid())})
+}
+
+// startQueues opens /dev/ublkcN and starts a goroutine per queue, each of
+// which fetches every tag of its queue before startQueues returns.
+func (d *Device) startQueues() error {
 	cpath := fmt.Sprintf("/dev/ublkc%d", d.id)
 	var err error
 	for i := 0; i < 200; i++ { // udev or devtmpfs may lag behind ADD_DEV
@@ -416,12 +565,106 @@ func (d *Device) setup() error {
 			errs = append(errs, err)
 		}
 	}
-	if len(errs) > 0 {
-		return errors.Join(errs...)
+	return errors.Join(errs...)
+}
+
+// recoverWait bounds how long Recover waits for the previous server to
+// be gone (its queues cancelled, /dev/ublkcN released, the device
+// quiesced).
+var recoverWait = 15 * time.Second
+
+// Recover takes over device id, left quiesced by a server that exited:
+// START_USER_RECOVERY, new queues fetching every tag, END_USER_RECOVERY;
+// the IO the kernel held then runs on be. The device keeps what it was
+// made with (queues, depth, request size, parameters); of opts only the
+// Cookie, which must match the device's, counts. An error wraps
+// ErrNoDevice or ErrNotRecoverable when the device cannot be had; the
+// device is then left as it was.
+func Recover(id int, opts Options, be Backend) (*Device, error) {
+	d := &Device{be: be, ctrlFd: -1, id: uint32(id)}
+	if err := d.openControl(); err != nil {
+		return nil, err
 	}
-	// START_DEV waits until every tag has been fetched, then adds the
-	// disk, which reads the partition table through the queues.
-	return d.devCmd("START_DEV", cmdStartDev, ctrlCmd{Data: uint64(os.Getpid())})
+	fail := func(err error) (*Device, error) {
+		d.closeControl()
+		return nil, err
+	}
+	info, err := d.getInfo()
+	if err != nil {
+		return fail(err)
+	}
+	name := fmt.Sprintf("/dev/ublkb%d", id)
+	switch {
+	case info.Flags&FlagUserRecovery == 0:
+		return fail(fmt.Errorf("%w: %s was made without user recovery", ErrNotRecoverable, name))
+	case info.SrvFlags != opts.Cookie:
+		return fail(fmt.Errorf("%w: %s serves something else (cookie %#x, want %#x)", ErrNotRecoverable, name, info.SrvFlags, opts.Cookie))
+	case info.State == devStateDead:
+		return fail(fmt.Errorf("%w: %s is stopped", ErrNotRecoverable, name))
+	case info.State == devStateLive && int(info.SrvPID) != os.Getpid() && processAlive(int(info.SrvPID)):
+		return fail(fmt.Errorf("%w: %s is served by running process %d", ErrNotRecoverable, name, info.SrvPID))
+	}
+	basic, err := d.getParams()
+	if err != nil {
+		return fail(err)
+	}
+	d.info = info
+	d.opts = opts
+	d.opts.Queues, d.opts.QueueDepth, d.opts.MaxIOBytes = int(info.NrHWQueues), int(info.QueueDepth), int(info.MaxIOBufBytes)
+	d.opts.Size = int64(basic.DevSectors) << 9
+	d.opts.LogicalBlockSize, d.opts.PhysicalBlockSize = 1<<basic.LogicalBSShift, 1<<basic.PhysicalBSShift
+	d.opts.ReadOnly = basic.Attrs&attrReadOnly != 0
+	// START_USER_RECOVERY answers EBUSY until the old server's queues are
+	// cancelled and its /dev/ublkcN is closed: its exit may still be
+	// under way.
+	deadline := time.Now().Add(recoverWait)
+	for {
+		res, err := d.ctrl(cmdStartUserRecov, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff})
+		if err == nil && res == -int32(syscall.EBUSY) && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+			continue
+		}
+		if err == nil && res == -int32(syscall.EBUSY) {
+			st := info.State
+			if i, err := d.getInfo(); err == nil {
+				st = i.State
+			}
+			return fail(fmt.Errorf("%w: %s is still %v after %v (its server has not let go)",
+				ErrNotRecoverable, name, DevState(st), recoverWait))
+		}
+		if err := ctrlErr("START_USER_RECOVERY", res, err); err != nil {
+			return fail(err)
+		}
+		break
+	}
+	// From here the device waits for a server: if ours cannot start, it
+	// stays quiesced for the next attempt.
+	if err := d.startQueues(); err != nil {
+		d.teardown(false, true)
+		return nil, err
+	}
+	if err := d.devCmd("END_USER_RECOVERY", cmdEndUserRecov, ctrlCmd{Data: uint64(os.Getpid())}); err != nil {
+		d.teardown(false, true)
+		return nil, err
+	}
+	d.info.State = devStateLive
+	d.info.SrvPID = int32(os.Getpid())
+	return d, nil
+}
+
+// processAlive reports whether pid is a running (not exited, not zombie)
+// process.
+func processAlive(pid int) bool {
+	if pid <= 0 || unix.Kill(pid, 0) != nil {
+		return false
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// pid (comm) S …: the state follows the last ')'.
+	i := bytes.LastIndexByte(b, ')')
+	return i < 0 || i+2 >= len(b) || (b[i+2] != 'Z' && b[i+2] != 'X')
 }
 
 // Path is the block device, /dev/ublkbN.
@@ -430,11 +673,20 @@ func (d *Device) Path() string { return fmt.Sprintf("/dev/ublkb%d", d.id) }
 // ID is the device number N.
 func (d *Device) ID() int { return int(d.id) }
 
+// Size is the device's size in bytes.
+func (d *Device) Size() int64 { return d.opts.Size }
+
 // Features are the kernel's UBLK_F_* flags (from GET_FEATURES).
 func (d *Device) Features() uint64 { return d.features }
 
 // Flags are the UBLK_F_* flags the device was created with.
 func (d *Device) Flags() uint64 { return d.info.Flags }
+
+// Recoverable reports whether the device outlives its server: it was made
+// with user recovery (and reissue).
+func (d *Device) Recoverable() bool {
+	return d.info.Flags&(FlagUserRecovery|FlagUserRecoveryReiss) == FlagUserRecovery|FlagUserRecoveryReiss
+}
 
 // Queues and QueueDepth are what the kernel granted.
 func (d *Device) Queues() int     { return int(d.info.NrHWQueues) }
@@ -444,24 +696,39 @@ func (d *Device) QueueDepth() int { return int(d.info.QueueDepth) }
 // waits for the requests in flight and aborts the fetches), waits for the
 // queues to finish what the backend still holds, then DEL_DEV_ASYNC (or
 // DEL_DEV on kernels before 6.9, which waits for every opener of
-// /dev/ublkbN to close it).
+// /dev/ublkbN to close it). Stop and Detach are each done once; the
+// first of them decides.
 func (d *Device) Stop() error {
-	d.stopOnce.Do(func() { d.stopErr = d.teardown(true) })
+	d.stopOnce.Do(func() { d.stopErr = d.teardown(true, false) })
 	return d.stopErr
 }
+
+// Detach stops serving but leaves a Recoverable device in the kernel for
+// the next server (see Recover): what the backend holds is completed,
+// requests not yet handed to it stay with the kernel, which requeues
+// them, and /dev/ublkbN keeps its openers and mounts, their IO waiting.
+// A device that is not Recoverable is stopped as by Stop.
+func (d *Device) Detach() error {
+	d.stopOnce.Do(func() { d.stopErr = d.teardown(d.started(), d.Recoverable()) })
+	return d.stopErr
+}
+
+func (d *Device) started() bool { return len(d.queues) > 0 }
 
 // queueExitTimeout bounds how long Stop waits for the queues.
 var queueExitTimeout = 30 * time.Second
 
-func (d *Device) teardown(started bool) error {
+// teardown stops the queues and releases the device: STOP_DEV first if it
+// was started, DEL_DEV last unless detach leaves it to a later server.
+func (d *Device) teardown(started, detach bool) error {
 	var errs []error
-	if started {
+	if started && !detach {
 		if err := d.devCmd("STOP_DEV", cmdStopDev, ctrlCmd{}); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	for _, q := range d.queues {
-		q.stop()
+		q.stop(detach)
 	}
 	deadline := time.After(queueExitTimeout)
 	clean := true
@@ -481,23 +748,27 @@ func (d *Device) teardown(started bool) error {
 		d.cdev.Close()
 		d.cdev = nil
 	}
-	// DEL_DEV waits until the device is released: /dev/ublkcN with its
-	// mappings (closed above) but also every opener of /dev/ublkbN.
-	// DEL_DEV_ASYNC (6.9+) removes the nodes at once and lets the last
-	// opener free the number, so a lingering reader cannot hang Stop.
-	if clean {
-		nr := uint32(cmdDelDevAsync)
-		if !d.ioctlEnc {
-			nr = cmdDelDev
-		}
-		res, err := d.ctrl(nr, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff})
-		if err == nil && nr == cmdDelDevAsync && (res == -int32(syscall.EOPNOTSUPP) || res == -int32(syscall.EINVAL)) {
-			res, err = d.ctrl(cmdDelDev, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff})
-		}
-		if err := ctrlErr("DEL_DEV", res, err); err != nil {
+	if clean && !detach {
+		if err := d.delDev(); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	d.closeControl()
 	return errors.Join(errs...)
+}
+
+// delDev deletes the device. DEL_DEV waits until it is released:
+// /dev/ublkcN with its mappings but also every opener of /dev/ublkbN.
+// DEL_DEV_ASYNC (6.9+) removes the nodes at once and lets the last opener
+// free the number, so a lingering reader cannot hang us.
+func (d *Device) delDev() error {
+	nr := uint32(cmdDelDevAsync)
+	if !d.ioctlEnc {
+		nr = cmdDelDev
+	}
+	res, err := d.ctrl(nr, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff})
+	if err == nil && nr == cmdDelDevAsync && (res == -int32(syscall.EOPNOTSUPP) || res == -int32(syscall.EINVAL)) {
+		res, err = d.ctrl(cmdDelDev, d.ioctlEnc, ctrlCmd{DevID: d.id, QueueID: 0xffff})
+	}
+	return ctrlErr("DEL_DEV", res, err)
 }
