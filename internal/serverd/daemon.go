@@ -174,7 +174,7 @@ type (
 
 // Field lists of the records the API returns, in the rnbd tool's names.
 var (
-	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "rx_sect", "tx_sect", "direction"}
+	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "direction"}
 	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
@@ -299,7 +299,8 @@ func (d *Daemon) devices(name string) []output.Record {
 		rows = append(rows, output.Record{
 			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
 			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
-			"state": "open", "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "direction": "server",
+			"state": "open", "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
+			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "direction": "server",
 		})
 	}
 	for _, e := range d.rnbd.Exports() {
@@ -309,7 +310,8 @@ func (d *Daemon) devices(name string) []output.Record {
 		rows = append(rows, output.Record{
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
-			"state": "exported", "rx_sect": 0, "tx_sect": 0, "direction": "server",
+			"state": "exported", "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
+			"wzero_cnt": 0, "direction": "server",
 		})
 	}
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })

@@ -175,8 +175,11 @@ type SessDev struct {
 	readonly bool
 	backend  *blockdev.Backend
 
-	// rdSect and wrSect count the sectors read and written.
-	rdSect, wrSect atomic.Uint64
+	// rdSect and wrSect count the sectors read and written; the others
+	// count what reached the backend: flushes (explicit or before a
+	// write), FUA writes, discards and write-zeroes.
+	rdSect, wrSect                  atomic.Uint64
+	flushes, fuas, discards, wzeros atomic.Uint64
 
 	// refs counts IO in flight plus one for being open; closing waits
 	// for it to drain.
@@ -651,11 +654,15 @@ func (d *SessDev) do(op *rtrs.SrvOp, m *IO, nowait bool) (done bool, err error) 
 			return done, err
 		}
 		if m.RW&FPreflush != 0 {
+			d.flushes.Add(1)
 			if err = be.Flush(); err != nil {
 				return true, err
 			}
 		}
 		d.wrSect.Add(uint64(n / 512))
+		if m.RW&FFUA != 0 {
+			d.fuas.Add(1)
+		}
 		return true, be.WriteAt(data, off, m.RW&FFUA != 0)
 	}
 	if len(data) != 0 || nowait {
@@ -663,10 +670,13 @@ func (d *SessDev) do(op *rtrs.SrvOp, m *IO, nowait bool) (done bool, err error) 
 	}
 	switch m.Op() {
 	case OpFlush:
+		d.flushes.Add(1)
 		return true, be.Flush()
 	case OpDiscard:
+		d.discards.Add(1)
 		return true, be.Discard(off, n)
 	case OpWriteZeroes:
+		d.wzeros.Add(1)
 		return true, be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
 	case OpSecureErase:
 		return true, be.SecureErase(off, n)
@@ -799,6 +809,9 @@ type SessDevInfo struct {
 	// ReadSectors and WrittenSectors count the device's IO, in 512-byte
 	// sectors, since it was opened.
 	ReadSectors, WrittenSectors uint64
+	// Flushes, FUAWrites, Discards and WriteZeroes count those requests
+	// since it was opened (a write with preflush counts as a flush too).
+	Flushes, FUAWrites, Discards, WriteZeroes uint64
 }
 
 // OpenDevices lists every device every session has open, by session and
@@ -810,6 +823,7 @@ func (s *Server) OpenDevices() []SessDevInfo {
 			Session: d.sess.name, Name: d.name, Export: d.export, Path: d.backend.Path(),
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
 			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(),
+			Flushes: d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
 		})
 	}
 	sort.Slice(out, func(i, j int) bool {

@@ -520,6 +520,12 @@ func TestIOSemantics(t *testing.T) {
 			if err := x.op(OpSecureErase, 0, 0, 4096); !errors.Is(err, syscall.EOPNOTSUPP) {
 				t.Fatalf("secure erase of a file: %v", err)
 			}
+			// What reached the backend is counted: two preflushes and
+			// the flush, six FUA writes, a discard, two write-zeroes.
+			o := r.srv.OpenDevices()
+			if len(o) != 1 || o[0].Flushes != 3 || o[0].FUAWrites != 6 || o[0].Discards != 1 || o[0].WriteZeroes != 2 {
+				t.Fatalf("counters %+v", o)
+			}
 		})
 	}
 }
