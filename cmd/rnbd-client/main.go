@@ -59,6 +59,8 @@ func newDaemon() *cobra.Command {
 			set("no-path-timeout", func() { cfg.NoPathTimeout = over.NoPathTimeout })
 			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
 			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
+			set("ublk-queue-depth", func() { cfg.UblkQueueDepth = over.UblkQueueDepth })
+			set("nbd-io-timeout", func() { cfg.NBDIOTimeout = over.NBDIOTimeout })
 			set("log-level", func() { cfg.LogLevel = over.LogLevel })
 			set("log-format", func() { cfg.LogFormat = over.LogFormat })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
@@ -84,6 +86,8 @@ func newDaemon() *cobra.Command {
 	f.DurationVar(&over.NoPathTimeout.Duration, "no-path-timeout", d.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
 	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
 	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
+	f.DurationVar(&over.NBDIOTimeout.Duration, "nbd-io-timeout", 0, "the kernel nbd driver's request timeout (0: longer than IO can wait in the daemon: no_path_timeout + failure detection + 10s)")
+	f.IntVar(&over.UblkQueueDepth, "ublk-queue-depth", d.UblkQueueDepth, "requests in flight per ublk queue (one queue per CPU; each takes 512 KiB of registered memory)")
 	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
 	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
 	return cmd

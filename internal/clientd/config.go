@@ -7,6 +7,7 @@ package clientd
 import (
 	"errors"
 	"os"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -37,6 +38,8 @@ type Config struct {
 	NoPathTimeout        conf.Duration `toml:"no_path_timeout"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
+	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
+	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	LogLevel             string        `toml:"log_level"`
 	LogFormat            string        `toml:"log_format"`
 }
@@ -55,6 +58,7 @@ func DefaultConfig() Config {
 		NoPathTimeout:        conf.Duration{Duration: rtrs.DefaultNoPathTimeout},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
+		UblkQueueDepth:       64,
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -81,8 +85,32 @@ func (c *Config) Validate() error {
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {
 		return errors.New("bad no_path_timeout or heartbeat")
 	}
+	if c.NBDIOTimeout.Duration < 0 {
+		return errors.New("nbd_io_timeout must not be negative (0: derived)")
+	}
+	if c.UblkQueueDepth < 1 || c.UblkQueueDepth > 4096 {
+		return errors.New("ublk_queue_depth must be 1 to 4096")
+	}
 	if st, err := os.Stat(c.SocketDir); err == nil && !st.IsDir() {
 		return errors.New("socket_dir is not a directory")
 	}
 	return nil
+}
+
+// nbdIOTimeout is the kernel nbd driver's per-request timeout for the
+// devices this daemon attaches. When it fires the kernel re-sends the
+// request on another socket, while the daemon may still hold the first
+// copy and send it to the server later: a stale write could then land
+// after a newer one. So by default the timeout outlasts the longest time
+// a request can wait in the daemon: no_path_timeout after the failure
+// was detected (a heartbeat interval times the missed heartbeats allowed,
+// plus one), with a margin; never less than the kernel's own 30 s. The
+// price: a request the kernel had sent on a socket that died (a daemon
+// restart) waits that long before the kernel re-sends it.
+func (c *Config) nbdIOTimeout() time.Duration {
+	if c.NBDIOTimeout.Duration > 0 {
+		return c.NBDIOTimeout.Duration
+	}
+	detect := c.HBInterval.Duration * time.Duration(c.HBMissedMax+1)
+	return max(c.NoPathTimeout.Duration+detect+10*time.Second, 30*time.Second)
 }

@@ -43,9 +43,9 @@ type Mapping struct {
 	AccessMode string   `json:"access_mode"`
 	DestPort   uint16   `json:"dest_port"`
 	Transport  string   `json:"transport"`
-	As         string   `json:"as"` // nbd or socket:PATH
-	// Kernel is the /dev/nbdN a mapping "as nbd" got; a restart asks
-	// for the same device back.
+	As         string   `json:"as"` // nbd, ublk or socket:PATH
+	// Kernel is the /dev/nbdN or /dev/ublkbN a mapping "as nbd" or "as
+	// ublk" got; a restart takes the same device back.
 	Kernel string `json:"kernel_device,omitempty"`
 }
 
@@ -59,7 +59,7 @@ type State struct {
 type mapped struct {
 	Mapping
 	dev  *rnbd.CltDev
-	be   *nbdBackend
+	be   *nbdBackend  // socket and kernel nbd mappings
 	l    net.Listener // socket mappings
 	sock string
 	k    *kernelDev   // kernel nbd mappings
@@ -124,7 +124,14 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	// a command after the start sees them.
 	for _, m := range st.Mappings {
 		if err := d.restore(m); err != nil {
-			d.log.WithError(err).WithField("device", m.Device).Error("restoring mapping failed; it stays in the state file")
+			l := d.log.WithField("device", m.Device)
+			l.WithError(err).Error("restoring mapping failed; it stays in the state file")
+			if m.As == "ublk" && parseUblkIndex(m.Kernel) >= 0 {
+				// Unlike nbd's dead_conn_timeout, a quiesced ublk
+				// device holds its IO for ever: fail it now.
+				d.removeOrphanUblk(parseUblkIndex(m.Kernel), ublkCookie(backendID(m)), l)
+				m.Kernel = ""
+			}
 			d.failed = append(d.failed, m)
 		}
 	}
@@ -144,24 +151,28 @@ func (d *Daemon) Stop() error {
 	d.maps, d.sessions = map[string]*mapped{}, map[string]*session{}
 	d.mu.Unlock()
 	for _, m := range maps {
-		if m.u != nil {
-			// A ublk device goes with the daemon (no user recovery
-			// yet); the next start makes it again.
-			if err := m.u.Stop(); err != nil {
-				d.log.WithError(err).WithField("device", m.Device).Warn("ublk stop")
+		switch {
+		case m.u != nil:
+			// The ublk device stays (user recovery): the kernel holds
+			// its IO and the restarted daemon takes it back. Without
+			// recovery in the kernel it is stopped.
+			if err := m.u.Detach(); err != nil {
+				d.log.WithError(err).WithField("device", m.Device).Warn("ublk detach")
 			}
-		} else if m.k != nil {
+		case m.k != nil:
 			// Not disconnected: the kernel keeps the device and its
 			// queued IO for kernelDeadConnTimeout, and the restarted
 			// daemon takes it back.
 			for _, c := range m.k.ours {
 				c.Close()
 			}
-		} else {
+		default:
 			m.l.Close()
 			os.Remove(m.sock)
 		}
-		m.be.close()
+		if m.be != nil {
+			m.be.close()
+		}
 	}
 	for _, s := range sessions {
 		s.cs.Close()
@@ -379,26 +390,25 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 		}
 		return err
 	}
-	be, err := newNBDBackend(dev, 64)
-	if err != nil {
-		return fail(err)
-	}
 	if m.As == "ublk" {
-		u, err := attachUblk(be)
+		u, err := d.attachUblk(dev, backendID(m), parseUblkIndex(m.Kernel))
 		if err != nil {
-			be.close()
 			return fail(err)
 		}
 		m.Kernel = u.Path()
-		d.register(&mapped{Mapping: m, dev: dev, be: be, u: u}, "kernel_device", m.Kernel)
+		d.register(&mapped{Mapping: m, dev: dev, u: u}, "kernel_device", m.Kernel)
 		return nil
+	}
+	be, err := newNBDBackend(dev, 64)
+	if err != nil {
+		return fail(err)
 	}
 	if err := d.nbd.AddExport(be.export(m.DevicePath)); err != nil {
 		be.close()
 		return fail(err)
 	}
 	if m.As == "nbd" {
-		k, err := d.attachKernel(be.export(m.DevicePath), "rnbd:"+m.SessName+"/"+m.DevicePath, parseKernelIndex(m.Kernel))
+		k, err := d.attachKernel(be.export(m.DevicePath), backendID(m), parseKernelIndex(m.Kernel))
 		if err != nil {
 			d.nbd.RemoveExport(m.DevicePath)
 			be.close()
@@ -426,6 +436,10 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
 	d.register(&mapped{Mapping: m, dev: dev, be: be, l: l, sock: sock}, "socket", sock)
 	return nil
 }
+
+// backendID names what a kernel device of m serves: nbd's
+// BACKEND_IDENTIFIER, the source of a ublk device's cookie.
+func backendID(m Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }
 
 // register records a mapping that is being served and says where.
 func (d *Daemon) register(mp *mapped, whereKey, where string) {
@@ -501,7 +515,8 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	if m == nil {
 		for i, f := range d.failed {
 			if f.Device == device {
-				// Never came back after a restart: only forget it.
+				// Never came back after a restart: only forget it
+				// (a ublk device it left was removed then).
 				d.failed = append(d.failed[:i:i], d.failed[i+1:]...)
 				d.mu.Unlock()
 				return nil
@@ -533,9 +548,13 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 		m.l.Close()
 		os.Remove(m.sock)
 	}
-	d.nbd.RemoveExport(m.DevicePath) // closes the connections, waits for their IO
+	if m.be != nil {
+		d.nbd.RemoveExport(m.DevicePath) // closes the connections, waits for their IO
+	}
 	err := m.dev.Unmap(ctx)
-	m.be.close()
+	if m.be != nil {
+		m.be.close()
+	}
 	d.dropSession(m.SessName)
 	d.log.WithFields(log.Fields{"device": device, "force": force}).Info("device unmapped")
 	return err

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -77,8 +78,8 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kern
 		Index:     -1,
 		SizeBytes: uint64(e.Size),
 		BlockSize: uint64(min(max(e.MinBlock, 512), 4096)),
-		// No per-request timeout: IO waits in RNBD for no_path_timeout,
-		// and a kernel timeout would only kill healthy sockets.
+		// Longer than a request can wait in RNBD (see nbdIOTimeout).
+		Timeout:         d.cfg.nbdIOTimeout(),
 		DeadConnTimeout: kernelDeadConnTimeout,
 		ServerFlags:     uint64(e.TransmissionFlags()),
 		BackendID:       backendID,
@@ -139,12 +140,16 @@ func (k *kernelDev) detach(l *log.Entry) {
 }
 
 // parseKernelIndex reads N of /dev/nbdN (-1 if there is none).
-func parseKernelIndex(path string) int {
-	var n int
-	if !strings.HasPrefix(path, "/dev/nbd") {
+func parseKernelIndex(path string) int { return parseDevIndex(path, "/dev/nbd") }
+
+// parseDevIndex reads N of prefix+N (-1 if path is not that).
+func parseDevIndex(path, prefix string) int {
+	s, ok := strings.CutPrefix(path, prefix)
+	if !ok {
 		return -1
 	}
-	if _, err := fmt.Sscanf(path, "/dev/nbd%d", &n); err != nil {
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 {
 		return -1
 	}
 	return n

@@ -3,20 +3,29 @@ package clientd
 import (
 	"context"
 	"errors"
+	"hash/fnv"
 	"os"
 	"sync"
+	"sync/atomic"
 
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/blockdev/ublk"
 	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
-// ublkBackend serves a mapped device to a ublk device. ublk hands each
-// request its own buffer (the tag's); the data is copied between it and a
-// slot of the device's registered memory, from where RTRS sends it.
+// ublkBackend serves a mapped device to a ublk device. Each ublk queue's
+// tag buffers are registered memory of the device's session (it is a
+// ublk.BufferProvider), so the kernel copies request data straight into
+// the memory RTRS sends from and receives into: no copy of ours, and no
+// wait for a buffer on the queue's thread.
 type ublkBackend struct {
-	nb   *nbdBackend
+	dev  *rnbd.CltDev
 	reqs sync.Pool // *ublkIO
+
+	mu   sync.Mutex                     // serializes changes of bufs
+	bufs atomic.Pointer[[]*rtrs.Buffer] // index = queue; copied on change
 }
 
 // ublkIO carries one ublk request through the device.
@@ -24,30 +33,53 @@ type ublkIO struct {
 	rnbd.IOReq
 	ur     *ublk.Request
 	done   func(*ublk.Request, error)
-	slot   *slotBuf
 	b      *ublkBackend
 	doneFn func(*rnbd.IOReq, error)
 }
 
-func newUblkBackend(nb *nbdBackend) *ublkBackend {
-	b := &ublkBackend{nb: nb}
+func newUblkBackend(dev *rnbd.CltDev) *ublkBackend {
+	b := &ublkBackend{dev: dev}
+	b.bufs.Store(new([]*rtrs.Buffer))
 	b.reqs.New = func() any {
 		r := &ublkIO{b: b}
-		r.doneFn = r.complete
+		r.doneFn = r.complete // a method value allocates: once per ublkIO
 		return r
 	}
 	return b
 }
 
-func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
-	ur, done, slot := r.ur, r.done, r.slot
-	if slot != nil {
-		if err == nil && ur.Op == ublk.OpRead {
-			copy(ur.Data, slot.data)
-		}
-		slot.Release()
+// QueueBuffers implements ublk.BufferProvider: n bytes of registered
+// memory for queue q.
+func (b *ublkBackend) QueueBuffers(q, n int) ([]byte, error) {
+	buf, err := b.dev.Session().Session().AllocBuffer(n)
+	if err != nil {
+		return nil, err
 	}
-	r.ur, r.done, r.slot = nil, nil, nil
+	b.mu.Lock()
+	old := *b.bufs.Load()
+	bufs := make([]*rtrs.Buffer, max(len(old), q+1))
+	copy(bufs, old)
+	bufs[q] = buf
+	b.bufs.Store(&bufs)
+	b.mu.Unlock()
+	return buf.Bytes()[:n], nil
+}
+
+// ReleaseQueueBuffers implements ublk.BufferProvider.
+func (b *ublkBackend) ReleaseQueueBuffers(q int, _ []byte) {
+	b.mu.Lock()
+	old := *b.bufs.Load()
+	bufs := append([]*rtrs.Buffer(nil), old...)
+	buf := bufs[q]
+	bufs[q] = nil
+	b.bufs.Store(&bufs)
+	b.mu.Unlock()
+	buf.Free()
+}
+
+func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
+	ur, done := r.ur, r.done
+	r.ur, r.done = nil, nil
 	r.b.reqs.Put(r)
 	done(ur, err)
 }
@@ -79,27 +111,28 @@ func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) 
 		r.Flags |= rnbd.FFUA
 	}
 	if ur.Op == ublk.OpRead || ur.Op == ublk.OpWrite {
-		// Waits for a free slot: they come back as IO completes,
-		// which never waits for the ublk queue.
-		buf, err := b.nb.Buffer(context.Background(), ur.Len)
-		if err != nil {
-			r.complete(&r.IOReq, err)
-			return
-		}
-		r.slot = buf.(*slotBuf)
-		if ur.Op == ublk.OpWrite {
-			copy(r.slot.data, ur.Data)
-		}
-		r.Buf, r.BufOff = r.slot.buf, r.slot.off
+		r.Buf, r.BufOff = (*b.bufs.Load())[ur.Queue()], ur.BufferOffset()
 	}
-	if err := b.nb.dev.Submit(context.Background(), &r.IOReq); err != nil {
+	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
 		r.complete(&r.IOReq, err)
 	}
 }
 
-// attachUblk creates a ublk device (/dev/ublkbN) for a mapped device.
-func attachUblk(nb *nbdBackend) (*ublk.Device, error) {
-	dev := nb.dev
+// ublkCookie is what a ublk device carries in the kernel to name what it
+// serves (the cookie of ublk.Options): a restarted daemon takes a device
+// back only for the same session and device, as BACKEND_IDENTIFIER does
+// for nbd.
+func ublkCookie(backendID string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(backendID))
+	return h.Sum64()
+}
+
+// attachUblk serves a mapped device as a ublk device (/dev/ublkbN). With
+// index >= 0 it first takes that device back from the daemon that served
+// it before (user recovery; the IO the kernel held then runs here), else
+// or if that fails it makes a new one.
+func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (*ublk.Device, error) {
 	info := dev.Info()
 	ro := dev.Mode() == rnbd.AccessRO
 	lbs := max(int(info.LogicalBlockSize), 512)
@@ -107,25 +140,58 @@ func attachUblk(nb *nbdBackend) (*ublk.Device, error) {
 		Size:              dev.Size(),
 		LogicalBlockSize:  lbs,
 		PhysicalBlockSize: max(int(info.PhysicalBlockSize), lbs),
-		// Every tag has a buffer of MaxIOBytes: 64 tags of 512 KiB per
-		// queue (one queue per CPU) is 32 MiB of memory per queue.
-		QueueDepth:    64,
-		MaxIOBytes:    min(512<<10, slotSize),
+		// Every tag has a buffer of MaxIOBytes, registered with the
+		// session: depth × 512 KiB per queue, one queue per CPU.
+		QueueDepth:    d.cfg.UblkQueueDepth,
+		MaxIOBytes:    512 << 10,
 		Discard:       !ro && info.MaxDiscardSectors > 0,
 		WriteZeroes:   !ro && info.MaxWriteZeroesSectors > 0,
-		VolatileCache: true,
+		VolatileCache: info.CachePolicy&rnbd.CacheWriteback != 0,
 		FUA:           info.CachePolicy&rnbd.CacheFUA != 0,
 		ReadOnly:      ro,
+		Recovery:      true,
+		Cookie:        ublkCookie(backendID),
 	}
-	d, err := ublk.New(opts, newUblkBackend(nb))
+	l := d.log.WithField("device_path", dev.Name())
+	if index >= 0 {
+		u, err := ublk.Recover(index, opts, newUblkBackend(dev))
+		if err == nil {
+			l.WithField("ublk", u.Path()).Info("took the ublk device back (user recovery)")
+			return u, nil
+		}
+		l.WithError(err).WithField("ublk", index).Warn("could not take the ublk device back; making a new one")
+		d.removeOrphanUblk(index, opts.Cookie, l)
+	}
+	u, err := ublk.New(opts, newUblkBackend(dev))
 	if errors.Is(err, ublk.ErrNoUblk) {
 		return nil, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
 	}
-	return d, err
+	if err == nil && !u.Recoverable() {
+		l.WithField("ublk", u.Path()).Warn("this kernel has no ublk user recovery: the device will not survive a restart of the daemon")
+	}
+	return u, err
 }
+
+// removeOrphanUblk deletes ublk device index if it is one of ours
+// (cookie) that no process serves: nothing will take it back, and its IO
+// would otherwise wait for ever. Its IO fails.
+func (d *Daemon) removeOrphanUblk(index int, cookie uint64, l *log.Entry) {
+	info, err := ublk.GetInfo(index)
+	if err != nil || info.Cookie != cookie || info.State == ublk.StateLive {
+		return
+	}
+	if err := ublk.Remove(index); err != nil {
+		l.WithError(err).WithField("ublk", index).Warn("removing the orphaned ublk device")
+		return
+	}
+	l.WithField("ublk", index).Warn("removed the orphaned ublk device: the IO it held failed")
+}
+
+// parseUblkIndex reads N of /dev/ublkbN (-1 if there is none).
+func parseUblkIndex(path string) int { return parseDevIndex(path, "/dev/ublkb") }
 
 // kernelHasUblk reports whether /dev/ublk-control exists.
 func kernelHasUblk() bool {
-	_, err := os.Stat("/dev/ublk-control")
+	_, err := os.Stat(ublk.ControlPath)
 	return err == nil
 }
