@@ -21,7 +21,7 @@ die() { log "FAIL: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "the VM tier needs root (apt-get, the kernel package)"
 need=()
-for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod; do
+for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod fio:fio mkfs.ext4:e2fsprogs blockdev:util-linux; do
 	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
 done
 # The guest has no libc: busybox must be busybox-static's.
@@ -95,22 +95,38 @@ copy_elf() {
 		[ -e "$root$lib" ] || { mkdir -p "$root$(dirname "$lib")"; cp -L "$lib" "$root$lib"; }
 	done
 }
-if command -v fio >/dev/null; then copy_elf "$(command -v fio)"; else log "no fio on the host: the guest skips fio-verify"; fi
+# fio, e2fsprogs' mkfs.ext4 and util-linux's blockdev: busybox has none of
+# them (its mke2fs makes ext2, its blockdev has no --getsize64).
+for t in fio mkfs.ext4 blockdev; do copy_elf "$(command -v $t)"; done
+mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
 "$bb" sh -n "$repo/test/vm/guest/init.sh" || die "test/vm/guest/init.sh does not parse"
 cp "$repo/test/vm/guest/init.sh" "$root/init"
 chmod +x "$root/init"
 (cd "$root" && find . -print0 | cpio --null -o -H newc --owner=0:0 --quiet | gzip -1) >"$work/initrd.gz"
 
-log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
+# Single-threaded TCG: multi-threaded TCG oopsed at boot about once in
+# seven boots here (VM-HARNESS.md), and was no faster. A kernel that dies
+# before /init (no VMTEST-INIT) is booted once more, so a flaky boot does
+# not fail the tier by itself.
+boot() {
+	log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
+	timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
+		-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
+		-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1
+}
 start=$(date +%s)
 set +e
-timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
-	-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=multi -cpu max \
-	-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1
+boot
 rc=$?
+if ! grep -aq VMTEST-INIT "$work/serial.log"; then
+	tr -d '\r' <"$work/serial.log" | tail -20 >&2
+	log "the kernel did not reach /init (qemu exit $rc): booting once more"
+	boot
+	rc=$?
+fi
 set -e
 secs=$(($(date +%s) - start))
-tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|[0-9]+ passed)' || true
+tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|SCENARIO|[0-9]+ passed)' || true
 if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	tr -d '\r' <"$work/serial.log" | tail -40 >&2
 	die "the guest did not finish (qemu exit $rc after ${secs}s)"
