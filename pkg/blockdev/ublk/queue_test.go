@@ -11,28 +11,37 @@ import (
 	"github.com/rnbd/rnbd/internal/uring"
 )
 
+// newWakeQueue is a queue with only its eventfd and ring, the eventfd READ
+// armed: the completion path without a kernel device. It is cleaned up
+// with the test.
+func newWakeQueue(tb testing.TB, depth int) *queue {
+	d := &Device{opts: Options{MaxIOBytes: 4096}}
+	q := newQueue(d, 0, depth)
+	var err error
+	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+		tb.Fatal(err)
+	}
+	q.ring, err = uring.New(8, uring.Options{})
+	if errors.Is(err, uring.ErrUnavailable) {
+		unix.Close(q.efd)
+		tb.Skip(err)
+	}
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(q.cleanup)
+	if err := q.armWake(); err != nil {
+		tb.Fatal(err)
+	}
+	return q
+}
+
 // The completion path without a kernel device: backend goroutines call
 // done, the queue goroutine is woken through its eventfd READ and finds
 // every completion with the right result.
 func TestCompletionWake(t *testing.T) {
 	const depth = 64
-	d := &Device{opts: Options{MaxIOBytes: 4096}}
-	q := newQueue(d, 0, depth)
-	var err error
-	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
-		t.Fatal(err)
-	}
-	q.ring, err = uring.New(8, uring.Options{})
-	if errors.Is(err, uring.ErrUnavailable) {
-		t.Skip(err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer q.cleanup()
-	if err := q.armWake(); err != nil {
-		t.Fatal(err)
-	}
+	q := newWakeQueue(t, depth)
 	const rounds = 20
 	got := map[uint16]int32{}
 	for round := 0; round < rounds; round++ {
@@ -108,23 +117,7 @@ func TestCompletionWake(t *testing.T) {
 // backend goroutine completes a request, the queue goroutine is woken by
 // the eventfd, collects the completion and re-arms. 0 allocs/op.
 func BenchmarkCompletion(b *testing.B) {
-	d := &Device{opts: Options{MaxIOBytes: 4096}}
-	q := newQueue(d, 0, 1)
-	var err error
-	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
-		b.Fatal(err)
-	}
-	q.ring, err = uring.New(8, uring.Options{})
-	if errors.Is(err, uring.ErrUnavailable) {
-		b.Skip(err)
-	}
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer q.cleanup()
-	if err := q.armWake(); err != nil {
-		b.Fatal(err)
-	}
+	q := newWakeQueue(b, 1)
 	r := &q.reqs[0]
 	r.Op, r.Len = OpRead, 4096
 	kick := make(chan struct{})
