@@ -2,6 +2,8 @@ package clientd
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -47,6 +49,10 @@ type Mapping struct {
 	// Kernel is the /dev/nbdN or /dev/ublkbN a mapping "as nbd" or "as
 	// ublk" got; a restart takes the same device back.
 	Kernel string `json:"kernel_device,omitempty"`
+	// SessUUID is the RTRS session's paths UUID (hex): a restarted daemon
+	// dials its sessions with the same one, so the server takes them for
+	// the sessions it may still hold rather than refusing their names.
+	SessUUID string `json:"sess_uuid,omitempty"`
 }
 
 // State is what survives a restart: the mappings.
@@ -70,6 +76,11 @@ type mapped struct {
 type session struct {
 	cs    *rnbd.CltSession
 	paths []string
+}
+
+func (s *session) uuid() string {
+	u := s.cs.Session().UUID()
+	return hex.EncodeToString(u[:])
 }
 
 // Daemon is a running rnbd-client.
@@ -330,7 +341,7 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 	if m.As == "" {
 		m.As = "socket:" + filepath.Join(d.cfg.SocketDir, m.Device+".sock")
 	}
-	if err := d.mapLocked(ctx, m); err != nil {
+	if err := d.mapLocked(ctx, m, false); err != nil {
 		return m, err
 	}
 	d.mu.Lock()
@@ -365,16 +376,18 @@ func (d *Daemon) restore(m Mapping) error {
 	if err := d.normalize(&m); err != nil {
 		return err
 	}
-	return d.mapLocked(ctx, m)
+	return d.mapLocked(ctx, m, true)
 }
 
 // mapLocked does the work of a map: the session (found or dialled), the
-// device, the NBD export and its socket.
-func (d *Daemon) mapLocked(ctx context.Context, m Mapping) error {
-	s, created, err := d.getSession(ctx, m)
+// device, the NBD export and its socket. A restore dials a session with
+// the UUID it had, and is content with any one of its paths up.
+func (d *Daemon) mapLocked(ctx context.Context, m Mapping, restore bool) error {
+	s, created, err := d.getSession(ctx, m, restore)
 	if err != nil {
 		return err
 	}
+	m.SessUUID = s.uuid()
 	mode, _ := rnbd.ParseAccessMode(m.AccessMode)
 	dev, err := s.cs.Map(ctx, m.DevicePath, mode)
 	if err != nil {
@@ -453,7 +466,7 @@ func (d *Daemon) register(mp *mapped, whereKey, where string) {
 // getSession finds the session named in m or dials it. A session of that
 // name must have the same paths: a different set is a mistake, not a
 // second session.
-func (d *Daemon) getSession(ctx context.Context, m Mapping) (*session, bool, error) {
+func (d *Daemon) getSession(ctx context.Context, m Mapping, restore bool) (*session, bool, error) {
 	d.mu.Lock()
 	s := d.sessions[m.SessName]
 	d.mu.Unlock()
@@ -469,6 +482,15 @@ func (d *Daemon) getSession(ctx context.Context, m Mapping) (*session, bool, err
 	cfg.MPPolicy, _ = rtrs.ParseMPPolicy(d.cfg.MPPolicy)
 	cfg.MaxReconnectAttempts = d.cfg.MaxReconnectAttempts
 	cfg.HBInterval, cfg.HBMissedMax = d.cfg.HBInterval.Duration, d.cfg.HBMissedMax
+	// The session's UUID is ours, not rtrs's random one, and kept in the
+	// state file: its paths' UUIDs derive from it, so after a restart
+	// the server sees the same paths coming back.
+	cfg.OpenAnyPath = restore
+	if u, err := hex.DecodeString(m.SessUUID); err == nil && len(u) == len(cfg.UUID) {
+		copy(cfg.UUID[:], u)
+	} else if _, err := rand.Read(cfg.UUID[:]); err != nil {
+		return nil, false, err
+	}
 	for _, p := range m.Paths {
 		pa, _ := rtrs.ParsePathAddr(p, m.DestPort)
 		cfg.Paths = append(cfg.Paths, pa)

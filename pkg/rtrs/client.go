@@ -93,6 +93,16 @@ type ClientConfig struct {
 	NoPathTimeout time.Duration
 	// ConnectTimeout bounds establishing one path (30 s).
 	ConnectTimeout time.Duration
+	// UUID is the session's paths UUID; zero picks a random one. A
+	// client that restarts passes its predecessor's: the server then takes
+	// its paths for the same session's (their UUIDs derive from it and
+	// the path's addresses), replaces any the predecessor left behind, and
+	// the session name is not "taken" by what the dead client left there.
+	UUID [16]byte
+	// OpenAnyPath makes Open succeed once one path is connected; the
+	// others keep trying in the background, as after a failure. Open
+	// otherwise needs every path, as the kernel's rtrs_clt_open does.
+	OpenAnyPath bool
 	// LinkEvent, if set, is told when the last path goes down and when a
 	// path comes back. Calls are serialized; it must not call back into
 	// the session's path controls.
@@ -219,25 +229,43 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Session{cfg: cfg, name: cfg.SessName, closedCh: make(chan struct{})}
-	if _, err := rand.Read(s.uuid[:]); err != nil {
-		return nil, err
+	s := &Session{cfg: cfg, name: cfg.SessName, uuid: cfg.UUID, closedCh: make(chan struct{})}
+	if s.uuid == [16]byte{} {
+		if _, err := rand.Read(s.uuid[:]); err != nil {
+			return nil, err
+		}
 	}
 	s.log = cfg.Log.WithField("session", s.name)
 	s.policy.Store(int32(cfg.MPPolicy))
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
 	s.noPathTimeout.Store(int64(cfg.NoPathTimeout))
 	s.pathsSnap.Store(&[]*Path{})
+	var firstErr error
+	up := 0
 	for _, pa := range cfg.Paths {
-		p, err := s.addPath(pa)
+		p, err := s.addPath(pa, cfg.OpenAnyPath)
 		if err != nil {
 			s.Close()
 			return nil, err
 		}
-		if err := p.connect(ctx); err != nil {
-			s.Close()
-			return nil, fmt.Errorf("rtrs: open session %s: path %s: %w", s.name, pa, err)
+		if err := p.connectRetryBusy(ctx); err != nil {
+			err = fmt.Errorf("rtrs: open session %s: path %s: %w", s.name, pa, err)
+			if !cfg.OpenAnyPath || ctx.Err() != nil {
+				s.Close()
+				return nil, err
+			}
+			s.log.WithError(err).Warn("path did not connect; it keeps trying")
+			p.keepTrying()
+			if firstErr == nil {
+				firstErr = err
+			}
+			continue
 		}
+		up++
+	}
+	if up == 0 {
+		s.Close()
+		return nil, firstErr
 	}
 	s.mu.Lock()
 	s.opened = true
@@ -363,7 +391,9 @@ func (s *Session) Connected() bool {
 // session is closed or full. A path added to a session with no path left
 // may create the session on the server again (the server may have dropped
 // it).
-func (s *Session) addPath(pa PathAddr) (*Path, error) {
+// addPath adds a path; it asks the server for a new session (first_conn)
+// if it is the session's first path, or if firstConn.
+func (s *Session) addPath(pa PathAddr, firstConn bool) (*Path, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed.Load() {
@@ -372,7 +402,7 @@ func (s *Session) addPath(pa PathAddr) (*Path, error) {
 	if len(s.paths) >= MaxPathsNum {
 		return nil, fmt.Errorf("rtrs: session %s has %d paths already: %w", s.name, len(s.paths), syscall.EINVAL)
 	}
-	p := s.newPath(pa, len(s.paths) == 0)
+	p := s.newPath(pa, firstConn || len(s.paths) == 0)
 	s.paths = append(s.paths, p)
 	snap := append([]*Path(nil), s.paths...)
 	s.pathsSnap.Store(&snap)
@@ -398,7 +428,7 @@ func (s *Session) removePath(p *Path) {
 // blocks until the path is connected or has failed; a failed path is
 // removed again.
 func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
-	p, err := s.addPath(pa)
+	p, err := s.addPath(pa, false)
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package rtrs
 import (
 	"context"
 	crand "crypto/rand"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -94,6 +95,7 @@ type pathCmdOp int
 
 const (
 	cmdConnect pathCmdOp = iota
+	cmdKeepTrying
 	cmdReconnect
 	cmdDisconnect
 	cmdRemove
@@ -117,7 +119,17 @@ func (s *Session) newPath(pa PathAddr, forNewClt bool) *Path {
 		done:      make(chan struct{}),
 		hcaName:   "",
 	}
-	crand.Read(p.uuid[:])
+	if s.cfg.UUID != ([16]byte{}) {
+		p.uuid = derivePathUUID(s.uuid, pa)
+	} else {
+		crand.Read(p.uuid[:])
+	}
+	// recon_cnt starts anywhere: a restarted client then differs from
+	// its predecessor's count for the same path, which is how the server
+	// tells a new connection from a stale one.
+	var rc [2]byte
+	crand.Read(rc[:])
+	p.reconCnt = uint16(rc[0]) | uint16(rc[1])<<8
 	p.state.Store(int32(PathConnecting))
 	p.logp.Store(s.log.WithField("path", pa.String()))
 	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {
@@ -259,6 +271,11 @@ func (p *Path) run() {
 			switch c.op {
 			case cmdConnect:
 				c.reply <- p.initPath(c.ctx)
+			case cmdKeepTrying:
+				if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
+					schedule()
+				}
+				c.reply <- nil
 			case cmdReconnect:
 				stopTimer()
 				err := p.reconnectCmd()
@@ -303,6 +320,31 @@ func (p *Path) do(ctx context.Context, op pathCmdOp) error {
 
 // connect establishes the path for the first time.
 func (p *Path) connect(ctx context.Context) error { return p.do(ctx, cmdConnect) }
+
+// connectRetryBusy connects, and if the server still held the path (a
+// predecessor's: it drops that one and answers EBUSY) tries again.
+func (p *Path) connectRetryBusy(ctx context.Context) error {
+	err := p.connect(ctx)
+	if errors.Is(err, syscall.EBUSY) && ctx.Err() == nil {
+		err = p.Reconnect(ctx)
+	}
+	return err
+}
+
+// keepTrying hands a path that failed to connect to the automatic
+// reconnects.
+func (p *Path) keepTrying() { p.do(context.Background(), cmdKeepTrying) }
+
+// derivePathUUID is a path's UUID when the session's is given: the same
+// session and addresses give the same path, across client restarts.
+func derivePathUUID(sess [16]byte, pa PathAddr) [16]byte {
+	h := sha256.New()
+	h.Write(sess[:])
+	h.Write([]byte(pa.String()))
+	var u [16]byte
+	copy(u[:], h.Sum(nil))
+	return u
+}
 
 // Reconnect disconnects and reconnects the path now (paths/<p>/reconnect).
 // It returns nil if the path is connected afterwards, ENOTCONN if not, and

@@ -320,3 +320,107 @@ func TestGetPermitWakesOnClose(t *testing.T) {
 		t.Fatal("GetPermit still waiting after Close")
 	}
 }
+
+// A client that dies silently leaves its session on the server (the
+// server has not noticed one of its paths is gone). A restarted client
+// with the same UUID takes that session over: the server drops the stale
+// path when the same path comes back, and the data is there. With a new
+// UUID the name is still taken by the leftovers, as in the kernel.
+func TestRestartedClientReclaimsSession(t *testing.T) {
+	n, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	srvAddr := ap("10.7.0.1:1234")
+	scfg := testServerConfig(fab, disk, srvAddr)
+	paths := []PathAddr{pa("10.7.0.2", srvAddr.String()), pa("10.7.0.3", srvAddr.String())}
+	ccfg := testClientConfig(fab, paths...)
+	ccfg.UUID = [16]byte{1, 2, 3}
+	r := newRig(t, fab, scfg, ccfg)
+	if err := r.write(0, []byte("before")); err != nil {
+		t.Fatal(err)
+	}
+	oldPaths := map[[16]byte]bool{}
+	for _, p := range r.sess.Paths() {
+		oldPaths[p.UUID()] = true
+	}
+	// The second path's host end dies without a word; then the client
+	// closes what it still can: the server keeps the session by that path.
+	n.Crash(netip.MustParseAddr("10.7.0.3"))
+	r.sess.Close()
+	waitFor(t, 10*time.Second, "the server to see the first path go", func() bool {
+		ss := r.srv.Sessions()
+		return len(ss) == 1 && len(ss[0].Paths()) == 1
+	})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	fresh := ccfg
+	fresh.UUID = [16]byte{}
+	if s, err := Open(ctx, fresh); err == nil {
+		s.Close()
+		t.Fatal("a new session took the name of one that lingers on the server")
+	}
+
+	s2, err := Open(ctx, ccfg)
+	if err != nil {
+		t.Fatalf("restarted client with the same UUID: %v", err)
+	}
+	defer s2.Close()
+	for _, p := range s2.Paths() {
+		if !oldPaths[p.UUID()] {
+			t.Errorf("path %s has a new UUID", p.Name())
+		}
+		if p.State() != PathConnected {
+			t.Errorf("path %s is %v", p.Name(), p.State())
+		}
+	}
+	if ss := r.srv.Sessions(); len(ss) != 1 || ss[0].UUID() != ccfg.UUID || len(ss[0].Paths()) != 2 {
+		t.Fatalf("server sessions %d, want the old one with two paths", len(ss))
+	}
+	buf, err := s2.AllocBuffer(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s2.Do(ctx, IOCon, Read, offsetHdr(0), buf, 0, 6); err != nil || string(buf.Bytes()[:6]) != "before" {
+		t.Fatalf("read through the reclaimed session: %q %v", buf.Bytes()[:6], err)
+	}
+}
+
+// OpenAnyPath: a path that cannot connect does not fail the session; it
+// keeps trying and comes up when it can.
+func TestOpenAnyPath(t *testing.T) {
+	n, fab := memNet()
+	disk := newMemDisk(1 << 20)
+	srvAddr := ap("10.8.0.1:1234")
+	srv, err := NewServer(testServerConfig(fab, disk, srvAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	down := netip.MustParseAddr("10.8.0.2")
+	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkDown)
+	ccfg := testClientConfig(fab, pa("10.8.0.2", srvAddr.String()), pa("10.8.0.3", srvAddr.String()))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if s, err := Open(ctx, ccfg); err == nil {
+		s.Close()
+		t.Fatal("Open with a path down succeeded without OpenAnyPath")
+	}
+	ccfg.OpenAnyPath = true
+	s, err := Open(ctx, ccfg)
+	if err != nil {
+		t.Fatalf("OpenAnyPath with one path down: %v", err)
+	}
+	defer s.Close()
+	if st := s.Paths()[0].State(); st == PathConnected {
+		t.Fatalf("the path whose link is down is %v", st)
+	}
+	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkUp)
+	waitFor(t, 10*time.Second, "the first path to come up", func() bool { return s.Paths()[0].State() == PathConnected })
+	// Both links down at Open: nothing to open.
+	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkDown)
+	n.SetLink(netip.MustParseAddr("10.8.0.3"), srvAddr.Addr(), fabrictest.LinkDown)
+	if s3, err := Open(ctx, ccfg); err == nil {
+		s3.Close()
+		t.Fatal("OpenAnyPath with every path down succeeded")
+	}
+}

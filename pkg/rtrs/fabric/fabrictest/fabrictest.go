@@ -16,7 +16,9 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -113,6 +115,29 @@ func (n *Network) Cut(a, b netip.Addr) {
 	n.mu.Unlock()
 	for _, c := range reset {
 		c.Conn.Close()
+	}
+}
+
+// Crash makes the host at a vanish silently, as when a machine loses
+// power: its ends of every connection fail at once, but their peers are
+// told nothing and only notice by their own timeouts (a write to it
+// blocks, a read waits). New connections from a work as before: the host
+// has rebooted.
+func (n *Network) Crash(a netip.Addr) {
+	n.mu.Lock()
+	var dead []*conn
+	for _, l := range n.links {
+		for c := range l.conns {
+			if c.local.Addr() == a {
+				dead = append(dead, c)
+				delete(l.conns, c)
+			}
+		}
+	}
+	n.mu.Unlock()
+	for _, c := range dead {
+		c.crashed.Store(true)
+		c.Conn.SetDeadline(time.Now()) // its own reads and writes fail
 	}
 }
 
@@ -243,12 +268,16 @@ type conn struct {
 	local, remote netip.AddrPort
 	closeOnce     sync.Once
 	closed        chan struct{}
+	crashed       atomic.Bool // its host crashed: Close tells the peer nothing
 }
 
 func (c *conn) LocalAddr() net.Addr  { return net.TCPAddrFromAddrPort(c.local) }
 func (c *conn) RemoteAddr() net.Addr { return net.TCPAddrFromAddrPort(c.remote) }
 
 func (c *conn) Write(b []byte) (int, error) {
+	if c.crashed.Load() {
+		return 0, fmt.Errorf("mem write: host crashed: %w", syscall.ECONNRESET)
+	}
 	if err := c.n.waitUp(context.Background(), c.l, c.closed); err != nil {
 		return 0, fmt.Errorf("mem write: %w", err)
 	}
@@ -262,5 +291,8 @@ func (c *conn) Close() error {
 		delete(c.l.conns, c)
 		c.n.mu.Unlock()
 	})
+	if c.crashed.Load() {
+		return nil // the pipe stays open: the peer must find out itself
+	}
 	return c.Conn.Close()
 }
