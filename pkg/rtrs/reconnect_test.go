@@ -334,7 +334,11 @@ func TestRestartedClientReclaimsSession(t *testing.T) {
 	paths := []PathAddr{pa("10.7.0.2", srvAddr.String()), pa("10.7.0.3", srvAddr.String())}
 	ccfg := testClientConfig(fab, paths...)
 	ccfg.UUID = [16]byte{1, 2, 3}
-	r := newRig(t, fab, scfg, ccfg)
+	// The dying client must not reconnect the path it lost: that would
+	// replace the stale path on the server before the test looks.
+	dying := ccfg
+	dying.MaxReconnectAttempts = 0
+	r := newRig(t, fab, scfg, dying)
 	if err := r.write(0, []byte("before")); err != nil {
 		t.Fatal(err)
 	}
