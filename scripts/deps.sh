@@ -28,6 +28,10 @@ missing=()
 for cmd in "${!pkgs[@]}"; do
 	command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkgs[$cmd]}")
 done
+# pkg/ibverbs is cgo against rdma-core: its headers to build (a machine
+# without them can still build with CGO_ENABLED=0, without RDMA).
+[ -e /usr/include/infiniband/verbs.h ] || missing+=(libibverbs-dev)
+[ -e /usr/include/rdma/rdma_cma.h ] || missing+=(librdmacm-dev)
 if [ ${#missing[@]} -gt 0 ]; then
 	if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 		echo "deps: installing ${missing[*]}"

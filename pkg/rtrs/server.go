@@ -47,9 +47,13 @@ type ServerHandler interface {
 
 // ServerConfig configures a Server. Start from DefaultServerConfig.
 type ServerConfig struct {
+	// Fabric carries the paths accepted on the Listen addresses.
 	Fabric fabric.Fabric
 	// Listen are the addresses to accept paths on.
 	Listen []netip.AddrPort
+	// Endpoints are more addresses, each on a fabric of its own (RDMA
+	// beside TCP). A path lives on the fabric it was accepted on.
+	Endpoints []Endpoint
 	// QueueDepth is the number of chunks per session (sess_queue_depth).
 	QueueDepth int
 	// MaxChunkSize is the size of a chunk, a power of two >= 8 KiB; the
@@ -72,6 +76,12 @@ type ServerConfig struct {
 	Log            *log.Entry
 }
 
+// Endpoint is an address to accept paths on, on a fabric.
+type Endpoint struct {
+	Fabric fabric.Fabric
+	Addr   netip.AddrPort
+}
+
 // DefaultMaxChunkMemory lets 128 paths of the default 512 × 128 KiB chunks.
 const DefaultMaxChunkMemory = 8 << 30
 
@@ -90,8 +100,13 @@ func DefaultServerConfig() ServerConfig {
 }
 
 func (c *ServerConfig) validate() error {
-	if c.Fabric == nil || c.Handler == nil {
+	if c.Handler == nil || (c.Fabric == nil && (len(c.Listen) > 0 || len(c.Endpoints) == 0)) {
 		return errors.New("rtrs: server needs a fabric and a handler")
+	}
+	for _, e := range c.Endpoints {
+		if e.Fabric == nil {
+			return errors.New("rtrs: server endpoint without a fabric")
+		}
 	}
 	if c.QueueDepth < 1 || c.QueueDepth > MaxSessQueueDepth {
 		return fmt.Errorf("rtrs: queue depth %d, want 1..%d", c.QueueDepth, MaxSessQueueDepth)
@@ -141,15 +156,19 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, log: cfg.Log, sessions: make(map[[16]byte]*SrvSession)}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	eps := append([]Endpoint(nil), cfg.Endpoints...)
 	for _, a := range cfg.Listen {
-		l, err := cfg.Fabric.Listen(a)
+		eps = append(eps, Endpoint{Fabric: cfg.Fabric, Addr: a})
+	}
+	for _, e := range eps {
+		l, err := e.Fabric.Listen(e.Addr)
 		if err != nil {
 			s.Close()
-			return nil, fmt.Errorf("rtrs: listen on %v: %w", a, err)
+			return nil, fmt.Errorf("rtrs: listen on %s %v: %w", e.Fabric.Name(), e.Addr, err)
 		}
 		s.listeners = append(s.listeners, l)
 		s.wg.Add(1)
-		go s.acceptLoop(l)
+		go s.acceptLoop(e.Fabric, l)
 	}
 	return s, nil
 }
@@ -196,7 +215,7 @@ func (s *Server) Close() error {
 	return nil
 }
 
-func (s *Server) acceptLoop(l fabric.Listener) {
+func (s *Server) acceptLoop(fab fabric.Fabric, l fabric.Listener) {
 	defer s.wg.Done()
 	for {
 		req, err := l.Accept(s.ctx)
@@ -206,7 +225,7 @@ func (s *Server) acceptLoop(l fabric.Listener) {
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.handleConnReq(req)
+			s.handleConnReq(fab, req)
 		}()
 	}
 }
@@ -222,7 +241,7 @@ func (s *Server) reject(req fabric.ConnRequest, errno syscall.Errno, why string,
 
 // handleConnReq is rtrs_rdma_connect: validate the request, find or make
 // the session and path, and accept the connection into it.
-func (s *Server) handleConnReq(req fabric.ConnRequest) {
+func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 	var msg ConnReq
 	if err := msg.Decode(req.PrivateData()); err != nil {
 		s.reject(req, syscall.ECONNRESET, "invalid RTRS connection request", log.Fields{"len": len(req.PrivateData())})
@@ -273,6 +292,12 @@ func (s *Server) handleConnReq(req fabric.ConnRequest) {
 			s.reject(req, syscall.ECONNRESET, "path in wrong state", log.Fields{"path": path.Name(), "state": st})
 			return
 		}
+		if path.fab != fab || path.dev.Name() != req.Device().Name() {
+			sess.mu.Unlock()
+			s.reject(req, syscall.ECONNRESET, "connection on another fabric or device than its path's",
+				log.Fields{"path": path.Name(), "fabric": fab.Name(), "device": req.Device().Name()})
+			return
+		}
 		if int(msg.CIDNum) != len(path.conns) || path.conns[msg.CID] != nil {
 			sess.mu.Unlock()
 			s.reject(req, syscall.ECONNRESET, "incorrect request for an existing path",
@@ -281,7 +306,7 @@ func (s *Server) handleConnReq(req fabric.ConnRequest) {
 		}
 	} else {
 		var err error
-		path, errno, err = sess.allocPathLocked(req, &msg)
+		path, errno, err = sess.allocPathLocked(fab, req, &msg)
 		if errno != 0 {
 			sess.mu.Unlock()
 			s.putSession(sess)
@@ -449,7 +474,7 @@ func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
 
 // allocPathLocked is __alloc_path: a new path in CONNECTING with its own
 // protection domain and registrations of the session's chunks.
-func (x *SrvSession) allocPathLocked(req fabric.ConnRequest, msg *ConnReq) (*SrvPath, syscall.Errno, error) {
+func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, msg *ConnReq) (*SrvPath, syscall.Errno, error) {
 	s := x.srv
 	if s.closed.Load() {
 		return nil, syscall.ECONNRESET, errors.New("server closing")
@@ -470,6 +495,7 @@ func (x *SrvSession) allocPathLocked(req fabric.ConnRequest, msg *ConnReq) (*Srv
 		clientAddr: req.RemoteAddr(),
 		serverAddr: req.LocalAddr(),
 		conns:      make([]*srvConn, msg.CIDNum),
+		fab:        fab,
 		dev:        req.Device(),
 		closed:     make(chan struct{}),
 	}
@@ -545,6 +571,7 @@ type SrvPath struct {
 	reconCnt   uint16
 	clientAddr netip.AddrPort
 	serverAddr netip.AddrPort
+	fab        fabric.Fabric
 	dev        fabric.Device
 	logp       atomic.Pointer[log.Entry]
 	rl         log.Limiter
@@ -624,7 +651,7 @@ func (p *SrvPath) allocResources() error {
 	if p.pd, err = p.dev.AllocPD(); err != nil {
 		return err
 	}
-	if p.chunks, err = cfg.Fabric.AllocMemory(qd * x.chunkSize); err != nil {
+	if p.chunks, err = p.fab.AllocMemory(qd * x.chunkSize); err != nil {
 		return err
 	}
 	chunks := p.chunks.Bytes()
@@ -644,13 +671,13 @@ func (p *SrvPath) allocResources() error {
 		p.mrs = append(p.mrs, mr)
 	}
 	p.memBits = MemBits(uint32(qd))
-	if p.rkeyMem, err = cfg.Fabric.AllocMemory(qd * RkeyRspSize); err != nil {
+	if p.rkeyMem, err = p.fab.AllocMemory(qd * RkeyRspSize); err != nil {
 		return err
 	}
 	if p.rkeyMR, err = p.pd.RegisterMR(p.rkeyMem.Bytes(), fabric.AccessLocalWrite); err != nil {
 		return err
 	}
-	if p.infoMem, err = cfg.Fabric.AllocMemory(InfoReqSize + InfoRspSize(len(p.mrs))); err != nil {
+	if p.infoMem, err = p.fab.AllocMemory(InfoReqSize + InfoRspSize(len(p.mrs))); err != nil {
 		return err
 	}
 	if p.infoMR, err = p.pd.RegisterMR(p.infoMem.Bytes(), fabric.AccessLocalWrite); err != nil {

@@ -11,6 +11,8 @@
 #   KPKG=linux-image-…  pin the kernel package (default: backports' linux-image-amd64)
 #   VM_TIMEOUT=s   bound on the guest run (default 600)
 #   VM_LOG=file    keep the guest's whole serial console output there
+#   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
+#                  ublk, rdma; comma-separated; default all)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -21,7 +23,8 @@ die() { log "FAIL: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "the VM tier needs root (apt-get, the kernel package)"
 need=()
-for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod fio:fio mkfs.ext4:e2fsprogs blockdev:util-linux; do
+for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod fio:fio mkfs.ext4:e2fsprogs blockdev:util-linux \
+	rdma:iproute2 ibv_devinfo:ibverbs-utils; do
 	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
 done
 # The guest has no libc: busybox must be busybox-static's.
@@ -32,6 +35,11 @@ static() {
 	return 1
 }
 static || need+=(busybox-static)
+# The daemons and the RDMA tests are cgo binaries: verbs headers to build,
+# the soft-RoCE provider to run.
+[ -e /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
+[ -e /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
+ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so >/dev/null 2>&1 || need+=(ibverbs-providers)
 if [ ${#need[@]} -gt 0 ]; then
 	log "apt-get install ${need[*]}"
 	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
@@ -67,16 +75,25 @@ if [ ! -f "$kr/boot/vmlinuz-$kv" ]; then
 fi
 log "kernel $kv"
 
-# The initramfs: busybox, our binaries (static), the modules, the scenarios.
+# The initramfs: busybox, our binaries, the modules, the scenarios.
 work=$(mktemp -d /tmp/rnbd-vm.XXXXXX)
 trap '[ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
-CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/ublkcheck
+CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck
+# cgo (RDMA): dynamic, copied below with their libraries.
+mkdir -p "$work/bin"
+CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+for p in ./pkg/ibverbs ./pkg/rtrs/fabric/rdma; do
+	CGO_ENABLED=1 go test -c -trimpath -o "$work/bin/$(basename "$p").test" "$p"
+done
 : >"$root/lib/modules/order"
 i=0
-for m in ext4 nbd dummy ublk_drv; do # ext4 for the filesystem checks, dummy for a second path
+# ext4 for the filesystem checks, dummy for a second path and the rxe
+# netdev; rdma_rxe needs the crc32 crypto module but does not say so, and
+# rdma_ucm is rdma_cm's user interface.
+for m in ext4 nbd dummy ublk_drv crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -96,9 +113,19 @@ copy_elf() {
 	done
 }
 # fio, e2fsprogs' mkfs.ext4 and util-linux's blockdev: busybox has none of
-# them (its mke2fs makes ext2, its blockdev has no --getsize64).
-for t in fio mkfs.ext4 blockdev; do copy_elf "$(command -v $t)"; done
+# them (its mke2fs makes ext2, its blockdev has no --getsize64). iproute2's
+# rdma adds the soft-RoCE device.
+for t in fio mkfs.ext4 blockdev rdma ibv_devinfo; do copy_elf "$(command -v $t)"; done
 mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
+for b in "$work"/bin/*; do
+	copy_elf "$b"
+	mv "$root$b" "$root/bin/"
+done
+# libibverbs dlopen()s its provider, chosen by /etc/libibverbs.d; glibc
+# dlopen()s libgcc_s for thread cancellation. ldd lists neither.
+copy_elf "$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)"
+mkdir -p "$root/etc/libibverbs.d" && cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
+copy_elf /lib/x86_64-linux-gnu/libgcc_s.so.1
 "$bb" sh -n "$repo/test/vm/guest/init.sh" || die "test/vm/guest/init.sh does not parse"
 cp "$repo/test/vm/guest/init.sh" "$root/init"
 chmod +x "$root/init"
@@ -112,7 +139,7 @@ boot() {
 	log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
 	timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
 		-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
-		-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1
+		-append "console=ttyS0 panic=-1 quiet vmtest.only=${VM_ONLY:-all}" </dev/null >"$work/serial.log" 2>&1
 }
 start=$(date +%s)
 set +e

@@ -13,6 +13,8 @@ mount -t tmpfs t /tmp
 mkdir -p /run /mnt
 ip link set lo up
 echo VMTEST-INIT
+only=$(sed -n 's/.*vmtest\.only=\([^ ]*\).*/\1/p' /proc/cmdline)
+want() { case ",${only:-all}," in *",all,"* | *",$1,"*) return 0 ;; esac; return 1; }
 pass=0 fail=0
 res() { # name PASS|FAIL detail
 	echo "RESULT $1 $2 $3"
@@ -156,10 +158,47 @@ fs() {
 for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
 [ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
 
+# gotest NAME BINARY ARGS...: a Go test binary, one RESULT line per test.
+gotest() {
+	local name=$1 bin=$2 rc
+	shift 2
+	timeout 600 "$bin" -test.v -test.count=1 "$@" >/tmp/$name.out 2>&1
+	rc=$?
+	grep -E '^ *--- (PASS|FAIL)' /tmp/$name.out | sed 's/^ *--- //; s/://' >/tmp/$name.res
+	while read -r st tn _; do res "$name-$tn" "$st" ""; done </tmp/$name.res
+	[ $rc = 0 ] || { res "$name-exit" FAIL "exit $rc"; tail -30 /tmp/$name.out; }
+}
+
+# RDMA: soft-RoCE on a dummy netdev with two guest-only addresses (rdma_cm
+# does not resolve over lo), MTU 9000 so that the RoCE MTU is 4096.
+rdma_setup() {
+	ip link add rxenet type dummy && ip link set rxenet mtu 9000 &&
+		ip addr add 10.78.0.1/24 dev rxenet && ip addr add 10.78.0.2/24 dev rxenet && ip link set rxenet up &&
+		/usr/bin/rdma link add rxe0 type rxe netdev rxenet || return 1
+	for _ in $(seq 50); do
+		grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null && return 0
+		sleep 0.1
+	done
+	return 1
+}
+if want rdma; then
+	scenario rdma-setup
+	if rdma_setup; then
+		res rxe-up PASS "$(cat /sys/class/infiniband/rxe0/ports/1/state)"
+		scenario rdma-verbs
+		RNBD_RDMA_ADDR=10.78.0.1 gotest ibverbs /bin/ibverbs.test
+		scenario rdma-fabric
+		RNBD_RDMA_ADDR=10.78.0.1 gotest fabric-rdma /bin/rdma.test
+	else
+		res rxe-up FAIL "$(/usr/bin/rdma link 2>&1 | tr '\n' ' ')"
+	fi
+fi
+want nbd || want ublk || finish
+
 # ublk: pkg/blockdev/ublk on its own, over an asynchronous RAM backend
 # (test/vm/ublkcheck prints its own RESULT lines).
 scenario ublk-package
-if [ -e /dev/ublk-control ]; then
+if ! want ublk-package; then :; elif [ -e /dev/ublk-control ]; then
 	res ublk-module PASS ""
 	timeout 300 /bin/ublkcheck >/tmp/ublkcheck.out 2>&1 || res ublkcheck-exit FAIL "exit $?"
 	cat /tmp/ublkcheck.out

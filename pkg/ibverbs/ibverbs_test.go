@@ -1,0 +1,402 @@
+package ibverbs
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"go.uber.org/goleak"
+)
+
+// TestMain fails the package if a test leaves a verbs object open.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if live := Live(); len(live) > 0 {
+		fmt.Fprintf(os.Stderr, "leaked verbs objects:\n%s\n", strings.Join(live, "\n"))
+		code = 1
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// The tests that need a device read its address from RNBD_RDMA_ADDR (the
+// VM tier sets it on rdma_rxe); without it they skip.
+func rdmaAddr(t *testing.T) netip.Addr {
+	t.Helper()
+	s := os.Getenv("RNBD_RDMA_ADDR")
+	if s == "" {
+		t.Skip("set RNBD_RDMA_ADDR to an address on an RDMA device (the VM tier runs these on rdma_rxe)")
+	}
+	return netip.MustParseAddr(s)
+}
+
+func TestErrors(t *testing.T) {
+	err := errnoErr("ibv_post_send", -int(syscall.ENOMEM))
+	var e *Error
+	if !errors.As(err, &e) || e.Op != "ibv_post_send" || !errors.Is(err, syscall.ENOMEM) {
+		t.Fatalf("%v", err)
+	}
+	if err := errnoErr("rdma_create_event_channel", -int(syscall.ENODEV)); !errors.Is(err, ErrNotSupported) || !errors.Is(err, syscall.ENODEV) {
+		t.Fatalf("ENODEV: %v", err)
+	}
+	if errnoErr("x", 0) != nil || errnoErr("x", 5) != nil {
+		t.Fatal("success is an error")
+	}
+	if WCRemAccessErr.String() != "remote access error" || WCStatus(99).String() != "status 99" {
+		t.Fatal("status names")
+	}
+	if EventDisconnected.String() != "RDMA_CM_EVENT_DISCONNECTED" || EventType(99).String() != "RDMA_CM_EVENT(99)" {
+		t.Fatal("event names")
+	}
+}
+
+// Without a device (this build host) the package says so, and leaks
+// nothing.
+func TestNoDevice(t *testing.T) {
+	if os.Getenv("RNBD_RDMA_ADDR") != "" {
+		t.Skip("this machine has an RDMA device")
+	}
+	devs, err := Devices()
+	if err != nil && !errors.Is(err, ErrNotSupported) {
+		t.Fatalf("Devices: %v", err)
+	}
+	if len(devs) != 0 {
+		t.Skipf("devices %v without RNBD_RDMA_ADDR", devs)
+	}
+	ch, err := NewEventChannel()
+	if err == nil {
+		// rdma_cm without devices: an ID cannot resolve anything.
+		ch.Close()
+		return
+	}
+	if !errors.Is(err, ErrNotSupported) {
+		t.Fatalf("NewEventChannel without rdma_cm: %v, want ErrNotSupported", err)
+	}
+	if _, err := OpenDevice("nope0"); !errors.Is(err, ErrNotSupported) {
+		t.Fatalf("OpenDevice: %v", err)
+	}
+}
+
+func TestAllocMemory(t *testing.T) {
+	b, err := AllocMemory(3 * 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) != 3*4096 || uintptrOf(b)%4096 != 0 {
+		t.Fatalf("%d bytes at %#x", len(b), uintptrOf(b))
+	}
+	b[0], b[len(b)-1] = 1, 2
+	if err := FreeMemory(b); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deviceOf resolves the test address to its device and opens it.
+func deviceOf(t *testing.T) (*Context, netip.Addr) {
+	t.Helper()
+	addr := rdmaAddr(t)
+	if !Supported {
+		t.Skip("built without cgo")
+	}
+	ch, err := NewEventChannel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	id, err := ch.CreateID(PortSpaceTCP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := id.ResolveAddr(netip.AddrPort{}, netip.AddrPortFrom(addr, 1), 5000); err != nil {
+		t.Fatal(err)
+	}
+	ev, err := ch.Next()
+	if err != nil || ev.Type != EventAddrResolved || ev.ID != id {
+		t.Fatalf("resolve: %+v %v", ev, err)
+	}
+	name := id.Context().Name()
+	x, err := OpenDevice(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return x, addr
+}
+
+// Parents close their children first; Close is idempotent; nothing is
+// left behind.
+func TestLifetimes(t *testing.T) {
+	x, _ := deviceOf(t)
+	pd, err := x.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := AllocMemory(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer FreeMemory(mem)
+	var mrs []*MR
+	for i := 0; i < 4; i++ {
+		mr, err := pd.RegMR(mem[i<<18:(i+1)<<18], AccessLocalWrite|AccessRemoteWrite)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mr.Addr() != uint64(uintptrOf(mem[i<<18:])) || mr.RKey() == 0 {
+			t.Fatalf("mr addr %#x rkey %#x", mr.Addr(), mr.RKey())
+		}
+		mrs = append(mrs, mr)
+	}
+	ch, err := x.NewCompChannel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cq, err := x.NewCQ(64, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mrs[0].Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := mrs[0].Close(); err != nil {
+		t.Fatal("second Close:", err)
+	}
+	if n := len(Live()); n != 1+1+3+1+1 { // context, PD, 3 MRs, channel, CQ
+		t.Fatalf("%d live objects: %v", n, Live())
+	}
+	// Closing the device closes everything made on it.
+	if err := x.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if live := Live(); len(live) != 0 {
+		t.Fatalf("left after closing the device: %v", live)
+	}
+	if _, err := cq.Poll(make([]WC, 4)); !errors.Is(err, ErrClosed) {
+		t.Fatalf("poll of a closed CQ: %v", err)
+	}
+	if err := pd.Close(); err != nil {
+		t.Fatal("Close after the parent closed it:", err)
+	}
+}
+
+// A loopback connection through rdma_cm, both ends in this process: an
+// RDMA write with immediate lands and completes; a write with a stale
+// rkey is refused by the device; a disconnect reaches the peer as an
+// event.
+func TestLoopback(t *testing.T) {
+	x0, addr := deviceOf(t)
+	x0.Close()
+	lch, err := NewEventChannel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lch.Close()
+	lid, err := lch.CreateID(PortSpaceTCP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lid.Bind(netip.AddrPortFrom(addr, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := lid.Listen(4); err != nil {
+		t.Fatal(err)
+	}
+	port := lid.LocalAddr().Port()
+
+	cch, err := NewEventChannel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cch.Close()
+	cid, err := cch.CreateID(PortSpaceTCP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := func(ch *EventChannel, want EventType) CMEvent {
+		t.Helper()
+		ev, err := ch.Next()
+		if err != nil || ev.Type != want {
+			t.Fatalf("waiting for %v: %v (status %d) %v", want, ev.Type, ev.Status, err)
+		}
+		return ev
+	}
+	if err := cid.ResolveAddr(netip.AddrPortFrom(addr, 0), netip.AddrPortFrom(addr, port), 5000); err != nil {
+		t.Fatal(err)
+	}
+	next(cch, EventAddrResolved)
+	if err := cid.ResolveRoute(5000); err != nil {
+		t.Fatal(err)
+	}
+	next(cch, EventRouteResolved)
+	x := cid.Context()
+	pd, err := x.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pd.Close()
+	type end struct {
+		cc *CompChannel
+		cq *CQ
+		qp *QP
+	}
+	mkEnd := func(id *CMID) end {
+		cc, err := x.NewCompChannel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cq, err := x.NewCQ(32, cc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		qp, err := id.CreateQP(pd, cq, QPCaps{MaxSendWR: 16, MaxRecvWR: 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return end{cc, cq, qp}
+	}
+	cli := mkEnd(cid)
+	if err := cid.Connect(ConnParam{PrivateData: []byte("req"), RetryCount: 7, RNRRetryCount: 7}); err != nil {
+		t.Fatal(err)
+	}
+	req := next(lch, EventConnectRequest)
+	if req.Listener != lid || !bytes.HasPrefix(req.PrivateData, []byte("req")) {
+		t.Fatalf("request %+v", req)
+	}
+	srv := mkEnd(req.ID)
+	mem, err := AllocMemory(8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer FreeMemory(mem)
+	mr, err := pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.qp.PostRecv([]RecvWR{{ID: 11}, {ID: 12}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := req.ID.Accept(ConnParam{PrivateData: []byte("rsp"), RNRRetryCount: 7}); err != nil {
+		t.Fatal(err)
+	}
+	est := next(cch, EventEstablished)
+	if !bytes.HasPrefix(est.PrivateData, []byte("rsp")) {
+		t.Fatalf("accept private data %q", est.PrivateData)
+	}
+	next(lch, EventEstablished)
+
+	poll := func(e end) WC {
+		t.Helper()
+		wcs := make([]WC, 4)
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			if err := e.cq.ReqNotify(); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := e.cq.Poll(wcs); err != nil || n > 0 {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return wcs[0]
+			}
+			done := make(chan struct{})
+			go func() {
+				e.cc.Wait()
+				close(done)
+			}()
+			select {
+			case <-done:
+			case <-time.After(time.Until(deadline)):
+				e.cc.Interrupt()
+				<-done
+			}
+		}
+		t.Fatal("no completion")
+		return WC{}
+	}
+	copy(mem[:5], "hello")
+	w := SendWR{ID: 1, Opcode: WRRDMAWriteWithImm, Flags: SendSignaled, RemoteAddr: mr.Addr() + 4096, RKey: mr.RKey(),
+		Imm: 0xabcdef01, NumSGE: 1, SG: [MaxSGE]SGE{{Addr: mr.Addr(), Length: 5, LKey: mr.LKey()}}}
+	if err := cli.qp.PostSend([]SendWR{w}); err != nil {
+		t.Fatal(err)
+	}
+	if wc := poll(cli); wc.Status != WCSuccess || wc.ID != 1 || wc.Opcode != WCRDMAWrite {
+		t.Fatalf("sender: %+v", wc)
+	}
+	if wc := poll(srv); wc.Status != WCSuccess || wc.ID != 11 || wc.Opcode != WCRecvRDMAWithImm ||
+		wc.Imm != 0xabcdef01 || wc.ByteLen != 5 || wc.Flags&WCFlagWithImm == 0 {
+		t.Fatalf("receiver: %+v", wc)
+	}
+	if string(mem[4096:4101]) != "hello" {
+		t.Fatalf("landed %q", mem[4096:4101])
+	}
+	// A stale rkey: the device refuses, nothing lands.
+	copy(mem[:5], "wrong")
+	w.ID, w.RKey = 2, mr.RKey()^0x80
+	if err := cli.qp.PostSend([]SendWR{w}); err != nil {
+		t.Fatal(err)
+	}
+	if wc := poll(cli); wc.Status != WCRemAccessErr {
+		t.Fatalf("stale rkey: %+v", wc)
+	}
+	if string(mem[4096:4101]) != "hello" {
+		t.Fatal("a write with a stale rkey landed")
+	}
+	// The client goes; the server hears it from the CM.
+	if err := cid.Disconnect(); err != nil {
+		t.Fatal(err)
+	}
+	next(lch, EventDisconnected)
+	mr.Close()
+	for _, e := range []struct {
+		id *CMID
+		e  end
+	}{{cid, cli}, {req.ID, srv}} {
+		if err := e.id.Close(); err != nil { // its QP first
+			t.Fatal(err)
+		}
+		if err := e.e.cc.Close(); err != nil { // its CQ first
+			t.Fatal(err)
+		}
+	}
+}
+
+// Memory windows, where the device has them: a bound window grants the
+// range, an unbound one nothing, and every bind is a new rkey.
+func TestMemoryWindow(t *testing.T) {
+	x, _ := deviceOf(t)
+	defer x.Close()
+	attr, err := x.Query()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if attr.CapFlags&DeviceMemWindow == 0 || attr.MaxMW == 0 {
+		t.Skipf("%s has no memory windows (cap flags %#x)", x.Name(), attr.CapFlags)
+	}
+	pd, err := x.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := pd.AllocMW()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mw.RKey() == 0 {
+		t.Fatal("window without an rkey")
+	}
+	if err := mw.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func uintptrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }

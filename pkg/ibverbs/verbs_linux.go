@@ -1,0 +1,931 @@
+//go:build cgo && linux
+
+package ibverbs
+
+// #cgo LDFLAGS: -libverbs -lrdmacm
+// #include <stdlib.h>
+// #include "verbs_shim.h"
+import "C"
+
+import (
+	"net/netip"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Supported reports whether this build can do RDMA (it has cgo); a
+// machine may still have no device.
+const Supported = true
+
+// node is the part every object shares: its closed flag, its children
+// and its place in the leak tracker.
+type node struct {
+	mu       sync.Mutex
+	closed   bool
+	parent   *node
+	children map[closer]struct{}
+	h        uint64
+}
+
+type closer interface {
+	Close() error
+}
+
+func (n *node) init(kind string, parent *node, self closer) {
+	n.h = track(kind)
+	if parent != nil {
+		n.parent = parent
+		parent.mu.Lock()
+		if parent.children == nil {
+			parent.children = map[closer]struct{}{}
+		}
+		parent.children[self] = struct{}{}
+		parent.mu.Unlock()
+	}
+}
+
+// begin marks the object closed and closes its children; it reports
+// false if it was closed already.
+func (n *node) begin() bool {
+	if !n.markClosed() {
+		return false
+	}
+	n.closeChildren()
+	return true
+}
+
+func (n *node) markClosed() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return false
+	}
+	n.closed = true
+	return true
+}
+
+func (n *node) closeChildren() {
+	n.mu.Lock()
+	kids := make([]closer, 0, len(n.children))
+	for c := range n.children {
+		kids = append(kids, c)
+	}
+	n.mu.Unlock()
+	for _, c := range kids {
+		c.Close()
+	}
+}
+
+// end forgets the object: the tracker and its parent no longer list it.
+func (n *node) end(self closer) {
+	untrack(n.h)
+	if p := n.parent; p != nil {
+		p.mu.Lock()
+		delete(p.children, self)
+		p.mu.Unlock()
+	}
+}
+
+func (n *node) isClosed() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.closed
+}
+
+// Devices lists the RDMA devices (ibv_get_device_list). An empty list is
+// no error.
+func Devices() ([]string, error) {
+	var n C.int
+	list := C.ibv_get_device_list(&n)
+	if list == nil {
+		if n == 0 {
+			return nil, nil
+		}
+		return nil, errnoErr("ibv_get_device_list", -int(syscall.ENOSYS))
+	}
+	defer C.ibv_free_device_list(list)
+	devs := unsafe.Slice(list, int(n))
+	names := make([]string, 0, len(devs))
+	for _, d := range devs {
+		names = append(names, C.GoString(C.ibv_get_device_name(d)))
+	}
+	return names, nil
+}
+
+// Context is an opened device (struct ibv_context). One opened by
+// OpenDevice is ours and Close closes it; one an rdma_cm ID runs on
+// belongs to librdmacm, and its Close only closes what was made on it.
+type Context struct {
+	n     node
+	c     *C.struct_ibv_context
+	owned bool
+	name  string
+}
+
+var cmContexts struct {
+	sync.Mutex
+	m map[*C.struct_ibv_context]*Context
+}
+
+// cmContext is the Context of a device librdmacm opened: one Go object
+// per device, so PDs made through one ID serve the others.
+func cmContext(c *C.struct_ibv_context) *Context {
+	cmContexts.Lock()
+	defer cmContexts.Unlock()
+	if cmContexts.m == nil {
+		cmContexts.m = map[*C.struct_ibv_context]*Context{}
+	}
+	if x := cmContexts.m[c]; x != nil {
+		return x
+	}
+	x := &Context{c: c, name: C.GoString(C.rnbd_device_name(c))}
+	cmContexts.m[c] = x
+	return x
+}
+
+// OpenDevice opens the device called name (ibv_open_device).
+func OpenDevice(name string) (*Context, error) {
+	var n C.int
+	list := C.ibv_get_device_list(&n)
+	if list == nil {
+		return nil, errnoErr("ibv_get_device_list", -int(syscall.ENODEV))
+	}
+	defer C.ibv_free_device_list(list)
+	for _, d := range unsafe.Slice(list, int(n)) {
+		if C.GoString(C.ibv_get_device_name(d)) != name {
+			continue
+		}
+		c := C.ibv_open_device(d)
+		if c == nil {
+			return nil, errnoErr("ibv_open_device", -int(syscall.EIO))
+		}
+		x := &Context{c: c, owned: true, name: name}
+		x.n.init("Context "+name, nil, x)
+		return x, nil
+	}
+	return nil, errnoErr("ibv_open_device "+name, -int(syscall.ENODEV))
+}
+
+// Name is the device's name (mlx5_0, rxe0).
+func (x *Context) Name() string { return x.name }
+
+// Query reports the device's attributes.
+func (x *Context) Query() (DeviceAttr, error) {
+	var flags C.uint64_t
+	var qpwr, cqe, mw C.int
+	if err := errnoErr("ibv_query_device", int(C.rnbd_query_device(x.c, &flags, &qpwr, &cqe, &mw))); err != nil {
+		return DeviceAttr{}, err
+	}
+	return DeviceAttr{CapFlags: uint64(flags), MaxQPWR: int(qpwr), MaxCQE: int(cqe), MaxMW: int(mw)}, nil
+}
+
+// Close closes what was made on the context, and the device if it was
+// opened by OpenDevice. Idempotent.
+func (x *Context) Close() error {
+	if !x.owned {
+		// librdmacm's: close the children only; the context stays.
+		x.n.closeChildren()
+		return nil
+	}
+	if !x.n.begin() {
+		return nil
+	}
+	defer x.n.end(x)
+	return errnoErr("ibv_close_device", -int(C.ibv_close_device(x.c)))
+}
+
+// PD is a protection domain.
+type PD struct {
+	n  node
+	pd *C.struct_ibv_pd
+	x  *Context
+}
+
+// AllocPD allocates a protection domain on the device.
+func (x *Context) AllocPD() (*PD, error) {
+	pd := C.ibv_alloc_pd(x.c)
+	if pd == nil {
+		return nil, errnoErr("ibv_alloc_pd", -int(syscall.ENOMEM))
+	}
+	p := &PD{pd: pd, x: x}
+	p.n.init("PD on "+x.name, &x.n, p)
+	return p, nil
+}
+
+// Context is the device the PD is on.
+func (p *PD) Context() *Context { return p.x }
+
+// Close deregisters the PD's memory regions and windows, then frees it;
+// queue pairs on it must be gone (EBUSY otherwise). Idempotent.
+func (p *PD) Close() error {
+	if !p.n.begin() {
+		return nil
+	}
+	defer p.n.end(p)
+	return errnoErr("ibv_dealloc_pd", -int(C.ibv_dealloc_pd(p.pd)))
+}
+
+// MR is a registered memory region.
+type MR struct {
+	n   node
+	mr  *C.struct_ibv_mr
+	buf []byte
+}
+
+// RegMR registers buf, which must not be Go heap memory (AllocMemory, or
+// mmap): the device keeps its address.
+func (p *PD) RegMR(buf []byte, access Access) (*MR, error) {
+	if len(buf) == 0 {
+		return nil, &Error{Op: "ibv_reg_mr", Err: syscall.EINVAL}
+	}
+	mr := C.ibv_reg_mr(p.pd, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), C.int(access))
+	if mr == nil {
+		return nil, errnoErr("ibv_reg_mr", -int(syscall.ENOMEM))
+	}
+	m := &MR{mr: mr, buf: buf}
+	m.n.init("MR", &p.n, m)
+	return m, nil
+}
+
+func (m *MR) Buf() []byte  { return m.buf }
+func (m *MR) Addr() uint64 { return uint64(uintptr(m.mr.addr)) }
+func (m *MR) LKey() uint32 { return uint32(m.mr.lkey) }
+func (m *MR) RKey() uint32 { return uint32(m.mr.rkey) }
+
+// Close deregisters the region. Idempotent.
+func (m *MR) Close() error {
+	if !m.n.begin() {
+		return nil
+	}
+	defer m.n.end(m)
+	return errnoErr("ibv_dereg_mr", -int(C.ibv_dereg_mr(m.mr)))
+}
+
+// MW is a memory window (type 1: bound with QP.BindMW, any QP of the PD
+// may use it).
+type MW struct {
+	n  node
+	mw *C.struct_ibv_mw
+}
+
+// AllocMW allocates a type 1 memory window; an error wraps
+// ErrNotSupported where the device has none.
+func (p *PD) AllocMW() (*MW, error) {
+	mw := C.ibv_alloc_mw(p.pd, C.IBV_MW_TYPE_1)
+	if mw == nil {
+		return nil, errnoErr("ibv_alloc_mw", -int(syscall.ENOSYS))
+	}
+	w := &MW{mw: mw}
+	w.n.init("MW", &p.n, w)
+	return w, nil
+}
+
+// RKey is the window's current rkey; every bind changes it.
+func (w *MW) RKey() uint32 { return uint32(w.mw.rkey) }
+
+// Close frees the window. Idempotent.
+func (w *MW) Close() error {
+	if !w.n.begin() {
+		return nil
+	}
+	defer w.n.end(w)
+	return errnoErr("ibv_dealloc_mw", -int(C.ibv_dealloc_mw(w.mw)))
+}
+
+// pollable wraps a non-blocking channel fd in Go's network poller: a
+// dup, so closing it wakes a waiter without closing the channel's own.
+type pollable struct {
+	f  *os.File
+	rc syscall.RawConn
+
+	mu      sync.Mutex
+	closed  bool
+	waiters sync.WaitGroup
+}
+
+func newPollable(fd C.int, name string) (*pollable, error) {
+	if err := errnoErr("fcntl O_NONBLOCK", int(C.rnbd_set_nonblock(fd))); err != nil {
+		return nil, err
+	}
+	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, &Error{Op: "dup " + name, Err: err.(syscall.Errno)}
+	}
+	f := os.NewFile(uintptr(d), name)
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return &pollable{f: f, rc: rc}, nil
+}
+
+// wait calls try whenever the fd is readable until it reports done; it
+// returns ErrClosed once the pollable is closed.
+func (p *pollable) wait(try func() bool) error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return ErrClosed
+	}
+	p.waiters.Add(1)
+	p.mu.Unlock()
+	defer p.waiters.Done()
+	if err := p.rc.Read(func(uintptr) bool { return try() }); err != nil {
+		return ErrClosed
+	}
+	return nil
+}
+
+// close wakes the waiters and waits until they are out of C. Idempotent.
+func (p *pollable) close() {
+	p.mu.Lock()
+	was := p.closed
+	p.closed = true
+	p.mu.Unlock()
+	if !was {
+		p.f.Close()
+	}
+	p.waiters.Wait()
+}
+
+// CompChannel is a completion channel: its CQs' events, waited on in
+// Go's poller.
+type CompChannel struct {
+	n  node
+	ch *C.struct_ibv_comp_channel
+	p  *pollable
+
+	mu  sync.Mutex
+	cqs map[*C.struct_ibv_cq]*CQ
+}
+
+// NewCompChannel creates a completion channel on the device.
+func (x *Context) NewCompChannel() (*CompChannel, error) {
+	ch := C.ibv_create_comp_channel(x.c)
+	if ch == nil {
+		return nil, errnoErr("ibv_create_comp_channel", -int(syscall.ENOMEM))
+	}
+	p, err := newPollable(ch.fd, "ibv_comp_channel")
+	if err != nil {
+		C.ibv_destroy_comp_channel(ch)
+		return nil, err
+	}
+	c := &CompChannel{ch: ch, p: p, cqs: map[*C.struct_ibv_cq]*CQ{}}
+	c.n.init("CompChannel on "+x.name, &x.n, c)
+	return c, nil
+}
+
+// Wait blocks (in the poller, not on a thread) until one of the
+// channel's CQs has an event, acknowledges it and returns the CQ. It
+// returns ErrClosed once the channel is closed. One goroutine waits.
+func (c *CompChannel) Wait() (*CQ, error) {
+	var cq *C.struct_ibv_cq
+	var res C.int
+	err := c.p.wait(func() bool {
+		res = C.rnbd_get_cq_event(c.ch, &cq)
+		return res != -C.EAGAIN
+	})
+	if err != nil {
+		return nil, err
+	}
+	if res < 0 {
+		return nil, errnoErr("ibv_get_cq_event", int(res))
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cqs[cq], nil
+}
+
+// Interrupt wakes a Wait, which returns ErrClosed, as do all later
+// ones; it returns once the waiter is out of C. Idempotent.
+func (c *CompChannel) Interrupt() { c.p.close() }
+
+// Close interrupts, closes the channel's CQs (their QPs must be gone:
+// EBUSY otherwise) and destroys it. Idempotent.
+func (c *CompChannel) Close() error {
+	if !c.n.markClosed() {
+		return nil
+	}
+	defer c.n.end(c)
+	c.p.close()
+	c.n.closeChildren()
+	return errnoErr("ibv_destroy_comp_channel", -int(C.ibv_destroy_comp_channel(c.ch)))
+}
+
+// CQ is a completion queue. One goroutine polls it.
+type CQ struct {
+	n      node
+	cq     *C.struct_ibv_cq
+	ch     *CompChannel
+	wcs    *C.struct_rnbd_wc // RNBD_MAX_POLL, C memory
+	closed atomic.Bool
+}
+
+// NewCQ creates a completion queue of at least cqe entries whose events
+// go to ch (nil: none; poll only).
+func (x *Context) NewCQ(cqe int, ch *CompChannel) (*CQ, error) {
+	var cch *C.struct_ibv_comp_channel
+	if ch != nil {
+		cch = ch.ch
+	}
+	cq := C.ibv_create_cq(x.c, C.int(cqe), nil, cch, 0)
+	if cq == nil {
+		return nil, errnoErr("ibv_create_cq", -int(syscall.ENOMEM))
+	}
+	q := &CQ{cq: cq, ch: ch, wcs: (*C.struct_rnbd_wc)(C.calloc(C.RNBD_MAX_POLL, C.sizeof_struct_rnbd_wc))}
+	parent := &x.n
+	if ch != nil {
+		ch.mu.Lock()
+		ch.cqs[cq] = q
+		ch.mu.Unlock()
+		parent = &ch.n
+	}
+	q.n.init("CQ on "+x.name, parent, q)
+	return q, nil
+}
+
+// ReqNotify asks for an event on the channel at the next completion.
+func (q *CQ) ReqNotify() error { return errnoErr("ibv_req_notify_cq", int(C.rnbd_req_notify(q.cq))) }
+
+// MaxPoll is the most completions one Poll returns.
+const MaxPoll = C.RNBD_MAX_POLL
+
+// Poll takes up to len(out) (at most MaxPoll) completions in one call.
+func (q *CQ) Poll(out []WC) (int, error) {
+	if q.closed.Load() {
+		return 0, ErrClosed
+	}
+	n := int(C.rnbd_poll_cq(q.cq, q.wcs, C.int(min(len(out), MaxPoll))))
+	if n < 0 {
+		return 0, errnoErr("ibv_poll_cq", n)
+	}
+	for i, w := range unsafe.Slice(q.wcs, n) {
+		out[i] = WC{ID: uint64(w.wr_id), Status: WCStatus(w.status), Opcode: WCOpcode(w.opcode),
+			ByteLen: uint32(w.byte_len), Imm: uint32(w.imm), InvRKey: uint32(w.inv_rkey),
+			Flags: uint32(w.wc_flags), QPNum: uint32(w.qp_num), VendorErr: uint32(w.vendor_err)}
+	}
+	return n, nil
+}
+
+// Close destroys the CQ; its QPs must be gone. Idempotent.
+func (q *CQ) Close() error {
+	if !q.n.begin() {
+		return nil
+	}
+	defer q.n.end(q)
+	q.closed.Store(true)
+	if q.ch != nil {
+		q.ch.mu.Lock()
+		delete(q.ch.cqs, q.cq)
+		q.ch.mu.Unlock()
+	}
+	err := errnoErr("ibv_destroy_cq", -int(C.ibv_destroy_cq(q.cq)))
+	C.free(unsafe.Pointer(q.wcs))
+	return err
+}
+
+// QP is a reliable-connection queue pair, made on an rdma_cm ID.
+// PostSend and PostRecv are safe for concurrent use.
+type QP struct {
+	n  node
+	qp *C.struct_ibv_qp
+	id *CMID
+
+	sendMu sync.Mutex
+	swr    *C.struct_rnbd_send_wr // MaxChain, C memory
+	recvMu sync.Mutex
+	rwr    *C.struct_rnbd_recv_wr // MaxChain, C memory
+	closed atomic.Bool
+}
+
+// Num is the QP number.
+func (qp *QP) Num() uint32 { return uint32(C.rnbd_qp_num(qp.qp)) }
+
+// PostSend posts a chain of up to MaxChain work requests in one call.
+// Their buffers must be registered memory and stay put until the
+// requests complete. An error wraps the errno (ENOMEM: the send queue is
+// full) and none of the requests from the failed one on were posted.
+func (qp *QP) PostSend(wrs []SendWR) error {
+	if len(wrs) == 0 || len(wrs) > MaxChain {
+		return &Error{Op: "ibv_post_send", Err: syscall.EINVAL}
+	}
+	qp.sendMu.Lock()
+	defer qp.sendMu.Unlock()
+	if qp.closed.Load() {
+		return ErrClosed
+	}
+	out := unsafe.Slice(qp.swr, len(wrs))
+	for i := range wrs {
+		w, o := &wrs[i], &out[i]
+		o.wr_id = C.uint64_t(w.ID)
+		o.remote_addr = C.uint64_t(w.RemoteAddr)
+		o.opcode = C.uint32_t(w.Opcode)
+		o.send_flags = C.uint32_t(w.Flags)
+		o.rkey = C.uint32_t(w.RKey)
+		o.imm = C.uint32_t(w.Imm)
+		o.invalidate_rkey = C.uint32_t(w.InvRKey)
+		o.num_sge = C.uint32_t(w.NumSGE)
+		for j := 0; j < w.NumSGE && j < MaxSGE; j++ {
+			o.sg[j] = C.struct_rnbd_sge{addr: C.uint64_t(w.SG[j].Addr), length: C.uint32_t(w.SG[j].Length), lkey: C.uint32_t(w.SG[j].LKey)}
+		}
+	}
+	var bad C.int
+	return errnoErr("ibv_post_send", int(C.rnbd_post_send(qp.qp, qp.swr, C.int(len(wrs)), &bad)))
+}
+
+// PostRecv posts a chain of up to MaxChain receive work requests.
+func (qp *QP) PostRecv(wrs []RecvWR) error {
+	if len(wrs) == 0 || len(wrs) > MaxChain {
+		return &Error{Op: "ibv_post_recv", Err: syscall.EINVAL}
+	}
+	qp.recvMu.Lock()
+	defer qp.recvMu.Unlock()
+	if qp.closed.Load() {
+		return ErrClosed
+	}
+	out := unsafe.Slice(qp.rwr, len(wrs))
+	for i := range wrs {
+		w, o := &wrs[i], &out[i]
+		o.wr_id = C.uint64_t(w.ID)
+		o.num_sge = C.uint32_t(w.NumSGE)
+		o.sg = C.struct_rnbd_sge{addr: C.uint64_t(w.SG.Addr), length: C.uint32_t(w.SG.Length), lkey: C.uint32_t(w.SG.LKey)}
+	}
+	var bad C.int
+	return errnoErr("ibv_post_recv", int(C.rnbd_post_recv(qp.qp, qp.rwr, C.int(len(wrs)), &bad)))
+}
+
+// BindMW binds (len(buf) > 0) or unbinds (buf nil: the window no longer
+// grants anything) a type 1 window over buf in mr; the window's rkey
+// changes. The bind is a send work request with id wrID.
+func (qp *QP) BindMW(mw *MW, mr *MR, buf []byte, access Access, wrID uint64, signaled bool) error {
+	var addr, n uint64
+	var cmr *C.struct_ibv_mr
+	if len(buf) > 0 {
+		addr, n, cmr = uint64(uintptr(unsafe.Pointer(&buf[0]))), uint64(len(buf)), mr.mr
+	}
+	sig := C.int(0)
+	if signaled {
+		sig = 1
+	}
+	qp.sendMu.Lock()
+	defer qp.sendMu.Unlock()
+	return errnoErr("ibv_bind_mw", int(C.rnbd_bind_mw(qp.qp, mw.mw, cmr, C.uint64_t(addr), C.uint64_t(n), C.uint32_t(access), C.uint64_t(wrID), sig)))
+}
+
+// Close destroys the QP (rdma_destroy_qp): outstanding work requests are
+// flushed. Idempotent.
+func (qp *QP) Close() error {
+	if !qp.n.begin() {
+		return nil
+	}
+	defer qp.n.end(qp)
+	qp.sendMu.Lock()
+	qp.recvMu.Lock()
+	qp.closed.Store(true)
+	qp.recvMu.Unlock()
+	qp.sendMu.Unlock()
+	C.rdma_destroy_qp(qp.id.id)
+	C.free(unsafe.Pointer(qp.swr))
+	C.free(unsafe.Pointer(qp.rwr))
+	return nil
+}
+
+// EventChannel is an rdma_cm event channel: the events of its IDs,
+// waited on in Go's poller.
+type EventChannel struct {
+	n  node
+	ch *C.struct_rdma_event_channel
+	p  *pollable
+
+	mu  sync.Mutex
+	ids map[*C.struct_rdma_cm_id]*CMID
+}
+
+// NewEventChannel creates an event channel; an error wraps
+// ErrNotSupported where there is no rdma_cm (/dev/infiniband/rdma_cm).
+func NewEventChannel() (*EventChannel, error) {
+	ch, err := C.rdma_create_event_channel()
+	if ch == nil {
+		e, _ := err.(syscall.Errno)
+		if e == 0 || e == syscall.ENOENT {
+			e = syscall.ENODEV
+		}
+		return nil, errnoErr("rdma_create_event_channel", -int(e))
+	}
+	p, perr := newPollable(ch.fd, "rdma_event_channel")
+	if perr != nil {
+		C.rdma_destroy_event_channel(ch)
+		return nil, perr
+	}
+	c := &EventChannel{ch: ch, p: p, ids: map[*C.struct_rdma_cm_id]*CMID{}}
+	c.n.init("EventChannel", nil, c)
+	return c, nil
+}
+
+// Next waits for the next event of one of the channel's IDs. It returns
+// ErrClosed once the channel is closed. One goroutine calls it.
+func (c *EventChannel) Next() (CMEvent, error) {
+	ev := (*C.struct_rnbd_cm_event)(C.malloc(C.sizeof_struct_rnbd_cm_event))
+	defer C.free(unsafe.Pointer(ev))
+	var res C.int
+	err := c.p.wait(func() bool {
+		res = C.rnbd_get_cm_event(c.ch, ev)
+		return res != -C.EAGAIN
+	})
+	if err != nil {
+		return CMEvent{}, err
+	}
+	if res < 0 {
+		return CMEvent{}, errnoErr("rdma_get_cm_event", int(res))
+	}
+	out := CMEvent{Type: EventType(ev.event), Status: int(ev.status)}
+	if n := int(ev.private_data_len); n > 0 {
+		out.PrivateData = C.GoBytes(unsafe.Pointer(&ev.private_data[0]), C.int(n))
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if out.Type == EventConnectRequest {
+		out.Listener = c.ids[ev.listen_id]
+		id := &CMID{id: ev.id, ch: c}
+		c.ids[ev.id] = id
+		id.n.init("CMID (accepted)", &c.n, id)
+		out.ID = id
+		return out, nil
+	}
+	out.ID = c.ids[ev.id]
+	return out, nil
+}
+
+// Interrupt wakes a Next, which returns ErrClosed, as do all later ones;
+// it returns once the caller of Next is out of C. Idempotent.
+func (c *EventChannel) Interrupt() { c.p.close() }
+
+// Close interrupts, destroys the channel's IDs (and their QPs) and the
+// channel. Idempotent.
+func (c *EventChannel) Close() error {
+	if !c.n.markClosed() {
+		return nil
+	}
+	defer c.n.end(c)
+	c.p.close()
+	c.n.closeChildren()
+	C.rdma_destroy_event_channel(c.ch)
+	return nil
+}
+
+// CMID is an rdma_cm ID: one connection or a listener.
+type CMID struct {
+	n  node
+	id *C.struct_rdma_cm_id
+	ch *EventChannel
+	qp *QP
+}
+
+// CreateID makes an ID whose events come to the channel.
+func (c *EventChannel) CreateID(ps PortSpace) (*CMID, error) {
+	var id *C.struct_rdma_cm_id
+	if r, err := C.rdma_create_id(c.ch, &id, nil, C.enum_rdma_port_space(ps)); r != 0 {
+		return nil, errnoErr("rdma_create_id", -errnoOf(err))
+	}
+	x := &CMID{id: id, ch: c}
+	c.mu.Lock()
+	c.ids[id] = x
+	c.mu.Unlock()
+	x.n.init("CMID", &c.n, x)
+	return x, nil
+}
+
+func errnoOf(err error) int {
+	if e, ok := err.(syscall.Errno); ok && e != 0 {
+		return int(e)
+	}
+	return int(syscall.EIO)
+}
+
+func toAddr(a netip.AddrPort) C.struct_rnbd_addr {
+	var out C.struct_rnbd_addr
+	if !a.IsValid() {
+		return out
+	}
+	ip := a.Addr()
+	out.family = C.int(family(ip))
+	out.port = C.uint16_t(a.Port())
+	if ip.Is4() || ip.Is4In6() {
+		b := ip.Unmap().As4()
+		for i := range b {
+			out.ip[i] = C.uint8_t(b[i])
+		}
+	} else {
+		b := ip.As16()
+		for i := range b {
+			out.ip[i] = C.uint8_t(b[i])
+		}
+		if z := ip.Zone(); z != "" {
+			if ifi, err := netInterfaceIndex(z); err == nil {
+				out.scope_id = C.uint32_t(ifi)
+			}
+		}
+	}
+	return out
+}
+
+func fromAddr(a *C.struct_rnbd_addr) netip.AddrPort {
+	switch a.family {
+	case syscall.AF_INET:
+		var b [4]byte
+		for i := range b {
+			b[i] = byte(a.ip[i])
+		}
+		return netip.AddrPortFrom(netip.AddrFrom4(b), uint16(a.port))
+	case syscall.AF_INET6:
+		var b [16]byte
+		for i := range b {
+			b[i] = byte(a.ip[i])
+		}
+		return netip.AddrPortFrom(netip.AddrFrom16(b), uint16(a.port))
+	}
+	return netip.AddrPort{}
+}
+
+// ResolveAddr starts resolving dst (from src, if valid) to a device:
+// EventAddrResolved or EventAddrError follows.
+func (x *CMID) ResolveAddr(src, dst netip.AddrPort, timeoutMS int) error {
+	s, d := toAddr(src), toAddr(dst)
+	return errnoErr("rdma_resolve_addr", int(C.rnbd_resolve_addr(x.id, &s, &d, C.int(timeoutMS))))
+}
+
+// ResolveRoute starts resolving the route: EventRouteResolved or
+// EventRouteError follows.
+func (x *CMID) ResolveRoute(timeoutMS int) error {
+	if r, err := C.rdma_resolve_route(x.id, C.int(timeoutMS)); r != 0 {
+		return errnoErr("rdma_resolve_route", -errnoOf(err))
+	}
+	return nil
+}
+
+// Bind binds the ID to a local address (for Listen).
+func (x *CMID) Bind(a netip.AddrPort) error {
+	s := toAddr(a)
+	return errnoErr("rdma_bind_addr", int(C.rnbd_bind_addr(x.id, &s)))
+}
+
+// Listen listens for connection requests (EventConnectRequest).
+func (x *CMID) Listen(backlog int) error {
+	if r, err := C.rdma_listen(x.id, C.int(backlog)); r != 0 {
+		return errnoErr("rdma_listen", -errnoOf(err))
+	}
+	return nil
+}
+
+// Context is the device the ID is bound to (after address resolution, or
+// for a connection request), nil before.
+func (x *CMID) Context() *Context {
+	c := C.rnbd_id_verbs(x.id)
+	if c == nil {
+		return nil
+	}
+	return cmContext(c)
+}
+
+// Port is the device port the ID is bound to.
+func (x *CMID) Port() int { return int(C.rnbd_id_port(x.id)) }
+
+// LocalAddr and PeerAddr are the ID's addresses.
+func (x *CMID) LocalAddr() netip.AddrPort {
+	var a C.struct_rnbd_addr
+	C.rnbd_local_addr(x.id, &a)
+	return fromAddr(&a)
+}
+
+func (x *CMID) PeerAddr() netip.AddrPort {
+	var a C.struct_rnbd_addr
+	C.rnbd_peer_addr(x.id, &a)
+	return fromAddr(&a)
+}
+
+// CreateQP makes the ID's RC queue pair in pd, both queues completing
+// on cq.
+func (x *CMID) CreateQP(pd *PD, cq *CQ, caps QPCaps) (*QP, error) {
+	if err := errnoErr("rdma_create_qp", int(C.rnbd_create_qp(x.id, pd.pd, cq.cq,
+		C.uint32_t(caps.MaxSendWR), C.uint32_t(caps.MaxRecvWR), C.uint32_t(caps.MaxInline)))); err != nil {
+		return nil, err
+	}
+	qp := &QP{qp: C.rnbd_id_qp(x.id), id: x,
+		swr: (*C.struct_rnbd_send_wr)(C.calloc(MaxChain, C.sizeof_struct_rnbd_send_wr)),
+		rwr: (*C.struct_rnbd_recv_wr)(C.calloc(MaxChain, C.sizeof_struct_rnbd_recv_wr))}
+	qp.n.init("QP", &x.n, qp)
+	x.qp = qp
+	return qp, nil
+}
+
+func connParam(p ConnParam) (*C.struct_rnbd_conn_param, error) {
+	if len(p.PrivateData) > 255 {
+		return nil, &Error{Op: "private data", Err: syscall.EINVAL}
+	}
+	cp := (*C.struct_rnbd_conn_param)(C.calloc(1, C.sizeof_struct_rnbd_conn_param))
+	for i, b := range p.PrivateData {
+		cp.private_data[i] = C.uint8_t(b)
+	}
+	cp.private_data_len = C.uint8_t(len(p.PrivateData))
+	cp.responder_resources = C.uint8_t(p.ResponderResources)
+	cp.initiator_depth = C.uint8_t(p.InitiatorDepth)
+	cp.retry_count = C.uint8_t(p.RetryCount)
+	cp.rnr_retry_count = C.uint8_t(p.RNRRetryCount)
+	return cp, nil
+}
+
+// Connect sends the connection request: EventEstablished (with the
+// peer's private data), EventRejected, EventUnreachable or
+// EventConnectError follows.
+func (x *CMID) Connect(p ConnParam) error {
+	cp, err := connParam(p)
+	if err != nil {
+		return err
+	}
+	defer C.free(unsafe.Pointer(cp))
+	return errnoErr("rdma_connect", int(C.rnbd_connect(x.id, cp)))
+}
+
+// Accept answers a connection request with private data; the QP is
+// ready to send when it returns, EventEstablished follows.
+func (x *CMID) Accept(p ConnParam) error {
+	cp, err := connParam(p)
+	if err != nil {
+		return err
+	}
+	defer C.free(unsafe.Pointer(cp))
+	return errnoErr("rdma_accept", int(C.rnbd_accept(x.id, cp)))
+}
+
+// Reject refuses a connection request, with private data for the peer.
+func (x *CMID) Reject(priv []byte) error {
+	if len(priv) > 255 {
+		return &Error{Op: "rdma_reject", Err: syscall.EINVAL}
+	}
+	var p unsafe.Pointer
+	if len(priv) > 0 {
+		p = C.CBytes(priv)
+		defer C.free(p)
+	}
+	if r, err := C.rdma_reject(x.id, p, C.uint8_t(len(priv))); r != 0 {
+		return errnoErr("rdma_reject", -errnoOf(err))
+	}
+	return nil
+}
+
+// Disconnect tears the connection down: the QP goes to error (its work
+// requests flush) and the peer gets EventDisconnected.
+func (x *CMID) Disconnect() error {
+	if r, err := C.rdma_disconnect(x.id); r != 0 {
+		return errnoErr("rdma_disconnect", -errnoOf(err))
+	}
+	return nil
+}
+
+// Migrate moves the ID's events to another channel.
+func (x *CMID) Migrate(to *EventChannel) error {
+	if r, err := C.rdma_migrate_id(x.id, to.ch); r != 0 {
+		return errnoErr("rdma_migrate_id", -errnoOf(err))
+	}
+	from := x.ch
+	from.mu.Lock()
+	delete(from.ids, x.id)
+	from.mu.Unlock()
+	from.n.mu.Lock()
+	delete(from.n.children, x)
+	from.n.mu.Unlock()
+	to.mu.Lock()
+	to.ids[x.id] = x
+	to.mu.Unlock()
+	to.n.mu.Lock()
+	if to.n.children == nil {
+		to.n.children = map[closer]struct{}{}
+	}
+	to.n.children[x] = struct{}{}
+	to.n.mu.Unlock()
+	x.ch = to
+	x.n.parent = &to.n
+	return nil
+}
+
+// Close destroys the ID's QP, then the ID. Idempotent.
+func (x *CMID) Close() error {
+	if !x.n.begin() {
+		return nil
+	}
+	defer x.n.end(x)
+	ch := x.ch
+	ch.mu.Lock()
+	delete(ch.ids, x.id)
+	ch.mu.Unlock()
+	if r, err := C.rdma_destroy_id(x.id); r != 0 {
+		return errnoErr("rdma_destroy_id", -errnoOf(err))
+	}
+	return nil
+}
