@@ -139,7 +139,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringVar(&m.DevicePath, "device-path", "", "the device's name on the server")
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
 	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
-	f.StringVar(&m.Transport, "transport", "auto", "auto, tcp or rdma")
+	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
 	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir")
 	return cmd
 }

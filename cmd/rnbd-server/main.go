@@ -84,7 +84,7 @@ func newDaemon() *cobra.Command {
 	d := serverd.DefaultConfig()
 	f := cmd.Flags()
 	f.StringVar(&configFile, "config", serverd.DefaultConfigFile, "TOML configuration file")
-	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] (repeatable)")
+	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; default both on every interface, RDMA where the machine has it)")
 	f.StringVar(&over.DevSearchPath, "dev-search-path", "", "resolve device names beneath this directory (may contain %SESSNAME%)")
 	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
 	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")

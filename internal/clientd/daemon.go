@@ -28,7 +28,9 @@ import (
 	"github.com/rnbd/rnbd/pkg/blockdev/ublk"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/ibverbs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/rdma"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
@@ -74,8 +76,9 @@ type mapped struct {
 
 // session is a client session and the mappings through it.
 type session struct {
-	cs    *rnbd.CltSession
-	paths []string
+	cs        *rnbd.CltSession
+	paths     []string
+	transport string // tcp or rdma
 }
 
 func (s *session) uuid() string {
@@ -87,8 +90,11 @@ func (s *session) uuid() string {
 type Daemon struct {
 	cfg    Config
 	log    *log.Entry
-	fabric fabric.Fabric
+	fabric fabric.Fabric // TCP
 	ctl    *ctl.Server
+
+	rdmaMu sync.Mutex
+	rdma   fabric.Fabric // made on first use
 	nbd    *nbd.Server
 	served chan error
 
@@ -105,6 +111,7 @@ type Daemon struct {
 // Options are what a daemon is started with beyond its configuration.
 type Options struct {
 	Fabric fabric.Fabric // overrides TCP (tests)
+	RDMA   fabric.Fabric // overrides RDMA (tests)
 	Log    *log.Entry
 }
 
@@ -120,7 +127,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	if opts.Fabric == nil {
 		opts.Fabric = tcp.New(tcp.Options{})
 	}
-	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, served: make(chan error, 1),
+	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},
 		nbd: nbd.NewServer(nbd.Options{Log: opts.Log})}
 	st, err := loadState(cfg.StateFile)
@@ -287,10 +294,13 @@ func (d *Daemon) normalize(m *Mapping) error {
 		}
 	}
 	switch m.Transport {
-	case "", "auto", "tcp":
-		m.Transport = "tcp"
+	case "", "auto":
+		m.Transport = autoTransport(m)
+	case "tcp":
 	case "rdma":
-		return ctl.Errorf(ctl.CodeNotSupported, "the RDMA transport is not built yet; use --transport tcp")
+		if !ibverbs.Supported {
+			return ctl.Errorf(ctl.CodeNotSupported, "this rnbd-client was built without RDMA (cgo); use --transport tcp")
+		}
 	default:
 		return ctl.Errorf(ctl.CodeInvalid, "transport %q: want auto, tcp or rdma", m.Transport)
 	}
@@ -450,6 +460,39 @@ func (d *Daemon) mapLocked(ctx context.Context, m Mapping, restore bool) error {
 	return nil
 }
 
+// autoTransport is RDMA when every path's addresses lead to an RDMA
+// device (a session runs on one transport), else TCP.
+func autoTransport(m *Mapping) string {
+	for _, p := range m.Paths {
+		pa, err := rtrs.ParsePathAddr(p, m.DestPort)
+		if err != nil || pa.GID {
+			return "tcp"
+		}
+		if dev, err := rdma.DeviceFor(pa.Src.Addr(), pa.Dst.Addr()); err != nil || dev == "" {
+			return "tcp"
+		}
+	}
+	return "rdma"
+}
+
+// fabricFor is the fabric of a transport; the RDMA one is made on first
+// use.
+func (d *Daemon) fabricFor(transport string) (fabric.Fabric, error) {
+	if transport != "rdma" {
+		return d.fabric, nil
+	}
+	d.rdmaMu.Lock()
+	defer d.rdmaMu.Unlock()
+	if d.rdma == nil {
+		f, err := rdma.New(rdma.Options{})
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeNotSupported, "RDMA: %v", err)
+		}
+		d.rdma = f
+	}
+	return d.rdma, nil
+}
+
 // backendID names what a kernel device of m serves: nbd's
 // BACKEND_IDENTIFIER, the source of a ublk device's cookie.
 func backendID(m Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }
@@ -474,10 +517,17 @@ func (d *Daemon) getSession(ctx context.Context, m Mapping, restore bool) (*sess
 		if strings.Join(s.paths, " ") != strings.Join(m.Paths, " ") {
 			return nil, false, ctl.Errorf(ctl.CodeInvalid, "session %s exists with paths %v, not %v", m.SessName, s.paths, m.Paths)
 		}
+		if s.transport != m.Transport {
+			return nil, false, ctl.Errorf(ctl.CodeInvalid, "session %s runs on %s, not %s", m.SessName, s.transport, m.Transport)
+		}
 		return s, false, nil
 	}
+	fab, err := d.fabricFor(m.Transport)
+	if err != nil {
+		return nil, false, err
+	}
 	cfg := rtrs.DefaultClientConfig()
-	cfg.SessName, cfg.Fabric, cfg.Log = m.SessName, d.fabric, d.log
+	cfg.SessName, cfg.Fabric, cfg.Log = m.SessName, fab, d.log
 	cfg.ConnsPerPath = d.cfg.ConnsPerPath
 	cfg.MPPolicy, _ = rtrs.ParseMPPolicy(d.cfg.MPPolicy)
 	cfg.MaxReconnectAttempts = d.cfg.MaxReconnectAttempts
@@ -499,7 +549,7 @@ func (d *Daemon) getSession(ctx context.Context, m Mapping, restore bool) (*sess
 	if err != nil {
 		return nil, false, err
 	}
-	s = &session{cs: cs, paths: m.Paths}
+	s = &session{cs: cs, paths: m.Paths, transport: m.Transport}
 	d.mu.Lock()
 	d.sessions[m.SessName] = s
 	d.mu.Unlock()
@@ -621,7 +671,7 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
@@ -857,7 +907,7 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		}
 		recs = append(recs, output.Record{
 			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
-			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(),
+			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
 			"rx_bytes": rx, "tx_bytes": tx, "inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})

@@ -52,7 +52,7 @@ type (
 func DefaultConfig() Config {
 	return Config{
 		Version:          ConfigVersion,
-		Listen:           []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort)},
+		Listen:           []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort), fmt.Sprintf("rdma://0.0.0.0:%d", rtrs.DefaultPort)},
 		QueueDepth:       rtrs.DefaultQueueDepth,
 		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
 		MaxChunkMemory:   rtrs.DefaultMaxChunkMemory,
@@ -81,7 +81,7 @@ func (c *Config) Validate() error {
 		return errors.New("no listen address")
 	}
 	for _, l := range c.Listen {
-		if _, err := rtrs.ParseListenAddr(l); err != nil {
+		if _, err := rtrs.ParseListen(l); err != nil {
 			return err
 		}
 	}

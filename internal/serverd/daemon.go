@@ -20,6 +20,7 @@ import (
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/rdma"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
@@ -49,7 +50,10 @@ type Daemon struct {
 type Options struct {
 	// Fabric overrides the TCP fabric (tests).
 	Fabric fabric.Fabric
-	Log    *log.Entry
+	// RDMA overrides the RDMA fabric (tests); nil makes one if an rdma://
+	// address is to be listened on.
+	RDMA fabric.Fabric
+	Log  *log.Entry
 }
 
 // Start loads the state, opens the control socket and starts serving.
@@ -65,10 +69,9 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		opts.Fabric = tcp.New(tcp.Options{})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1)}
-	var addrs []netip.AddrPort
-	for _, l := range cfg.Listen {
-		a, _ := rtrs.ParseListenAddr(l)
-		addrs = append(addrs, a)
+	eps, err := endpoints(cfg.Listen, opts)
+	if err != nil {
+		return nil, err
 	}
 	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
 		DevSearchPath: cfg.DevSearchPath,
@@ -93,7 +96,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	rcfg := rtrs.DefaultServerConfig()
-	rcfg.Fabric, rcfg.Handler, rcfg.Listen, rcfg.Log = opts.Fabric, d.rnbd, addrs, opts.Log
+	rcfg.Fabric, rcfg.Handler, rcfg.Endpoints, rcfg.Log = opts.Fabric, d.rnbd, eps, opts.Log
 	rcfg.QueueDepth, rcfg.MaxChunkSize, rcfg.AlwaysInvalidate = cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate
 	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
 	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
@@ -105,12 +108,41 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	d.routes()
 	go func() { d.served <- d.ctl.Serve() }()
 	var bound []string
-	for _, a := range d.rtrs.Addrs() {
-		bound = append(bound, "tcp://"+a.String())
+	for _, l := range d.rtrs.Listening() {
+		bound = append(bound, l.String())
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
 		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath}).Info("rnbd-server started")
 	return d, nil
+}
+
+// endpoints turns the listen addresses into the server's endpoints. An
+// rdma:// address on every interface (0.0.0.0, ::) is listened on only
+// where the machine can do RDMA; a specific one must work.
+func endpoints(listen []string, opts Options) ([]rtrs.Endpoint, error) {
+	var eps []rtrs.Endpoint
+	for _, s := range listen {
+		l, err := rtrs.ParseListen(s)
+		if err != nil {
+			return nil, err
+		}
+		e := rtrs.Endpoint{Fabric: opts.Fabric, Addr: l.Addr}
+		if l.Transport == "rdma" {
+			if opts.RDMA == nil {
+				f, err := rdma.New(rdma.Options{})
+				if err != nil && !l.Addr.Addr().IsUnspecified() {
+					return nil, fmt.Errorf("listen %s: %w", s, err)
+				}
+				if err != nil {
+					continue // no RDMA in this build: TCP only
+				}
+				opts.RDMA = f
+			}
+			e.Fabric, e.Optional = opts.RDMA, l.Addr.Addr().IsUnspecified()
+		}
+		eps = append(eps, e)
+	}
+	return eps, nil
 }
 
 // Addrs are the addresses the daemon listens on for RTRS.

@@ -33,7 +33,7 @@ func TestMain(m *testing.M) {
 
 // The tests that need a device read its address from RNBD_RDMA_ADDR (the
 // VM tier sets it on rdma_rxe); without it they skip.
-func rdmaAddr(t *testing.T) netip.Addr {
+func rdmaAddr(t testing.TB) netip.Addr {
 	t.Helper()
 	s := os.Getenv("RNBD_RDMA_ADDR")
 	if s == "" {
@@ -104,7 +104,7 @@ func TestAllocMemory(t *testing.T) {
 }
 
 // deviceOf resolves the test address to its device and opens it.
-func deviceOf(t *testing.T) (*Context, netip.Addr) {
+func deviceOf(t testing.TB) (*Context, netip.Addr) {
 	t.Helper()
 	addr := rdmaAddr(t)
 	if !Supported {
@@ -190,150 +190,171 @@ func TestLifetimes(t *testing.T) {
 	}
 }
 
-// A loopback connection through rdma_cm, both ends in this process: an
-// RDMA write with immediate lands and completes; a write with a stale
-// rkey is refused by the device; a disconnect reaches the peer as an
-// event.
-func TestLoopback(t *testing.T) {
-	x0, addr := deviceOf(t)
-	x0.Close()
-	lch, err := NewEventChannel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lch.Close()
-	lid, err := lch.CreateID(PortSpaceTCP)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := lid.Bind(netip.AddrPortFrom(addr, 0)); err != nil {
-		t.Fatal(err)
-	}
-	if err := lid.Listen(4); err != nil {
-		t.Fatal(err)
-	}
-	port := lid.LocalAddr().Port()
+// end is one side of a loopback connection.
+type end struct {
+	id *CMID
+	cc *CompChannel
+	cq *CQ
+	qp *QP
+}
 
-	cch, err := NewEventChannel()
-	if err != nil {
-		t.Fatal(err)
+// poll waits (in the poller) for the side's next completion.
+func (e end) poll(tb testing.TB) WC {
+	tb.Helper()
+	wcs := make([]WC, 1)
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := e.cq.ReqNotify(); err != nil {
+			tb.Fatal(err)
+		}
+		n, err := e.cq.Poll(wcs)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		if n > 0 {
+			return wcs[0]
+		}
+		done := make(chan struct{})
+		go func() {
+			e.cc.Wait()
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-time.After(time.Until(deadline)):
+			e.cc.Interrupt()
+			<-done
+		}
 	}
-	defer cch.Close()
-	cid, err := cch.CreateID(PortSpaceTCP)
-	if err != nil {
-		t.Fatal(err)
+	tb.Fatal("no completion")
+	return WC{}
+}
+
+// loopback is a connection through rdma_cm with both ends in this
+// process, on one PD.
+type loopback struct {
+	lch, cch *EventChannel
+	lid      *CMID
+	pd       *PD
+	cli, srv end
+}
+
+func newLoopback(tb testing.TB) *loopback {
+	tb.Helper()
+	x0, addr := deviceOf(tb)
+	x0.Close()
+	lb := &loopback{}
+	var err error
+	must := func(err error) {
+		tb.Helper()
+		if err != nil {
+			lb.close()
+			tb.Fatal(err)
+		}
 	}
 	next := func(ch *EventChannel, want EventType) CMEvent {
-		t.Helper()
+		tb.Helper()
 		ev, err := ch.Next()
 		if err != nil || ev.Type != want {
-			t.Fatalf("waiting for %v: %v (status %d) %v", want, ev.Type, ev.Status, err)
+			lb.close()
+			tb.Fatalf("waiting for %v: %v (status %d) %v", want, ev.Type, ev.Status, err)
 		}
 		return ev
 	}
-	if err := cid.ResolveAddr(netip.AddrPortFrom(addr, 0), netip.AddrPortFrom(addr, port), 5000); err != nil {
-		t.Fatal(err)
+	lb.lch, err = NewEventChannel()
+	must(err)
+	lb.cch, err = NewEventChannel()
+	must(err)
+	lb.lid, err = lb.lch.CreateID(PortSpaceTCP)
+	must(err)
+	must(lb.lid.Bind(netip.AddrPortFrom(addr, 0)))
+	must(lb.lid.Listen(4))
+	port := lb.lid.LocalAddr().Port()
+	lb.cli.id, err = lb.cch.CreateID(PortSpaceTCP)
+	must(err)
+	must(lb.cli.id.ResolveAddr(netip.AddrPortFrom(addr, 0), netip.AddrPortFrom(addr, port), 5000))
+	next(lb.cch, EventAddrResolved)
+	must(lb.cli.id.ResolveRoute(5000))
+	next(lb.cch, EventRouteResolved)
+	x := lb.cli.id.Context()
+	lb.pd, err = x.AllocPD()
+	must(err)
+	mkEnd := func(e *end) {
+		var err error
+		e.cc, err = x.NewCompChannel()
+		must(err)
+		e.cq, err = x.NewCQ(64, e.cc)
+		must(err)
+		e.qp, err = e.id.CreateQP(lb.pd, e.cq, QPCaps{MaxSendWR: 32, MaxRecvWR: 32})
+		must(err)
 	}
-	next(cch, EventAddrResolved)
-	if err := cid.ResolveRoute(5000); err != nil {
-		t.Fatal(err)
+	mkEnd(&lb.cli)
+	must(lb.cli.id.Connect(ConnParam{PrivateData: []byte("req"), RetryCount: 7, RNRRetryCount: 7}))
+	req := next(lb.lch, EventConnectRequest)
+	if req.Listener != lb.lid || !bytes.HasPrefix(req.PrivateData, []byte("req")) {
+		lb.close()
+		tb.Fatalf("request %+v", req)
 	}
-	next(cch, EventRouteResolved)
-	x := cid.Context()
-	pd, err := x.AllocPD()
-	if err != nil {
-		t.Fatal(err)
+	lb.srv.id = req.ID
+	mkEnd(&lb.srv)
+	must(lb.srv.qp.PostRecv([]RecvWR{{ID: 11}, {ID: 12}}))
+	must(req.ID.Accept(ConnParam{PrivateData: []byte("rsp"), RNRRetryCount: 7}))
+	est := next(lb.cch, EventEstablished)
+	if !bytes.HasPrefix(est.PrivateData, []byte("rsp")) {
+		lb.close()
+		tb.Fatalf("accept private data %q", est.PrivateData)
 	}
-	defer pd.Close()
-	type end struct {
-		cc *CompChannel
-		cq *CQ
-		qp *QP
-	}
-	mkEnd := func(id *CMID) end {
-		cc, err := x.NewCompChannel()
-		if err != nil {
-			t.Fatal(err)
+	next(lb.lch, EventEstablished)
+	return lb
+}
+
+// close tears down in the order the objects demand: each ID (its QP)
+// before its channel (its CQ), the PD last, then the event channels.
+func (lb *loopback) close() {
+	for _, e := range []end{lb.cli, lb.srv} {
+		if e.id != nil {
+			e.id.Close()
 		}
-		cq, err := x.NewCQ(32, cc)
-		if err != nil {
-			t.Fatal(err)
+		if e.cc != nil {
+			e.cc.Close()
 		}
-		qp, err := id.CreateQP(pd, cq, QPCaps{MaxSendWR: 16, MaxRecvWR: 16})
-		if err != nil {
-			t.Fatal(err)
+	}
+	if lb.pd != nil {
+		lb.pd.Close()
+	}
+	for _, ch := range []*EventChannel{lb.lch, lb.cch} {
+		if ch != nil {
+			ch.Close()
 		}
-		return end{cc, cq, qp}
 	}
-	cli := mkEnd(cid)
-	if err := cid.Connect(ConnParam{PrivateData: []byte("req"), RetryCount: 7, RNRRetryCount: 7}); err != nil {
-		t.Fatal(err)
-	}
-	req := next(lch, EventConnectRequest)
-	if req.Listener != lid || !bytes.HasPrefix(req.PrivateData, []byte("req")) {
-		t.Fatalf("request %+v", req)
-	}
-	srv := mkEnd(req.ID)
+}
+
+// A loopback connection through rdma_cm: an RDMA write with immediate
+// lands and completes; a write with a stale rkey is refused by the
+// device; a disconnect reaches the peer as an event.
+func TestLoopback(t *testing.T) {
+	lb := newLoopback(t)
+	defer lb.close()
 	mem, err := AllocMemory(8192)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer FreeMemory(mem)
-	mr, err := pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
+	mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := srv.qp.PostRecv([]RecvWR{{ID: 11}, {ID: 12}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := req.ID.Accept(ConnParam{PrivateData: []byte("rsp"), RNRRetryCount: 7}); err != nil {
-		t.Fatal(err)
-	}
-	est := next(cch, EventEstablished)
-	if !bytes.HasPrefix(est.PrivateData, []byte("rsp")) {
-		t.Fatalf("accept private data %q", est.PrivateData)
-	}
-	next(lch, EventEstablished)
-
-	poll := func(e end) WC {
-		t.Helper()
-		wcs := make([]WC, 4)
-		deadline := time.Now().Add(10 * time.Second)
-		for time.Now().Before(deadline) {
-			if err := e.cq.ReqNotify(); err != nil {
-				t.Fatal(err)
-			}
-			if n, err := e.cq.Poll(wcs); err != nil || n > 0 {
-				if err != nil {
-					t.Fatal(err)
-				}
-				return wcs[0]
-			}
-			done := make(chan struct{})
-			go func() {
-				e.cc.Wait()
-				close(done)
-			}()
-			select {
-			case <-done:
-			case <-time.After(time.Until(deadline)):
-				e.cc.Interrupt()
-				<-done
-			}
-		}
-		t.Fatal("no completion")
-		return WC{}
-	}
+	defer mr.Close()
 	copy(mem[:5], "hello")
 	w := SendWR{ID: 1, Opcode: WRRDMAWriteWithImm, Flags: SendSignaled, RemoteAddr: mr.Addr() + 4096, RKey: mr.RKey(),
 		Imm: 0xabcdef01, NumSGE: 1, SG: [MaxSGE]SGE{{Addr: mr.Addr(), Length: 5, LKey: mr.LKey()}}}
-	if err := cli.qp.PostSend([]SendWR{w}); err != nil {
+	if err := lb.cli.qp.PostSend([]SendWR{w}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := poll(cli); wc.Status != WCSuccess || wc.ID != 1 || wc.Opcode != WCRDMAWrite {
+	if wc := lb.cli.poll(t); wc.Status != WCSuccess || wc.ID != 1 || wc.Opcode != WCRDMAWrite {
 		t.Fatalf("sender: %+v", wc)
 	}
-	if wc := poll(srv); wc.Status != WCSuccess || wc.ID != 11 || wc.Opcode != WCRecvRDMAWithImm ||
+	if wc := lb.srv.poll(t); wc.Status != WCSuccess || wc.ID != 11 || wc.Opcode != WCRecvRDMAWithImm ||
 		wc.Imm != 0xabcdef01 || wc.ByteLen != 5 || wc.Flags&WCFlagWithImm == 0 {
 		t.Fatalf("receiver: %+v", wc)
 	}
@@ -343,30 +364,78 @@ func TestLoopback(t *testing.T) {
 	// A stale rkey: the device refuses, nothing lands.
 	copy(mem[:5], "wrong")
 	w.ID, w.RKey = 2, mr.RKey()^0x80
-	if err := cli.qp.PostSend([]SendWR{w}); err != nil {
+	if err := lb.cli.qp.PostSend([]SendWR{w}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := poll(cli); wc.Status != WCRemAccessErr {
+	if wc := lb.cli.poll(t); wc.Status != WCRemAccessErr {
 		t.Fatalf("stale rkey: %+v", wc)
 	}
 	if string(mem[4096:4101]) != "hello" {
 		t.Fatal("a write with a stale rkey landed")
 	}
 	// The client goes; the server hears it from the CM.
-	if err := cid.Disconnect(); err != nil {
+	if err := lb.cli.id.Disconnect(); err != nil {
 		t.Fatal(err)
 	}
-	next(lch, EventDisconnected)
-	mr.Close()
-	for _, e := range []struct {
-		id *CMID
-		e  end
-	}{{cid, cli}, {req.ID, srv}} {
-		if err := e.id.Close(); err != nil { // its QP first
-			t.Fatal(err)
+	if ev, err := lb.lch.Next(); err != nil || ev.Type != EventDisconnected || ev.ID != lb.srv.id {
+		t.Fatalf("after the disconnect: %+v %v", ev, err)
+	}
+}
+
+// always_invalidate has two ways on userspace verbs; these measure them
+// (the VM tier runs them on rdma_rxe, docs/protocol.md has the figures).
+//
+// BenchmarkReregister: deregister and register a 128 KiB chunk, what the
+// RDMA fabric does per IO (fabric/rdma mr.Invalidate, mr.Reregister).
+func BenchmarkReregister(b *testing.B) {
+	lb := newLoopback(b)
+	defer lb.close()
+	mem, err := AllocMemory(128 << 10)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer FreeMemory(mem)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
+		if err != nil {
+			b.Fatal(err)
 		}
-		if err := e.e.cc.Close(); err != nil { // its CQ first
-			t.Fatal(err)
+		if err := mr.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkMemoryWindow: unbind and bind a type 1 window over the chunk,
+// each a work request on a connected QP whose completion is awaited.
+func BenchmarkMemoryWindow(b *testing.B) {
+	lb := newLoopback(b)
+	defer lb.close()
+	mem, err := AllocMemory(128 << 10)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer FreeMemory(mem)
+	mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessMWBind)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer mr.Close()
+	mw, err := lb.pd.AllocMW()
+	if err != nil {
+		b.Skipf("no memory windows: %v", err)
+	}
+	defer mw.Close()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, buf := range [][]byte{mem, nil} {
+			if err := lb.cli.qp.BindMW(mw, mr, buf, AccessRemoteWrite, uint64(i), true); err != nil {
+				b.Fatal(err)
+			}
+			if wc := lb.cli.poll(b); wc.Status != WCSuccess {
+				b.Fatalf("bind: %+v", wc)
+			}
 		}
 	}
 }

@@ -560,14 +560,16 @@ func (qp *QP) PostRecv(wrs []RecvWR) error {
 	return errnoErr("ibv_post_recv", int(C.rnbd_post_recv(qp.qp, qp.rwr, C.int(len(wrs)), &bad)))
 }
 
-// BindMW binds (len(buf) > 0) or unbinds (buf nil: the window no longer
-// grants anything) a type 1 window over buf in mr; the window's rkey
-// changes. The bind is a send work request with id wrID.
+// BindMW binds a type 1 window over buf in mr (len(buf) > 0), or unbinds
+// it (buf empty: the window then grants nothing); the window's rkey
+// changes. The bind is a send work request with id wrID. An unbind still
+// names mr, with a zero length: providers (rxe) read the MR of every
+// bind.
 func (qp *QP) BindMW(mw *MW, mr *MR, buf []byte, access Access, wrID uint64, signaled bool) error {
-	var addr, n uint64
-	var cmr *C.struct_ibv_mr
+	addr := uint64(uintptr(unsafe.Pointer(&mr.buf[0])))
+	var n uint64
 	if len(buf) > 0 {
-		addr, n, cmr = uint64(uintptr(unsafe.Pointer(&buf[0]))), uint64(len(buf)), mr.mr
+		addr, n = uint64(uintptr(unsafe.Pointer(&buf[0]))), uint64(len(buf))
 	}
 	sig := C.int(0)
 	if signaled {
@@ -575,7 +577,7 @@ func (qp *QP) BindMW(mw *MW, mr *MR, buf []byte, access Access, wrID uint64, sig
 	}
 	qp.sendMu.Lock()
 	defer qp.sendMu.Unlock()
-	return errnoErr("ibv_bind_mw", int(C.rnbd_bind_mw(qp.qp, mw.mw, cmr, C.uint64_t(addr), C.uint64_t(n), C.uint32_t(access), C.uint64_t(wrID), sig)))
+	return errnoErr("ibv_bind_mw", int(C.rnbd_bind_mw(qp.qp, mw.mw, mr.mr, C.uint64_t(addr), C.uint64_t(n), C.uint32_t(access), C.uint64_t(wrID), sig)))
 }
 
 // Close destroys the QP (rdma_destroy_qp): outstanding work requests are

@@ -89,20 +89,44 @@ func (p PathAddr) String() string {
 	return FormatAddr(p.Src.Addr(), p.GID) + "@" + FormatAddr(p.Dst.Addr(), p.GID)
 }
 
-// ParseListenAddr parses a listen address "tcp://HOST[:PORT]" (HOST may be
-// a bracketed IPv6 address); the port defaults to DefaultPort.
+// ParseListenAddr parses a TCP listen address "tcp://HOST[:PORT]" (HOST
+// may be a bracketed IPv6 address); the port defaults to DefaultPort.
 func ParseListenAddr(s string) (netip.AddrPort, error) {
-	rest, ok := strings.CutPrefix(s, "tcp://")
-	if !ok {
-		return netip.AddrPort{}, fmt.Errorf("%w %q: want tcp://HOST[:PORT]", ErrBadAddr, s)
+	l, err := ParseListen(s)
+	if err == nil && l.Transport != "tcp" {
+		err = fmt.Errorf("%w %q: want tcp://HOST[:PORT]", ErrBadAddr, s)
 	}
+	return l.Addr, err
+}
+
+// Listen is a listen address and its transport.
+type Listen struct {
+	Transport string // "tcp" or "rdma"
+	Addr      netip.AddrPort
+}
+
+func (l Listen) String() string { return l.Transport + "://" + l.Addr.String() }
+
+// ParseListen parses "tcp://HOST[:PORT]" or "rdma://HOST[:PORT]" (HOST may
+// be a bracketed IPv6 address); the port defaults to DefaultPort. RDMA
+// ports are rdma_cm's (its TCP port space), apart from the kernel's TCP
+// ports: both transports may listen on the same number.
+func ParseListen(s string) (Listen, error) {
+	var l Listen
+	tr, rest, ok := strings.Cut(s, "://")
+	if !ok || (tr != "tcp" && tr != "rdma") {
+		return l, fmt.Errorf("%w %q: want tcp://HOST[:PORT] or rdma://HOST[:PORT]", ErrBadAddr, s)
+	}
+	l.Transport = tr
 	if ap, err := netip.ParseAddrPort(rest); err == nil {
-		return ap, nil
+		l.Addr = ap
+		return l, nil
 	}
 	host := strings.TrimSuffix(strings.TrimPrefix(rest, "["), "]")
 	a, err := netip.ParseAddr(host)
 	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("%w %q: %v", ErrBadAddr, s, err)
+		return l, fmt.Errorf("%w %q: %v", ErrBadAddr, s, err)
 	}
-	return netip.AddrPortFrom(a, DefaultPort), nil
+	l.Addr = netip.AddrPortFrom(a, DefaultPort)
+	return l, nil
 }

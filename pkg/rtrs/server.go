@@ -80,6 +80,9 @@ type ServerConfig struct {
 type Endpoint struct {
 	Fabric fabric.Fabric
 	Addr   netip.AddrPort
+	// Optional: if the fabric cannot work here (fabric.ErrNotSupported:
+	// no RDMA device), the server goes on without this endpoint.
+	Optional bool
 }
 
 // DefaultMaxChunkMemory lets 128 paths of the default 512 × 128 KiB chunks.
@@ -100,7 +103,7 @@ func DefaultServerConfig() ServerConfig {
 }
 
 func (c *ServerConfig) validate() error {
-	if c.Handler == nil || (c.Fabric == nil && (len(c.Listen) > 0 || len(c.Endpoints) == 0)) {
+	if c.Handler == nil || (c.Fabric == nil && len(c.Listen) > 0) || (len(c.Listen) == 0 && len(c.Endpoints) == 0 && c.Fabric == nil) {
 		return errors.New("rtrs: server needs a fabric and a handler")
 	}
 	for _, e := range c.Endpoints {
@@ -134,6 +137,7 @@ type Server struct {
 	log       *log.Entry
 	rl        log.Limiter
 	listeners []fabric.Listener
+	listening []Listen
 
 	mu       sync.Mutex // guards sessions
 	sessions map[[16]byte]*SrvSession
@@ -162,16 +166,24 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	for _, e := range eps {
 		l, err := e.Fabric.Listen(e.Addr)
+		if err != nil && e.Optional && errors.Is(err, fabric.ErrNotSupported) {
+			s.log.WithError(err).WithField("listen", e.Fabric.Name()+"://"+e.Addr.String()).Info("not listening: this machine cannot")
+			continue
+		}
 		if err != nil {
 			s.Close()
 			return nil, fmt.Errorf("rtrs: listen on %s %v: %w", e.Fabric.Name(), e.Addr, err)
 		}
 		s.listeners = append(s.listeners, l)
+		s.listening = append(s.listening, Listen{Transport: e.Fabric.Name(), Addr: l.Addr()})
 		s.wg.Add(1)
 		go s.acceptLoop(e.Fabric, l)
 	}
 	return s, nil
 }
+
+// Listening returns where the server listens, with the transports.
+func (s *Server) Listening() []Listen { return append([]Listen(nil), s.listening...) }
 
 // Addrs returns the addresses the server listens on.
 func (s *Server) Addrs() []netip.AddrPort {

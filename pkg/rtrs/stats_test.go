@@ -92,4 +92,20 @@ func TestPathName(t *testing.T) {
 	if _, err := ParseListenAddr("udp://1.2.3.4:5"); err == nil {
 		t.Error("udp accepted")
 	}
+	if _, err := ParseListenAddr("rdma://1.2.3.4:5"); err == nil {
+		t.Error("ParseListenAddr took an RDMA address")
+	}
+	for s, want := range map[string]string{
+		"rdma://10.0.0.1": "rdma://10.0.0.1:1234", "rdma://[fe80::1]:7": "rdma://[fe80::1]:7", "tcp://[::]": "tcp://[::]:1234",
+	} {
+		l, err := ParseListen(s)
+		if err != nil || l.String() != want {
+			t.Errorf("ParseListen(%q) = %v, %v", s, l, err)
+		}
+	}
+	for _, bad := range []string{"rdma:/1.2.3.4", "RDMA://1.2.3.4", "rdma://host.example", "ib://1.2.3.4"} {
+		if _, err := ParseListen(bad); err == nil {
+			t.Errorf("ParseListen(%q) accepted", bad)
+		}
+	}
 }

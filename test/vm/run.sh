@@ -84,7 +84,7 @@ cp "$bb" "$root/bin/busybox"
 CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
-CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/rdmahostile
 for p in ./pkg/ibverbs ./pkg/rtrs/fabric/rdma; do
 	CGO_ENABLED=1 go test -c -trimpath -o "$work/bin/$(basename "$p").test" "$p"
 done

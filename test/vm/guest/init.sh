@@ -64,7 +64,7 @@ restart_client() { # [-9]
 	start_client || res client-restart FAIL "no control socket"
 }
 start_server() {
-	/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:1234 $listen2 \
+	/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:1234 $listen2 $rdma_listen $srv_extra \
 		--control-socket /tmp/s.sock --state-file /tmp/s.json --log-level info >>/tmp/server.log 2>&1 &
 	for _ in $(seq 100); do [ -S /tmp/s.sock ] && return 0; sleep 0.1; done
 	return 1
@@ -158,6 +158,19 @@ fs() {
 for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
 [ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
 
+# program NAME BINARY ARGS...: a check program printing its own RESULT
+# lines, counted here.
+program() {
+	local name=$1 bin=$2
+	shift 2
+	timeout 300 "$bin" "$@" >/tmp/$name.out 2>&1 || res "$name-exit" FAIL "exit $?"
+	cat /tmp/$name.out
+	while read -r tag _ st _; do
+		[ "$tag" = RESULT ] || continue
+		case $st in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; esac
+	done </tmp/$name.out
+}
+
 # gotest NAME BINARY ARGS...: a Go test binary, one RESULT line per test.
 gotest() {
 	local name=$1 bin=$2 rc
@@ -181,46 +194,133 @@ rdma_setup() {
 	done
 	return 1
 }
+# ublk: pkg/blockdev/ublk on its own, over an asynchronous RAM backend
+# (test/vm/ublkcheck prints its own RESULT lines).
+if want ublk-package; then
+	scenario ublk-package
+	if [ -e /dev/ublk-control ]; then
+		res ublk-module PASS ""
+		program ublkcheck /bin/ublkcheck
+	else
+		res ublk-module FAIL "no /dev/ublk-control"
+	fi
+fi
+
+rdma_up=0 rdma_listen="" srv_extra=""
 if want rdma; then
 	scenario rdma-setup
 	if rdma_setup; then
 		res rxe-up PASS "$(cat /sys/class/infiniband/rxe0/ports/1/state)"
+		rdma_up=1 rdma_listen="--listen rdma://0.0.0.0:1234"
 		scenario rdma-verbs
 		RNBD_RDMA_ADDR=10.78.0.1 gotest ibverbs /bin/ibverbs.test
+		# always_invalidate's two ways: re-registration and memory windows.
+		RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/ibverbs.test -test.run '^$' -test.bench . -test.benchtime 300x >/tmp/bench.out 2>&1
+		grep -E 'Benchmark|SKIP|FAIL|bind|window' /tmp/bench.out | sed 's/^/TPUT verbs (emulated) /'
 		scenario rdma-fabric
 		RNBD_RDMA_ADDR=10.78.0.1 gotest fabric-rdma /bin/rdma.test
 	else
 		res rxe-up FAIL "$(/usr/bin/rdma link 2>&1 | tr '\n' ' ')"
 	fi
 fi
-want nbd || want ublk || finish
-
-# ublk: pkg/blockdev/ublk on its own, over an asynchronous RAM backend
-# (test/vm/ublkcheck prints its own RESULT lines).
-scenario ublk-package
-if ! want ublk-package; then :; elif [ -e /dev/ublk-control ]; then
-	res ublk-module PASS ""
-	timeout 300 /bin/ublkcheck >/tmp/ublkcheck.out 2>&1 || res ublkcheck-exit FAIL "exit $?"
-	cat /tmp/ublkcheck.out
-	while read -r tag _ st _; do
-		[ "$tag" = RESULT ] || continue
-		case $st in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; esac
-	done </tmp/ublkcheck.out
-else
-	res ublk-module FAIL "no /dev/ublk-control"
-fi
+want nbd || want ublk || [ $rdma_up = 1 ] || finish
 
 cd /tmp
 dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
-truncate -s 256M disk0.img
-truncate -s 128M disk1.img
-truncate -s 128M disk2.img
+for d in disk0:256M disk1:128M disk2:128M disk3:128M disk4:128M; do truncate -s "${d#*:}" "/tmp/${d%%:*}.img"; done
 listen2=""
 start_server || { res daemons FAIL "no server control socket"; finish; }
 start_client || { res daemons FAIL "no client control socket"; finish; }
-srv map disk0 /tmp/disk0.img >/dev/null
-srv map disk1 /tmp/disk1.img >/dev/null
-srv map disk2 /tmp/disk2.img >/dev/null
+for d in disk0 disk1 disk2 disk3 disk4; do srv map $d /tmp/$d.img >/dev/null; done
+
+# RDMA: both daemons on soft-RoCE, a session of two paths (the two
+# addresses of the rxe netdev). /dev/nbdN first, then /dev/ublkbN.
+# rdma_data rd|wr: the data bytes of stats/rdma summed over the client's
+# paths. Its byte counters include each request's user message (the
+# 32-byte RNBD IO message), as the kernel's do.
+rdma_data() {
+	cli stats --format csv --fields rdma 2>/dev/null | tail -n +2 |
+		awk -v d="$1" '{ c = (d == "rd") ? $1 : $3; b = (d == "rd") ? $2 : $4; s += b - 32 * c } END { print s + 0 }'
+}
+if [ $rdma_up = 1 ]; then
+	scenario rdma-nbd
+	rpaths="--path ip:10.78.0.1@ip:10.78.0.1 --path ip:10.78.0.2@ip:10.78.0.2"
+	out=$(cli map --sessname rd $rpaths --device-path disk3 --transport rdma --as nbd 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/nbd*) res rdma-map PASS "$dev" ;; *) res rdma-map FAIL "$out"; finish ;; esac
+	st=$(cli session list --format csv --fields transport,path_uu 2>/dev/null | tail -1)
+	[ "$st" = rdma,UU ] && res rdma-session PASS "$st" || res rdma-session FAIL "$st"
+	ps=$(cli path list --format csv --fields hca_name,hca_port,src_addr,dst_addr 2>/dev/null | tail -n +2 | tr '\n' ' ')
+	case $ps in "rxe0,1,ip:10.78.0.1,ip:10.78.0.1 rxe0,1,ip:10.78.0.2,ip:10.78.0.2 ") res rdma-path-show PASS "$ps" ;;
+	*) res rdma-path-show FAIL "$ps" ;; esac
+	basic rdma-nbd "$dev" disk3 /tmp/disk3.img 4
+	check rdma-nbd-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+	throughput rdma-nbd "$dev"
+	# A hostile client writes a chunk with an rkey the server has revoked:
+	# the device refuses it, and the server goes on serving this device.
+	scenario rdma-hostile
+	dd if=/tmp/pat of="$dev" bs=1M seek=48 oflag=direct 2>/dev/null
+	program rdmahostile /bin/rdmahostile -src 10.78.0.1 -dst 10.78.0.1:1234
+	dd if="$dev" of=/tmp/rback bs=1M skip=48 count=16 iflag=direct 2>/dev/null
+	check rdma-hostile-server-serves cmp /tmp/pat /tmp/rback
+	grep -q "connection lost" /tmp/server.log && res rdma-hostile-server-closed-path PASS "$(grep -c 'closing path' /tmp/server.log) paths closed" ||
+		res rdma-hostile-server-closed-path FAIL ""
+	# stats/rdma: the bytes the client sent and received are the IO done.
+	cli stats --reset >/dev/null
+	dd if=/dev/urandom of="$dev" bs=1M count=8 seek=40 oflag=direct 2>/dev/null
+	dd if="$dev" of=/dev/null bs=1M count=4 skip=40 iflag=direct 2>/dev/null
+	w=$(rdma_data wr) r=$(rdma_data rd)
+	[ "$w" = $((8 << 20)) ] && [ "$r" = $((4 << 20)) ] && res rdma-stats PASS "written $w read $r" ||
+		res rdma-stats FAIL "written $w read $r, want $((8 << 20)) and $((4 << 20)): $(cli stats --format csv --fields rdma | tr '\n' ' ')"
+	scenario rdma-path-cut
+	rdma_cut() { ip addr del 10.78.0.2/24 dev rxenet; }
+	under_io rdma-path-cut "$dev" 64 rdma_cut
+	st=$(cli path list --format csv --fields dst_addr,state,reconnects 2>/dev/null | grep 10.78.0.2)
+	case $st in *,connected,0 | "") res rdma-path-cut-seen FAIL "$st" ;; *) res rdma-path-cut-seen PASS "$st" ;; esac
+	ip addr add 10.78.0.2/24 dev rxenet
+	scenario rdma-nbd-fs
+	fs rdma-nbd "$dev"
+
+	scenario rdma-ublk
+	# auto: both paths lead to rxe0, so the session is the RDMA one.
+	out=$(cli map --sessname rdu $rpaths --device-path disk4 --as ublk 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/ublkb*) res rdma-ublk-map PASS "$dev" ;; *) res rdma-ublk-map FAIL "$out"; finish ;; esac
+	st=$(cli session list --format csv --fields sessname,transport 2>/dev/null | grep rdu)
+	[ "$st" = rdu,rdma ] && res rdma-auto PASS "$st" || res rdma-auto FAIL "$st"
+	basic rdma-ublk "$dev" disk4 /tmp/disk4.img 2
+	check rdma-ublk-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+	throughput rdma-ublk "$dev"
+	scenario rdma-ublk-fs
+	fs rdma-ublk "$dev"
+
+	# What always_invalidate costs: 4 KiB random reads with the server
+	# rotating every chunk's rkey (the default), then without.
+	scenario rdma-invalidate-cost
+	out=$(cli map --sessname rdc $rpaths --device-path disk3 --transport rdma --as nbd 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	iops() {
+		fio --name=c --filename="$dev" --direct=1 --ioengine=libaio --rw=randread --bs=4k --iodepth=8 \
+			--runtime=5 --time_based --output-format=terse 2>/dev/null | awk -F';' '{print $8}'
+	}
+	on=$(iops)
+	stop_server
+	srv_extra="--always-invalidate=false"
+	start_server || res server-restart FAIL "no control socket"
+	for _ in $(seq 200); do
+		[ "$(cli session list --format csv --fields sessname,path_uu 2>/dev/null | grep rdc)" = rdc,UU ] && break
+		sleep 0.1
+	done
+	off=$(iops)
+	echo "TPUT rdma-nbd fio-4k-randread-qd8 always_invalidate on ${on:-?} IOPS, off ${off:-?} IOPS (emulated)"
+	check rdma-unmap-cost cli unmap "$(devname)"
+	stop_server
+	srv_extra=""
+	start_server || res server-restart FAIL "no control socket"
+fi
+want nbd || want ublk || finish
 
 # 1. /dev/nbdN: map with the default --as (nbd, since the module is
 # loaded) through generic netlink, one socket per CPU.

@@ -514,6 +514,21 @@ func (c *conn) deliver(w *ibverbs.WC, out *fabric.WC) {
 // the network) ended the connection.
 var ErrDisconnected = fmt.Errorf("rdma fabric: disconnected: %w", syscall.ECONNRESET)
 
+// disconnectGrace is how long a disconnect from the peer waits for a
+// work completion that explains it: a peer that tears the connection down
+// because of our remote access error sends its DREQ about when the NAK
+// reaches our CQ, and the error says more than "disconnected".
+const disconnectGrace = 100 * time.Millisecond
+
+// peerGone reports err once the CQ had a moment to report something
+// better.
+func (c *conn) peerGone(err error) {
+	for end := time.Now().Add(disconnectGrace); !c.failed.Load() && time.Now().Before(end); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	c.fail(err)
+}
+
 func (c *conn) eventLoop() {
 	defer c.wg.Done()
 	for {
@@ -524,11 +539,11 @@ func (c *conn) eventLoop() {
 		switch ev.Type {
 		case ibverbs.EventEstablished, ibverbs.EventTimewaitExit:
 		case ibverbs.EventDisconnected:
-			c.fail(ErrDisconnected)
+			c.peerGone(ErrDisconnected)
 		case ibverbs.EventRejected, ibverbs.EventConnectError, ibverbs.EventUnreachable:
 			// The peer (or the CM on its behalf) ended a connection its
 			// side had not seen established yet: a REJ, not a DREQ.
-			c.fail(fmt.Errorf("rdma fabric: %v: %w", ev.Type, ErrDisconnected))
+			c.peerGone(fmt.Errorf("rdma fabric: %v: %w", ev.Type, ErrDisconnected))
 		case ibverbs.EventDeviceRemoval:
 			c.fail(fmt.Errorf("rdma fabric: device removed: %w", syscall.ENODEV))
 		case ibverbs.EventAddrChange:
