@@ -35,8 +35,9 @@ vet:
 test: deps vet
 	$(GO) test -race -count=1 -timeout 30m ./...
 
-# The VM tier: the kernel paths (/dev/nbdN over netlink) on a real Debian
-# kernel under qemu (root; installs qemu from apt). See docs/testing.md.
+# The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
+# (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from
+# apt). VM_ONLY=rdma runs one part. See docs/testing.md.
 test-vm: deps
 	@test/vm/run.sh
 

@@ -302,6 +302,10 @@ func (w *MW) Close() error {
 type pollable struct {
 	f  *os.File
 	rc syscall.RawConn
+	// tryFn is the current waiter's; readFn wraps it for RawConn.Read
+	// (made once: one waiter at a time, no allocation per wait).
+	tryFn  func() bool
+	readFn func(uintptr) bool
 
 	mu      sync.Mutex
 	closed  bool
@@ -322,12 +326,15 @@ func newPollable(fd C.int, name string) (*pollable, error) {
 		f.Close()
 		return nil, err
 	}
-	return &pollable{f: f, rc: rc}, nil
+	p := &pollable{f: f, rc: rc}
+	p.readFn = func(uintptr) bool { return p.tryFn() }
+	return p, nil
 }
 
 // wait calls try whenever the fd is readable until it reports done; it
 // returns ErrClosed once the pollable is closed.
 func (p *pollable) wait(try func() bool) error {
+	p.tryFn = try
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -336,7 +343,7 @@ func (p *pollable) wait(try func() bool) error {
 	p.waiters.Add(1)
 	p.mu.Unlock()
 	defer p.waiters.Done()
-	if err := p.rc.Read(func(uintptr) bool { return try() }); err != nil {
+	if err := p.rc.Read(p.readFn); err != nil {
 		return ErrClosed
 	}
 	return nil
@@ -361,6 +368,12 @@ type CompChannel struct {
 	ch *C.struct_ibv_comp_channel
 	p  *pollable
 
+	// The waiter's state: one closure for the channel's life, so that a
+	// Wait allocates nothing.
+	res C.int
+	cq  *C.struct_ibv_cq
+	try func() bool
+
 	mu  sync.Mutex
 	cqs map[*C.struct_ibv_cq]*CQ
 }
@@ -377,6 +390,10 @@ func (x *Context) NewCompChannel() (*CompChannel, error) {
 		return nil, err
 	}
 	c := &CompChannel{ch: ch, p: p, cqs: map[*C.struct_ibv_cq]*CQ{}}
+	c.try = func() bool {
+		c.res = C.rnbd_get_cq_event(c.ch, &c.cq)
+		return c.res != -C.EAGAIN
+	}
 	c.n.init("CompChannel on "+x.name, &x.n, c)
 	return c, nil
 }
@@ -385,21 +402,15 @@ func (x *Context) NewCompChannel() (*CompChannel, error) {
 // channel's CQs has an event, acknowledges it and returns the CQ. It
 // returns ErrClosed once the channel is closed. One goroutine waits.
 func (c *CompChannel) Wait() (*CQ, error) {
-	var cq *C.struct_ibv_cq
-	var res C.int
-	err := c.p.wait(func() bool {
-		res = C.rnbd_get_cq_event(c.ch, &cq)
-		return res != -C.EAGAIN
-	})
-	if err != nil {
+	if err := c.p.wait(c.try); err != nil {
 		return nil, err
 	}
-	if res < 0 {
-		return nil, errnoErr("ibv_get_cq_event", int(res))
+	if c.res < 0 {
+		return nil, errnoErr("ibv_get_cq_event", int(c.res))
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.cqs[cq], nil
+	return c.cqs[c.cq], nil
 }
 
 // Interrupt wakes a Wait, which returns ErrClosed, as do all later
@@ -535,8 +546,7 @@ func (qp *QP) PostSend(wrs []SendWR) error {
 			o.sg[j] = C.struct_rnbd_sge{addr: C.uint64_t(w.SG[j].Addr), length: C.uint32_t(w.SG[j].Length), lkey: C.uint32_t(w.SG[j].LKey)}
 		}
 	}
-	var bad C.int
-	return errnoErr("ibv_post_send", int(C.rnbd_post_send(qp.qp, qp.swr, C.int(len(wrs)), &bad)))
+	return errnoErr("ibv_post_send", int(C.rnbd_post_send(qp.qp, qp.swr, C.int(len(wrs)), nil)))
 }
 
 // PostRecv posts a chain of up to MaxChain receive work requests.
@@ -556,8 +566,7 @@ func (qp *QP) PostRecv(wrs []RecvWR) error {
 		o.num_sge = C.uint32_t(w.NumSGE)
 		o.sg = C.struct_rnbd_sge{addr: C.uint64_t(w.SG.Addr), length: C.uint32_t(w.SG.Length), lkey: C.uint32_t(w.SG.LKey)}
 	}
-	var bad C.int
-	return errnoErr("ibv_post_recv", int(C.rnbd_post_recv(qp.qp, qp.rwr, C.int(len(wrs)), &bad)))
+	return errnoErr("ibv_post_recv", int(C.rnbd_post_recv(qp.qp, qp.rwr, C.int(len(wrs)), nil)))
 }
 
 // BindMW binds a type 1 window over buf in mr (len(buf) > 0), or unbinds

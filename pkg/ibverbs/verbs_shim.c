@@ -45,7 +45,8 @@ int rnbd_post_send(struct ibv_qp *qp, const struct rnbd_send_wr *w, int n, int *
 	}
 	ret = ibv_post_send(qp, wr, &bad_wr);
 	if (ret) {
-		*bad = bad_wr ? (int)(bad_wr - wr) : 0;
+		if (bad)
+			*bad = bad_wr ? (int)(bad_wr - wr) : 0;
 		return -ret;
 	}
 	return 0;
@@ -71,7 +72,8 @@ int rnbd_post_recv(struct ibv_qp *qp, const struct rnbd_recv_wr *w, int n, int *
 	}
 	ret = ibv_post_recv(qp, wr, &bad_wr);
 	if (ret) {
-		*bad = bad_wr ? (int)(bad_wr - wr) : 0;
+		if (bad)
+			*bad = bad_wr ? (int)(bad_wr - wr) : 0;
 		return -ret;
 	}
 	return 0;

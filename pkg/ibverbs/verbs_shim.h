@@ -80,6 +80,7 @@ struct rnbd_conn_param {
 	uint8_t rnr_retry_count;
 };
 
+/* bad (may be NULL) gets the index of the first request not posted. */
 int rnbd_post_send(struct ibv_qp *qp, const struct rnbd_send_wr *w, int n, int *bad);
 int rnbd_post_recv(struct ibv_qp *qp, const struct rnbd_recv_wr *w, int n, int *bad);
 int rnbd_poll_cq(struct ibv_cq *cq, struct rnbd_wc *out, int n);

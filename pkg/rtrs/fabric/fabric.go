@@ -5,7 +5,8 @@
 //
 // Implementations: fabric/tcp emulates the contract over TCP (as soft-iWARP
 // emulates RDMA), fabric/fabrictest runs the same emulation over an
-// in-memory network with fault injection, and fabric/rdma maps it onto verbs.
+// in-memory network with fault injection, and fabric/rdma maps it onto verbs
+// (pkg/ibverbs).
 //
 // The contract:
 //   - A memory region (MR) is registered in a protection domain (PD) and
@@ -22,8 +23,9 @@
 //     and work requests still outstanding are discarded without completions
 //     (the kernel sees them as flush errors and ignores them).
 //   - Completions are delivered by the fabric's goroutines: receive
-//     completions in order on one goroutine, send completions in order on
-//     another. Handlers must not block.
+//     completions in order, and send completions in order, each kind on
+//     one goroutine (fabric/tcp uses two, fabric/rdma one per connection
+//     for both, from its completion queue). Handlers must not block.
 package fabric
 
 import (

@@ -219,6 +219,8 @@ if want rdma; then
 		grep -E 'Benchmark|SKIP|FAIL|bind|window' /tmp/bench.out | sed 's/^/TPUT verbs (emulated) /'
 		scenario rdma-fabric
 		RNBD_RDMA_ADDR=10.78.0.1 gotest fabric-rdma /bin/rdma.test
+		RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
+		grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 	else
 		res rxe-up FAIL "$(/usr/bin/rdma link 2>&1 | tr '\n' ' ')"
 	fi
