@@ -12,7 +12,14 @@
 #   VM_TIMEOUT=s   bound on the guest run (default 600)
 #   VM_LOG=file    keep the guest's whole serial console output there
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, rdma; comma-separated; default all)
+#                  ublk, rdma, interop; comma-separated; default all)
+#   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
+#                  rnbd-server and rnbd-client modules for this kernel; by
+#                  default test/vm/kmods.sh builds them from Debian's
+#                  linux-source (Debian's kernels leave them unbuilt), and the
+#                  "interop" part runs our client against the kernel's
+#                  server and the kernel's client against our server, over
+#                  rdma_rxe. VM_KMODS=none skips that.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -74,6 +81,15 @@ if [ ! -f "$kr/boot/vmlinuz-$kv" ]; then
 	depmod -b "$kr" "$kv"
 fi
 log "kernel $kv"
+if [ -z "${VM_KMODS:-}" ]; then
+	if APT_OPTS="${apt[*]}" timeout 900 "$repo/test/vm/kmods.sh" "$kv" "$cache/kmods-$kv/out"; then
+		VM_KMODS=$cache/kmods-$kv/out
+	else
+		log "WARNING: the kernel's RTRS/RNBD modules could not be built: the interop part does not run"
+	fi
+elif [ "$VM_KMODS" = none ]; then
+	VM_KMODS=""
+fi
 
 # The initramfs: busybox, our binaries, the modules, the scenarios.
 work=$(mktemp -d /tmp/rnbd-vm.XXXXXX)
@@ -103,6 +119,17 @@ for m in ext4 nbd dummy ublk_drv crc32_generic crc32-pclmul rdma_rxe ib_uverbs r
 		echo "$n" >>"$root/lib/modules/order"
 	done
 done
+# Modules loaded later, with parameters: brd (a RAM disk for the kernel's
+# rnbd-server to export) and the kernel's RTRS/RNBD if given.
+mkdir -p "$root/lib/modules/extra"
+for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends brd | awk '$1 == "insmod" {print $2}'); do
+	case $ko in *.xz) xz -dc "$ko" >"$root/lib/modules/extra/brd.ko" ;; *) cp "$ko" "$root/lib/modules/extra/brd.ko" ;; esac
+done
+if [ -n "${VM_KMODS:-}" ]; then
+	for m in rtrs-core rtrs-server rtrs-client rnbd-server rnbd-client; do
+		cp "$VM_KMODS/$m.ko" "$root/lib/modules/extra/" || die "VM_KMODS: no $m.ko in $VM_KMODS"
+	done
+fi
 # fio (with libaio), a dynamic binary: copied with the libraries it needs.
 copy_elf() {
 	local f=$1
@@ -153,7 +180,7 @@ if ! grep -aq VMTEST-INIT "$work/serial.log"; then
 fi
 set -e
 secs=$(($(date +%s) - start))
-tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|SCENARIO|[0-9]+ passed)' || true
+tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|SCENARIO|NOTE|[0-9]+ passed)' || true
 if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	tr -d '\r' <"$work/serial.log" | tail -40 >&2
 	die "the guest did not finish (qemu exit $rc after ${secs}s)"

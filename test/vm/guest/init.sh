@@ -322,6 +322,57 @@ if [ $rdma_up = 1 ]; then
 	srv_extra=""
 	start_server || res server-restart FAIL "no control socket"
 fi
+# Interoperability with the kernel's own RTRS/RNBD (when the tier was given
+# its modules, VM_KMODS): our client against the kernel's rnbd-server, and
+# the kernel's rnbd-client against ours, both over rdma_rxe.
+if want interop && [ $rdma_up = 1 ] && [ ! -e /lib/modules/extra/rnbd-server.ko ]; then
+	echo "NOTE interop not run: the tier was given no kernel RTRS/RNBD modules (VM_KMODS)"
+fi
+if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ]; then
+	scenario interop-setup
+	insmod /lib/modules/extra/brd.ko rd_nr=1 rd_size=65536
+	ok=1
+	for m in rtrs-core rtrs-server rtrs-client; do insmod /lib/modules/extra/$m.ko || ok=0; done
+	insmod /lib/modules/extra/rnbd-server.ko port_nr=1235 dev_search_path=/dev || ok=0
+	insmod /lib/modules/extra/rnbd-client.ko || ok=0
+	[ $ok = 1 ] && [ -b /dev/ram0 ] && res interop-modules PASS "$(cat /sys/module/rnbd_server/parameters/port_nr 2>/dev/null)" ||
+		res interop-modules FAIL "$(dmesg | tail -5 | tr '\n' ' ')"
+
+	scenario interop-kernel-server
+	out=$(cli map --sessname kint --path ip:10.78.0.1@ip:10.78.0.1 --dest-port 1235 --device-path ram0 --transport rdma --as nbd 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/nbd*) res interop-map-kernel-server PASS "$dev" ;; *) res interop-map-kernel-server FAIL "$out $(dmesg | tail -5 | tr '\n' ' ')" ;; esac
+	if [ -b "$dev" ]; then
+		dd if=/tmp/pat of="$dev" bs=1M seek=8 oflag=direct 2>/dev/null
+		dd if="$dev" of=/tmp/kback bs=1M skip=8 count=16 iflag=direct 2>/dev/null
+		check interop-kernel-server-io cmp /tmp/pat /tmp/kback
+		dd if=/dev/ram0 of=/tmp/kram bs=1M skip=8 count=16 2>/dev/null
+		check interop-kernel-server-on-device cmp /tmp/pat /tmp/kram
+		check interop-kernel-server-fio fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
+			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+		check interop-kernel-server-unmap cli unmap "$(devname)"
+	fi
+
+	scenario interop-kernel-client
+	dd if=/tmp/pat of=/tmp/disk0.img bs=1M seek=100 conv=notrunc 2>/dev/null
+	if echo "sessname=kcl dest_port=1234 path=ip:10.78.0.1@ip:10.78.0.1 device_path=disk0" >/sys/class/rnbd-client/ctl/map_device 2>/tmp/kmap.err; then
+		for _ in $(seq 50); do [ -b /dev/rnbd0 ] && break; sleep 0.1; done
+	fi
+	if [ -b /dev/rnbd0 ]; then
+		res interop-map-kernel-client PASS "$(cat /sys/block/rnbd0/rnbd/state) $(cat /sys/block/rnbd0/size) sectors"
+		dd if=/dev/rnbd0 of=/tmp/kcback bs=1M skip=100 count=16 iflag=direct 2>/dev/null
+		check interop-kernel-client-read cmp /tmp/pat /tmp/kcback
+		dd if=/tmp/pat of=/dev/rnbd0 bs=1M seek=150 oflag=direct 2>/dev/null
+		dd if=/tmp/disk0.img of=/tmp/kcfile bs=1M skip=150 count=16 2>/dev/null
+		check interop-kernel-client-write cmp /tmp/pat /tmp/kcfile
+		check interop-kernel-client-fio fio --name=v --filename=/dev/rnbd0 --direct=1 --ioengine=libaio --rw=randwrite \
+			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+		echo normal >/sys/block/rnbd0/rnbd/unmap_device
+		[ ! -b /dev/rnbd0 ] && res interop-kernel-client-unmap PASS "" || res interop-kernel-client-unmap FAIL ""
+	else
+		res interop-map-kernel-client FAIL "$(cat /tmp/kmap.err) $(dmesg | tail -8 | tr '\n' ' ')"
+	fi
+fi
 want nbd || want ublk || finish
 
 # 1. /dev/nbdN: map with the default --as (nbd, since the module is
