@@ -23,6 +23,7 @@ import (
 	"net/netip"
 	"runtime"
 	"sort"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -338,6 +339,16 @@ func netInterfaceIndex(name string) (int, error) {
 		return 0, err
 	}
 	return ifi.Index, nil
+}
+
+// LeakError lists the verbs objects still open, with where each was made,
+// or returns nil: for a test's TestMain, after m.Run.
+func LeakError() error {
+	l := Live()
+	if len(l) == 0 {
+		return nil
+	}
+	return fmt.Errorf("ibverbs: %d objects not closed:\n%s", len(l), strings.Join(l, "\n"))
 }
 
 // family returns the address family constant of a (AF_INET or AF_INET6).

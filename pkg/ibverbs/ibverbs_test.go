@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -18,8 +17,8 @@ import (
 // TestMain fails the package if a test leaves a verbs object open.
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if live := Live(); len(live) > 0 {
-		fmt.Fprintf(os.Stderr, "leaked verbs objects:\n%s\n", strings.Join(live, "\n"))
+	if err := LeakError(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		code = 1
 	}
 	if code == 0 {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/rnbd/rnbd/pkg/ibverbs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
 )
 
 // The tests need an address on an RDMA device (soft-RoCE in the VM tier):
@@ -24,8 +24,8 @@ import (
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if live := ibverbs.Live(); len(live) > 0 {
-		fmt.Fprintf(os.Stderr, "leaked verbs objects:\n%v\n", live)
+	if err := ibverbs.LeakError(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		code = 1
 	}
 	if code == 0 {
@@ -77,55 +77,12 @@ func TestNoDevice(t *testing.T) {
 	}
 }
 
-// handler records what a connection delivers.
-type handler struct {
-	c    fabric.Conn
-	wcs  chan fabric.WC
-	disc chan error
-	n    atomic.Int64
-}
-
-func newHandler() *handler {
-	return &handler{wcs: make(chan fabric.WC, 4096), disc: make(chan error, 1)}
-}
-
-func (h *handler) Attached(c fabric.Conn) { h.c = c }
-func (h *handler) Completion(wc *fabric.WC) {
-	h.n.Add(1)
-	h.wcs <- *wc
-}
-func (h *handler) Disconnected(err error) { h.disc <- err }
-
-func (h *handler) next(t *testing.T) fabric.WC {
-	t.Helper()
-	select {
-	case wc := <-h.wcs:
-		return wc
-	case err := <-h.disc:
-		t.Fatalf("disconnected: %v", err)
-	case <-time.After(10 * time.Second):
-		t.Fatal("no completion")
-	}
-	panic("unreachable")
-}
-
-func (h *handler) dead(t *testing.T) error {
-	t.Helper()
-	select {
-	case err := <-h.disc:
-		return err
-	case <-time.After(20 * time.Second):
-		t.Fatal("connection not killed")
-	}
-	return nil
-}
-
 // pair connects a client and a server connection over the device, each
 // in its own PD with a 64 KiB region.
 type pair struct {
 	fab        *Fabric
 	l          fabric.Listener
-	cli, srv   *handler
+	cli, srv   *conntest.Recorder
 	cpd, spd   fabric.PD
 	cmem, smem fabric.Memory
 	cmr, smr   fabric.MR
@@ -135,7 +92,7 @@ type pair struct {
 func newPair(t testing.TB, recvs []fabric.RecvWR) *pair {
 	t.Helper()
 	addr := rdmaAddr(t)
-	p := &pair{fab: newFabric(t), cli: newHandler(), srv: newHandler()}
+	p := &pair{fab: newFabric(t), cli: conntest.NewRecorder(), srv: conntest.NewRecorder()}
 	var err error
 	p.l, err = p.fab.Listen(netip.AddrPortFrom(addr, 0))
 	if err != nil {
@@ -200,8 +157,8 @@ func newPair(t testing.TB, recvs []fabric.RecvWR) *pair {
 		t.Fatalf("private data %q %q", rsp, p.priv)
 	}
 	t.Cleanup(func() {
-		p.cli.c.Close()
-		p.srv.c.Close()
+		p.cli.C.Close()
+		p.srv.C.Close()
 		p.cmr.Close()
 		p.smr.Close()
 		p.cpd.Close()
@@ -227,13 +184,13 @@ func TestWriteWithImm(t *testing.T) {
 	// Two SGEs land back to back.
 	wr := write(data[:1000], p.cmr.LKey(), p.smr.Addr()+100, p.smr.RKey(), fabric.OpWriteImm, 0x12345678)
 	wr.SG[1], wr.NumSGE = fabric.SGE{Buf: data[1000:], LKey: p.cmr.LKey()}, 2
-	if err := p.cli.c.PostSend(wr); err != nil {
+	if err := p.cli.C.PostSend(wr); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.cli.next(t); wc.Opcode != fabric.WCWrite {
+	if wc := p.cli.Next(t); wc.Opcode != fabric.WCWrite {
 		t.Fatalf("send completion %+v", wc)
 	}
-	wc := p.srv.next(t)
+	wc := p.srv.Next(t)
 	if wc.ID != 7 || wc.Opcode != fabric.WCRecvRDMAWithImm || wc.Imm != 0x12345678 || wc.ByteLen != 4000 || wc.Flags != fabric.WCWithImm {
 		t.Fatalf("receive completion %+v", wc)
 	}
@@ -242,28 +199,28 @@ func TestWriteWithImm(t *testing.T) {
 	}
 	// A zero-length write with immediate consumes a receive too: the
 	// RTRS heartbeat and IO response.
-	if err := p.cli.c.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 9)); err != nil {
+	if err := p.cli.C.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 9)); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 8 || wc.ByteLen != 0 || wc.Imm != 9 {
+	if wc := p.srv.Next(t); wc.ID != 8 || wc.ByteLen != 0 || wc.Imm != 9 {
 		t.Fatalf("zero-length: %+v", wc)
 	}
 }
 
 func TestRNRWait(t *testing.T) {
 	p := newPair(t, nil)
-	if err := p.cli.c.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 1)); err != nil {
+	if err := p.cli.C.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 1)); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case wc := <-p.srv.wcs:
+	case wc := <-p.srv.WCs:
 		t.Fatalf("completion without a receive: %+v", wc)
 	case <-time.After(200 * time.Millisecond):
 	}
-	if err := p.srv.c.PostRecv(&fabric.RecvWR{ID: 3}); err != nil {
+	if err := p.srv.C.PostRecv(&fabric.RecvWR{ID: 3}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 3 || wc.Imm != 1 {
+	if wc := p.srv.Next(t); wc.ID != 3 || wc.Imm != 1 {
 		t.Fatalf("after the receive was posted: %+v", wc)
 	}
 }
@@ -281,27 +238,27 @@ func TestSend(t *testing.T) {
 	defer rmr.Close()
 	defer recvBuf.Free()
 	b := recvBuf.Bytes()
-	if err := p.srv.c.PostRecv(&fabric.RecvWR{ID: 1, Buf: b[:16], LKey: rmr.LKey(),
+	if err := p.srv.C.PostRecv(&fabric.RecvWR{ID: 1, Buf: b[:16], LKey: rmr.LKey(),
 		Next: &fabric.RecvWR{ID: 2, Buf: b[16:20], LKey: rmr.LKey()}}); err != nil {
 		t.Fatal(err)
 	}
 	msg := p.cmem.Bytes()[:8]
 	copy(msg, "hello!!!")
-	if err := p.cli.c.PostSend(write(msg[:5], p.cmr.LKey(), 0, 0, fabric.OpSendImm, 42)); err != nil {
+	if err := p.cli.C.PostSend(write(msg[:5], p.cmr.LKey(), 0, 0, fabric.OpSendImm, 42)); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 ||
+	if wc := p.srv.Next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 ||
 		wc.Flags != fabric.WCWithImm || string(b[:5]) != "hello" {
 		t.Fatalf("send: %+v %q", wc, b[:5])
 	}
 	// A send longer than the receive buffer kills the receiving
 	// connection (a local length error; rxe reports a local QP operation
 	// error).
-	if err := p.cli.c.PostSend(write(msg, p.cmr.LKey(), 0, 0, fabric.OpSend, 0)); err != nil {
+	if err := p.cli.C.PostSend(write(msg, p.cmr.LKey(), 0, 0, fabric.OpSend, 0)); err != nil {
 		t.Fatal(err)
 	}
 	var wcErr *WCError
-	if err := p.srv.dead(t); !errors.As(err, &wcErr) {
+	if err := p.srv.Ended(t); !errors.As(err, &wcErr) {
 		t.Fatalf("long send killed the receiver with %v, want a work request error", err)
 	}
 }
@@ -330,10 +287,10 @@ func TestRemoteAccessChecks(t *testing.T) {
 			p := newPair(t, nil)
 			copy(p.cmem.Bytes()[:16], "0123456789abcdef")
 			before := append([]byte(nil), p.smem.Bytes()...)
-			if err := p.cli.c.PostSend(c.wr(p)); err != nil {
+			if err := p.cli.C.PostSend(c.wr(p)); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.cli.dead(t); !errors.Is(err, syscall.EACCES) {
+			if err := p.cli.Ended(t); !errors.Is(err, syscall.EACCES) {
 				t.Fatalf("writer killed with %v, want a remote access error", err)
 			}
 			if !bytes.Equal(before, p.smem.Bytes()) {
@@ -358,9 +315,9 @@ func TestInvalidateReregister(t *testing.T) {
 	}
 	src := p.cmem.Bytes()[:3]
 	copy(src, "new")
-	p.cli.c.PostSend(write(src, p.cmr.LKey(), p.smr.Addr(), k1, fabric.OpWriteImm, 0))
-	p.cli.next(t) // the write's own completion
-	p.srv.next(t)
+	p.cli.C.PostSend(write(src, p.cmr.LKey(), p.smr.Addr(), k1, fabric.OpWriteImm, 0))
+	p.cli.Next(t) // the write's own completion
+	p.srv.Next(t)
 	if string(p.smem.Bytes()[:3]) != "new" {
 		t.Fatal("write with the new key did not land")
 	}
@@ -368,18 +325,18 @@ func TestInvalidateReregister(t *testing.T) {
 	if err := p.smr.Invalidate(); err != nil {
 		t.Fatal(err)
 	}
-	p.cli.c.PostRecv(&fabric.RecvWR{ID: 5})
+	p.cli.C.PostRecv(&fabric.RecvWR{ID: 5})
 	out := write(p.smem.Bytes()[:3], p.smr.LKey(), p.cmr.Addr()+10, p.cmr.RKey(), fabric.OpWrite, 0)
 	out.Next = write(nil, 0, 0, 0, fabric.OpWriteImm, 77)
-	if err := p.srv.c.PostSend(out); err != nil {
+	if err := p.srv.C.PostSend(out); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.cli.next(t); wc.Imm != 77 || string(p.cmem.Bytes()[10:13]) != "new" {
+	if wc := p.cli.Next(t); wc.Imm != 77 || string(p.cmem.Bytes()[10:13]) != "new" {
 		t.Fatalf("write from an invalidated region: %+v %q", wc, p.cmem.Bytes()[10:13])
 	}
 	copy(src, "old")
-	p.cli.c.PostSend(write(src, p.cmr.LKey(), p.smr.Addr(), k1, fabric.OpWrite, 0))
-	if err := p.cli.dead(t); !errors.Is(err, syscall.EACCES) {
+	p.cli.C.PostSend(write(src, p.cmr.LKey(), p.smr.Addr(), k1, fabric.OpWrite, 0))
+	if err := p.cli.Ended(t); !errors.Is(err, syscall.EACCES) {
 		t.Fatalf("write to an invalidated region: %v", err)
 	}
 	if string(p.smem.Bytes()[:3]) != "new" {
@@ -390,28 +347,28 @@ func TestInvalidateReregister(t *testing.T) {
 func TestCloseDrains(t *testing.T) {
 	p := newPair(t, nil)
 	for i := 0; i < 64; i++ {
-		p.srv.c.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
 	for i := 0; i < 32; i++ {
-		p.cli.c.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, uint32(i)))
+		p.cli.C.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, uint32(i)))
 	}
-	p.srv.c.Close()
-	n := p.srv.n.Load()
+	p.srv.C.Close()
+	n := p.srv.N.Load()
 	time.Sleep(100 * time.Millisecond)
-	if p.srv.n.Load() != n {
+	if p.srv.N.Load() != n {
 		t.Fatal("completions after Close returned")
 	}
 	select {
-	case err := <-p.srv.disc:
+	case err := <-p.srv.Dead:
 		t.Fatalf("Disconnected after Close: %v", err)
 	default:
 	}
-	if err := p.srv.c.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 0)); !errors.Is(err, fabric.ErrClosed) {
+	if err := p.srv.C.PostSend(write(nil, 0, 0, 0, fabric.OpWriteImm, 0)); !errors.Is(err, fabric.ErrClosed) {
 		t.Fatalf("post after close: %v", err)
 	}
 	// The peer hears of it from the CM at once, not from a timeout.
 	t0 := time.Now()
-	if err := p.cli.dead(t); !errors.Is(err, syscall.ECONNRESET) {
+	if err := p.cli.Ended(t); !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("peer: %v", err)
 	}
 	if d := time.Since(t0); d > 5*time.Second {
@@ -423,7 +380,7 @@ func TestQueueFull(t *testing.T) {
 	p := newPair(t, nil)
 	var err error
 	for i := 0; i < 100000 && err == nil; i++ {
-		err = p.srv.c.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		err = p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
 	if !errors.Is(err, fabric.ErrQueueFull) {
 		t.Fatalf("receives until full: %v", err)
@@ -454,7 +411,7 @@ func TestReject(t *testing.T) {
 	}
 	defer pd.Close()
 	_, _, err = dev.Dial(context.Background(), fabric.DialParams{Dst: l.Addr(), PD: pd, PrivateData: []byte("hi"),
-		Attr: fabric.ConnAttr{Handler: newHandler(), MaxSendWR: 4, MaxRecvWR: 4}})
+		Attr: fabric.ConnAttr{Handler: conntest.NewRecorder(), MaxSendWR: 4, MaxRecvWR: 4}})
 	var rej *fabric.RejectError
 	if !errors.As(err, &rej) || !bytes.HasPrefix(rej.PrivateData, []byte("go away")) {
 		t.Fatalf("dial: %v", err)
@@ -464,7 +421,7 @@ func TestReject(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	if _, _, err := dev.Dial(ctx, fabric.DialParams{Dst: l.Addr(), PD: pd,
-		Attr: fabric.ConnAttr{Handler: newHandler(), MaxSendWR: 4, MaxRecvWR: 4}}); err == nil || ctx.Err() != nil {
+		Attr: fabric.ConnAttr{Handler: conntest.NewRecorder(), MaxSendWR: 4, MaxRecvWR: 4}}); err == nil || ctx.Err() != nil {
 		t.Fatalf("dial to a closed listener: %v (ctx %v)", err, ctx.Err())
 	}
 }
@@ -475,7 +432,7 @@ func TestReject(t *testing.T) {
 func BenchmarkWriteImm(b *testing.B) {
 	p := newPair(b, nil)
 	for i := 0; i < 32; i++ {
-		p.srv.c.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
 	src := p.cmem.Bytes()[:4096]
 	wr := write(src, p.cmr.LKey(), p.smr.Addr(), p.smr.RKey(), fabric.OpWriteImm, 1)
@@ -485,15 +442,15 @@ func BenchmarkWriteImm(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		wr.Signaled = i%16 == 15
-		if err := p.cli.c.PostSend(wr); err != nil {
+		if err := p.cli.C.PostSend(wr); err != nil {
 			b.Fatal(err)
 		}
-		<-p.srv.wcs
-		if err := p.srv.c.PostRecv(rwr); err != nil {
+		<-p.srv.WCs
+		if err := p.srv.C.PostRecv(rwr); err != nil {
 			b.Fatal(err)
 		}
 		if wr.Signaled {
-			<-p.cli.wcs
+			<-p.cli.WCs
 		}
 	}
 }

@@ -7,66 +7,23 @@ import (
 	"errors"
 	"net"
 	"net/netip"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// handler records what a connection delivers.
-type handler struct {
-	c    fabric.Conn
-	wcs  chan fabric.WC
-	disc chan error
-	n    atomic.Int64
-}
-
-func newHandler() *handler {
-	return &handler{wcs: make(chan fabric.WC, 1024), disc: make(chan error, 1)}
-}
-
-func (h *handler) Attached(c fabric.Conn) { h.c = c }
-func (h *handler) Completion(wc *fabric.WC) {
-	h.n.Add(1)
-	h.wcs <- *wc
-}
-func (h *handler) Disconnected(err error) { h.disc <- err }
-
-func (h *handler) next(t *testing.T) fabric.WC {
-	t.Helper()
-	select {
-	case wc := <-h.wcs:
-		return wc
-	case err := <-h.disc:
-		t.Fatalf("disconnected: %v", err)
-	case <-time.After(5 * time.Second):
-		t.Fatal("no completion")
-	}
-	panic("unreachable")
-}
-
-func (h *handler) dead(t *testing.T) error {
-	t.Helper()
-	select {
-	case err := <-h.disc:
-		return err
-	case <-time.After(5 * time.Second):
-		t.Fatal("connection not killed")
-	}
-	return nil
-}
 
 // pair connects a client and a server connection, each in its own PD
 // with a 64 KiB region.
 type pair struct {
 	fab        *Fabric
 	l          fabric.Listener
-	cli, srv   *handler
+	cli, srv   *conntest.Recorder
 	cpd, spd   fabric.PD
 	cmem, smem []byte
 	cmr, smr   fabric.MR
@@ -75,7 +32,7 @@ type pair struct {
 
 func newPair(t *testing.T, recvs []fabric.RecvWR) *pair {
 	t.Helper()
-	p := &pair{fab: New(Options{}), cli: newHandler(), srv: newHandler()}
+	p := &pair{fab: New(Options{}), cli: conntest.NewRecorder(), srv: conntest.NewRecorder()}
 	var err error
 	p.l, err = p.fab.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
@@ -112,8 +69,8 @@ func newPair(t *testing.T, recvs []fabric.RecvWR) *pair {
 		t.Fatalf("private data %q %q", rsp, p.priv)
 	}
 	t.Cleanup(func() {
-		p.cli.c.Close()
-		p.srv.c.Close()
+		p.cli.C.Close()
+		p.srv.C.Close()
 		p.l.Close()
 	})
 	return p
@@ -133,13 +90,13 @@ func TestWriteWithImm(t *testing.T) {
 	// Two SGEs land back to back.
 	wr := write(data[:1000], p.smr.Addr()+100, p.smr.RKey(), fabric.OpWriteImm, 0x12345678)
 	wr.SG[1].Buf, wr.NumSGE = data[1000:], 2
-	if err := p.cli.c.PostSend(wr); err != nil {
+	if err := p.cli.C.PostSend(wr); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.cli.next(t); wc.Opcode != fabric.WCWrite || wc.ByteLen != 4000 {
+	if wc := p.cli.Next(t); wc.Opcode != fabric.WCWrite || wc.ByteLen != 4000 {
 		t.Fatalf("send completion %+v", wc)
 	}
-	wc := p.srv.next(t)
+	wc := p.srv.Next(t)
 	if wc.ID != 7 || wc.Opcode != fabric.WCRecvRDMAWithImm || wc.Imm != 0x12345678 || wc.ByteLen != 4000 || wc.Flags != fabric.WCWithImm {
 		t.Fatalf("receive completion %+v", wc)
 	}
@@ -147,28 +104,28 @@ func TestWriteWithImm(t *testing.T) {
 		t.Fatal("data did not land")
 	}
 	// A zero-length write with immediate consumes a receive too.
-	if err := p.cli.c.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 9)); err != nil {
+	if err := p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 9)); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 8 || wc.ByteLen != 0 || wc.Imm != 9 {
+	if wc := p.srv.Next(t); wc.ID != 8 || wc.ByteLen != 0 || wc.Imm != 9 {
 		t.Fatalf("zero-length: %+v", wc)
 	}
 }
 
 func TestRNRWait(t *testing.T) {
 	p := newPair(t, nil)
-	if err := p.cli.c.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 1)); err != nil {
+	if err := p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 1)); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case wc := <-p.srv.wcs:
+	case wc := <-p.srv.WCs:
 		t.Fatalf("completion without a receive: %+v", wc)
 	case <-time.After(100 * time.Millisecond):
 	}
-	if err := p.srv.c.PostRecv(&fabric.RecvWR{ID: 3}); err != nil {
+	if err := p.srv.C.PostRecv(&fabric.RecvWR{ID: 3}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 3 || wc.Imm != 1 {
+	if wc := p.srv.Next(t); wc.ID != 3 || wc.Imm != 1 {
 		t.Fatalf("after the receive was posted: %+v", wc)
 	}
 }
@@ -176,32 +133,32 @@ func TestRNRWait(t *testing.T) {
 func TestSend(t *testing.T) {
 	buf := make([]byte, 16)
 	p := newPair(t, []fabric.RecvWR{{ID: 1, Buf: buf}, {ID: 2, Buf: make([]byte, 4)}})
-	if err := p.cli.c.PostSend(write([]byte("hello"), 0, 0, fabric.OpSendImm, 42)); err != nil {
+	if err := p.cli.C.PostSend(write([]byte("hello"), 0, 0, fabric.OpSendImm, 42)); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 || string(buf[:5]) != "hello" {
+	if wc := p.srv.Next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 || string(buf[:5]) != "hello" {
 		t.Fatalf("send: %+v %q", wc, buf)
 	}
 	// A send longer than the receive buffer is a local length error.
-	if err := p.cli.c.PostSend(write([]byte("too long"), 0, 0, fabric.OpSend, 0)); err != nil {
+	if err := p.cli.C.PostSend(write([]byte("too long"), 0, 0, fabric.OpSend, 0)); err != nil {
 		t.Fatal(err)
 	}
-	p.srv.dead(t)
+	p.srv.Ended(t)
 }
 
 func TestSendWithInvalidate(t *testing.T) {
 	p := newPair(t, nil)
 	rkey := p.cmr.RKey()
-	p.cli.c.PostRecv(&fabric.RecvWR{ID: 1})
-	if err := p.srv.c.PostSend(&fabric.SendWR{Op: fabric.OpSendInv, InvRKey: rkey}); err != nil {
+	p.cli.C.PostRecv(&fabric.RecvWR{ID: 1})
+	if err := p.srv.C.PostSend(&fabric.SendWR{Op: fabric.OpSendInv, InvRKey: rkey}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.cli.next(t); wc.Flags != fabric.WCWithInv || wc.InvRKey != rkey {
+	if wc := p.cli.Next(t); wc.Flags != fabric.WCWithInv || wc.InvRKey != rkey {
 		t.Fatalf("completion %+v", wc)
 	}
 	// The key is gone: a write with it kills the connection.
-	p.srv.c.PostSend(write([]byte("x"), p.cmr.Addr(), rkey, fabric.OpWrite, 0))
-	p.cli.dead(t)
+	p.srv.C.PostSend(write([]byte("x"), p.cmr.Addr(), rkey, fabric.OpWrite, 0))
+	p.cli.Ended(t)
 }
 
 func TestRemoteAccessChecks(t *testing.T) {
@@ -232,13 +189,13 @@ func TestRemoteAccessChecks(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			p := newPair(t, nil)
 			before := append([]byte(nil), p.smem...)
-			if err := p.cli.c.PostSend(c.wr(p)); err != nil {
+			if err := p.cli.C.PostSend(c.wr(p)); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.srv.dead(t); !errors.Is(err, c.want) {
+			if err := p.srv.Ended(t); !errors.Is(err, c.want) {
 				t.Fatalf("killed with %v, want %v", err, c.want)
 			}
-			p.cli.dead(t)
+			p.cli.Ended(t)
 			if !bytes.Equal(before, p.smem) {
 				t.Fatal("a refused write changed memory")
 			}
@@ -256,8 +213,8 @@ func TestInvalidateReregister(t *testing.T) {
 	if err != nil || k1 == k0 || k1>>8 != k0>>8 || p.smr.RKey() != k1 {
 		t.Fatalf("reregister: %#x -> %#x, %v", k0, k1, err)
 	}
-	p.cli.c.PostSend(write([]byte("new"), p.smr.Addr(), k1, fabric.OpWriteImm, 0))
-	p.srv.next(t)
+	p.cli.C.PostSend(write([]byte("new"), p.smr.Addr(), k1, fabric.OpWriteImm, 0))
+	p.srv.Next(t)
 	if string(p.smem[:3]) != "new" {
 		t.Fatal("write with the new key did not land")
 	}
@@ -270,44 +227,44 @@ func TestInvalidateReregister(t *testing.T) {
 		t.Fatal("the key byte does not wrap")
 	}
 	p.smr.Invalidate()
-	p.cli.c.PostSend(write([]byte("old"), p.smr.Addr(), k1, fabric.OpWrite, 0))
-	if err := p.srv.dead(t); !errors.Is(err, errBadRKey) {
+	p.cli.C.PostSend(write([]byte("old"), p.smr.Addr(), k1, fabric.OpWrite, 0))
+	if err := p.srv.Ended(t); !errors.Is(err, errBadRKey) {
 		t.Fatalf("write to an invalidated region: %v", err)
 	}
-	p.cli.dead(t)
+	p.cli.Ended(t)
 }
 
 func TestCloseDrains(t *testing.T) {
 	p := newPair(t, nil)
 	for i := 0; i < 64; i++ {
-		p.srv.c.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
 	for i := 0; i < 32; i++ {
-		p.cli.c.PostSend(write(nil, 0, 0, fabric.OpWriteImm, uint32(i)))
+		p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, uint32(i)))
 	}
-	p.srv.c.Close()
-	n := p.srv.n.Load()
+	p.srv.C.Close()
+	n := p.srv.N.Load()
 	time.Sleep(50 * time.Millisecond)
-	if p.srv.n.Load() != n {
+	if p.srv.N.Load() != n {
 		t.Fatal("completions after Close returned")
 	}
 	select {
-	case err := <-p.srv.disc:
+	case err := <-p.srv.Dead:
 		t.Fatalf("Disconnected after Close: %v", err)
 	default:
 	}
-	if err := p.srv.c.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 0)); !errors.Is(err, fabric.ErrClosed) {
+	if err := p.srv.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 0)); !errors.Is(err, fabric.ErrClosed) {
 		t.Fatalf("post after close: %v", err)
 	}
-	p.cli.dead(t) // the peer sees the connection go
+	p.cli.Ended(t) // the peer sees the connection go
 }
 
 func TestQueueFull(t *testing.T) {
 	p := newPair(t, nil)
 	for i := 0; i < 64; i++ {
-		p.srv.c.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
-	if err := p.srv.c.PostRecv(&fabric.RecvWR{}); !errors.Is(err, fabric.ErrQueueFull) {
+	if err := p.srv.C.PostRecv(&fabric.RecvWR{}); !errors.Is(err, fabric.ErrQueueFull) {
 		t.Fatalf("65th receive: %v", err)
 	}
 	chain := make([]fabric.SendWR, 65)
@@ -317,7 +274,7 @@ func TestQueueFull(t *testing.T) {
 			chain[i-1].Next = &chain[i]
 		}
 	}
-	if err := p.cli.c.PostSend(&chain[0]); !errors.Is(err, fabric.ErrQueueFull) {
+	if err := p.cli.C.PostSend(&chain[0]); !errors.Is(err, fabric.ErrQueueFull) {
 		t.Fatalf("chain of 65: %v", err)
 	}
 }
@@ -337,7 +294,7 @@ func TestReject(t *testing.T) {
 	}()
 	dev, _ := fab.Resolve(context.Background(), netip.AddrPort{}, l.Addr())
 	pd, _ := dev.AllocPD()
-	_, _, err = dev.Dial(context.Background(), fabric.DialParams{Dst: l.Addr(), PD: pd, Attr: fabric.ConnAttr{Handler: newHandler()}})
+	_, _, err = dev.Dial(context.Background(), fabric.DialParams{Dst: l.Addr(), PD: pd, Attr: fabric.ConnAttr{Handler: conntest.NewRecorder()}})
 	var rej *fabric.RejectError
 	if !errors.As(err, &rej) || string(rej.PrivateData) != "no" {
 		t.Fatalf("dial: %v", err)
@@ -401,7 +358,7 @@ func FuzzReader(f *testing.F) {
 		mr, _ := pdv.RegisterMR(mem[:4032], fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
 		defer mr.Close()
 		a, b := net.Pipe()
-		h := &reposter{handler: newHandler()}
+		h := &reposter{Recorder: conntest.NewRecorder()}
 		c, err := newConn(a, dev, pdv.(*pd), fabric.ConnAttr{Handler: h, MaxRecvWR: 8,
 			Recvs: []fabric.RecvWR{{ID: 1, Buf: make([]byte, 8)}, {ID: 2}}})
 		if err != nil {
@@ -412,7 +369,7 @@ func FuzzReader(f *testing.F) {
 			b.Write(stream)
 			b.Close()
 		}()
-		<-h.disc // every stream ends: the pipe closes
+		<-h.Dead // every stream ends: the pipe closes
 		c.Close()
 		if !bytes.Equal(mem[4032:], guard) {
 			t.Fatal("a write landed outside the region")
@@ -421,8 +378,8 @@ func FuzzReader(f *testing.F) {
 }
 
 // reposter posts a new receive for every one consumed, as the engine does.
-type reposter struct{ *handler }
+type reposter struct{ *conntest.Recorder }
 
 func (r *reposter) Completion(wc *fabric.WC) {
-	r.c.PostRecv(&fabric.RecvWR{ID: wc.ID, Buf: make([]byte, 8)})
+	r.C.PostRecv(&fabric.RecvWR{ID: wc.ID, Buf: make([]byte, 8)})
 }
