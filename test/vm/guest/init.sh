@@ -266,8 +266,10 @@ if [ $rdma_up = 1 ]; then
 	program rdmahostile /bin/rdmahostile -src 10.78.0.1 -dst 10.78.0.1:1234
 	dd if="$dev" of=/tmp/rback bs=1M skip=48 count=16 iflag=direct 2>/dev/null
 	check rdma-hostile-server-serves cmp /tmp/pat /tmp/rback
-	grep -q "connection lost" /tmp/server.log && res rdma-hostile-server-closed-path PASS "$(grep -c 'closing path' /tmp/server.log) paths closed" ||
-		res rdma-hostile-server-closed-path FAIL ""
+	for _ in $(seq 50); do grep -q 'session=hostile.*closing path\|closing path.*session=hostile' /tmp/server.log && break; sleep 0.1; done
+	grep -q 'session=hostile.*closing path\|closing path.*session=hostile' /tmp/server.log &&
+		res rdma-hostile-server-closed-path PASS "$(grep 'closing path.*session=hostile\|session=hostile.*closing path' /tmp/server.log | tail -1 | sed -n 's/.*reason="\([^"]*\)".*/\1/p')" ||
+		res rdma-hostile-server-closed-path FAIL "$(grep hostile /tmp/server.log | tail -3 | tr '\n' ' ')"
 	# stats/rdma: the bytes the client sent and received are the IO done.
 	cli stats --reset >/dev/null
 	dd if=/dev/urandom of="$dev" bs=1M count=8 seek=40 oflag=direct 2>/dev/null
