@@ -186,6 +186,9 @@ if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	die "the guest did not finish (qemu exit $rc after ${secs}s)"
 fi
 if grep -aq '^RESULT [^ ]* FAIL' <(tr -d '\r' <"$work/serial.log"); then
+	# What the failing checks printed (a Go test's output ends in DETAIL
+	# lines), then the daemons' last words.
+	tr -d '\r' <"$work/serial.log" | grep -a '^DETAIL ' >&2 || true
 	tr -d '\r' <"$work/serial.log" | sed -n '/^--- rnbd-client log/,/VMTEST-DONE/p' >&2
 	die "a scenario failed (${secs}s)"
 fi

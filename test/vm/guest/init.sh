@@ -163,7 +163,7 @@ for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$
 program() {
 	local name=$1 bin=$2
 	shift 2
-	timeout 300 "$bin" "$@" >/tmp/$name.out 2>&1 || res "$name-exit" FAIL "exit $?"
+	timeout 300 "$bin" "$@" >/tmp/$name.out 2>&1 || { res "$name-exit" FAIL "exit $?"; grep -v '^RESULT ' /tmp/$name.out | tail -20 | sed 's/^/DETAIL /'; }
 	cat /tmp/$name.out
 	while read -r tag _ st _; do
 		[ "$tag" = RESULT ] || continue
@@ -179,7 +179,7 @@ gotest() {
 	rc=$?
 	grep -E '^ *--- (PASS|FAIL)' /tmp/$name.out | sed 's/^ *--- //; s/://' >/tmp/$name.res
 	while read -r st tn _; do res "$name-$tn" "$st" ""; done </tmp/$name.res
-	[ $rc = 0 ] || { res "$name-exit" FAIL "exit $rc"; tail -30 /tmp/$name.out; }
+	[ $rc = 0 ] || { res "$name-exit" FAIL "exit $rc"; grep -v '^=== ' /tmp/$name.out | tail -40 | sed 's/^/DETAIL /'; }
 }
 
 # RDMA: soft-RoCE on a dummy netdev with two guest-only addresses (rdma_cm

@@ -484,6 +484,12 @@ func (c *conn) deliver(w *ibverbs.WC, out *fabric.WC) {
 	if c.failed.Load() || c.closing.Load() {
 		return // what follows an error is flushed
 	}
+	if w.Status == ibverbs.WCWRFlushErr {
+		// Flushed before anything failed: the QP was moved to the error
+		// state from outside (the peer's or the CM's disconnect).
+		c.fail(fmt.Errorf("rdma fabric: work requests flushed: %w", ErrDisconnected))
+		return
+	}
 	if w.Status != ibverbs.WCSuccess {
 		c.fail(&WCError{Status: w.Status, VendorErr: w.VendorErr})
 		return
