@@ -388,11 +388,10 @@ func (s *Session) Connected() bool {
 }
 
 // addPath creates a path, lists it and starts its goroutine, unless the
-// session is closed or full. A path added to a session with no path left
-// may create the session on the server again (the server may have dropped
-// it).
-// addPath adds a path; it asks the server for a new session (first_conn)
-// if it is the session's first path, or if firstConn.
+// session is closed or full. The path may create the session on the
+// server (first_conn) if it is the session's first, or if firstConn: a
+// path added to a session with no path left may then create it again (the
+// server may have dropped it).
 func (s *Session) addPath(pa PathAddr, firstConn bool) (*Path, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
