@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"net"
 	"net/netip"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -23,9 +24,14 @@ type hostileRig struct {
 }
 
 func newHostileRig(t *testing.T, inv bool) *hostileRig {
+	return newHostileRigOn(t, inv, newMemDisk(4<<20))
+}
+
+// newHostileRigOn is newHostileRig with the server serving disk.
+func newHostileRigOn(t *testing.T, inv bool, disk *memDisk) *hostileRig {
 	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
 	dst := loopbackListener(t)
-	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	scfg := testServerConfig(fab, disk, dst)
 	scfg.QueueDepth = 48 // not a power of two: msg ids past it are encodable
 	scfg.AlwaysInvalidate = inv
 	r := newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String())))
@@ -251,6 +257,54 @@ func TestHostileSessions(t *testing.T) {
 		release()
 		h.stillServes()
 	})
+}
+
+// TestChunkReusedBeforePostReturns: a client that has a chunk's answer
+// may send the chunk's next request at once, before the server's post of
+// that answer has even returned (the kernel's client does when it is
+// fast). The server serves it once the answer is out, and keeps the path.
+func TestChunkReusedBeforePostReturns(t *testing.T) {
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	testHookResponsePosted = func(op *SrvOp) {
+		if op.id == 5 && op.path.sess.Name() == "reuser" {
+			once.Do(func() { close(held); <-release })
+		}
+	}
+	t.Cleanup(func() { testHookResponsePosted = nil })
+	unblock := sync.OnceFunc(func() { close(release) })
+	defer unblock() // a failing test must not leave the hook blocking
+	disk := newMemDisk(4 << 20)
+	disk.async = true // as rnbd's server: answers come from other goroutines
+	h := newHostileRigOn(t, true, disk)
+	rp := newRawPath(t, h.fab, h.src, h.dst, "reuser")
+	if e := rp.request(1, 5, Write, usrOff(0), []byte("first"), 0); e != 0 {
+		t.Fatalf("write: errno %v", e)
+	}
+	<-held // the answer arrived; the server's post has not returned
+	rp.send(1, 5, Read, usrOff(0), nil, 5)
+	var op *SrvOp
+	for _, x := range h.srv.Sessions() {
+		if x.Name() == "reuser" {
+			op = &x.Paths()[0].ops[5]
+		}
+	}
+	waitFor(t, 10*time.Second, "the reuse to be held back", func() bool { return op.state.Load() == opPending })
+	unblock()
+	if e := rp.await(1, 5); e != 0 {
+		t.Fatalf("read on the reused chunk: errno %v", e)
+	}
+	if got := string(rp.mem.Bytes()[65536 : 65536+5]); got != "first" {
+		t.Fatalf("read %q, want %q", got, "first")
+	}
+	if rp.dead(100 * time.Millisecond) {
+		t.Fatal("the server closed the path of a client that reused an answered chunk")
+	}
+	if e := rp.request(1, 5, Write, usrOff(4096), []byte("again"), 0); e != 0 {
+		t.Fatalf("the chunk after the reuse: errno %v", e)
+	}
+	rp.close()
+	h.stillServes()
 }
 
 // TestAlwaysInvalidate: with always_invalidate the server revokes a

@@ -43,15 +43,16 @@ func (h *rawConn) Disconnected(err error) {
 // rawPath is a path established by hand: a hostile client can send
 // anything on it.
 type rawPath struct {
-	t     testing.TB
-	pd    fabric.PD
-	dev   fabric.Device
-	conns []*rawConn
-	rsp   ConnRsp
-	rbufs []SGDesc // per chunk: address and current rkey
-	mem   fabric.Memory
-	mr    fabric.MR
-	req   ConnReq
+	t      testing.TB
+	pd     fabric.PD
+	dev    fabric.Device
+	conns  []*rawConn
+	rsp    ConnRsp
+	rbufs  []SGDesc // per chunk: address and current rkey
+	mem    fabric.Memory
+	mr     fabric.MR
+	req    ConnReq
+	closed bool
 }
 
 func rawConnReq(cid, cidNum int) ConnReq {
@@ -162,6 +163,10 @@ func (rp *rawPath) sendInfoReq(name string) error {
 }
 
 func (rp *rawPath) close() {
+	if rp.closed {
+		return
+	}
+	rp.closed = true
 	for _, c := range rp.conns {
 		c.qp.Close()
 	}
@@ -235,11 +240,25 @@ func (rp *rawPath) writeImm(cid int, buf int, rkey uint32, img []byte, msgID, of
 // (and takes the new rkey if the server sent one).
 func (rp *rawPath) request(cid, buf int, dir Dir, usr, data []byte, readLen int) syscall.Errno {
 	rp.t.Helper()
+	rp.send(cid, buf, dir, usr, data, readLen)
+	return rp.await(cid, buf)
+}
+
+// send sends a well-formed request on chunk buf; a read's data lands at
+// offset 65536 of the client's memory.
+func (rp *rawPath) send(cid, buf int, dir Dir, usr, data []byte, readLen int) {
+	rp.t.Helper()
 	desc := SGDesc{Addr: rp.mr.Addr() + 65536, Key: rp.mr.RKey(), Len: uint32(readLen)}
 	img, off := chunkImage(dir, usr, data, readLen, desc)
 	if err := rp.writeImm(cid, buf, rp.rbufs[buf].Key, img, uint32(buf), off); err != nil {
 		rp.t.Fatal(err)
 	}
+}
+
+// await returns the errno of the response for chunk buf (and takes the
+// new rkey if the server sent one).
+func (rp *rawPath) await(cid, buf int) syscall.Errno {
+	rp.t.Helper()
 	for {
 		wc := rp.waitAny(cid)
 		if wc.Flags&fabric.WCWithImm == 0 {

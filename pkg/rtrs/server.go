@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -859,14 +860,14 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 	c.infoWR = fabric.SendWR{ID: wrInfoRsp, Op: fabric.OpSend, NumSGE: 1}
 	c.infoWR.SG[0] = fabric.SGE{Buf: out, LKey: p.infoMR.LKey()}
 	p.lg().Info("path connected")
-	return c.post(&c.infoWR, 1, nil)
+	_, err := c.post(&c.infoWR, 1, nil)
+	return err
 }
 
 // processIOReq validates a request the client wrote into chunk msgID and
 // hands it to the user (process_io_req, process_read, process_write).
 // Every field is checked: a violation closes the path.
 func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
-	x := p.sess
 	if p.State() != SrvPathConnected {
 		p.rl.Log(p.lg(), log.WarnLevel, "request on a path that is not connected: dropped")
 		return nil
@@ -876,7 +877,7 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 		return fmt.Errorf("message at offset %d past the chunk", off)
 	}
 	// Decode into locals: the op may still belong to a request in flight
-	// until the busy flag is won below.
+	// until the chunk is claimed below.
 	var (
 		usrLen int
 		dir    Dir
@@ -905,19 +906,43 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 		return fmt.Errorf("read descriptor of %d bytes for %d bytes of data", rd.Desc.Len, dataLen)
 	}
 	op := &p.ops[msgID]
-	if !op.busy.CompareAndSwap(false, true) {
-		return fmt.Errorf("request for chunk %d, which is still in use", msgID)
+	req := opReq{c: c, dir: dir, rd: rd, dataLen: dataLen, off: off}
+	for {
+		switch op.state.Load() {
+		case opIdle:
+			if op.state.CompareAndSwap(opIdle, opWorking) {
+				p.stats.inflight.Add(1)
+				p.inflight.Add(1)
+				op.start(req)
+				return nil
+			}
+		case opAnswering:
+			// The client has the answer and reuses the chunk before
+			// the post of that answer returned here: legitimate. The
+			// request waits for it (finish).
+			if op.state.CompareAndSwap(opAnswering, opClaiming) {
+				op.pend = req
+				op.state.Store(opPending)
+				return nil
+			}
+		default:
+			return fmt.Errorf("request for chunk %d, which is still in use", msgID)
+		}
 	}
-	op.con, op.dir, op.rd = c, dir, rd
-	op.data = chunk[:dataLen]
-	op.usr = chunk[dataLen:off]
-	p.stats.update(op.dir, int(off))
-	p.stats.inflight.Add(1)
-	p.inflight.Add(1)
-	if err := x.srv.cfg.Handler.HandleIO(op); err != nil {
+}
+
+// start hands a request to the user; op is opWorking and counted in
+// flight.
+func (op *SrvOp) start(req opReq) {
+	p := op.path
+	chunk := p.chunk(op.id)
+	op.con, op.dir, op.rd = req.c, req.dir, req.rd
+	op.data = chunk[:req.dataLen]
+	op.usr = chunk[req.dataLen:req.off]
+	p.stats.update(op.dir, int(req.off))
+	if err := p.sess.srv.cfg.Handler.HandleIO(op); err != nil {
 		op.Respond(err)
 	}
-	return nil
 }
 
 // sendHB posts a HB_MSG on the service connection.
@@ -937,12 +962,35 @@ type SrvOp struct {
 	con  *srvConn
 	id   uint32
 	dir  Dir
-	busy atomic.Bool
-	data []byte
-	usr  []byte
-	rd   RDMARead
-	wrs  [3]fabric.SendWR
-	nwr  int // work requests of a response parked for send queue room
+	// state is opIdle, opWorking (the user has the request, or its
+	// answer waits for send queue room), opAnswering (the answer is being
+	// posted: the client may already have it and send the chunk's next
+	// request), opClaiming and opPending (such a request came; pend
+	// holds it until the answer is out).
+	state atomic.Int32
+	pend  opReq
+	data  []byte
+	usr   []byte
+	rd    RDMARead
+	wrs   [3]fabric.SendWR
+	nwr   int // work requests of a response parked for send queue room
+}
+
+const (
+	opIdle int32 = iota
+	opWorking
+	opAnswering
+	opClaiming
+	opPending
+)
+
+// opReq is a decoded request for a chunk.
+type opReq struct {
+	c       *srvConn
+	dir     Dir
+	rd      RDMARead
+	dataLen int
+	off     uint32
 }
 
 // Dir is the request's direction.
@@ -981,7 +1029,7 @@ func ErrnoOf(err error) syscall.Errno {
 // read the data is written to the client first. The op must not be used
 // after it. It may be called from any goroutine.
 func (op *SrvOp) Respond(err error) {
-	if !op.busy.Load() {
+	if op.state.Load() != opWorking {
 		panic("rtrs: Respond on an op that is not in flight")
 	}
 	p := op.path
@@ -1030,23 +1078,60 @@ func (op *SrvOp) Respond(err error) {
 		op.wrs[i].Next = &op.wrs[i+1]
 	}
 	op.nwr = n
-	if err := op.con.post(&op.wrs[0], n, op); err != nil {
+	parked, err := op.con.post(&op.wrs[0], n, op)
+	if err != nil {
 		if !errors.Is(err, ErrClosed) {
 			p.rl.Log(p.lg().WithError(err), log.ErrorLevel, "posting a response failed")
 		}
 		p.close("posting a response failed")
+	}
+	if !parked {
+		if testHookResponsePosted != nil {
+			testHookResponsePosted(op)
+		}
 		op.finish()
-		return
 	}
 }
 
-// finish releases the op after its response went out or was dropped.
+// testHookResponsePosted, when set by a test, runs between the post of a
+// response and the release of its op.
+var testHookResponsePosted func(*SrvOp)
+
+// finish releases the op after its response went out or was dropped,
+// and starts the chunk's next request if one came meanwhile. It must not
+// be called with a connection's sendMu held: the next request may answer
+// at once.
 func (op *SrvOp) finish() {
 	p := op.path
 	op.data, op.usr = nil, nil
-	op.busy.Store(false)
-	p.stats.inflight.Add(-1)
-	p.inflight.Done()
+	for {
+		switch st := op.state.Load(); st {
+		case opWorking, opAnswering:
+			if op.state.CompareAndSwap(st, opIdle) {
+				p.stats.inflight.Add(-1)
+				p.inflight.Done()
+				return
+			}
+		case opClaiming:
+			runtime.Gosched() // the next request is being recorded
+		case opPending:
+			// The op stays counted in flight from one request to the
+			// next, so closeWork cannot free the chunk between them.
+			req := op.pend
+			op.pend = opReq{}
+			op.state.Store(opWorking)
+			if p.State() != SrvPathConnected {
+				op.state.Store(opIdle) // the path is closing: dropped
+				p.stats.inflight.Add(-1)
+				p.inflight.Done()
+				return
+			}
+			op.start(req)
+			return
+		default:
+			panic("rtrs: finish of an op that is not in flight")
+		}
+	}
 }
 
 // srvConn is one connection of a server path and its completion handler.
@@ -1095,19 +1180,21 @@ func (c *srvConn) postRecvs() error {
 }
 
 // post posts a chain of n work requests, or parks op until the send queue
-// has room (op nil: the caller does not retry and gets ErrQueueFull).
-func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) error {
+// has room and reports that (op nil: the caller does not retry and gets
+// ErrQueueFull). An op posted is opAnswering: the client may have its
+// answer before post returns. The caller finishes an op not parked.
+func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err error) {
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
 	if c.closed {
-		return ErrClosed
+		return false, ErrClosed
 	}
 	if c.sqAvail < n {
 		if op == nil {
-			return fabric.ErrQueueFull
+			return false, fabric.ErrQueueFull
 		}
 		c.waiting = append(c.waiting, op)
-		return nil
+		return true, nil
 	}
 	last := wr
 	for last.Next != nil {
@@ -1119,14 +1206,14 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) error {
 		last.ID = wrRsp | uint64(c.unsig)
 		c.unsig = 0
 	}
+	if op != nil {
+		op.state.Store(opAnswering)
+	}
 	if err := c.qp.PostSend(wr); err != nil {
-		return err
+		return false, err
 	}
 	c.sqAvail -= n
-	if op != nil {
-		op.finish()
-	}
-	return nil
+	return false, nil
 }
 
 // takeWaiting closes the connection for posting and returns the ops that
@@ -1147,7 +1234,8 @@ func (c *srvConn) postHB(imm uint32) error {
 		wr = &c.hbWR[1]
 	}
 	*wr = fabric.SendWR{ID: wrHB, Op: fabric.OpWriteImm, Imm: ToImm(imm, 0)}
-	return c.post(wr, 1, nil)
+	_, err := c.post(wr, 1, nil)
+	return err
 }
 
 func (c *srvConn) violation(msg string, err error) {
@@ -1230,12 +1318,16 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		c.waiting = nil
 		c.sendMu.Unlock()
 		for i, op := range waiting {
-			if err := c.post(&op.wrs[0], op.nwr, op); err != nil {
+			parked, err := c.post(&op.wrs[0], op.nwr, op)
+			if err != nil {
 				c.violation("posting a response failed", err)
 				for _, op := range waiting[i:] {
 					op.finish()
 				}
 				return
+			}
+			if !parked {
+				op.finish()
 			}
 		}
 	}
