@@ -207,23 +207,25 @@ if want ublk-package; then
 fi
 
 rdma_up=0 rdma_listen="" srv_extra=""
-if want rdma; then
+if want rdma || want interop; then
 	scenario rdma-setup
 	if rdma_setup; then
 		res rxe-up PASS "$(cat /sys/class/infiniband/rxe0/ports/1/state)"
 		rdma_up=1 rdma_listen="--listen rdma://0.0.0.0:1234"
-		scenario rdma-verbs
-		RNBD_RDMA_ADDR=10.78.0.1 gotest ibverbs /bin/ibverbs.test
-		# always_invalidate's two ways: re-registration and memory windows.
-		RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/ibverbs.test -test.run '^$' -test.bench . -test.benchtime 300x >/tmp/bench.out 2>&1
-		grep -E 'Benchmark|SKIP|FAIL|bind|window' /tmp/bench.out | sed 's/^/TPUT verbs (emulated) /'
-		scenario rdma-fabric
-		RNBD_RDMA_ADDR=10.78.0.1 gotest fabric-rdma /bin/rdma.test
-		RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
-		grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 	else
 		res rxe-up FAIL "$(/usr/bin/rdma link 2>&1 | tr '\n' ' ')"
 	fi
+fi
+if want rdma && [ $rdma_up = 1 ]; then
+	scenario rdma-verbs
+	RNBD_RDMA_ADDR=10.78.0.1 gotest ibverbs /bin/ibverbs.test
+	# always_invalidate's two ways: re-registration and memory windows.
+	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/ibverbs.test -test.run '^$' -test.bench . -test.benchtime 300x >/tmp/bench.out 2>&1
+	grep -E 'Benchmark|SKIP|FAIL|bind|window' /tmp/bench.out | sed 's/^/TPUT verbs (emulated) /'
+	scenario rdma-fabric
+	RNBD_RDMA_ADDR=10.78.0.1 gotest fabric-rdma /bin/rdma.test
+	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
+	grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 fi
 want nbd || want ublk || [ $rdma_up = 1 ] || finish
 
@@ -244,7 +246,7 @@ rdma_data() {
 	cli stats --format csv --fields rdma 2>/dev/null | tail -n +2 |
 		awk -v d="$1" '{ c = (d == "rd") ? $1 : $3; b = (d == "rd") ? $2 : $4; s += b - 32 * c } END { print s + 0 }'
 }
-if [ $rdma_up = 1 ]; then
+if want rdma && [ $rdma_up = 1 ]; then
 	scenario rdma-nbd
 	rpaths="--path ip:10.78.0.1@ip:10.78.0.1 --path ip:10.78.0.2@ip:10.78.0.2"
 	out=$(cli map --sessname rd $rpaths --device-path disk3 --transport rdma --as nbd 2>&1)
@@ -373,6 +375,8 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		[ ! -b /dev/rnbd0 ] && res interop-kernel-client-unmap PASS "" || res interop-kernel-client-unmap FAIL ""
 	else
 		res interop-map-kernel-client FAIL "$(cat /tmp/kmap.err) $(dmesg | tail -8 | tr '\n' ' ')"
+		grep kcl /tmp/server.log | tail -20 | sed 's/^/DETAIL server: /'
+		dmesg | tail -30 | sed 's/^/DETAIL kernel: /'
 	fi
 fi
 want nbd || want ublk || finish
