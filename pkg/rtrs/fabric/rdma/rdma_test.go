@@ -19,7 +19,7 @@ import (
 )
 
 // The tests need an address on an RDMA device (soft-RoCE in the VM tier):
-// RNBD_RDMA_ADDR=10.77.0.1. Without it they skip; the no-device checks
+// RNBD_RDMA_ADDR=10.78.0.1. Without it they skip; the no-device checks
 // run everywhere.
 
 func TestMain(m *testing.M) {
