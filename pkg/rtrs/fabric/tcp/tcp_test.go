@@ -18,185 +18,84 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// pair connects a client and a server connection, each in its own PD
-// with a 64 KiB region.
-type pair struct {
-	fab        *Fabric
-	l          fabric.Listener
-	cli, srv   *conntest.Recorder
-	cpd, spd   fabric.PD
-	cmem, smem []byte
-	cmr, smr   fabric.MR
-	priv       []byte
-}
-
-func newPair(t *testing.T, recvs []fabric.RecvWR) *pair {
+func newPair(t testing.TB, recvs []fabric.RecvWR) *conntest.Pair {
 	t.Helper()
-	p := &pair{fab: New(Options{}), cli: conntest.NewRecorder(), srv: conntest.NewRecorder()}
-	var err error
-	p.l, err = p.fab.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
-	if err != nil {
-		t.Fatal(err)
+	p := conntest.NewPair(t, New(Options{}), netip.MustParseAddrPort("127.0.0.1:0"), recvs)
+	if string(p.Rsp) != "welcome" || string(p.Priv) != "hello" {
+		t.Fatalf("private data %q %q: a stream carries it as sent", p.Rsp, p.Priv)
 	}
-	dev, _ := p.fab.Resolve(context.Background(), netip.AddrPort{}, p.l.Addr())
-	p.cpd, _ = dev.AllocPD()
-	p.spd, _ = dev.AllocPD()
-	p.cmem, p.smem = make([]byte, 65536), make([]byte, 65536)
-	p.cmr, _ = p.cpd.RegisterMR(p.cmem, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
-	p.smr, _ = p.spd.RegisterMR(p.smem, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
-	accepted := make(chan error, 1)
-	go func() {
-		r, err := p.l.Accept(context.Background())
-		if err != nil {
-			accepted <- err
-			return
-		}
-		p.priv = r.PrivateData()
-		_, err = r.Accept(p.spd, fabric.ConnAttr{Handler: p.srv, MaxSendWR: 64, MaxRecvWR: 64, Recvs: recvs}, []byte("welcome"))
-		accepted <- err
-	}()
-	_, rsp, err := dev.Dial(context.Background(), fabric.DialParams{
-		Dst: p.l.Addr(), PD: p.cpd, PrivateData: []byte("hello"),
-		Attr: fabric.ConnAttr{Handler: p.cli, MaxSendWR: 64, MaxRecvWR: 64},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := <-accepted; err != nil {
-		t.Fatal(err)
-	}
-	if string(rsp) != "welcome" || string(p.priv) != "hello" {
-		t.Fatalf("private data %q %q", rsp, p.priv)
-	}
-	t.Cleanup(func() {
-		p.cli.C.Close()
-		p.srv.C.Close()
-		p.l.Close()
-	})
 	return p
 }
 
-func write(buf []byte, addr uint64, rkey uint32, op fabric.Opcode, imm uint32) *fabric.SendWR {
-	wr := &fabric.SendWR{Op: op, RemoteAddr: addr, RKey: rkey, Imm: imm, Signaled: true}
-	if len(buf) > 0 {
-		wr.SG[0].Buf, wr.NumSGE = buf, 1
-	}
-	return wr
-}
-
-func TestWriteWithImm(t *testing.T) {
-	p := newPair(t, []fabric.RecvWR{{ID: 7}, {ID: 8}})
-	data := bytes.Repeat([]byte("abcd"), 1000)
-	// Two SGEs land back to back.
-	wr := write(data[:1000], p.smr.Addr()+100, p.smr.RKey(), fabric.OpWriteImm, 0x12345678)
-	wr.SG[1].Buf, wr.NumSGE = data[1000:], 2
-	if err := p.cli.C.PostSend(wr); err != nil {
-		t.Fatal(err)
-	}
-	if wc := p.cli.Next(t); wc.Opcode != fabric.WCWrite || wc.ByteLen != 4000 {
-		t.Fatalf("send completion %+v", wc)
-	}
-	wc := p.srv.Next(t)
-	if wc.ID != 7 || wc.Opcode != fabric.WCRecvRDMAWithImm || wc.Imm != 0x12345678 || wc.ByteLen != 4000 || wc.Flags != fabric.WCWithImm {
-		t.Fatalf("receive completion %+v", wc)
-	}
-	if !bytes.Equal(p.smem[100:4100], data) {
-		t.Fatal("data did not land")
-	}
-	// A zero-length write with immediate consumes a receive too.
-	if err := p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 9)); err != nil {
-		t.Fatal(err)
-	}
-	if wc := p.srv.Next(t); wc.ID != 8 || wc.ByteLen != 0 || wc.Imm != 9 {
-		t.Fatalf("zero-length: %+v", wc)
-	}
-}
-
-func TestRNRWait(t *testing.T) {
-	p := newPair(t, nil)
-	if err := p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 1)); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case wc := <-p.srv.WCs:
-		t.Fatalf("completion without a receive: %+v", wc)
-	case <-time.After(100 * time.Millisecond):
-	}
-	if err := p.srv.C.PostRecv(&fabric.RecvWR{ID: 3}); err != nil {
-		t.Fatal(err)
-	}
-	if wc := p.srv.Next(t); wc.ID != 3 || wc.Imm != 1 {
-		t.Fatalf("after the receive was posted: %+v", wc)
-	}
-}
+func TestContract(t *testing.T) { conntest.Contract{NewPair: newPair, SendByteLen: true}.Run(t) }
 
 func TestSend(t *testing.T) {
 	buf := make([]byte, 16)
 	p := newPair(t, []fabric.RecvWR{{ID: 1, Buf: buf}, {ID: 2, Buf: make([]byte, 4)}})
-	if err := p.cli.C.PostSend(write([]byte("hello"), 0, 0, fabric.OpSendImm, 42)); err != nil {
+	if err := p.Cli.C.PostSend(conntest.Write([]byte("hello"), 0, 0, 0, fabric.OpSendImm, 42)); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.srv.Next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 || string(buf[:5]) != "hello" {
+	if wc := p.Srv.Next(t); wc.ID != 1 || wc.Opcode != fabric.WCRecv || wc.ByteLen != 5 || wc.Imm != 42 || string(buf[:5]) != "hello" {
 		t.Fatalf("send: %+v %q", wc, buf)
 	}
 	// A send longer than the receive buffer is a local length error.
-	if err := p.cli.C.PostSend(write([]byte("too long"), 0, 0, fabric.OpSend, 0)); err != nil {
+	if err := p.Cli.C.PostSend(conntest.Write([]byte("too long"), 0, 0, 0, fabric.OpSend, 0)); err != nil {
 		t.Fatal(err)
 	}
-	p.srv.Ended(t)
+	p.Srv.Ended(t)
 }
 
 func TestSendWithInvalidate(t *testing.T) {
 	p := newPair(t, nil)
-	rkey := p.cmr.RKey()
-	p.cli.C.PostRecv(&fabric.RecvWR{ID: 1})
-	if err := p.srv.C.PostSend(&fabric.SendWR{Op: fabric.OpSendInv, InvRKey: rkey}); err != nil {
+	rkey := p.CMR.RKey()
+	p.Cli.C.PostRecv(&fabric.RecvWR{ID: 1})
+	if err := p.Srv.C.PostSend(&fabric.SendWR{Op: fabric.OpSendInv, InvRKey: rkey}); err != nil {
 		t.Fatal(err)
 	}
-	if wc := p.cli.Next(t); wc.Flags != fabric.WCWithInv || wc.InvRKey != rkey {
+	if wc := p.Cli.Next(t); wc.Flags != fabric.WCWithInv || wc.InvRKey != rkey {
 		t.Fatalf("completion %+v", wc)
 	}
 	// The key is gone: a write with it kills the connection.
-	p.srv.C.PostSend(write([]byte("x"), p.cmr.Addr(), rkey, fabric.OpWrite, 0))
-	p.cli.Ended(t)
+	p.Srv.C.PostSend(conntest.Write([]byte("x"), 0, p.CMR.Addr(), rkey, fabric.OpWrite, 0))
+	p.Cli.Ended(t)
 }
 
 func TestRemoteAccessChecks(t *testing.T) {
 	for _, c := range []struct {
 		name string
-		wr   func(p *pair) *fabric.SendWR
+		wr   func(p *conntest.Pair) *fabric.SendWR
 		want error
 	}{
-		{"past the end", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), p.smr.Addr()+65536-8, p.smr.RKey(), fabric.OpWrite, 0)
+		{"past the end", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, p.SMR.Addr()+65536-8, p.SMR.RKey(), fabric.OpWrite, 0)
 		}, errOutOfMR},
-		{"before the start", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), p.smr.Addr()-1, p.smr.RKey(), fabric.OpWrite, 0)
+		{"before the start", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, p.SMR.Addr()-1, p.SMR.RKey(), fabric.OpWrite, 0)
 		}, errOutOfMR},
-		{"address wrap", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), ^uint64(0)-4, p.smr.RKey(), fabric.OpWrite, 0)
+		{"address wrap", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, ^uint64(0)-4, p.SMR.RKey(), fabric.OpWrite, 0)
 		}, errOutOfMR},
-		{"stale key", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), p.smr.Addr(), p.smr.RKey()^1, fabric.OpWrite, 0)
+		{"stale key", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, p.SMR.Addr(), p.SMR.RKey()^1, fabric.OpWrite, 0)
 		}, errBadRKey},
-		{"unknown index", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), p.smr.Addr(), 0xfffff000, fabric.OpWrite, 0)
+		{"unknown index", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, p.SMR.Addr(), 0xfffff000, fabric.OpWrite, 0)
 		}, errBadRKey},
-		{"region of another PD", func(p *pair) *fabric.SendWR {
-			return write(make([]byte, 16), p.cmr.Addr(), p.cmr.RKey(), fabric.OpWrite, 0)
+		{"region of another PD", func(p *conntest.Pair) *fabric.SendWR {
+			return conntest.Write(make([]byte, 16), 0, p.CMR.Addr(), p.CMR.RKey(), fabric.OpWrite, 0)
 		}, errWrongPD},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := newPair(t, nil)
-			before := append([]byte(nil), p.smem...)
-			if err := p.cli.C.PostSend(c.wr(p)); err != nil {
+			before := append([]byte(nil), p.SMem.Bytes()...)
+			if err := p.Cli.C.PostSend(c.wr(p)); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.srv.Ended(t); !errors.Is(err, c.want) {
+			if err := p.Srv.Ended(t); !errors.Is(err, c.want) {
 				t.Fatalf("killed with %v, want %v", err, c.want)
 			}
-			p.cli.Ended(t)
-			if !bytes.Equal(before, p.smem) {
+			p.Cli.Ended(t)
+			if !bytes.Equal(before, p.SMem.Bytes()) {
 				t.Fatal("a refused write changed memory")
 			}
 		})
@@ -205,66 +104,41 @@ func TestRemoteAccessChecks(t *testing.T) {
 
 func TestInvalidateReregister(t *testing.T) {
 	p := newPair(t, []fabric.RecvWR{{ID: 1}, {ID: 2}})
-	k0 := p.smr.RKey()
-	if err := p.smr.Invalidate(); err != nil {
+	k0 := p.SMR.RKey()
+	if err := p.SMR.Invalidate(); err != nil {
 		t.Fatal(err)
 	}
-	k1, err := p.smr.Reregister()
-	if err != nil || k1 == k0 || k1>>8 != k0>>8 || p.smr.RKey() != k1 {
+	k1, err := p.SMR.Reregister()
+	if err != nil || k1 == k0 || k1>>8 != k0>>8 || p.SMR.RKey() != k1 {
 		t.Fatalf("reregister: %#x -> %#x, %v", k0, k1, err)
 	}
-	p.cli.C.PostSend(write([]byte("new"), p.smr.Addr(), k1, fabric.OpWriteImm, 0))
-	p.srv.Next(t)
-	if string(p.smem[:3]) != "new" {
+	p.Cli.C.PostSend(conntest.Write([]byte("new"), 0, p.SMR.Addr(), k1, fabric.OpWriteImm, 0))
+	p.Srv.Next(t)
+	if string(p.SMem.Bytes()[:3]) != "new" {
 		t.Fatal("write with the new key did not land")
 	}
 	// 256 rotations come back to the same key byte: an rkey is 24 bits of
 	// index and 8 of key, as on an HCA.
 	for i := 0; i < 256; i++ {
-		p.smr.Reregister()
+		p.SMR.Reregister()
 	}
-	if p.smr.RKey() != k1 {
+	if p.SMR.RKey() != k1 {
 		t.Fatal("the key byte does not wrap")
 	}
-	p.smr.Invalidate()
-	p.cli.C.PostSend(write([]byte("old"), p.smr.Addr(), k1, fabric.OpWrite, 0))
-	if err := p.srv.Ended(t); !errors.Is(err, errBadRKey) {
+	p.SMR.Invalidate()
+	p.Cli.C.PostSend(conntest.Write([]byte("old"), 0, p.SMR.Addr(), k1, fabric.OpWrite, 0))
+	if err := p.Srv.Ended(t); !errors.Is(err, errBadRKey) {
 		t.Fatalf("write to an invalidated region: %v", err)
 	}
-	p.cli.Ended(t)
-}
-
-func TestCloseDrains(t *testing.T) {
-	p := newPair(t, nil)
-	for i := 0; i < 64; i++ {
-		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
-	}
-	for i := 0; i < 32; i++ {
-		p.cli.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, uint32(i)))
-	}
-	p.srv.C.Close()
-	n := p.srv.N.Load()
-	time.Sleep(50 * time.Millisecond)
-	if p.srv.N.Load() != n {
-		t.Fatal("completions after Close returned")
-	}
-	select {
-	case err := <-p.srv.Dead:
-		t.Fatalf("Disconnected after Close: %v", err)
-	default:
-	}
-	if err := p.srv.C.PostSend(write(nil, 0, 0, fabric.OpWriteImm, 0)); !errors.Is(err, fabric.ErrClosed) {
-		t.Fatalf("post after close: %v", err)
-	}
-	p.cli.Ended(t) // the peer sees the connection go
+	p.Cli.Ended(t)
 }
 
 func TestQueueFull(t *testing.T) {
 	p := newPair(t, nil)
 	for i := 0; i < 64; i++ {
-		p.srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
+		p.Srv.C.PostRecv(&fabric.RecvWR{ID: uint64(i)})
 	}
-	if err := p.srv.C.PostRecv(&fabric.RecvWR{}); !errors.Is(err, fabric.ErrQueueFull) {
+	if err := p.Srv.C.PostRecv(&fabric.RecvWR{}); !errors.Is(err, fabric.ErrQueueFull) {
 		t.Fatalf("65th receive: %v", err)
 	}
 	chain := make([]fabric.SendWR, 65)
@@ -274,7 +148,7 @@ func TestQueueFull(t *testing.T) {
 			chain[i-1].Next = &chain[i]
 		}
 	}
-	if err := p.cli.C.PostSend(&chain[0]); !errors.Is(err, fabric.ErrQueueFull) {
+	if err := p.Cli.C.PostSend(&chain[0]); !errors.Is(err, fabric.ErrQueueFull) {
 		t.Fatalf("chain of 65: %v", err)
 	}
 }
