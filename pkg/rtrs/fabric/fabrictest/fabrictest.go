@@ -135,8 +135,12 @@ func (n *Network) Crash(a netip.Addr) {
 		}
 	}
 	n.mu.Unlock()
+	// Every end is marked before any fails: a failing end makes its
+	// owner close the others, and those closes must not reach the peer.
 	for _, c := range dead {
 		c.crashed.Store(true)
+	}
+	for _, c := range dead {
 		c.Conn.SetDeadline(time.Now()) // its own reads and writes fail
 	}
 }
