@@ -328,22 +328,37 @@ func (lb *loopback) close() {
 	}
 }
 
+// memory allocates size bytes outside the Go heap, freed when the test
+// ends: after lb.close, which deregisters what is still registered.
+func memory(tb testing.TB, size int) []byte {
+	tb.Helper()
+	mem, err := AllocMemory(size)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { FreeMemory(mem) })
+	return mem
+}
+
+// register registers mem on the loopback's PD until the test ends.
+func (lb *loopback) register(tb testing.TB, mem []byte, access Access) *MR {
+	tb.Helper()
+	mr, err := lb.pd.RegMR(mem, access)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { mr.Close() })
+	return mr
+}
+
 // A loopback connection through rdma_cm: an RDMA write with immediate
 // lands and completes; a write with a stale rkey is refused by the
 // device; a disconnect reaches the peer as an event.
 func TestLoopback(t *testing.T) {
 	lb := newLoopback(t)
 	defer lb.close()
-	mem, err := AllocMemory(8192)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer FreeMemory(mem)
-	mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mr.Close()
+	mem := memory(t, 8192)
+	mr := lb.register(t, mem, AccessLocalWrite|AccessRemoteWrite)
 	copy(mem[:5], "hello")
 	w := SendWR{ID: 1, Opcode: WRRDMAWriteWithImm, Flags: SendSignaled, RemoteAddr: mr.Addr() + 4096, RKey: mr.RKey(),
 		Imm: 0xabcdef01, NumSGE: 1, SG: [MaxSGE]SGE{{Addr: mr.Addr(), Length: 5, LKey: mr.LKey()}}}
@@ -389,11 +404,7 @@ func TestLoopback(t *testing.T) {
 func BenchmarkReregister(b *testing.B) {
 	lb := newLoopback(b)
 	defer lb.close()
-	mem, err := AllocMemory(128 << 10)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer FreeMemory(mem)
+	mem := memory(b, 128<<10)
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessRemoteWrite)
@@ -411,16 +422,8 @@ func BenchmarkReregister(b *testing.B) {
 func BenchmarkMemoryWindow(b *testing.B) {
 	lb := newLoopback(b)
 	defer lb.close()
-	mem, err := AllocMemory(128 << 10)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer FreeMemory(mem)
-	mr, err := lb.pd.RegMR(mem, AccessLocalWrite|AccessMWBind)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer mr.Close()
+	mem := memory(b, 128<<10)
+	mr := lb.register(b, mem, AccessLocalWrite|AccessMWBind)
 	mw, err := lb.pd.AllocMW()
 	if err != nil {
 		b.Skipf("no memory windows: %v", err)
