@@ -130,6 +130,11 @@ func TestHostilePaths(t *testing.T) {
 				img, off := chunkImage(Read, usrOff(0), nil, 512, SGDesc{Addr: rp.mr.Addr(), Key: rp.mr.RKey(), Len: 4096})
 				return rp.writeImm(1, 0, rp.rbufs[0].Key, img, 0, off)
 			}},
+			{"read with data but no descriptor for it", func(rp *rawPath) error {
+				usr := usrOff(0)
+				img := append(append(make([]byte, 512), usr...), (&RDMARead{UsrLen: uint16(len(usr))}).Encode(make([]byte, RDMAReadSize))...)
+				return rp.writeImm(1, 0, rp.rbufs[0].Key, img, 0, uint32(512+len(usr)))
+			}},
 			{"read descriptor of length zero", func(rp *rawPath) error {
 				img, off := chunkImage(Read, usrOff(0), nil, 512, SGDesc{Addr: rp.mr.Addr(), Key: rp.mr.RKey(), Len: 0})
 				return rp.writeImm(1, 0, rp.rbufs[0].Key, img, 0, off)
@@ -329,6 +334,15 @@ func TestAlwaysInvalidate(t *testing.T) {
 	}
 	if rp.rbufs[0].Key == k1 {
 		t.Fatal("rkey not rotated by the read")
+	}
+	// A read without data (sg_cnt 0: the kernel's rnbd-clt sends its
+	// flushes so) is served and rotates the key too.
+	k2 := rp.rbufs[0].Key
+	if e := rp.request(1, 0, Read, usrOff(0), nil, 0); e != 0 {
+		t.Fatalf("read without data: errno %v", e)
+	}
+	if rp.rbufs[0].Key == k2 {
+		t.Fatal("rkey not rotated by the read without data")
 	}
 	// While the server works on a request, the chunk's key is revoked.
 	release := h.disk.holdIO()

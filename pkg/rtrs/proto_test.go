@@ -120,6 +120,14 @@ func TestGoldenIOMessages(t *testing.T) {
 	if err := drd.Decode(want); err != nil || drd != rd {
 		t.Fatalf("rdma_read decode: %+v %v", drd, err)
 	}
+	want = golden(t, "rdma_read_nodata")
+	rd = RDMARead{UsrLen: 32}
+	if got := rd.Encode(make([]byte, 32)); !bytes.Equal(got, want) {
+		t.Fatalf("rdma_read_nodata:\n got %x\nwant %x", got, want)
+	}
+	if err := drd.Decode(want); err != nil || drd != rd {
+		t.Fatalf("rdma_read_nodata decode: %+v %v", drd, err)
+	}
 	want = golden(t, "rdma_write")
 	wr := RDMAWrite{UsrLen: 32}
 	if got := wr.Encode(make([]byte, 4)); !bytes.Equal(got, want) {

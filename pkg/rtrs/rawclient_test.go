@@ -219,6 +219,9 @@ func chunkImage(dir Dir, usr, data []byte, readLen int, desc SGDesc) ([]byte, ui
 		return b, uint32(len(data) + len(usr))
 	}
 	m := RDMARead{UsrLen: uint16(len(usr)), SGCnt: 1, Desc: desc}
+	if readLen == 0 {
+		m = RDMARead{UsrLen: uint16(len(usr))} // as rtrs_clt_read_req without data
+	}
 	b := append(make([]byte, readLen), usr...)
 	b = append(b, m.Encode(make([]byte, m.Size()))...)
 	return b, uint32(readLen + len(usr))

@@ -905,6 +905,11 @@ func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
 	if dir == Read && rd.SGCnt == 1 && (rd.Desc.Len == 0 || int(rd.Desc.Len) > dataLen) {
 		return fmt.Errorf("read descriptor of %d bytes for %d bytes of data", rd.Desc.Len, dataLen)
 	}
+	if dir == Read && rd.SGCnt == 0 && dataLen != 0 {
+		// The data of a read could go nowhere. A read without data
+		// (the kernel's flush) has its message right after the user's.
+		return fmt.Errorf("read without a descriptor for %d bytes of data", dataLen)
+	}
 	op := &p.ops[msgID]
 	req := opReq{c: c, dir: dir, rd: rd, dataLen: dataLen, off: off}
 	for {
