@@ -126,6 +126,29 @@ const (
 	flagsKnown = FSync | FFUA | FPreflush | FNoUnmap
 )
 
+// FlagString names the flags of rw ("SYNC|FUA"), "0" for none; bits that
+// are no known flag print in hex.
+func FlagString(rw uint32) string {
+	f := rw &^ OpMask
+	if f == 0 {
+		return "0"
+	}
+	var b []byte
+	for _, n := range [...]struct {
+		bit  uint32
+		name string
+	}{{FSync, "SYNC"}, {FFUA, "FUA"}, {FPreflush, "PREFLUSH"}, {FNoUnmap, "NOUNMAP"}} {
+		if f&n.bit != 0 {
+			b = append(append(b, '|'), n.name...)
+			f &^= n.bit
+		}
+	}
+	if f != 0 {
+		b = fmt.Appendf(append(b, '|'), "%#x", f)
+	}
+	return string(b[1:])
+}
+
 // ErrShortMessage is returned for a buffer too small for the message.
 var ErrShortMessage = errors.New("rnbd: message too short")
 

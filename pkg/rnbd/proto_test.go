@@ -148,7 +148,7 @@ func FuzzOpen(f *testing.F) {
 }
 
 func FuzzMessages(f *testing.F) {
-	for _, n := range []string{"sess_info", "open_rsp", "close", "io"} {
+	for _, n := range []string{"sess_info", "open_rsp", "close", "io", "kclt_flush", "kclt21_flush", "kclt_discard_end"} {
 		seed(f, n)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {

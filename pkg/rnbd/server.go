@@ -251,40 +251,6 @@ func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 	return nil
 }
 
-// tryInline answers a plain read or write whose backend IO cannot block,
-// and reports whether it did. Anything else, including every error the
-// full path would log, is left to a worker.
-func (s *Server) tryInline(op *rtrs.SrvOp) bool {
-	if s.beforeIO != nil {
-		return false
-	}
-	x, _ := op.Session().Priv().(*Session)
-	if x == nil {
-		return false
-	}
-	if typ, err := MsgType(op.Usr()); err != nil || typ != MsgIO {
-		return false
-	}
-	var m IO
-	if m.Decode(op.Usr()) != nil || CheckRW(m.RW) != nil {
-		return false
-	}
-	if m.RW&(FPreflush|FFUA) != 0 || (m.Op() != OpRead && m.Op() != OpWrite) {
-		return false
-	}
-	d := x.get(m.DeviceID)
-	if d == nil {
-		return false
-	}
-	done, err := d.do(op, &m, true)
-	d.refs.Done()
-	if done {
-		s.inline.Add(1)
-		op.Respond(err)
-	}
-	return done
-}
-
 func (s *Server) worker() {
 	defer s.wg.Done()
 	for op := range s.ios {
@@ -295,12 +261,13 @@ func (s *Server) worker() {
 func (s *Server) serve(op *rtrs.SrvOp) {
 	x, _ := op.Session().Priv().(*Session)
 	if x == nil {
+		s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
 		op.Respond(syscall.ENOTCONN)
 		return
 	}
 	typ, err := MsgType(op.Usr())
 	if err != nil {
-		op.Respond(syscall.EINVAL)
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message of %d bytes has no RNBD header", len(op.Usr()))))
 		return
 	}
 	switch typ {
@@ -313,8 +280,7 @@ func (s *Server) serve(op *rtrs.SrvOp) {
 	case MsgClose:
 		op.Respond(x.processClose(op))
 	default:
-		s.rl.Log(s.log.WithFields(log.Fields{"session": x.name, "type": typ}), log.WarnLevel, "unexpected message type")
-		op.Respond(syscall.EINVAL)
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message type %d is not one a client sends", typ)))
 	}
 }
 
@@ -323,10 +289,10 @@ func (s *Server) serve(op *rtrs.SrvOp) {
 func (x *Session) processSessInfo(op *rtrs.SrvOp) error {
 	var m SessInfo
 	if err := m.Decode(op.Usr(), MsgSessInfo); err != nil {
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed SESS_INFO: %v", err))
 	}
 	if op.Dir() != rtrs.Read || len(op.Data()) < SessInfoRspSize {
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "SESS_INFO without a buffer for its answer"))
 	}
 	v := min(m.Ver, ProtoVerMajor)
 	x.ver.Store(uint32(v))
@@ -338,7 +304,7 @@ func (x *Session) processSessInfo(op *rtrs.SrvOp) error {
 func (x *Session) processClose(op *rtrs.SrvOp) error {
 	var m Close
 	if err := m.Decode(op.Usr()); err != nil {
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed CLOSE: %v", err))
 	}
 	x.mu.Lock()
 	d := x.devs[m.DeviceID]
@@ -357,14 +323,13 @@ func (x *Session) processClose(op *rtrs.SrvOp) error {
 func (x *Session) processOpen(op *rtrs.SrvOp) error {
 	var m Open
 	if err := m.Decode(op.Usr()); err != nil {
-		x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "malformed open")
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed OPEN: %v", err))
 	}
 	if op.Dir() != rtrs.Read || len(op.Data()) < OpenRspSize {
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "OPEN without a buffer for its answer"))
 	}
 	if m.AccessMode > AccessMigration {
-		return syscall.EINVAL
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "OPEN of %s with access mode %d", m.DevName, m.AccessMode))
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -376,7 +341,9 @@ func (x *Session) processOpen(op *rtrs.SrvOp) error {
 			// The kernel answers with the open device whatever the
 			// mode; a writer must not get a device it cannot write.
 			if d.readonly && m.AccessMode != AccessRO {
-				return errorf(syscall.EPERM, "%s is open read-only by this session; close it to reopen it %v", m.DevName, m.AccessMode)
+				err := errorf(syscall.EPERM, "%s is open read-only by this session; close it to reopen it %v", m.DevName, m.AccessMode)
+				x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "open refused")
+				return err
 			}
 			x.fillOpenRsp(d, op.Data())
 			return nil
@@ -587,101 +554,6 @@ func (x *Session) get(id uint32) *SessDev {
 	}
 	d.refs.Add(1)
 	return d
-}
-
-// processIO runs one IO on the backend, straight from or into the chunk.
-func (x *Session) processIO(op *rtrs.SrvOp) error {
-	var m IO
-	if err := m.Decode(op.Usr()); err != nil {
-		return syscall.EINVAL
-	}
-	if err := CheckRW(m.RW); err != nil {
-		return syscall.EINVAL
-	}
-	d := x.get(m.DeviceID)
-	if d == nil {
-		x.srv.rl.Log(x.log().WithField("device_id", m.DeviceID), log.WarnLevel, "IO for a device that is not open")
-		return syscall.ENOTCONN
-	}
-	defer d.refs.Done()
-	if h := x.srv.beforeIO; h != nil {
-		h()
-	}
-	_, err := d.do(op, &m, false)
-	return err
-}
-
-// do runs one IO on the backend. With nowait it runs only a plain read or
-// write that cannot block and reports whether it did; a request that fails
-// a check is then left for the full path, which answers it.
-func (d *SessDev) do(op *rtrs.SrvOp, m *IO, nowait bool) (done bool, err error) {
-	be := d.backend
-	lbs := int64(be.LogicalBlockSize())
-	if m.Sector > uint64(be.Size()) {
-		return !nowait, syscall.EINVAL
-	}
-	off, n := int64(m.Sector)*512, int64(m.Size)
-	data := op.Data()
-	if off%lbs != 0 || n%lbs != 0 {
-		return !nowait, syscall.EINVAL
-	}
-	write := m.Op() != OpRead
-	if write && d.readonly {
-		return !nowait, syscall.EROFS
-	}
-	switch m.Op() {
-	case OpRead, OpWrite:
-		// The data is in the chunk: its length must be the IO's.
-		if int64(len(data)) != n || (m.Op() == OpRead) != (op.Dir() == rtrs.Read) {
-			return !nowait, syscall.EINVAL
-		}
-		if m.Op() == OpRead {
-			if nowait {
-				done, err = be.TryReadAt(data, off)
-				if done {
-					d.rdSect.Add(uint64(n / 512))
-				}
-				return done, err
-			}
-			d.rdSect.Add(uint64(n / 512))
-			return true, be.ReadAt(data, off)
-		}
-		if nowait {
-			done, err = be.TryWriteAt(data, off)
-			if done {
-				d.wrSect.Add(uint64(n / 512))
-			}
-			return done, err
-		}
-		if m.RW&FPreflush != 0 {
-			d.flushes.Add(1)
-			if err = be.Flush(); err != nil {
-				return true, err
-			}
-		}
-		d.wrSect.Add(uint64(n / 512))
-		if m.RW&FFUA != 0 {
-			d.fuas.Add(1)
-		}
-		return true, be.WriteAt(data, off, m.RW&FFUA != 0)
-	}
-	if len(data) != 0 || nowait {
-		return !nowait, syscall.EINVAL
-	}
-	switch m.Op() {
-	case OpFlush:
-		d.flushes.Add(1)
-		return true, be.Flush()
-	case OpDiscard:
-		d.discards.Add(1)
-		return true, be.Discard(off, n)
-	case OpWriteZeroes:
-		d.wzeros.Add(1)
-		return true, be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
-	case OpSecureErase:
-		return true, be.SecureErase(off, n)
-	}
-	return true, syscall.EINVAL
 }
 
 // Map adds an explicit export. Paths are checked when a session opens them.

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/testfs"
+	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
@@ -46,7 +48,9 @@ func newSrig(t *testing.T, cfg ServerConfig) *srig {
 	} else {
 		r.dir = cfg.DevSearchPath
 	}
-	cfg.Log = log.Discard()
+	if cfg.Log == nil {
+		cfg.Log = log.Discard()
+	}
 	r.srv = NewServer(cfg)
 	scfg := rtrs.DefaultServerConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{srvAddr}, log.Discard()
@@ -530,6 +534,166 @@ func TestIOSemantics(t *testing.T) {
 	}
 }
 
+// TestKernelClientMessages replays what the kernel's rnbd-clt sends
+// (testdata/golden/kclt*.hex, from its source) byte for byte, in the RTRS
+// direction it sends them, and checks what reaches the file. The kernel
+// sends its flushes at sector (u64)-1 as RTRS reads without data; a server
+// that refused them left a kernel client without fsync.
+func TestKernelClientMessages(t *testing.T) {
+	rec, logged := log.Recorder()
+	r := newSrig(t, ServerConfig{Log: rec})
+	path := r.file("kdisk", 1<<20)
+	c := r.client("kclt")
+	x := r.dev(c, "kdisk", AccessRW)
+	if id := x.d.Info.DeviceID; id != 1 {
+		t.Fatalf("device id %d: the golden messages name device 1", id)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	s, buf := c.Session(), x.buf
+	send := func(usr []byte, dir rtrs.Dir, n int) error {
+		return s.Do(context.Background(), rtrs.IOCon, dir, usr, buf, 0, n)
+	}
+	counters := func() SessDevInfo {
+		t.Helper()
+		o := r.srv.OpenDevices()
+		if len(o) != 1 {
+			t.Fatalf("%d devices open", len(o))
+		}
+		return o[0]
+	}
+	fill := func(off int64, n int, b byte) []byte {
+		t.Helper()
+		d := bytes.Repeat([]byte{b}, n)
+		if _, err := f.WriteAt(d, off); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	fileAt := func(off int64, n int) []byte {
+		t.Helper()
+		b := make([]byte, n)
+		if _, err := f.ReadAt(b, off); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+
+	want := fill(16*512, 4096, 0x3c)
+	if err := send(golden(t, "kclt_read"), rtrs.Read, 4096); err != nil || !bytes.Equal(buf.Bytes()[:4096], want) {
+		t.Fatalf("read: %v", err)
+	}
+	want = bytes.Repeat([]byte("journal!"), 512)
+	copy(buf.Bytes(), want)
+	if err := send(golden(t, "kclt_write_fua"), rtrs.Write, 4096); err != nil || !bytes.Equal(fileAt(24*512, 4096), want) {
+		t.Fatalf("FUA write: %v", err)
+	}
+	flushes := []struct {
+		name string
+		dir  rtrs.Dir
+	}{
+		{"kclt_flush", rtrs.Read},
+		{"kclt21_flush", rtrs.Read},
+		{"kclt21_write_preflush_empty", rtrs.Write},
+		{"kclt_write_preflush_empty", rtrs.Write},
+	}
+	for _, fl := range flushes {
+		if err := send(golden(t, fl.name), fl.dir, 0); err != nil {
+			t.Fatalf("%s: %v", fl.name, err)
+		}
+	}
+	if c := counters(); c.Flushes != uint64(len(flushes)) || c.FUAWrites != 1 {
+		t.Fatalf("after the flushes: %d flushes, %d FUA writes; want %d and 1", c.Flushes, c.FUAWrites, len(flushes))
+	}
+	const end = 1<<20 - 64<<10
+	zeros := make([]byte, 64<<10)
+	fill(end-64<<10, 128<<10, 0xee)
+	if err := send(golden(t, "kclt_discard_end"), rtrs.Write, 0); err != nil {
+		t.Fatalf("discard: %v", err)
+	}
+	if !bytes.Equal(fileAt(end, 64<<10), zeros) || !testfs.IsHole(t, path, end) || fileAt(end-1, 1)[0] != 0xee {
+		t.Fatal("the discard did not punch exactly the last 64 KiB")
+	}
+	fill(end, 64<<10, 0xee)
+	if err := send(golden(t, "kclt_write_zeroes_end"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
+		t.Fatalf("write zeroes: %v", err)
+	}
+	fill(end, 64<<10, 0xee)
+	if err := send(golden(t, "kclt22_write_zeroes_nounmap"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
+		t.Fatalf("write zeroes with NOUNMAP: %v", err)
+	}
+	if testfs.IsHole(t, path, end) {
+		t.Fatal("write zeroes with NOUNMAP deallocated")
+	}
+	if c := counters(); c.Discards != 1 || c.WriteZeroes != 2 {
+		t.Fatalf("counters %+v", c)
+	}
+	for _, e := range logged() {
+		if e.Level <= log.WarnLevel {
+			t.Errorf("logged at %v: %s %v", e.Level, e.Message, e.Data)
+		}
+	}
+
+	// What no kernel sends is refused, with the errno and a log line
+	// that says why.
+	patch := func(name string, rw uint32, sector uint64) []byte {
+		b := golden(t, name)
+		le.PutUint32(b[16:], rw)
+		if sector != 0 {
+			le.PutUint64(b[8:], sector)
+		}
+		return b
+	}
+	for _, c := range []struct {
+		name string
+		usr  []byte
+		dir  rtrs.Dir
+		n    int
+		want syscall.Errno
+		why  string
+	}{
+		{"flush with data", golden(t, "kclt_flush"), rtrs.Write, 512, syscall.EINVAL, "carries none"},
+		{"flush with an unknown flag", patch("kclt_flush", 0x302|1<<16, 0), rtrs.Read, 0, syscall.EINVAL, "unknown flags 0x10000"},
+		{"FUA read", patch("kclt_read", 0x300, 0), rtrs.Read, 4096, syscall.EINVAL, "READ with flags FUA"},
+		{"NOUNMAP on a write", patch("kclt_write_fua", 0x801, 0), rtrs.Write, 4096, syscall.EINVAL, "WRITE with flags NOUNMAP"},
+		{"read as an RTRS write", golden(t, "kclt_read"), rtrs.Write, 4096, syscall.EINVAL, "READ as an RTRS write"},
+		{"discard straddling the end", patch("kclt_discard_end", 3, 1984), rtrs.Write, 0, syscall.ENOSPC, "runs past the end"},
+		{"read beyond the device", patch("kclt_read", 0x100, 1<<40), rtrs.Read, 4096, syscall.EINVAL, "beyond the device"},
+	} {
+		before := len(logged())
+		if err := send(c.usr, c.dir, c.n); !errors.Is(err, c.want) {
+			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+			continue
+		}
+		var line *log.Entry
+		for _, e := range logged()[before:] {
+			if e.Level == log.WarnLevel && strings.Contains(e.Message, c.why) {
+				line = e
+			}
+		}
+		if line == nil || line.Data["session"] != "kclt" || line.Data["device"] != "kdisk" || line.Data["op"] == nil {
+			t.Errorf("%s: no warning saying %q with the session, device and op: %v", c.name, c.why, logged()[before:])
+		}
+	}
+
+	// A flush on a read-only open is allowed (as the block layer allows
+	// it on a read-only disk); a discard is not.
+	ro := r.dev(r.client("kclt-ro"), "kdisk", AccessRO)
+	if ro.d.Info.DeviceID != 1 {
+		t.Fatalf("device id %d", ro.d.Info.DeviceID)
+	}
+	rs := ro.d.c.Session()
+	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Read, golden(t, "kclt_flush"), nil, 0, 0); err != nil {
+		t.Fatalf("flush on a read-only open: %v", err)
+	}
+	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Write, golden(t, "kclt_discard_end"), nil, 0, 0); !errors.Is(err, syscall.EROFS) {
+		t.Fatalf("discard on a read-only open: %v, want EROFS", err)
+	}
+}
+
 // TestPastTheEnd: IO beyond the device fails whole and the file does not
 // grow.
 func TestPastTheEnd(t *testing.T) {
@@ -656,8 +820,8 @@ func TestInlineIO(t *testing.T) {
 	if err := x.write(1<<20-4096, make([]byte, 8192), 0); !errors.Is(err, syscall.ENOSPC) {
 		t.Fatalf("write past the end: %v, want ENOSPC", err)
 	}
-	if n := r.srv.inline.Load(); n != 3 {
-		t.Fatalf("%d IOs answered inline, want 3: FUA and flush go to the workers, the write past the end not", n)
+	if n := r.srv.inline.Load(); n != 2 {
+		t.Fatalf("%d IOs answered inline, want 2: FUA, flush and the refused write past the end go to the workers", n)
 	}
 	ro := r.dev(r.client("inline-ro"), "mem", AccessRO)
 	if err := ro.write(0, data[:4096], 0); !errors.Is(err, syscall.EROFS) {
@@ -666,4 +830,56 @@ func TestInlineIO(t *testing.T) {
 	if got, err := ro.read(8192, 4096); err != nil || !bytes.Equal(got, data[:4096]) {
 		t.Fatalf("read-only read: %v", err)
 	}
+}
+
+// FuzzAdmit: whatever IO message and RTRS request a peer sends, the
+// server either refuses it with an errno and a reason, or admits a range
+// that lies inside the device, aligned, with the chunk's data matching.
+func FuzzAdmit(f *testing.F) {
+	for _, n := range []string{"kclt_read", "kclt_write_fua", "kclt_flush", "kclt21_flush", "kclt_write_preflush_empty",
+		"kclt_discard_end", "kclt_write_zeroes_end", "kclt22_write_zeroes_nounmap", "io"} {
+		b, err := goldenBytes(n)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b, false, 0, false)
+		f.Add(b, true, 4096, true)
+	}
+	p := filepath.Join(f.TempDir(), "d")
+	if err := os.WriteFile(p, nil, 0o644); err != nil {
+		f.Fatal(err)
+	}
+	if err := os.Truncate(p, 1<<20); err != nil {
+		f.Fatal(err)
+	}
+	be, err := blockdev.Open(p, blockdev.Options{LogicalBlockSize: 4096})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Cleanup(func() { be.Close() })
+	f.Fuzz(func(t *testing.T, b []byte, read bool, dataLen int, ro bool) {
+		var m IO
+		if m.Decode(b) != nil {
+			return
+		}
+		dir := rtrs.Write
+		if read {
+			dir = rtrs.Read
+		}
+		d := &SessDev{backend: be, readonly: ro}
+		off, n, r := d.admit(&m, dir, dataLen)
+		if r != nil {
+			if r.errno == 0 || r.why == "" {
+				t.Fatalf("refusal without errno or reason: %+v", r)
+			}
+			return
+		}
+		rule := ioRules[m.Op()]
+		if (rule.write && ro) || m.Flags()&^rule.flags != 0 || (rule.data && dataLen != int(m.Size)) || (!rule.data && dataLen != 0) {
+			t.Fatalf("admitted %+v dir %v data %d ro %v", m, dir, dataLen, ro)
+		}
+		if off < 0 || n < 0 || off+n > be.Size() || off%4096 != 0 || n%4096 != 0 || (n > 0 && n != int64(m.Size)) {
+			t.Fatalf("admitted range %d+%d of %+v", off, n, m)
+		}
+	})
 }

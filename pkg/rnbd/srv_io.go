@@ -1,0 +1,263 @@
+package rnbd
+
+import (
+	"fmt"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// What the server accepts in an IO message (process_rdma), one rule per
+// operation. docs/protocol.md ("IO requests") has the same table with
+// what the kernel's rnbd-clt sends for each, from its source; the
+// unit tests replay those messages byte for byte.
+//
+// The rules are as liberal as correctness allows, because peers differ:
+// the kernel sends a flush as an RTRS read at sector (u64)-1 with FUA
+// set, we send it as a write at sector 0. What cannot be run safely — an
+// unknown flag that may change the meaning, data where there should be
+// none, a range outside the device — is refused with an errno and a
+// rate-limited log line that says why.
+type ioRule struct {
+	flags  uint32   // the flags the operation may carry
+	data   bool     // the data is in the chunk, bi_size bytes of it
+	dir    rtrs.Dir // the RTRS direction a request with data must come in
+	ranged bool     // sector and bi_size address the device
+	write  bool     // changes the device: refused on a read-only open
+}
+
+var ioRules = [opLast]ioRule{
+	// FUA and PREFLUSH on a read: the block layer refuses them, no
+	// client sends them.
+	OpRead: {flags: FSync, data: true, dir: rtrs.Read, ranged: true},
+	// PREFLUSH (2.1) flushes before the write, FUA makes it durable.
+	// An empty write with either is a flush (a 2.0 client encodes
+	// PREFLUSH as FUA).
+	OpWrite: {flags: FSync | FFUA | FPreflush, data: true, dir: rtrs.Write, ranged: true, write: true},
+	// Either direction; sector and bi_size mean nothing. The kernel's
+	// client sets FUA on every flush (op_is_flush), a 2.1 one PREFLUSH
+	// too. Allowed on a read-only open, as the block layer allows it.
+	OpFlush: {flags: FSync | FFUA | FPreflush},
+	// FUA on these: made durable by a flush after them (NBD allows FUA
+	// on TRIM and WRITE_ZEROES; the kernel never sends it).
+	OpDiscard:     {flags: FSync | FFUA, ranged: true, write: true},
+	OpSecureErase: {flags: FSync | FFUA, ranged: true, write: true},
+	OpWriteZeroes: {flags: FSync | FFUA | FNoUnmap, ranged: true, write: true},
+}
+
+// refusal is an IO the server will not run: the errno the client gets,
+// and why, for the log.
+type refusal struct {
+	errno syscall.Errno
+	why   string
+}
+
+func refuse(errno syscall.Errno, format string, args ...any) *refusal {
+	return &refusal{errno: errno, why: fmt.Sprintf(format, args...)}
+}
+
+// admit checks an IO message against the rules, the RTRS request it came
+// in (direction, bytes of data in the chunk) and the device, and returns
+// the byte range it addresses (0, 0 for none).
+func (d *SessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *refusal) {
+	if err := CheckRW(m.RW); err != nil {
+		return 0, 0, refuse(syscall.EINVAL, "%v", err)
+	}
+	op := m.Op()
+	rule := &ioRules[op]
+	if f := m.Flags() &^ rule.flags; f != 0 {
+		return 0, 0, refuse(syscall.EINVAL, "%s with flags %s, which have no meaning on it", op, FlagString(f))
+	}
+	switch {
+	case rule.data && dir != rule.dir:
+		return 0, 0, refuse(syscall.EINVAL, "%s as an RTRS %v: its data can only travel in an RTRS %v", op, dir, rule.dir)
+	case rule.data && dataLen != int(m.Size):
+		return 0, 0, refuse(syscall.EINVAL, "%s of bi_size %d with %d bytes of data in the chunk", op, m.Size, dataLen)
+	case !rule.data && dataLen != 0:
+		return 0, 0, refuse(syscall.EINVAL, "%s with %d bytes of data in the chunk: it carries none", op, dataLen)
+	case rule.write && d.readonly:
+		return 0, 0, refuse(syscall.EROFS, "%s on a device open read-only", op)
+	case !rule.ranged || m.Size == 0:
+		// Nothing of the device is addressed: the sector is not
+		// looked at (a flush's is (u64)-1).
+		return 0, 0, nil
+	}
+	size := uint64(d.backend.Size())
+	lbs := uint64(d.backend.LogicalBlockSize())
+	if m.Sector > size/512 {
+		return 0, 0, refuse(syscall.EINVAL, "%s at sector %d, beyond the device's %d sectors", op, m.Sector, size/512)
+	}
+	start := m.Sector * 512
+	if start%lbs != 0 || uint64(m.Size)%lbs != 0 {
+		return 0, 0, refuse(syscall.EINVAL, "%s of %d bytes at byte %d, not aligned to the logical block size %d", op, m.Size, start, lbs)
+	}
+	if uint64(m.Size) > size-start {
+		errno := syscall.ENOSPC // as NBD reports a write past the end
+		if op == OpRead {
+			errno = syscall.EINVAL
+		}
+		return 0, 0, refuse(errno, "%s of %d bytes at byte %d runs past the end of the device (%d bytes)", op, m.Size, start, size)
+	}
+	return int64(start), int64(m.Size), nil
+}
+
+// tryInline answers a plain read or write whose backend IO cannot block,
+// and reports whether it did. Anything else, including every request
+// that is refused or fails, is left to a worker, which logs it.
+func (s *Server) tryInline(op *rtrs.SrvOp) bool {
+	if s.beforeIO != nil {
+		return false
+	}
+	x, _ := op.Session().Priv().(*Session)
+	if x == nil {
+		return false
+	}
+	if typ, err := MsgType(op.Usr()); err != nil || typ != MsgIO {
+		return false
+	}
+	var m IO
+	if m.Decode(op.Usr()) != nil {
+		return false
+	}
+	if rw := m.RW &^ FSync; rw != uint32(OpRead) && rw != uint32(OpWrite) {
+		return false
+	}
+	d := x.get(m.DeviceID)
+	if d == nil {
+		return false
+	}
+	defer d.refs.Done()
+	off, n, r := d.admit(&m, op.Dir(), len(op.Data()))
+	if r != nil || n == 0 {
+		return false
+	}
+	var done bool
+	var err error
+	if m.Op() == OpRead {
+		done, err = d.backend.TryReadAt(op.Data(), off)
+	} else {
+		done, err = d.backend.TryWriteAt(op.Data(), off)
+	}
+	if !done || err != nil {
+		return false // the worker does it again and reports the error
+	}
+	d.count(&m, n)
+	s.inline.Add(1)
+	op.Respond(nil)
+	return true
+}
+
+// processIO runs one IO on the backend, straight from or into the chunk.
+func (x *Session) processIO(op *rtrs.SrvOp) error {
+	var m IO
+	if err := m.Decode(op.Usr()); err != nil {
+		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed IO message: %v", err))
+	}
+	d := x.get(m.DeviceID)
+	if d == nil {
+		return x.refuse(ioFields(op, &m, ""), refuse(syscall.ENOTCONN, "IO for a device that is not open"))
+	}
+	defer d.refs.Done()
+	if h := x.srv.beforeIO; h != nil {
+		h()
+	}
+	off, n, r := d.admit(&m, op.Dir(), len(op.Data()))
+	if r != nil {
+		return x.refuse(ioFields(op, &m, d.name), r)
+	}
+	if err := d.run(&m, op.Data(), off, n); err != nil {
+		x.srv.rl.Log(x.log().WithFields(ioFields(op, &m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
+		return err
+	}
+	d.count(&m, n)
+	return nil
+}
+
+// run does an admitted IO on the backend.
+func (d *SessDev) run(m *IO, data []byte, off, n int64) error {
+	be := d.backend
+	fua := m.RW&FFUA != 0
+	switch op := m.Op(); op {
+	case OpRead:
+		return be.ReadAt(data, off)
+	case OpWrite:
+		if m.RW&FPreflush != 0 || (n == 0 && fua) {
+			if err := be.Flush(); err != nil {
+				return err
+			}
+		}
+		if n == 0 {
+			return nil
+		}
+		return be.WriteAt(data, off, fua)
+	case OpFlush:
+		return be.Flush()
+	default:
+		var err error
+		switch op {
+		case OpDiscard:
+			err = be.Discard(off, n)
+		case OpWriteZeroes:
+			err = be.WriteZeroes(off, n, m.RW&FNoUnmap != 0)
+		case OpSecureErase:
+			err = be.SecureErase(off, n)
+		}
+		if err == nil && fua && n > 0 {
+			err = be.Flush()
+		}
+		return err
+	}
+}
+
+// count adds a completed IO to the device's counters: what reached the
+// backend, so a flush is counted whatever carried it.
+func (d *SessDev) count(m *IO, n int64) {
+	fua := m.RW&FFUA != 0
+	switch m.Op() {
+	case OpRead:
+		d.rdSect.Add(uint64(n / 512))
+		return
+	case OpWrite:
+		if m.RW&FPreflush != 0 || (n == 0 && fua) {
+			d.flushes.Add(1)
+		}
+		d.wrSect.Add(uint64(n / 512))
+	case OpFlush:
+		d.flushes.Add(1)
+		return
+	case OpDiscard:
+		d.discards.Add(1)
+	case OpWriteZeroes:
+		d.wzeros.Add(1)
+	}
+	if fua && n > 0 {
+		d.fuas.Add(1)
+	}
+}
+
+// ioFields describe an IO message and the RTRS request it came in, for a
+// log line; device is the name the device was opened by, if it is open.
+func ioFields(op *rtrs.SrvOp, m *IO, device string) log.Fields {
+	f := log.Fields{
+		"device_id": m.DeviceID, "op": m.Op().String(), "flags": FlagString(m.RW), "sector": m.Sector,
+		"bi_size": m.Size, "rtrs_dir": op.Dir().String(), "data_len": len(op.Data()),
+	}
+	if device != "" {
+		f["device"] = device
+	}
+	return f
+}
+
+// msgFields describe a message that is not (or not yet known to be) an
+// IO, for a log line.
+func msgFields(op *rtrs.SrvOp) log.Fields {
+	return log.Fields{"usr_len": len(op.Usr()), "rtrs_dir": op.Dir().String(), "data_len": len(op.Data())}
+}
+
+// refuse logs, rate-limited, a request the session's server will not run
+// and returns the errno its client gets.
+func (x *Session) refuse(f log.Fields, r *refusal) error {
+	x.srv.rl.Log(x.log().WithFields(f).WithField("errno", r.errno.Error()), log.WarnLevel, "request refused: "+r.why)
+	return r.errno
+}
