@@ -103,8 +103,8 @@ func newDaemon() *cobra.Command {
 
 func newMap(g *cli.Globals) *cobra.Command {
 	var (
-		ro    bool
-		allow []string
+		ro, wt bool
+		allow  []string
 	)
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
@@ -115,7 +115,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow}
+			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, WriteThrough: wt}
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
 			}
@@ -125,6 +125,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 	}
 	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
 	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
+	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
 	return cmd
 }
 

@@ -195,6 +195,9 @@ type (
 		Path     string   `json:"path"`
 		ReadOnly bool     `json:"read_only"`
 		Allow    []string `json:"allow"`
+		// WriteThrough: every write durable on completion, no write
+		// cache announced (rnbd.Export.WriteThrough).
+		WriteThrough bool `json:"write_through"`
 	}
 	CloseRequest struct {
 		Session string `json:"session"`
@@ -206,7 +209,7 @@ type (
 
 // Field lists of the records the API returns, in the rnbd tool's names.
 var (
-	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "direction"}
+	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "direction"}
 	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
@@ -236,7 +239,7 @@ func (d *Daemon) routes() {
 		if err := ctl.Decode(r, &req); err != nil {
 			return nil, err
 		}
-		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow})
+		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow, WriteThrough: req.WriteThrough})
 	})
 	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
 		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
@@ -298,7 +301,8 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		d.rnbd.Unmap(e.Name, true)
 		return fmt.Errorf("saving the state file: %w", err)
 	}
-	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow}).Info("export mapped")
+	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
+		"write_cache": d.exportCache(e)}).Info("export mapped")
 	return nil
 }
 
@@ -331,7 +335,7 @@ func (d *Daemon) devices(name string) []output.Record {
 		rows = append(rows, output.Record{
 			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
 			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
-			"state": "open", "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
+			"state": "open", "write_cache": writeCache(o.WriteCache), "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
 			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "direction": "server",
 		})
 	}
@@ -342,12 +346,33 @@ func (d *Daemon) devices(name string) []output.Record {
 		rows = append(rows, output.Record{
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
-			"state": "exported", "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
+			"state": "exported", "write_cache": d.exportCache(e), "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
 			"wzero_cnt": 0, "direction": "server",
 		})
 	}
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })
 	return rows
+}
+
+// writeCache names a cache policy as the kernel's queue/write_cache does.
+func writeCache(on bool) string {
+	if on {
+		return "write back"
+	}
+	return "write through"
+}
+
+// exportCache is the cache policy an export not open will announce when
+// it is: known but for a block device opened with O_DIRECT, which
+// announces its own ("device").
+func (d *Daemon) exportCache(e rnbd.Export) string {
+	if e.WriteThrough || !d.cfg.DirectIO {
+		return writeCache(!e.WriteThrough)
+	}
+	if st, err := os.Stat(e.Path); err == nil && st.Mode()&fs.ModeDevice != 0 {
+		return "device"
+	}
+	return writeCache(true)
 }
 
 func (d *Daemon) findSession(name string) *rtrs.SrvSession {

@@ -42,6 +42,11 @@ type Options struct {
 	// and 4096); a block device reports its own.
 	LogicalBlockSize  int
 	PhysicalBlockSize int
+	// WriteThrough makes every write durable when it completes (O_DSYNC),
+	// and every discard and write-zeroes (fdatasync after it): the
+	// backend then has no volatile write cache to report, and clients
+	// need not flush.
+	WriteThrough bool
 }
 
 // Caps are what a backend can do, as OPEN_RSP reports them.
@@ -57,9 +62,13 @@ type Caps struct {
 	ZeroRange           bool
 	// SecureErase is BLKSECDISCARD on a device that supports it.
 	SecureErase bool
-	// WriteCache: the backend has a volatile cache, flushes matter.
+	// WriteCache: a completed write may still be lost in a crash until
+	// a flush (the page cache, a file's block allocation, the device's
+	// own cache). False only for write-through backends and block
+	// devices without a cache opened with O_DIRECT.
 	WriteCache bool
-	// FUA: the backend can make a single write durable (O_DSYNC).
+	// FUA: a single write can be made durable (O_DSYNC); reported along
+	// with WriteCache, as the kernel reads it only then.
 	FUA bool
 	// MaxIOBytes and MaxSegments bound a single read or write.
 	MaxIOBytes  uint32
@@ -73,6 +82,7 @@ type Backend struct {
 	kind  Kind
 	f     *os.File // for reads, writes, fallocate and ioctls
 	fsync *os.File // the same file opened O_DSYNC: FUA writes
+	wt    bool     // write-through: every write goes to fsync
 	size  int64
 	lbs   int
 	pbs   int
@@ -152,6 +162,19 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 		f.Close()
 		return nil, fmt.Errorf("blockdev: %s: %w", path, err)
 	}
+	if !opts.Direct {
+		// Without O_DIRECT the page cache is a volatile write cache,
+		// whatever the device's own (a brd, a RAID controller with a
+		// battery report "write through").
+		b.caps.WriteCache = true
+	}
+	b.caps.FUA = b.caps.WriteCache
+	if opts.WriteThrough {
+		// Read-only, it still reports no cache: what a reader is told
+		// of the device should not depend on its own access mode.
+		b.wt = !b.ro
+		b.caps.WriteCache, b.caps.FUA = false, false
+	}
 	b.probeNowait(opts.Direct)
 	if !b.ro {
 		// A second descriptor of the same file with O_DSYNC serves
@@ -212,8 +235,7 @@ func (b *Backend) probeFile() {
 	b.caps = Caps{
 		MaxIOBytes:          8 << 20,
 		MaxSegments:         256,
-		WriteCache:          true,
-		FUA:                 true,
+		WriteCache:          true, // block allocation is metadata until fdatasync, even with O_DIRECT
 		MaxWriteZeroesBytes: maxZeroBytes,
 	}
 	if b.ro {
@@ -269,7 +291,6 @@ func (b *Backend) probeDevice() error {
 		DiscardAlignment:    uint32(num("discard_alignment")),
 		MaxWriteZeroesBytes: num("queue/write_zeroes_max_bytes"),
 		WriteCache:          str("queue/write_cache") == "write back",
-		FUA:                 num("queue/fua") == 1,
 		MaxIOBytes:          uint32(min(num("queue/max_hw_sectors_kb")<<10, 1<<31)),
 		MaxSegments:         uint16(min(num("queue/max_segments"), 65535)),
 	}
@@ -344,18 +365,34 @@ func (b *Backend) ReadAt(p []byte, off int64) error {
 	return err
 }
 
-// WriteAt writes all of p at off; with fua the data is durable when it
-// returns (an O_DSYNC write).
+// WriteAt writes all of p at off; with fua, or on a write-through
+// backend, the data is durable when it returns (an O_DSYNC write).
 func (b *Backend) WriteAt(p []byte, off int64, fua bool) error {
 	if err := b.check(off, len(p), true); err != nil {
 		return err
 	}
-	f := b.f
-	if fua {
-		f = b.fsync
-	}
-	_, err := f.WriteAt(p, off)
+	_, err := b.writer(fua).WriteAt(p, off)
 	return err
+}
+
+// writer is the descriptor a write goes through.
+func (b *Backend) writer(fua bool) *os.File {
+	if fua || b.wt {
+		return b.fsync
+	}
+	return b.f
+}
+
+// WriteThrough reports whether every write is durable when it completes.
+func (b *Backend) WriteThrough() bool { return b.wt }
+
+// settle makes a discard or write-zeroes that succeeded durable on a
+// write-through backend.
+func (b *Backend) settle(err error) error {
+	if err != nil || !b.wt {
+		return err
+	}
+	return unix.Fdatasync(int(b.f.Fd()))
 }
 
 // Flush makes every write that completed before it durable.
@@ -375,9 +412,9 @@ func (b *Backend) Discard(off, n int64) error {
 		return ErrNotSupported
 	}
 	if b.kind == KindBlockDevice {
-		return ioctlRange(b.f, unix.BLKDISCARD, off, n)
+		return b.settle(ioctlRange(b.f, unix.BLKDISCARD, off, n))
 	}
-	return unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+	return b.settle(unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n))
 }
 
 // WriteZeroes makes n bytes at off read as zeros. With noUnmap the space
@@ -387,6 +424,10 @@ func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
 	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
 		return err
 	}
+	return b.settle(b.writeZeroes(off, n, noUnmap))
+}
+
+func (b *Backend) writeZeroes(off, n int64, noUnmap bool) error {
 	fd := int(b.f.Fd())
 	if !noUnmap && b.caps.Discard {
 		// A hole reads as zeros; on a block device this is a write
@@ -429,7 +470,7 @@ func (b *Backend) SecureErase(off, n int64) error {
 	if b.kind != KindBlockDevice {
 		return ErrNotSupported
 	}
-	return ioctlRange(b.f, unix.BLKSECDISCARD, off, n)
+	return b.settle(ioctlRange(b.f, unix.BLKSECDISCARD, off, n))
 }
 
 // ioctlUint64 issues an ioctl that returns a u64 (BLKGETSIZE64).

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -192,6 +194,53 @@ func TestDirect(t *testing.T) {
 	}
 }
 
+// TestWriteThrough: a write-through backend reports no write cache and
+// writes through an O_DSYNC descriptor; discards and write-zeroes work.
+func TestWriteThrough(t *testing.T) {
+	for _, dir := range dirs {
+		t.Run(strings.ReplaceAll(dir, "/", "_"), func(t *testing.T) {
+			path := sparseFile(t, dir, 1<<20)
+			b := open(t, path, Options{WriteThrough: true})
+			if c := b.Caps(); c.WriteCache || c.FUA || !b.WriteThrough() {
+				t.Fatalf("write-through caps %+v", c)
+			}
+			if !dsync(t, b.writer(false)) {
+				t.Fatal("a plain write of a write-through backend is not O_DSYNC")
+			}
+			data := bytes.Repeat([]byte("durable!"), 2048) // 16 KiB
+			if err := b.WriteAt(data, 8192, false); err != nil {
+				t.Fatal(err)
+			}
+			if err := b.Discard(8192, 4096); err != nil {
+				t.Fatal(err)
+			}
+			if err := b.WriteZeroes(12288, 4096, true); err != nil {
+				t.Fatal(err)
+			}
+			got, _ := os.ReadFile(path)
+			if !bytes.Equal(got[8192:16384], make([]byte, 8192)) || !bytes.Equal(got[16384:24576], data[8192:]) {
+				t.Fatal("write, discard and write-zeroes did not land")
+			}
+			plain := open(t, path, Options{})
+			if dsync(t, plain.writer(false)) || !dsync(t, plain.writer(true)) || !plain.Caps().WriteCache {
+				t.Fatal("a default backend: plain writes must be cached, FUA writes O_DSYNC")
+			}
+			if ro := open(t, path, Options{ReadOnly: true, WriteThrough: true}); ro.WriteThrough() {
+				t.Fatal("a read-only backend claims write-through")
+			}
+		})
+	}
+}
+
+func dsync(t *testing.T, f *os.File) bool {
+	t.Helper()
+	fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fl&unix.O_DSYNC == unix.O_DSYNC
+}
+
 // TestBlockDevice runs the same operations on a loop device (root only).
 func TestBlockDevice(t *testing.T) {
 	if os.Geteuid() != 0 {
@@ -224,6 +273,21 @@ func TestBlockDevice(t *testing.T) {
 	}
 	if !b.Caps().Discard {
 		t.Fatal("a loop device over ext4 should discard")
+	}
+	// The page cache is a write cache in front of a device without one:
+	// opened without O_DIRECT it must be flushed.
+	wc := filepath.Join("/sys/block", filepath.Base(dev), "queue/write_cache")
+	if err := os.WriteFile(wc, []byte("write through"), 0); err != nil {
+		t.Fatalf("turning the loop device's write cache off: %v", err)
+	}
+	if c := open(t, dev, Options{}).Caps(); !c.WriteCache || !c.FUA {
+		t.Fatalf("buffered open of a device without a write cache: caps %+v, want a write cache", c)
+	}
+	if d, err := Open(dev, Options{Direct: true}); err == nil {
+		if d.Caps().WriteCache {
+			t.Fatal("O_DIRECT open of a device without a write cache reports one")
+		}
+		d.Close()
 	}
 	if err := b.Discard(4<<20, 64<<10); err != nil {
 		t.Fatalf("BLKDISCARD: %v", err)

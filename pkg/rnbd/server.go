@@ -40,6 +40,9 @@ type Export struct {
 	Path     string   `json:"path"`
 	ReadOnly bool     `json:"read_only,omitempty"`
 	Allow    []string `json:"allow,omitempty"` // session names; empty: every session
+	// WriteThrough makes every write durable when it completes, and
+	// OPEN_RSP then announces no write cache: clients do not flush.
+	WriteThrough bool `json:"write_through,omitempty"`
 
 	withdrawing bool // being unmapped: no new opens
 }
@@ -412,6 +415,7 @@ func (s *Server) open(x *Session, name string, mode AccessMode) (*SessDev, error
 	if e := s.exports[name]; e != nil && !e.withdrawing {
 		c := *e
 		exp = &c
+		opts.WriteThrough = exp.WriteThrough
 	}
 	s.mu.Unlock()
 	var be *blockdev.Backend
@@ -684,6 +688,9 @@ type SessDevInfo struct {
 	// Flushes, FUAWrites, Discards and WriteZeroes count those requests
 	// since it was opened (a write with preflush counts as a flush too).
 	Flushes, FUAWrites, Discards, WriteZeroes uint64
+	// WriteCache is what OPEN_RSP announced: the backend has a volatile
+	// write cache that clients flush.
+	WriteCache bool
 }
 
 // OpenDevices lists every device every session has open, by session and
@@ -696,6 +703,7 @@ func (s *Server) OpenDevices() []SessDevInfo {
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
 			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(),
 			Flushes: d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
+			WriteCache: d.backend.Caps().WriteCache,
 		})
 	}
 	sort.Slice(out, func(i, j int) bool {

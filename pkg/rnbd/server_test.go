@@ -534,6 +534,49 @@ func TestIOSemantics(t *testing.T) {
 	}
 }
 
+// TestWriteThroughExport: an export made write-through announces no write
+// cache (so a kernel client never flushes it) and its writes, FUA or not,
+// go through the O_DSYNC descriptor; flushes are still served.
+func TestWriteThroughExport(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("wt.img", 1<<20)
+	for _, e := range []Export{{Name: "wt", Path: p, WriteThrough: true}, {Name: "wb", Path: p}} {
+		if err := r.srv.Map(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := r.client("wt")
+	wt, wb := r.dev(c, "wt", AccessRO), r.dev(r.client("wb"), "wb", AccessRW)
+	if cp := wb.d.Info.CachePolicy; cp != CacheWriteback|CacheFUA {
+		t.Fatalf("default export: cache_policy %#x", cp)
+	}
+	// Read-only opens keep the export's policy too: what matters to a
+	// client is whether the device it reads may lose writes.
+	if cp := wt.d.Info.CachePolicy; cp != 0 {
+		t.Fatalf("write-through export: cache_policy %#x, want 0", cp)
+	}
+	wb.d.Close(context.Background())
+	rw := r.dev(r.client("wt-rw"), "wt", AccessRW)
+	if cp := rw.d.Info.CachePolicy; cp != 0 {
+		t.Fatalf("write-through export opened rw: cache_policy %#x, want 0", cp)
+	}
+	data := bytes.Repeat([]byte("through!"), 512)
+	if err := rw.write(0, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := rw.op(OpFlush, 0, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if onDisk, _ := os.ReadFile(p); !bytes.Equal(onDisk[:len(data)], data) {
+		t.Fatal("the write did not land")
+	}
+	for _, o := range r.srv.OpenDevices() {
+		if o.Name == "wt" && o.WriteCache {
+			t.Fatalf("%+v reports a write cache", o)
+		}
+	}
+}
+
 // TestKernelClientMessages replays what the kernel's rnbd-clt sends
 // (testdata/golden/kclt*.hex, from its source) byte for byte, in the RTRS
 // direction it sends them, and checks what reaches the file. The kernel

@@ -521,7 +521,7 @@ func TestServerEndToEnd(t *testing.T) {
 	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRO); err == nil {
 		t.Fatal("opened an unmapped export")
 	}
-	d.ok("map", "disk1", img1, "--ro", "--allow", "someone-else")
+	d.ok("map", "disk1", img1, "--ro", "--allow", "someone-else", "--write-through")
 
 	// A restart keeps the explicit exports, with their options.
 	c.Session().Close()
@@ -529,7 +529,8 @@ func TestServerEndToEnd(t *testing.T) {
 	d = startServer(t, dir, port)
 	recs = d.records("device", "list", "--fields", "all")
 	if len(recs) != 2 || recs[0]["devname"] != "disk0" || recs[0]["devpath"] != img ||
-		recs[1]["devname"] != "disk1" || recs[1]["read_only"] != true {
+		recs[1]["devname"] != "disk1" || recs[1]["read_only"] != true ||
+		recs[0]["write_cache"] != "write back" || recs[1]["write_cache"] != "write through" {
 		t.Fatalf("device list after restart: %v", recs)
 	}
 	c = d.client("e2e-sess2", 1)
