@@ -130,13 +130,18 @@ func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 func (b *nbdBackend) export(name string) *nbd.Export {
 	info := b.dev.Info()
 	ro := b.dev.Mode() == rnbd.AccessRO
+	// Flush and FUA as the server's cache policy says (the kernel's
+	// client sets BLK_FEAT_WRITE_CACHE and BLK_FEAT_FUA the same way): a
+	// write-through device needs neither, and /dev/nbdN then shows
+	// "write through".
+	wc := info.CachePolicy&rnbd.CacheWriteback != 0
 	return &nbd.Export{
 		Name:        name,
 		Description: "rnbd " + b.dev.Session().Session().Name() + "/" + b.dev.Name(),
 		Size:        b.dev.Size(),
 		ReadOnly:    ro,
-		Flush:       true,
-		FUA:         info.CachePolicy&rnbd.CacheFUA != 0,
+		Flush:       wc,
+		FUA:         wc && info.CachePolicy&rnbd.CacheFUA != 0,
 		Trim:        !ro && info.MaxDiscardSectors > 0,
 		WriteZeroes: !ro && info.MaxWriteZeroesSectors > 0,
 		// Every connection funnels into the same session and device,

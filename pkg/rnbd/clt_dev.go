@@ -387,6 +387,23 @@ type IOReq struct {
 	dev     *CltDev
 	pending atomic.Int32
 	err     atomic.Pointer[error]
+	// flush: a FLUSH follows the request's pieces (FUA on an operation
+	// other than a write); flushing: it is under way.
+	flush, flushing bool
+}
+
+// wire is the operation and flags a piece of r goes out with. The wire
+// carries FUA on writes only: the kernel's server hands the flags to the
+// block layer, which fails FUA on anything else (with a warning), so a
+// durable discard or write-zeroes is the operation, then a flush.
+func (r *IOReq) wire() (Op, uint32) {
+	switch {
+	case r.flushing:
+		return OpFlush, 0
+	case r.Op != OpWrite:
+		return r.Op, r.Flags &^ FFUA
+	}
+	return r.Op, r.Flags
 }
 
 // piece is the part of a request one permit carries.
@@ -428,6 +445,7 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 	}
 	r.dev = d
 	r.err.Store(nil)
+	r.flush, r.flushing = r.Flags&FFUA != 0 && r.Op != OpWrite && r.Len > 0, false
 	step := d.pieceSize(r.Op)
 	if step <= 0 {
 		return syscall.EOPNOTSUPP
@@ -492,8 +510,9 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, off int64, n, bufOff i
 	pc := &s.pieces[p.ID()]
 	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s}
 	var usr [IOSize]byte
-	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(r.Op) | r.Flags, Size: uint32(n)}).Encode(usr[:])
-	switch r.Op {
+	op, flags := r.wire()
+	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(op) | flags, Size: uint32(n)}).Encode(usr[:])
+	switch op {
 	case OpRead:
 		err = s.sess.Request(rtrs.Read, p, pc, usr[:], r.Buf, bufOff, n)
 	case OpWrite:
@@ -530,6 +549,13 @@ func (r *IOReq) pieceDone(err error) {
 		r.err.CompareAndSwap(nil, &err)
 	}
 	if r.pending.Add(-1) != 0 {
+		return
+	}
+	if r.flush && !r.flushing && r.err.Load() == nil {
+		// Not here: a completion must not wait for a permit.
+		r.flushing = true
+		r.pending.Store(1)
+		go r.dev.sendPiece(context.Background(), r, 0, 0, 0)
 		return
 	}
 	var e error

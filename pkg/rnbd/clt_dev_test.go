@@ -175,3 +175,29 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// FUA goes on the wire with writes only (the kernel's server would fail a
+// FUA discard with EIO, and warn): a FUA discard or write-zeroes is sent
+// without it and followed by a flush, before the request completes.
+func TestCltDevFUAOnlyOnWrites(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("f", 1<<20)
+	s := r.cltSession("fua", 0)
+	d, err := s.Map(context.Background(), "f", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, _ := s.Session().AllocBuffer(4096)
+	for _, c := range []struct {
+		op    Op
+		flags uint32
+	}{{OpWrite, FFUA}, {OpDiscard, FFUA}, {OpWriteZeroes, FFUA | FNoUnmap}, {OpDiscard, 0}} {
+		if err := syncIO(d, c.op, c.flags, 8192, 4096, buf); err != nil {
+			t.Fatalf("%v %s: %v", c.op, FlagString(c.flags), err)
+		}
+	}
+	o := r.srv.OpenDevices()
+	if len(o) != 1 || o[0].FUAWrites != 1 || o[0].Flushes != 2 || o[0].Discards != 2 || o[0].WriteZeroes != 1 {
+		t.Fatalf("the server saw %+v; want 1 FUA write, 2 flushes, 2 discards, 1 write-zeroes", o)
+	}
+}

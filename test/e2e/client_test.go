@@ -161,7 +161,7 @@ func TestClientEndToEnd(t *testing.T) {
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol0", filepath.Join(dir, "vol0.img"))
-	srv.ok("map", "vol1", filepath.Join(dir, "vol1.img"))
+	srv.ok("map", "vol1", filepath.Join(dir, "vol1.img"), "--write-through")
 	cl := startClient(t, dir, "--no-path-timeout", "60s")
 	path := fmt.Sprintf("ip:127.0.0.1")
 	out := cl.ok("map", fmt.Sprintf("sessname=e2e path=%s device_path=vol0 dest_port=%d", path, port))
@@ -210,6 +210,15 @@ func TestClientEndToEnd(t *testing.T) {
 	}
 	for _, can := range []string{"flush", "trim", "zero", "multi-conn"} {
 		run(t, time.Minute, "nbdinfo", "--can", can, uri0)
+	}
+	// vol1 is exported write-through: the mapping has nothing to flush
+	// and tells its NBD clients so.
+	ni.Exports = nil
+	if err := json.Unmarshal([]byte(run(t, time.Minute, "nbdinfo", "--json", uri1)), &ni); err != nil || len(ni.Exports) != 1 {
+		t.Fatalf("nbdinfo: %v %+v", err, ni)
+	}
+	if e := ni.Exports[0]; e.CanFlush || !e.ReadOnly {
+		t.Fatalf("nbdinfo of the write-through, read-only mapping: %+v", e)
 	}
 	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "write -P 0xab 1M 256k", "-c", "write -z 2M 64k", uri0)
 	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "read -P 0xab 1M 256k", "-c", "read -P 0 2M 64k", uri0)
