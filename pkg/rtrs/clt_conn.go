@@ -1,7 +1,10 @@
 package rtrs
 
 import (
+	"errors"
 	"fmt"
+	"io"
+	"net"
 	"sync/atomic"
 	"syscall"
 
@@ -132,7 +135,22 @@ func (c *cltConn) postHB(imm uint32) error {
 
 func (c *cltConn) fail(msg string, err error) {
 	p := c.path
-	p.rl.Log(p.lg().WithFields(log.Fields{"cid": c.cid}).WithError(err), log.ErrorLevel, msg)
+	e := p.lg().WithFields(log.Fields{"cid": c.cid}).WithError(err)
+	switch st := p.State(); {
+	case st == PathClosing || st == PathClosed || st == PathDead || p.curRes() != c.res:
+		// We are closing and the peer closed the rest (the kernel's
+		// server closes a whole path when one connection goes), or it
+		// is a stale attempt's connection: nothing is lost.
+		e.Debug(msg + " while the path closes")
+	case st == PathReconnecting || st == PathConnectingErr:
+		// Another connection of the path failed first and said so.
+		e.Debug(msg + " while the path recovers")
+	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET):
+		// The peer hung up: the path recovers, and says so.
+		p.rl.Log(e, log.WarnLevel, msg)
+	default:
+		p.rl.Log(e, log.ErrorLevel, msg)
+	}
 	p.errorRecovery(c.res)
 }
 

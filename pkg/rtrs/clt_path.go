@@ -741,8 +741,11 @@ func (p *Path) stopAndDestroyConns() {
 	if res == nil {
 		return
 	}
-	for _, c := range res.conns {
+	for i, c := range res.conns {
 		c.qp.Close()
+		if testHookConnClosed != nil {
+			testHookConnClosed(i)
+		}
 	}
 	var failed []*Permit
 	for i := range res.reqs {
@@ -766,6 +769,10 @@ func (p *Path) stopAndDestroyConns() {
 	}
 	p.destroyRes(res)
 }
+
+// testHookConnClosed, when set by a test, runs after stopAndDestroyConns
+// closed connection i of a path.
+var testHookConnClosed func(i int)
 
 // destroyRes releases what an attempt set up; its connections must be
 // closed or never started.

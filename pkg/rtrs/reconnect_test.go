@@ -5,11 +5,13 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"strings"
 	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
 
@@ -426,5 +428,47 @@ func TestOpenAnyPath(t *testing.T) {
 	if s3, err := Open(ctx, ccfg); err == nil {
 		s3.Close()
 		t.Fatal("OpenAnyPath with every path down succeeded")
+	}
+}
+
+// TestCloseIsNotAnError: when the client closes a session, the server
+// closes each path as soon as one of its connections goes (so does the
+// kernel's), and the client's other connections see the peer hang up
+// while it is still closing them. A normal close logs no warning or
+// error.
+func TestCloseIsNotAnError(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.9.0.1:1234")
+	ccfg := testClientConfig(fab, pa("10.9.0.2", srvAddr.String()))
+	ccfg.ConnsPerPath = 3
+	rec, logged := log.Recorder()
+	ccfg.Log = rec
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	if err := r.write(0, []byte("data")); err != nil {
+		t.Fatal(err)
+	}
+	lost := func() bool {
+		for _, e := range logged() {
+			if strings.HasPrefix(e.Message, "connection lost") {
+				return true
+			}
+		}
+		return false
+	}
+	// Between the close of the first connection and the next, wait for
+	// the server to hang up on the others.
+	testHookConnClosed = func(i int) {
+		if i == 0 {
+			waitFor(t, 10*time.Second, "the server to close the other connections", lost)
+		}
+	}
+	t.Cleanup(func() { testHookConnClosed = nil })
+	if err := r.sess.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range logged() {
+		if e.Level <= log.WarnLevel {
+			t.Errorf("a normal close logged at %v: %s %v", e.Level, e.Message, e.Data)
+		}
 	}
 }
