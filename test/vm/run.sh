@@ -107,9 +107,10 @@ done
 : >"$root/lib/modules/order"
 i=0
 # ext4 for the filesystem checks, dummy for a second path and the rxe
-# netdev; rdma_rxe needs the crc32 crypto module but does not say so, and
-# rdma_ucm is rdma_cm's user interface.
-for m in ext4 nbd dummy ublk_drv crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm; do
+# netdev, loop for a device with a write cache (for the kernel's server
+# to export); rdma_rxe needs the crc32 crypto module but does not say so,
+# and rdma_ucm is rdma_cm's user interface.
+for m in ext4 nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -139,10 +140,10 @@ copy_elf() {
 		[ -e "$root$lib" ] || { mkdir -p "$root$(dirname "$lib")"; cp -L "$lib" "$root$lib"; }
 	done
 }
-# fio, e2fsprogs' mkfs.ext4 and util-linux's blockdev: busybox has none of
-# them (its mke2fs makes ext2, its blockdev has no --getsize64). iproute2's
-# rdma adds the soft-RoCE device.
-for t in fio mkfs.ext4 blockdev rdma ibv_devinfo; do copy_elf "$(command -v $t)"; done
+# fio, e2fsprogs' mkfs.ext4 and e2fsck, util-linux's blockdev: busybox has
+# none of them (its mke2fs makes ext2, its blockdev has no --getsize64).
+# iproute2's rdma adds the soft-RoCE device.
+for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo; do copy_elf "$(command -v $t)"; done
 mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
 for b in "$work"/bin/*; do
 	copy_elf "$b"

@@ -155,6 +155,37 @@ fs() {
 	[ -z "$(cli device list --format csv 2>/dev/null | tail -n +2)" ] && res "$p-unmapped" PASS "" || res "$p-unmapped" FAIL "$(cli device list 2>&1)"
 }
 
+# fs_check P DEV: what a user does with a disk: ext4 made on DEV, files
+# written and their checksums kept, sync, unmount; e2fsck -fn finds the
+# filesystem clean; mounted again, every file has its checksum.
+fs_check() {
+	local p=$1 dev=$2 i out
+	if ! out=$(/usr/sbin/mkfs.ext4 -q -F "$dev" 2>&1); then
+		res "$p-mkfs" FAIL "$out"
+		return 1
+	fi
+	if ! mount -t ext4 "$dev" /mnt; then
+		res "$p-mount" FAIL "$(dmesg | tail -3 | tr '\n' ' ')"
+		return 1
+	fi
+	mkdir -p /mnt/d
+	for i in 1 2 3 4; do dd if=/dev/urandom of=/mnt/d/f$i bs=64k count=$((i * 8)) 2>/dev/null; done
+	cp /tmp/pat /mnt/d/pat
+	(cd /mnt/d && sha256sum f1 f2 f3 f4 pat) >/tmp/$p.sums
+	sync
+	umount /mnt
+	check "$p-fsck-clean" /usr/sbin/e2fsck -fn "$dev"
+	if mount -t ext4 "$dev" /mnt; then
+		check "$p-files-verify" sh -c "cd /mnt/d && sha256sum -c /tmp/$p.sums"
+		umount /mnt
+	else
+		res "$p-remount" FAIL ""
+	fi
+}
+# flushes BLOCKDEV: the flushes the block layer completed on it (field
+# 16 of /sys/block/DEV/stat).
+flushes() { awk '{print $16}' "/sys/block/$1/stat"; }
+
 for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" || res "insmod-$m" FAIL ""; done
 [ -e /sys/module/nbd ] && res nbd-module PASS "" || { res nbd-module FAIL ""; finish; }
 
@@ -343,6 +374,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		res interop-modules FAIL "$(dmesg | tail -5 | tr '\n' ' ')"
 
 	scenario interop-kernel-server
+	log0=$(wc -l </tmp/client.log)
 	out=$(cli map --sessname kint --path ip:10.78.0.1@ip:10.78.0.1 --dest-port 1235 --device-path ram0 --transport rdma --as nbd 2>&1)
 	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 	case $dev in /dev/nbd*) res interop-map-kernel-server PASS "$dev" ;; *) res interop-map-kernel-server FAIL "$out $(dmesg | tail -5 | tr '\n' ' ')" ;; esac
@@ -378,6 +410,88 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		grep kcl /tmp/server.log | tail -20 | sed 's/^/DETAIL server: /'
 		dmesg | tail -30 | sed 's/^/DETAIL kernel: /'
 	fi
+
+	# The kernel's client with a filesystem on our exports: one with a
+	# write cache (the default) and one made --write-through. fsync,
+	# mkfs, files, fsck, remount; the server counts every flush the
+	# kernel completed, and none where there is no cache to flush; the
+	# backing file itself is a clean filesystem afterwards.
+	for wc in back through; do
+		scenario interop-kernel-client-fs-$wc
+		p=interop-kernel-client-fs-$wc exp=kfs$wc
+		truncate -s 64M /tmp/$exp.img
+		if [ $wc = back ]; then srv map $exp /tmp/$exp.img >/dev/null; else srv map $exp /tmp/$exp.img --write-through >/dev/null; fi
+		kdev=""
+		if echo "sessname=kfs-$wc dest_port=1234 path=ip:10.78.0.1@ip:10.78.0.1 device_path=$exp" >/sys/class/rnbd-client/ctl/map_device 2>/tmp/kmap.err; then
+			for _ in $(seq 50); do
+				for b in /sys/block/rnbd*; do [ "$(cat $b/rnbd/mapping_path 2>/dev/null)" = $exp ] && kdev=${b##*/}; done
+				[ -n "$kdev" ] && break
+				sleep 0.1
+			done
+		fi
+		if [ -z "$kdev" ]; then
+			res $p-map FAIL "$(cat /tmp/kmap.err) $(dmesg | tail -5 | tr '\n' ' ')"
+			continue
+		fi
+		got=$(cat /sys/block/$kdev/queue/write_cache)
+		[ "$got" = "write $wc" ] && res $p-write-cache PASS "$got" || res $p-write-cache FAIL "$got, want write $wc"
+		check $p-dd-fsync dd if=/tmp/pat of=/dev/$kdev bs=1M count=4 conv=fsync
+		fs_check $p /dev/$kdev
+		kf=$(flushes $kdev) sf=$(counter $exp flush_cnt)
+		if [ $wc = back ]; then
+			[ "${kf:-0}" -gt 0 ] && [ "$sf" = "$kf" ] && res $p-flushes-counted PASS "kernel completed $kf, server flushed $sf" ||
+				res $p-flushes-counted FAIL "kernel completed $kf, server flushed $sf"
+		else
+			[ "$kf" = 0 ] && [ "$sf" = 0 ] && res $p-no-flushes PASS "" || res $p-no-flushes FAIL "kernel $kf, server $sf"
+		fi
+		echo normal >/sys/block/$kdev/rnbd/unmap_device
+		check $p-backend-fsck /usr/sbin/e2fsck -fn /tmp/$exp.img
+		srv unmap $exp >/dev/null
+		rm -f /tmp/$exp.img
+	done
+
+	# Our client with a filesystem on the kernel's rnbd_server, as
+	# /dev/nbdN and as /dev/ublkbN, exporting a loop device: with its
+	# write cache on, then off. The loop device counts the flushes that
+	# reached it, and is a clean filesystem at the end.
+	truncate -s 64M /tmp/kloop.img
+	if losetup /dev/loop0 /tmp/kloop.img; then
+		for wc in back through; do
+			echo "write $wc" >/sys/block/loop0/queue/write_cache
+			for as in nbd ublk; do
+				scenario interop-kernel-server-fs-$as-$wc
+				p=interop-kernel-server-fs-$as-$wc
+				out=$(cli map --sessname kfs$as$wc --path ip:10.78.0.1@ip:10.78.0.1 --dest-port 1235 --device-path loop0 --transport rdma --as $as 2>&1)
+				dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+				if [ ! -b "$dev" ]; then
+					res $p-map FAIL "$out $(dmesg | tail -5 | tr '\n' ' ')"
+					continue
+				fi
+				got=$(cat /sys/block/${dev#/dev/}/queue/write_cache)
+				[ "$got" = "write $wc" ] && res $p-write-cache PASS "$got" || res $p-write-cache FAIL "$got, want write $wc"
+				f0=$(flushes loop0)
+				check $p-dd-fsync dd if=/tmp/pat of="$dev" bs=1M count=4 conv=fsync
+				fs_check $p "$dev"
+				f1=$(flushes loop0)
+				if [ $wc = back ]; then
+					[ "$f1" -gt "$f0" ] && res $p-flushes-reached PASS "loop0 flushes $f0 -> $f1" || res $p-flushes-reached FAIL "loop0 flushes $f0 -> $f1"
+				else
+					[ "$f1" = "$f0" ] && res $p-no-flushes PASS "" || res $p-no-flushes FAIL "loop0 flushes $f0 -> $f1"
+				fi
+				check $p-unmap cli unmap "$(devname)"
+			done
+		done
+		check interop-kernel-server-backend-fsck /usr/sbin/e2fsck -fn /dev/loop0
+		# Unmapping from the kernel's server is a normal close, not a
+		# lost connection (the kernel hangs up on every connection of a
+		# path when one goes), in all of the mappings above.
+		lost=$(tail -n +$((log0 + 1)) /tmp/client.log | grep -E 'level=(error|warning).*connection lost')
+		[ -z "$lost" ] && res interop-unmap-quiet PASS "" || res interop-unmap-quiet FAIL "$(echo "$lost" | tail -1)"
+		losetup -d /dev/loop0
+	else
+		res interop-loop FAIL "no loop device"
+	fi
+	rm -f /tmp/kloop.img
 fi
 want nbd || want ublk || finish
 
