@@ -445,7 +445,8 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 	}
 	r.dev = d
 	r.err.Store(nil)
-	r.flush, r.flushing = r.Flags&FFUA != 0 && r.Op != OpWrite && r.Len > 0, false
+	r.flushing = false
+	r.flush = r.Flags&FFUA != 0 && r.Len > 0 && (r.Op == OpDiscard || r.Op == OpWriteZeroes || r.Op == OpSecureErase)
 	step := d.pieceSize(r.Op)
 	if step <= 0 {
 		return syscall.EOPNOTSUPP
