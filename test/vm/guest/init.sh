@@ -290,7 +290,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	*) res rdma-path-show FAIL "$ps" ;; esac
 	basic rdma-nbd "$dev" disk3 /tmp/disk3.img 4
 	check rdma-nbd-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 	throughput rdma-nbd "$dev"
 	# A hostile client writes a chunk with an rkey the server has revoked:
 	# the device refuses it, and the server goes on serving this device.
@@ -328,7 +328,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	[ "$st" = rdu,rdma ] && res rdma-auto PASS "$st" || res rdma-auto FAIL "$st"
 	basic rdma-ublk "$dev" disk4 /tmp/disk4.img 2
 	check rdma-ublk-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+		--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 	throughput rdma-ublk "$dev"
 	scenario rdma-ublk-fs
 	fs rdma-ublk "$dev"
@@ -385,7 +385,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		dd if=/dev/ram0 of=/tmp/kram bs=1M skip=8 count=16 2>/dev/null
 		check interop-kernel-server-on-device cmp /tmp/pat /tmp/kram
 		check interop-kernel-server-fio fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 		check interop-kernel-server-unmap cli unmap "$(devname)"
 	fi
 
@@ -402,7 +402,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		dd if=/tmp/disk0.img of=/tmp/kcfile bs=1M skip=150 count=16 2>/dev/null
 		check interop-kernel-client-write cmp /tmp/pat /tmp/kcfile
 		check interop-kernel-client-fio fio --name=v --filename=/dev/rnbd0 --direct=1 --ioengine=libaio --rw=randwrite \
-			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+			--bsrange=4k-256k --size=16M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 		echo normal >/sys/block/rnbd0/rnbd/unmap_device
 		[ ! -b /dev/rnbd0 ] && res interop-kernel-client-unmap PASS "" || res interop-kernel-client-unmap FAIL ""
 	else
@@ -534,7 +534,7 @@ dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/nbd*) res map-two-paths PASS "$dev" ;; *) res map-two-paths FAIL "$out"; finish ;; esac
 throughput nbd "$dev"
 check nbd-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-	--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+	--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 
 # 5. kill -9 of the server under IO, started again a second later, within
 # no_path_timeout: the IO waits in the client and completes.
@@ -590,7 +590,7 @@ grep -q "took the ublk device back" /tmp/client.log && res ublk-restart-logged P
 
 scenario ublk-fio
 check ublk-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-	--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --randrepeat=0
+	--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 throughput rnbd-ublk "$dev"
 
 # 11. the client daemon killed (SIGKILL) while the device is busy: the

@@ -345,7 +345,7 @@ func run(sizeMB, patMB, queues, depth int, corrupt bool, delay time.Duration) er
 		be.maxInflight.Store(0)
 		out, err := exec.Command(fio, "--name=v", "--filename="+path, "--direct=1", "--ioengine=libaio",
 			"--rw=randrw", "--bsrange=4k-256k", "--size=32M", "--offset=32M", "--iodepth=64", "--numjobs=1",
-			"--verify=crc32c", "--verify_fatal=1", "--randrepeat=0", "--output-format=terse").CombinedOutput()
+			"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=terse").CombinedOutput()
 		detail := fmt.Sprintf("max %d in flight", be.maxInflight.Load())
 		if err != nil {
 			lines := strings.Split(strings.TrimSpace(string(out)), "\n")
