@@ -154,7 +154,6 @@ func newLoadCommand() *cobra.Command {
 		ios         int64
 		hb          time.Duration
 		hbMissed    int
-		noPath      time.Duration
 		reconDelay  time.Duration
 		reconMax    time.Duration
 		jsonOut     bool
@@ -182,7 +181,7 @@ func newLoadCommand() *cobra.Command {
 			if conns > 0 {
 				cfg.ConnsPerPath = conns
 			}
-			cfg.HBInterval, cfg.HBMissedMax, cfg.NoPathTimeout = hb, hbMissed, noPath
+			cfg.HBInterval, cfg.HBMissedMax = hb, hbMissed
 			cfg.ReconnectDelay, cfg.ReconnectMaxDelay, cfg.ConnectTimeout = reconDelay, reconMax, connTimeout
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
@@ -245,7 +244,6 @@ func newLoadCommand() *cobra.Command {
 	f.Int64Var(&ios, "ios", 0, "stop after this many IOs (0: run for the duration)")
 	f.DurationVar(&hb, "hb-interval", rtrs.DefaultHBInterval, "heartbeat interval")
 	f.IntVar(&hbMissed, "hb-missed-max", rtrs.DefaultHBMissedMax, "heartbeats missed before a path is dead")
-	f.DurationVar(&noPath, "no-path-timeout", rtrs.DefaultNoPathTimeout, "how long IO waits when no path is connected")
 	f.DurationVar(&reconDelay, "reconnect-delay", time.Second, "first reconnect delay")
 	f.DurationVar(&reconMax, "reconnect-max-delay", 30*time.Second, "longest reconnect delay")
 	f.DurationVar(&connTimeout, "connect-timeout", rtrs.DefaultConnectTimeout, "bound on establishing one path")

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
@@ -55,7 +56,7 @@ func DefaultConfig() Config {
 		ConnsPerPath:         d.ConnsPerPath,
 		MPPolicy:             d.MPPolicy.Name(),
 		MaxReconnectAttempts: d.MaxReconnectAttempts,
-		NoPathTimeout:        conf.Duration{Duration: rtrs.DefaultNoPathTimeout},
+		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,

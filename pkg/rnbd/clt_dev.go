@@ -39,6 +39,12 @@ type CltSession struct {
 	wg      sync.WaitGroup
 }
 
+// DefaultNoPathTimeout is how long a block request waits for its device
+// by default when the session has no path: long enough for a heartbeat to
+// detect a silent peer (about 35 s with the kernel's 5 s x 5) and for
+// reconnects to bring a restarted server back. The kernel fails at once.
+const DefaultNoPathTimeout = 120 * time.Second
+
 // DialSession opens an RTRS session with cfg and negotiates RNBD on it.
 // noPathTimeout is how long IO waits when no path is connected (0 fails
 // it at once); cfg.NoPathTimeout and cfg.LinkEvent are the session's own.
@@ -52,7 +58,6 @@ func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.
 		cfg.Log = log.L
 	}
 	s.log = cfg.Log.WithField("session", cfg.SessName)
-	cfg.NoPathTimeout = 0
 	cfg.LinkEvent = s.linkEvent
 	sess, err := rtrs.Open(ctx, cfg)
 	if err != nil {

@@ -88,9 +88,6 @@ type ClientConfig struct {
 	// HBInterval and HBMissedMax drive the heartbeat (5 s, 5).
 	HBInterval  time.Duration
 	HBMissedMax int
-	// NoPathTimeout is how long a request waits for a path when none is
-	// connected. 0 fails it at once, as the kernel does.
-	NoPathTimeout time.Duration
 	// ConnectTimeout bounds establishing one path (30 s).
 	ConnectTimeout time.Duration
 	// UUID is the session's paths UUID; zero picks a random one. A
@@ -111,13 +108,8 @@ type ClientConfig struct {
 	Log *log.Entry
 }
 
-// DefaultNoPathTimeout is how long requests wait for a path by default:
-// long enough for a heartbeat to detect a silent peer (about 35 s with the
-// kernel's 5 s x 5) and for reconnects to bring a restarted server back.
-const DefaultNoPathTimeout = 120 * time.Second
-
 // DefaultClientConfig returns the defaults: the kernel's where it has
-// them, and a no-path timeout that protects a filesystem.
+// them.
 func DefaultClientConfig() ClientConfig {
 	return ClientConfig{
 		ConnsPerPath:         runtime.NumCPU(),
@@ -128,7 +120,6 @@ func DefaultClientConfig() ClientConfig {
 		ReconnectJitter:      time.Second,
 		HBInterval:           DefaultHBInterval,
 		HBMissedMax:          DefaultHBMissedMax,
-		NoPathTimeout:        DefaultNoPathTimeout,
 		ConnectTimeout:       DefaultConnectTimeout,
 	}
 }
@@ -155,7 +146,7 @@ func (c *ClientConfig) validate() error {
 	if c.HBInterval <= 0 || c.HBMissedMax < 0 {
 		return errors.New("rtrs: heartbeat interval must be positive and missed count not negative")
 	}
-	if c.ReconnectDelay < 0 || c.ReconnectJitter < 0 || c.NoPathTimeout < 0 || c.ConnectTimeout <= 0 {
+	if c.ReconnectDelay < 0 || c.ReconnectJitter < 0 || c.ConnectTimeout <= 0 {
 		return errors.New("rtrs: negative delay or timeout")
 	}
 	if c.ReconnectMaxDelay < c.ReconnectDelay {
@@ -185,7 +176,6 @@ type Session struct {
 	policy               atomic.Int32
 	rrCursor             atomic.Uint32
 	maxReconnectAttempts atomic.Int32
-	noPathTimeout        atomic.Int64
 
 	// mu guards the path list and the link-event bookkeeping.
 	mu        sync.Mutex
@@ -211,11 +201,6 @@ type Session struct {
 	regMu   sync.Mutex
 	regions []*Buffer // index = region id; 0 is the header memory
 
-	// pmu guards the requests waiting for a path.
-	pmu       sync.Mutex
-	pending   []*Permit
-	pendTimer *time.Timer
-
 	closed    atomic.Bool
 	closedCh  chan struct{} // closed by Close: wakes GetPermit
 	closeOnce sync.Once
@@ -238,7 +223,6 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 	s.log = cfg.Log.WithField("session", s.name)
 	s.policy.Store(int32(cfg.MPPolicy))
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
-	s.noPathTimeout.Store(int64(cfg.NoPathTimeout))
 	s.pathsSnap.Store(&[]*Path{})
 	var firstErr error
 	up := 0
@@ -359,19 +343,6 @@ func (s *Session) SetMaxReconnectAttempts(n int) error {
 	return nil
 }
 
-// NoPathTimeout returns how long requests wait for a path.
-func (s *Session) NoPathTimeout() time.Duration { return time.Duration(s.noPathTimeout.Load()) }
-
-// SetNoPathTimeout changes it; requests already waiting keep their
-// deadline.
-func (s *Session) SetNoPathTimeout(d time.Duration) error {
-	if d < 0 {
-		return fmt.Errorf("rtrs: negative no_path_timeout: %w", syscall.EINVAL)
-	}
-	s.noPathTimeout.Store(int64(d))
-	return nil
-}
-
 // Paths returns the session's paths.
 func (s *Session) Paths() []*Path {
 	return append([]*Path(nil), *s.pathsSnap.Load()...)
@@ -442,7 +413,6 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
 // it is the first after all were down (rtrs_clt_path_up).
 func (s *Session) pathUp() {
 	s.pathEvent(+1, 1, LinkReconnected)
-	s.kickPending()
 }
 
 // pathDown reports DISCONNECTED when the last connected path went down.
@@ -467,7 +437,7 @@ func (s *Session) pathEvent(delta, at int, ev ClientLinkEvent) {
 	}
 }
 
-// Close disconnects every path and fails requests still waiting for one.
+// Close disconnects every path; the requests they carried fail.
 func (s *Session) Close() error {
 	s.closeOnce.Do(func() {
 		// Under mu, so no path is added after the snapshot below.
@@ -477,16 +447,6 @@ func (s *Session) Close() error {
 		close(s.closedCh)
 		for _, p := range s.Paths() {
 			p.Remove()
-		}
-		s.pmu.Lock()
-		waiting := s.pending
-		s.pending = nil
-		if s.pendTimer != nil {
-			s.pendTimer.Stop()
-		}
-		s.pmu.Unlock()
-		for _, p := range waiting {
-			p.req.conf.Confirm(ErrClosed)
 		}
 		s.wg.Wait()
 	})
@@ -510,13 +470,12 @@ func (p *Permit) ID() int { return int(p.id) }
 
 // request is the state of the one request a permit carries.
 type request struct {
-	dir      Dir
-	conf     Confirmer
-	usrLen   int
-	buf      *Buffer
-	off, n   int
-	start    time.Time
-	deadline time.Time // for waiting without a path
+	dir    Dir
+	conf   Confirmer
+	usrLen int
+	buf    *Buffer
+	off, n int
+	start  time.Time
 }
 
 // GetPermit takes a permit, waiting for one if all are in use.
@@ -622,8 +581,9 @@ func (b *Buffer) Free() error {
 // n bytes at buf[off:] and the user header usr are written into the
 // permit's chunk on the server; for Read, the server writes n bytes of
 // answer into buf[off:]. conf is told the outcome. A request that finds no
-// connected path waits up to the session's no-path timeout; the error
-// returned here is for requests that could not be started at all.
+// connected path fails at once with ErrNoPath, as in the kernel: waiting
+// for a path is the user's (pkg/rnbd holds block requests until their
+// device is open again). The error returned here means conf is not told.
 func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
 	if s.closed.Load() {
 		return ErrClosed
@@ -653,19 +613,8 @@ func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *B
 	r.dir, r.conf, r.buf, r.off, r.n = dir, conf, buf, off, n
 	r.usrLen = copy(p.hdr, usr)
 	r.start = time.Now()
-	r.deadline = time.Time{}
 	_, err := s.submit(p)
-	if err == nil {
-		return nil
-	}
-	if errors.Is(err, ErrMsgSize) {
-		return err
-	}
-	if s.NoPathTimeout() == 0 {
-		return ErrNoPath
-	}
-	s.enqueuePending(p)
-	return nil
+	return err
 }
 
 // submit tries the paths in the policy's order and posts p on the first
@@ -690,7 +639,7 @@ func (s *Session) submit(p *Permit) (*Path, error) {
 }
 
 // failover re-issues a request whose path failed on another connected
-// path (rtrs_clt_failover_req); without one it waits for a path.
+// path (rtrs_clt_failover_req); without one it fails with ErrNoPath.
 func (s *Session) failover(p *Permit) {
 	if s.closed.Load() {
 		p.req.conf.Confirm(ErrClosed)
@@ -701,120 +650,7 @@ func (s *Session) failover(p *Permit) {
 		path.stats.failoverCnt.Add(1)
 		return
 	}
-	if errors.Is(err, ErrMsgSize) || s.NoPathTimeout() == 0 {
-		p.req.conf.Confirm(err)
-		return
-	}
-	s.enqueuePending(p)
-}
-
-// enqueuePending parks a request until a path connects or its no-path
-// deadline passes.
-func (s *Session) enqueuePending(p *Permit) {
-	if p.req.deadline.IsZero() {
-		p.req.deadline = time.Now().Add(s.NoPathTimeout())
-	}
-	s.pmu.Lock()
-	if s.closed.Load() {
-		s.pmu.Unlock()
-		p.req.conf.Confirm(ErrClosed)
-		return
-	}
-	s.pending = append(s.pending, p)
-	s.armPendingLocked()
-	s.pmu.Unlock()
-	// A path may have come up after submit gave up and before the
-	// request was queued; its kick would have missed it.
-	if s.Connected() {
-		s.kickPending()
-	}
-}
-
-func (s *Session) armPendingLocked() {
-	if len(s.pending) == 0 {
-		if s.pendTimer != nil {
-			s.pendTimer.Stop()
-		}
-		return
-	}
-	first := s.pending[0].req.deadline
-	for _, p := range s.pending[1:] {
-		if p.req.deadline.Before(first) {
-			first = p.req.deadline
-		}
-	}
-	d := time.Until(first)
-	if s.pendTimer == nil {
-		s.pendTimer = time.AfterFunc(d, s.expirePending)
-	} else {
-		s.pendTimer.Reset(d)
-	}
-}
-
-// expirePending fails the waiting requests whose deadline has passed.
-func (s *Session) expirePending() {
-	now := time.Now()
-	var expired []*Permit
-	s.pmu.Lock()
-	keep := s.pending[:0]
-	for _, p := range s.pending {
-		if !p.req.deadline.After(now) {
-			expired = append(expired, p)
-		} else {
-			keep = append(keep, p)
-		}
-	}
-	clear(s.pending[len(keep):])
-	s.pending = keep
-	s.armPendingLocked()
-	s.pmu.Unlock()
-	if len(expired) > 0 {
-		s.log.WithField("requests", len(expired)).Warn("no path came back within no_path_timeout: failing requests")
-	}
-	for _, p := range expired {
-		p.req.conf.Confirm(ErrNoPath)
-	}
-}
-
-// kickPending re-submits the waiting requests; those that still find no
-// path wait on with their original deadline.
-func (s *Session) kickPending() {
-	s.pmu.Lock()
-	waiting := s.pending
-	s.pending = nil
-	s.armPendingLocked()
-	s.pmu.Unlock()
-	var again []*Permit
-	for _, p := range waiting {
-		if _, err := s.submit(p); err != nil {
-			if errors.Is(err, ErrMsgSize) {
-				p.req.conf.Confirm(err)
-				continue
-			}
-			again = append(again, p)
-		}
-	}
-	if len(again) == 0 {
-		return
-	}
-	s.pmu.Lock()
-	if s.closed.Load() {
-		s.pmu.Unlock()
-		for _, p := range again {
-			p.req.conf.Confirm(ErrClosed)
-		}
-		return
-	}
-	s.pending = append(s.pending, again...)
-	s.armPendingLocked()
-	s.pmu.Unlock()
-}
-
-// Pending is the number of requests waiting for a path.
-func (s *Session) Pending() int {
-	s.pmu.Lock()
-	defer s.pmu.Unlock()
-	return len(s.pending)
+	p.req.conf.Confirm(err)
 }
 
 // chanConfirmer delivers a result on a channel.

@@ -25,7 +25,6 @@ func TestReconnectLimit(t *testing.T) {
 	cli := netip.MustParseAddr("10.7.0.2")
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	ccfg.MaxReconnectAttempts = 2
-	ccfg.NoPathTimeout = 0
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
@@ -195,7 +194,6 @@ func TestQueueDepthChanged(t *testing.T) {
 	disk := newMemDisk(1 << 20)
 	scfg := testServerConfig(fab, disk, srvAddr)
 	ccfg := testClientConfig(fab, pa("10.12.0.2", srvAddr.String()))
-	ccfg.NoPathTimeout = 0
 	r := newRig(t, fab, scfg, ccfg)
 	p := r.sess.Paths()[0]
 	r.srv.Close()
@@ -236,9 +234,6 @@ func TestConfigLimits(t *testing.T) {
 			t.Errorf("max_reconnect_attempts %d: %v", n, err)
 		}
 	}
-	if err := s.SetNoPathTimeout(-time.Second); !errors.Is(err, syscall.EINVAL) {
-		t.Errorf("negative no_path_timeout: %v", err)
-	}
 	cfg := DefaultClientConfig()
 	cfg.SessName, cfg.Paths = "x", []PathAddr{{Dst: ap("1.2.3.4:1")}}
 	cfg.Fabric = fabrictest.NewNetwork().Fabric()
@@ -250,7 +245,7 @@ func TestConfigLimits(t *testing.T) {
 		"bad policy":    func(c *ClientConfig) { c.MPPolicy = 9 },
 		"bad attempts":  func(c *ClientConfig) { c.MaxReconnectAttempts = -3 },
 		"zero hb":       func(c *ClientConfig) { c.HBInterval = 0 },
-		"negative wait": func(c *ClientConfig) { c.NoPathTimeout = -1 },
+		"negative wait": func(c *ClientConfig) { c.ReconnectDelay = -1 },
 	} {
 		c := cfg
 		mut(&c)

@@ -56,7 +56,7 @@ func TestMultipathLinkDown(t *testing.T) {
 		"--dest-port", "1234", "--conns-per-path", "2", "--mpath-policy", "round-robin",
 		"--hb-interval", "200ms", "--hb-missed-max", "3",
 		"--reconnect-delay", "200ms", "--reconnect-max-delay", "1s", "--connect-timeout", "5s",
-		"--no-path-timeout", "30s", "--size", "32MiB", "--bs", "4096", "--qd", "16",
+		"--size", "32MiB", "--bs", "4096", "--qd", "16",
 		"--write-pct", "50", "--duration", "12s", "--json", "--log-level", "info")
 
 	time.Sleep(3 * time.Second)
