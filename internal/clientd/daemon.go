@@ -915,7 +915,7 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 	return recs
 }
 
-func pathRecord(rs *rtrs.Session, p *rtrs.Path) output.Record {
+func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 	c := p.Stats().Counters()
 	a := p.Addr()
 	return output.Record{
@@ -944,8 +944,8 @@ func (d *Daemon) pathRecords(session, name string) []output.Record {
 	return recs
 }
 
-func (d *Daemon) findPath(session, name string) (*rtrs.Path, error) {
-	var found []*rtrs.Path
+func (d *Daemon) findPath(session, name string) (*rtrs.CltPath, error) {
+	var found []*rtrs.CltPath
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if session != "" && rs.Name() != session {

@@ -63,7 +63,7 @@ func (m *Backend) HandleIO(op *rtrs.SrvOp) error {
 
 // LoadConfig describes a load run.
 type LoadConfig struct {
-	Session    *rtrs.Session
+	Session    *rtrs.CltSession
 	Size       int64         // bytes of the server's backend to use
 	BlockSize  int           // IO size
 	QueueDepth int           // concurrent requests

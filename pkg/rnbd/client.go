@@ -12,7 +12,7 @@ import (
 // Client speaks RNBD over an RTRS session: devices opened through it share
 // the session's paths and permits. It is safe for concurrent use.
 type Client struct {
-	sess *rtrs.Session
+	sess *rtrs.CltSession
 
 	// adminMu serializes admin messages, which share one buffer.
 	adminMu sync.Mutex
@@ -21,7 +21,7 @@ type Client struct {
 }
 
 // NewClient negotiates the protocol version on sess (SESS_INFO).
-func NewClient(ctx context.Context, sess *rtrs.Session) (*Client, error) {
+func NewClient(ctx context.Context, sess *rtrs.CltSession) (*Client, error) {
 	buf, err := sess.AllocBuffer(4096)
 	if err != nil {
 		return nil, err
@@ -35,7 +35,7 @@ func NewClient(ctx context.Context, sess *rtrs.Session) (*Client, error) {
 }
 
 // Session is the client's RTRS session.
-func (c *Client) Session() *rtrs.Session { return c.sess }
+func (c *Client) Session() *rtrs.CltSession { return c.sess }
 
 // Version is the protocol major version agreed with the server.
 func (c *Client) Version() int {

@@ -90,7 +90,7 @@ type Server struct {
 	// holding Server.mu (snapshot the sessions instead).
 	mu       sync.Mutex
 	exports  map[string]*Export
-	sessions map[*rtrs.SrvSession]*Session
+	sessions map[*rtrs.SrvSession]*SrvSession
 	devices  map[string]*device // by backend identity
 
 	closed atomic.Bool
@@ -120,7 +120,7 @@ func NewServer(cfg ServerConfig) *Server {
 		log:      cfg.Log,
 		ios:      make(chan *rtrs.SrvOp, 4096),
 		exports:  make(map[string]*Export),
-		sessions: make(map[*rtrs.SrvSession]*Session),
+		sessions: make(map[*rtrs.SrvSession]*SrvSession),
 		devices:  make(map[string]*device),
 	}
 	for i := 0; i < cfg.Workers; i++ {
@@ -148,11 +148,11 @@ type device struct {
 
 	mu           sync.Mutex
 	openWriteCnt int
-	sessDevs     []*SessDev
+	sessDevs     []*SrvSessDev
 }
 
-// Session is a client session (struct rnbd_srv_session).
-type Session struct {
+// SrvSession is a client session (struct rnbd_srv_session).
+type SrvSession struct {
 	srv  *Server
 	rtrs *rtrs.SrvSession
 	name string
@@ -160,16 +160,16 @@ type Session struct {
 
 	// mu guards devs and nextID.
 	mu     sync.Mutex
-	devs   map[uint32]*SessDev // a nil value is an id kept after force_close
+	devs   map[uint32]*SrvSessDev // a nil value is an id kept after force_close
 	nextID uint32
 }
 
 // Name is the session's name.
-func (x *Session) Name() string { return x.name }
+func (x *SrvSession) Name() string { return x.name }
 
-// SessDev is a device opened by a session (struct rnbd_srv_sess_dev).
-type SessDev struct {
-	sess     *Session
+// SrvSessDev is a device opened by a session (struct rnbd_srv_sess_dev).
+type SrvSessDev struct {
+	sess     *SrvSession
 	dev      *device
 	id       uint32
 	name     string // the name the client opened
@@ -196,7 +196,7 @@ type SessDev struct {
 func (s *Server) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
 	switch ev {
 	case rtrs.SrvLinkConnected:
-		x := &Session{srv: s, rtrs: rs, name: rs.Name(), devs: make(map[uint32]*SessDev)}
+		x := &SrvSession{srv: s, rtrs: rs, name: rs.Name(), devs: make(map[uint32]*SrvSessDev)}
 		x.ver.Store(ProtoVerMajor)
 		s.mu.Lock()
 		s.sessions[rs] = x
@@ -212,7 +212,7 @@ func (s *Server) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
 			return nil
 		}
 		x.mu.Lock()
-		var devs []*SessDev
+		var devs []*SrvSessDev
 		for _, d := range x.devs {
 			if d != nil {
 				devs = append(devs, d)
@@ -262,7 +262,7 @@ func (s *Server) worker() {
 }
 
 func (s *Server) serve(op *rtrs.SrvOp) {
-	x, _ := op.Session().Priv().(*Session)
+	x, _ := op.Session().Priv().(*SrvSession)
 	if x == nil {
 		s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
 		op.Respond(syscall.ENOTCONN)
@@ -289,7 +289,7 @@ func (s *Server) serve(op *rtrs.SrvOp) {
 
 // processSessInfo answers SESS_INFO with min(client, our) version; the
 // answer goes into the read buffer of the request.
-func (x *Session) processSessInfo(op *rtrs.SrvOp) error {
+func (x *SrvSession) processSessInfo(op *rtrs.SrvOp) error {
 	var m SessInfo
 	if err := m.Decode(op.Usr(), MsgSessInfo); err != nil {
 		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed SESS_INFO: %v", err))
@@ -304,7 +304,7 @@ func (x *Session) processSessInfo(op *rtrs.SrvOp) error {
 }
 
 // processClose closes a device the session opened, after its IO drained.
-func (x *Session) processClose(op *rtrs.SrvOp) error {
+func (x *SrvSession) processClose(op *rtrs.SrvOp) error {
 	var m Close
 	if err := m.Decode(op.Usr()); err != nil {
 		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed CLOSE: %v", err))
@@ -323,7 +323,7 @@ func (x *Session) processClose(op *rtrs.SrvOp) error {
 }
 
 // processOpen opens (or finds) a device for the session (process_msg_open).
-func (x *Session) processOpen(op *rtrs.SrvOp) error {
+func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 	var m Open
 	if err := m.Decode(op.Usr()); err != nil {
 		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed OPEN: %v", err))
@@ -371,9 +371,9 @@ func (x *Session) processOpen(op *rtrs.SrvOp) error {
 	return nil
 }
 
-func (x *Session) log() *log.Entry { return x.srv.log.WithField("session", x.name) }
+func (x *SrvSession) log() *log.Entry { return x.srv.log.WithField("session", x.name) }
 
-func (x *Session) fillOpenRsp(d *SessDev, b []byte) {
+func (x *SrvSession) fillOpenRsp(d *SrvSessDev, b []byte) {
 	be := d.backend
 	c := be.Caps()
 	maxIO := uint32(min(int(c.MaxIOBytes), x.srv.cfg.MaxIOSize))
@@ -407,7 +407,7 @@ func (x *Session) fillOpenRsp(d *SessDev, b []byte) {
 
 // open resolves name for session x, opens the backend and takes the
 // access mode on its device. x.mu is held.
-func (s *Server) open(x *Session, name string, mode AccessMode) (*SessDev, error) {
+func (s *Server) open(x *SrvSession, name string, mode AccessMode) (*SrvSessDev, error) {
 	readonly := mode == AccessRO
 	opts := blockdev.Options{ReadOnly: readonly, Direct: s.cfg.Direct}
 	s.mu.Lock()
@@ -448,7 +448,7 @@ func (s *Server) open(x *Session, name string, mode AccessMode) (*SessDev, error
 		be.Close()
 		return nil, err
 	}
-	d := &SessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
+	d := &SrvSessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
 	if exp != nil {
 		d.export = exp.Name
 	}
@@ -511,7 +511,7 @@ func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode) (*device, err
 
 // close waits for the device's IO, then releases it (rnbd_destroy_sess_dev).
 // The caller has already taken it out of its session's table.
-func (d *SessDev) close() {
+func (d *SrvSessDev) close() {
 	d.mu.Lock()
 	if d.closing {
 		d.mu.Unlock()
@@ -544,7 +544,7 @@ func (d *SessDev) close() {
 }
 
 // get returns the open device id with an IO reference, or nil.
-func (x *Session) get(id uint32) *SessDev {
+func (x *SrvSession) get(id uint32) *SrvSessDev {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	d := x.devs[id]
@@ -593,7 +593,7 @@ func (s *Server) Unmap(name string, force bool) error {
 	}
 	e.withdrawing = true // opens from now on fail; those under way finish
 	s.mu.Unlock()
-	open := s.collect(func(d *SessDev) bool { return d.export == name })
+	open := s.collect(func(d *SrvSessDev) bool { return d.export == name })
 	s.mu.Lock()
 	if len(open) > 0 && !force {
 		e.withdrawing = false
@@ -610,8 +610,8 @@ func (s *Server) Unmap(name string, force bool) error {
 
 // collect returns the open devices of every session that match; it takes
 // each session's lock without holding the server's.
-func (s *Server) collect(match func(*SessDev) bool) []*SessDev {
-	var out []*SessDev
+func (s *Server) collect(match func(*SrvSessDev) bool) []*SrvSessDev {
+	var out []*SrvSessDev
 	for _, x := range s.Sessions() {
 		x.mu.Lock()
 		for _, d := range x.devs {
@@ -640,7 +640,7 @@ func (s *Server) Exports() []Export {
 
 // forceClose closes a session's device and keeps its id reserved
 // (rnbd_srv_sess_dev_force_close).
-func (d *SessDev) forceClose() {
+func (d *SrvSessDev) forceClose() {
 	x := d.sess
 	x.mu.Lock()
 	if x.devs != nil && x.devs[d.id] == d {
@@ -654,7 +654,7 @@ func (d *SessDev) forceClose() {
 // session that has it open when session is empty. It returns how many
 // were closed.
 func (s *Server) ForceClose(name, session string) (int, error) {
-	victims := s.collect(func(d *SessDev) bool {
+	victims := s.collect(func(d *SrvSessDev) bool {
 		return (session == "" || d.sess.name == session) && (d.name == name || d.export == name)
 	})
 	if len(victims) == 0 {
@@ -697,7 +697,7 @@ type SessDevInfo struct {
 // name.
 func (s *Server) OpenDevices() []SessDevInfo {
 	var out []SessDevInfo
-	for _, d := range s.collect(func(*SessDev) bool { return true }) {
+	for _, d := range s.collect(func(*SrvSessDev) bool { return true }) {
 		out = append(out, SessDevInfo{
 			Session: d.sess.name, Name: d.name, Export: d.export, Path: d.backend.Path(),
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
@@ -716,10 +716,10 @@ func (s *Server) OpenDevices() []SessDevInfo {
 }
 
 // Sessions lists the RNBD sessions.
-func (s *Server) Sessions() []*Session {
+func (s *Server) Sessions() []*SrvSession {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var out []*Session
+	var out []*SrvSession
 	for _, x := range s.sessions {
 		out = append(out, x)
 	}
@@ -728,7 +728,7 @@ func (s *Server) Sessions() []*Session {
 }
 
 // RTRS is the session's transport session.
-func (x *Session) RTRS() *rtrs.SrvSession { return x.rtrs }
+func (x *SrvSession) RTRS() *rtrs.SrvSession { return x.rtrs }
 
 // Version is the protocol major version agreed with the client.
-func (x *Session) Version() int { return int(x.ver.Load()) }
+func (x *SrvSession) Version() int { return int(x.ver.Load()) }

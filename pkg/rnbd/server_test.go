@@ -909,7 +909,7 @@ func FuzzAdmit(f *testing.F) {
 		if read {
 			dir = rtrs.Read
 		}
-		d := &SessDev{backend: be, readonly: ro}
+		d := &SrvSessDev{backend: be, readonly: ro}
 		off, n, r := d.admit(&m, dir, dataLen)
 		if r != nil {
 			if r.errno == 0 || r.why == "" {

@@ -60,7 +60,7 @@ func refuse(errno syscall.Errno, format string, args ...any) *refusal {
 // admit checks an IO message against the rules, the RTRS request it came
 // in (direction, bytes of data in the chunk) and the device, and returns
 // the byte range it addresses (0, 0 for none).
-func (d *SessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *refusal) {
+func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *refusal) {
 	if err := CheckRW(m.RW); err != nil {
 		return 0, 0, refuse(syscall.EINVAL, "%v", err)
 	}
@@ -109,7 +109,7 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 	if s.beforeIO != nil {
 		return false
 	}
-	x, _ := op.Session().Priv().(*Session)
+	x, _ := op.Session().Priv().(*SrvSession)
 	if x == nil {
 		return false
 	}
@@ -149,7 +149,7 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 }
 
 // processIO runs one IO on the backend, straight from or into the chunk.
-func (x *Session) processIO(op *rtrs.SrvOp) error {
+func (x *SrvSession) processIO(op *rtrs.SrvOp) error {
 	var m IO
 	if err := m.Decode(op.Usr()); err != nil {
 		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed IO message: %v", err))
@@ -175,7 +175,7 @@ func (x *Session) processIO(op *rtrs.SrvOp) error {
 }
 
 // run does an admitted IO on the backend.
-func (d *SessDev) run(m *IO, data []byte, off, n int64) error {
+func (d *SrvSessDev) run(m *IO, data []byte, off, n int64) error {
 	be := d.backend
 	fua := m.RW&FFUA != 0
 	switch op := m.Op(); op {
@@ -212,7 +212,7 @@ func (d *SessDev) run(m *IO, data []byte, off, n int64) error {
 
 // count adds a completed IO to the device's counters: what reached the
 // backend, so a flush is counted whatever carried it.
-func (d *SessDev) count(m *IO, n int64) {
+func (d *SrvSessDev) count(m *IO, n int64) {
 	fua := m.RW&FFUA != 0
 	switch m.Op() {
 	case OpRead:
@@ -257,7 +257,7 @@ func msgFields(op *rtrs.SrvOp) log.Fields {
 
 // refuse logs, rate-limited, a request the session's server will not run
 // and returns the errno its client gets.
-func (x *Session) refuse(f log.Fields, r *refusal) error {
+func (x *SrvSession) refuse(f log.Fields, r *refusal) error {
 	x.srv.rl.Log(x.log().WithFields(f).WithField("errno", r.errno.Error()), log.WarnLevel, "request refused: "+r.why)
 	return r.errno
 }

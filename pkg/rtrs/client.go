@@ -165,9 +165,9 @@ type Confirmer interface {
 	Confirm(err error)
 }
 
-// Session is a client session: a name, a paths UUID, and the paths to one
+// CltSession is a client session: a name, a paths UUID, and the paths to one
 // server. It is safe for concurrent use.
-type Session struct {
+type CltSession struct {
 	cfg  ClientConfig
 	name string
 	uuid [16]byte
@@ -179,8 +179,8 @@ type Session struct {
 
 	// mu guards the path list and the link-event bookkeeping.
 	mu        sync.Mutex
-	paths     []*Path
-	pathsSnap atomic.Pointer[[]*Path] // lock-free copy for the IO path
+	paths     []*CltPath
+	pathsSnap atomic.Pointer[[]*CltPath] // lock-free copy for the IO path
 	pathsUp   int
 	opened    bool
 
@@ -210,11 +210,11 @@ type Session struct {
 // Open establishes a session with every path of cfg, one after another,
 // and returns when all are connected (rtrs_clt_open). If any path fails,
 // the session is closed and the error returned.
-func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
+func Open(ctx context.Context, cfg ClientConfig) (*CltSession, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	s := &Session{cfg: cfg, name: cfg.SessName, uuid: cfg.UUID, closedCh: make(chan struct{})}
+	s := &CltSession{cfg: cfg, name: cfg.SessName, uuid: cfg.UUID, closedCh: make(chan struct{})}
 	if s.uuid == [16]byte{} {
 		if _, err := rand.Read(s.uuid[:]); err != nil {
 			return nil, err
@@ -223,7 +223,7 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 	s.log = cfg.Log.WithField("session", s.name)
 	s.policy.Store(int32(cfg.MPPolicy))
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
-	s.pathsSnap.Store(&[]*Path{})
+	s.pathsSnap.Store(&[]*CltPath{})
 	var firstErr error
 	up := 0
 	for _, pa := range cfg.Paths {
@@ -259,7 +259,7 @@ func Open(ctx context.Context, cfg ClientConfig) (*Session, error) {
 
 // initResources sizes the session from the first connection response:
 // permits (one per server chunk) and header memory.
-func (s *Session) initResources(qd int, maxHdr, maxIO uint32) error {
+func (s *CltSession) initResources(qd int, maxHdr, maxIO uint32) error {
 	s.initOnce.Do(func() {
 		if qd < 1 || qd > MaxSessQueueDepth {
 			s.initErr = fmt.Errorf("rtrs: server queue depth %d", qd)
@@ -302,28 +302,28 @@ func (s *Session) initResources(qd int, maxHdr, maxIO uint32) error {
 }
 
 // Name returns the session name.
-func (s *Session) Name() string { return s.name }
+func (s *CltSession) Name() string { return s.name }
 
 // UUID returns the paths UUID shared by all paths of the session.
-func (s *Session) UUID() [16]byte { return s.uuid }
+func (s *CltSession) UUID() [16]byte { return s.uuid }
 
 // QueueDepth is the number of permits (server chunks).
-func (s *Session) QueueDepth() int { return s.queueDepth }
+func (s *CltSession) QueueDepth() int { return s.queueDepth }
 
 // MaxIOSize is the largest data length of one request: the smallest
 // max_io_size any path's server announced.
-func (s *Session) MaxIOSize() int { return int(s.maxIOSize.Load()) }
+func (s *CltSession) MaxIOSize() int { return int(s.maxIOSize.Load()) }
 
 // MaxUsrLen is the largest user header a request of either direction
 // can carry.
-func (s *Session) MaxUsrLen() int { return s.hdrSlot - RDMAReadSize - SGDescSize }
+func (s *CltSession) MaxUsrLen() int { return s.hdrSlot - RDMAReadSize - SGDescSize }
 
 // MPPolicy returns the multipath policy.
-func (s *Session) MPPolicy() MPPolicy { return MPPolicy(s.policy.Load()) }
+func (s *CltSession) MPPolicy() MPPolicy { return MPPolicy(s.policy.Load()) }
 
 // SetMPPolicy switches the multipath policy; requests already on a path
 // stay there.
-func (s *Session) SetMPPolicy(p MPPolicy) error {
+func (s *CltSession) SetMPPolicy(p MPPolicy) error {
 	if _, err := ParseMPPolicy(fmt.Sprint(int32(p))); err != nil {
 		return err
 	}
@@ -332,10 +332,10 @@ func (s *Session) SetMPPolicy(p MPPolicy) error {
 }
 
 // MaxReconnectAttempts returns the reconnect bound (-1: forever).
-func (s *Session) MaxReconnectAttempts() int { return int(s.maxReconnectAttempts.Load()) }
+func (s *CltSession) MaxReconnectAttempts() int { return int(s.maxReconnectAttempts.Load()) }
 
 // SetMaxReconnectAttempts sets the bound, -1..9999 as the kernel's sysfs.
-func (s *Session) SetMaxReconnectAttempts(n int) error {
+func (s *CltSession) SetMaxReconnectAttempts(n int) error {
 	if n < -1 || n > 9999 {
 		return fmt.Errorf("rtrs: max_reconnect_attempts %d out of range -1..9999: %w", n, syscall.EINVAL)
 	}
@@ -344,12 +344,12 @@ func (s *Session) SetMaxReconnectAttempts(n int) error {
 }
 
 // Paths returns the session's paths.
-func (s *Session) Paths() []*Path {
-	return append([]*Path(nil), *s.pathsSnap.Load()...)
+func (s *CltSession) Paths() []*CltPath {
+	return append([]*CltPath(nil), *s.pathsSnap.Load()...)
 }
 
 // Connected reports whether at least one path is connected.
-func (s *Session) Connected() bool {
+func (s *CltSession) Connected() bool {
 	for _, p := range *s.pathsSnap.Load() {
 		if p.State() == PathConnected {
 			return true
@@ -363,7 +363,7 @@ func (s *Session) Connected() bool {
 // server (first_conn) if it is the session's first, or if firstConn: a
 // path added to a session with no path left may then create it again (the
 // server may have dropped it).
-func (s *Session) addPath(pa PathAddr, firstConn bool) (*Path, error) {
+func (s *CltSession) addPath(pa PathAddr, firstConn bool) (*CltPath, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed.Load() {
@@ -374,14 +374,14 @@ func (s *Session) addPath(pa PathAddr, firstConn bool) (*Path, error) {
 	}
 	p := s.newPath(pa, firstConn || len(s.paths) == 0)
 	s.paths = append(s.paths, p)
-	snap := append([]*Path(nil), s.paths...)
+	snap := append([]*CltPath(nil), s.paths...)
 	s.pathsSnap.Store(&snap)
 	s.wg.Add(1)
 	go p.run()
 	return p, nil
 }
 
-func (s *Session) removePath(p *Path) {
+func (s *CltSession) removePath(p *CltPath) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, q := range s.paths {
@@ -390,14 +390,14 @@ func (s *Session) removePath(p *Path) {
 			break
 		}
 	}
-	snap := append([]*Path(nil), s.paths...)
+	snap := append([]*CltPath(nil), s.paths...)
 	s.pathsSnap.Store(&snap)
 }
 
 // AddPath adds a path to the session and connects it (add_path). It
 // blocks until the path is connected or has failed; a failed path is
 // removed again.
-func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
+func (s *CltSession) AddPath(ctx context.Context, pa PathAddr) (*CltPath, error) {
 	p, err := s.addPath(pa, false)
 	if err != nil {
 		return nil, err
@@ -411,17 +411,17 @@ func (s *Session) AddPath(ctx context.Context, pa PathAddr) (*Path, error) {
 
 // pathUp counts a path that became connected and reports RECONNECTED when
 // it is the first after all were down (rtrs_clt_path_up).
-func (s *Session) pathUp() {
+func (s *CltSession) pathUp() {
 	s.pathEvent(+1, 1, LinkReconnected)
 }
 
 // pathDown reports DISCONNECTED when the last connected path went down.
-func (s *Session) pathDown() { s.pathEvent(-1, 0, LinkDisconnected) }
+func (s *CltSession) pathDown() { s.pathEvent(-1, 0, LinkDisconnected) }
 
 // pathEvent counts a path going up or down and reports ev when the count
 // reaches at. evMu is held across the count and the report, so the user
 // sees DISCONNECTED and RECONNECTED in the order the paths changed.
-func (s *Session) pathEvent(delta, at int, ev ClientLinkEvent) {
+func (s *CltSession) pathEvent(delta, at int, ev ClientLinkEvent) {
 	s.evMu.Lock()
 	defer s.evMu.Unlock()
 	s.mu.Lock()
@@ -438,7 +438,7 @@ func (s *Session) pathEvent(delta, at int, ev ClientLinkEvent) {
 }
 
 // Close disconnects every path; the requests they carried fail.
-func (s *Session) Close() error {
+func (s *CltSession) Close() error {
 	s.closeOnce.Do(func() {
 		// Under mu, so no path is added after the snapshot below.
 		s.mu.Lock()
@@ -456,7 +456,7 @@ func (s *Session) Close() error {
 // Permit is one server chunk, held by one request at a time, and the
 // header memory that goes with it (struct rtrs_permit).
 type Permit struct {
-	sess    *Session
+	sess    *CltSession
 	id      uint16
 	memOff  uint32
 	conType ConType
@@ -479,7 +479,7 @@ type request struct {
 }
 
 // GetPermit takes a permit, waiting for one if all are in use.
-func (s *Session) GetPermit(ctx context.Context, t ConType) (*Permit, error) {
+func (s *CltSession) GetPermit(ctx context.Context, t ConType) (*Permit, error) {
 	if s.closed.Load() {
 		return nil, ErrClosed
 	}
@@ -503,7 +503,7 @@ func (s *Session) GetPermit(ctx context.Context, t ConType) (*Permit, error) {
 }
 
 // TryGetPermit takes a permit if one is free.
-func (s *Session) TryGetPermit(t ConType) *Permit {
+func (s *CltSession) TryGetPermit(t ConType) *Permit {
 	select {
 	case p := <-s.permitCh:
 		p.held.Store(true)
@@ -515,7 +515,7 @@ func (s *Session) TryGetPermit(t ConType) *Permit {
 }
 
 // PutPermit returns a permit. Its request, if any, must have completed.
-func (s *Session) PutPermit(p *Permit) {
+func (s *CltSession) PutPermit(p *Permit) {
 	if p.sess != s || !p.held.Swap(false) {
 		panic("rtrs: PutPermit of a permit not held")
 	}
@@ -526,7 +526,7 @@ func (s *Session) PutPermit(p *Permit) {
 // Buffer is registered memory a request's data must live in: reads land
 // in it, writes are sent from it. Bytes stays valid until Free.
 type Buffer struct {
-	sess  *Session
+	sess  *CltSession
 	idx   int
 	mem   fabric.Memory
 	b     []byte
@@ -537,7 +537,7 @@ type Buffer struct {
 func (b *Buffer) Bytes() []byte { return b.b }
 
 // AllocBuffer allocates n bytes of memory registered with every path.
-func (s *Session) AllocBuffer(n int) (*Buffer, error) {
+func (s *CltSession) AllocBuffer(n int) (*Buffer, error) {
 	if s.closed.Load() {
 		return nil, ErrClosed
 	}
@@ -584,7 +584,7 @@ func (b *Buffer) Free() error {
 // connected path fails at once with ErrNoPath, as in the kernel: waiting
 // for a path is the user's (pkg/rnbd holds block requests until their
 // device is open again). The error returned here means conf is not told.
-func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
+func (s *CltSession) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -619,7 +619,7 @@ func (s *Session) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *B
 
 // submit tries the paths in the policy's order and posts p on the first
 // connected one that takes it.
-func (s *Session) submit(p *Permit) (*Path, error) {
+func (s *CltSession) submit(p *Permit) (*CltPath, error) {
 	var it pathIter
 	it.init(s, *s.pathsSnap.Load())
 	tooBig := false
@@ -640,7 +640,7 @@ func (s *Session) submit(p *Permit) (*Path, error) {
 
 // failover re-issues a request whose path failed on another connected
 // path (rtrs_clt_failover_req); without one it fails with ErrNoPath.
-func (s *Session) failover(p *Permit) {
+func (s *CltSession) failover(p *Permit) {
 	if s.closed.Load() {
 		p.req.conf.Confirm(ErrClosed)
 		return
@@ -661,7 +661,7 @@ func (c chanConfirmer) Confirm(err error) { c <- err }
 // Do runs one request synchronously: it takes a permit, sends, waits and
 // returns the permit. It is for admin messages and tools; the IO path
 // should use Request with its own Confirmer.
-func (s *Session) Do(ctx context.Context, t ConType, dir Dir, usr []byte, buf *Buffer, off, n int) error {
+func (s *CltSession) Do(ctx context.Context, t ConType, dir Dir, usr []byte, buf *Buffer, off, n int) error {
 	p, err := s.GetPermit(ctx, t)
 	if err != nil {
 		return err

@@ -30,7 +30,7 @@ func wrKind(id uint64) uint64 { return id &^ wrIndexMask }
 // cltConn is one connection of a client path (struct rtrs_clt_con) and the
 // handler of its completions.
 type cltConn struct {
-	path  *Path
+	path  *CltPath
 	res   *pathRes
 	cid   int
 	qp    fabric.Conn

@@ -17,12 +17,12 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
-// Path is one src@dst path of a client session (struct rtrs_clt_path):
+// CltPath is one src@dst path of a client session (struct rtrs_clt_path):
 // a service connection (cid 0) and ConnsPerPath IO connections. Its
 // lifecycle (connect, error recovery, reconnect, close) runs in one
 // goroutine; IO is posted by the callers' goroutines.
-type Path struct {
-	sess  *Session
+type CltPath struct {
+	sess  *CltSession
 	uuid  [16]byte
 	stats *PathStats
 	hb    heartbeat
@@ -60,7 +60,7 @@ type Path struct {
 // by the path's goroutine before the path is CONNECTED and torn down after
 // it left it; IO and completions only read it.
 type pathRes struct {
-	path       *Path
+	path       *CltPath
 	dev        fabric.Device
 	pd         fabric.PD
 	conns      []*cltConn
@@ -107,8 +107,8 @@ type pathCmd struct {
 	reply chan error
 }
 
-func (s *Session) newPath(pa PathAddr, forNewClt bool) *Path {
-	p := &Path{
+func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
+	p := &CltPath{
 		sess:      s,
 		addr:      pa,
 		stats:     newPathStats(),
@@ -140,10 +140,10 @@ func (s *Session) newPath(pa PathAddr, forNewClt bool) *Path {
 }
 
 // State returns the path's state.
-func (p *Path) State() PathState { return PathState(p.state.Load()) }
+func (p *CltPath) State() PathState { return PathState(p.state.Load()) }
 
 // Name is the path's "src@dst" name.
-func (p *Path) Name() string {
+func (p *CltPath) Name() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.addr.String()
@@ -151,37 +151,37 @@ func (p *Path) Name() string {
 
 // Addr returns the path's addresses; Src is the one actually used once
 // the path has connected.
-func (p *Path) Addr() PathAddr {
+func (p *CltPath) Addr() PathAddr {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.addr
 }
 
 // HCAName and HCAPort name the device the path runs on.
-func (p *Path) HCAName() string {
+func (p *CltPath) HCAName() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.hcaName
 }
 
-func (p *Path) HCAPort() int {
+func (p *CltPath) HCAPort() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.hcaPort
 }
 
 // UUID is the path's UUID (sess_uuid on the wire).
-func (p *Path) UUID() [16]byte { return p.uuid }
+func (p *CltPath) UUID() [16]byte { return p.uuid }
 
 // Stats returns the path's counters.
-func (p *Path) Stats() *PathStats { return p.stats }
+func (p *CltPath) Stats() *PathStats { return p.stats }
 
 // CurLatency is the last heartbeat round trip (cur_latency).
-func (p *Path) CurLatency() time.Duration { return p.hb.latency() }
+func (p *CltPath) CurLatency() time.Duration { return p.hb.latency() }
 
 // changeStateLocked applies the kernel's transition table; every state
 // change goes through here.
-func (p *Path) changeStateLocked(to PathState) bool {
+func (p *CltPath) changeStateLocked(to PathState) bool {
 	from := PathState(p.state.Load())
 	if !pathTransitionAllowed(from, to) {
 		return false
@@ -192,7 +192,7 @@ func (p *Path) changeStateLocked(to PathState) bool {
 	return true
 }
 
-func (p *Path) changeStateFromTo(from, to PathState) bool {
+func (p *CltPath) changeStateFromTo(from, to PathState) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if PathState(p.state.Load()) != from {
@@ -201,7 +201,7 @@ func (p *Path) changeStateFromTo(from, to PathState) bool {
 	return p.changeStateLocked(to)
 }
 
-func (p *Path) changeStateGetOld(to PathState) (bool, PathState) {
+func (p *CltPath) changeStateGetOld(to PathState) (bool, PathState) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	old := PathState(p.state.Load())
@@ -211,7 +211,7 @@ func (p *Path) changeStateGetOld(to PathState) (bool, PathState) {
 // errorRecovery is called on a connection error or a heartbeat timeout
 // (rtrs_rdma_error_recovery): a connected path goes RECONNECTING and its
 // goroutine recovers; a path being established goes CONNECTING_ERR.
-func (p *Path) errorRecovery(res *pathRes) {
+func (p *CltPath) errorRecovery(res *pathRes) {
 	if res != nil && p.curRes() != res {
 		return // a stale attempt's connection
 	}
@@ -230,7 +230,7 @@ func (p *Path) errorRecovery(res *pathRes) {
 	}
 }
 
-func (p *Path) curRes() *pathRes {
+func (p *CltPath) curRes() *pathRes {
 	p.submitMu.RLock()
 	defer p.submitMu.RUnlock()
 	return p.res
@@ -238,7 +238,7 @@ func (p *Path) curRes() *pathRes {
 
 // run is the path's goroutine: it serializes establishment, error
 // recovery, reconnects and the control commands.
-func (p *Path) run() {
+func (p *CltPath) run() {
 	defer p.sess.wg.Done()
 	defer close(p.done)
 	var timer *time.Timer
@@ -303,7 +303,7 @@ func (p *Path) run() {
 	}
 }
 
-func (p *Path) do(ctx context.Context, op pathCmdOp) error {
+func (p *CltPath) do(ctx context.Context, op pathCmdOp) error {
 	if op == cmdDisconnect || op == cmdRemove {
 		if cancel := p.connecting.Load(); cancel != nil {
 			(*cancel)()
@@ -319,11 +319,11 @@ func (p *Path) do(ctx context.Context, op pathCmdOp) error {
 }
 
 // connect establishes the path for the first time.
-func (p *Path) connect(ctx context.Context) error { return p.do(ctx, cmdConnect) }
+func (p *CltPath) connect(ctx context.Context) error { return p.do(ctx, cmdConnect) }
 
 // connectRetryBusy connects, and if the server still held the path (a
 // predecessor's: it drops that one and answers EBUSY) tries again.
-func (p *Path) connectRetryBusy(ctx context.Context) error {
+func (p *CltPath) connectRetryBusy(ctx context.Context) error {
 	err := p.connect(ctx)
 	if errors.Is(err, syscall.EBUSY) && ctx.Err() == nil {
 		err = p.Reconnect(ctx)
@@ -333,7 +333,7 @@ func (p *Path) connectRetryBusy(ctx context.Context) error {
 
 // keepTrying hands a path that failed to connect to the automatic
 // reconnects.
-func (p *Path) keepTrying() { p.do(context.Background(), cmdKeepTrying) }
+func (p *CltPath) keepTrying() { p.do(context.Background(), cmdKeepTrying) }
 
 // derivePathUUID is a path's UUID when the session's is given: the same
 // session and addresses give the same path, across client restarts.
@@ -350,15 +350,15 @@ func derivePathUUID(sess [16]byte, pa PathAddr) [16]byte {
 // It returns nil if the path is connected afterwards, ENOTCONN if not, and
 // EBUSY if the path is in a state that cannot be reconnected (closing,
 // or being established). It bypasses max_reconnect_attempts.
-func (p *Path) Reconnect(ctx context.Context) error { return p.do(ctx, cmdReconnect) }
+func (p *CltPath) Reconnect(ctx context.Context) error { return p.do(ctx, cmdReconnect) }
 
 // Disconnect closes the path's connections and keeps it CLOSED until a
 // Reconnect (paths/<p>/disconnect). Requests in flight fail over.
-func (p *Path) Disconnect() error { return p.do(context.Background(), cmdDisconnect) }
+func (p *CltPath) Disconnect() error { return p.do(context.Background(), cmdDisconnect) }
 
 // Remove disconnects the path and removes it from the session
 // (paths/<p>/remove_path).
-func (p *Path) Remove() error {
+func (p *CltPath) Remove() error {
 	err := p.do(context.Background(), cmdRemove)
 	if errors.Is(err, syscall.ENODEV) {
 		return nil
@@ -366,7 +366,7 @@ func (p *Path) Remove() error {
 	return err
 }
 
-func (p *Path) reconnectDelay() time.Duration {
+func (p *CltPath) reconnectDelay() time.Duration {
 	cfg := &p.sess.cfg
 	p.mu.Lock()
 	n := p.reconnectAttempts
@@ -385,7 +385,7 @@ func (p *Path) reconnectDelay() time.Duration {
 // reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are
 // spent, else try to establish the path again. It reports whether another
 // attempt should be scheduled, and why the attempt failed.
-func (p *Path) reconnectWork(manual bool) (bool, error) {
+func (p *CltPath) reconnectWork(manual bool) (bool, error) {
 	if p.State() != PathReconnecting {
 		return false, nil
 	}
@@ -426,7 +426,7 @@ func (p *Path) reconnectWork(manual bool) (bool, error) {
 const manualBusyRetries = 5
 
 // reconnectCmd is rtrs_clt_reconnect_from_sysfs.
-func (p *Path) reconnectCmd() error {
+func (p *CltPath) reconnectCmd() error {
 	changed, old := p.changeStateGetOld(PathReconnecting)
 	if !changed && old != PathReconnecting {
 		return fmt.Errorf("rtrs: path is %v: %w", old, syscall.EBUSY)
@@ -451,7 +451,7 @@ func (p *Path) reconnectCmd() error {
 }
 
 // closeConns is rtrs_clt_close_conns with wait: CLOSING, tear down, CLOSED.
-func (p *Path) closeConns() {
+func (p *CltPath) closeConns() {
 	if ok, _ := p.changeStateGetOld(PathClosing); ok {
 		p.stopAndDestroyConns()
 		p.changeStateFromTo(PathClosing, PathClosed)
@@ -461,7 +461,7 @@ func (p *Path) closeConns() {
 // initPath establishes all connections of the path and exchanges
 // INFO_REQ/INFO_RSP (init_path). On failure the path is CONNECTING_ERR
 // and nothing of the attempt is left.
-func (p *Path) initPath(ctx context.Context) error {
+func (p *CltPath) initPath(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, p.sess.cfg.ConnectTimeout)
 	defer cancel()
 	p.connecting.Store(&cancel)
@@ -498,7 +498,7 @@ func (p *Path) initPath(ctx context.Context) error {
 
 // initConns resolves the device and dials every connection of the path
 // (init_conns), learning the server's limits from cid 0's answer.
-func (p *Path) initConns(ctx context.Context) (*pathRes, error) {
+func (p *CltPath) initConns(ctx context.Context) (*pathRes, error) {
 	s := p.sess
 	p.mu.Lock()
 	pa, reconCnt, first := p.addr, p.reconCnt, p.forNewClt
@@ -574,7 +574,7 @@ func rejectErr(priv []byte) error {
 
 // connEstablished checks a conn_rsp (rtrs_rdma_conn_established); cid 0's
 // sets the path's and, the first time, the session's limits.
-func (p *Path) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
+func (p *CltPath) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
 	var rsp ConnRsp
 	if err := rsp.Decode(priv); err != nil {
 		return fmt.Errorf("invalid RTRS connection response: %w", syscall.ECONNRESET)
@@ -637,7 +637,7 @@ func (p *Path) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
 
 // sendPathInfo registers the session's memory in the path's PD, sends
 // INFO_REQ and waits for INFO_RSP (rtrs_send_path_info).
-func (p *Path) sendPathInfo(ctx context.Context, res *pathRes) error {
+func (p *CltPath) sendPathInfo(ctx context.Context, res *pathRes) error {
 	s := p.sess
 	s.regMu.Lock()
 	for _, b := range s.regions {
@@ -733,7 +733,7 @@ func (res *pathRes) processInfoRsp(wc *fabric.WC) error {
 // stopAndDestroyConns is rtrs_clt_stop_and_destroy_conns: fence IO, stop
 // the heartbeat, close every connection (no completion can arrive after),
 // fail over the requests that were in flight, and release the attempt.
-func (p *Path) stopAndDestroyConns() {
+func (p *CltPath) stopAndDestroyConns() {
 	p.submitMu.Lock()
 	res := p.res
 	p.submitMu.Unlock()
@@ -776,7 +776,7 @@ var testHookConnClosed func(i int)
 
 // destroyRes releases what an attempt set up; its connections must be
 // closed or never started.
-func (p *Path) destroyRes(res *pathRes) {
+func (p *CltPath) destroyRes(res *pathRes) {
 	for _, c := range res.conns {
 		c.qp.Close()
 	}
@@ -810,7 +810,7 @@ func (p *Path) destroyRes(res *pathRes) {
 
 // registerLocked registers session region b with the path's current
 // attempt, if any. s.regMu must be held.
-func (p *Path) registerLocked(b *Buffer) error {
+func (p *CltPath) registerLocked(b *Buffer) error {
 	res := p.curRes()
 	if res == nil {
 		return nil
@@ -818,7 +818,7 @@ func (p *Path) registerLocked(b *Buffer) error {
 	return p.registerResLocked(res, b)
 }
 
-func (p *Path) registerResLocked(res *pathRes, b *Buffer) error {
+func (p *CltPath) registerResLocked(res *pathRes, b *Buffer) error {
 	old := *res.mrs.Load()
 	if b.idx < len(old) && old[b.idx] != nil {
 		return nil
@@ -838,7 +838,7 @@ func (p *Path) registerResLocked(res *pathRes, b *Buffer) error {
 	return nil
 }
 
-func (p *Path) deregisterLocked(b *Buffer) {
+func (p *CltPath) deregisterLocked(b *Buffer) {
 	res := p.curRes()
 	if res == nil {
 		return
@@ -856,7 +856,7 @@ func (p *Path) deregisterLocked(b *Buffer) {
 
 // post sends request pm on this path if it is connected
 // (rtrs_clt_write_req / rtrs_clt_read_req).
-func (p *Path) post(pm *Permit) error {
+func (p *CltPath) post(pm *Permit) error {
 	p.submitMu.RLock()
 	defer p.submitMu.RUnlock()
 	if p.State() != PathConnected {
@@ -954,7 +954,7 @@ func (res *pathRes) processIORsp(msgID uint32, errno syscall.Errno) error {
 }
 
 // sendHB posts a HB_MSG on the service connection.
-func (p *Path) sendHB() error {
+func (p *CltPath) sendHB() error {
 	res := p.curRes()
 	if res == nil || len(res.conns) == 0 {
 		return errPathDown
@@ -962,4 +962,4 @@ func (p *Path) sendHB() error {
 	return res.conns[0].postHB(ImmHBMsg)
 }
 
-func (p *Path) lg() *log.Entry { return p.logp.Load() }
+func (p *CltPath) lg() *log.Entry { return p.logp.Load() }

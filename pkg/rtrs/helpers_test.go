@@ -134,7 +134,7 @@ type rig struct {
 	t    testing.TB
 	disk *memDisk
 	srv  *Server
-	sess *Session
+	sess *CltSession
 	buf  *Buffer // for write and read
 	ibuf *Buffer // for inflight
 }

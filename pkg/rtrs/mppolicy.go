@@ -71,14 +71,14 @@ func ParseMPPolicy(s string) (MPPolicy, error) {
 // paths that are not connected and moves on when a post fails. It lives on
 // the stack: no allocation per IO.
 type pathIter struct {
-	paths  []*Path
+	paths  []*CltPath
 	policy MPPolicy
 	n      int
 	start  int
 	tried  [MaxPathsNum / 64]uint64
 }
 
-func (it *pathIter) init(s *Session, paths []*Path) {
+func (it *pathIter) init(s *CltSession, paths []*CltPath) {
 	it.paths = paths
 	it.policy = MPPolicy(s.policy.Load())
 	it.n = 0
@@ -87,7 +87,7 @@ func (it *pathIter) init(s *Session, paths []*Path) {
 	}
 }
 
-func (it *pathIter) next() *Path {
+func (it *pathIter) next() *CltPath {
 	if it.n >= len(it.paths) {
 		return nil
 	}
@@ -96,15 +96,15 @@ func (it *pathIter) next() *Path {
 	case MPRoundRobin:
 		return it.paths[(it.start+it.n-1)%len(it.paths)]
 	case MPMinLatency:
-		return it.pick(func(p *Path) int64 { return int64(p.hb.latency()) })
+		return it.pick(func(p *CltPath) int64 { return int64(p.hb.latency()) })
 	default:
-		return it.pick(func(p *Path) int64 { return p.stats.inflight.Load() })
+		return it.pick(func(p *CltPath) int64 { return p.stats.inflight.Load() })
 	}
 }
 
 // pick returns the connected, untried path with the lowest cost; the first
 // one wins a tie, as in the kernel.
-func (it *pathIter) pick(cost func(*Path) int64) *Path {
+func (it *pathIter) pick(cost func(*CltPath) int64) *CltPath {
 	best, bestCost := -1, int64(math.MaxInt64)
 	for i, p := range it.paths {
 		if it.tried[i/64]&(1<<(i%64)) != 0 || p.State() != PathConnected {

@@ -8,10 +8,10 @@ import (
 
 // fakePaths builds paths without goroutines: only state, inflight and
 // latency matter to the iterator.
-func fakePaths(states []PathState, inflight []int64, latency []time.Duration) []*Path {
-	var ps []*Path
+func fakePaths(states []PathState, inflight []int64, latency []time.Duration) []*CltPath {
+	var ps []*CltPath
 	for i, st := range states {
-		p := &Path{stats: newPathStats()}
+		p := &CltPath{stats: newPathStats()}
 		p.state.Store(int32(st))
 		p.stats.inflight.Store(inflight[i])
 		p.hb.curLatency.Store(int64(latency[i]))
@@ -20,7 +20,7 @@ func fakePaths(states []PathState, inflight []int64, latency []time.Duration) []
 	return ps
 }
 
-func order(s *Session, paths []*Path) []int {
+func order(s *CltSession, paths []*CltPath) []int {
 	var it pathIter
 	it.init(s, paths)
 	var got []int
@@ -47,7 +47,7 @@ func equalInts(a, b []int) bool {
 }
 
 func TestPolicyMinInflight(t *testing.T) {
-	s := &Session{}
+	s := &CltSession{}
 	s.policy.Store(int32(MPMinInflight))
 	paths := fakePaths(
 		[]PathState{PathConnected, PathConnected, PathReconnecting, PathConnected},
@@ -65,7 +65,7 @@ func TestPolicyMinInflight(t *testing.T) {
 }
 
 func TestPolicyMinLatency(t *testing.T) {
-	s := &Session{}
+	s := &CltSession{}
 	s.policy.Store(int32(MPMinLatency))
 	paths := fakePaths(
 		[]PathState{PathConnected, PathConnected, PathConnected, PathClosed},
@@ -77,7 +77,7 @@ func TestPolicyMinLatency(t *testing.T) {
 }
 
 func TestPolicyRoundRobin(t *testing.T) {
-	s := &Session{}
+	s := &CltSession{}
 	s.policy.Store(int32(MPRoundRobin))
 	paths := fakePaths(
 		[]PathState{PathConnected, PathConnected, PathConnected},

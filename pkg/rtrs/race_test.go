@@ -11,7 +11,7 @@ import (
 )
 
 // pathsUpCount reads the session's count of connected paths.
-func (s *Session) pathsUpCount() int {
+func (s *CltSession) pathsUpCount() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.pathsUp
@@ -138,7 +138,7 @@ func TestServerCloseRacingConnect(t *testing.T) {
 		}
 		ccfg := testClientConfig(fab, pa(fmt.Sprintf("10.81.%d.2", i), a1.String()))
 		ccfg.ConnsPerPath = 1
-		opened := make(chan *Session, 1)
+		opened := make(chan *CltSession, 1)
 		go func() {
 			s, _ := Open(context.Background(), ccfg)
 			opened <- s

@@ -15,7 +15,7 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
 
-func counters(p *Path) StatsCounters { return p.Stats().Counters() }
+func counters(p *CltPath) StatsCounters { return p.Stats().Counters() }
 
 // TestReconnectLimit: after max_reconnect_attempts failed attempts the
 // path closes and stays closed until a manual reconnect.
@@ -223,7 +223,7 @@ func TestQueueDepthChanged(t *testing.T) {
 
 // TestConfigLimits: the runtime knobs refuse what sysfs refuses.
 func TestConfigLimits(t *testing.T) {
-	s := &Session{}
+	s := &CltSession{}
 	for _, n := range []int{-2, 10000} {
 		if err := s.SetMaxReconnectAttempts(n); !errors.Is(err, syscall.EINVAL) {
 			t.Errorf("max_reconnect_attempts %d: %v", n, err)

@@ -32,7 +32,7 @@ func TestPathStateTable(t *testing.T) {
 	for _, from := range states {
 		for _, to := range states {
 			want := allowed[[2]PathState{from, to}]
-			p := &Path{stateCh: make(chan struct{})}
+			p := &CltPath{stateCh: make(chan struct{})}
 			p.state.Store(int32(from))
 			ch := p.stateCh
 			p.mu.Lock()
@@ -62,7 +62,7 @@ func TestPathStateTable(t *testing.T) {
 }
 
 func TestPathStateFromTo(t *testing.T) {
-	p := &Path{stateCh: make(chan struct{})}
+	p := &CltPath{stateCh: make(chan struct{})}
 	p.state.Store(int32(PathConnected))
 	if p.changeStateFromTo(PathConnecting, PathConnectingErr) {
 		t.Fatal("from-to changed a path that was not in the from state")
