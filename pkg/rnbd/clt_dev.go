@@ -13,173 +13,6 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
-// CltSession is an RNBD client session (struct rnbd_clt_session): an RTRS
-// session, the protocol version agreed on it, and the devices mapped
-// through it, which share its paths and permits.
-//
-// Requests that find no path wait here, not in RTRS: a server that lost
-// every path of a session forgets its devices, so after a reconnect every
-// device is opened again — possibly under another id — before the
-// requests that waited go out, re-encoded with the new id.
-type CltSession struct {
-	*Client
-	log *log.Entry
-
-	noPathTimeout atomic.Int64
-	// pieces[i] is the piece of IO that permit i carries.
-	pieces []piece
-
-	mu      sync.Mutex
-	devs    []*CltDev
-	up      bool // a path is connected and every device was reopened
-	gen     uint64
-	closed  bool
-	reopenQ chan struct{} // cap 1: wakes the reopen goroutine
-	done    chan struct{}
-	wg      sync.WaitGroup
-}
-
-// DefaultNoPathTimeout is how long a block request waits for its device
-// by default when the session has no path: long enough for a heartbeat to
-// detect a silent peer (about 35 s with the kernel's 5 s x 5) and for
-// reconnects to bring a restarted server back. The kernel fails at once.
-const DefaultNoPathTimeout = 120 * time.Second
-
-// DialSession opens an RTRS session with cfg and negotiates RNBD on it.
-// noPathTimeout is how long IO waits when no path is connected (0 fails
-// it at once); cfg.NoPathTimeout and cfg.LinkEvent are the session's own.
-func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.Duration) (*CltSession, error) {
-	if noPathTimeout < 0 {
-		return nil, fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
-	}
-	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
-	s.noPathTimeout.Store(int64(noPathTimeout))
-	if cfg.Log == nil {
-		cfg.Log = log.L
-	}
-	s.log = cfg.Log.WithField("session", cfg.SessName)
-	cfg.LinkEvent = s.linkEvent
-	sess, err := rtrs.Open(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	c, err := NewClient(ctx, sess)
-	if err != nil {
-		sess.Close()
-		return nil, err
-	}
-	s.mu.Lock()
-	s.Client = c
-	s.pieces = make([]piece, sess.QueueDepth())
-	s.up = true
-	s.mu.Unlock()
-	s.wg.Add(1)
-	go s.reopenLoop()
-	return s, nil
-}
-
-// NoPathTimeout is how long IO waits for a path.
-func (s *CltSession) NoPathTimeout() time.Duration { return time.Duration(s.noPathTimeout.Load()) }
-
-// SetNoPathTimeout changes it for IO that starts waiting from now on.
-func (s *CltSession) SetNoPathTimeout(d time.Duration) error {
-	if d < 0 {
-		return fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
-	}
-	s.noPathTimeout.Store(int64(d))
-	return nil
-}
-
-// Devices returns the session's mapped devices.
-func (s *CltSession) Devices() []*CltDev {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]*CltDev(nil), s.devs...)
-}
-
-// linkEvent runs inside RTRS's path bookkeeping: it must not wait for
-// the network. On DISCONNECTED every device stops sending (after the
-// submissions under way, which only post); on RECONNECTED the reopen
-// goroutine takes over.
-func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
-	s.mu.Lock()
-	if s.Client == nil || s.closed {
-		s.mu.Unlock()
-		return
-	}
-	devs := append([]*CltDev(nil), s.devs...)
-	if ev == rtrs.LinkDisconnected {
-		s.up = false
-		s.gen++
-	}
-	s.mu.Unlock()
-	if ev == rtrs.LinkDisconnected {
-		for _, d := range devs {
-			d.disconnected()
-		}
-		return
-	}
-	select {
-	case s.reopenQ <- struct{}{}:
-	default:
-	}
-}
-
-// reopenLoop re-negotiates the session and reopens its devices after a
-// reconnect (rnbd_clt_reconnect), then lets the waiting IO go.
-func (s *CltSession) reopenLoop() {
-	defer s.wg.Done()
-	for {
-		select {
-		case <-s.done:
-			return
-		case <-s.reopenQ:
-		}
-		if !s.sess.Connected() {
-			continue
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		err := s.SessInfo(ctx)
-		if err != nil {
-			cancel()
-			s.log.WithError(err).Warn("session info after reconnect failed; devices stay closed until the next reconnect")
-			continue
-		}
-		s.mu.Lock()
-		s.up = true
-		devs := append([]*CltDev(nil), s.devs...)
-		s.mu.Unlock()
-		for _, d := range devs {
-			if err := d.reopen(ctx); err != nil {
-				d.log().WithError(err).Warn("reopening the device after reconnect failed")
-			}
-		}
-		cancel()
-	}
-}
-
-// Close unmaps nothing on the server beyond what closing the session
-// does (the server closes the session's devices when its last path goes):
-// it fails the waiting IO and closes the RTRS session.
-func (s *CltSession) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil
-	}
-	s.closed = true
-	devs := append([]*CltDev(nil), s.devs...)
-	s.mu.Unlock()
-	close(s.done)
-	for _, d := range devs {
-		d.setState(DevUnmapped)
-		d.failParked(rtrs.ErrClosed)
-	}
-	err := s.sess.Close()
-	s.wg.Wait()
-	return err
-}
-
 // DevState is a mapped device's state.
 type DevState int32
 
@@ -223,33 +56,8 @@ type CltDev struct {
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
 
-	pmu       sync.Mutex
-	parked    []*parked
-	parkTimer *time.Timer
-	inflight  sync.WaitGroup // IOReqs submitted and not done
-}
-
-// Map opens the remote device name with mode and adds it to the session
-// (rnbd_clt_map_device).
-func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*CltDev, error) {
-	s.mu.Lock()
-	for _, d := range s.devs {
-		if d.name == name {
-			s.mu.Unlock()
-			return nil, fmt.Errorf("rnbd: %s is already mapped through session %s: %w", name, s.sess.Name(), syscall.EEXIST)
-		}
-	}
-	s.mu.Unlock()
-	dev, err := s.Open(ctx, name, mode)
-	if err != nil {
-		return nil, err
-	}
-	d := &CltDev{s: s, name: name, mode: mode, info: dev.Info}
-	d.state.Store(int32(DevOpen))
-	s.mu.Lock()
-	s.devs = append(s.devs, d)
-	s.mu.Unlock()
-	return d, nil
+	wait     waitQueue
+	inflight sync.WaitGroup // IOReqs submitted and not done
 }
 
 func (d *CltDev) log() *log.Entry { return d.s.log.WithField("device", d.name) }
@@ -314,7 +122,7 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	if d.State() == DevUnmapped {
 		return nil
 	}
-	dev, err := d.s.Open(ctx, d.name, d.mode)
+	info, err := d.s.open(ctx, d.name, d.mode)
 	if err != nil {
 		return err
 	}
@@ -324,14 +132,14 @@ func (d *CltDev) reopen(ctx context.Context) error {
 		return nil
 	}
 	old := d.info.NSectors
-	d.info = dev.Info
+	d.info = info
 	d.state.Store(int32(DevOpen))
 	d.ioMu.Unlock()
-	if dev.Info.NSectors != old {
-		d.log().WithFields(log.Fields{"was": old * 512, "now": dev.Info.NSectors * 512}).Info("remote device size changed")
+	if info.NSectors != old {
+		d.log().WithFields(log.Fields{"was": old * 512, "now": info.NSectors * 512}).Info("remote device size changed")
 	}
-	d.log().WithField("device_id", dev.Info.DeviceID).Info("device reopened")
-	d.resubmitParked()
+	d.log().WithField("device_id", info.DeviceID).Info("device reopened")
+	d.resubmit()
 	return nil
 }
 
@@ -361,17 +169,12 @@ func (d *CltDev) Unmap(ctx context.Context) error {
 	s.mu.Unlock()
 	was := d.State()
 	d.setState(DevUnmapped)
-	d.failParked(errUnmapped)
+	d.wait.fail(errUnmapped)
 	d.inflight.Wait()
 	if was != DevOpen {
 		return nil // the server forgot it with the session's last path
 	}
-	var usr [CloseSize]byte
-	(&Close{DeviceID: d.Info().DeviceID}).Encode(usr[:])
-	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Write, usr[:], nil, 0, 0); err != nil {
-		return fmt.Errorf("rnbd: close %s on the server: %w", d.name, err)
-	}
-	return nil
+	return s.close(ctx, d.name, d.Info().DeviceID)
 }
 
 var errUnmapped = fmt.Errorf("rnbd: device unmapped: %w", syscall.ENODEV)
@@ -421,15 +224,6 @@ type piece struct {
 	sess   *CltSession
 }
 
-// parked is a piece waiting for the device to be reopened.
-type parked struct {
-	r        *IOReq
-	off      int64
-	n        int
-	bufOff   int
-	deadline time.Time
-}
-
 // Submit starts r. It waits for permits when all are in use (back
 // pressure) and returns an error without calling Done only for a request
 // that cannot be valid.
@@ -471,6 +265,18 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 		d.sendPiece(ctx, r, r.Off+off, l, r.BufOff+int(off))
 	}
 	return nil
+}
+
+// Do runs one request and waits for it: for tools and tests; the IO path
+// uses Submit.
+func (d *CltDev) Do(ctx context.Context, op Op, flags uint32, off int64, n int, buf *rtrs.Buffer, bufOff int) error {
+	done := make(chan error, 1)
+	r := &IOReq{Op: op, Flags: flags, Off: off, Len: n, Buf: buf, BufOff: bufOff,
+		Done: func(_ *IOReq, err error) { done <- err }}
+	if err := d.Submit(ctx, r); err != nil {
+		return err
+	}
+	return <-done
 }
 
 // pieceSize is the most one request of op may carry.
@@ -573,76 +379,36 @@ func (r *IOReq) pieceDone(err error) {
 	d.inflight.Done()
 }
 
-// park keeps a piece until the device is reopened or no_path_timeout.
+// park keeps a piece until the device is open again or no_path_timeout
+// passes.
 func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
 	t := d.s.NoPathTimeout()
 	if t == 0 {
 		r.pieceDone(rtrs.ErrNoPath)
 		return
 	}
-	d.pmu.Lock()
-	if d.State() == DevUnmapped {
-		d.pmu.Unlock()
+	if !d.wait.add(&parked{r: r, off: off, n: n, bufOff: bufOff, deadline: time.Now().Add(t)}) {
 		r.pieceDone(errUnmapped)
 		return
 	}
-	d.parked = append(d.parked, &parked{r: r, off: off, n: n, bufOff: bufOff, deadline: time.Now().Add(t)})
-	if d.parkTimer == nil {
-		d.parkTimer = time.AfterFunc(t, d.expireParked)
-	} else if len(d.parked) == 1 {
-		d.parkTimer.Reset(t)
-	}
-	d.pmu.Unlock()
 	// The device may have been reopened between the state check and
-	// the append: its resubmission would have missed this piece.
+	// the add: its resubmission would have missed this piece.
 	if d.State() == DevOpen {
-		d.resubmitParked()
+		d.resubmit()
 	}
 }
 
-func (d *CltDev) takeParked(expiredOnly bool) []*parked {
-	d.pmu.Lock()
-	defer d.pmu.Unlock()
-	now := time.Now()
-	var out, keep []*parked
-	for _, p := range d.parked {
-		if !expiredOnly || !p.deadline.After(now) {
-			out = append(out, p)
-		} else {
-			keep = append(keep, p)
-		}
-	}
-	d.parked = keep
-	if len(keep) > 0 {
-		next := keep[0].deadline
-		for _, p := range keep[1:] {
-			if p.deadline.Before(next) {
-				next = p.deadline
-			}
-		}
-		d.parkTimer.Reset(time.Until(next))
-	}
-	return out
-}
-
-func (d *CltDev) expireParked() {
-	expired := d.takeParked(true)
-	if len(expired) > 0 {
-		d.log().WithField("requests", len(expired)).Warn("no path within no_path_timeout: failing requests")
-	}
-	for _, p := range expired {
+// expired fails the pieces whose no_path_timeout passed.
+func (d *CltDev) expired(ps []*parked) {
+	d.log().WithField("requests", len(ps)).Warn("no path within no_path_timeout: failing requests")
+	for _, p := range ps {
 		p.r.pieceDone(rtrs.ErrNoPath)
 	}
 }
 
-func (d *CltDev) failParked(err error) {
-	for _, p := range d.takeParked(false) {
-		p.r.pieceDone(err)
-	}
-}
-
-func (d *CltDev) resubmitParked() {
-	ps := d.takeParked(false)
+// resubmit sends the waiting pieces again, the device being open.
+func (d *CltDev) resubmit() {
+	ps := d.wait.take(time.Time{}, true)
 	if len(ps) == 0 {
 		return
 	}

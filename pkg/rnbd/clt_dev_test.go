@@ -32,17 +32,7 @@ func (r *srig) cltSession(name string, noPath time.Duration) *CltSession {
 
 // syncIO runs one request on d and waits for it.
 func syncIO(d *CltDev, op Op, flags uint32, off int64, n int, buf *rtrs.Buffer) error {
-	done := make(chan error, 1)
-	r := &IOReq{Op: op, Flags: flags, Off: off, Len: n, Buf: buf, Done: func(_ *IOReq, err error) { done <- err }}
-	if err := d.Submit(context.Background(), r); err != nil {
-		return err
-	}
-	select {
-	case err := <-done:
-		return err
-	case <-time.After(30 * time.Second):
-		return errors.New("request never completed")
-	}
+	return d.Do(context.Background(), op, flags, off, n, buf, 0)
 }
 
 // A request larger than one transport message is split and reassembled;
@@ -162,6 +152,42 @@ func TestCltDevNoPathFailsAtOnce(t *testing.T) {
 	buf, _ := s.Session().AllocBuffer(4096)
 	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) {
 		t.Fatalf("IO without a path: %v, want ErrNoPath", err)
+	}
+}
+
+// IO without a path waits no_path_timeout, not less, then fails with
+// ECONNABORTED; a new timeout applies to IO that starts waiting after it.
+func TestCltDevNoPathTimeout(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 1<<20)
+	s := r.cltSession("cs", 300*time.Millisecond)
+	a, err := s.Map(context.Background(), "a", AccessRO)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Session().SetMaxReconnectAttempts(0)
+	for _, x := range r.rs.Sessions() {
+		x.Close()
+	}
+	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	buf, _ := s.Session().AllocBuffer(4096)
+	start := time.Now()
+	err = syncIO(a, OpRead, 0, 0, 4096, buf)
+	if el := time.Since(start); el < 300*time.Millisecond || el > 10*time.Second {
+		t.Fatalf("failed after %v, want about 300ms", el)
+	}
+	if !errors.Is(err, rtrs.ErrNoPath) || !errors.Is(err, syscall.ECONNABORTED) {
+		t.Fatalf("IO without a path: %v, want ECONNABORTED", err)
+	}
+	if err := s.SetNoPathTimeout(-time.Second); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("negative no_path_timeout: %v", err)
+	}
+	if err := s.SetNoPathTimeout(0); err != nil {
+		t.Fatal(err)
+	}
+	start = time.Now()
+	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) || time.Since(start) > time.Second {
+		t.Fatalf("IO with no_path_timeout 0: %v after %v", err, time.Since(start))
 	}
 }
 

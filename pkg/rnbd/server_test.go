@@ -80,36 +80,33 @@ func (r *srig) file(name string, size int64) string {
 	return p
 }
 
-// client opens an RTRS session named sess and an RNBD client on it.
-func (r *srig) client(sess string) *Client {
+// client dials an RNBD client session named sess to the rig's server.
+func (r *srig) client(sess string) *CltSession {
 	r.t.Helper()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = sess, r.fab, log.Discard()
 	cfg.ConnsPerPath = 2
 	src := netip.AddrFrom4([4]byte{10, 20, 1, byte(r.next.Add(1))})
 	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(src, 0), Dst: srvAddr}}
-	s, err := rtrs.Open(context.Background(), cfg)
+	s, err := DialSession(context.Background(), cfg, 0)
 	if err != nil {
 		r.t.Fatal(err)
 	}
 	r.t.Cleanup(func() { s.Close() })
-	c, err := NewClient(context.Background(), s)
-	if err != nil {
-		r.t.Fatal(err)
-	}
-	return c
+	return s
 }
 
-// io runs one IO of dev through a buffer of its own.
+// dio sends one IO of a device as the message it is, through a buffer of
+// its own: what the server does with it, without the client's checks.
 type dio struct {
 	t   *testing.T
-	d   *Device
+	d   *CltDev
 	buf *rtrs.Buffer
 }
 
-func (r *srig) dev(c *Client, name string, mode AccessMode) *dio {
+func (r *srig) dev(c *CltSession, name string, mode AccessMode) *dio {
 	r.t.Helper()
-	d, err := c.Open(context.Background(), name, mode)
+	d, err := c.Map(context.Background(), name, mode)
 	if err != nil {
 		r.t.Fatalf("open %s %v: %v", name, mode, err)
 	}
@@ -120,13 +117,28 @@ func (r *srig) dev(c *Client, name string, mode AccessMode) *dio {
 	return &dio{t: r.t, d: d, buf: buf}
 }
 
+// do sends op as one RNBD_MSG_IO (rnbd_client_xfer_request): reads and
+// writes carry buf[:n], the other operations no data.
+func (x *dio) do(op Op, flags uint32, off int64, n int) error {
+	var usr [IOSize]byte
+	(&IO{DeviceID: x.d.Info().DeviceID, Sector: uint64(off) / 512, RW: uint32(op) | flags, Size: uint32(n)}).Encode(usr[:])
+	s := x.d.Session().Session()
+	switch op {
+	case OpRead:
+		return s.Do(context.Background(), rtrs.IOCon, rtrs.Read, usr[:], x.buf, 0, n)
+	case OpWrite:
+		return s.Do(context.Background(), rtrs.IOCon, rtrs.Write, usr[:], x.buf, 0, n)
+	}
+	return s.Do(context.Background(), rtrs.IOCon, rtrs.Write, usr[:], nil, 0, 0)
+}
+
 func (x *dio) write(off int64, data []byte, flags uint32) error {
 	copy(x.buf.Bytes(), data)
-	return x.d.Do(context.Background(), OpWrite, flags, off, len(data), x.buf, 0)
+	return x.do(OpWrite, flags, off, len(data))
 }
 
 func (x *dio) read(off int64, n int) ([]byte, error) {
-	if err := x.d.Do(context.Background(), OpRead, 0, off, n, x.buf, 0); err != nil {
+	if err := x.do(OpRead, 0, off, n); err != nil {
 		return nil, err
 	}
 	return append([]byte(nil), x.buf.Bytes()[:n]...), nil
@@ -150,7 +162,7 @@ func (x *dio) readAll(off int64, n int) []byte {
 }
 
 func (x *dio) op(op Op, flags uint32, off int64, n int) error {
-	return x.d.Do(context.Background(), op, flags, off, n, nil, 0)
+	return x.do(op, flags, off, n)
 }
 
 func TestOpenIOClose(t *testing.T) {
@@ -161,7 +173,7 @@ func TestOpenIOClose(t *testing.T) {
 		t.Fatalf("version %d", c.Version())
 	}
 	x := r.dev(c, "vol1", AccessRW)
-	info := x.d.Info
+	info := x.d.Info()
 	if info.NSectors != 4<<20/512 || info.LogicalBlockSize != 512 || info.PhysicalBlockSize != 4096 ||
 		info.CachePolicy != CacheWriteback|CacheFUA || info.MaxDiscardSectors == 0 || info.MaxWriteZeroesSectors == 0 ||
 		info.MaxHWSectors != (128<<10-4096)/512 {
@@ -179,12 +191,16 @@ func TestOpenIOClose(t *testing.T) {
 	if !bytes.Equal(onDisk[4096:4096+len(data)], data) {
 		t.Fatal("the file does not hold what was written")
 	}
-	// Opening the same name again returns the same device.
-	again, err := c.Open(context.Background(), "vol1", AccessRW)
-	if err != nil || again.Info.DeviceID != info.DeviceID {
-		t.Fatalf("second open: %v, id %d want %d", err, again.Info.DeviceID, info.DeviceID)
+	// Opening the same name again returns the same device; mapping it
+	// twice through one session is refused on the client.
+	again, err := c.open(context.Background(), "vol1", AccessRW)
+	if err != nil || again.DeviceID != info.DeviceID {
+		t.Fatalf("second open: %v, id %d want %d", err, again.DeviceID, info.DeviceID)
 	}
-	if err := x.d.Close(context.Background()); err != nil {
+	if _, err := c.Map(context.Background(), "vol1", AccessRW); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("second map: %v, want EEXIST", err)
+	}
+	if err := x.d.Unmap(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if err := x.op(OpFlush, 0, 0, 0); !errors.Is(err, syscall.ENOTCONN) {
@@ -215,8 +231,8 @@ func TestAccessModes(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
 	r.file("shared", 1<<20)
 	a, b, c := r.client("a"), r.client("b"), r.client("c")
-	open := func(cl *Client, mode AccessMode) error {
-		_, err := cl.Open(context.Background(), "shared", mode)
+	open := func(cl *CltSession, mode AccessMode) error {
+		_, err := cl.open(context.Background(), "shared", mode)
 		return err
 	}
 	if err := open(a, AccessRW); err != nil {
@@ -244,7 +260,7 @@ func TestAccessModes(t *testing.T) {
 		t.Fatalf("write on a read-only open: %v", err)
 	}
 	// Access mode 3 does not exist.
-	if _, err := d.Open(context.Background(), "other", 3); !errors.Is(err, syscall.EINVAL) {
+	if _, err := d.open(context.Background(), "other", 3); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("access mode 3: %v", err)
 	}
 	// When the writer's session goes away its devices close and the
@@ -294,15 +310,15 @@ func TestPathTraversal(t *testing.T) {
 		"missing":                 syscall.ENOENT,
 		string(make([]byte, 254)): syscall.EINVAL,
 	} {
-		_, err := c.Open(context.Background(), name, AccessRO)
+		_, err := c.open(context.Background(), name, AccessRO)
 		if !errors.Is(err, want) {
 			t.Errorf("open %q: %v, want %v", name, err, want)
 		}
 	}
-	if _, err := c.Open(context.Background(), "ok", AccessRO); err != nil {
+	if _, err := c.open(context.Background(), "ok", AccessRO); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Open(context.Background(), "/ok", AccessRO); err != nil {
+	if _, err := c.open(context.Background(), "/ok", AccessRO); err != nil {
 		t.Fatalf("/ok: %v", err)
 	}
 }
@@ -320,7 +336,7 @@ func TestSessnameSearchPath(t *testing.T) {
 		t.Fatalf("each session sees its own directory: %d %d", a.d.Size(), b.d.Size())
 	}
 	// Nobody reaches another session's directory.
-	if _, err := r.client("carol").Open(context.Background(), "../alice/disk", AccessRO); !errors.Is(err, syscall.EINVAL) {
+	if _, err := r.client("carol").open(context.Background(), "../alice/disk", AccessRO); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("carol into alice's directory: %v", err)
 	}
 	// Session names that would move the directory never get here: RTRS
@@ -355,20 +371,20 @@ func TestExports(t *testing.T) {
 	}
 	ok, nope := r.client("ok"), r.client("nope")
 	x := r.dev(ok, "vol", AccessRW)
-	if _, err := nope.Open(context.Background(), "vol", AccessRO); !errors.Is(err, syscall.EPERM) {
+	if _, err := nope.open(context.Background(), "vol", AccessRO); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("session not in the allow list: %v", err)
 	}
-	if _, err := nope.Open(context.Background(), "ro", AccessRW); !errors.Is(err, syscall.EPERM) {
+	if _, err := nope.open(context.Background(), "ro", AccessRW); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("rw open of a read-only export: %v", err)
 	}
-	if _, err := nope.Open(context.Background(), "ro", AccessRO); err != nil {
+	if _, err := nope.open(context.Background(), "ro", AccessRO); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := nope.Open(context.Background(), "unknown", AccessRO); !errors.Is(err, syscall.ENOENT) {
+	if _, err := nope.open(context.Background(), "unknown", AccessRO); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("unknown export without a search path: %v", err)
 	}
 	// Two names of one file share the writer count.
-	if _, err := ok.Open(context.Background(), "ro", AccessRO); err != nil {
+	if _, err := ok.open(context.Background(), "ro", AccessRO); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.srv.Unmap("vol", false); !errors.Is(err, syscall.EBUSY) {
@@ -383,7 +399,7 @@ func TestExports(t *testing.T) {
 	if err := x.write(0, make([]byte, 512), 0); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("IO after a forced unmap: %v, want ENOTCONN", err)
 	}
-	if _, err := ok.Open(context.Background(), "vol", AccessRW); !errors.Is(err, syscall.ENOENT) {
+	if _, err := ok.open(context.Background(), "vol", AccessRW); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("open after unmap: %v", err)
 	}
 	if err := r.srv.Unmap("vol", false); !errors.Is(err, syscall.ENOENT) {
@@ -412,14 +428,14 @@ func TestForceClose(t *testing.T) {
 	}
 	// The id stays reserved: another device does not get it.
 	y := r.dev(c, "b", AccessRW)
-	if y.d.Info.DeviceID == x.d.Info.DeviceID {
+	if y.d.Info().DeviceID == x.d.Info().DeviceID {
 		t.Fatal("a force-closed device's id was reused")
 	}
 	if _, err := r.srv.ForceClose("a", "fc"); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("second force close: %v", err)
 	}
 	// The writer count was released: "a" opens for writing again.
-	if _, err := r.client("other").Open(context.Background(), "a", AccessRW); err != nil {
+	if _, err := r.client("other").open(context.Background(), "a", AccessRW); err != nil {
 		t.Fatalf("rw open after force close: %v", err)
 	}
 }
@@ -448,7 +464,7 @@ func TestCloseWaitsForIO(t *testing.T) {
 	}
 	waitFor(t, "IO at the server", func() bool { return held.Load() == 4 })
 	closed := make(chan error, 1)
-	go func() { closed <- x.d.Close(context.Background()) }()
+	go func() { closed <- x.d.Unmap(context.Background()) }()
 	select {
 	case err := <-closed:
 		t.Fatalf("close returned with IO in flight: %v", err)
@@ -547,17 +563,17 @@ func TestWriteThroughExport(t *testing.T) {
 	}
 	c := r.client("wt")
 	wt, wb := r.dev(c, "wt", AccessRO), r.dev(r.client("wb"), "wb", AccessRW)
-	if cp := wb.d.Info.CachePolicy; cp != CacheWriteback|CacheFUA {
+	if cp := wb.d.Info().CachePolicy; cp != CacheWriteback|CacheFUA {
 		t.Fatalf("default export: cache_policy %#x", cp)
 	}
 	// Read-only opens keep the export's policy too: what matters to a
 	// client is whether the device it reads may lose writes.
-	if cp := wt.d.Info.CachePolicy; cp != 0 {
+	if cp := wt.d.Info().CachePolicy; cp != 0 {
 		t.Fatalf("write-through export: cache_policy %#x, want 0", cp)
 	}
-	wb.d.Close(context.Background())
+	wb.d.Unmap(context.Background())
 	rw := r.dev(r.client("wt-rw"), "wt", AccessRW)
-	if cp := rw.d.Info.CachePolicy; cp != 0 {
+	if cp := rw.d.Info().CachePolicy; cp != 0 {
 		t.Fatalf("write-through export opened rw: cache_policy %#x, want 0", cp)
 	}
 	data := bytes.Repeat([]byte("through!"), 512)
@@ -588,7 +604,7 @@ func TestKernelClientMessages(t *testing.T) {
 	path := r.file("kdisk", 1<<20)
 	c := r.client("kclt")
 	x := r.dev(c, "kdisk", AccessRW)
-	if id := x.d.Info.DeviceID; id != 1 {
+	if id := x.d.Info().DeviceID; id != 1 {
 		t.Fatalf("device id %d: the golden messages name device 1", id)
 	}
 	f, err := os.OpenFile(path, os.O_RDWR, 0)
@@ -725,10 +741,10 @@ func TestKernelClientMessages(t *testing.T) {
 	// A flush on a read-only open is allowed (as the block layer allows
 	// it on a read-only disk); a discard is not.
 	ro := r.dev(r.client("kclt-ro"), "kdisk", AccessRO)
-	if ro.d.Info.DeviceID != 1 {
-		t.Fatalf("device id %d", ro.d.Info.DeviceID)
+	if ro.d.Info().DeviceID != 1 {
+		t.Fatalf("device id %d", ro.d.Info().DeviceID)
 	}
-	rs := ro.d.c.Session()
+	rs := ro.d.s.Session()
 	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Read, golden(t, "kclt_flush"), nil, 0, 0); err != nil {
 		t.Fatalf("flush on a read-only open: %v", err)
 	}
@@ -778,7 +794,7 @@ func TestHostileMessages(t *testing.T) {
 	for i := 6; i < 6+255; i++ {
 		unterminated[i] = 'a'
 	}
-	id := good.d.Info.DeviceID
+	id := good.d.Info().DeviceID
 	for _, c := range []struct {
 		name string
 		dir  rtrs.Dir

@@ -210,8 +210,8 @@ func (d *serverDaemon) records(args ...string) []map[string]any {
 	return recs
 }
 
-// client opens an RTRS session to the daemon and an RNBD client on it.
-func (d *serverDaemon) client(sessname string, paths int) *rnbd.Client {
+// client dials an RNBD client session to the daemon.
+func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	d.t.Helper()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName = sessname
@@ -225,15 +225,11 @@ func (d *serverDaemon) client(sessname string, paths int) *rnbd.Client {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	s, err := rtrs.Open(ctx, cfg)
+	c, err := rnbd.DialSession(ctx, cfg, 0)
 	if err != nil {
-		d.t.Fatalf("rtrs session %s: %v", sessname, err)
+		d.t.Fatalf("session %s: %v", sessname, err)
 	}
-	d.t.Cleanup(func() { s.Close() })
-	c, err := rnbd.NewClient(ctx, s)
-	if err != nil {
-		d.t.Fatal(err)
-	}
+	d.t.Cleanup(func() { c.Close() })
 	return c
 }
 
@@ -261,7 +257,7 @@ var randPool = func() []byte {
 // read against a model of the region.
 type worker struct {
 	t     *testing.T
-	dev   *rnbd.Device
+	dev   *rnbd.CltDev
 	buf   *rtrs.Buffer
 	base  int64
 	model []byte
@@ -359,14 +355,14 @@ func TestServerEndToEnd(t *testing.T) {
 	}
 
 	c := d.client("e2e-sess", 2)
-	dev, err := c.Open(context.Background(), "disk0", rnbd.AccessRW)
+	dev, err := c.Map(context.Background(), "disk0", rnbd.AccessRW)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if dev.Size() != size {
 		t.Fatalf("device size %d, want %d", dev.Size(), size)
 	}
-	maxIO := min(int(dev.Info.MaxHWSectors)*512, c.Session().MaxIOSize())
+	maxIO := min(int(dev.Info().MaxHWSectors)*512, c.Session().MaxIOSize())
 	if maxIO < 4096 {
 		t.Fatalf("max IO %d", maxIO)
 	}
@@ -473,7 +469,7 @@ func TestServerEndToEnd(t *testing.T) {
 			}
 		}
 	}
-	if err := dev.Close(context.Background()); err != nil {
+	if err := dev.Unmap(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	onDisk, err := os.ReadFile(img)
@@ -490,10 +486,11 @@ func TestServerEndToEnd(t *testing.T) {
 	}
 
 	// Force close: the session's IO on the device then fails ENOTCONN.
-	dev, err = c.Open(context.Background(), "disk0", rnbd.AccessRW)
+	dev, err = c.Map(context.Background(), "disk0", rnbd.AccessRW)
 	if err != nil {
 		t.Fatal(err)
 	}
+	ws[0].dev = dev
 	d.fails(3, "device", "close", "disk0", "--session", "other-sess")
 	if out := d.ok("device", "close", "disk0", "--session", "e2e-sess"); !strings.Contains(out, "1 session") {
 		t.Fatalf("device close: %q", out)
@@ -506,19 +503,20 @@ func TestServerEndToEnd(t *testing.T) {
 	img1 := filepath.Join(dir, "disk1.img")
 	sparseFile(t, img1, 16<<20)
 	d.ok("map", "disk1", img1, "--ro", "--allow", "e2e-sess")
-	dev1, err := c.Open(context.Background(), "disk1", rnbd.AccessRO)
+	if _, err := c.Map(context.Background(), "disk1", rnbd.AccessRW); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("rw open of a read-only export: %v, want EPERM", err)
+	}
+	dev1, err := c.Map(context.Background(), "disk1", rnbd.AccessRO)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRW); !errors.Is(err, syscall.EPERM) {
-		t.Fatalf("rw open of a read-only export: %v, want EPERM", err)
 	}
 	d.fails(5, "unmap", "disk1")
 	d.ok("unmap", "disk1", "--force")
 	if err := dev1.Do(context.Background(), rnbd.OpRead, 0, 0, 4096, ws[0].buf, 0); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("IO after unmap --force: %v, want ENOTCONN", err)
 	}
-	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRO); err == nil {
+	dev1.Unmap(context.Background()) // the server forgot it: CLOSE fails
+	if _, err := c.Map(context.Background(), "disk1", rnbd.AccessRO); err == nil {
 		t.Fatal("opened an unmapped export")
 	}
 	d.ok("map", "disk1", img1, "--ro", "--allow", "someone-else", "--write-through")
@@ -534,7 +532,7 @@ func TestServerEndToEnd(t *testing.T) {
 		t.Fatalf("device list after restart: %v", recs)
 	}
 	c = d.client("e2e-sess2", 1)
-	dev, err = c.Open(context.Background(), "disk0", rnbd.AccessRO)
+	dev, err = c.Map(context.Background(), "disk0", rnbd.AccessRO)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -548,7 +546,7 @@ func TestServerEndToEnd(t *testing.T) {
 			t.Fatalf("after restart: %v", err)
 		}
 	}
-	if _, err := c.Open(context.Background(), "disk1", rnbd.AccessRO); !errors.Is(err, syscall.EPERM) {
+	if _, err := c.Map(context.Background(), "disk1", rnbd.AccessRO); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("open of an export that does not allow the session: %v, want EPERM", err)
 	}
 	d.stop()
@@ -603,7 +601,7 @@ func TestServerHostileClients(t *testing.T) {
 
 	c := d.client("good", 1)
 	for _, name := range []string{"../../secret", "/etc/passwd", "link", "../good/../../secret", strings.Repeat("a", 4000)} {
-		if _, err := c.Open(context.Background(), name, rnbd.AccessRO); err == nil {
+		if _, err := c.Map(context.Background(), name, rnbd.AccessRO); err == nil {
 			t.Fatalf("open %q succeeded", name)
 		}
 	}
@@ -612,20 +610,17 @@ func TestServerHostileClients(t *testing.T) {
 		cfg := rtrs.DefaultClientConfig()
 		cfg.SessName, cfg.Fabric, cfg.Log = sess, tcp.New(tcp.Options{}), log.Discard()
 		cfg.Paths = []rtrs.PathAddr{{Dst: netip.MustParseAddrPort(addr)}}
-		s, err := rtrs.Open(context.Background(), cfg)
+		cl, err := rnbd.DialSession(context.Background(), cfg, 0)
 		if err != nil {
 			continue // refused at the session level: fine
 		}
-		cl, err := rnbd.NewClient(context.Background(), s)
-		if err == nil {
-			if _, err := cl.Open(context.Background(), "d0", rnbd.AccessRO); err == nil {
-				t.Fatalf("session %q opened a device", sess)
-			}
+		if _, err := cl.Map(context.Background(), "d0", rnbd.AccessRO); err == nil {
+			t.Fatalf("session %q opened a device", sess)
 		}
-		s.Close()
+		cl.Close()
 	}
 	// Still serving: the good device opens and reads.
-	dev, err := c.Open(context.Background(), "d0", rnbd.AccessRO)
+	dev, err := c.Map(context.Background(), "d0", rnbd.AccessRO)
 	if err != nil {
 		t.Fatalf("after the hostile clients: %v", err)
 	}

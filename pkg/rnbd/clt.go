@@ -1,0 +1,277 @@
+package rnbd
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// DefaultNoPathTimeout is how long a block request waits for its device
+// by default when the session has no path: long enough for a heartbeat to
+// detect a silent peer (about 35 s with the kernel's 5 s x 5) and for
+// reconnects to bring a restarted server back. The kernel fails at once.
+const DefaultNoPathTimeout = 120 * time.Second
+
+// CltSession is an RNBD client session (struct rnbd_clt_session): an RTRS
+// session, the protocol version agreed on it, and the devices mapped
+// through it, which share its paths and permits. It is the client's one
+// API: DialSession, then Map for each device.
+//
+// Requests that find no path wait here, not in RTRS: a server that lost
+// every path of a session forgets its devices, so after a reconnect every
+// device is opened again — possibly under another id — before the
+// requests that waited go out, re-encoded with the new id.
+type CltSession struct {
+	sess *rtrs.CltSession
+	log  *log.Entry
+
+	// adminMu serializes admin messages, which share one buffer.
+	adminMu sync.Mutex
+	admin   *rtrs.Buffer
+	ver     uint8
+
+	noPathTimeout atomic.Int64
+	// pieces[i] is the piece of IO that permit i carries.
+	pieces []piece
+
+	mu      sync.Mutex
+	devs    []*CltDev
+	closed  bool
+	reopenQ chan struct{} // cap 1: wakes the reopen goroutine
+	done    chan struct{}
+	wg      sync.WaitGroup
+}
+
+// DialSession opens an RTRS session with cfg and negotiates RNBD on it
+// (SESS_INFO). noPathTimeout is how long a block request waits for its
+// device when no path is connected (0 fails it at once, as the kernel
+// does). cfg.LinkEvent is the session's own.
+func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.Duration) (*CltSession, error) {
+	if noPathTimeout < 0 {
+		return nil, fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
+	}
+	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
+	s.noPathTimeout.Store(int64(noPathTimeout))
+	if cfg.Log == nil {
+		cfg.Log = log.L
+	}
+	s.log = cfg.Log.WithField("session", cfg.SessName)
+	cfg.LinkEvent = s.linkEvent
+	sess, err := rtrs.Open(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	admin, err := sess.AllocBuffer(4096)
+	if err != nil {
+		sess.Close()
+		return nil, err
+	}
+	s.sess, s.admin = sess, admin
+	if err := s.sessInfo(ctx); err != nil {
+		sess.Close()
+		return nil, err
+	}
+	s.pieces = make([]piece, sess.QueueDepth())
+	s.wg.Add(1)
+	go s.reopenLoop()
+	return s, nil
+}
+
+// Session is the RTRS session under it: its paths, their controls and
+// statistics.
+func (s *CltSession) Session() *rtrs.CltSession { return s.sess }
+
+// Version is the protocol major version agreed with the server.
+func (s *CltSession) Version() int {
+	s.adminMu.Lock()
+	defer s.adminMu.Unlock()
+	return int(s.ver)
+}
+
+// NoPathTimeout is how long a block request waits for its device when
+// no path is connected.
+func (s *CltSession) NoPathTimeout() time.Duration { return time.Duration(s.noPathTimeout.Load()) }
+
+// SetNoPathTimeout changes it for IO that starts waiting from now on.
+func (s *CltSession) SetNoPathTimeout(d time.Duration) error {
+	if d < 0 {
+		return fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
+	}
+	s.noPathTimeout.Store(int64(d))
+	return nil
+}
+
+// Devices returns the session's mapped devices.
+func (s *CltSession) Devices() []*CltDev {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]*CltDev(nil), s.devs...)
+}
+
+// sessInfo (re)negotiates the version (SESS_INFO); done again after a
+// reconnect.
+func (s *CltSession) sessInfo(ctx context.Context) error {
+	s.adminMu.Lock()
+	defer s.adminMu.Unlock()
+	var usr [SessInfoSize]byte
+	(&SessInfo{Ver: ProtoVerMajor}).Encode(usr[:], MsgSessInfo)
+	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Read, usr[:], s.admin, 0, SessInfoRspSize); err != nil {
+		return fmt.Errorf("rnbd: session info: %w", err)
+	}
+	var rsp SessInfo
+	if err := rsp.Decode(s.admin.Bytes()[:SessInfoRspSize], MsgSessInfoRsp); err != nil {
+		return fmt.Errorf("rnbd: session info response: %w", err)
+	}
+	if rsp.Ver == 0 || rsp.Ver > ProtoVerMajor {
+		return fmt.Errorf("rnbd: server answered protocol version %d: %w", rsp.Ver, syscall.EPROTO)
+	}
+	s.ver = rsp.Ver
+	return nil
+}
+
+// ErrBadOpenRsp is returned for an OPEN_RSP that describes no usable device.
+var ErrBadOpenRsp = fmt.Errorf("rnbd: server answered with an unusable device: %w", syscall.EPROTO)
+
+// open opens the remote device name on the server (OPEN). The server
+// answers the same device id for a name the session has open already.
+func (s *CltSession) open(ctx context.Context, name string, mode AccessMode) (OpenRsp, error) {
+	s.adminMu.Lock()
+	defer s.adminMu.Unlock()
+	var usr [OpenSize]byte
+	(&Open{AccessMode: mode, DevName: name}).Encode(usr[:])
+	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Read, usr[:], s.admin, 0, OpenRspSize); err != nil {
+		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
+	}
+	var rsp OpenRsp
+	if err := rsp.Decode(s.admin.Bytes()[:OpenRspSize]); err != nil {
+		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
+	}
+	if !validBlockSize(rsp.LogicalBlockSize) || !validBlockSize(rsp.PhysicalBlockSize) {
+		return OpenRsp{}, fmt.Errorf("%w: block sizes %d/%d", ErrBadOpenRsp, rsp.LogicalBlockSize, rsp.PhysicalBlockSize)
+	}
+	return rsp, nil
+}
+
+func validBlockSize(n uint16) bool { return n >= 512 && n&(n-1) == 0 }
+
+// close closes device id on the server (CLOSE).
+func (s *CltSession) close(ctx context.Context, name string, id uint32) error {
+	var usr [CloseSize]byte
+	(&Close{DeviceID: id}).Encode(usr[:])
+	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Write, usr[:], nil, 0, 0); err != nil {
+		return fmt.Errorf("rnbd: close %s on the server: %w", name, err)
+	}
+	return nil
+}
+
+// Map opens the remote device name with mode and adds it to the session
+// (rnbd_clt_map_device).
+func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*CltDev, error) {
+	if len(name) == 0 || len(name) >= nameMax {
+		return nil, ErrBadDevName
+	}
+	for i := 0; i < len(name); i++ {
+		if name[i] == 0 {
+			return nil, ErrBadDevName
+		}
+	}
+	s.mu.Lock()
+	for _, d := range s.devs {
+		if d.name == name {
+			s.mu.Unlock()
+			return nil, fmt.Errorf("rnbd: %s is already mapped through session %s: %w", name, s.sess.Name(), syscall.EEXIST)
+		}
+	}
+	s.mu.Unlock()
+	info, err := s.open(ctx, name, mode)
+	if err != nil {
+		return nil, err
+	}
+	d := &CltDev{s: s, name: name, mode: mode, info: info}
+	d.wait.expired = d.expired
+	d.state.Store(int32(DevOpen))
+	s.mu.Lock()
+	s.devs = append(s.devs, d)
+	s.mu.Unlock()
+	return d, nil
+}
+
+// linkEvent runs inside RTRS's path bookkeeping: it must not wait for
+// the network. On DISCONNECTED every device stops sending (after the
+// submissions under way, which only post); on RECONNECTED the reopen
+// goroutine takes over.
+func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	devs := append([]*CltDev(nil), s.devs...)
+	s.mu.Unlock()
+	if ev == rtrs.LinkDisconnected {
+		for _, d := range devs {
+			d.disconnected()
+		}
+		return
+	}
+	select {
+	case s.reopenQ <- struct{}{}:
+	default:
+	}
+}
+
+// reopenLoop re-negotiates the session and reopens its devices after a
+// reconnect (rnbd_clt_reconnect), then lets the waiting IO go.
+func (s *CltSession) reopenLoop() {
+	defer s.wg.Done()
+	for {
+		select {
+		case <-s.done:
+			return
+		case <-s.reopenQ:
+		}
+		if !s.sess.Connected() {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		if err := s.sessInfo(ctx); err != nil {
+			cancel()
+			s.log.WithError(err).Warn("session info after reconnect failed; devices stay closed until the next reconnect")
+			continue
+		}
+		for _, d := range s.Devices() {
+			if err := d.reopen(ctx); err != nil {
+				d.log().WithError(err).Warn("reopening the device after reconnect failed")
+			}
+		}
+		cancel()
+	}
+}
+
+// Close unmaps nothing on the server beyond what closing the session
+// does (the server closes the session's devices when its last path goes):
+// it fails the waiting IO and closes the RTRS session.
+func (s *CltSession) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	devs := append([]*CltDev(nil), s.devs...)
+	s.mu.Unlock()
+	close(s.done)
+	for _, d := range devs {
+		d.setState(DevUnmapped)
+		d.wait.fail(rtrs.ErrClosed)
+	}
+	err := s.sess.Close()
+	s.wg.Wait()
+	return err
+}
