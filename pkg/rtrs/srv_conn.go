@@ -1,0 +1,213 @@
+package rtrs
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// srvConn is one connection of a server path and its completion handler.
+type srvConn struct {
+	path     *SrvPath
+	cid      int
+	qp       fabric.Conn
+	attached atomic.Bool
+
+	// sendMu guards the send queue accounting: work requests are
+	// credited back when a signaled one completes, which retires every
+	// request posted before it (sq_wr_avail, rsp_wr_wait_list).
+	sendMu  sync.Mutex
+	sqAvail int
+	unsig   int
+	sigIntv int
+	waiting []*SrvOp
+	closed  bool // set by takeWaiting: nothing is parked after it
+
+	rwr    fabric.RecvWR // scratch for reposting (receive goroutine only)
+	hbWR   [2]fabric.SendWR
+	infoWR fabric.SendWR
+}
+
+// Attached learns the connection. It runs on the accepting goroutine; the
+// flag publishes qp to the other connections' goroutines.
+func (c *srvConn) Attached(qp fabric.Conn) {
+	c.qp = qp
+	c.attached.Store(true)
+}
+
+func (c *srvConn) postRecvs() error {
+	n := c.path.sess.queueDepth
+	if c.cid == 0 {
+		n = ServiceConQueueDepth
+	}
+	// Not the scratch rwr: this runs on cid 0's receive goroutine while
+	// c's own may already be reposting.
+	r := &fabric.RecvWR{ID: wrEmpty}
+	for i := 0; i < n; i++ {
+		if err := c.qp.PostRecv(r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// post posts a chain of n work requests, or parks op until the send queue
+// has room and reports that (op nil: the caller does not retry and gets
+// ErrQueueFull). An op posted is opAnswering: the client may have its
+// answer before post returns. The caller finishes an op not parked.
+func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err error) {
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	if c.closed {
+		return false, ErrClosed
+	}
+	if c.sqAvail < n {
+		if op == nil {
+			return false, fabric.ErrQueueFull
+		}
+		c.waiting = append(c.waiting, op)
+		return true, nil
+	}
+	last := wr
+	for last.Next != nil {
+		last = last.Next
+	}
+	c.unsig += n
+	if c.unsig >= c.sigIntv {
+		last.Signaled = true
+		last.ID = wrRsp | uint64(c.unsig)
+		c.unsig = 0
+	}
+	if op != nil {
+		op.state.Store(opAnswering)
+	}
+	if err := c.qp.PostSend(wr); err != nil {
+		return false, err
+	}
+	c.sqAvail -= n
+	return false, nil
+}
+
+// takeWaiting closes the connection for posting and returns the ops that
+// were parked on it: the closing path finishes them, and a response
+// arriving after this fails at once instead of being parked for ever.
+func (c *srvConn) takeWaiting() []*SrvOp {
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	c.closed = true
+	w := c.waiting
+	c.waiting = nil
+	return w
+}
+
+func (c *srvConn) postHB(imm uint32) error {
+	wr := &c.hbWR[0]
+	if imm == ImmHBAck {
+		wr = &c.hbWR[1]
+	}
+	*wr = fabric.SendWR{ID: wrHB, Op: fabric.OpWriteImm, Imm: ToImm(imm, 0)}
+	_, err := c.post(wr, 1, nil)
+	return err
+}
+
+func (c *srvConn) violation(msg string, err error) {
+	p := c.path
+	e := p.lg().WithField("cid", c.cid)
+	if err != nil {
+		e = e.WithError(err)
+	}
+	p.rl.Log(e, log.ErrorLevel, msg)
+	p.close(msg)
+}
+
+func (c *srvConn) Disconnected(err error) {
+	// A peer hanging up is routine; anything else (a remote access
+	// violation, a protocol error) is worth a warning.
+	level := log.WarnLevel
+	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET) {
+		level = log.InfoLevel
+	}
+	c.path.rl.Log(c.path.lg().WithField("cid", c.cid).WithError(err), level, "connection lost")
+	c.path.close("connection lost")
+}
+
+// Completion is rtrs_srv_rdma_done.
+func (c *srvConn) Completion(wc *fabric.WC) {
+	p := c.path
+	if wc.Status != fabric.WCSuccess {
+		c.violation("work request failed", fmt.Errorf("status %d", wc.Status))
+		return
+	}
+	switch wc.Opcode {
+	case fabric.WCRecv:
+		if wrKind(wc.ID) != wrInfoReq {
+			c.violation("unexpected send from the client", nil)
+			return
+		}
+		if err := p.processInfoReq(c, wc); err != nil {
+			c.violation("path info request refused", err)
+		}
+	case fabric.WCRecvRDMAWithImm:
+		p.hb.alive()
+		c.rwr = fabric.RecvWR{ID: wrEmpty}
+		if err := c.qp.PostRecv(&c.rwr); err != nil {
+			c.violation("posting a receive failed", err)
+			return
+		}
+		typ, payload := FromImm(wc.Imm)
+		switch typ {
+		case ImmIOReq:
+			x := p.sess
+			msgID, off := payload>>p.memBits, payload&(1<<p.memBits-1)
+			if int(msgID) >= x.queueDepth || int(off) >= x.chunkSize {
+				c.violation("request with a wrong msg_id or offset", fmt.Errorf("msg_id %d off %d", msgID, off))
+				return
+			}
+			if p.sess.srv.cfg.AlwaysInvalidate {
+				if err := p.mrs[msgID].Invalidate(); err != nil {
+					c.violation("invalidating a chunk failed", err)
+					return
+				}
+			}
+			if err := p.processIOReq(c, msgID, off); err != nil {
+				c.violation("malformed request", err)
+			}
+		case ImmHBMsg:
+			if err := c.postHB(ImmHBAck); err != nil {
+				c.violation("sending heartbeat ack failed", err)
+			}
+		case ImmHBAck:
+		default:
+			p.rl.Log(p.lg().WithField("imm_type", typ), log.WarnLevel, "unknown immediate type")
+		}
+	case fabric.WCSend, fabric.WCWrite:
+		if wrKind(wc.ID) != wrRsp {
+			return
+		}
+		c.sendMu.Lock()
+		c.sqAvail += int(wc.ID & wrIndexMask)
+		waiting := c.waiting
+		c.waiting = nil
+		c.sendMu.Unlock()
+		for i, op := range waiting {
+			parked, err := c.post(&op.wrs[0], op.nwr, op)
+			if err != nil {
+				c.violation("posting a response failed", err)
+				for _, op := range waiting[i:] {
+					op.finish()
+				}
+				return
+			}
+			if !parked {
+				op.finish()
+			}
+		}
+	}
+}

@@ -1,0 +1,203 @@
+package rtrs
+
+import (
+	"errors"
+	"runtime"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// SrvOp is one request handed to the server's user (struct rtrs_srv_op).
+type SrvOp struct {
+	path *SrvPath
+	con  *srvConn
+	id   uint32
+	dir  Dir
+	// state is opIdle, opWorking (the user has the request, or its
+	// answer waits for send queue room), opAnswering (the answer is being
+	// posted: the client may already have it and send the chunk's next
+	// request), opClaiming and opPending (such a request came; pend
+	// holds it until the answer is out).
+	state atomic.Int32
+	pend  opReq
+	data  []byte
+	usr   []byte
+	rd    RDMARead
+	wrs   [3]fabric.SendWR
+	nwr   int // work requests of a response parked for send queue room
+}
+
+const (
+	opIdle int32 = iota
+	opWorking
+	opAnswering
+	opClaiming
+	opPending
+)
+
+// opReq is a decoded request for a chunk.
+type opReq struct {
+	c       *srvConn
+	dir     Dir
+	rd      RDMARead
+	dataLen int
+	off     uint32
+}
+
+// Dir is the request's direction.
+func (op *SrvOp) Dir() Dir { return op.dir }
+
+// Data is the request's data in the chunk: what the client wrote, or the
+// room to put the data of a read, which is sent back on Respond.
+func (op *SrvOp) Data() []byte { return op.data }
+
+// Usr is the user header the client sent with the request.
+func (op *SrvOp) Usr() []byte { return op.usr }
+
+// Session is the session the request came on.
+func (op *SrvOp) Session() *SrvSession { return op.path.sess }
+
+// Path is the path the request came on.
+func (op *SrvOp) Path() *SrvPath { return op.path }
+
+// ID is the chunk the request occupies.
+func (op *SrvOp) ID() int { return int(op.id) }
+
+// ErrnoOf maps an error to the errno sent to the client: a syscall.Errno
+// (wrapped or not) as is, anything else as EIO.
+func ErrnoOf(err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	var e syscall.Errno
+	if errors.As(err, &e) && e != 0 && e <= 0x1ff {
+		return e
+	}
+	return syscall.EIO
+}
+
+// Respond answers the request (rtrs_srv_resp_rdma): for a successful
+// read the data is written to the client first. The op must not be used
+// after it. It may be called from any goroutine.
+func (op *SrvOp) Respond(err error) {
+	if op.state.Load() != opWorking {
+		panic("rtrs: Respond on an op that is not in flight")
+	}
+	p := op.path
+	if p.State() != SrvPathConnected {
+		p.rl.Log(p.lg().WithField("msg_id", op.id), log.WarnLevel, "response for a path that is not connected: dropped")
+		op.finish()
+		return
+	}
+	errno := ErrnoOf(err)
+	cfg := &p.sess.srv.cfg
+	chunkMR := p.mrs[0]
+	if cfg.AlwaysInvalidate {
+		chunkMR = p.mrs[op.id]
+	}
+	needInval := op.dir == Read && op.rd.SGCnt == 1 && op.rd.Flags&MsgNeedInvalF != 0
+	n := 0
+	if op.dir == Read && errno == 0 && op.rd.SGCnt == 1 {
+		w := &op.wrs[n]
+		*w = fabric.SendWR{ID: wrRsp, Op: fabric.OpWrite, NumSGE: 1,
+			RemoteAddr: op.rd.Desc.Addr, RKey: op.rd.Desc.Key}
+		w.SG[0] = fabric.SGE{Buf: op.data[:op.rd.Desc.Len], LKey: chunkMR.LKey()}
+		n++
+	}
+	if needInval {
+		op.wrs[n] = fabric.SendWR{ID: wrRsp, Op: fabric.OpSendInv, InvRKey: op.rd.Desc.Key}
+		n++
+	}
+	last := &op.wrs[n]
+	imm := IORspImm(op.id, errno, needInval)
+	if cfg.AlwaysInvalidate {
+		rkey, err := chunkMR.Reregister()
+		if err != nil {
+			p.close("re-registering a chunk failed")
+			op.finish()
+			return
+		}
+		msg := p.rkeyMem.Bytes()[op.id*RkeyRspSize : (op.id+1)*RkeyRspSize]
+		(&RkeyRsp{BufID: uint16(op.id), RKey: rkey}).Encode(msg)
+		*last = fabric.SendWR{ID: wrRsp, Op: fabric.OpSendImm, Imm: imm, NumSGE: 1}
+		last.SG[0] = fabric.SGE{Buf: msg, LKey: p.rkeyMR.LKey()}
+	} else {
+		*last = fabric.SendWR{ID: wrRsp, Op: fabric.OpWriteImm, Imm: imm}
+	}
+	n++
+	for i := 0; i < n-1; i++ {
+		op.wrs[i].Next = &op.wrs[i+1]
+	}
+	op.nwr = n
+	parked, err := op.con.post(&op.wrs[0], n, op)
+	if err != nil {
+		if !errors.Is(err, ErrClosed) {
+			p.rl.Log(p.lg().WithError(err), log.ErrorLevel, "posting a response failed")
+		}
+		p.close("posting a response failed")
+	}
+	if !parked {
+		if testHookResponsePosted != nil {
+			testHookResponsePosted(op)
+		}
+		op.finish()
+	}
+}
+
+// testHookResponsePosted, when set by a test, runs between the post of a
+// response and the release of its op.
+var testHookResponsePosted func(*SrvOp)
+
+// finish releases the op after its response went out or was dropped,
+// and starts the chunk's next request if one came meanwhile. It must not
+// be called with a connection's sendMu held: the next request may answer
+// at once.
+func (op *SrvOp) finish() {
+	p := op.path
+	op.data, op.usr = nil, nil
+	for {
+		switch st := op.state.Load(); st {
+		case opWorking, opAnswering:
+			if op.state.CompareAndSwap(st, opIdle) {
+				p.stats.inflight.Add(-1)
+				p.inflight.Done()
+				return
+			}
+		case opClaiming:
+			runtime.Gosched() // the next request is being recorded
+		case opPending:
+			// The op stays counted in flight from one request to the
+			// next, so closeWork cannot free the chunk between them.
+			req := op.pend
+			op.pend = opReq{}
+			op.state.Store(opWorking)
+			if p.State() != SrvPathConnected {
+				op.state.Store(opIdle) // the path is closing: dropped
+				p.stats.inflight.Add(-1)
+				p.inflight.Done()
+				return
+			}
+			op.start(req)
+			return
+		default:
+			panic("rtrs: finish of an op that is not in flight")
+		}
+	}
+}
+
+// start hands a request to the user; op is opWorking and counted in
+// flight.
+func (op *SrvOp) start(req opReq) {
+	p := op.path
+	chunk := p.chunk(op.id)
+	op.con, op.dir, op.rd = req.c, req.dir, req.rd
+	op.data = chunk[:req.dataLen]
+	op.usr = chunk[req.dataLen:req.off]
+	p.stats.update(op.dir, int(req.off))
+	if err := p.sess.srv.cfg.Handler.HandleIO(op); err != nil {
+		op.Respond(err)
+	}
+}

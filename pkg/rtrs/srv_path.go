@@ -1,0 +1,392 @@
+package rtrs
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// SrvPath is one path of a session on the server (struct rtrs_srv_path).
+type SrvPath struct {
+	sess       *SrvSession
+	uuid       [16]byte
+	reconCnt   uint16
+	clientAddr netip.AddrPort
+	serverAddr netip.AddrPort
+	fab        fabric.Fabric
+	dev        fabric.Device
+	logp       atomic.Pointer[log.Entry]
+	rl         log.Limiter
+	stats      SrvPathStats
+	hb         heartbeat
+	zombie     *time.Timer
+
+	state   atomic.Int32 // SrvPathState; changed under stateMu
+	stateMu sync.Mutex
+
+	conns     []*srvConn // set under sess.mu while connecting
+	accepting int        // under sess.mu: connections being accepted
+	pd        fabric.PD
+	chunks    fabric.Memory
+	// chunkMemSize is what the path counts against MaxChunkMemory.
+	chunkMemSize int64
+	mrs          []fabric.MR // one per chunk with always_invalidate, else one
+	memBits      int
+	ops          []SrvOp
+	rkeyMem      fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
+	rkeyMR       fabric.MR
+	infoMem      fabric.Memory // INFO_REQ in, INFO_RSP out
+	infoMR       fabric.MR
+
+	established bool
+	inflight    sync.WaitGroup // IOs handed to the user
+	closeOnce   sync.Once
+	closed      chan struct{}
+}
+
+// Name is "client@server", the kernel's path directory name.
+func (p *SrvPath) Name() string {
+	return FormatAddr(p.clientAddr.Addr(), false) + "@" + FormatAddr(p.serverAddr.Addr(), false)
+}
+
+// State returns the path's state.
+func (p *SrvPath) State() SrvPathState { return SrvPathState(p.state.Load()) }
+
+// Session returns the path's session.
+func (p *SrvPath) Session() *SrvSession { return p.sess }
+
+// ClientAddr is src_addr of the kernel's server path; ServerAddr is dst_addr.
+func (p *SrvPath) ClientAddr() netip.AddrPort { return p.clientAddr }
+func (p *SrvPath) ServerAddr() netip.AddrPort { return p.serverAddr }
+
+// HCAName and HCAPort name the device the path runs on.
+func (p *SrvPath) HCAName() string { return p.dev.Name() }
+func (p *SrvPath) HCAPort() int    { return p.dev.Port() }
+
+// Stats returns the path's counters.
+func (p *SrvPath) Stats() *SrvPathStats { return &p.stats }
+
+// Disconnect closes the path without waiting (paths/<p>/disconnect).
+func (p *SrvPath) Disconnect() { p.close("disconnected by the administrator") }
+
+func (p *SrvPath) changeState(to SrvPathState) bool {
+	p.stateMu.Lock()
+	defer p.stateMu.Unlock()
+	if !srvTransitionAllowed(p.State(), to) {
+		return false
+	}
+	p.state.Store(int32(to))
+	return true
+}
+
+func (p *SrvPath) allocResources() error {
+	x := p.sess
+	cfg := &x.srv.cfg
+	qd := x.queueDepth
+	var err error
+	size := int64(qd) * int64(x.chunkSize)
+	if total := x.srv.chunkMem.Add(size); cfg.MaxChunkMemory > 0 && total > cfg.MaxChunkMemory {
+		x.srv.chunkMem.Add(-size)
+		return fmt.Errorf("chunks of %d bytes would pass max_chunk_memory %d: %w", size, cfg.MaxChunkMemory, syscall.ENOMEM)
+	}
+	p.chunkMemSize = size
+	if p.pd, err = p.dev.AllocPD(); err != nil {
+		return err
+	}
+	if p.chunks, err = p.fab.AllocMemory(qd * x.chunkSize); err != nil {
+		return err
+	}
+	chunks := p.chunks.Bytes()
+	if cfg.AlwaysInvalidate {
+		for i := 0; i < qd; i++ {
+			mr, err := p.pd.RegisterMR(p.chunk(uint32(i)), fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+			if err != nil {
+				return err
+			}
+			p.mrs = append(p.mrs, mr)
+		}
+	} else {
+		mr, err := p.pd.RegisterMR(chunks, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+		if err != nil {
+			return err
+		}
+		p.mrs = append(p.mrs, mr)
+	}
+	p.memBits = MemBits(uint32(qd))
+	if p.rkeyMem, err = p.fab.AllocMemory(qd * RkeyRspSize); err != nil {
+		return err
+	}
+	if p.rkeyMR, err = p.pd.RegisterMR(p.rkeyMem.Bytes(), fabric.AccessLocalWrite); err != nil {
+		return err
+	}
+	if p.infoMem, err = p.fab.AllocMemory(InfoReqSize + InfoRspSize(len(p.mrs))); err != nil {
+		return err
+	}
+	if p.infoMR, err = p.pd.RegisterMR(p.infoMem.Bytes(), fabric.AccessLocalWrite); err != nil {
+		return err
+	}
+	p.ops = make([]SrvOp, qd)
+	for i := range p.ops {
+		p.ops[i].path, p.ops[i].id = p, uint32(i)
+	}
+	return nil
+}
+
+func (p *SrvPath) freeResources() {
+	for _, mr := range p.mrs {
+		mr.Close()
+	}
+	p.mrs = nil
+	for _, mr := range []fabric.MR{p.rkeyMR, p.infoMR} {
+		if mr != nil {
+			mr.Close()
+		}
+	}
+	for _, m := range []fabric.Memory{p.rkeyMem, p.infoMem, p.chunks} {
+		if m != nil {
+			m.Free()
+		}
+	}
+	if p.pd != nil {
+		p.pd.Close()
+	}
+	p.sess.srv.chunkMem.Add(-p.chunkMemSize)
+	p.chunkMemSize = 0
+}
+
+// newConnLocked reserves connection cid of a path (create_con).
+func (p *SrvPath) newConnLocked(cid int) *srvConn {
+	qd := p.sess.queueDepth
+	c := &srvConn{path: p, cid: cid, sigIntv: min(qd, ServiceConQueueDepth)}
+	p.conns[cid] = c
+	return c
+}
+
+// acceptCon accepts c's connection; the service connection gets a
+// receive for INFO_REQ before it is accepted.
+func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
+	x := p.sess
+	cfg := &x.srv.cfg
+	qd := x.queueDepth
+	attr := fabric.ConnAttr{Handler: c}
+	if c.cid == 0 {
+		attr.MaxSendWR = ServiceConQueueDepth*2 + 2
+		attr.MaxRecvWR = attr.MaxSendWR
+		attr.Recvs = []fabric.RecvWR{{ID: wrInfoReq, Buf: p.infoMem.Bytes()[:InfoReqSize], LKey: p.infoMR.LKey()}}
+	} else {
+		if cfg.AlwaysInvalidate {
+			attr.MaxSendWR = qd*(1+4) + 1
+		} else {
+			attr.MaxSendWR = qd*(1+2) + 1
+		}
+		attr.MaxRecvWR = qd + 1
+	}
+	c.sqAvail = attr.MaxSendWR
+	var b [ConnRspSize]byte
+	rsp := ConnRsp{
+		Magic: Magic, Version: ProtoVer,
+		QueueDepth: uint16(qd),
+		MaxIOSize:  uint32(x.chunkSize - MaxHdrSize),
+		MaxHdrSize: MaxHdrSize,
+	}
+	if cfg.AlwaysInvalidate {
+		rsp.Flags = MsgNewRkeyF
+	}
+	_, err := req.Accept(p.pd, attr, rsp.Encode(b[:]))
+	return err
+}
+
+// close starts closing the path once (close_path).
+func (p *SrvPath) close(why string) {
+	if p.changeState(SrvPathClosing) {
+		p.lg().WithField("reason", why).Info("closing path")
+		go p.closeWork()
+	}
+}
+
+// closeWork is rtrs_srv_close_work: stop the heartbeat, close the
+// connections, wait for the IO the user still holds, tell the user if this
+// was the session's last path, and free everything.
+func (p *SrvPath) closeWork() {
+	x := p.sess
+	defer x.srv.wg.Done()
+	p.zombie.Stop()
+	x.mu.Lock()
+	for p.accepting > 0 {
+		x.acceptCond.Wait()
+	}
+	conns := append([]*srvConn(nil), p.conns...)
+	x.mu.Unlock()
+	for _, c := range conns {
+		if c != nil && c.qp != nil {
+			c.qp.Close()
+		}
+	}
+	// Only now: a completion still running could have started it.
+	p.hb.stop()
+	for _, c := range conns {
+		if c != nil {
+			for _, op := range c.takeWaiting() {
+				op.finish()
+			}
+		}
+	}
+	p.inflight.Wait()
+	if p.established {
+		p.established = false
+		x.pathDown()
+	}
+	p.freeResources()
+	x.removePath(p)
+	p.changeState(SrvPathClosed)
+	close(p.closed)
+}
+
+// processInfoReq answers INFO_REQ (process_info_req): the path becomes
+// CONNECTED and the client learns the chunks' addresses and keys.
+func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
+	x := p.sess
+	if c.cid != 0 || p.State() != SrvPathConnecting {
+		return errors.New("unexpected INFO_REQ")
+	}
+	var msg InfoReq
+	if err := msg.Decode(p.infoMem.Bytes()[:min(int(wc.ByteLen), InfoReqSize)]); err != nil {
+		return fmt.Errorf("path info request is malformed: %w", err)
+	}
+	if err := ValidSessName(msg.Pathname); err != nil {
+		return err
+	}
+	x.mu.Lock()
+	conns := append([]*srvConn(nil), p.conns...)
+	x.mu.Unlock()
+	for i, cc := range conns {
+		if cc == nil || !cc.attached.Load() {
+			return fmt.Errorf("INFO_REQ before connection %d was established", i)
+		}
+	}
+	if err := x.claimName(msg.Pathname); err != nil {
+		return err
+	}
+	p.logp.Store(x.logp.Load().WithField("path", p.Name()))
+	for _, cc := range conns {
+		if err := cc.postRecvs(); err != nil {
+			return err
+		}
+	}
+	if !p.changeState(SrvPathConnected) {
+		return errors.New("path left CONNECTING")
+	}
+	p.zombie.Stop()
+	p.hb.start()
+	if err := x.pathUp(p); err != nil {
+		return fmt.Errorf("the server's user refused the session: %w", err)
+	}
+	rsp := InfoRsp{Desc: make([]SGDesc, len(p.mrs))}
+	for i, mr := range p.mrs {
+		rsp.Desc[i] = SGDesc{Addr: mr.Addr(), Key: mr.RKey(), Len: uint32(len(mr.Buf()))}
+	}
+	out := rsp.Encode(p.infoMem.Bytes()[InfoReqSize:])
+	c.infoWR = fabric.SendWR{ID: wrInfoRsp, Op: fabric.OpSend, NumSGE: 1}
+	c.infoWR.SG[0] = fabric.SGE{Buf: out, LKey: p.infoMR.LKey()}
+	p.lg().Info("path connected")
+	_, err := c.post(&c.infoWR, 1, nil)
+	return err
+}
+
+// processIOReq validates a request the client wrote into chunk msgID and
+// hands it to the user (process_io_req, process_read, process_write).
+// Every field is checked: a violation closes the path.
+func (p *SrvPath) processIOReq(c *srvConn, msgID, off uint32) error {
+	if p.State() != SrvPathConnected {
+		p.rl.Log(p.lg(), log.WarnLevel, "request on a path that is not connected: dropped")
+		return nil
+	}
+	chunk := p.chunk(msgID)
+	if int(off)+2 > len(chunk) {
+		return fmt.Errorf("message at offset %d past the chunk", off)
+	}
+	// Decode into locals: the op may still belong to a request in flight
+	// until the chunk is claimed below.
+	var (
+		usrLen int
+		dir    Dir
+		rd     RDMARead
+	)
+	switch typ := le.Uint16(chunk[off:]); typ {
+	case MsgWrite:
+		var m RDMAWrite
+		if err := m.Decode(chunk[off:]); err != nil {
+			return err
+		}
+		usrLen, dir = int(m.UsrLen), Write
+	case MsgRead:
+		if err := rd.Decode(chunk[off:]); err != nil {
+			return err
+		}
+		usrLen, dir = int(rd.UsrLen), Read
+	default:
+		return fmt.Errorf("unknown message type %d", typ)
+	}
+	if usrLen > int(off) {
+		return fmt.Errorf("usr_len %d > offset %d", usrLen, off)
+	}
+	dataLen := int(off) - usrLen
+	if dir == Read && rd.SGCnt == 1 && (rd.Desc.Len == 0 || int(rd.Desc.Len) > dataLen) {
+		return fmt.Errorf("read descriptor of %d bytes for %d bytes of data", rd.Desc.Len, dataLen)
+	}
+	if dir == Read && rd.SGCnt == 0 && dataLen != 0 {
+		// The data of a read could go nowhere. A read without data
+		// (the kernel's flush) has its message right after the user's.
+		return fmt.Errorf("read without a descriptor for %d bytes of data", dataLen)
+	}
+	op := &p.ops[msgID]
+	req := opReq{c: c, dir: dir, rd: rd, dataLen: dataLen, off: off}
+	for {
+		switch op.state.Load() {
+		case opIdle:
+			if op.state.CompareAndSwap(opIdle, opWorking) {
+				p.stats.inflight.Add(1)
+				p.inflight.Add(1)
+				op.start(req)
+				return nil
+			}
+		case opAnswering:
+			// The client has the answer and reuses the chunk before
+			// the post of that answer returned here: legitimate. The
+			// request waits for it (finish).
+			if op.state.CompareAndSwap(opAnswering, opClaiming) {
+				op.pend = req
+				op.state.Store(opPending)
+				return nil
+			}
+		default:
+			return fmt.Errorf("request for chunk %d, which is still in use", msgID)
+		}
+	}
+}
+
+// sendHB posts a HB_MSG on the service connection.
+func (p *SrvPath) sendHB() error {
+	p.sess.mu.Lock()
+	c := p.conns[0]
+	p.sess.mu.Unlock()
+	if c == nil {
+		return errPathDown
+	}
+	return c.postHB(ImmHBMsg)
+}
+
+func (p *SrvPath) chunk(id uint32) []byte {
+	b := p.chunks.Bytes()
+	cs := p.sess.chunkSize
+	return b[int(id)*cs : (int(id)+1)*cs]
+}
+
+func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }

@@ -1,0 +1,205 @@
+package rtrs
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// claimName gives the session its name, unless another session uses it
+// (exist_pathname) or the session already has a different one. The check
+// and the claim are one step under the server's nameMu, so two sessions
+// connecting at once cannot both take a name.
+func (x *SrvSession) claimName(name string) error {
+	s := x.srv
+	s.nameMu.Lock()
+	defer s.nameMu.Unlock()
+	for _, o := range s.Sessions() {
+		if o != x && o.Name() == name {
+			return fmt.Errorf("session name %q is taken by another session: %w", name, syscall.EPERM)
+		}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.name != "" && x.name != name {
+		return fmt.Errorf("session %q cannot take a path named %q", x.name, name)
+	}
+	x.name = name
+	x.logp.Store(s.log.WithField("session", name))
+	return nil
+}
+
+// SrvSession is a client session as the server sees it (struct
+// rtrs_srv_sess): its paths.
+//
+// Unlike the kernel, each path has chunks of its own rather than sharing
+// the session's. The protocol allows it (a client keeps the chunk
+// descriptors per path), and it means a request failed over from a dead
+// path never lands in memory that the dead path's unfinished IO may still
+// be reading: with shared chunks that IO could write another request's
+// data to its own, stale, offset.
+type SrvSession struct {
+	srv        *Server
+	uuid       [16]byte
+	queueDepth int
+	chunkSize  int
+	logp       atomic.Pointer[log.Entry]
+	priv       atomic.Value
+
+	// mu guards the fields below.
+	mu      sync.Mutex
+	name    string
+	paths   []*SrvPath
+	pathsUp int
+	refs    int // under srv.mu: one per path
+	// acceptCond (on mu) wakes a closing path waiting for connections
+	// being accepted into it (SrvPath.accepting).
+	acceptCond sync.Cond
+
+	evMu sync.Mutex // serializes link events
+}
+
+// Name is the session name the client sent.
+func (x *SrvSession) Name() string {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.name
+}
+
+// UUID is the session's paths UUID.
+func (x *SrvSession) UUID() [16]byte { return x.uuid }
+
+// QueueDepth is the number of chunks.
+func (x *SrvSession) QueueDepth() int { return x.queueDepth }
+
+// SetPriv and Priv attach the user's state to the session.
+func (x *SrvSession) SetPriv(v any) { x.priv.Store(&v) }
+
+func (x *SrvSession) Priv() any {
+	if v, ok := x.priv.Load().(*any); ok {
+		return *v
+	}
+	return nil
+}
+
+// Paths returns the session's paths.
+func (x *SrvSession) Paths() []*SrvPath {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return append([]*SrvPath(nil), x.paths...)
+}
+
+// Close disconnects every path of the session and waits for them.
+func (x *SrvSession) Close() {
+	for _, p := range x.Paths() {
+		p.close("session closed")
+		<-p.closed
+	}
+}
+
+func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
+	for _, p := range x.paths {
+		if p.uuid == uuid {
+			return p
+		}
+	}
+	return nil
+}
+
+// allocPathLocked is __alloc_path: a new path in CONNECTING with its own
+// protection domain and registrations of the session's chunks.
+func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, msg *ConnReq) (*SrvPath, syscall.Errno, error) {
+	s := x.srv
+	if s.closed.Load() {
+		return nil, syscall.ECONNRESET, errors.New("server closing")
+	}
+	if len(x.paths) >= MaxPathsNum {
+		return nil, syscall.ECONNRESET, errors.New("too many paths")
+	}
+	client, server := req.RemoteAddr().Addr(), req.LocalAddr().Addr()
+	for _, p := range x.paths {
+		if p.clientAddr.Addr() == client && p.serverAddr.Addr() == server {
+			return nil, syscall.EEXIST, fmt.Errorf("path %s with the same addresses exists", p.Name())
+		}
+	}
+	p := &SrvPath{
+		sess:       x,
+		uuid:       msg.SessUUID,
+		reconCnt:   msg.ReconCnt,
+		clientAddr: req.RemoteAddr(),
+		serverAddr: req.LocalAddr(),
+		conns:      make([]*srvConn, msg.CIDNum),
+		fab:        fab,
+		dev:        req.Device(),
+		closed:     make(chan struct{}),
+	}
+	p.state.Store(int32(SrvPathConnecting))
+	p.logp.Store(x.logp.Load().WithField("path", p.Name()))
+	if err := p.allocResources(); err != nil {
+		p.freeResources()
+		return nil, syscall.ENOMEM, err
+	}
+	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {
+		p.lg().Error("heartbeat: client silent for too long")
+		p.close("heartbeat timeout")
+	})
+	p.zombie = time.AfterFunc(s.cfg.ConnectTimeout, func() {
+		if p.State() == SrvPathConnecting {
+			p.close("path did not finish connecting in time")
+		}
+	})
+	x.paths = append(x.paths, p)
+	s.wg.Add(1) // released by the close work
+	return p, 0, nil
+}
+
+func (x *SrvSession) removePath(p *SrvPath) {
+	x.mu.Lock()
+	for i, q := range x.paths {
+		if q == p {
+			x.paths = append(x.paths[:i:i], x.paths[i+1:]...)
+			break
+		}
+	}
+	x.mu.Unlock()
+	x.srv.putSession(x)
+}
+
+// pathUp counts an established path and reports CONNECTED for the first
+// (rtrs_srv_path_up).
+func (x *SrvSession) pathUp(p *SrvPath) error {
+	x.evMu.Lock()
+	defer x.evMu.Unlock()
+	x.mu.Lock()
+	x.pathsUp++
+	first := x.pathsUp == 1
+	x.mu.Unlock()
+	if first {
+		if err := x.srv.cfg.Handler.LinkEvent(x, SrvLinkConnected); err != nil {
+			x.mu.Lock()
+			x.pathsUp--
+			x.mu.Unlock()
+			return err
+		}
+	}
+	p.established = true
+	return nil
+}
+
+func (x *SrvSession) pathDown() {
+	x.evMu.Lock()
+	defer x.evMu.Unlock()
+	x.mu.Lock()
+	x.pathsUp--
+	last := x.pathsUp == 0
+	x.mu.Unlock()
+	if last {
+		x.srv.cfg.Handler.LinkEvent(x, SrvLinkDisconnected)
+	}
+}
