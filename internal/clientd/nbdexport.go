@@ -4,7 +4,7 @@ import (
 	"context"
 	"sync"
 
-	"github.com/rnbd/rnbd/pkg/blockdev/nbd"
+	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )

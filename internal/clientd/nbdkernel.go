@@ -13,8 +13,8 @@ import (
 
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/nbdnl"
-	"github.com/rnbd/rnbd/pkg/blockdev/nbd"
+	"github.com/rnbd/rnbd/pkg/frontend/nbd"
+	"github.com/rnbd/rnbd/pkg/frontend/nbd/nbdnl"
 )
 
 // kernelDeadConnTimeout is how long the kernel keeps a device's IO queued

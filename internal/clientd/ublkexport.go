@@ -10,7 +10,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/pkg/blockdev/ublk"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )

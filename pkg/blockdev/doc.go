@@ -1,6 +1,5 @@
-// Package blockdev is the operating system's block storage: on the server
-// side the backends an export is served from (a regular file or a block
-// device, with flush, FUA, discard and write-zeroes mapped exactly), and on
-// the client side the frontends a mapped device is offered through (NBD,
-// kernel NBD attach, ublk).
+// Package blockdev is the operating system's block storage an RNBD
+// server serves an export from: a regular file or a block device, with
+// flush, FUA, discard and write-zeroes mapped exactly. The client's
+// frontends are in pkg/frontend.
 package blockdev

@@ -57,18 +57,21 @@ func TestCgoOnlyInIbverbs(t *testing.T) {
 }
 
 // TestDependencyDirection: cmd -> internal -> pkg/rnbd -> pkg/rtrs ->
-// fabric -> pkg/ibverbs, and pkg/rnbd -> pkg/blockdev (the backends; the
-// NBD and ublk frontends live in packages below it). Nothing under pkg
-// imports cmd or internal packages other than log, units and uring (leaves
-// that know nothing of the daemons); pkg/rtrs
-// knows nothing of RNBD, NBD or ublk; pkg/rnbd knows nothing of NBD or
-// ublk; the backends know nothing of RNBD or RTRS.
+// fabric -> pkg/ibverbs, and pkg/rnbd -> pkg/blockdev (the server's
+// backends). The frontends a mapped device is offered through (NBD, the
+// kernel's nbd attach, ublk) live in pkg/frontend, and only the client
+// daemon joins them to RNBD. Nothing under pkg imports cmd or internal
+// packages other than log, units and uring (leaves that know nothing of
+// the daemons); pkg/rtrs knows nothing of RNBD, NBD or ublk; pkg/rnbd
+// knows nothing of the frontends; the backends and the frontends know
+// nothing of RNBD or RTRS, nor of each other.
 func TestDependencyDirection(t *testing.T) {
 	forbidden := map[string][]string{
 		module + "/pkg/":         {module + "/cmd/", module + "/test/"},
 		module + "/pkg/rtrs":     {module + "/pkg/rnbd", module + "/pkg/blockdev"},
-		module + "/pkg/rnbd":     {module + "/pkg/blockdev/"},
-		module + "/pkg/blockdev": {module + "/pkg/rnbd", module + "/pkg/rtrs"},
+		module + "/pkg/rnbd":     {module + "/pkg/frontend"},
+		module + "/pkg/blockdev": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/frontend"},
+		module + "/pkg/frontend": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/blockdev"},
 		module + "/internal/":    {module + "/cmd/"},
 	}
 	allowedInternal := map[string]bool{module + "/internal/log": true, module + "/internal/units": true,

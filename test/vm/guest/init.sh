@@ -225,7 +225,7 @@ rdma_setup() {
 	done
 	return 1
 }
-# ublk: pkg/blockdev/ublk on its own, over an asynchronous RAM backend
+# ublk: pkg/frontend/ublk on its own, over an asynchronous RAM backend
 # (test/vm/ublkcheck prints its own RESULT lines).
 if want ublk-package; then
 	scenario ublk-package

@@ -1,4 +1,4 @@
-// Command ublkcheck proves pkg/blockdev/ublk on a real kernel: it serves
+// Command ublkcheck proves pkg/frontend/ublk on a real kernel: it serves
 // a ublk device from an in-memory backend that completes every request
 // asynchronously from another goroutine, drives it through /dev/ublkbN
 // (O_DIRECT pattern write and read back, discard, write-zeroes, flush,
@@ -28,7 +28,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/pkg/blockdev/ublk"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk"
 )
 
 const mib = 1 << 20
