@@ -162,18 +162,11 @@ func merge(m *clientd.Mapping, line clientd.Mapping) {
 }
 
 func devCmd(g *cli.Globals, use, short, op string, body func() any, done string) *cobra.Command {
-	return &cobra.Command{
-		Use:   use,
-		Short: short,
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/"+op, body(), nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s %s\n", args[0], done)
-			return nil
-		},
-	}
+	return g.Command(cli.Action{Use: use, Short: short, Args: 1,
+		Path: cli.Under("/v1/devices", "/"+op),
+		Body: func([]string) any { return body() },
+		Done: func(args []string) string { return args[0] + " " + done },
+	})
 }
 
 func newUnmap(g *cli.Globals) *cobra.Command {
@@ -190,64 +183,29 @@ func newRemap(g *cli.Globals) *cobra.Command {
 }
 
 func newResize(g *cli.Globals) *cobra.Command {
-	var size string
-	cmd := &cobra.Command{
-		Use:   "resize DEV SIZE",
+	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2,
 		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections)",
-		Args:  cobra.ExactArgs(2),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			size = args[1]
-			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/resize", clientd.ResizeRequest{Size: size}, nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s resized to %s\n", args[0], size)
-			return nil
-		},
-	}
-	return cmd
-}
-
-func listCmds(g *cli.Globals, kind, path string, defaults, all []string) []*cobra.Command {
-	return []*cobra.Command{{
-		Use:   "list",
-		Short: "List " + kind + "s",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), path, kind, defaults, all)
-		},
-	}, {
-		Use:   "show NAME",
-		Short: "Show a " + kind + " with every field",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), path+"/"+url.PathEscape(args[0]), kind, all, all)
-		},
-	}}
+		Path:  cli.Under("/v1/devices", "/resize"),
+		Body:  func(args []string) any { return clientd.ResizeRequest{Size: args[1]} },
+		Done:  func(args []string) string { return args[0] + " resized to " + args[1] },
+	})
 }
 
 func newDevice(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "device", Short: "List and show mapped devices"}
-	cmd.AddCommand(listCmds(g, "device", "/v1/devices",
+	cmd.AddCommand(g.ListCmds("device", "/v1/devices", "List devices", "Show a device with every field", nil,
 		[]string{"devname", "sessname", "mapping_path", "access_mode", "state", "size", "socket"}, clientd.DeviceFields)...)
 	return cmd
 }
 
 func newSession(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "session", Short: "List, show, reconnect and tune sessions"}
-	cmd.AddCommand(listCmds(g, "session", "/v1/sessions",
+	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List sessions", "Show a session with every field", nil,
 		[]string{"sessname", "state", "path_uu", "mpath_policy", "tx_bytes", "rx_bytes", "devices"}, clientd.SessionFields)...)
-	cmd.AddCommand(&cobra.Command{
-		Use:   "reconnect NAME",
-		Short: "Reconnect every path of a session",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/reconnect", nil, nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s reconnected\n", args[0])
-			return nil
-		},
-	}, &cobra.Command{
+	cmd.AddCommand(g.Command(cli.Action{Use: "reconnect NAME", Short: "Reconnect every path of a session", Args: 1,
+		Path: cli.Under("/v1/sessions", "/reconnect"),
+		Done: func(args []string) string { return args[0] + " reconnected" },
+	}), &cobra.Command{
 		Use:   "set NAME KEY=VALUE...",
 		Short: "Set mpath_policy, max_reconnect_attempts or no_path_timeout of a session",
 		Args:  cobra.MinimumNArgs(2),
@@ -284,81 +242,22 @@ func newSession(g *cli.Globals) *cobra.Command {
 }
 
 func newPath(g *cli.Globals) *cobra.Command {
-	cmd := &cobra.Command{Use: "path", Short: "List, show, add, remove, reconnect and disconnect paths"}
-	var session string
-	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
-	q := func() string {
-		if session == "" {
-			return ""
-		}
-		return "?session=" + url.QueryEscape(session)
-	}
-	all := clientd.PathFields
-	defaults := []string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}
-	cmd.AddCommand(&cobra.Command{
-		Use:   "list",
-		Short: "List paths",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/paths"+q(), "path", defaults, all)
+	return g.PathCmd("List, show, add, remove, reconnect and disconnect paths", "src@dst",
+		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, clientd.PathFields,
+		[]cli.PathOp{
+			{Name: "remove", Short: "Disconnect a path and remove it from its session", Done: "path %s removed"},
+			{Name: "reconnect", Short: "Reconnect a path now", Done: "path %s reconnected"},
+			{Name: "disconnect", Short: "Disconnect a path (it stays until reconnected or removed)", Done: "path %s disconnected"},
 		},
-	}, &cobra.Command{
-		Use:   "show PATH",
-		Short: "Show a path (src@dst)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/paths/"+url.PathEscape(args[0])+q(), "path", all, all)
-		},
-	}, &cobra.Command{
-		Use:   "add SESSION PATH",
-		Short: "Add a path ([ip:SRC@]ip:DST) to a session and connect it",
-		Args:  cobra.ExactArgs(2),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/paths", clientd.PathRequest{Path: args[1]}, nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "path %s added to %s\n", args[1], args[0])
-			return nil
-		},
-	})
-	for _, op := range []struct{ name, short, done string }{
-		{"remove", "Disconnect a path and remove it from its session", "removed"},
-		{"reconnect", "Reconnect a path now", "reconnected"},
-		{"disconnect", "Disconnect a path (it stays until reconnected or removed)", "disconnected"},
-	} {
-		cmd.AddCommand(&cobra.Command{
-			Use:   op.name + " PATH",
-			Short: op.short,
-			Args:  cobra.ExactArgs(1),
-			RunE: func(cmd *cobra.Command, args []string) error {
-				if err := g.Call("POST", "/v1/paths/"+url.PathEscape(args[0])+"/"+op.name+q(), nil, nil); err != nil {
-					return err
-				}
-				fmt.Fprintf(cmd.OutOrStdout(), "path %s %s\n", args[0], op.done)
-				return nil
-			},
+		func(func() string) []*cobra.Command {
+			return []*cobra.Command{g.Command(cli.Action{Use: "add SESSION PATH", Short: "Add a path ([ip:SRC@]ip:DST) to a session and connect it", Args: 2,
+				Path: cli.Under("/v1/sessions", "/paths"),
+				Body: func(args []string) any { return clientd.PathRequest{Path: args[1]} },
+				Done: func(args []string) string { return "path " + args[1] + " added to " + args[0] },
+			})}
 		})
-	}
-	return cmd
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	var reset bool
-	cmd := &cobra.Command{
-		Use:   "stats",
-		Short: "Show every path's stats/rdma, stats/reconnects and cur_latency, or reset them",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if reset {
-				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
-					return err
-				}
-				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
-				return nil
-			}
-			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", clientd.StatsFields, clientd.StatsFields)
-		},
-	}
-	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
-	return cmd
+	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency, or reset them", clientd.StatsFields)
 }

@@ -153,22 +153,9 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 
 func newDevice(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "device", Short: "List, show and close exported devices"}
-	defaults := []string{"devname", "sessname", "mapping_path", "access_mode", "state"}
-	cmd.AddCommand(&cobra.Command{
-		Use:   "list",
-		Short: "List exports and the devices sessions have open",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/devices", "device", defaults, serverd.DeviceFields)
-		},
-	}, &cobra.Command{
-		Use:   "show NAME",
-		Short: "Show a device with every session that has it open",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/devices/"+url.PathEscape(args[0]), "device", serverd.DeviceFields, serverd.DeviceFields)
-		},
-	})
+	cmd.AddCommand(g.ListCmds("device", "/v1/devices", "List exports and the devices sessions have open",
+		"Show a device with every session that has it open", nil,
+		[]string{"devname", "sessname", "mapping_path", "access_mode", "state"}, serverd.DeviceFields)...)
 	var session string
 	closeCmd := &cobra.Command{
 		Use:   "close NAME",
@@ -190,93 +177,21 @@ func newDevice(g *cli.Globals) *cobra.Command {
 
 func newSession(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "session", Short: "List, show and disconnect client sessions"}
-	defaults := []string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}
-	cmd.AddCommand(&cobra.Command{
-		Use:   "list",
-		Short: "List client sessions",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/sessions", "session", defaults, serverd.SessionFields)
-		},
-	}, &cobra.Command{
-		Use:   "show NAME",
-		Short: "Show a session",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/sessions/"+url.PathEscape(args[0]), "session", serverd.SessionFields, serverd.SessionFields)
-		},
-	}, &cobra.Command{
-		Use:   "disconnect NAME",
-		Short: "Disconnect every path of a session (its devices close)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/disconnect", nil, nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "disconnecting %s\n", args[0])
-			return nil
-		},
-	})
+	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List client sessions", "Show a session", nil,
+		[]string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}, serverd.SessionFields)...)
+	cmd.AddCommand(g.Command(cli.Action{Use: "disconnect NAME", Short: "Disconnect every path of a session (its devices close)", Args: 1,
+		Path: cli.Under("/v1/sessions", "/disconnect"),
+		Done: func(args []string) string { return "disconnecting " + args[0] },
+	}))
 	return cmd
 }
 
 func newPath(g *cli.Globals) *cobra.Command {
-	cmd := &cobra.Command{Use: "path", Short: "List, show and disconnect paths"}
-	var session string
-	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
-	q := func() string {
-		if session == "" {
-			return ""
-		}
-		return "?session=" + url.QueryEscape(session)
-	}
-	defaults := []string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}
-	cmd.AddCommand(&cobra.Command{
-		Use:   "list",
-		Short: "List paths",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/paths"+q(), "path", defaults, serverd.PathFields)
-		},
-	}, &cobra.Command{
-		Use:   "show PATH",
-		Short: "Show a path (client@server)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/paths/"+url.PathEscape(args[0])+q(), "path", serverd.PathFields, serverd.PathFields)
-		},
-	}, &cobra.Command{
-		Use:   "disconnect PATH",
-		Short: "Disconnect a path (without waiting, as the kernel's)",
-		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("POST", "/v1/paths/"+url.PathEscape(args[0])+"/disconnect"+q(), nil, nil); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "disconnecting %s\n", args[0])
-			return nil
-		},
-	})
-	return cmd
+	return g.PathCmd("List, show and disconnect paths", "client@server",
+		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, serverd.PathFields,
+		[]cli.PathOp{{Name: "disconnect", Short: "Disconnect a path (without waiting, as the kernel's)", Done: "disconnecting %s"}}, nil)
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	var reset bool
-	cmd := &cobra.Command{
-		Use:   "stats",
-		Short: "Show every path's stats/rdma (rd_cnt rd_bytes wr_cnt wr_bytes) and inflight, or reset them",
-		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if reset {
-				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
-					return err
-				}
-				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
-				return nil
-			}
-			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", serverd.StatsFields, serverd.StatsFields)
-		},
-	}
-	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
-	return cmd
+	return g.StatsCmd("Show every path's stats/rdma (rd_cnt rd_bytes wr_cnt wr_bytes) and inflight, or reset them", serverd.StatsFields)
 }

@@ -4,10 +4,8 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -201,22 +199,13 @@ func (d *Daemon) Stop() error {
 	return err
 }
 
+// StateVersion implements conf.Versioned.
+func (st *State) StateVersion() int { return st.Version }
+
 func loadState(path string) (State, error) {
-	var st State
-	b, err := os.ReadFile(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return State{Version: StateVersion}, nil
-	}
-	if err != nil {
-		return st, fmt.Errorf("state file %s: %w", path, err)
-	}
-	if err := json.Unmarshal(b, &st); err != nil {
-		return st, fmt.Errorf("state file %s: %w", path, err)
-	}
-	if st.Version > StateVersion {
-		return st, fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, st.Version)
-	}
-	return st, nil
+	st := State{Version: StateVersion}
+	err := conf.LoadState(path, &st, StateVersion)
+	return st, err
 }
 
 // saveState writes the mappings; d.mapMu is held. Mappings that failed
@@ -230,11 +219,7 @@ func (d *Daemon) saveState() error {
 	st.Mappings = append(st.Mappings, d.failed...)
 	d.mu.Unlock()
 	sort.Slice(st.Mappings, func(i, j int) bool { return st.Mappings[i].Device < st.Mappings[j].Device })
-	b, err := json.MarshalIndent(st, "", "  ")
-	if err != nil {
-		return err
-	}
-	return conf.WriteFileAtomic(d.cfg.StateFile, append(b, '\n'))
+	return conf.SaveState(d.cfg.StateFile, st)
 }
 
 // ParseMapString parses the kernel's map_device line: "sessname=s1

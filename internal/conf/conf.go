@@ -4,6 +4,7 @@
 package conf
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -103,4 +104,36 @@ func WriteFileAtomic(path string, data []byte) error {
 		df.Close()
 	}
 	return nil
+}
+
+// Versioned is a state file's content: it says its format version.
+type Versioned interface{ StateVersion() int }
+
+// LoadState reads the JSON state file at path into st. A missing file is
+// no error and leaves st as it was (the caller's empty state); a file of a
+// newer version than newest is refused rather than half understood.
+func LoadState(path string, st Versioned, newest int) error {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("state file %s: %w", path, err)
+	}
+	if err := json.Unmarshal(b, st); err != nil {
+		return fmt.Errorf("state file %s: %w", path, err)
+	}
+	if v := st.StateVersion(); v > newest {
+		return fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, v)
+	}
+	return nil
+}
+
+// SaveState writes st as indented JSON to path, atomically.
+func SaveState(path string, st any) error {
+	b, err := json.MarshalIndent(st, "", "  ")
+	if err != nil {
+		return err
+	}
+	return WriteFileAtomic(path, append(b, '\n'))
 }

@@ -1,8 +1,6 @@
 package serverd
 
 import (
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io/fs"
 	"net/http"
@@ -159,33 +157,20 @@ func (d *Daemon) Stop() error {
 	return err
 }
 
+// StateVersion implements conf.Versioned.
+func (st *State) StateVersion() int { return st.Version }
+
 func loadState(path string) (State, error) {
-	var st State
-	b, err := os.ReadFile(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return State{Version: StateVersion}, nil
-	}
-	if err != nil {
-		return st, fmt.Errorf("state file %s: %w", path, err)
-	}
-	if err := json.Unmarshal(b, &st); err != nil {
-		return st, fmt.Errorf("state file %s: %w", path, err)
-	}
-	if st.Version > StateVersion {
-		return st, fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, st.Version)
-	}
-	return st, nil
+	st := State{Version: StateVersion}
+	err := conf.LoadState(path, &st, StateVersion)
+	return st, err
 }
 
 // saveState writes the exports atomically: a temporary file, synced, then
 // renamed over the old one, and the directory synced.
 func (d *Daemon) saveState() error {
 	st := State{Version: StateVersion, Exports: d.rnbd.Exports()}
-	b, err := json.MarshalIndent(st, "", "  ")
-	if err != nil {
-		return err
-	}
-	return conf.WriteFileAtomic(d.cfg.StateFile, append(b, '\n'))
+	return conf.SaveState(d.cfg.StateFile, st)
 }
 
 // Requests of the control API.

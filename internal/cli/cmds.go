@@ -1,0 +1,124 @@
+package cli
+
+import (
+	"fmt"
+	"net/url"
+
+	"github.com/spf13/cobra"
+)
+
+// ListCmds are "list" and "show NAME" of the records of kind at path
+// (GET path, GET path/NAME); show prints every field. query, if not nil,
+// adds a query string to both (a path's --session).
+func (g *Globals) ListCmds(kind, path, listShort, showShort string, query func() string, defaults, all []string) []*cobra.Command {
+	if query == nil {
+		query = func() string { return "" }
+	}
+	return []*cobra.Command{{
+		Use:   "list",
+		Short: listShort,
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), path+query(), kind, defaults, all)
+		},
+	}, {
+		Use:   "show NAME",
+		Short: showShort,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return g.List(cmd.OutOrStdout(), path+"/"+url.PathEscape(args[0])+query(), kind, all, all)
+		},
+	}}
+}
+
+// Action is a control command that POSTs to one object and says what it
+// did: "POST Path(args) Body(args)", then Done(args) on a line.
+type Action struct {
+	Use, Short string
+	Args       int // number of arguments
+	Path       func(args []string) string
+	Body       func(args []string) any // nil: no body
+	Done       func(args []string) string
+}
+
+// Command makes the cobra command of a.
+func (g *Globals) Command(a Action) *cobra.Command {
+	return &cobra.Command{
+		Use:   a.Use,
+		Short: a.Short,
+		Args:  cobra.ExactArgs(a.Args),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var body any
+			if a.Body != nil {
+				body = a.Body(args)
+			}
+			if err := g.Call("POST", a.Path(args), body, nil); err != nil {
+				return err
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), a.Done(args))
+			return nil
+		},
+	}
+}
+
+// Under is the path of an object by its name, escaped: base/NAME + rest.
+func Under(base, rest string) func(args []string) string {
+	return func(args []string) string { return base + "/" + url.PathEscape(args[0]) + rest }
+}
+
+// PathCmd is the "path" command both daemons have: list and show, then
+// one command per op in ops (POST /v1/paths/NAME/OP), all taking
+// --session for a path name more than one session has. more adds
+// commands that may use the --session query.
+func (g *Globals) PathCmd(short, showWhat string, defaults, all []string, ops []PathOp, more func(query func() string) []*cobra.Command) *cobra.Command {
+	cmd := &cobra.Command{Use: "path", Short: short}
+	var session string
+	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
+	q := func() string {
+		if session == "" {
+			return ""
+		}
+		return "?session=" + url.QueryEscape(session)
+	}
+	lists := g.ListCmds("path", "/v1/paths", "List paths", "Show a path ("+showWhat+")", q, defaults, all)
+	lists[1].Use = "show PATH"
+	cmd.AddCommand(lists...)
+	if more != nil {
+		cmd.AddCommand(more(q)...)
+	}
+	for _, op := range ops {
+		cmd.AddCommand(g.Command(Action{
+			Use: op.Name + " PATH", Short: op.Short, Args: 1,
+			Path: func(args []string) string { return "/v1/paths/" + url.PathEscape(args[0]) + "/" + op.Name + q() },
+			Done: func(args []string) string { return fmt.Sprintf(op.Done, args[0]) },
+		}))
+	}
+	return cmd
+}
+
+// PathOp is one of PathCmd's commands: its name, its help and what it
+// prints when done (a format of the path's name).
+type PathOp struct{ Name, Short, Done string }
+
+// StatsCmd is "stats [--reset]": the records of GET /v1/stats, or POST
+// /v1/stats/reset.
+func (g *Globals) StatsCmd(short string, fields []string) *cobra.Command {
+	var reset bool
+	cmd := &cobra.Command{
+		Use:   "stats",
+		Short: short,
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if reset {
+				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
+				return nil
+			}
+			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", fields, fields)
+		},
+	}
+	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
+	return cmd
+}
