@@ -34,12 +34,13 @@ type Config struct {
 	StateFile            string        `toml:"state_file"`
 	SocketDir            string        `toml:"socket_dir"`
 	ConnsPerPath         int           `toml:"conns_per_path"`
-	MPPolicy             string        `toml:"mpath_policy"`
+	MPPolicy             rtrs.MPPolicy `toml:"mpath_policy"`
 	MaxReconnectAttempts int           `toml:"max_reconnect_attempts"`
 	NoPathTimeout        conf.Duration `toml:"no_path_timeout"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
+	NBDBuffers           int           `toml:"nbd_buffers"`
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	LogLevel             string        `toml:"log_level"`
 	LogFormat            string        `toml:"log_format"`
@@ -54,12 +55,13 @@ func DefaultConfig() Config {
 		StateFile:            DefaultStateFile,
 		SocketDir:            DefaultSocketDir,
 		ConnsPerPath:         d.ConnsPerPath,
-		MPPolicy:             d.MPPolicy.Name(),
+		MPPolicy:             d.MPPolicy,
 		MaxReconnectAttempts: d.MaxReconnectAttempts,
 		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,
+		NBDBuffers:           64,
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -80,9 +82,6 @@ func (c *Config) Validate() error {
 	if c.ConnsPerPath < 1 {
 		return errors.New("conns_per_path must be at least 1")
 	}
-	if _, err := rtrs.ParseMPPolicy(c.MPPolicy); err != nil {
-		return err
-	}
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {
 		return errors.New("bad no_path_timeout or heartbeat")
 	}
@@ -91,6 +90,9 @@ func (c *Config) Validate() error {
 	}
 	if c.UblkQueueDepth < 1 || c.UblkQueueDepth > 4096 {
 		return errors.New("ublk_queue_depth must be 1 to 4096")
+	}
+	if c.NBDBuffers < 1 || c.NBDBuffers > 4096 {
+		return errors.New("nbd_buffers must be 1 to 4096")
 	}
 	if st, err := os.Stat(c.SocketDir); err == nil && !st.IsDir() {
 		return errors.New("socket_dir is not a directory")

@@ -66,6 +66,20 @@ func ParseMPPolicy(s string) (MPPolicy, error) {
 	return 0, fmt.Errorf("rtrs: unknown multipath policy %q (want round-robin, min-inflight or min-latency)", s)
 }
 
+// MarshalText is the policy's name, as configuration files and flags
+// write it.
+func (p MPPolicy) MarshalText() ([]byte, error) { return []byte(p.Name()), nil }
+
+// UnmarshalText reads what ParseMPPolicy accepts.
+func (p *MPPolicy) UnmarshalText(b []byte) error {
+	v, err := ParseMPPolicy(string(b))
+	if err != nil {
+		return err
+	}
+	*p = v
+	return nil
+}
+
 // pathIter yields the paths to try for one request, at most one pass over
 // the session's paths, in the order the policy prefers; the caller skips
 // paths that are not connected and moves on when a post fails. It lives on

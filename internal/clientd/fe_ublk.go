@@ -128,11 +128,43 @@ func ublkCookie(backendID string) uint64 {
 	return h.Sum64()
 }
 
+// ublkFE serves a device as /dev/ublkbN.
+type ublkFE struct {
+	d *Daemon
+	u *ublk.Device
+}
+
+func (f *ublkFE) ioMode() string { return "ublk" }
+func (f *ublkFE) path() string   { return f.u.Path() }
+
+func (f *ublkFE) busy() string {
+	if inUse(f.path()) {
+		return "(" + f.path() + ") is in use (mounted?); unmount it"
+	}
+	return ""
+}
+
+// remove stops and deletes the device; its queues' buffers go with it.
+func (f *ublkFE) remove() {
+	if err := f.u.Stop(); err != nil {
+		f.d.log.WithError(err).WithField("ublk", f.path()).Warn("ublk stop")
+	}
+}
+
+// detach leaves the device for user recovery: the kernel holds its IO
+// and the restarted daemon takes it back. Without recovery in the kernel
+// it is stopped.
+func (f *ublkFE) detach() {
+	if err := f.u.Detach(); err != nil {
+		f.d.log.WithError(err).WithField("ublk", f.path()).Warn("ublk detach")
+	}
+}
+
 // attachUblk serves a mapped device as a ublk device (/dev/ublkbN). With
 // index >= 0 it first takes that device back from the daemon that served
 // it before (user recovery; the IO the kernel held then runs here), else
 // or if that fails it makes a new one.
-func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (*ublk.Device, error) {
+func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (frontend, error) {
 	info := dev.Info()
 	ro := dev.Mode() == rnbd.AccessRO
 	lbs := max(int(info.LogicalBlockSize), 512)
@@ -157,7 +189,7 @@ func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (*ubl
 		u, err := ublk.Recover(index, opts, newUblkBackend(dev))
 		if err == nil {
 			l.WithField("ublk", u.Path()).Info("took the ublk device back (user recovery)")
-			return u, nil
+			return &ublkFE{d: d, u: u}, nil
 		}
 		l.WithError(err).WithField("ublk", index).Warn("could not take the ublk device back; making a new one")
 		d.removeOrphanUblk(index, opts.Cookie, l)
@@ -166,10 +198,13 @@ func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (*ubl
 	if errors.Is(err, ublk.ErrNoUblk) {
 		return nil, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
 	}
-	if err == nil && !u.Recoverable() {
+	if err != nil {
+		return nil, err
+	}
+	if !u.Recoverable() {
 		l.WithField("ublk", u.Path()).Warn("this kernel has no ublk user recovery: the device will not survive a restart of the daemon")
 	}
-	return u, err
+	return &ublkFE{d: d, u: u}, nil
 }
 
 // removeOrphanUblk deletes ublk device index if it is one of ours

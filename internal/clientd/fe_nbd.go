@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd/nbdnl"
+	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
 // kernelDeadConnTimeout is how long the kernel keeps a device's IO queued
@@ -22,20 +22,70 @@ import (
 // restarted daemon to RECONFIGURE it with new ones.
 const kernelDeadConnTimeout = 120 * time.Second
 
-// kernelDev is a mapping served to the kernel's nbd driver over one
-// socketpair per CPU (hardware queue).
-type kernelDev struct {
+// nbdFE serves a device as the kernel's /dev/nbdN: the daemon's NBD
+// server on one socketpair per CPU (the driver's hardware queues).
+type nbdFE struct {
+	nbdServed
 	index uint32
 	ours  []net.Conn
 }
 
-// Path is the block device: /dev/nbdN.
-func (k *kernelDev) Path() string { return fmt.Sprintf("/dev/nbd%d", k.index) }
+func (d *Daemon) attachNBD(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
+	n, err := d.serveNBD(dev, s.DevicePath)
+	if err != nil {
+		return nil, err
+	}
+	f, err := d.attachKernel(n.be.export(s.DevicePath), backendID(s.Mapping), parseKernelIndex(s.Kernel))
+	if err != nil {
+		n.withdraw()
+		return nil, err
+	}
+	f.nbdServed = n
+	return f, nil
+}
+
+func (f *nbdFE) ioMode() string { return "nbd-kernel" }
+
+// path is the block device: /dev/nbdN.
+func (f *nbdFE) path() string { return fmt.Sprintf("/dev/nbd%d", f.index) }
+
+func (f *nbdFE) busy() string {
+	if inUse(f.path()) {
+		return "(" + f.path() + ") is in use (mounted?); unmount it"
+	}
+	return ""
+}
+
+// remove disconnects the kernel device, then withdraws the export.
+func (f *nbdFE) remove() {
+	if nl, err := nbdnl.Dial(); err == nil {
+		if err := nl.Disconnect(f.index); err != nil {
+			f.d.log.WithError(err).WithField("nbd", f.index).Warn("kernel nbd disconnect")
+		}
+		nl.Close()
+	}
+	f.closeOurs()
+	f.withdraw()
+}
+
+// detach closes our sockets only: the kernel keeps the device and its
+// queued IO for kernelDeadConnTimeout, and the restarted daemon takes it
+// back.
+func (f *nbdFE) detach() {
+	f.closeOurs()
+	f.be.close()
+}
+
+func (f *nbdFE) closeOurs() {
+	for _, c := range f.ours {
+		c.Close()
+	}
+}
 
 // attachKernel connects a kernel nbd device to export e. With index >= 0
 // it first tries to take that device back (a restart: RECONFIGURE of its
 // dead sockets), else the kernel picks a free one.
-func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kernelDev, error) {
+func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdFE, error) {
 	nl, err := nbdnl.Dial()
 	if errors.Is(err, nbdnl.ErrNoFamily) {
 		return nil, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
@@ -95,7 +145,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*kern
 			}
 		}(c)
 	}
-	k := &kernelDev{ours: ours}
+	k := &nbdFE{ours: ours}
 	if index >= 0 {
 		err := nl.Reconfigure(uint32(index), cfg, theirs)
 		if err == nil {
@@ -124,19 +174,6 @@ func inUse(path string) bool {
 	}
 	syscall.Close(fd)
 	return false
-}
-
-// detach disconnects the kernel device and closes our sockets.
-func (k *kernelDev) detach(l *log.Entry) {
-	if nl, err := nbdnl.Dial(); err == nil {
-		if err := nl.Disconnect(k.index); err != nil {
-			l.WithError(err).WithField("nbd", k.index).Warn("kernel nbd disconnect")
-		}
-		nl.Close()
-	}
-	for _, c := range k.ours {
-		c.Close()
-	}
 }
 
 // parseKernelIndex reads N of /dev/nbdN (-1 if there is none).

@@ -1,0 +1,73 @@
+package clientd
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	"github.com/rnbd/rnbd/pkg/rnbd"
+)
+
+// socketFE serves a device on an NBD unix socket (--as socket:PATH, or
+// socket_dir/rnbdN.sock).
+type socketFE struct {
+	nbdServed
+	l    net.Listener
+	sock string
+}
+
+func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
+	n, err := d.serveNBD(dev, s.DevicePath)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Dir(s.sock), 0o755); err != nil {
+		n.withdraw()
+		return nil, err
+	}
+	os.Remove(s.sock)
+	l, err := net.Listen("unix", s.sock)
+	if err != nil {
+		n.withdraw()
+		return nil, err
+	}
+	if err := os.Chmod(s.sock, 0o600); err != nil {
+		l.Close()
+		n.withdraw()
+		return nil, err
+	}
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		d.nbd.Serve(l)
+	}()
+	return &socketFE{nbdServed: n, l: l, sock: s.sock}, nil
+}
+
+func (f *socketFE) ioMode() string { return "nbd-socket" }
+func (f *socketFE) path() string   { return f.sock }
+
+func (f *socketFE) busy() string {
+	if n := f.d.nbd.Conns(f.name); n > 0 {
+		return fmt.Sprintf("has %d NBD connection(s); close them", n)
+	}
+	return ""
+}
+
+func (f *socketFE) close() {
+	f.l.Close()
+	os.Remove(f.sock)
+}
+
+func (f *socketFE) remove() {
+	f.close()
+	f.withdraw()
+}
+
+// detach: the daemon's NBD server is closed already, with the
+// connections.
+func (f *socketFE) detach() {
+	f.close()
+	f.be.close()
+}

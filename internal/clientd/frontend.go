@@ -1,0 +1,65 @@
+package clientd
+
+import (
+	"github.com/rnbd/rnbd/pkg/rnbd"
+)
+
+// frontend is what a mapped device is offered through: an NBD unix socket
+// (fe_socket.go), the kernel's /dev/nbdN (fe_nbd.go) or /dev/ublkbN
+// (fe_ublk.go). A mapping is a session, an RNBD device, and one frontend.
+type frontend interface {
+	// ioMode is the device record's io_mode: nbd-socket, nbd-kernel or
+	// ublk.
+	ioMode() string
+	// path is where the device is: the socket, or the kernel device.
+	path() string
+	// busy says why an unmap without --force is refused ("has 2 NBD
+	// connection(s); close them"), or "" when nothing holds the device.
+	busy() string
+	// remove takes the device away for good (unmap). The RNBD device is
+	// closed after it: no request of the frontend is left by then.
+	remove()
+	// detach lets go of the device when the daemon stops, leaving a
+	// kernel device for the next daemon to take back (nbd's RECONFIGURE
+	// within dead_conn_timeout, ublk's user recovery).
+	detach()
+}
+
+// attach offers dev through the frontend s names.
+func (d *Daemon) attach(s mapSpec, dev *rnbd.CltDev) (frontend, error) {
+	switch s.fe {
+	case feUblk:
+		return d.attachUblk(dev, backendID(s.Mapping), parseUblkIndex(s.Kernel))
+	case feNBD:
+		return d.attachNBD(dev, s)
+	}
+	return d.attachSocket(dev, s)
+}
+
+// nbdServed is a device the daemon's NBD server serves, under its
+// device_path: what the socket and kernel nbd frontends share.
+type nbdServed struct {
+	d    *Daemon
+	be   *nbdBackend
+	name string
+}
+
+// serveNBD adds dev to the daemon's NBD server as name.
+func (d *Daemon) serveNBD(dev *rnbd.CltDev, name string) (nbdServed, error) {
+	be, err := newNBDBackend(dev, d.cfg.NBDBuffers)
+	if err != nil {
+		return nbdServed{}, err
+	}
+	if err := d.nbd.AddExport(be.export(name)); err != nil {
+		be.close()
+		return nbdServed{}, err
+	}
+	return nbdServed{d: d, be: be, name: name}, nil
+}
+
+// withdraw removes the export: its connections close after their IO, then
+// its memory goes.
+func (n nbdServed) withdraw() {
+	n.d.nbd.RemoveExport(n.name)
+	n.be.close()
+}

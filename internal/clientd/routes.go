@@ -1,0 +1,329 @@
+package clientd
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/internal/units"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// Requests of the control API.
+type (
+	ResizeRequest struct {
+		Size string `json:"size"`
+	}
+	SetRequest struct {
+		MPPolicy             *string `json:"mpath_policy,omitempty"`
+		MaxReconnectAttempts *int    `json:"max_reconnect_attempts,omitempty"`
+		NoPathTimeout        *string `json:"no_path_timeout,omitempty"`
+	}
+	PathRequest struct {
+		Path string `json:"path"`
+	}
+	UnmapRequest struct {
+		Force bool `json:"force"`
+	}
+)
+
+// Field lists in the rnbd tool's names.
+var (
+	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "cur_latency", "direction"}
+	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
+)
+
+func (d *Daemon) routes() {
+	h := d.ctl.Handle
+	h("POST /v1/devices", func(r *http.Request) (any, error) {
+		var m Mapping
+		if err := ctl.Decode(r, &m); err != nil {
+			return nil, err
+		}
+		return d.Map(r.Context(), m)
+	})
+	h("GET /v1/devices", func(r *http.Request) (any, error) { return d.devices(""), nil })
+	h("GET /v1/devices/{name}", func(r *http.Request) (any, error) {
+		if _, err := d.find(r.PathValue("name")); err != nil {
+			return nil, err
+		}
+		return d.devices(r.PathValue("name")), nil
+	})
+	h("POST /v1/devices/{name}/unmap", func(r *http.Request) (any, error) {
+		var req UnmapRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		return nil, d.Unmap(r.Context(), r.PathValue("name"), req.Force)
+	})
+	h("POST /v1/devices/{name}/remap", func(r *http.Request) (any, error) {
+		m, err := d.find(r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		return nil, m.dev.Remap(r.Context())
+	})
+	h("POST /v1/devices/{name}/resize", func(r *http.Request) (any, error) {
+		var req ResizeRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		m, err := d.find(r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		n, err := units.ParseSize(req.Size)
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+		}
+		return nil, m.dev.Resize(n)
+	})
+	h("GET /v1/sessions", func(r *http.Request) (any, error) { return d.sessionRecords(""), nil })
+	h("GET /v1/sessions/{name}", func(r *http.Request) (any, error) {
+		if _, err := d.findSession(r.PathValue("name")); err != nil {
+			return nil, err
+		}
+		return d.sessionRecords(r.PathValue("name")), nil
+	})
+	h("POST /v1/sessions/{name}/set", func(r *http.Request) (any, error) {
+		var req SetRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		s, err := d.findSession(r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		return nil, s.set(req)
+	})
+	h("POST /v1/sessions/{name}/reconnect", func(r *http.Request) (any, error) {
+		s, err := d.findSession(r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		var errs []error
+		for _, p := range s.cs.Session().Paths() {
+			if err := p.Reconnect(r.Context()); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", p.Name(), err))
+			}
+		}
+		return nil, errors.Join(errs...)
+	})
+	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.pathRecords(r.URL.Query().Get("session"), ""), nil })
+	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
+		recs := d.pathRecords(r.URL.Query().Get("session"), r.PathValue("name"))
+		if len(recs) == 0 {
+			return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", r.PathValue("name"))
+		}
+		return recs, nil
+	})
+	h("POST /v1/sessions/{name}/paths", func(r *http.Request) (any, error) {
+		var req PathRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		s, err := d.findSession(r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		pa, err := rtrs.ParsePathAddr(req.Path, rtrs.DefaultPort)
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+		}
+		p, err := s.cs.Session().AddPath(r.Context(), pa)
+		if err != nil {
+			return nil, err
+		}
+		return []output.Record{pathRecord(s.cs.Session(), p)}, nil
+	})
+	for _, op := range []string{"remove", "reconnect", "disconnect"} {
+		h("POST /v1/paths/{name}/"+op, func(r *http.Request) (any, error) {
+			p, err := d.findPath(r.URL.Query().Get("session"), r.PathValue("name"))
+			if err != nil {
+				return nil, err
+			}
+			switch op {
+			case "remove":
+				return nil, p.Remove()
+			case "reconnect":
+				return nil, p.Reconnect(r.Context())
+			}
+			return nil, p.Disconnect()
+		})
+	}
+	h("GET /v1/stats", func(r *http.Request) (any, error) {
+		var recs []output.Record
+		for _, rec := range d.pathRecords("", "") {
+			recs = append(recs, output.Record{"sessname": rec["sessname"], "pathname": rec["pathname"],
+				"rdma": rec["rdma"], "reconnects": rec["reconnects"], "cur_latency": rec["cur_latency"]})
+		}
+		return recs, nil
+	})
+	h("POST /v1/stats/reset", func(r *http.Request) (any, error) {
+		for _, s := range d.sessionList() {
+			for _, p := range s.cs.Session().Paths() {
+				p.Stats().ResetRDMA()
+				p.Stats().ResetReconnects()
+				p.Stats().ResetLatency()
+			}
+		}
+		return nil, nil
+	})
+}
+
+func (s *session) set(req SetRequest) error {
+	cs := s.cs
+	if req.MPPolicy != nil {
+		p, err := rtrs.ParseMPPolicy(*req.MPPolicy)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "%v", err)
+		}
+		if err := cs.Session().SetMPPolicy(p); err != nil {
+			return err
+		}
+	}
+	if req.MaxReconnectAttempts != nil {
+		if err := cs.Session().SetMaxReconnectAttempts(*req.MaxReconnectAttempts); err != nil {
+			return err
+		}
+	}
+	if req.NoPathTimeout != nil {
+		t, err := time.ParseDuration(*req.NoPathTimeout)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "no_path_timeout %q: %v", *req.NoPathTimeout, err)
+		}
+		return cs.SetNoPathTimeout(t)
+	}
+	return nil
+}
+
+func (d *Daemon) sessionList() []*session {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var ss []*session
+	for _, s := range d.sessions {
+		ss = append(ss, s)
+	}
+	sort.Slice(ss, func(i, j int) bool { return ss[i].cs.Session().Name() < ss[j].cs.Session().Name() })
+	return ss
+}
+
+func (d *Daemon) devices(name string) []output.Record {
+	d.mu.Lock()
+	var ms []*mapped
+	for _, m := range d.maps {
+		if name == "" || m.Device == name {
+			ms = append(ms, m)
+		}
+	}
+	d.mu.Unlock()
+	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
+	var recs []output.Record
+	for _, m := range ms {
+		socket := ""
+		if m.Kernel == "" {
+			socket = m.fe.path()
+		}
+		recs = append(recs, output.Record{
+			"devname": m.Device, "sessname": m.SessName, "devpath": m.fe.path(), "mapping_path": m.DevicePath,
+			"access_mode": m.AccessMode, "state": m.dev.State().String(), "size": m.dev.Size(),
+			"socket": socket, "io_mode": m.fe.ioMode(), "direction": "client",
+		})
+	}
+	return recs
+}
+
+func (d *Daemon) sessionRecords(name string) []output.Record {
+	var recs []output.Record
+	for _, s := range d.sessionList() {
+		rs := s.cs.Session()
+		if name != "" && rs.Name() != name {
+			continue
+		}
+		var up int
+		var uu strings.Builder
+		var rx, tx uint64
+		var inflight int64
+		paths := rs.Paths()
+		for _, p := range paths {
+			c := p.Stats().Counters()
+			rx, tx, inflight = rx+c.ReadBytes, tx+c.WriteBytes, inflight+c.Inflight
+			if p.State() == rtrs.PathConnected {
+				up++
+				uu.WriteByte('U')
+			} else {
+				uu.WriteByte('_')
+			}
+		}
+		state := "disconnected"
+		if up > 0 {
+			state = "connected"
+		}
+		recs = append(recs, output.Record{
+			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
+			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
+			"no_path_timeout": s.cs.NoPathTimeout().String(), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
+			"rx_bytes": rx, "tx_bytes": tx, "inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
+		})
+	}
+	return recs
+}
+
+func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
+	c := p.Stats().Counters()
+	a := p.Addr()
+	return output.Record{
+		"sessname": rs.Name(), "pathname": p.Name(),
+		"src_addr": rtrs.FormatAddr(a.Src.Addr(), false), "dst_addr": rtrs.FormatAddr(a.Dst.Addr(), false),
+		"hca_name": p.HCAName(), "hca_port": p.HCAPort(), "state": p.State().SysfsString(),
+		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
+		"reconnects": strings.TrimSpace(p.Stats().Reconnects()), "cur_latency": p.CurLatency().Nanoseconds(),
+		"rdma": strings.TrimSpace(p.Stats().RDMA()), "direction": "client",
+	}
+}
+
+func (d *Daemon) pathRecords(session, name string) []output.Record {
+	var recs []output.Record
+	for _, s := range d.sessionList() {
+		rs := s.cs.Session()
+		if session != "" && rs.Name() != session {
+			continue
+		}
+		for _, p := range rs.Paths() {
+			if name == "" || p.Name() == name {
+				recs = append(recs, pathRecord(rs, p))
+			}
+		}
+	}
+	return recs
+}
+
+func (d *Daemon) findPath(session, name string) (*rtrs.CltPath, error) {
+	var found []*rtrs.CltPath
+	for _, s := range d.sessionList() {
+		rs := s.cs.Session()
+		if session != "" && rs.Name() != session {
+			continue
+		}
+		for _, p := range rs.Paths() {
+			if p.Name() == name {
+				found = append(found, p)
+			}
+		}
+	}
+	switch len(found) {
+	case 0:
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", name)
+	case 1:
+		return found[0], nil
+	}
+	return nil, fmt.Errorf("path %s exists in %d sessions, name the session: %w", name, len(found), syscall.EINVAL)
+}

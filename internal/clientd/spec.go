@@ -1,0 +1,183 @@
+package clientd
+
+import (
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/ibverbs"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/rdma"
+)
+
+// Mapping is one mapped device as the state file and the API keep it:
+// the kernel's map_device parameters and where the device is served.
+type Mapping struct {
+	Device     string   `json:"device"` // rnbdN
+	SessName   string   `json:"sessname"`
+	Paths      []string `json:"paths"`
+	DevicePath string   `json:"device_path"`
+	AccessMode string   `json:"access_mode"`
+	DestPort   uint16   `json:"dest_port"`
+	Transport  string   `json:"transport"`
+	As         string   `json:"as"` // nbd, ublk or socket:PATH
+	// Kernel is the /dev/nbdN or /dev/ublkbN a mapping "as nbd" or "as
+	// ublk" got; a restart takes the same device back.
+	Kernel string `json:"kernel_device,omitempty"`
+	// SessUUID is the RTRS session's paths UUID (hex): a restarted daemon
+	// dials its sessions with the same one, so the server takes them for
+	// the sessions it may still hold rather than refusing their names.
+	SessUUID string `json:"sess_uuid,omitempty"`
+}
+
+// feKind is the kind of frontend a mapping is offered through.
+type feKind int
+
+const (
+	feSocket feKind = iota // an NBD unix socket
+	feNBD                  // /dev/nbdN, the kernel's nbd driver
+	feUblk                 // /dev/ublkbN
+)
+
+// mapSpec is a mapping request checked and typed: everything map needs,
+// with nothing left to parse.
+type mapSpec struct {
+	// Mapping is the request with its defaults filled in: what the state
+	// file keeps.
+	Mapping
+	mode  rnbd.AccessMode
+	paths []rtrs.PathAddr
+	fe    feKind
+	// sock is a socket mapping's path; empty until the device is named
+	// when it goes in socket_dir.
+	sock string
+}
+
+// ParseMapString parses the kernel's map_device line: "sessname=s1
+// path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw
+// dest_port=1234".
+func ParseMapString(s string) (Mapping, error) {
+	var m Mapping
+	for _, tok := range strings.Fields(s) {
+		k, v, ok := strings.Cut(tok, "=")
+		if !ok || v == "" {
+			return m, ctl.Errorf(ctl.CodeInvalid, "map: token %q: want key=value", tok)
+		}
+		switch k {
+		case "sessname":
+			m.SessName = v
+		case "path":
+			m.Paths = append(m.Paths, v)
+		case "device_path":
+			m.DevicePath = v
+		case "access_mode":
+			m.AccessMode = v
+		case "dest_port":
+			p, err := strconv.ParseUint(v, 10, 16)
+			if err != nil || p == 0 {
+				return m, ctl.Errorf(ctl.CodeInvalid, "map: dest_port %q", v)
+			}
+			m.DestPort = uint16(p)
+		case "nr_poll_queues":
+			return m, ctl.Errorf(ctl.CodeNotSupported, "map: nr_poll_queues is a kernel block-layer option with no meaning here")
+		default:
+			return m, ctl.Errorf(ctl.CodeInvalid, "map: unknown parameter %q", k)
+		}
+	}
+	return m, nil
+}
+
+// normalize checks a mapping request, fills the defaults and types it.
+func normalize(m Mapping) (mapSpec, error) {
+	s := mapSpec{Mapping: m}
+	if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {
+		return s, ctl.Errorf(ctl.CodeInvalid, "map needs sessname, at least one path and device_path")
+	}
+	if err := rtrs.ValidSessName(m.SessName); err != nil {
+		return s, ctl.Errorf(ctl.CodeInvalid, "sessname %q: %v", m.SessName, err)
+	}
+	if s.AccessMode == "" {
+		s.AccessMode = "rw"
+	}
+	var err error
+	if s.mode, err = rnbd.ParseAccessMode(s.AccessMode); err != nil {
+		return s, ctl.Errorf(ctl.CodeInvalid, "access_mode %q: want ro, rw or migration", s.AccessMode)
+	}
+	if s.DestPort == 0 {
+		s.DestPort = rtrs.DefaultPort
+	}
+	for _, p := range m.Paths {
+		pa, err := rtrs.ParsePathAddr(p, s.DestPort)
+		if err != nil {
+			return s, ctl.Errorf(ctl.CodeInvalid, "path %q: %v", p, err)
+		}
+		s.paths = append(s.paths, pa)
+	}
+	switch s.Transport {
+	case "", "auto":
+		s.Transport = autoTransport(s.paths)
+	case "tcp":
+	case "rdma":
+		if !ibverbs.Supported {
+			return s, ctl.Errorf(ctl.CodeNotSupported, "this rnbd-client was built without RDMA (cgo); use --transport tcp")
+		}
+	default:
+		return s, ctl.Errorf(ctl.CodeInvalid, "transport %q: want auto, tcp or rdma", s.Transport)
+	}
+	switch {
+	case s.As == "" && kernelHasNBD():
+		s.As, s.fe = "nbd", feNBD
+	case s.As == "" || s.As == "socket":
+		// A socket in socket_dir, named when the device is.
+		s.As, s.fe = "", feSocket
+	case s.As == "nbd":
+		if !kernelHasNBD() {
+			return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
+		}
+		s.fe = feNBD
+	case s.As == "ublk":
+		if !kernelHasUblk() {
+			return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
+		}
+		s.fe = feUblk
+	case strings.HasPrefix(s.As, "socket:") && len(s.As) > len("socket:"):
+		s.sock = s.As[len("socket:"):]
+		if !filepath.IsAbs(s.sock) {
+			return s, ctl.Errorf(ctl.CodeInvalid, "--as socket:PATH needs an absolute path")
+		}
+		s.fe = feSocket
+	default:
+		return s, ctl.Errorf(ctl.CodeInvalid, "--as %q: want nbd, ublk or socket:PATH", s.As)
+	}
+	return s, nil
+}
+
+// named gives the spec its device name, and a socket in dir to a socket
+// mapping that has none.
+func (s *mapSpec) named(device, dir string) {
+	s.Device = device
+	if s.fe == feSocket && s.sock == "" {
+		s.sock = filepath.Join(dir, device+".sock")
+		s.As = "socket:" + s.sock
+	}
+}
+
+// autoTransport is RDMA when every path's addresses lead to an RDMA
+// device (a session runs on one transport), else TCP.
+func autoTransport(paths []rtrs.PathAddr) string {
+	for _, pa := range paths {
+		if pa.GID {
+			return "tcp"
+		}
+		if dev, err := rdma.DeviceFor(pa.Src.Addr(), pa.Dst.Addr()); err != nil || dev == "" {
+			return "tcp"
+		}
+	}
+	return "rdma"
+}
+
+// backendID names what a kernel device of m serves: nbd's
+// BACKEND_IDENTIFIER, the source of a ublk device's cookie.
+func backendID(m Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }
