@@ -1,0 +1,360 @@
+package clientd
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// rig is an RNBD server on the in-memory fabric, serving files from a
+// directory, and the configuration of a client daemon beside it.
+type rig struct {
+	t     *testing.T
+	fab   fabric.Fabric
+	dir   string // the server's dev_search_path
+	addr  netip.AddrPort
+	srv   *rnbd.Server
+	rs    *rtrs.Server
+	cfg   Config
+	state string
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	r := &rig{t: t, fab: fabrictest.NewNetwork().Fabric(), dir: t.TempDir(),
+		addr: netip.MustParseAddrPort("10.30.0.1:1234")}
+	r.startServer()
+	tmp := t.TempDir()
+	r.cfg = DefaultConfig()
+	r.cfg.ControlSocket = filepath.Join(tmp, "ctl.sock")
+	r.cfg.StateFile = filepath.Join(tmp, "state.json")
+	r.cfg.SocketDir = filepath.Join(tmp, "run")
+	r.cfg.ConnsPerPath = 2
+	r.cfg.NBDBuffers = 4
+	return r
+}
+
+func (r *rig) startServer() {
+	r.srv = rnbd.NewServer(rnbd.ServerConfig{DevSearchPath: r.dir, Log: log.Discard()})
+	scfg := rtrs.DefaultServerConfig()
+	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{r.addr}, log.Discard()
+	scfg.QueueDepth = 64
+	rs, err := rtrs.NewServer(scfg)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.rs = rs
+	r.t.Cleanup(r.stopServer)
+}
+
+func (r *rig) stopServer() {
+	r.rs.Close()
+	r.srv.Close()
+}
+
+func (r *rig) file(name string, size int64) {
+	r.t.Helper()
+	if err := os.WriteFile(filepath.Join(r.dir, name), nil, 0o600); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(r.dir, name), size); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+func (r *rig) start() *Daemon {
+	r.t.Helper()
+	d, err := Start(r.cfg, Options{Fabric: r.fab, Log: log.Discard()})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return d
+}
+
+func (r *rig) mapping(sess, dev string) Mapping {
+	return Mapping{SessName: sess, Paths: []string{"ip:10.30.0.2@ip:10.30.0.1"}, DevicePath: dev}
+}
+
+func (r *rig) savedState() State {
+	r.t.Helper()
+	b, err := os.ReadFile(r.cfg.StateFile)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	var st State
+	if err := json.Unmarshal(b, &st); err != nil {
+		r.t.Fatal(err)
+	}
+	return st
+}
+
+// rw writes a pattern through the mapping's device and reads it back.
+func rw(t *testing.T, d *Daemon, device string, off int64, fill byte) {
+	t.Helper()
+	m, err := d.find(device)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := m.dev.Session().Session().AllocBuffer(8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer buf.Free()
+	want := bytes.Repeat([]byte{fill}, 4096)
+	copy(buf.Bytes(), want)
+	if err := m.dev.Do(context.Background(), rnbd.OpWrite, rnbd.FFUA, off, 4096, buf, 0); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	if err := m.dev.Do(context.Background(), rnbd.OpRead, 0, off, 4096, buf, 4096); err != nil {
+		t.Fatalf("read: %v", err)
+	}
+	if !bytes.Equal(buf.Bytes()[4096:], want) {
+		t.Fatal("read back differs")
+	}
+}
+
+// A map goes session → device → frontend → register: devices of one
+// session share it, the socket is where the mapping says, the state file
+// holds what a restart needs, and unmapping the last device closes the
+// session.
+func TestMapShareUnmap(t *testing.T) {
+	r := newRig(t)
+	r.file("a", 1<<20)
+	r.file("b", 2<<20)
+	d := r.start()
+	defer d.Stop()
+	ctx := context.Background()
+	a, err := d.Map(ctx, r.mapping("s1", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(r.cfg.SocketDir, "rnbd0.sock")
+	if a.Device != "rnbd0" || a.As != "socket:"+sock || a.AccessMode != "rw" || a.DestPort != rtrs.DefaultPort ||
+		a.Transport != "tcp" || len(a.SessUUID) != 32 || a.Kernel != "" {
+		t.Fatalf("mapping %+v", a)
+	}
+	if st, err := os.Stat(sock); err != nil || st.Mode()&os.ModeSocket == 0 || st.Mode().Perm() != 0o600 {
+		t.Fatalf("socket %s: %v %v", sock, st, err)
+	}
+	b, err := d.Map(ctx, r.mapping("s1", "b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Device != "rnbd1" || b.SessUUID != a.SessUUID {
+		t.Fatalf("second mapping %+v", b)
+	}
+	if n := len(d.sessionList()); n != 1 {
+		t.Fatalf("%d sessions for two devices of one session", n)
+	}
+	rw(t, d, "rnbd0", 0, 0xa1)
+	rw(t, d, "rnbd1", 1<<20, 0xb2)
+	recs := d.devices("")
+	if len(recs) != 2 || recs[0]["devpath"] != sock || recs[0]["io_mode"] != "nbd-socket" ||
+		recs[0]["size"] != int64(1<<20) || recs[1]["size"] != int64(2<<20) || recs[0]["state"] != "open" {
+		t.Fatalf("device records %v", recs)
+	}
+	if st := r.savedState(); len(st.Mappings) != 2 || st.Mappings[0].Device != "rnbd0" || st.Mappings[0].SessUUID != a.SessUUID ||
+		st.Mappings[0].As != a.As || st.Mappings[1].DevicePath != "b" {
+		t.Fatalf("state %+v", st)
+	}
+	if err := d.Unmap(ctx, "rnbd0", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatalf("socket after unmap: %v", err)
+	}
+	if n := len(d.sessionList()); n != 1 {
+		t.Fatalf("%d sessions with one device left", n)
+	}
+	if err := d.Unmap(ctx, "rnbd1", false); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(d.sessionList()); n != 0 {
+		t.Fatalf("%d sessions with no device", n)
+	}
+	waitFor(t, "the server to drop the session", func() bool { return len(r.rs.Sessions()) == 0 })
+	if st := r.savedState(); len(st.Mappings) != 0 {
+		t.Fatalf("state after unmapping all %+v", st)
+	}
+	if err := d.Unmap(ctx, "rnbd0", false); ctl.Classify(err) != ctl.CodeNotFound {
+		t.Fatalf("unmap of an unknown device: %v", err)
+	}
+}
+
+// Bad requests are refused with the right code before anything is dialled.
+func TestMapRefusals(t *testing.T) {
+	r := newRig(t)
+	r.file("a", 1<<20)
+	d := r.start()
+	defer d.Stop()
+	ctx := context.Background()
+	if _, err := d.Map(ctx, r.mapping("s1", "a")); err != nil {
+		t.Fatal(err)
+	}
+	with := func(f func(*Mapping)) Mapping {
+		m := r.mapping("s1", "a")
+		f(&m)
+		return m
+	}
+	for name, c := range map[string]struct {
+		m    Mapping
+		code ctl.Code
+	}{
+		"no sessname":       {with(func(m *Mapping) { m.SessName = "" }), ctl.CodeInvalid},
+		"bad sessname":      {with(func(m *Mapping) { m.SessName = "a/b" }), ctl.CodeInvalid},
+		"no path":           {with(func(m *Mapping) { m.Paths = nil }), ctl.CodeInvalid},
+		"bad path":          {with(func(m *Mapping) { m.Paths = []string{"ip:nowhere"} }), ctl.CodeInvalid},
+		"bad access mode":   {with(func(m *Mapping) { m.AccessMode = "rwx" }), ctl.CodeInvalid},
+		"bad transport":     {with(func(m *Mapping) { m.Transport = "udp" }), ctl.CodeInvalid},
+		"relative socket":   {with(func(m *Mapping) { m.As = "socket:x.sock" }), ctl.CodeInvalid},
+		"unknown frontend":  {with(func(m *Mapping) { m.As = "iscsi" }), ctl.CodeInvalid},
+		"mapped already":    {r.mapping("s1", "a"), ctl.CodeExists},
+		"other paths":       {with(func(m *Mapping) { m.DevicePath = "b"; m.Paths = []string{"ip:10.30.0.3@ip:10.30.0.1"} }), ctl.CodeInvalid},
+		"no such device":    {with(func(m *Mapping) { m.SessName = "s2"; m.DevicePath = "missing" }), ctl.CodeNotFound},
+		"outside the files": {with(func(m *Mapping) { m.SessName = "s3"; m.DevicePath = "../a" }), ctl.CodeInvalid},
+	} {
+		if _, err := d.Map(ctx, c.m); ctl.Classify(err) != c.code {
+			t.Errorf("%s: %v (%s), want %s", name, err, ctl.Classify(err), c.code)
+		}
+	}
+	if n := len(d.devices("")); n != 1 {
+		t.Fatalf("%d devices after the refusals", n)
+	}
+	// A failed map leaves no session behind.
+	if n := len(d.sessionList()); n != 1 {
+		t.Fatalf("%d sessions after the refusals", n)
+	}
+	if st := r.savedState(); len(st.Mappings) != 1 {
+		t.Fatalf("state after the refusals %+v", st)
+	}
+}
+
+// A restart restores every mapping under its device name and session UUID;
+// one that cannot come back stays in the state file until unmapped.
+func TestRestart(t *testing.T) {
+	r := newRig(t)
+	r.file("a", 1<<20)
+	r.file("b", 1<<20)
+	d := r.start()
+	ctx := context.Background()
+	a, err := d.Map(ctx, r.mapping("s1", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.Map(ctx, Mapping{SessName: "s2", Paths: []string{"ip:10.30.0.3@ip:10.30.0.1"}, DevicePath: "b",
+		AccessMode: "ro", As: "socket:" + filepath.Join(r.cfg.SocketDir, "b.sock")}); err != nil {
+		t.Fatal(err)
+	}
+	rw(t, d, "rnbd0", 8192, 0x5c)
+	if err := d.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the server to drop the sessions", func() bool { return len(r.rs.Sessions()) == 0 })
+
+	d = r.start()
+	recs := d.devices("")
+	if len(recs) != 2 || recs[0]["devname"] != "rnbd0" || recs[1]["devname"] != "rnbd1" ||
+		recs[1]["access_mode"] != "ro" || recs[1]["socket"] != filepath.Join(r.cfg.SocketDir, "b.sock") {
+		t.Fatalf("devices after the restart %v", recs)
+	}
+	m, _ := d.find("rnbd0")
+	if m.SessUUID != a.SessUUID {
+		t.Fatalf("session UUID %s after the restart, was %s", m.SessUUID, a.SessUUID)
+	}
+	rw(t, d, "rnbd0", 8192, 0x5d)
+	if err := d.Stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Without the server, nothing comes back: the mappings stay saved,
+	// and unmapping one that failed only forgets it.
+	r.stopServer()
+	d = r.start()
+	defer d.Stop()
+	if n := len(d.devices("")); n != 0 {
+		t.Fatalf("%d devices restored without a server", n)
+	}
+	if st := r.savedState(); len(st.Mappings) != 2 {
+		t.Fatalf("state after a failed restore %+v", st)
+	}
+	if err := d.Unmap(ctx, "rnbd1", false); err != nil {
+		t.Fatal(err)
+	}
+	if st := r.savedState(); len(st.Mappings) != 1 || st.Mappings[0].Device != "rnbd0" {
+		t.Fatalf("state after forgetting rnbd1 %+v", st)
+	}
+	// The name of a mapping that did not come back is not given away.
+	r.startServer()
+	r.file("c", 1<<20)
+	c, err := d.Map(ctx, r.mapping("s3", "c"))
+	if err != nil || c.Device != "rnbd1" {
+		t.Fatalf("map beside a failed mapping: %+v %v", c, err)
+	}
+}
+
+// normalize fills the defaults and types the request once.
+func TestNormalize(t *testing.T) {
+	s, err := normalize(Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1", "ip:10.0.0.2@ip:10.0.1.1"}, DevicePath: "d",
+		AccessMode: "migration", DestPort: 4000, Transport: "tcp", As: "socket:/run/x.sock"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.mode != rnbd.AccessMigration || len(s.paths) != 2 || s.paths[0].Dst != netip.MustParseAddrPort("10.0.0.1:4000") ||
+		s.paths[1].Src.Addr() != netip.MustParseAddr("10.0.0.2") || s.fe != feSocket || s.sock != "/run/x.sock" {
+		t.Fatalf("spec %+v", s)
+	}
+	s, err = normalize(Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d", As: "socket"})
+	if err != nil || s.AccessMode != "rw" || s.mode != rnbd.AccessRW || s.DestPort != rtrs.DefaultPort || s.sock != "" {
+		t.Fatalf("defaults %+v %v", s, err)
+	}
+	s.named("rnbd7", "/run/rnbd")
+	if s.Device != "rnbd7" || s.sock != "/run/rnbd/rnbd7.sock" || s.As != "socket:/run/rnbd/rnbd7.sock" {
+		t.Fatalf("named %+v", s)
+	}
+}
+
+func TestParseMapString(t *testing.T) {
+	m, err := ParseMapString("sessname=s1 path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=ro dest_port=1235")
+	if err != nil || m.SessName != "s1" || len(m.Paths) != 2 || m.DevicePath != "vol1" || m.AccessMode != "ro" || m.DestPort != 1235 {
+		t.Fatalf("%+v %v", m, err)
+	}
+	for line, code := range map[string]ctl.Code{
+		"sessname":            ctl.CodeInvalid,
+		"bogus=1":             ctl.CodeInvalid,
+		"dest_port=0":         ctl.CodeInvalid,
+		"dest_port=70000":     ctl.CodeInvalid,
+		"nr_poll_queues=4":    ctl.CodeNotSupported,
+		"device_path= path=x": ctl.CodeInvalid,
+	} {
+		if _, err := ParseMapString(line); ctl.Classify(err) != code {
+			t.Errorf("%q: %v, want %s", line, err, code)
+		}
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
