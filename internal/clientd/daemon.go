@@ -94,7 +94,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},
 		nbd: nbd.NewServer(nbd.Options{Log: opts.Log})}
-	st, err := loadState(cfg.StateFile)
+	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {
 		return nil, err
 	}
@@ -146,12 +146,6 @@ func (d *Daemon) Stop() error {
 
 // StateVersion implements conf.Versioned.
 func (st *State) StateVersion() int { return st.Version }
-
-func loadState(path string) (State, error) {
-	st := State{Version: StateVersion}
-	err := conf.LoadState(path, &st, StateVersion)
-	return st, err
-}
 
 // saveState writes the mappings; d.mapMu is held. Mappings that failed
 // to restore are kept: the operator unmaps them explicitly.

@@ -109,24 +109,25 @@ func WriteFileAtomic(path string, data []byte) error {
 // Versioned is a state file's content: it says its format version.
 type Versioned interface{ StateVersion() int }
 
-// LoadState reads the JSON state file at path into st. A missing file is
-// no error and leaves st as it was (the caller's empty state); a file of a
-// newer version than newest is refused rather than half understood.
-func LoadState(path string, st Versioned, newest int) error {
+// LoadState reads the JSON state file at path over st and returns it. A
+// missing file is no error and returns st as it was (the caller's empty
+// state); a file of a newer version than newest is refused rather than
+// half understood.
+func LoadState[T Versioned](path string, st T, newest int) (T, error) {
 	b, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil
+		return st, nil
 	}
 	if err != nil {
-		return fmt.Errorf("state file %s: %w", path, err)
+		return st, fmt.Errorf("state file %s: %w", path, err)
 	}
 	if err := json.Unmarshal(b, st); err != nil {
-		return fmt.Errorf("state file %s: %w", path, err)
+		return st, fmt.Errorf("state file %s: %w", path, err)
 	}
 	if v := st.StateVersion(); v > newest {
-		return fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, v)
+		return st, fmt.Errorf("state file %s: version %d is newer than this daemon understands", path, v)
 	}
-	return nil
+	return st, nil
 }
 
 // SaveState writes st as indented JSON to path, atomically.

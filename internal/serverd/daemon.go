@@ -77,7 +77,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		MaxIOSize:     cfg.MaxChunkSize - rtrs.MaxHdrSize,
 		Log:           opts.Log,
 	})
-	st, err := loadState(cfg.StateFile)
+	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {
 		d.rnbd.Close()
 		return nil, err
@@ -159,12 +159,6 @@ func (d *Daemon) Stop() error {
 
 // StateVersion implements conf.Versioned.
 func (st *State) StateVersion() int { return st.Version }
-
-func loadState(path string) (State, error) {
-	st := State{Version: StateVersion}
-	err := conf.LoadState(path, &st, StateVersion)
-	return st, err
-}
 
 // saveState writes the exports atomically: a temporary file, synced, then
 // renamed over the old one, and the directory synced.
