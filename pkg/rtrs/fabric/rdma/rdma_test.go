@@ -232,7 +232,9 @@ func TestReject(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
+	rejected := make(chan struct{})
 	go func() {
+		defer close(rejected)
 		r, err := l.Accept(context.Background())
 		if err == nil {
 			r.Reject([]byte("go away"))
@@ -252,6 +254,13 @@ func TestReject(t *testing.T) {
 	var rej *fabric.RejectError
 	if !errors.As(err, &rej) || !bytes.HasPrefix(rej.PrivateData, []byte("go away")) {
 		t.Fatalf("dial: %v", err)
+	}
+	// The request's ID is destroyed while the listener still takes its
+	// events (rdma_destroy_id waits for them): only then close it.
+	select {
+	case <-rejected:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the rejecting goroutine did not finish")
 	}
 	// Nobody listening: refused, not hung.
 	l.Close()
