@@ -150,6 +150,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 		err := nl.Reconfigure(uint32(index), cfg, theirs)
 		if err == nil {
 			k.index = uint32(index)
+			d.setQueueLimits(k)
 			return k, nil
 		}
 		// Past dead_conn_timeout, or the device went to someone else.
@@ -161,7 +162,26 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 		return nil, err
 	}
 	k.index = idx
+	d.setQueueLimits(k)
 	return k, nil
+}
+
+// setQueueLimits lets the block layer send requests as large as one
+// buffer of the device's NBD pool (slotSize, 1 MiB), within what the
+// driver allows: fewer, larger NBD requests, each split into RTRS
+// messages by the RNBD device, instead of the block layer's split at its
+// default max_sectors_kb. Best effort: the device works without it.
+func (d *Daemon) setQueueLimits(k *nbdFE) {
+	q := fmt.Sprintf("/sys/block/nbd%d/queue/", k.index)
+	want := slotSize >> 10
+	if b, err := os.ReadFile(q + "max_hw_sectors_kb"); err == nil {
+		if hw, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && hw > 0 {
+			want = min(want, hw)
+		}
+	}
+	if err := os.WriteFile(q+"max_sectors_kb", []byte(strconv.Itoa(want)), 0); err != nil {
+		d.log.WithError(err).WithField("nbd", k.index).Warn("setting max_sectors_kb")
+	}
 }
 
 // inUse reports whether someone holds the block device at path

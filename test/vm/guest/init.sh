@@ -506,6 +506,9 @@ for _ in $(seq 50); do [ "$(cat $b/size)" != 0 ] && break; sleep 0.1; done
 nq=$(ls $b/mq | wc -l)
 [ "$nq" = "$(grep -c ^processor /proc/cpuinfo)" ] && res queue-per-cpu PASS "$nq" || res queue-per-cpu FAIL "$nq queues"
 [ "$(cat $b/backend 2>/dev/null)" = rnbd:vm/disk0 ] && res backend-identifier PASS "" || res backend-identifier FAIL "$(cat $b/backend 2>&1)"
+# Requests up to the daemon's 1 MiB NBD buffers, within the driver's limit.
+msk=$(cat $b/queue/max_sectors_kb) hwk=$(cat $b/queue/max_hw_sectors_kb)
+[ "$msk" = "$((hwk < 1024 ? hwk : 1024))" ] && res nbd-max-sectors PASS "$msk KiB (hw $hwk)" || res nbd-max-sectors FAIL "$msk KiB (hw $hwk)"
 basic nbd "$dev" disk0 /tmp/disk0.img 4
 
 # 2. restart of the client daemon while the device is idle: the same
