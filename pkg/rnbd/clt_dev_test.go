@@ -135,11 +135,12 @@ func TestCltDevReopenAfterReconnect(t *testing.T) {
 	}
 }
 
-// With no_path_timeout 0 IO without a path fails at once.
-func TestCltDevNoPathFailsAtOnce(t *testing.T) {
+// lostDevice maps a device through a session with noPath, then takes
+// every path away for good (no reconnects).
+func lostDevice(t *testing.T, noPath time.Duration) (*CltSession, *CltDev, *rtrs.Buffer) {
 	r := newSrig(t, ServerConfig{})
 	r.file("a", 1<<20)
-	s := r.cltSession("cs", 0)
+	s := r.cltSession("cs", noPath)
 	a, err := s.Map(context.Background(), "a", AccessRO)
 	if err != nil {
 		t.Fatal(err)
@@ -149,7 +150,16 @@ func TestCltDevNoPathFailsAtOnce(t *testing.T) {
 		x.Close()
 	}
 	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
-	buf, _ := s.Session().AllocBuffer(4096)
+	buf, err := s.Session().AllocBuffer(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, a, buf
+}
+
+// With no_path_timeout 0 IO without a path fails at once.
+func TestCltDevNoPathFailsAtOnce(t *testing.T) {
+	_, a, buf := lostDevice(t, 0)
 	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) {
 		t.Fatalf("IO without a path: %v, want ErrNoPath", err)
 	}
@@ -158,21 +168,9 @@ func TestCltDevNoPathFailsAtOnce(t *testing.T) {
 // IO without a path waits no_path_timeout, not less, then fails with
 // ECONNABORTED; a new timeout applies to IO that starts waiting after it.
 func TestCltDevNoPathTimeout(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
-	r.file("a", 1<<20)
-	s := r.cltSession("cs", 300*time.Millisecond)
-	a, err := s.Map(context.Background(), "a", AccessRO)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.Session().SetMaxReconnectAttempts(0)
-	for _, x := range r.rs.Sessions() {
-		x.Close()
-	}
-	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
-	buf, _ := s.Session().AllocBuffer(4096)
+	s, a, buf := lostDevice(t, 300*time.Millisecond)
 	start := time.Now()
-	err = syncIO(a, OpRead, 0, 0, 4096, buf)
+	err := syncIO(a, OpRead, 0, 0, 4096, buf)
 	if el := time.Since(start); el < 300*time.Millisecond || el > 10*time.Second {
 		t.Fatalf("failed after %v, want about 300ms", el)
 	}

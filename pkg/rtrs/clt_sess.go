@@ -17,11 +17,10 @@ import (
 
 // Errors of the client side. Errors from the server arrive as syscall.Errno.
 var (
-	// ErrClosed is returned after Session.Close.
+	// ErrClosed is returned after CltSession.Close.
 	ErrClosed = errors.New("rtrs: session closed")
-	// ErrNoPath fails a request when no path is connected and
-	// no_path_timeout is 0 or has expired. It matches ECONNABORTED, the
-	// kernel's error in that case.
+	// ErrNoPath fails a request when no path is connected. It matches
+	// ECONNABORTED, the kernel's error in that case.
 	ErrNoPath = fmt.Errorf("rtrs: no connected path: %w", syscall.ECONNABORTED)
 	// ErrMsgSize is returned for a request that does not fit the
 	// server's chunk or header limits.
