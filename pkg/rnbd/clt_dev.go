@@ -194,7 +194,11 @@ type IOReq struct {
 
 	dev     *CltDev
 	pending atomic.Int32
-	err     atomic.Pointer[error]
+	// failed is set by the first piece that fails, which then writes
+	// firstErr; the last piece reads it after pending reached 0 (the
+	// atomics order the two). No allocation per request.
+	failed   atomic.Bool
+	firstErr error
 	// flush: a FLUSH follows the request's pieces (FUA on an operation
 	// other than a write); flushing: it is under way.
 	flush, flushing bool
@@ -243,7 +247,8 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 		return syscall.EINVAL
 	}
 	r.dev = d
-	r.err.Store(nil)
+	r.failed.Store(false)
+	r.firstErr = nil
 	r.flushing = false
 	r.flush = r.Flags&FFUA != 0 && r.Len > 0 && (r.Op == OpDiscard || r.Op == OpWriteZeroes || r.Op == OpSecureErase)
 	step := d.pieceSize(r.Op)
@@ -357,25 +362,21 @@ func (pc *piece) Confirm(err error) {
 }
 
 func (r *IOReq) pieceDone(err error) {
-	if err != nil {
-		r.err.CompareAndSwap(nil, &err)
+	if err != nil && r.failed.CompareAndSwap(false, true) {
+		r.firstErr = err
 	}
 	if r.pending.Add(-1) != 0 {
 		return
 	}
-	if r.flush && !r.flushing && r.err.Load() == nil {
+	if r.flush && !r.flushing && !r.failed.Load() {
 		// Not here: a completion must not wait for a permit.
 		r.flushing = true
 		r.pending.Store(1)
 		go r.dev.sendPiece(context.Background(), r, 0, 0, 0)
 		return
 	}
-	var e error
-	if p := r.err.Load(); p != nil {
-		e = *p
-	}
 	d := r.dev
-	r.Done(r, e)
+	r.Done(r, r.firstErr)
 	d.inflight.Done()
 }
 
