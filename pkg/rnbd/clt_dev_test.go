@@ -5,12 +5,15 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
 
 // cltSession dials an RNBD client session to the rig's server.
@@ -132,6 +135,58 @@ func TestCltDevReopenAfterReconnect(t *testing.T) {
 	}
 	if !bytes.Equal(buf.Bytes()[:4096], bytes.Repeat([]byte{0xA5}, 4096)) || !bytes.Equal(buf.Bytes()[4096:8192], bytes.Repeat([]byte{0x5A}, 4096)) {
 		t.Fatal("data across the reconnect differs")
+	}
+}
+
+// IO in flight when the session's only path dies silently waits (it is
+// not lost and does not fail), and completes once the path is back and the
+// device reopened; what it wrote is there.
+func TestCltDevInflightWaitsForPath(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	path := r.file("a", 1<<20)
+	hold := make(chan struct{})
+	var held atomic.Int32
+	r.srv.beforeIO = func() {
+		if held.Add(1) == 1 {
+			<-hold // the first attempt never answers in time
+		}
+	}
+	s := r.cltSession("cs", 30*time.Second)
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, _ := s.Session().AllocBuffer(4096)
+	copy(buf.Bytes(), bytes.Repeat([]byte{0x77}, 4096))
+	done := make(chan error, 1)
+	if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: 8192, Len: 4096, Buf: buf,
+		Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the write at the server", func() bool { return held.Load() == 1 })
+	cli := s.Session().Paths()[0].Addr().Src.Addr()
+	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	select {
+	case err := <-done:
+		t.Fatalf("the write ended without a path: %v", err)
+	default:
+	}
+	close(hold)
+	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the write across the path loss: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the write across the path loss never completed")
+	}
+	if held.Load() < 2 {
+		t.Fatalf("%d attempts reached the server, want the resent one too", held.Load())
+	}
+	if b, _ := os.ReadFile(path); !bytes.Equal(b[8192:8192+4096], bytes.Repeat([]byte{0x77}, 4096)) {
+		t.Fatal("the file does not hold the write")
 	}
 }
 

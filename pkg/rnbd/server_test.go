@@ -32,6 +32,7 @@ var srvAddr = netip.MustParseAddrPort("10.20.0.1:1234")
 // from a search directory and explicit exports.
 type srig struct {
 	t    *testing.T
+	net  *fabrictest.Network
 	fab  fabric.Fabric
 	dir  string // dev_search_path
 	srv  *Server
@@ -41,7 +42,8 @@ type srig struct {
 
 func newSrig(t *testing.T, cfg ServerConfig) *srig {
 	t.Helper()
-	r := &srig{t: t, fab: fabrictest.NewNetwork().Fabric()}
+	r := &srig{t: t, net: fabrictest.NewNetwork()}
+	r.fab = r.net.Fabric()
 	if cfg.DevSearchPath == "" {
 		r.dir = t.TempDir()
 		cfg.DevSearchPath = r.dir
