@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build demo demo-rtrs test test-vm vet bench fuzz clean
+.PHONY: all deps build demo demo-rtrs test test-vm vet bench bench-peers fuzz clean
 
 all: build
 
@@ -43,6 +43,14 @@ test-vm: deps
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...
+
+# The full path side by side with nbdkit-file (unix and TCP), an nbdkit
+# relay of the same shape, and rnbd, with fio's nbd engine: best of 3,
+# about 15 minutes on an otherwise idle machine. Writes the rows and the
+# plot to docs/bench/peers-DATE.{tsv,svg} and the table into
+# docs/benchmarks.md. BENCH_PEERS_ARGS="-reps 1 -runtime 3s" for a quick look.
+bench-peers: build
+	$(GO) run ./tools/benchpeers -bin $(BIN) $(BENCH_PEERS_ARGS)
 
 # Run every fuzz target for FUZZTIME each (their seeds run in make test).
 FUZZTIME ?= 30s
