@@ -9,6 +9,8 @@ import (
 	"net"
 	"sync"
 	"syscall"
+
+	"github.com/rnbd/rnbd/internal/rawio"
 )
 
 // conn is one connection in transmission.
@@ -16,6 +18,7 @@ type conn struct {
 	s      *Server
 	exp    *Export
 	nc     net.Conn
+	sio    *rawio.Conn // nc's reads and writes, if it has a descriptor
 	ctx    context.Context
 	cancel context.CancelFunc
 	free   chan *Request // the in-flight limit: a request is taken per command
@@ -30,7 +33,7 @@ type conn struct {
 }
 
 func (s *Server) transmit(nc net.Conn, e *Export) {
-	c := &conn{s: s, exp: e, nc: nc, done: make(chan struct{}), wake: make(chan struct{}, 1),
+	c := &conn{s: s, exp: e, nc: nc, sio: rawio.New(nc), done: make(chan struct{}), wake: make(chan struct{}, 1),
 		free: make(chan *Request, s.opts.MaxInflight)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	for i := 0; i < s.opts.MaxInflight; i++ {
@@ -85,7 +88,11 @@ var errProtocol = errors.New("nbd: protocol violation")
 // reader parses requests and hands them on; it returns at DISC, at the
 // end of the stream, or at a violation that leaves the stream unusable.
 func (c *conn) reader() error {
-	br := bufio.NewReaderSize(c.nc, 128<<10)
+	var src io.Reader = c.nc
+	if c.sio != nil {
+		src = c.sio
+	}
+	br := bufio.NewReaderSize(src, 128<<10)
 	e := c.exp
 	var h [requestSize]byte
 	for {
@@ -297,8 +304,14 @@ func (c *conn) writer() {
 					bufs = append(bufs, r.Data)
 				}
 			}
-			wb = bufs
-			if _, err := wb.WriteTo(c.nc); err != nil {
+			var err error
+			if c.sio != nil {
+				err = c.sio.Writev(bufs)
+			} else {
+				wb = bufs
+				_, err = wb.WriteTo(c.nc)
+			}
+			if err != nil {
 				broken = true
 				c.close()
 			}

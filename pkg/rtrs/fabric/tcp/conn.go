@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/rnbd/rnbd/internal/rawio"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
@@ -39,6 +40,7 @@ var errProtocol = errors.New("tcp fabric: protocol violation")
 // into remote writes and receive completions.
 type conn struct {
 	nc     net.Conn
+	sio    *rawio.Conn // nc's reads and writes, if it has a descriptor
 	dev    *device
 	pd     *pd
 	h      fabric.Handler
@@ -83,6 +85,7 @@ func newConn(nc net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, erro
 	}
 	c := &conn{
 		nc:      nc,
+		sio:     rawio.New(nc),
 		dev:     dev,
 		pd:      p,
 		h:       attr.Handler,
@@ -262,8 +265,7 @@ func (c *conn) writer() {
 					}
 				}
 			}
-			bufs = iov
-			if _, err := bufs.WriteTo(c.nc); err != nil {
+			if err := c.writev(iov, &bufs); err != nil {
 				c.fail(err)
 				return
 			}
@@ -284,6 +286,17 @@ func (c *conn) writer() {
 	}
 }
 
+// writev writes all of iov; bufs is the caller's net.Buffers (declared
+// once: it escapes) for a stream without a descriptor.
+func (c *conn) writev(iov [][]byte, bufs *net.Buffers) error {
+	if c.sio != nil {
+		return c.sio.Writev(iov)
+	}
+	*bufs = iov
+	_, err := bufs.WriteTo(c.nc)
+	return err
+}
+
 func putFrameHdr(h []byte, w *fabric.SendWR) {
 	h[0] = byte(w.Op)
 	h[1] = 0
@@ -300,7 +313,11 @@ func putFrameHdr(h []byte, w *fabric.SendWR) {
 
 func (c *conn) reader() {
 	defer c.wg.Done()
-	br := bufio.NewReaderSize(c.nc, 128<<10)
+	var src io.Reader = c.nc
+	if c.sio != nil {
+		src = c.sio
+	}
+	br := bufio.NewReaderSize(src, 128<<10)
 	var hdr [frameHdrSize]byte
 	var wc fabric.WC
 	for {

@@ -1,0 +1,172 @@
+package rawio
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func tcpPair(t *testing.T) (a, b net.Conn) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	ch := make(chan net.Conn, 1)
+	go func() {
+		c, _ := l.Accept()
+		ch <- c
+	}()
+	a, err = net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b = <-ch
+	if b == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+// Writev of more than the socket buffers hold waits for room (the reader
+// is slow to start), splits across more buffers than one writev takes,
+// and every byte arrives in order.
+func TestConnWritevLargeAndManyBuffers(t *testing.T) {
+	a, b := tcpPair(t)
+	w, r := New(a), New(b)
+	if w == nil || r == nil {
+		t.Fatal("a TCP connection has a descriptor")
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	var want []byte
+	var bufs [][]byte
+	for i := 0; i < 3000; i++ { // > maxIov buffers, some empty
+		p := make([]byte, rng.IntN(8<<10))
+		for j := range p {
+			p[j] = byte(rng.Uint32())
+		}
+		want = append(want, p...)
+		bufs = append(bufs, p)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		time.Sleep(50 * time.Millisecond) // let the writer fill the socket and wait
+		buf, _ := io.ReadAll(io.LimitReader(r, int64(len(want))))
+		got <- buf
+	}()
+	if err := w.Writev(bufs); err != nil {
+		t.Fatal(err)
+	}
+	if g := <-got; !bytes.Equal(g, want) {
+		t.Fatalf("read %d bytes, want %d equal ones", len(g), len(want))
+	}
+	if err := w.Writev([][]byte{nil, {}}); err != nil {
+		t.Fatalf("empty write: %v", err)
+	}
+}
+
+func TestConnReadEOFAndClose(t *testing.T) {
+	a, b := tcpPair(t)
+	r := New(b)
+	a.Write([]byte("hi"))
+	a.Close()
+	buf := make([]byte, 10)
+	n, err := r.Read(buf)
+	if n != 2 || err != nil || string(buf[:2]) != "hi" {
+		t.Fatalf("read %d %v", n, err)
+	}
+	if n, err = r.Read(buf); n != 0 || err != io.EOF {
+		t.Fatalf("at the end: %d %v, want io.EOF", n, err)
+	}
+
+	// A reader waiting in the poller returns net.ErrClosed at Close.
+	c, d := tcpPair(t)
+	_ = c
+	rd := New(d)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	var rerr error
+	go func() {
+		defer wg.Done()
+		_, rerr = rd.Read(buf)
+	}()
+	time.Sleep(20 * time.Millisecond)
+	d.Close()
+	wg.Wait()
+	if !errors.Is(rerr, net.ErrClosed) {
+		t.Fatalf("read after close: %v, want net.ErrClosed", rerr)
+	}
+	// Deadlines still work.
+	e, f := tcpPair(t)
+	_ = e
+	f.SetReadDeadline(time.Now().Add(10 * time.Millisecond))
+	if _, err := New(f).Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read past the deadline: %v", err)
+	}
+}
+
+func TestConnWriteToResetPeer(t *testing.T) {
+	a, b := tcpPair(t)
+	b.(*net.TCPConn).SetLinger(0)
+	b.Close()
+	w := New(a)
+	p := make([]byte, 1<<20)
+	var err error
+	for i := 0; i < 50 && err == nil; i++ {
+		err = w.Writev([][]byte{p})
+	}
+	if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("writing to a reset peer: %v", err)
+	}
+}
+
+func TestNewWithoutDescriptor(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if New(a) != nil {
+		t.Fatal("net.Pipe has no descriptor")
+	}
+}
+
+func TestFileCalls(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "f"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	if n, err := Pwrite(fd, []byte("hello world"), 100); n != 11 || err != nil {
+		t.Fatalf("pwrite: %d %v", n, err)
+	}
+	p := make([]byte, 5)
+	if n, err := Pread(fd, p, 106); n != 5 || err != nil || string(p) != "world" {
+		t.Fatalf("pread: %d %v %q", n, err, p)
+	}
+	if n, err := Pread(fd, p, 109); n != 2 || err != nil {
+		t.Fatalf("pread across the end: %d %v, want 2", n, err)
+	}
+	n, err := PreadNowait(fd, p, 100)
+	switch {
+	case errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.EAGAIN):
+		// The filesystem does not do RWF_NOWAIT, or not for this file.
+	case err != nil || n != 5 || string(p) != "hello":
+		t.Fatalf("preadv2 nowait: %d %v %q", n, err, p)
+	}
+	if _, err := Pread(-1, p, 0); !errors.Is(err, syscall.EBADF) {
+		t.Fatalf("bad descriptor: %v", err)
+	}
+	if _, err := Pwrite(-1, p, 0); !errors.Is(err, syscall.EBADF) {
+		t.Fatalf("bad descriptor: %v", err)
+	}
+}
