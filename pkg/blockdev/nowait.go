@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/internal/rawio"
 )
 
 // Non-blocking IO. A server that receives requests on a connection wants
@@ -25,6 +27,10 @@ import (
 // Writes elsewhere, and any O_DIRECT IO, always go to a worker: RWF_NOWAIT
 // on an O_DIRECT read still waits for the device, and buffered writes may
 // wait for writeback throttling.
+//
+// What cannot block is also made as a raw system call (internal/rawio):
+// the runtime then does not treat the connection's goroutine as blocked
+// in the kernel and hand its P to another thread.
 
 // Filesystem magic numbers (statfs f_type) of memory filesystems.
 const (
@@ -75,16 +81,19 @@ func (b *Backend) InMemory() bool { return b.nw.mem }
 // reports whether it did; if not, p may hold part of the data and the
 // caller does the read with ReadAt where blocking is fine.
 func (b *Backend) TryReadAt(p []byte, off int64) (bool, error) {
-	if b.nw.mem {
-		return true, b.ReadAt(p, off)
-	}
-	if !b.nw.reads.Load() {
+	if !b.nw.mem && !b.nw.reads.Load() {
 		return false, nil
 	}
 	if err := b.check(off, len(p), false); err != nil {
 		return true, err
 	}
-	n, err := unix.Preadv2(b.nw.fd, [][]byte{p}, off, unix.RWF_NOWAIT)
+	if b.nw.mem {
+		if n, err := rawio.Pread(b.nw.fd, p, off); err == nil && n == len(p) {
+			return true, nil
+		}
+		return true, b.ReadAt(p, off) // short or failed: say why
+	}
+	n, err := rawio.PreadNowait(b.nw.fd, p, off)
 	switch {
 	case err == nil && n == len(p):
 		return true, nil
@@ -101,6 +110,15 @@ func (b *Backend) TryReadAt(p []byte, off int64) (bool, error) {
 func (b *Backend) TryWriteAt(p []byte, off int64) (bool, error) {
 	if !b.nw.mem {
 		return false, nil
+	}
+	if b.wt {
+		return true, b.WriteAt(p, off, false) // through the O_DSYNC descriptor
+	}
+	if err := b.check(off, len(p), true); err != nil {
+		return true, err
+	}
+	if n, err := rawio.Pwrite(b.nw.fd, p, off); err == nil && n == len(p) {
+		return true, nil
 	}
 	return true, b.WriteAt(p, off, false)
 }
