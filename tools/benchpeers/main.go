@@ -44,6 +44,7 @@ import (
 
 type config struct {
 	bin       string
+	baseBin   string
 	reps      int
 	runtime   time.Duration
 	ramp      time.Duration
@@ -59,6 +60,7 @@ func main() {
 	var c config
 	var workloads, peers, report string
 	flag.StringVar(&c.bin, "bin", "bin", "directory with rnbd-server and rnbd-client")
+	flag.StringVar(&c.baseBin, "base-bin", "", "directory with the daemons of a baseline build, measured as peer rnbd-base/unix (add it to -peers) to compare a change in one run")
 	flag.IntVar(&c.reps, "reps", 3, "repetitions of each workload (the table shows the best)")
 	flag.DurationVar(&c.runtime, "runtime", 10*time.Second, "measured time of each run")
 	flag.DurationVar(&c.ramp, "ramp", 2*time.Second, "unmeasured warm-up before each run")
@@ -297,10 +299,16 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			{role: "server", args: []string{"nbdkit", "-f", "-e", export, "-i", "127.0.0.1", "-p", port, "file", "file=" + img}},
 			{role: "client", args: []string{"nbdkit", "-f", "-e", export, "-U", sock, "nbd", "hostname=127.0.0.1", "port=" + port, "export=" + export}},
 		}
-	case "rnbd/unix":
+	case "rnbd/unix", "rnbd-base/unix":
 		port := strconv.Itoa(freePort())
 		p.uri = unixURI
-		srv, clt := filepath.Join(c.bin, "rnbd-server"), filepath.Join(c.bin, "rnbd-client")
+		bin := c.bin
+		if name == "rnbd-base/unix" {
+			if bin = c.baseBin; bin == "" {
+				return nil, fmt.Errorf("peer %s needs -base-bin", name)
+			}
+		}
+		srv, clt := filepath.Join(bin, "rnbd-server"), filepath.Join(bin, "rnbd-client")
 		if img != "" {
 			for _, b := range []string{srv, clt} {
 				if _, err := os.Stat(b); err != nil {
@@ -328,7 +336,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 				"--dest-port", port, "--device-path", export, "--as", "socket:"+sock)
 		}
 	default:
-		return nil, fmt.Errorf("unknown peer %q (have %s)", name, strings.Join(defaultPeers, ", "))
+		return nil, fmt.Errorf("unknown peer %q (have %s, rnbd-base/unix)", name, strings.Join(defaultPeers, ", "))
 	}
 	return p, nil
 }
@@ -367,6 +375,7 @@ func waitFor(ctx context.Context, ok func() bool) error {
 }
 
 func (p *peer) start(ctx context.Context) error {
+	os.RemoveAll(p.dir) // sockets and state of an earlier repetition
 	if err := os.MkdirAll(p.dir, 0o700); err != nil {
 		return err
 	}
@@ -391,9 +400,15 @@ func (p *peer) start(ctx context.Context) error {
 			return err
 		}
 	}
-	return waitFor(ctx, func() bool {
+	err := waitFor(ctx, func() bool {
 		return exec.CommandContext(ctx, "nbdinfo", "--size", p.uri).Run() == nil
 	})
+	if err != nil {
+		for _, d := range p.daemons {
+			err = fmt.Errorf("%w; %s log: %s", err, d.role, tail(d.log.Name()))
+		}
+	}
+	return err
 }
 
 // stop ends the peer's daemons (SIGTERM, then SIGKILL after 10 s); an
