@@ -26,7 +26,8 @@ import (
 // maxIov is IOV_MAX: the most buffers one writev takes.
 const maxIov = 1024
 
-// Conn does the reads and writes of one socket.
+// Conn does the reads and writes of one socket. One goroutine may read
+// while another writes; two writes must not overlap.
 type Conn struct {
 	rc  syscall.RawConn
 	iov []syscall.Iovec
@@ -38,6 +39,8 @@ type Conn struct {
 	rerr     error
 	wbufs    [][]byte
 	werr     error
+	rest     [][]byte // TryWritev's result
+	noWait   bool     // TryWritev: return at EAGAIN instead of waiting
 	readFn   func(fd uintptr) bool
 	writevFn func(fd uintptr) bool
 }
@@ -113,6 +116,18 @@ func (c *Conn) Writev(bufs [][]byte) error {
 	return c.werr
 }
 
+// TryWritev writes what the socket takes of bufs now, without waiting for
+// room, and returns what is left (a tail of bufs, its first slice advanced
+// past what was written; empty when all was written).
+func (c *Conn) TryWritev(bufs [][]byte) ([][]byte, error) {
+	c.noWait = true
+	err := c.Writev(bufs)
+	c.noWait = false
+	rest := c.rest
+	c.rest = nil
+	return rest, err
+}
+
 func (c *Conn) writev(fd uintptr) bool {
 	for len(c.wbufs) > 0 {
 		c.iov = c.iov[:0]
@@ -131,6 +146,10 @@ func (c *Conn) writev(fd uintptr) bool {
 		case e == syscall.EINTR:
 			continue
 		case e == syscall.EAGAIN:
+			if c.noWait {
+				c.rest = c.wbufs
+				return true
+			}
 			return false // wait for room
 		case e != 0:
 			c.werr = e

@@ -23,9 +23,11 @@
 //     and work requests still outstanding are discarded without completions
 //     (the kernel sees them as flush errors and ignores them).
 //   - Completions are delivered by the fabric's goroutines: receive
-//     completions in order, and send completions in order, each kind on
-//     one goroutine (fabric/tcp uses two, fabric/rdma one per connection
-//     for both, from its completion queue). Handlers must not block.
+//     completions in order on one goroutine, and send completions in
+//     order, never two at once (fabric/tcp delivers them from whichever
+//     goroutine wrote the work request: its reader at the end of a burst,
+//     or its writer; fabric/rdma uses one goroutine per connection for
+//     both, from its completion queue). Handlers must not block.
 package fabric
 
 import (

@@ -35,9 +35,13 @@ const maxFrameLen = 1 << 28
 
 var errProtocol = errors.New("tcp fabric: protocol violation")
 
-// conn emulates an RC queue pair over a byte stream. One goroutine writes
-// the send queue in batches with writev; one reads frames and turns them
-// into remote writes and receive completions.
+// conn emulates an RC queue pair over a byte stream. One goroutine reads
+// frames and turns them into remote writes and receive completions; what
+// the handlers post meanwhile it writes itself, in one writev per burst
+// of frames (run to completion, corked as the block layer's plug). A
+// writer goroutine writes the send queue in batches when the reader is
+// not in a burst (requests posted from other goroutines) and when the
+// socket has no room for the reader's write.
 type conn struct {
 	nc     net.Conn
 	sio    *rawio.Conn // nc's reads and writes, if it has a descriptor
@@ -53,6 +57,14 @@ type conn struct {
 	sqHead int
 	sqLen  int
 	wake   chan struct{} // cap 1: send queue has work
+	// writing: a goroutine (the writer, or the reader ending its burst)
+	// is writing the socket; handoff: what the reader's write left.
+	writing bool
+	handoff *sendBatch
+	rbatch  *sendBatch // the reader's
+	// burst: the reader is processing what it read; what is posted
+	// meanwhile goes out when it next reads (flushBurst).
+	burst atomic.Bool
 
 	// rqMu guards the receive queue ring; rqCond waits for a posted
 	// receive (RNR wait) or close.
@@ -94,6 +106,7 @@ func newConn(nc net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, erro
 		sq:      make([]fabric.SendWR, sqCap),
 		rq:      make([]fabric.RecvWR, rqCap),
 		wake:    make(chan struct{}, 1),
+		rbatch:  newSendBatch(sqCap),
 		closeCh: make(chan struct{}),
 	}
 	c.rqCond.L = &c.rqMu
@@ -141,10 +154,11 @@ func (c *conn) PostSend(wr *fabric.SendWR) error {
 		c.sq[i].Next = nil
 		c.sqLen++
 	}
+	// In the reader's burst, the reader writes it when the burst ends.
+	wake := !c.burst.Load()
 	c.sqMu.Unlock()
-	select {
-	case c.wake <- struct{}{}:
-	default:
+	if wake {
+		c.kick()
 	}
 	return nil
 }
@@ -186,6 +200,12 @@ func (c *conn) PostRecv(wr *fabric.RecvWR) error {
 func (c *conn) popRecv() (fabric.RecvWR, bool) {
 	c.rqMu.Lock()
 	defer c.rqMu.Unlock()
+	if c.rqLen == 0 {
+		// Waiting (RNR): send what was posted before, first.
+		c.rqMu.Unlock()
+		c.flushBurst()
+		c.rqMu.Lock()
+	}
 	for c.rqLen == 0 {
 		if c.closed.Load() {
 			return fabric.RecvWR{}, false
@@ -225,76 +245,224 @@ func (c *conn) Close() error {
 	return nil
 }
 
+// sendBatch is what one write of the send queue uses: the work requests
+// taken from the queue, their frame headers and the iovec.
+type sendBatch struct {
+	wrs  []fabric.SendWR
+	n    int
+	hdrs []byte
+	iov  [][]byte
+	rest [][]byte    // a hand-off: what the socket had no room for
+	bufs net.Buffers // for WriteTo: escapes, so it lives here
+}
+
+func newSendBatch(n int) *sendBatch {
+	return &sendBatch{wrs: make([]fabric.SendWR, n), hdrs: make([]byte, n*frameHdrSize),
+		iov: make([][]byte, 0, n*(1+fabric.MaxSGE))}
+}
+
+// take moves the send queue into b and, if it held anything, makes the
+// caller the socket's writer. sqMu is held.
+func (c *conn) take(b *sendBatch) int {
+	n := c.sqLen
+	for i := 0; i < n; i++ {
+		j := (c.sqHead + i) % len(c.sq)
+		b.wrs[i] = c.sq[j]
+		c.sq[j] = fabric.SendWR{}
+	}
+	c.sqHead = (c.sqHead + n) % len(c.sq)
+	c.sqLen = 0
+	b.n = n
+	if n > 0 {
+		c.writing = true
+	}
+	return n
+}
+
+// frames lays out b's work requests as frames in b.iov.
+func (b *sendBatch) frames() {
+	b.iov = b.iov[:0]
+	for i := 0; i < b.n; i++ {
+		w := &b.wrs[i]
+		h := b.hdrs[i*frameHdrSize : (i+1)*frameHdrSize]
+		putFrameHdr(h, w)
+		b.iov = append(b.iov, h)
+		for s := 0; s < w.NumSGE; s++ {
+			if len(w.SG[s].Buf) > 0 {
+				b.iov = append(b.iov, w.SG[s].Buf)
+			}
+		}
+	}
+}
+
+// sent delivers the send completions of b's work requests, in order, and
+// forgets them and the buffers written.
+func (c *conn) sent(b *sendBatch) {
+	var wc fabric.WC
+	for i := 0; i < b.n; i++ {
+		w := &b.wrs[i]
+		if w.Signaled {
+			op := fabric.WCSend
+			if w.Op == fabric.OpWrite || w.Op == fabric.OpWriteImm {
+				op = fabric.WCWrite
+			}
+			wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
+			c.h.Completion(&wc)
+		}
+		*w = fabric.SendWR{}
+	}
+	b.n = 0
+	clear(b.iov[:cap(b.iov)]) // drop the references to the buffers written
+	b.iov, b.rest = b.iov[:0], nil
+}
+
+// writeAll writes iov, waiting for room as long as it takes.
+func (c *conn) writeAll(iov [][]byte, b *sendBatch) error {
+	if c.sio != nil {
+		return c.sio.Writev(iov)
+	}
+	b.bufs = iov
+	_, err := b.bufs.WriteTo(c.nc)
+	b.bufs = nil
+	return err
+}
+
+func (c *conn) kick() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// writeOn writes b and then whatever was posted meanwhile, until the
+// queue is empty; then it gives up the socket.
+func (c *conn) writeOn(b *sendBatch) error {
+	for {
+		b.frames()
+		if err := c.writeAll(b.iov, b); err != nil {
+			return err
+		}
+		c.sent(b)
+		c.sqMu.Lock()
+		n := c.take(b)
+		if n == 0 {
+			c.writing = false
+		}
+		c.sqMu.Unlock()
+		if n == 0 {
+			return nil
+		}
+	}
+}
+
+// writer writes the send queue when the reader does not: work requests
+// posted while the reader is not in a burst (from other goroutines), and
+// what the reader's write left because the socket was full.
 func (c *conn) writer() {
 	defer c.wg.Done()
-	batch := make([]fabric.SendWR, len(c.sq))
-	hdrs := make([]byte, len(c.sq)*frameHdrSize)
-	iov := make([][]byte, 0, len(c.sq)*(1+fabric.MaxSGE))
-	// bufs escapes into WriteTo: declared once, so it is allocated once.
-	var bufs net.Buffers
-	var wc fabric.WC
+	b := newSendBatch(len(c.sq))
 	for {
 		select {
 		case <-c.wake:
 		case <-c.closeCh:
 			return
 		}
-		for {
-			c.sqMu.Lock()
-			n := c.sqLen
-			for i := 0; i < n; i++ {
-				j := (c.sqHead + i) % len(c.sq)
-				batch[i] = c.sq[j]
-				c.sq[j] = fabric.SendWR{}
-			}
-			c.sqHead = (c.sqHead + n) % len(c.sq)
-			c.sqLen = 0
+		c.sqMu.Lock()
+		h := c.handoff
+		c.handoff = nil
+		if h == nil && (c.writing || c.take(b) == 0) {
+			// The reader is writing (it wakes us if it leaves
+			// anything), or there is nothing to write.
 			c.sqMu.Unlock()
-			if n == 0 {
-				break
-			}
-			iov = iov[:0]
-			for i := 0; i < n; i++ {
-				w := &batch[i]
-				h := hdrs[i*frameHdrSize : (i+1)*frameHdrSize]
-				putFrameHdr(h, w)
-				iov = append(iov, h)
-				for s := 0; s < w.NumSGE; s++ {
-					if len(w.SG[s].Buf) > 0 {
-						iov = append(iov, w.SG[s].Buf)
-					}
-				}
-			}
-			if err := c.writev(iov, &bufs); err != nil {
+			continue
+		}
+		c.sqMu.Unlock()
+		if h != nil {
+			if err := c.writeAll(h.rest, h); err != nil {
 				c.fail(err)
 				return
 			}
-			for i := 0; i < n; i++ {
-				w := &batch[i]
-				if w.Signaled {
-					op := fabric.WCSend
-					if w.Op == fabric.OpWrite || w.Op == fabric.OpWriteImm {
-						op = fabric.WCWrite
-					}
-					wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
-					c.h.Completion(&wc)
-				}
-				*w = fabric.SendWR{}
+			c.sent(h)
+			c.sqMu.Lock()
+			n := c.take(b)
+			if n == 0 {
+				c.writing = false
 			}
-			clear(iov) // drop the references to the buffers written
+			c.sqMu.Unlock()
+			if n == 0 {
+				continue
+			}
+		}
+		if err := c.writeOn(b); err != nil {
+			c.fail(err)
+			return
 		}
 	}
 }
 
-// writev writes all of iov; bufs is the caller's net.Buffers (declared
-// once: it escapes) for a stream without a descriptor.
-func (c *conn) writev(iov [][]byte, bufs *net.Buffers) error {
-	if c.sio != nil {
-		return c.sio.Writev(iov)
+// flushBurst ends the reader's burst: what the handlers posted while it
+// processed the frames it had read goes out in one writev from the
+// reader itself, as far as the socket takes it without waiting; the rest
+// goes to the writer goroutine. It runs before every read of the socket
+// and before the reader waits for a posted receive, so nothing posted is
+// held while the reader sleeps.
+func (c *conn) flushBurst() {
+	c.sqMu.Lock()
+	c.burst.Store(false)
+	if c.writing || c.sqLen == 0 {
+		// Empty, or the writer goroutine has the socket and takes
+		// the queue when its write is done.
+		c.sqMu.Unlock()
+		return
 	}
-	*bufs = iov
-	_, err := bufs.WriteTo(c.nc)
-	return err
+	if c.sio == nil {
+		c.sqMu.Unlock()
+		c.kick()
+		return
+	}
+	b := c.rbatch
+	c.take(b)
+	c.sqMu.Unlock()
+	b.frames()
+	rest, err := c.sio.TryWritev(b.iov)
+	if err != nil {
+		c.fail(err)
+		return
+	}
+	if len(rest) > 0 {
+		// The socket is full: the writer goroutine waits for room.
+		c.sqMu.Lock()
+		b.rest = rest
+		c.handoff = b
+		c.sqMu.Unlock()
+		c.kick()
+		return
+	}
+	c.sent(b)
+	c.sqMu.Lock()
+	c.writing = false
+	more := c.sqLen > 0 // posted by others meanwhile: they woke the writer in vain
+	c.sqMu.Unlock()
+	if more {
+		c.kick()
+	}
+}
+
+// burstReader is the reader's source: every read of the socket (when the
+// reader's buffer has run dry) first ends the burst, and the data read
+// starts the next one.
+type burstReader struct {
+	c   *conn
+	src io.Reader
+}
+
+func (r *burstReader) Read(p []byte) (int, error) {
+	r.c.flushBurst()
+	n, err := r.src.Read(p)
+	if n > 0 {
+		r.c.burst.Store(true)
+	}
+	return n, err
 }
 
 func putFrameHdr(h []byte, w *fabric.SendWR) {
@@ -317,7 +485,7 @@ func (c *conn) reader() {
 	if c.sio != nil {
 		src = c.sio
 	}
-	br := bufio.NewReaderSize(src, 128<<10)
+	br := bufio.NewReaderSize(&burstReader{c: c, src: src}, 128<<10)
 	var hdr [frameHdrSize]byte
 	var wc fabric.WC
 	for {
