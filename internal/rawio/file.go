@@ -13,35 +13,28 @@ const is64 = unsafe.Sizeof(uintptr(0)) == 8
 // Pread reads into p at off from a file whose reads cannot sleep (tmpfs,
 // ramfs, a RAM disk). It may return less than len(p), as pread does.
 func Pread(fd int, p []byte, off int64) (int, error) {
-	if len(p) == 0 {
-		return 0, nil
-	}
 	if !is64 {
 		return unix.Pread(fd, p, off)
 	}
-	for {
-		n, _, e := syscall.RawSyscall6(syscall.SYS_PREAD64, uintptr(fd), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)), uintptr(off), 0, 0)
-		if e == syscall.EINTR {
-			continue
-		}
-		if e != 0 {
-			return 0, e
-		}
-		return int(n), nil
-	}
+	return positional(syscall.SYS_PREAD64, fd, p, off)
 }
 
 // Pwrite writes p at off to a file whose writes cannot sleep. It may
 // write less than len(p), as pwrite does.
 func Pwrite(fd int, p []byte, off int64) (int, error) {
-	if len(p) == 0 {
-		return 0, nil
-	}
 	if !is64 {
 		return unix.Pwrite(fd, p, off)
 	}
+	return positional(syscall.SYS_PWRITE64, fd, p, off)
+}
+
+// positional is pread64 or pwrite64 as a raw system call.
+func positional(trap uintptr, fd int, p []byte, off int64) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
 	for {
-		n, _, e := syscall.RawSyscall6(syscall.SYS_PWRITE64, uintptr(fd), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)), uintptr(off), 0, 0)
+		n, _, e := syscall.RawSyscall6(trap, uintptr(fd), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)), uintptr(off), 0, 0)
 		if e == syscall.EINTR {
 			continue
 		}

@@ -343,16 +343,22 @@ func (c *conn) writeOn(b *sendBatch) error {
 			return err
 		}
 		c.sent(b)
-		c.sqMu.Lock()
-		n := c.take(b)
-		if n == 0 {
-			c.writing = false
-		}
-		c.sqMu.Unlock()
-		if n == 0 {
+		if c.next(b) == 0 {
 			return nil
 		}
 	}
+}
+
+// next takes what was posted during a write into b, or, if nothing was,
+// gives up the socket.
+func (c *conn) next(b *sendBatch) int {
+	c.sqMu.Lock()
+	defer c.sqMu.Unlock()
+	n := c.take(b)
+	if n == 0 {
+		c.writing = false
+	}
+	return n
 }
 
 // writer writes the send queue when the reader does not: work requests
@@ -383,13 +389,7 @@ func (c *conn) writer() {
 				return
 			}
 			c.sent(h)
-			c.sqMu.Lock()
-			n := c.take(b)
-			if n == 0 {
-				c.writing = false
-			}
-			c.sqMu.Unlock()
-			if n == 0 {
+			if c.next(b) == 0 {
 				continue
 			}
 		}
