@@ -70,14 +70,27 @@ func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 		}
 		return &slotBuf{b: b, slot: -1, buf: buf, data: buf.Bytes()[:n]}, nil
 	}
+	var s *slotBuf
 	select {
-	case s := <-b.slots:
-		s.data = b.pool.Bytes()[s.off : s.off+n]
-		return s, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	case s = <-b.slots:
+	default:
+		// The connection's plug may hold what frees a slot.
+		if pl := nbd.PlugFrom(ctx); pl != nil {
+			pl.Unplug()
+		}
+		select {
+		case s = <-b.slots:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
+	s.data = b.pool.Bytes()[s.off : s.off+n]
+	return s, nil
 }
+
+// NewPlug gives an NBD connection a plug (nbd.Plugger): the requests it
+// reads in one burst go to the transport in one write.
+func (b *nbdBackend) NewPlug() nbd.Plug { return new(rtrs.Plug) }
 
 // ioReq carries one NBD request through the device.
 type ioReq struct {
@@ -90,7 +103,11 @@ type ioReq struct {
 
 func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
 	nr, done, b := r.nr, r.done, r.b
-	r.nr, r.done = nil, nil
+	if r.Burst != nil {
+		// The reply goes out with the others of the transport's burst.
+		nr.Batch = r.Burst
+	}
+	r.nr, r.done, r.Burst = nil, nil, nil
 	b.reqs.Put(r)
 	done(nr, err)
 }
@@ -99,6 +116,7 @@ func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 	r := b.reqs.Get().(*ioReq)
 	r.nr, r.done, r.b = nr, done, b
 	r.IOReq = rnbd.IOReq{Off: nr.Offset, Len: int(nr.Length), Done: r.doneFn}
+	r.Plug, _ = nr.Plug.(*rtrs.Plug)
 	switch nr.Cmd {
 	case nbd.CmdRead:
 		r.Op = rnbd.OpRead

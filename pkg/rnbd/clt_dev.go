@@ -191,6 +191,14 @@ type IOReq struct {
 	// Done is called once with nil or the first error, from any
 	// goroutine; it must not block.
 	Done func(r *IOReq, err error)
+	// Burst is, during Done, the burst of transport completions the
+	// request completed in (nil: none): Done may defer work to its end
+	// (rtrs.Burst.Defer), e.g. writing a reply once for many requests.
+	Burst *rtrs.Burst
+	// Plug, if not nil, holds the request's pieces until the
+	// submitter's pl.Unplug (it is used only during Submit, which
+	// unplugs it itself before it waits for a permit).
+	Plug *rtrs.Plug
 
 	dev     *CltDev
 	pending atomic.Int32
@@ -267,7 +275,7 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 		if r.Len == 0 {
 			l = 0
 		}
-		d.sendPiece(ctx, r, r.Off+off, l, r.BufOff+int(off))
+		d.sendPiece(ctx, r, r.Plug, r.Off+off, l, r.BufOff+int(off))
 	}
 	return nil
 }
@@ -302,14 +310,23 @@ func (d *CltDev) pieceSize(op Op) int {
 	return 1 << 30 // flush
 }
 
-// sendPiece sends one piece, or parks it while the device is closed.
-func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, off int64, n, bufOff int) {
+// sendPiece sends one piece, held in pl if not nil, or parks it while the
+// device is closed.
+func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int64, n, bufOff int) {
 	s := d.s
-	p, err := s.sess.GetPermit(ctx, rtrs.IOCon)
-	if err != nil {
-		r.pieceDone(err)
-		return
+	p := s.sess.TryGetPermit(rtrs.IOCon)
+	if p == nil {
+		// What the plug holds may be what frees a permit.
+		if pl != nil {
+			pl.Unplug()
+		}
+		var err error
+		if p, err = s.sess.GetPermit(ctx, rtrs.IOCon); err != nil {
+			r.pieceDone(err)
+			return
+		}
 	}
+	var err error
 	d.ioMu.RLock()
 	switch d.State() {
 	case DevOpen:
@@ -331,11 +348,11 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, off int64, n, bufOff i
 	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(op) | flags, Size: uint32(n)}).Encode(usr[:])
 	switch op {
 	case OpRead:
-		err = s.sess.Request(rtrs.Read, p, pc, usr[:], r.Buf, bufOff, n)
+		err = s.sess.RequestPlugged(pl, rtrs.Read, p, pc, usr[:], r.Buf, bufOff, n)
 	case OpWrite:
-		err = s.sess.Request(rtrs.Write, p, pc, usr[:], r.Buf, bufOff, n)
+		err = s.sess.RequestPlugged(pl, rtrs.Write, p, pc, usr[:], r.Buf, bufOff, n)
 	default:
-		err = s.sess.Request(rtrs.Write, p, pc, usr[:], nil, 0, 0)
+		err = s.sess.RequestPlugged(pl, rtrs.Write, p, pc, usr[:], nil, 0, 0)
 	}
 	d.ioMu.RUnlock()
 	if err != nil {
@@ -350,7 +367,10 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, off int64, n, bufOff i
 
 // Confirm ends a piece: on success or a server error the request counts
 // it; without a path it waits for the device to be reopened.
-func (pc *piece) Confirm(err error) {
+func (pc *piece) Confirm(err error) { pc.ConfirmBurst(err, nil) }
+
+// ConfirmBurst is Confirm within transport burst b (rtrs.BurstConfirmer).
+func (pc *piece) ConfirmBurst(err error, b *rtrs.Burst) {
 	r, s := pc.r, pc.sess
 	off, n, bufOff := pc.off, pc.n, pc.bufOff
 	s.sess.PutPermit(pc.p)
@@ -358,10 +378,13 @@ func (pc *piece) Confirm(err error) {
 		r.dev.park(r, off, n, bufOff)
 		return
 	}
-	r.pieceDone(err)
+	r.pieceDoneIn(err, b)
 }
 
-func (r *IOReq) pieceDone(err error) {
+func (r *IOReq) pieceDone(err error) { r.pieceDoneIn(err, nil) }
+
+// pieceDoneIn counts a piece done; the last one completes r, in burst b.
+func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 	if err != nil && r.failed.CompareAndSwap(false, true) {
 		r.firstErr = err
 	}
@@ -372,10 +395,11 @@ func (r *IOReq) pieceDone(err error) {
 		// Not here: a completion must not wait for a permit.
 		r.flushing = true
 		r.pending.Store(1)
-		go r.dev.sendPiece(context.Background(), r, 0, 0, 0)
+		go r.dev.sendPiece(context.Background(), r, nil, 0, 0, 0)
 		return
 	}
 	d := r.dev
+	r.Burst = b
 	r.Done(r, r.firstErr)
 	d.inflight.Done()
 }
@@ -417,7 +441,7 @@ func (d *CltDev) resubmit() {
 	// Not on the caller's goroutine: sending waits for permits.
 	go func() {
 		for _, p := range ps {
-			d.sendPiece(context.Background(), p.r, p.off, p.n, p.bufOff)
+			d.sendPiece(context.Background(), p.r, nil, p.off, p.n, p.bufOff)
 		}
 	}()
 }

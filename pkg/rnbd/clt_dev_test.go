@@ -280,3 +280,48 @@ func TestCltDevFUAOnlyOnWrites(t *testing.T) {
 		t.Fatalf("the server saw %+v; want 1 FUA write, 2 flushes, 2 discards, 1 write-zeroes", o)
 	}
 }
+
+// TestCltDevPlugged submits more requests under one plug than there are
+// permits, never unplugging between them: Submit must unplug before it
+// waits for a permit, or the held requests would never free one. Then
+// the data reads back.
+func TestCltDevPlugged(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	path := r.file("a", 4<<20)
+	s := r.cltSession("cs", 0)
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 3 * s.Session().QueueDepth()
+	buf, _ := s.Session().AllocBuffer(n * 4096)
+	for i := range n {
+		copy(buf.Bytes()[i*4096:(i+1)*4096], bytes.Repeat([]byte{byte(i), byte(i >> 8)}, 2048))
+	}
+	var pl rtrs.Plug
+	done := make(chan error, n)
+	reqs := make([]IOReq, n)
+	for i := range reqs {
+		reqs[i] = IOReq{Op: OpWrite, Off: int64(i) * 4096, Len: 4096, Buf: buf, BufOff: i * 4096, Plug: &pl,
+			Done: func(_ *IOReq, err error) { done <- err }}
+		if err := a.Submit(context.Background(), &reqs[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pl.Unplug()
+	timeout := time.After(30 * time.Second)
+	for range n {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-timeout:
+			t.Fatal("plugged writes did not complete")
+		}
+	}
+	b, _ := os.ReadFile(path)
+	if !bytes.Equal(b[:n*4096], buf.Bytes()[:n*4096]) {
+		t.Fatal("the file does not hold the plugged writes")
+	}
+}

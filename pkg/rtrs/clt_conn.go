@@ -46,6 +46,11 @@ type cltConn struct {
 	rwr   [2]fabric.RecvWR
 	hbAck fabric.SendWR
 	hbMsg fabric.SendWR
+
+	// burst: the completions of one read, when the fabric ends them
+	// with BurstEnd (bursts).
+	burst  Burst
+	bursts bool
 }
 
 func (c *cltConn) recvQueueSize() int {
@@ -155,7 +160,21 @@ func (c *cltConn) fail(msg string, err error) {
 }
 
 // Attached learns the connection before it can complete anything.
-func (c *cltConn) Attached(qp fabric.Conn) { c.qp = qp }
+func (c *cltConn) Attached(qp fabric.Conn) {
+	c.qp = qp
+	_, c.bursts = qp.(fabric.Flusher)
+}
+
+// BurstEnd flushes what the burst's completions deferred.
+func (c *cltConn) BurstEnd() { c.burst.end() }
+
+// curBurst is the burst completions are delivered in, or nil.
+func (c *cltConn) curBurst() *Burst {
+	if c.bursts {
+		return &c.burst
+	}
+	return nil
+}
 
 // Disconnected is a connection error: recover the path.
 func (c *cltConn) Disconnected(err error) {
@@ -189,7 +208,7 @@ func (c *cltConn) Completion(wc *fabric.WC) {
 		case ImmIORsp, ImmIORspWInv:
 			wInv = typ == ImmIORspWInv
 			msgID, errno := FromIORspImm(payload)
-			if err := res.processIORsp(msgID, errno); err != nil {
+			if err := res.processIORsp(msgID, errno, c.curBurst()); err != nil {
 				c.fail("malformed IO response", err)
 				return
 			}
@@ -260,5 +279,5 @@ func (c *cltConn) rkeyRspDone(wc *fabric.WC, buf []byte) error {
 		return fmt.Errorf("rkey response for buf_id %d with msg_id %d: %w", msg.BufID, msgID, syscall.EPROTO)
 	}
 	res.rbufs[msg.BufID].rkey.Store(msg.RKey)
-	return res.processIORsp(msgID, errno)
+	return res.processIORsp(msgID, errno, c.curBurst())
 }

@@ -855,8 +855,8 @@ func (p *CltPath) deregisterLocked(b *Buffer) {
 }
 
 // post sends request pm on this path if it is connected
-// (rtrs_clt_write_req / rtrs_clt_read_req).
-func (p *CltPath) post(pm *Permit) error {
+// (rtrs_clt_write_req / rtrs_clt_read_req), held in pl if not nil.
+func (p *CltPath) post(pm *Permit, pl *Plug) error {
 	p.submitMu.RLock()
 	defer p.submitMu.RUnlock()
 	if p.State() != PathConnected {
@@ -917,6 +917,9 @@ func (p *CltPath) post(pm *Permit) error {
 	}
 	wr.Imm = ToImm(ImmIOReq, pm.memOff+uint32(r.n+r.usrLen))
 	wr.Signaled = con.wrCnt.Add(1)%res.sigIntv == 0
+	if pl != nil {
+		pl.hold(con.qp, wr)
+	}
 	pr.inUse.Store(true)
 	p.stats.update(r.dir, r.usrLen+r.n)
 	if err := con.qp.PostSend(wr); err != nil {
@@ -932,8 +935,9 @@ func (p *CltPath) post(pm *Permit) error {
 	return nil
 }
 
-// processIORsp completes the request msgID (process_io_rsp).
-func (res *pathRes) processIORsp(msgID uint32, errno syscall.Errno) error {
+// processIORsp completes the request msgID (process_io_rsp) in burst b
+// (nil: none).
+func (res *pathRes) processIORsp(msgID uint32, errno syscall.Errno, b *Burst) error {
 	if int(msgID) >= res.queueDepth {
 		return fmt.Errorf("response for msg_id %d >= queue depth %d: %w", msgID, res.queueDepth, syscall.EPROTO)
 	}
@@ -949,7 +953,11 @@ func (res *pathRes) processIORsp(msgID uint32, errno syscall.Errno) error {
 	if errno != 0 {
 		err = errno
 	}
-	pm.req.conf.Confirm(err)
+	if bc, ok := pm.req.conf.(BurstConfirmer); ok {
+		bc.ConfirmBurst(err, b)
+	} else {
+		pm.req.conf.Confirm(err)
+	}
 	return nil
 }
 

@@ -164,6 +164,42 @@ type Confirmer interface {
 	Confirm(err error)
 }
 
+// BurstConfirmer is a Confirmer that is also told the burst its
+// completion belongs to: what the outcome leaves to do (a reply to send)
+// it may defer to the burst's end. b is nil outside a burst.
+type BurstConfirmer interface {
+	Confirmer
+	ConfirmBurst(err error, b *Burst)
+}
+
+// Burst is the run of completions a connection delivers from what it read
+// at once (fabric/tcp). What they defer is flushed once at its end, before
+// the connection waits for more: e.g. the replies of many requests go out
+// in one write. It is used only by the connection's completion goroutine.
+type Burst struct {
+	deferred []interface{ Flush() }
+}
+
+// Defer has f flushed at the end of the burst, once however often it is
+// deferred.
+func (b *Burst) Defer(f interface{ Flush() }) {
+	for _, d := range b.deferred {
+		if d == f {
+			return
+		}
+	}
+	b.deferred = append(b.deferred, f)
+}
+
+// end flushes what was deferred.
+func (b *Burst) end() {
+	for i, f := range b.deferred {
+		f.Flush()
+		b.deferred[i] = nil
+	}
+	b.deferred = b.deferred[:0]
+}
+
 // CltSession is a client session: a name, a paths UUID, and the paths to one
 // server. It is safe for concurrent use.
 type CltSession struct {
@@ -584,6 +620,46 @@ func (b *Buffer) Free() error {
 // for a path is the user's (pkg/rnbd holds block requests until their
 // device is open again). The error returned here means conf is not told.
 func (s *CltSession) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
+	return s.RequestPlugged(nil, dir, p, conf, usr, buf, off, n)
+}
+
+// Plug holds the requests one goroutine sends in a burst until it calls
+// Unplug, so that the burst goes out in as few system calls as the
+// fabric allows (blk_start_plug / blk_finish_plug). Its owner must Unplug
+// before it waits for anything, the completion of its own requests
+// included (a permit, request memory, more requests to read). A Plug is
+// not safe for concurrent use; the zero value is ready.
+type Plug struct {
+	held []fabric.Flusher // connections holding this plug's requests
+}
+
+// Unplug sends the requests held.
+func (pl *Plug) Unplug() {
+	for i, f := range pl.held {
+		f.Flush()
+		pl.held[i] = nil
+	}
+	pl.held = pl.held[:0]
+}
+
+// hold marks wr as held in pl if con can hold it.
+func (pl *Plug) hold(con fabric.Conn, wr *fabric.SendWR) {
+	f, ok := con.(fabric.Flusher)
+	if !ok {
+		return
+	}
+	wr.More = true
+	for _, h := range pl.held {
+		if h == f {
+			return
+		}
+	}
+	pl.held = append(pl.held, f)
+}
+
+// RequestPlugged is Request, the request held in pl (if not nil) until
+// pl.Unplug.
+func (s *CltSession) RequestPlugged(pl *Plug, dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -612,18 +688,18 @@ func (s *CltSession) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf
 	r.dir, r.conf, r.buf, r.off, r.n = dir, conf, buf, off, n
 	r.usrLen = copy(p.hdr, usr)
 	r.start = time.Now()
-	_, err := s.submit(p)
+	_, err := s.submit(p, pl)
 	return err
 }
 
 // submit tries the paths in the policy's order and posts p on the first
-// connected one that takes it.
-func (s *CltSession) submit(p *Permit) (*CltPath, error) {
+// connected one that takes it, held in pl if not nil.
+func (s *CltSession) submit(p *Permit, pl *Plug) (*CltPath, error) {
 	var it pathIter
 	it.init(s, *s.pathsSnap.Load())
 	tooBig := false
 	for path := it.next(); path != nil; path = it.next() {
-		err := path.post(p)
+		err := path.post(p, pl)
 		if err == nil {
 			return path, nil
 		}
@@ -644,7 +720,7 @@ func (s *CltSession) failover(p *Permit) {
 		p.req.conf.Confirm(ErrClosed)
 		return
 	}
-	path, err := s.submit(p)
+	path, err := s.submit(p, nil)
 	if err == nil {
 		path.stats.failoverCnt.Add(1)
 		return

@@ -21,21 +21,61 @@ type conn struct {
 	sio    *rawio.Conn // nc's reads and writes, if it has a descriptor
 	ctx    context.Context
 	cancel context.CancelFunc
+	plug   Plug          // the backend's, or nil
 	free   chan *Request // the in-flight limit: a request is taken per command
 	done   chan struct{}
 
 	mu         sync.Mutex
-	ready      []*Request // completed, waiting for the writer
+	ready      []*Request // completed, waiting for their reply's write
 	inflight   int        // taken from free and not yet retired
 	readerDone bool
-	wake       chan struct{} // cap 1
-	closeOnce  sync.Once
+	// writing: a goroutine (the writer, or a completer flushing at the
+	// end of its burst) writes replies; it owns fbatch. handoff: what a
+	// completer's write left because the socket was full. broken: a
+	// write failed, replies are dropped.
+	writing   bool
+	handoff   *replyBatch
+	broken    bool
+	fbatch    *replyBatch
+	wake      chan struct{} // cap 1: the writer has work
+	closeOnce sync.Once
+}
+
+// replyBatch is replies being written, and their iovec.
+type replyBatch struct {
+	reqs []*Request
+	hdrs []byte
+	bufs net.Buffers
+	rest [][]byte // what a non-blocking write left
+}
+
+func newReplyBatch(n int) *replyBatch {
+	return &replyBatch{hdrs: make([]byte, replySize*n), bufs: make(net.Buffers, 0, 2*n)}
+}
+
+// build lays out the replies of b.reqs in b.bufs.
+func (b *replyBatch) build() {
+	b.bufs = b.bufs[:0]
+	for i, r := range b.reqs {
+		h := b.hdrs[i*replySize : (i+1)*replySize]
+		binary.BigEndian.PutUint32(h[0:], magicReply)
+		binary.BigEndian.PutUint32(h[4:], r.errno)
+		binary.BigEndian.PutUint64(h[8:], r.cookie)
+		b.bufs = append(b.bufs, h)
+		if r.Cmd == CmdRead && r.errno == 0 && r.Length > 0 {
+			b.bufs = append(b.bufs, r.Data)
+		}
+	}
 }
 
 func (s *Server) transmit(nc net.Conn, e *Export) {
 	c := &conn{s: s, exp: e, nc: nc, sio: rawio.New(nc), done: make(chan struct{}), wake: make(chan struct{}, 1),
-		free: make(chan *Request, s.opts.MaxInflight)}
+		free: make(chan *Request, s.opts.MaxInflight), fbatch: newReplyBatch(s.opts.MaxInflight)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
+	if p, ok := e.Backend.(Plugger); ok {
+		c.plug = p.NewPlug()
+		c.ctx = context.WithValue(c.ctx, plugKey{}, c.plug)
+	}
 	for i := 0; i < s.opts.MaxInflight; i++ {
 		c.free <- &Request{c: c}
 	}
@@ -92,6 +132,12 @@ func (c *conn) reader() error {
 	if c.sio != nil {
 		src = c.sio
 	}
+	if c.plug != nil {
+		// The burst ends where the buffer runs dry: what it carried
+		// goes out before the reader waits for more, or stops.
+		src = &unplugReader{pl: c.plug, src: src}
+		defer c.plug.Unplug()
+	}
 	br := bufio.NewReaderSize(src, 128<<10)
 	e := c.exp
 	var h [requestSize]byte
@@ -113,14 +159,22 @@ func (c *conn) reader() error {
 		var r *Request
 		select {
 		case r = <-c.free:
-		case <-c.ctx.Done():
-			return net.ErrClosed
+		default:
+			if c.plug != nil {
+				// The plug may hold what frees a request.
+				c.plug.Unplug()
+			}
+			select {
+			case r = <-c.free:
+			case <-c.ctx.Done():
+				return net.ErrClosed
+			}
 		}
 		c.mu.Lock()
 		c.inflight++
 		c.mu.Unlock()
 		*r = Request{Cmd: Cmd(typ), FUA: flags&cmdFlagFUA != 0, NoHole: flags&cmdFlagNoHole != 0,
-			Offset: int64(off), Length: n, cookie: cookie, c: c}
+			Offset: int64(off), Length: n, Plug: c.plug, cookie: cookie, c: c}
 		errno := c.check(r, flags)
 		if r.Cmd == CmdWrite && n > e.MaxPayload {
 			// The payload cannot be skipped safely at any size.
@@ -160,6 +214,17 @@ func (c *conn) reader() error {
 		}
 		e.Backend.Submit(r, doneFunc)
 	}
+}
+
+// unplugReader unplugs before every read of the connection.
+type unplugReader struct {
+	pl  Plug
+	src io.Reader
+}
+
+func (r *unplugReader) Read(p []byte) (int, error) {
+	r.pl.Unplug()
+	return r.src.Read(p)
 }
 
 // check validates a request against the export; 0 means go ahead.
@@ -249,16 +314,23 @@ func nbdErrno(e syscall.Errno) uint32 {
 	return uint32(e)
 }
 
-// complete queues r's reply for the writer.
+// complete queues r's reply: written at the end of the completer's burst
+// if r came with a Batch, else by the writer goroutine.
 func (c *conn) complete(r *Request, errno syscall.Errno) {
 	r.errno = nbdErrno(errno)
+	batch := r.Batch
+	r.Batch = nil
 	c.mu.Lock()
 	c.ready = append(c.ready, r)
 	c.mu.Unlock()
+	if batch != nil && c.sio != nil {
+		batch.Defer(c)
+		return
+	}
 	c.signal()
 }
 
-// retire ends a request that gets no reply.
+// retire ends a request that gets no reply, or whose reply was written.
 func (c *conn) retire(r *Request) {
 	if r.buf != nil {
 		r.buf.Release()
@@ -266,58 +338,133 @@ func (c *conn) retire(r *Request) {
 	}
 	c.mu.Lock()
 	c.inflight--
+	last := c.readerDone && c.inflight == 0
 	c.mu.Unlock()
 	c.free <- r
-	c.signal()
+	if last {
+		c.signal() // the writer may exit
+	}
 }
 
-// writer sends replies as they complete, every ready one in one writev.
-// After a write error it keeps retiring requests so that the reader and
-// the backend can finish.
-func (c *conn) writer() {
-	var batch []*Request
-	// bufs and wb escape into WriteTo: declared once, allocated once.
-	var bufs, wb net.Buffers
-	hdrs := make([]byte, replySize*c.s.opts.MaxInflight)
-	broken := false
-	for {
-		c.mu.Lock()
-		batch, c.ready = c.ready, batch[:0]
-		exit := len(batch) == 0 && c.readerDone && c.inflight == 0
+// retireAll retires the requests of b.
+func (c *conn) retireAll(b *replyBatch) {
+	for i, r := range b.reqs {
+		c.retire(r)
+		b.reqs[i] = nil
+	}
+	b.reqs = b.reqs[:0]
+	clear(b.bufs[:cap(b.bufs)]) // drop the references to the data written
+	b.bufs, b.rest = b.bufs[:0], nil
+}
+
+// takeReady moves the ready replies into b and makes the caller the
+// writer, if there are any and no one else writes. c.mu is held.
+func (c *conn) takeReady(b *replyBatch) bool {
+	if c.writing || len(c.ready) == 0 {
+		return false
+	}
+	b.reqs, c.ready = c.ready, b.reqs[:0]
+	c.writing = true
+	return true
+}
+
+// doneWriting gives up writing; the writer goroutine is woken if there is
+// work it would otherwise miss.
+func (c *conn) doneWriting() {
+	c.mu.Lock()
+	c.writing = false
+	work := len(c.ready) > 0 || c.readerDone && c.inflight == 0
+	c.mu.Unlock()
+	if work {
+		c.signal()
+	}
+}
+
+// setBroken records a failed write: the connection closes, and replies
+// from now on are dropped.
+func (c *conn) setBroken() {
+	c.mu.Lock()
+	c.broken = true
+	c.mu.Unlock()
+	c.close()
+}
+
+// Flush writes the ready replies from the calling goroutine, at the end of
+// its burst (Batch), as far as the socket takes them without waiting; the
+// writer goroutine writes the rest.
+func (c *conn) Flush() {
+	b := c.fbatch
+	c.mu.Lock()
+	if !c.takeReady(b) {
+		// Nothing, or the goroutine writing takes them after its write.
 		c.mu.Unlock()
-		if exit {
+		return
+	}
+	broken := c.broken
+	c.mu.Unlock()
+	if !broken {
+		b.build()
+		rest, err := c.sio.TryWritev(b.bufs)
+		switch {
+		case err != nil:
+			c.setBroken()
+		case len(rest) > 0:
+			c.mu.Lock()
+			b.rest = rest
+			c.handoff = b
+			c.mu.Unlock()
+			c.signal()
 			return
 		}
-		if len(batch) == 0 {
-			<-c.wake
-			continue
-		}
-		if !broken {
-			bufs = bufs[:0]
-			for i, r := range batch {
-				h := hdrs[i*replySize : (i+1)*replySize]
-				binary.BigEndian.PutUint32(h[0:], magicReply)
-				binary.BigEndian.PutUint32(h[4:], r.errno)
-				binary.BigEndian.PutUint64(h[8:], r.cookie)
-				bufs = append(bufs, h)
-				if r.Cmd == CmdRead && r.errno == 0 && r.Length > 0 {
-					bufs = append(bufs, r.Data)
+	}
+	c.retireAll(b)
+	c.doneWriting()
+}
+
+// writer writes the replies no completer's burst writes, and what a
+// completer's write left. After a write error it keeps retiring requests
+// so that the reader and the backend can finish.
+func (c *conn) writer() {
+	b := newReplyBatch(c.s.opts.MaxInflight)
+	var wb net.Buffers // escapes into WriteTo: declared once
+	for {
+		c.mu.Lock()
+		h := c.handoff
+		c.handoff = nil
+		took := h == nil && c.takeReady(b)
+		exit := h == nil && !took && !c.writing && len(c.ready) == 0 && c.readerDone && c.inflight == 0
+		broken := c.broken
+		c.mu.Unlock()
+		switch {
+		case exit:
+			return
+		case h != nil:
+			// Writing stays ours: a completer's write left this.
+			if !broken {
+				if err := c.sio.Writev(h.rest); err != nil {
+					c.setBroken()
 				}
 			}
-			var err error
-			if c.sio != nil {
-				err = c.sio.Writev(bufs)
-			} else {
-				wb = bufs
-				_, err = wb.WriteTo(c.nc)
+			c.retireAll(h)
+			c.doneWriting()
+		case took:
+			if !broken {
+				b.build()
+				var err error
+				if c.sio != nil {
+					err = c.sio.Writev(b.bufs)
+				} else {
+					wb = b.bufs
+					_, err = wb.WriteTo(c.nc)
+				}
+				if err != nil {
+					c.setBroken()
+				}
 			}
-			if err != nil {
-				broken = true
-				c.close()
-			}
-		}
-		for _, r := range batch {
-			c.retire(r)
+			c.retireAll(b)
+			c.doneWriting()
+		default:
+			<-c.wake
 		}
 	}
 }

@@ -88,6 +88,12 @@ type Request struct {
 	Offset int64
 	Length uint32
 	Data   []byte // reads and writes: Buf().Bytes()
+	// Plug is the connection's, if the backend is a Plugger; it is the
+	// submitting goroutine's, for use during Submit only.
+	Plug Plug
+	// Batch, set by the backend before it calls done (nil: none), is
+	// the completer's batch; it is read during done only.
+	Batch Batch
 
 	cookie uint64
 	buf    Buf
@@ -106,6 +112,37 @@ type Backend interface {
 	// Submit starts r and returns; done is called once, from any
 	// goroutine, with nil or an error (a syscall.Errno keeps its value).
 	Submit(r *Request, done func(r *Request, err error))
+}
+
+// Plugger is a Backend that can hold the requests of a connection's burst
+// and send them together (the block layer's plug): the connection gets a
+// Plug from NewPlug, gives it to Submit in Request.Plug, and unplugs it
+// before it waits, for more requests to read or for a free slot. Buffer
+// must unplug PlugFrom(ctx) itself before it waits.
+type Plugger interface {
+	NewPlug() Plug
+}
+
+// Plug is a connection's plug: Unplug sends what it holds.
+type Plug interface {
+	Unplug()
+}
+
+// Batch is where a completion may leave work to be done once at the end
+// of the completer's burst (an RNBD transport's read of many responses):
+// Submit's done, given a request with Batch set, may defer the reply's
+// write to it, so that the replies of a burst go out in one write from
+// the completing goroutine.
+type Batch interface {
+	Defer(f interface{ Flush() })
+}
+
+type plugKey struct{}
+
+// PlugFrom returns the plug of the connection whose context ctx is, or nil.
+func PlugFrom(ctx context.Context) Plug {
+	pl, _ := ctx.Value(plugKey{}).(Plug)
+	return pl
 }
 
 // Export is what the server offers under a name.

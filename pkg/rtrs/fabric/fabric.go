@@ -180,6 +180,28 @@ type Conn interface {
 	Close() error
 }
 
+// Flusher is a Conn that batches (fabric/tcp): it can hold work requests
+// posted with More, so that a burst of them goes out in one system call,
+// and it tells a Handler that is a BurstHandler where each burst of
+// completions it delivers ends. A verbs queue pair is not one:
+// ibv_post_send hands each chain to the HCA at once.
+type Flusher interface {
+	// Flush sends what is held, from the calling goroutine as far as
+	// the network takes it without waiting, the rest from the
+	// connection's own. Send completions of what it wrote may be
+	// delivered during the call.
+	Flush()
+}
+
+// BurstHandler is a Handler that a Flusher tells where each burst of
+// completions ends: after the completions of what it read at once, before
+// it waits for more. What the completions left to do (replies to write)
+// the handler may do once there. BurstEnd must not block.
+type BurstHandler interface {
+	Handler
+	BurstEnd()
+}
+
 // Listener accepts connection requests.
 type Listener interface {
 	// Accept returns the next connection request.
@@ -259,7 +281,11 @@ type SendWR struct {
 	Imm        uint32
 	InvRKey    uint32
 	Signaled   bool
-	Next       *SendWR
+	// More says the poster will post again or call Flush soon: a
+	// connection that is a Flusher may hold the work request until then
+	// (MSG_MORE; the block layer's plug). Others ignore it.
+	More bool
+	Next *SendWR
 }
 
 // Len is the total length of the work request's local buffers.

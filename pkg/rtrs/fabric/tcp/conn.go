@@ -148,14 +148,17 @@ func (c *conn) PostSend(wr *fabric.SendWR) error {
 		c.sqMu.Unlock()
 		return fabric.ErrQueueFull
 	}
+	more := true
 	for w := wr; w != nil; w = w.Next {
 		i := (c.sqHead + c.sqLen) % len(c.sq)
 		c.sq[i] = *w
 		c.sq[i].Next = nil
 		c.sqLen++
+		more = more && w.More
 	}
-	// In the reader's burst, the reader writes it when the burst ends.
-	wake := !c.burst.Load()
+	// In the reader's burst, the reader writes it when the burst ends;
+	// posted with More, the poster's Flush does.
+	wake := !c.burst.Load() && !more
 	c.sqMu.Unlock()
 	if wake {
 		c.kick()
@@ -400,18 +403,38 @@ func (c *conn) writer() {
 	}
 }
 
-// flushBurst ends the reader's burst: what the handlers posted while it
-// processed the frames it had read goes out in one writev from the
-// reader itself, as far as the socket takes it without waiting; the rest
-// goes to the writer goroutine. It runs before every read of the socket
-// and before the reader waits for a posted receive, so nothing posted is
-// held while the reader sleeps.
+// Flush writes what was posted with More (fabric.Flusher).
+func (c *conn) Flush() { c.flush(false) }
+
+// flushBurst ends the reader's burst: the handler is told (BurstEnd), and
+// what the handlers posted while it processed the frames it had read goes
+// out in one writev from the reader itself. It runs before every read of the socket and before the
+// reader waits for a posted receive, so nothing posted is held while the
+// reader sleeps.
 func (c *conn) flushBurst() {
+	c.burstEnd()
+	c.flush(true)
+}
+
+// burstEnd tells the handler that a burst of completions ended; the
+// reader also calls it when it stops, so nothing deferred is left.
+func (c *conn) burstEnd() {
+	if bh, ok := c.h.(fabric.BurstHandler); ok {
+		bh.BurstEnd()
+	}
+}
+
+// flush writes the send queue from the calling goroutine, as far as the
+// socket takes it without waiting; the rest goes to the writer goroutine.
+// Whoever holds c.writing owns c.rbatch, so any goroutine may flush.
+func (c *conn) flush(endBurst bool) {
 	c.sqMu.Lock()
-	c.burst.Store(false)
-	if c.writing || c.sqLen == 0 {
-		// Empty, or the writer goroutine has the socket and takes
-		// the queue when its write is done.
+	if endBurst {
+		c.burst.Store(false)
+	}
+	if c.writing || c.sqLen == 0 || c.closed.Load() {
+		// Empty, or another goroutine has the socket and takes the
+		// queue when its write is done.
 		c.sqMu.Unlock()
 		return
 	}
@@ -481,6 +504,7 @@ func putFrameHdr(h []byte, w *fabric.SendWR) {
 
 func (c *conn) reader() {
 	defer c.wg.Done()
+	defer c.burstEnd()
 	var src io.Reader = c.nc
 	if c.sio != nil {
 		src = c.sio

@@ -257,3 +257,46 @@ type reposter struct{ *conntest.Recorder }
 func (r *reposter) Completion(wc *fabric.WC) {
 	r.C.PostRecv(&fabric.RecvWR{ID: wc.ID, Buf: make([]byte, 8)})
 }
+
+// TestMoreHeldUntilFlush checks that work requests posted with More wait
+// for Flush (or for a post without More), then go out in order.
+func TestMoreHeldUntilFlush(t *testing.T) {
+	bufs := [][]byte{make([]byte, 8), make([]byte, 8), make([]byte, 8), make([]byte, 8)}
+	var recvs []fabric.RecvWR
+	for i, b := range bufs {
+		recvs = append(recvs, fabric.RecvWR{ID: uint64(i + 1), Buf: b})
+	}
+	p := newPair(t, recvs)
+	c := p.Cli.C.(*conn)
+	post := func(s string, more bool) {
+		t.Helper()
+		wr := conntest.Write([]byte(s), 0, 0, 0, fabric.OpSend, 0)
+		wr.More = more
+		if err := c.PostSend(wr); err != nil {
+			t.Fatal(err)
+		}
+	}
+	post("one", true)
+	post("two", true)
+	c.sqMu.Lock()
+	queued, woken := c.sqLen, len(c.wake)
+	c.sqMu.Unlock()
+	if queued != 2 || woken != 0 {
+		t.Fatalf("after two posts with More: %d queued, writer woken %d times; want 2 held", queued, woken)
+	}
+	c.Flush()
+	c.sqMu.Lock()
+	queued = c.sqLen
+	c.sqMu.Unlock()
+	if queued != 0 {
+		t.Fatalf("%d still queued after Flush", queued)
+	}
+	post("three", true)
+	post("four", false) // pushes what is held with it
+	for i, want := range []string{"one", "two", "three", "four"} {
+		wc := p.Srv.Next(t)
+		if wc.ID != uint64(i+1) || string(bufs[i][:wc.ByteLen]) != want {
+			t.Fatalf("receive %d: %+v %q, want %q", i, wc, bufs[i][:wc.ByteLen], want)
+		}
+	}
+}
