@@ -365,7 +365,9 @@ if want interop && [ $rdma_up = 1 ] && [ ! -e /lib/modules/extra/rnbd-server.ko 
 fi
 if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ]; then
 	scenario interop-setup
-	insmod /lib/modules/extra/brd.ko rd_nr=1 rd_size=65536
+	# Two RAM disks: ram0 for the kernel's server, ram1 for ours
+	# (interop-perf).
+	insmod /lib/modules/extra/brd.ko rd_nr=2 rd_size=65536
 	ok=1
 	for m in rtrs-core rtrs-server rtrs-client; do insmod /lib/modules/extra/$m.ko || ok=0; done
 	insmod /lib/modules/extra/rnbd-server.ko port_nr=1235 dev_search_path=/dev || ok=0
@@ -492,6 +494,71 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		res interop-loop FAIL "no loop device"
 	fi
 	rm -f /tmp/kloop.img
+
+	# Speed of the four pairings on the one soft-RoCE device, in one
+	# boot: kernel client and server (kk), kernel client against
+	# rnbd-server (kr), rnbd-client against the kernel's server (rk),
+	# ours against ours (rr); each on a RAM disk of its server. The CPU
+	# is emulated: only the ratios to kk mean anything. rnbd-server is
+	# measured with always_invalidate on (the default, as the kernel's)
+	# and off. Reported as TPUT lines; a pairing that cannot be mapped
+	# fails.
+	scenario interop-perf
+	srv map pram /dev/ram1 >/dev/null || res interop-perf-export FAIL "srv map /dev/ram1"
+	perf_fio() { # device rw bs iodepth: prints IOPS
+		fio --name=p --filename="$1" --direct=1 --ioengine=libaio --rw=$2 --bs=$3 --iodepth=$4 \
+			--runtime=5 --time_based --output-format=terse 2>/dev/null | awk -F';' '{print $8}'
+	}
+	kmap() { # sessname port device: the kernel client's /dev/rnbdN
+		local d=""
+		echo "sessname=$1 dest_port=$2 path=ip:10.78.0.1@ip:10.78.0.1 device_path=$3" >/sys/class/rnbd-client/ctl/map_device 2>/dev/null || return 1
+		for _ in $(seq 50); do
+			for b in /sys/block/rnbd*; do [ "$(cat $b/rnbd/session 2>/dev/null)" = "$1" ] && d=/dev/${b##*/}; done
+			[ -n "$d" ] && break
+			sleep 0.1
+		done
+		echo "$d"
+	}
+	kunmap() { echo normal >/sys/block/${1#/dev/}/rnbd/unmap_device; }
+	umap() { # sessname port device: our client's /dev/nbdN
+		cli map --sessname $1 --path ip:10.78.0.1@ip:10.78.0.1 --dest-port $2 --device-path $3 --transport rdma --as nbd 2>/dev/null |
+			awk '/mapped:/ {print $3}'
+	}
+	perf_pair() { # name device
+		if [ ! -b "$2" ]; then
+			res interop-perf-$1 FAIL "not mapped"
+			return
+		fi
+		eval "perf_${1}_4k=\$(perf_fio $2 randread 4k 16) perf_${1}_1m=\$(perf_fio $2 read 1M 4)"
+		eval "res interop-perf-$1 PASS \"4k \$perf_${1}_4k IOPS, 1M \$perf_${1}_1m IOPS\""
+	}
+	d=$(kmap pkk 1235 ram0); perf_pair kk "$d"; [ -b "$d" ] && kunmap "$d"
+	d=$(kmap pkr 1234 pram); perf_pair kr "$d"; [ -b "$d" ] && kunmap "$d"
+	d=$(umap prk 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+	d=$(umap prr 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+	stop_server
+	srv_extra="--always-invalidate=false"
+	start_server || res server-restart FAIL "no control socket"
+	srv map pram /dev/ram1 >/dev/null
+	d=$(kmap pkr2 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
+	d=$(umap prr2 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+	stop_server
+	srv_extra=""
+	start_server || res server-restart FAIL "no control socket"
+	ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
+	for w in 4k 1m; do
+		eval "kk=\$perf_kk_$w"
+		line=""
+		for p in kr rk rr kr_noinv rr_noinv; do
+			eval "v=\$perf_${p}_$w"
+			line="$line $p ${v:-?} ($(ratio "$v" "$kk")x)"
+		done
+		what="4 KiB random read QD16"
+		[ $w = 1m ] && what="1 MiB sequential read QD4"
+		echo "TPUT interop-perf $what, IOPS (emulated): kk ${kk:-?}$line"
+	done
+	eval "inv=\$perf_kr_4k noinv=\$perf_kr_noinv_4k"
+	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server: on/off $(ratio "$inv" "$noinv")x"
 fi
 want nbd || want ublk || finish
 
