@@ -29,8 +29,9 @@ const maxIov = 1024
 // Conn does the reads and writes of one socket. One goroutine may read
 // while another writes; two writes must not overlap.
 type Conn struct {
-	rc  syscall.RawConn
-	iov []syscall.Iovec
+	rc      syscall.RawConn
+	iov     []syscall.Iovec
+	iovUsed int // the most entries of iov a write used: what to clear
 
 	// Arguments and results of the callbacks, kept here so that the
 	// closures passed to RawConn are allocated once.
@@ -109,7 +110,8 @@ func (c *Conn) Writev(bufs [][]byte) error {
 	}
 	err := c.rc.Write(c.writevFn)
 	c.wbufs = nil
-	clear(c.iov[:cap(c.iov)]) // no references to the buffers written
+	clear(c.iov[:c.iovUsed]) // no references to the buffers written
+	c.iovUsed = 0
 	if err != nil {
 		return err
 	}
@@ -141,6 +143,7 @@ func (c *Conn) writev(fd uintptr) bool {
 				c.iov = append(c.iov, v)
 			}
 		}
+		c.iovUsed = max(c.iovUsed, len(c.iov))
 		n, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(len(c.iov)))
 		switch {
 		case e == syscall.EINTR:

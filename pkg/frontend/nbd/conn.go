@@ -353,7 +353,7 @@ func (c *conn) retireAll(b *replyBatch) {
 		b.reqs[i] = nil
 	}
 	b.reqs = b.reqs[:0]
-	clear(b.bufs[:cap(b.bufs)]) // drop the references to the data written
+	clear(b.bufs) // drop the references to the data written (build fills from 0)
 	b.bufs, b.rest = b.bufs[:0], nil
 }
 

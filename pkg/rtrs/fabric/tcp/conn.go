@@ -315,7 +315,7 @@ func (c *conn) sent(b *sendBatch) {
 		*w = fabric.SendWR{}
 	}
 	b.n = 0
-	clear(b.iov[:cap(b.iov)]) // drop the references to the buffers written
+	clear(b.iov) // drop the references to the buffers written (frames fills from 0)
 	b.iov, b.rest = b.iov[:0], nil
 }
 
