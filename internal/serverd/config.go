@@ -32,13 +32,17 @@ type Config struct {
 	MaxChunkSize     int      `toml:"max_chunk_size"`
 	MaxChunkMemory   Size     `toml:"max_chunk_memory"`
 	AlwaysInvalidate bool     `toml:"always_invalidate"`
-	DirectIO         bool     `toml:"direct_io"`
-	HBInterval       Duration `toml:"hb_interval"`
-	HBMissedMax      int      `toml:"hb_missed_max"`
-	ControlSocket    string   `toml:"control_socket"`
-	StateFile        string   `toml:"state_file"`
-	LogLevel         string   `toml:"log_level"`
-	LogFormat        string   `toml:"log_format"`
+	// InvalidateBy is how always_invalidate revokes a chunk's rkey on
+	// RDMA: "window" (memory windows bound by work requests, where the
+	// device has them) or "registration" (deregister and register).
+	InvalidateBy  string   `toml:"invalidate_by"`
+	DirectIO      bool     `toml:"direct_io"`
+	HBInterval    Duration `toml:"hb_interval"`
+	HBMissedMax   int      `toml:"hb_missed_max"`
+	ControlSocket string   `toml:"control_socket"`
+	StateFile     string   `toml:"state_file"`
+	LogLevel      string   `toml:"log_level"`
+	LogFormat     string   `toml:"log_format"`
 }
 
 // Duration and Size are written as "5s" and "8GiB" in the file.
@@ -57,6 +61,7 @@ func DefaultConfig() Config {
 		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
 		MaxChunkMemory:   rtrs.DefaultMaxChunkMemory,
 		AlwaysInvalidate: true,
+		InvalidateBy:     "window",
 		HBInterval:       Duration{Duration: rtrs.DefaultHBInterval},
 		HBMissedMax:      rtrs.DefaultHBMissedMax,
 		ControlSocket:    DefaultControlSocket,
@@ -93,6 +98,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ControlSocket == "" || c.StateFile == "" {
 		return errors.New("control_socket and state_file must be set")
+	}
+	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {
+		return fmt.Errorf("invalidate_by %q: want window or registration", c.InvalidateBy)
 	}
 	return nil
 }

@@ -58,4 +58,9 @@ func TestLoadConfig(t *testing.T) {
 	if err := bad.Validate(); err == nil {
 		t.Error("udp listen address accepted")
 	}
+	bad = DefaultConfig()
+	bad.InvalidateBy = "magic"
+	if err := bad.Validate(); err == nil || !strings.Contains(err.Error(), "invalidate_by") {
+		t.Errorf("invalidate_by magic: %v", err)
+	}
 }

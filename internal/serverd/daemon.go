@@ -96,6 +96,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	rcfg := rtrs.DefaultServerConfig()
 	rcfg.Fabric, rcfg.Handler, rcfg.Endpoints, rcfg.Log = opts.Fabric, d.rnbd, eps, opts.Log
 	rcfg.QueueDepth, rcfg.MaxChunkSize, rcfg.AlwaysInvalidate = cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate
+	rcfg.InvalidateByRegistration = cfg.InvalidateBy == "registration"
 	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
 	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
 	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {

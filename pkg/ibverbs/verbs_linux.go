@@ -586,6 +586,9 @@ func (qp *QP) BindMW(mw *MW, mr *MR, buf []byte, access Access, wrID uint64, sig
 	}
 	qp.sendMu.Lock()
 	defer qp.sendMu.Unlock()
+	if qp.closed.Load() {
+		return ErrClosed
+	}
 	return errnoErr("ibv_bind_mw", int(C.rnbd_bind_mw(qp.qp, mw.mw, mr.mr, C.uint64_t(addr), C.uint64_t(n), C.uint32_t(access), C.uint64_t(wrID), sig)))
 }
 

@@ -23,6 +23,7 @@ const (
 	wrEmpty     uint64 = 5 << wrKindShift // empty receive
 	wrHB        uint64 = 6 << wrKindShift
 	wrRsp       uint64 = 7 << wrKindShift // server response, index = msg id
+	wrUnbind    uint64 = 8 << wrKindShift // server: a chunk's window unbound, index = msg id
 )
 
 func wrKind(id uint64) uint64 { return id &^ wrIndexMask }

@@ -67,6 +67,17 @@ func TestWriteReadMem(t *testing.T) {
 	}
 }
 
+// TestWriteReadWindows: always_invalidate by memory windows (the TCP
+// fabric's emulation of them: unbind on arrival, the request processed on
+// its completion, bind in front of the answer).
+func TestWriteReadWindows(t *testing.T) {
+	for _, async := range []bool{false, true} {
+		n, _ := memNet()
+		fab := tcp.New(tcp.Options{Network: n, Name: "mem", Windows: true})
+		testWriteRead(t, fab, ap("10.0.0.1:1234"), true, async)
+	}
+}
+
 func TestWriteReadTCP(t *testing.T) {
 	for _, inv := range []bool{true, false} {
 		testWriteRead(t, tcp.New(tcp.Options{}), loopbackListener(t), inv, true)

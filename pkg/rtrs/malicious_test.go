@@ -29,7 +29,13 @@ func newHostileRig(t *testing.T, inv bool) *hostileRig {
 
 // newHostileRigOn is newHostileRig with the server serving disk.
 func newHostileRigOn(t *testing.T, inv bool, disk *memDisk) *hostileRig {
-	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
+	return newHostileRigWith(t, inv, disk, tcp.Options{})
+}
+
+// newHostileRigWith is newHostileRigOn on a TCP fabric with opts.
+func newHostileRigWith(t *testing.T, inv bool, disk *memDisk, opts tcp.Options) *hostileRig {
+	opts.HandshakeTimeout = time.Second
+	fab := tcp.New(opts)
 	dst := loopbackListener(t)
 	scfg := testServerConfig(fab, disk, dst)
 	scfg.QueueDepth = 48 // not a power of two: msg ids past it are encodable
@@ -315,8 +321,24 @@ func TestChunkReusedBeforePostReturns(t *testing.T) {
 // TestAlwaysInvalidate: with always_invalidate the server revokes a
 // chunk's rkey while it works on a request and hands out a new one with
 // the response; the old key is rejected by the fabric like an HCA would.
+// Both ways: by re-registration, and by memory windows (the fabric's
+// emulation of them).
 func TestAlwaysInvalidate(t *testing.T) {
-	h := newHostileRig(t, true)
+	t.Run("registration", func(t *testing.T) { testAlwaysInvalidate(t, tcp.Options{}) })
+	t.Run("window", func(t *testing.T) { testAlwaysInvalidate(t, tcp.Options{Windows: true}) })
+}
+
+func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
+	h := newHostileRigWith(t, true, newMemDisk(4<<20), opts)
+	for _, x := range h.srv.Sessions() {
+		x.mu.Lock()
+		for _, p := range x.paths {
+			if p.windows != opts.Windows {
+				t.Errorf("path %s: windows %v, want %v", p.Name(), p.windows, opts.Windows)
+			}
+		}
+		x.mu.Unlock()
+	}
 	rp := newRawPath(t, h.fab, h.src, h.dst, "rotator")
 	if rp.rsp.Flags&MsgNewRkeyF == 0 {
 		t.Fatal("server did not announce RTRS_MSG_NEW_RKEY_F")

@@ -60,8 +60,13 @@ type ServerConfig struct {
 	// AlwaysInvalidate revokes a chunk's rkey while the server works on
 	// it and sends the client a new one with each response.
 	AlwaysInvalidate bool
-	HBInterval       time.Duration
-	HBMissedMax      int
+	// InvalidateByRegistration does always_invalidate by deregistering
+	// and registering each chunk (two system calls per IO) even where
+	// the fabric has memory windows (bound and unbound by work requests,
+	// fabric.WindowMR), which it otherwise uses.
+	InvalidateByRegistration bool
+	HBInterval               time.Duration
+	HBMissedMax              int
 	// ConnectTimeout closes a path that does not finish connecting.
 	ConnectTimeout time.Duration
 	// MaxSessions bounds the sessions the server keeps.

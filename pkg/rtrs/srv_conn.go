@@ -170,6 +170,15 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 				c.violation("request with a wrong msg_id or offset", fmt.Errorf("msg_id %d off %d", msgID, off))
 				return
 			}
+			if p.windows {
+				// The request is processed when the window is
+				// gone (the kernel waits for its LOCAL_INV).
+				p.winOff[msgID] = off
+				if err := p.mrs[msgID].(fabric.WindowMR).Unbind(c.qp, wrUnbind|uint64(msgID)); err != nil {
+					c.violation("unbinding a chunk's window failed", err)
+				}
+				return
+			}
 			if p.sess.srv.cfg.AlwaysInvalidate {
 				if err := p.mrs[msgID].Invalidate(); err != nil {
 					c.violation("invalidating a chunk failed", err)
@@ -186,6 +195,14 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		case ImmHBAck:
 		default:
 			p.rl.Log(p.lg().WithField("imm_type", typ), log.WarnLevel, "unknown immediate type")
+		}
+	case fabric.WCBind:
+		msgID := uint32(wc.ID & wrIndexMask)
+		if wrKind(wc.ID) != wrUnbind || !p.windows || int(msgID) >= len(p.winOff) {
+			return
+		}
+		if err := p.processIOReq(c, msgID, p.winOff[msgID]); err != nil {
+			c.violation("malformed request", err)
 		}
 	case fabric.WCSend, fabric.WCWrite:
 		if wrKind(wc.ID) != wrRsp {

@@ -114,7 +114,15 @@ func (op *SrvOp) Respond(err error) {
 	last := &op.wrs[n]
 	imm := IORspImm(op.id, errno, needInval)
 	if cfg.AlwaysInvalidate {
-		rkey, err := chunkMR.Reregister()
+		var rkey uint32
+		var err error
+		if p.windows {
+			// Posted on the connection the answer goes on, so it
+			// is bound before the client learns the key.
+			rkey, err = chunkMR.(fabric.WindowMR).Bind(op.con.qp)
+		} else {
+			rkey, err = chunkMR.Reregister()
+		}
 		if err != nil {
 			p.close("re-registering a chunk failed")
 			op.finish()

@@ -38,6 +38,12 @@ type SrvPath struct {
 	// chunkMemSize is what the path counts against MaxChunkMemory.
 	chunkMemSize int64
 	mrs          []fabric.MR // one per chunk with always_invalidate, else one
+	// windows: always_invalidate by memory windows (fabric.WindowMR):
+	// a chunk's window is unbound when a request arrives and the request
+	// is processed when that completes (winOff keeps its offset), and
+	// bound again in front of the answer; no system call per IO.
+	windows bool
+	winOff  []uint32
 	memBits      int
 	ops          []SrvOp
 	rkeyMem      fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
@@ -105,12 +111,20 @@ func (p *SrvPath) allocResources() error {
 	}
 	chunks := p.chunks.Bytes()
 	if cfg.AlwaysInvalidate {
+		access := fabric.AccessLocalWrite | fabric.AccessRemoteWrite
+		if !cfg.InvalidateByRegistration {
+			access |= fabric.AccessWindow
+		}
 		for i := 0; i < qd; i++ {
-			mr, err := p.pd.RegisterMR(p.chunk(uint32(i)), fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+			mr, err := p.pd.RegisterMR(p.chunk(uint32(i)), access)
 			if err != nil {
 				return err
 			}
 			p.mrs = append(p.mrs, mr)
+		}
+		if _, ok := p.mrs[0].(fabric.WindowMR); ok {
+			p.windows = true
+			p.winOff = make([]uint32, qd)
 		}
 	} else {
 		mr, err := p.pd.RegisterMR(chunks, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
@@ -189,6 +203,18 @@ func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 		attr.MaxRecvWR = qd + 1
 	}
 	c.sqAvail = attr.MaxSendWR
+	if p.windows {
+		// Room for the unbinds and binds, posted outside post's count
+		// (the unbinds are signaled, and each completion frees the
+		// slots of the unsignaled binds before it): two per request
+		// in flight, and on the service connection the first bind of
+		// every chunk, before INFO_RSP.
+		if c.cid == 0 {
+			attr.MaxSendWR += qd + 2*ServiceConQueueDepth
+		} else {
+			c.sqAvail -= 2 * qd
+		}
+	}
 	var b [ConnRspSize]byte
 	rsp := ConnRsp{
 		Magic: Magic, Version: ProtoVer,
@@ -290,6 +316,13 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 	}
 	rsp := InfoRsp{Desc: make([]SGDesc, len(p.mrs))}
 	for i, mr := range p.mrs {
+		if p.windows {
+			// Bound on this connection before the answer that names
+			// the keys is sent on it.
+			if _, err := mr.(fabric.WindowMR).Bind(c.qp); err != nil {
+				return fmt.Errorf("binding the window of chunk %d: %w", i, err)
+			}
+		}
 		rsp.Desc[i] = SGDesc{Addr: mr.Addr(), Key: mr.RKey(), Len: uint32(len(mr.Buf()))}
 	}
 	out := rsp.Encode(p.infoMem.Bytes()[InfoReqSize:])

@@ -105,7 +105,29 @@ const (
 	AccessLocalWrite Access = 1 << iota
 	AccessRemoteWrite
 	AccessRemoteRead
+	// AccessWindow asks for the remote access to go through a memory
+	// window, where the fabric has them: the MR is then a WindowMR.
+	// Elsewhere it is ignored.
+	AccessWindow
 )
+
+// WindowMR is a region whose remote access is a memory window that work
+// requests bind and unbind on a connection of its PD, with no system call
+// of their own on hardware (fabric/rdma: a type 1 window, which holds for
+// every connection of the PD, as a peer may write a region through any of
+// them). It starts unbound, RKey 0. Invalidate and Reregister are not
+// its way: they fail.
+type WindowMR interface {
+	MR
+	// Bind posts on c a bind of the window over the whole region under
+	// a new rkey, which it returns. Work requests posted on c after it
+	// execute after it. It is unsignaled: only a failure completes.
+	Bind(c Conn) (uint32, error)
+	// Unbind posts on c an unbind of the window, signaled with id: once
+	// its completion (WCBind) is delivered, a remote access with the
+	// old rkey fails.
+	Unbind(c Conn, id uint64) error
+}
 
 // PD is a protection domain: memory regions and connections belong to one,
 // and a remote access is checked against the regions of the connection's PD.
@@ -314,6 +336,8 @@ const (
 	WCWrite
 	WCRecv
 	WCRecvRDMAWithImm
+	// WCBind: a signaled bind or unbind of a window (WindowMR).
+	WCBind
 )
 
 // WCStatus is the status of a completion.

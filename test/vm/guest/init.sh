@@ -500,8 +500,8 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	# rnbd-server (kr), rnbd-client against the kernel's server (rk),
 	# ours against ours (rr); each on a RAM disk of its server. The CPU
 	# is emulated: only the ratios to kk mean anything. rnbd-server is
-	# measured with always_invalidate on (the default, as the kernel's)
-	# and off. Reported as TPUT lines; a pairing that cannot be mapped
+	# measured with always_invalidate on (the default, as the kernel's;
+	# by memory windows), by re-registration, and off. Reported as TPUT lines; a pairing that cannot be mapped
 	# fails.
 	scenario interop-perf
 	srv map pram /dev/ram1 >/dev/null || res interop-perf-export FAIL "srv map /dev/ram1"
@@ -537,9 +537,14 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	d=$(umap prk 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
 	d=$(umap prr 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
 	stop_server
+	srv_extra="--invalidate-by=registration"
+	start_server || res server-restart FAIL "no control socket"
+	srv map pram /dev/ram1 >/dev/null 2>&1
+	d=$(kmap pkr3 1234 pram); perf_pair kr_reg "$d"; [ -b "$d" ] && kunmap "$d"
+	stop_server
 	srv_extra="--always-invalidate=false"
 	start_server || res server-restart FAIL "no control socket"
-	srv map pram /dev/ram1 >/dev/null
+	srv map pram /dev/ram1 >/dev/null 2>&1
 	d=$(kmap pkr2 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
 	d=$(umap prr2 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
 	stop_server
@@ -549,7 +554,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	for w in 4k 1m; do
 		eval "kk=\$perf_kk_$w"
 		line=""
-		for p in kr rk rr kr_noinv rr_noinv; do
+		for p in kr rk rr kr_reg kr_noinv rr_noinv; do
 			eval "v=\$perf_${p}_$w"
 			line="$line $p ${v:-?} ($(ratio "$v" "$kk")x)"
 		done
@@ -557,8 +562,8 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		[ $w = 1m ] && what="1 MiB sequential read QD4"
 		echo "TPUT interop-perf $what, IOPS (emulated): kk ${kk:-?}$line"
 	done
-	eval "inv=\$perf_kr_4k noinv=\$perf_kr_noinv_4k"
-	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server: on/off $(ratio "$inv" "$noinv")x"
+	eval "inv=\$perf_kr_4k reg=\$perf_kr_reg_4k noinv=\$perf_kr_noinv_4k"
+	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server: on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
 fi
 want nbd || want ublk || finish
 

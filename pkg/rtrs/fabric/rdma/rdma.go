@@ -204,8 +204,19 @@ func verbsAccess(a fabric.Access) ibverbs.Access {
 	return v
 }
 
-// RegisterMR registers buf, which must come from AllocMemory.
+// RegisterMR registers buf, which must come from AllocMemory. With
+// fabric.AccessWindow, where the device has memory windows, the remote
+// access is a type 1 window (a windowMR).
 func (p *pd) RegisterMR(buf []byte, access fabric.Access) (fabric.MR, error) {
+	if access&fabric.AccessWindow != 0 {
+		if w, err := p.registerWindow(buf, access); err == nil {
+			return w, nil
+		} else if !errors.Is(err, ibverbs.ErrNotSupported) && !errors.Is(err, syscall.ENOSYS) &&
+			!errors.Is(err, syscall.EOPNOTSUPP) {
+			return nil, err
+		}
+		// No windows on this device: registration per rkey.
+	}
 	m, err := p.p.RegMR(buf, verbsAccess(access))
 	if err != nil {
 		return nil, err
@@ -480,6 +491,64 @@ func (e *WCError) Unwrap() error {
 	return syscall.EIO
 }
 
+// windowMR is a region registered for local access and window binding,
+// with a type 1 window over it for the remote access (fabric.WindowMR).
+type windowMR struct {
+	buf    []byte
+	mr     *ibverbs.MR
+	mw     *ibverbs.MW
+	access ibverbs.Access // the window's
+	rkey   atomic.Uint32
+}
+
+func (p *pd) registerWindow(buf []byte, access fabric.Access) (*windowMR, error) {
+	m, err := p.p.RegMR(buf, ibverbs.AccessLocalWrite|ibverbs.AccessMWBind)
+	if err != nil {
+		return nil, err
+	}
+	w, err := p.p.AllocMW()
+	if err != nil {
+		m.Close()
+		return nil, err
+	}
+	return &windowMR{buf: buf, mr: m, mw: w, access: verbsAccess(access &^ fabric.AccessLocalWrite) &^ ibverbs.AccessLocalWrite}, nil
+}
+
+func (m *windowMR) Buf() []byte  { return m.buf }
+func (m *windowMR) Addr() uint64 { return uint64(uintptr(unsafe.Pointer(&m.buf[0]))) }
+func (m *windowMR) LKey() uint32 { return m.mr.LKey() }
+func (m *windowMR) RKey() uint32 { return m.rkey.Load() }
+
+var errWindowByWR = errors.New("rdma fabric: a window is bound and unbound by work requests (WindowMR)")
+
+func (m *windowMR) Invalidate() error          { return errWindowByWR }
+func (m *windowMR) Reregister() (uint32, error) { return 0, errWindowByWR }
+
+func (m *windowMR) Bind(c fabric.Conn) (uint32, error) {
+	cc, ok := c.(*conn)
+	if !ok {
+		return 0, fmt.Errorf("rdma fabric: bind on a %T", c)
+	}
+	if err := cc.qp.BindMW(m.mw, m.mr, m.buf, m.access, 0, false); err != nil {
+		return 0, postErr(err)
+	}
+	k := m.mw.RKey()
+	m.rkey.Store(k)
+	return k, nil
+}
+
+func (m *windowMR) Unbind(c fabric.Conn, id uint64) error {
+	cc, ok := c.(*conn)
+	if !ok {
+		return fmt.Errorf("rdma fabric: unbind on a %T", c)
+	}
+	return postErr(cc.qp.BindMW(m.mw, m.mr, nil, 0, id, true))
+}
+
+func (m *windowMR) Close() error {
+	return errors.Join(m.mw.Close(), m.mr.Close())
+}
+
 func (c *conn) deliver(w *ibverbs.WC, out *fabric.WC) {
 	if c.failed.Load() || c.closing.Load() {
 		return // what follows an error is flushed
@@ -504,8 +573,10 @@ func (c *conn) deliver(w *ibverbs.WC, out *fabric.WC) {
 		out.Opcode = fabric.WCRecv
 	case ibverbs.WCRecvRDMAWithImm:
 		out.Opcode = fabric.WCRecvRDMAWithImm
+	case ibverbs.WCBindMW:
+		out.Opcode = fabric.WCBind
 	default:
-		return // a bind or local invalidate of our own
+		return // a local invalidate of our own
 	}
 	if w.Flags&ibverbs.WCFlagWithImm != 0 {
 		out.Flags |= fabric.WCWithImm

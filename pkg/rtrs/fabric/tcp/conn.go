@@ -130,6 +130,10 @@ func (c *conn) start() {
 func (c *conn) LocalAddr() netip.AddrPort  { return c.local }
 func (c *conn) RemoteAddr() netip.AddrPort { return c.remote }
 
+// opUnbind is a window's unbind in the send queue (windowMR): no frame,
+// only its completion, in order.
+const opUnbind fabric.Opcode = 0xff
+
 // PostSend queues a chain of work requests. It never blocks on the network.
 func (c *conn) PostSend(wr *fabric.SendWR) error {
 	n := 0
@@ -139,6 +143,11 @@ func (c *conn) PostSend(wr *fabric.SendWR) error {
 		}
 		n++
 	}
+	return c.post(wr, n)
+}
+
+// post queues the n work requests of a checked chain.
+func (c *conn) post(wr *fabric.SendWR, n int) error {
 	c.sqMu.Lock()
 	if c.closed.Load() {
 		c.sqMu.Unlock()
@@ -287,6 +296,9 @@ func (b *sendBatch) frames() {
 	b.iov = b.iov[:0]
 	for i := 0; i < b.n; i++ {
 		w := &b.wrs[i]
+		if w.Op == opUnbind {
+			continue
+		}
 		h := b.hdrs[i*frameHdrSize : (i+1)*frameHdrSize]
 		putFrameHdr(h, w)
 		b.iov = append(b.iov, h)
@@ -306,8 +318,11 @@ func (c *conn) sent(b *sendBatch) {
 		w := &b.wrs[i]
 		if w.Signaled {
 			op := fabric.WCSend
-			if w.Op == fabric.OpWrite || w.Op == fabric.OpWriteImm {
+			switch w.Op {
+			case fabric.OpWrite, fabric.OpWriteImm:
 				op = fabric.WCWrite
+			case opUnbind:
+				op = fabric.WCBind
 			}
 			wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
 			c.h.Completion(&wc)

@@ -212,7 +212,41 @@ func (p *pd) RegisterMR(buf []byte, access fabric.Access) (fabric.MR, error) {
 		return nil, err
 	}
 	p.regions.Add(1)
+	if access&fabric.AccessWindow != 0 && p.dev.fab.opts.Windows {
+		// Unbound until the first Bind, as a fresh window.
+		e.state.Store(stAlive | e.state.Load()&0xff)
+		return &windowMR{mr{e: e}}, nil
+	}
 	return &mr{e: e}, nil
+}
+
+// windowMR emulates a memory window over a region (Options.Windows): a
+// bind re-keys the region at once (nothing posted after it can run
+// before it); an unbind revokes it at once and completes, signaled, in
+// the order of the send queue.
+type windowMR struct{ mr }
+
+var errWindowByWR = errors.New("tcp fabric: a window is bound and unbound by work requests (WindowMR)")
+
+func (m *windowMR) Invalidate() error           { return errWindowByWR }
+func (m *windowMR) Reregister() (uint32, error) { return 0, errWindowByWR }
+
+func (m *windowMR) Bind(c fabric.Conn) (uint32, error) {
+	if _, ok := c.(*conn); !ok {
+		return 0, fmt.Errorf("tcp fabric: bind on a %T", c)
+	}
+	return m.mr.Reregister()
+}
+
+func (m *windowMR) Unbind(c fabric.Conn, id uint64) error {
+	cc, ok := c.(*conn)
+	if !ok {
+		return fmt.Errorf("tcp fabric: unbind on a %T", c)
+	}
+	if err := m.mr.Invalidate(); err != nil {
+		return err
+	}
+	return cc.post(&fabric.SendWR{ID: id, Op: opUnbind, Signaled: true}, 1)
 }
 
 func (p *pd) Close() error {

@@ -35,6 +35,11 @@ type Network interface {
 
 // Options configure a Fabric. The zero value is usable.
 type Options struct {
+	// Windows emulates memory windows: a region registered with
+	// fabric.AccessWindow is a fabric.WindowMR, as on fabric/rdma, so
+	// that the code using them is tested without a verbs device.
+	// Without it the flag is ignored (plain regions are cheaper here).
+	Windows bool
 	// Network defaults to TCP.
 	Network Network
 	// Name is the fabric and device name; "tcp" by default.
