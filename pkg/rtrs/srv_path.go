@@ -44,12 +44,12 @@ type SrvPath struct {
 	// bound again in front of the answer; no system call per IO.
 	windows bool
 	winOff  []uint32
-	memBits      int
-	ops          []SrvOp
-	rkeyMem      fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
-	rkeyMR       fabric.MR
-	infoMem      fabric.Memory // INFO_REQ in, INFO_RSP out
-	infoMR       fabric.MR
+	memBits int
+	ops     []SrvOp
+	rkeyMem fabric.Memory // RKEY_RSP messages, 8 bytes per chunk
+	rkeyMR  fabric.MR
+	infoMem fabric.Memory // INFO_REQ in, INFO_RSP out
+	infoMR  fabric.MR
 
 	established bool
 	inflight    sync.WaitGroup // IOs handed to the user

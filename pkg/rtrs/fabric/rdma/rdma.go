@@ -511,7 +511,7 @@ func (p *pd) registerWindow(buf []byte, access fabric.Access) (*windowMR, error)
 		m.Close()
 		return nil, err
 	}
-	return &windowMR{buf: buf, mr: m, mw: w, access: verbsAccess(access &^ fabric.AccessLocalWrite) &^ ibverbs.AccessLocalWrite}, nil
+	return &windowMR{buf: buf, mr: m, mw: w, access: verbsAccess(access&^fabric.AccessLocalWrite) &^ ibverbs.AccessLocalWrite}, nil
 }
 
 func (m *windowMR) Buf() []byte  { return m.buf }
@@ -521,7 +521,7 @@ func (m *windowMR) RKey() uint32 { return m.rkey.Load() }
 
 var errWindowByWR = errors.New("rdma fabric: a window is bound and unbound by work requests (WindowMR)")
 
-func (m *windowMR) Invalidate() error          { return errWindowByWR }
+func (m *windowMR) Invalidate() error           { return errWindowByWR }
 func (m *windowMR) Reregister() (uint32, error) { return 0, errWindowByWR }
 
 func (m *windowMR) Bind(c fabric.Conn) (uint32, error) {
