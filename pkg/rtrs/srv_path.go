@@ -41,7 +41,8 @@ type SrvPath struct {
 	// windows: always_invalidate by memory windows (fabric.WindowMR):
 	// a chunk's window is unbound when a request arrives and the request
 	// is processed when that completes (winOff keeps its offset), and
-	// bound again in front of the answer; no system call per IO.
+	// bound again in front of the answer: work requests, no registration
+	// per IO.
 	windows bool
 	winOff  []uint32
 	memBits int
