@@ -123,9 +123,19 @@ func (p *SrvPath) allocResources() error {
 			}
 			p.mrs = append(p.mrs, mr)
 		}
-		if _, ok := p.mrs[0].(fabric.WindowMR); ok {
+		n := 0
+		for _, mr := range p.mrs {
+			if _, ok := mr.(fabric.WindowMR); ok {
+				n++
+			}
+		}
+		switch n {
+		case 0:
+		case qd:
 			p.windows = true
 			p.winOff = make([]uint32, qd)
+		default:
+			return fmt.Errorf("%d of %d chunks got a memory window: %w", n, qd, syscall.EIO)
 		}
 	} else {
 		mr, err := p.pd.RegisterMR(chunks, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
