@@ -202,11 +202,12 @@ type Conn interface {
 	Close() error
 }
 
-// Flusher is a Conn that batches (fabric/tcp): it can hold work requests
-// posted with More, so that a burst of them goes out in one system call,
-// and it tells a Handler that is a BurstHandler where each burst of
-// completions it delivers ends. A verbs queue pair is not one:
-// ibv_post_send hands each chain to the HCA at once.
+// Flusher is a Conn that batches: it can hold work requests posted with
+// More, so that a burst of them goes out in one system call (fabric/tcp:
+// one writev; fabric/rdma: one ibv_post_send, whose doorbell is a system
+// call on soft-RoCE and an MMIO write on hardware), and it tells a
+// Handler that is a BurstHandler where each burst of completions it
+// delivers ends.
 type Flusher interface {
 	// Flush sends what is held, from the calling goroutine as far as
 	// the network takes it without waiting, the rest from the

@@ -181,6 +181,47 @@ func (c Contract) Run(t *testing.T) {
 	t.Run("WriteWithImm", c.writeWithImm)
 	t.Run("RNRWait", c.rnrWait)
 	t.Run("CloseDrains", c.closeDrains)
+	t.Run("MoreThenFlush", c.moreThenFlush)
+}
+
+// moreThenFlush: on a Flusher, work requests posted with More arrive,
+// in order, once Flush is called or a request without More follows;
+// more than one post's worth (ibverbs.MaxChain is 16) included.
+func (c Contract) moreThenFlush(t *testing.T) {
+	const n = 20
+	var recvs []fabric.RecvWR
+	for i := 0; i < n+2; i++ {
+		recvs = append(recvs, fabric.RecvWR{ID: uint64(100 + i)})
+	}
+	p := c.NewPair(t, recvs)
+	f, ok := p.Cli.C.(fabric.Flusher)
+	if !ok {
+		t.Skip("not a Flusher")
+	}
+	post := func(imm uint32, more bool) {
+		t.Helper()
+		wr := Write(nil, 0, 0, 0, fabric.OpWriteImm, imm)
+		wr.Signaled, wr.More = false, more
+		if err := p.Cli.C.PostSend(wr); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 0; i < n; i++ {
+		post(uint32(i), true)
+	}
+	f.Flush()
+	recv := func(from, to int) {
+		t.Helper()
+		for i := from; i < to; i++ {
+			if wc := p.Srv.Next(t); wc.ID != uint64(100+i) || wc.Imm != uint32(i) {
+				t.Fatalf("receive %d: %+v", i, wc)
+			}
+		}
+	}
+	recv(0, n)
+	post(n, true)
+	post(n+1, false) // takes what is held with it
+	recv(n, n+2)
 }
 
 // writeWithImm: the data of two SGEs lands back to back and the

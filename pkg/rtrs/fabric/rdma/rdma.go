@@ -398,6 +398,15 @@ type conn struct {
 	failed    atomic.Bool // Disconnected was reported
 	closeOnce sync.Once
 	wg        sync.WaitGroup
+
+	// Work requests held for one ibv_post_send (fabric.Flusher): those
+	// posted during a batch of completions, until the batch is
+	// delivered, and those posted with More, until Flush. On a device
+	// whose doorbell is a system call (rxe), that is one call per batch.
+	heldMu  sync.Mutex
+	held    [ibverbs.MaxChain]ibverbs.SendWR
+	nHeld   int
+	inBurst bool // the poll loop is delivering a batch
 }
 
 // setup makes the CQ and QP and posts the first receives; the handler
@@ -456,8 +465,12 @@ func (c *conn) pollLoop() {
 				c.fail(err)
 				return
 			}
-			for i := 0; i < n; i++ {
-				c.deliver(&wcs[i], &fwc)
+			if n > 0 {
+				c.burst(true)
+				for i := 0; i < n; i++ {
+					c.deliver(&wcs[i], &fwc)
+				}
+				c.burst(false)
 			}
 			if n < len(wcs) {
 				break
@@ -664,36 +677,90 @@ func postErr(err error) error {
 	return err
 }
 
-// PostSend posts the chain in batches of up to ibverbs.MaxChain.
+// PostSend posts the chain, held until the end of the batch of
+// completions being delivered or, with More, until Flush; held or not,
+// at most ibverbs.MaxChain work requests go to the QP in one call.
+// Windows' binds and unbinds are posted at once, ahead of what is held:
+// a bind need only precede the answer that publishes its key, which is
+// posted after it.
 func (c *conn) PostSend(wr *fabric.SendWR) error {
-	var batch [ibverbs.MaxChain]ibverbs.SendWR
-	for wr != nil {
-		n := 0
-		for ; wr != nil && n < len(batch); wr = wr.Next {
-			op, err := sendOpcode(wr.Op)
-			if err != nil {
+	more := true
+	for w := wr; w != nil; w = w.Next {
+		if _, err := sendOpcode(w.Op); err != nil {
+			return err
+		}
+		more = more && w.More
+	}
+	c.heldMu.Lock()
+	defer c.heldMu.Unlock()
+	for ; wr != nil; wr = wr.Next {
+		if c.nHeld == len(c.held) {
+			if err := c.postHeld(); err != nil {
 				return err
 			}
-			b := &batch[n]
-			*b = ibverbs.SendWR{ID: wr.ID, Opcode: op, RemoteAddr: wr.RemoteAddr, RKey: wr.RKey,
-				Imm: wr.Imm, InvRKey: wr.InvRKey, NumSGE: 0}
-			if wr.Signaled {
-				b.Flags = ibverbs.SendSignaled
-			}
-			for i := 0; i < wr.NumSGE && i < fabric.MaxSGE; i++ {
-				if len(wr.SG[i].Buf) == 0 {
-					continue
-				}
-				b.SG[b.NumSGE] = sge(wr.SG[i].Buf, wr.SG[i].LKey)
-				b.NumSGE++
-			}
-			n++
 		}
-		if err := c.qp.PostSend(batch[:n]); err != nil {
-			return postErr(err)
+		op, _ := sendOpcode(wr.Op)
+		b := &c.held[c.nHeld]
+		*b = ibverbs.SendWR{ID: wr.ID, Opcode: op, RemoteAddr: wr.RemoteAddr, RKey: wr.RKey,
+			Imm: wr.Imm, InvRKey: wr.InvRKey}
+		if wr.Signaled {
+			b.Flags = ibverbs.SendSignaled
+		}
+		for i := 0; i < wr.NumSGE && i < fabric.MaxSGE; i++ {
+			if len(wr.SG[i].Buf) == 0 {
+				continue
+			}
+			b.SG[b.NumSGE] = sge(wr.SG[i].Buf, wr.SG[i].LKey)
+			b.NumSGE++
+		}
+		c.nHeld++
+	}
+	if c.inBurst || more {
+		return nil
+	}
+	return c.postHeld()
+}
+
+// postHeld posts what is held; c.heldMu is held. On an error nothing
+// stays held: the connection has failed or is failing.
+func (c *conn) postHeld() error {
+	n := c.nHeld
+	if n == 0 {
+		return nil
+	}
+	c.nHeld = 0
+	return postErr(c.qp.PostSend(c.held[:n]))
+}
+
+// Flush posts what was posted with More (fabric.Flusher).
+func (c *conn) Flush() {
+	c.heldMu.Lock()
+	err := c.postHeld()
+	c.heldMu.Unlock()
+	if err != nil {
+		c.fail(err)
+	}
+}
+
+// burst marks the start (true) or the end of a batch of completions. At
+// the end the handler is told (fabric.BurstHandler) and what the batch
+// posted goes to the QP in one call.
+func (c *conn) burst(start bool) {
+	if !start {
+		if bh, ok := c.h.(fabric.BurstHandler); ok {
+			bh.BurstEnd()
 		}
 	}
-	return nil
+	c.heldMu.Lock()
+	c.inBurst = start
+	var err error
+	if !start {
+		err = c.postHeld()
+	}
+	c.heldMu.Unlock()
+	if err != nil {
+		c.fail(err)
+	}
 }
 
 // PostRecv posts the chain in batches of up to ibverbs.MaxChain.

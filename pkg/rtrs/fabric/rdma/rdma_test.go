@@ -300,3 +300,28 @@ func BenchmarkWriteImm(b *testing.B) {
 		}
 	}
 }
+
+// TestMoreHeld: what is posted with More stays off the QP until Flush.
+func TestMoreHeld(t *testing.T) {
+	p := newPair(t, []fabric.RecvWR{{ID: 1}, {ID: 2}})
+	c := p.Cli.C.(*conn)
+	for i := uint32(1); i <= 2; i++ {
+		wr := conntest.Write(nil, 0, 0, 0, fabric.OpWriteImm, i)
+		wr.More = true
+		if err := c.PostSend(wr); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.heldMu.Lock()
+	held := c.nHeld
+	c.heldMu.Unlock()
+	if held != 2 {
+		t.Fatalf("%d held after two posts with More, want 2", held)
+	}
+	c.Flush()
+	for i := uint32(1); i <= 2; i++ {
+		if wc := p.Srv.Next(t); wc.Imm != i {
+			t.Fatalf("receive %d: %+v", i, wc)
+		}
+	}
+}
