@@ -458,23 +458,23 @@ func (c *conn) pollLoop() {
 			c.fail(err)
 			return
 		}
-		// Everything that completed before the notification was armed.
+		// Everything that completed before the notification was armed,
+		// and what completes while a batch is delivered: the poll is
+		// done in user space, the wait and the re-arm are system calls.
 		for {
 			n, err := c.cq.Poll(wcs)
 			if err != nil {
 				c.fail(err)
 				return
 			}
-			if n > 0 {
-				c.burst(true)
-				for i := 0; i < n; i++ {
-					c.deliver(&wcs[i], &fwc)
-				}
-				c.burst(false)
-			}
-			if n < len(wcs) {
+			if n == 0 {
 				break
 			}
+			c.burst(true)
+			for i := 0; i < n; i++ {
+				c.deliver(&wcs[i], &fwc)
+			}
+			c.burst(false)
 		}
 		if _, err := c.cc.Wait(); err != nil {
 			return // interrupted by Close
