@@ -6,6 +6,7 @@ package clientd
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"time"
 
@@ -40,6 +41,7 @@ type Config struct {
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
+	UblkMaxIOKB          int           `toml:"ublk_max_io_kb"`
 	NBDBuffers           int           `toml:"nbd_buffers"`
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	LogLevel             string        `toml:"log_level"`
@@ -61,6 +63,7 @@ func DefaultConfig() Config {
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,
+		UblkMaxIOKB:          512,
 		NBDBuffers:           64,
 		LogLevel:             "info",
 		LogFormat:            "text",
@@ -90,6 +93,9 @@ func (c *Config) Validate() error {
 	}
 	if c.UblkQueueDepth < 1 || c.UblkQueueDepth > 4096 {
 		return errors.New("ublk_queue_depth must be 1 to 4096")
+	}
+	if c.UblkMaxIOKB < 4 || c.UblkMaxIOKB > slotSize>>10 || c.UblkMaxIOKB%4 != 0 {
+		return fmt.Errorf("ublk_max_io_kb must be a multiple of 4 from 4 to %d", slotSize>>10)
 	}
 	if c.NBDBuffers < 1 || c.NBDBuffers > 4096 {
 		return errors.New("nbd_buffers must be 1 to 4096")

@@ -173,9 +173,11 @@ func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (fron
 		LogicalBlockSize:  lbs,
 		PhysicalBlockSize: max(int(info.PhysicalBlockSize), lbs),
 		// Every tag has a buffer of MaxIOBytes, registered with the
-		// session: depth × 512 KiB per queue, one queue per CPU.
+		// session: depth × ublk_max_io_kb per queue, one queue per CPU.
+		// The block layer splits larger IO at it (max_sectors_kb);
+		// /dev/nbdN takes up to slotSize.
 		QueueDepth:    d.cfg.UblkQueueDepth,
-		MaxIOBytes:    512 << 10,
+		MaxIOBytes:    d.cfg.UblkMaxIOKB << 10,
 		Discard:       !ro && info.MaxDiscardSectors > 0,
 		WriteZeroes:   !ro && info.MaxWriteZeroesSectors > 0,
 		VolatileCache: info.CachePolicy&rnbd.CacheWriteback != 0,

@@ -652,6 +652,9 @@ scenario ublk-map-io
 out=$(cli map --sessname ub --path ip:127.0.0.1 --path ip:10.77.0.1 --device-path disk2 --as ublk 2>&1)
 dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/ublkb*) res ublk-map PASS "$dev" ;; *) res ublk-map FAIL "$out"; finish ;; esac
+# The device takes requests up to ublk_max_io_kb (default 512).
+hwk=$(cat /sys/block/${dev#/dev/}/queue/max_hw_sectors_kb)
+[ "$hwk" = 512 ] && res ublk-max-sectors PASS "$hwk KiB" || res ublk-max-sectors FAIL "$hwk KiB"
 basic ublk "$dev" disk2 /tmp/disk2.img 2
 
 # 10. restart of the client daemon while the device is idle: user
