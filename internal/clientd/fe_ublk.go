@@ -24,8 +24,17 @@ type ublkBackend struct {
 	dev  *rnbd.CltDev
 	reqs sync.Pool // *ublkIO
 
-	mu   sync.Mutex                     // serializes changes of bufs
-	bufs atomic.Pointer[[]*rtrs.Buffer] // index = queue; copied on change
+	mu     sync.Mutex                   // serializes changes of queues
+	queues atomic.Pointer[[]*ublkQueue] // index = queue; copied on change
+}
+
+// ublkQueue is what one ublk queue's requests use: its registered
+// buffers, and the plug that holds the requests of one batch
+// (ublk.Batcher) so that they leave in one fabric post. Only the
+// queue's goroutine uses the plug.
+type ublkQueue struct {
+	buf  *rtrs.Buffer
+	plug rtrs.Plug
 }
 
 // ublkIO carries one ublk request through the device.
@@ -39,7 +48,7 @@ type ublkIO struct {
 
 func newUblkBackend(dev *rnbd.CltDev) *ublkBackend {
 	b := &ublkBackend{dev: dev}
-	b.bufs.Store(new([]*rtrs.Buffer))
+	b.queues.Store(new([]*ublkQueue))
 	b.reqs.New = func() any {
 		r := &ublkIO{b: b}
 		r.doneFn = r.complete // a method value allocates: once per ublkIO
@@ -56,11 +65,11 @@ func (b *ublkBackend) QueueBuffers(q, n int) ([]byte, error) {
 		return nil, err
 	}
 	b.mu.Lock()
-	old := *b.bufs.Load()
-	bufs := make([]*rtrs.Buffer, max(len(old), q+1))
-	copy(bufs, old)
-	bufs[q] = buf
-	b.bufs.Store(&bufs)
+	old := *b.queues.Load()
+	qs := make([]*ublkQueue, max(len(old), q+1))
+	copy(qs, old)
+	qs[q] = &ublkQueue{buf: buf}
+	b.queues.Store(&qs)
 	b.mu.Unlock()
 	return buf.Bytes()[:n], nil
 }
@@ -68,13 +77,20 @@ func (b *ublkBackend) QueueBuffers(q, n int) ([]byte, error) {
 // ReleaseQueueBuffers implements ublk.BufferProvider.
 func (b *ublkBackend) ReleaseQueueBuffers(q int, _ []byte) {
 	b.mu.Lock()
-	old := *b.bufs.Load()
-	bufs := append([]*rtrs.Buffer(nil), old...)
-	buf := bufs[q]
-	bufs[q] = nil
-	b.bufs.Store(&bufs)
+	qs := append([]*ublkQueue(nil), *b.queues.Load()...)
+	uq := qs[q]
+	qs[q] = nil
+	b.queues.Store(&qs)
 	b.mu.Unlock()
-	buf.Free()
+	uq.plug.Unplug()
+	uq.buf.Free()
+}
+
+// BatchEnd implements ublk.Batcher: the batch's requests leave.
+func (b *ublkBackend) BatchEnd(q int) {
+	if qs := *b.queues.Load(); q < len(qs) && qs[q] != nil {
+		qs[q].plug.Unplug()
+	}
 }
 
 func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
@@ -110,8 +126,10 @@ func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) 
 	if ur.FUA {
 		r.Flags |= rnbd.FFUA
 	}
+	uq := (*b.queues.Load())[ur.Queue()]
+	r.Plug = &uq.plug
 	if ur.Op == ublk.OpRead || ur.Op == ublk.OpWrite {
-		r.Buf, r.BufOff = (*b.bufs.Load())[ur.Queue()], ur.BufferOffset()
+		r.Buf, r.BufOff = uq.buf, ur.BufferOffset()
 	}
 	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
 		r.complete(&r.IOReq, err)

@@ -295,6 +295,9 @@ func (q *queue) loop() error {
 				firstErr = err
 			}
 		})
+		if b, ok := q.d.be.(Batcher); ok {
+			b.BatchEnd(q.id)
+		}
 		q.mu.Lock()
 		q.commits = append(q.commits, q.done...)
 		q.done = q.done[:0]

@@ -117,6 +117,16 @@ type Backend interface {
 	Submit(r *Request, done func(*Request, error))
 }
 
+// Batcher is a Backend told where each batch of requests a queue submits
+// ends: after the requests of one pass over the queue's ring, before the
+// queue commits their completions and waits for more. A backend may hold
+// what a batch submits (a plug) and send it there. BatchEnd runs on the
+// queue's goroutine, which also called Submit for the batch.
+type Batcher interface {
+	Backend
+	BatchEnd(q int)
+}
+
 // BufferProvider is implemented by a Backend that supplies the tag
 // buffers: QueueBuffers returns n bytes (the queue's depth × MaxIOBytes,
 // page aligned) for queue q, which the kernel copies request data into

@@ -79,7 +79,7 @@ devname() { cli device list --format csv --fields devname 2>/dev/null | tail -1;
 devpath() { cli device list --format csv --fields devpath 2>/dev/null | tail -1; }
 # counter EXPORT FIELD: a per-device counter of the server (flush_cnt…).
 counter() { srv device show "$1" --format csv --fields "$2" 2>/dev/null | tail -1; }
-throughput() { # name dev: 64 MiB written and read with 1 MiB O_DIRECT requests (TCG: recorded, not judged)
+throughput() { # name dev: 64 MiB written and read with 1 MiB O_DIRECT requests, then 4 KiB random reads at depth 16 (TCG: recorded, not judged)
 	local t0 t1 t2
 	t0=$(cut -d' ' -f1 /proc/uptime)
 	dd if=/dev/zero of="$2" bs=1M count=64 oflag=direct 2>/dev/null
@@ -87,6 +87,9 @@ throughput() { # name dev: 64 MiB written and read with 1 MiB O_DIRECT requests 
 	dd if="$2" of=/dev/null bs=1M count=64 iflag=direct 2>/dev/null
 	t2=$(cut -d' ' -f1 /proc/uptime)
 	echo "TPUT $1 dd-1M-direct write $(awk "BEGIN {printf \"%.0f\", 64 / ($t1 - $t0)}") MB/s read $(awk "BEGIN {printf \"%.0f\", 64 / ($t2 - $t1)}") MB/s (emulated)"
+	# Depth: what batching (plugs, bursts) is for.
+	echo "TPUT $1 fio-4k-randread-qd16 $(fio --name=t --filename="$2" --direct=1 --ioengine=libaio --rw=randread --bs=4k \
+		--iodepth=16 --size=64M --runtime=5 --time_based --output-format=terse 2>/dev/null | awk -F';' '{print $8}') IOPS (emulated)"
 }
 
 # basic P DEV EXPORT FILE MB: the device has the export's size, 16 MiB of
