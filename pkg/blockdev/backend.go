@@ -153,7 +153,7 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 	if opts.Direct {
 		flags |= syscall.O_DIRECT
 	}
-	f, err := open(flags | syscall.O_CLOEXEC)
+	f, err := openChecked(path, flags|syscall.O_CLOEXEC, open)
 	if err != nil {
 		return nil, err
 	}
@@ -187,6 +187,35 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 		}
 	}
 	return b, nil
+}
+
+// ErrNotBlockLike is returned for a path that is neither a regular file
+// nor a block device.
+var ErrNotBlockLike = fmt.Errorf("blockdev: not a regular file or block device: %w", syscall.EINVAL)
+
+// openChecked opens what open finds with flags only once it is known to
+// be a regular file or a block device: first as a bare path (O_PATH: no
+// open of the object itself, so a FIFO cannot block and a character
+// device's open has no effect), then, the type checked on that very
+// inode, for IO through the descriptor's /proc link.
+func openChecked(path string, flags int, open func(flags int) (*os.File, error)) (*os.File, error) {
+	p, err := open(unix.O_PATH | unix.O_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	defer p.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(p.Fd()), &st); err != nil {
+		return nil, &os.PathError{Op: "fstat", Path: path, Err: err}
+	}
+	if t := st.Mode & unix.S_IFMT; t != unix.S_IFREG && t != unix.S_IFBLK {
+		return nil, fmt.Errorf("%s: %w", path, ErrNotBlockLike)
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", p.Fd()), flags, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	return os.NewFile(uintptr(fd), path), nil
 }
 
 func (b *Backend) probe(opts Options) error {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -361,5 +362,51 @@ func TestOpenBeneath(t *testing.T) {
 	}
 	if _, err := OpenBeneath(dir, "missing", Options{}); !errors.Is(err, syscall.ENOENT) {
 		t.Errorf("missing file: %v", err)
+	}
+}
+
+// A FIFO, a character device, a directory or a socket is refused without
+// being opened: a FIFO's open would block until a writer comes (it used
+// to wedge the server with its session lock held), a device's open may
+// have effects. Through Open and OpenBeneath, read-only and read-write.
+func TestSpecialFilesRefused(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Mkdir(filepath.Join(dir, "subdir"), 0o755)
+	os.Symlink("/dev/null", filepath.Join(dir, "null"))
+	for _, name := range []string{"fifo", "subdir", "null"} {
+		for _, ro := range []bool{true, false} {
+			done := make(chan error, 2)
+			go func() {
+				_, err := Open(filepath.Join(dir, name), Options{ReadOnly: ro})
+				done <- err
+				_, err = OpenBeneath(dir, name, Options{ReadOnly: ro})
+				done <- err
+			}()
+			for i := 0; i < 2; i++ {
+				select {
+				case err := <-done:
+					if name == "null" && i == 1 {
+						// Beneath, the absolute symlink leads out first.
+						if !errors.Is(err, ErrEscapes) {
+							t.Errorf("%s beneath: %v, want ErrEscapes", name, err)
+						}
+						continue
+					}
+					if !errors.Is(err, ErrNotBlockLike) || !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), name) {
+						t.Errorf("%s (read-only %v): %v, want ErrNotBlockLike naming it", name, ro, err)
+					}
+				case <-time.After(10 * time.Second):
+					// The goroutine stays blocked in open: unblock it.
+					if f, err := os.OpenFile(fifo, os.O_RDWR, 0); err == nil {
+						defer f.Close()
+					}
+					t.Fatalf("%s (read-only %v): open blocked", name, ro)
+				}
+			}
+		}
 	}
 }
