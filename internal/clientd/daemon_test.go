@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"golang.org/x/sys/unix"
 	"time"
 
 	"go.uber.org/goleak"
@@ -207,6 +209,14 @@ func TestMapRefusals(t *testing.T) {
 	if _, err := d.Map(ctx, r.mapping("s1", "a")); err != nil {
 		t.Fatal(err)
 	}
+	if err := unix.Mkfifo(filepath.Join(r.dir, "fifo"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.file("b", 1<<20)
+	keep := filepath.Join(r.cfg.SocketDir, "keep")
+	if err := os.WriteFile(keep, []byte("precious"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	with := func(f func(*Mapping)) Mapping {
 		m := r.mapping("s1", "a")
 		f(&m)
@@ -228,6 +238,12 @@ func TestMapRefusals(t *testing.T) {
 		"other paths":       {with(func(m *Mapping) { m.DevicePath = "b"; m.Paths = []string{"ip:10.30.0.3@ip:10.30.0.1"} }), ctl.CodeInvalid},
 		"no such device":    {with(func(m *Mapping) { m.SessName = "s2"; m.DevicePath = "missing" }), ctl.CodeNotFound},
 		"outside the files": {with(func(m *Mapping) { m.SessName = "s3"; m.DevicePath = "../a" }), ctl.CodeInvalid},
+		// Opening a FIFO read-only would block the server until a
+		// writer came.
+		"a fifo": {with(func(m *Mapping) { m.SessName = "s4"; m.DevicePath = "fifo"; m.AccessMode = "ro" }), ctl.CodeInvalid},
+		"a file at the socket's path": {with(func(m *Mapping) {
+			m.SessName, m.DevicePath, m.As = "s5", "b", "socket:"+keep
+		}), ctl.CodeExists},
 	} {
 		if _, err := d.Map(ctx, c.m); ctl.Classify(err) != c.code {
 			t.Errorf("%s: %v (%s), want %s", name, err, ctl.Classify(err), c.code)
@@ -242,6 +258,9 @@ func TestMapRefusals(t *testing.T) {
 	}
 	if st := r.savedState(); len(st.Mappings) != 1 {
 		t.Fatalf("state after the refusals %+v", st)
+	}
+	if b, err := os.ReadFile(keep); err != nil || string(b) != "precious" {
+		t.Fatalf("the file at the socket's path: %q %v", b, err)
 	}
 }
 

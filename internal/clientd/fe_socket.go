@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
@@ -26,7 +27,10 @@ func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 		n.withdraw()
 		return nil, err
 	}
-	os.Remove(s.sock)
+	if err := ctl.ClearStaleSocket(s.sock); err != nil {
+		n.withdraw()
+		return nil, err
+	}
 	l, err := net.Listen("unix", s.sock)
 	if err != nil {
 		n.withdraw()

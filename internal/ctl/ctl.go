@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -121,11 +122,11 @@ func Listen(path string) (*Server, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, err
 	}
-	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-		c.Close()
+	if err := ClearStaleSocket(path); errors.Is(err, syscall.EADDRINUSE) {
 		return nil, fmt.Errorf("control socket %s: another daemon is running: %w", path, syscall.EADDRINUSE)
+	} else if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
 	}
-	os.Remove(path)
 	old := syscall.Umask(0o177)
 	l, err := net.Listen("unix", path)
 	syscall.Umask(old)
@@ -139,6 +140,32 @@ func Listen(path string) (*Server, error) {
 	s := &Server{path: path, l: l, mux: http.NewServeMux()}
 	s.hs = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second}
 	return s, nil
+}
+
+// ClearStaleSocket makes way for a unix socket at path: nothing is
+// there, or a socket that nothing listens on (left by a process that
+// died), which it removes. A socket that something listens on is
+// EADDRINUSE; anything else (a regular file, a directory, a link) is
+// EEXIST and stays: a mistyped path never deletes a file.
+func ClearStaleSocket(path string) error {
+	st, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if st.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%s exists and is not a socket (%v); not replaced: %w", path, st.Mode().Type(), syscall.EEXIST)
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return fmt.Errorf("%s: something listens on it: %w", path, syscall.EADDRINUSE)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
 }
 
 // Handler answers a request: a value encoded as JSON, or an error.

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 )
@@ -109,4 +110,29 @@ func TestDaemonNotRunning(t *testing.T) {
 		t.Fatalf("Listen over a stale socket: %v", err)
 	}
 	s2.Close()
+}
+
+// Whatever is at the socket's path and is not a socket stays, and Listen
+// says why it cannot start.
+func TestListenKeepsWhatIsNoSocket(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, []byte("precious"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sub := filepath.Join(dir, "dir")
+	os.Mkdir(sub, 0o755)
+	link := filepath.Join(dir, "link")
+	os.Symlink(file, link)
+	for _, p := range []string{file, sub, link} {
+		if _, err := Listen(p); !errors.Is(err, syscall.EEXIST) || !strings.Contains(err.Error(), "not a socket") {
+			t.Errorf("Listen on %s: %v, want EEXIST", p, err)
+		}
+	}
+	if b, err := os.ReadFile(file); err != nil || string(b) != "precious" {
+		t.Fatalf("the file at the path: %q %v", b, err)
+	}
+	if _, err := os.Stat(sub); err != nil {
+		t.Fatalf("the directory at the path: %v", err)
+	}
 }
