@@ -76,6 +76,9 @@ func Classify(err error) Code {
 	if errors.As(err, &ce) {
 		return ce.Code
 	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return CodeUnavailable // a peer that did not answer in time
+	}
 	var e syscall.Errno
 	if errors.As(err, &e) {
 		switch e {

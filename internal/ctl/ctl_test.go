@@ -25,6 +25,7 @@ func TestClassifyAndExitCodes(t *testing.T) {
 		{syscall.EINVAL, CodeInvalid, 2},
 		{syscall.EPERM, CodePermission, 7},
 		{syscall.ENOTCONN, CodeUnavailable, 6},
+		{fmt.Errorf("open: %w", context.DeadlineExceeded), CodeUnavailable, 6},
 		{syscall.EOPNOTSUPP, CodeNotSupported, 8},
 		{errors.New("surprise"), CodeInternal, 1},
 	}

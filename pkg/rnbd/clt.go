@@ -2,6 +2,7 @@ package rnbd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -121,7 +122,7 @@ func (s *CltSession) sessInfo(ctx context.Context) error {
 	defer s.adminMu.Unlock()
 	var usr [SessInfoSize]byte
 	(&SessInfo{Ver: ProtoVerMajor}).Encode(usr[:], MsgSessInfo)
-	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Read, usr[:], s.admin, 0, SessInfoRspSize); err != nil {
+	if err := s.adminDo(ctx, usr[:], SessInfoRspSize); err != nil {
 		return fmt.Errorf("rnbd: session info: %w", err)
 	}
 	var rsp SessInfo
@@ -135,6 +136,33 @@ func (s *CltSession) sessInfo(ctx context.Context) error {
 	return nil
 }
 
+// AdminTimeout bounds the wait for the answer to an admin message
+// (SESS_INFO, OPEN, CLOSE): a server that does not answer one in that
+// time is stuck, and the map or unmap fails instead of hanging.
+const AdminTimeout = 30 * time.Second
+
+// adminDo sends an admin message whose answer of n bytes lands in
+// s.admin; adminMu is held. A message abandoned because ctx ended (a
+// server that does not answer) keeps its buffer, which the answer may
+// still reach: the next message gets a new one, and the old one is freed
+// with the session.
+func (s *CltSession) adminDo(ctx context.Context, usr []byte, n int) error {
+	if s.admin == nil {
+		b, err := s.sess.AllocBuffer(4096)
+		if err != nil {
+			return err
+		}
+		s.admin = b
+	}
+	ctx, cancel := context.WithTimeout(ctx, AdminTimeout)
+	defer cancel()
+	err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Read, usr, s.admin, 0, n)
+	if errors.Is(err, rtrs.ErrAbandoned) {
+		s.admin = nil
+	}
+	return err
+}
+
 // ErrBadOpenRsp is returned for an OPEN_RSP that describes no usable device.
 var ErrBadOpenRsp = fmt.Errorf("rnbd: server answered with an unusable device: %w", syscall.EPROTO)
 
@@ -145,7 +173,7 @@ func (s *CltSession) open(ctx context.Context, name string, mode AccessMode) (Op
 	defer s.adminMu.Unlock()
 	var usr [OpenSize]byte
 	(&Open{AccessMode: mode, DevName: name}).Encode(usr[:])
-	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Read, usr[:], s.admin, 0, OpenRspSize); err != nil {
+	if err := s.adminDo(ctx, usr[:], OpenRspSize); err != nil {
 		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
 	}
 	var rsp OpenRsp
@@ -164,6 +192,8 @@ func validBlockSize(n uint16) bool { return n >= 512 && n&(n-1) == 0 }
 func (s *CltSession) close(ctx context.Context, name string, id uint32) error {
 	var usr [CloseSize]byte
 	(&Close{DeviceID: id}).Encode(usr[:])
+	ctx, cancel := context.WithTimeout(ctx, AdminTimeout)
+	defer cancel()
 	if err := s.sess.Do(ctx, rtrs.AdminCon, rtrs.Write, usr[:], nil, 0, 0); err != nil {
 		return fmt.Errorf("rnbd: close %s on the server: %w", name, err)
 	}

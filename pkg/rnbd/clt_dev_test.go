@@ -325,3 +325,64 @@ func TestCltDevPlugged(t *testing.T) {
 		t.Fatal("the file does not hold the plugged writes")
 	}
 }
+
+// holdFirstOpen is an RNBD server that leaves the first OPEN unanswered
+// until release is closed: a server stuck in an open (as one opening a
+// FIFO was).
+type holdFirstOpen struct {
+	*Server
+	held     atomic.Bool
+	release  chan struct{}
+	answered chan struct{}
+}
+
+func (h *holdFirstOpen) HandleIO(op *rtrs.SrvOp) error {
+	if t, err := MsgType(op.Usr()); err == nil && t == MsgOpen && h.held.CompareAndSwap(false, true) {
+		go func() {
+			<-h.release
+			h.Server.HandleIO(op)
+			close(h.answered)
+		}()
+		return nil
+	}
+	return h.Server.HandleIO(op)
+}
+
+// A map whose OPEN the server does not answer returns when its context
+// ends, and the answer that comes later corrupts nothing: the next map
+// of the session gets its own device.
+func TestCltMapAbandoned(t *testing.T) {
+	h := &holdFirstOpen{release: make(chan struct{}), answered: make(chan struct{})}
+	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { h.Server = s; return h })
+	r.file("a", 1<<20)
+	r.file("b", 2<<20)
+	c := r.cltSession("s", 0)
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	mapped := make(chan error, 1)
+	go func() {
+		_, err := c.Map(ctx, "a", AccessRW)
+		mapped <- err
+	}()
+	select {
+	case err := <-mapped:
+		if !errors.Is(err, rtrs.ErrAbandoned) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("map of a held OPEN: %v, want ErrAbandoned and the deadline", err)
+		}
+	case <-time.After(10 * time.Second):
+		close(h.release)
+		t.Fatal("map waited for the OPEN past its context")
+	}
+	close(h.release)
+	<-h.answered
+	waitUntil(t, "the late answer", func() bool {
+		return c.Session().Paths()[0].Stats().Counters().Inflight == 0
+	})
+	d, err := c.Map(context.Background(), "b", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Size() != 2<<20 {
+		t.Fatalf("the second map has size %d, want %d: the late answer of the first got in", d.Size(), 2<<20)
+	}
+}

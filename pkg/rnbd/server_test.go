@@ -42,6 +42,13 @@ type srig struct {
 
 func newSrig(t *testing.T, cfg ServerConfig) *srig {
 	t.Helper()
+	return newSrigWith(t, cfg, nil)
+}
+
+// newSrigWith is newSrig with wrap, if not nil, between RTRS and the
+// RNBD server.
+func newSrigWith(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHandler) *srig {
+	t.Helper()
 	r := &srig{t: t, net: fabrictest.NewNetwork()}
 	r.fab = r.net.Fabric()
 	if cfg.DevSearchPath == "" {
@@ -56,6 +63,9 @@ func newSrig(t *testing.T, cfg ServerConfig) *srig {
 	r.srv = NewServer(cfg)
 	scfg := rtrs.DefaultServerConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{srvAddr}, log.Discard()
+	if wrap != nil {
+		scfg.Handler = wrap(r.srv)
+	}
 	scfg.QueueDepth, scfg.MaxChunkSize = 64, 128<<10
 	var err error
 	if r.rs, err = rtrs.NewServer(scfg); err != nil {

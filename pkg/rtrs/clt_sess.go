@@ -733,9 +733,17 @@ type chanConfirmer chan error
 
 func (c chanConfirmer) Confirm(err error) { c <- err }
 
+// ErrAbandoned is returned by Do when its context ended before the
+// answer came: the request is still in flight.
+var ErrAbandoned = errors.New("rtrs: request abandoned before its answer")
+
 // Do runs one request synchronously: it takes a permit, sends, waits and
 // returns the permit. It is for admin messages and tools; the IO path
-// should use Request with its own Confirmer.
+// should use Request with its own Confirmer. If ctx ends first, Do
+// returns ErrAbandoned with ctx's error at once; the request stays in
+// flight, its permit is returned when it completes or fails (a path
+// failure, the session's close), and until then the server may still
+// write into buf: the caller must not reuse buf's range.
 func (s *CltSession) Do(ctx context.Context, t ConType, dir Dir, usr []byte, buf *Buffer, off, n int) error {
 	p, err := s.GetPermit(ctx, t)
 	if err != nil {
@@ -746,7 +754,15 @@ func (s *CltSession) Do(ctx context.Context, t ConType, dir Dir, usr []byte, buf
 		s.PutPermit(p)
 		return err
 	}
-	err = <-done
-	s.PutPermit(p)
-	return err
+	select {
+	case err = <-done:
+		s.PutPermit(p)
+		return err
+	case <-ctx.Done():
+		go func() {
+			<-done
+			s.PutPermit(p)
+		}()
+		return fmt.Errorf("%w: %w", ErrAbandoned, ctx.Err())
+	}
 }
