@@ -31,6 +31,7 @@ const DefaultNoPathTimeout = 120 * time.Second
 type CltSession struct {
 	sess *rtrs.CltSession
 	log  *log.Entry
+	rl   log.Limiter // failed IO, which may come in floods
 
 	// adminMu serializes admin messages, which share one buffer.
 	adminMu sync.Mutex

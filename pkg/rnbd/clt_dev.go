@@ -399,6 +399,10 @@ func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 		return
 	}
 	d := r.dev
+	if r.firstErr != nil {
+		d.s.rl.Log(d.log().WithFields(log.Fields{"op": r.Op, "offset": r.Off, "length": r.Len}).WithError(r.firstErr),
+			log.ErrorLevel, "IO failed")
+	}
 	r.Burst = b
 	r.Done(r, r.firstErr)
 	d.inflight.Done()

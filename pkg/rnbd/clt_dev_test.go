@@ -386,3 +386,54 @@ func TestCltMapAbandoned(t *testing.T) {
 		t.Fatalf("the second map has size %d, want %d: the late answer of the first got in", d.Size(), 2<<20)
 	}
 }
+
+// failIO is an RNBD server whose backend fails every IO with EIO.
+type failIO struct{ *Server }
+
+func (h failIO) HandleIO(op *rtrs.SrvOp) error {
+	if t, err := MsgType(op.Usr()); err == nil && t == MsgIO {
+		return syscall.EIO
+	}
+	return h.Server.HandleIO(op)
+}
+
+// An IO the server fails reaches the caller with the server's errno and
+// is logged by the client, once per IO and rate-limited.
+func TestCltDevLogsFailedIO(t *testing.T) {
+	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { return failIO{s} })
+	r.file("a", 1<<20)
+	lg, entries := log.Recorder()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName, cfg.Fabric, cfg.Log = "s", r.fab, lg
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 20, 3, 1}), 0), Dst: srvAddr}}
+	c, err := DialSession(context.Background(), cfg, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	d, err := c.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := c.Session().AllocBuffer(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 30; i++ {
+		if err := syncIO(d, OpWrite, 0, 8192, 4096, buf); !errors.Is(err, syscall.EIO) {
+			t.Fatalf("write: %v, want EIO", err)
+		}
+	}
+	n := 0
+	for _, e := range entries() {
+		if e.Message == "IO failed" {
+			n++
+			if e.Data["offset"] != int64(8192) || e.Data["length"] != 4096 || !errors.Is(e.Data["error"].(error), syscall.EIO) {
+				t.Errorf("logged %v", e.Data)
+			}
+		}
+	}
+	if n < 1 || n > 20 {
+		t.Fatalf("%d 'IO failed' entries for 30 failed writes, want 1 to the limiter's burst", n)
+	}
+}
