@@ -90,7 +90,7 @@ func newDaemon() *cobra.Command {
 	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
 	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
 	chunkMem = units.Size(d.MaxChunkMemory)
-	f.Var(&chunkMem, "max-chunk-memory", "memory all paths' chunks may take together; a path past it is refused (0: no bound)")
+	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound; default a quarter of RAM, at most 8 GiB)")
 	f.BoolVar(&over.AlwaysInvalidate, "always-invalidate", d.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
 	f.StringVar(&over.InvalidateBy, "invalidate-by", d.InvalidateBy, "how always_invalidate revokes a chunk's rkey on RDMA: window (memory windows bound by work requests, where the device has them) or registration")
 	f.BoolVar(&over.DirectIO, "direct-io", false, "open backends with O_DIRECT")

@@ -59,7 +59,7 @@ func DefaultConfig() Config {
 		Listen:           []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort), fmt.Sprintf("rdma://0.0.0.0:%d", rtrs.DefaultPort)},
 		QueueDepth:       rtrs.DefaultQueueDepth,
 		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
-		MaxChunkMemory:   rtrs.DefaultMaxChunkMemory,
+		MaxChunkMemory:   Size(rtrs.DefaultMaxChunkMemory()),
 		AlwaysInvalidate: true,
 		InvalidateBy:     "window",
 		HBInterval:       Duration{Duration: rtrs.DefaultHBInterval},

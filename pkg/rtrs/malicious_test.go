@@ -426,3 +426,40 @@ func TestNoInvalidate(t *testing.T) {
 	}
 	h.stillServesWith(2)
 }
+
+// The buffers of the connections a path asks for count against
+// MaxChunkMemory with its chunks: a peer that asks for 4096 connections
+// per path is refused (ENOMEM) instead of making the server size 4096
+// connections, the budget is whole again afterwards, and the good
+// session goes on.
+func TestHostileConnectionMemory(t *testing.T) {
+	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
+	dst := loopbackListener(t)
+	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	ccfg := testClientConfig(fab, pa("127.0.0.1", dst.String()))
+	good := pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1)
+	if chunks := int64(scfg.QueueDepth * scfg.MaxChunkSize); good <= chunks {
+		t.Fatalf("a path of %d connections counts %d bytes, no more than its chunks alone", ccfg.ConnsPerPath+1, good)
+	}
+	scfg.MaxChunkMemory = 4 * good
+	h := &hostileRig{rig: newRig(t, fab, scfg, ccfg), fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	if got := h.srv.chunkMem.Load(); got != good {
+		t.Fatalf("the good path counts %d bytes, want %d", got, good)
+	}
+	dev, _ := h.fab.Resolve(nil, h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, MaxConnsPerPath)
+	_, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize)))
+	if e := rejectErrno(err); e != syscall.ENOMEM {
+		t.Fatalf("a path of %d connections: %v (errno %v), want a reject with ENOMEM", MaxConnsPerPath, err, e)
+	}
+	// A path of a few connections still fits.
+	rp := newRawPathConns(t, h.fab, h.src, h.dst, 3, 3)
+	if err := rp.sendInfoReq("second"); err != nil {
+		t.Fatal(err)
+	}
+	rp.wait(0, fabric.WCRecv)
+	rp.close()
+	h.stillServes()
+	waitFor(t, 10*time.Second, "the budget to be whole again", func() bool { return h.srv.chunkMem.Load() == good })
+}

@@ -162,14 +162,15 @@ func TestServerCloseRacingConnect(t *testing.T) {
 	}
 }
 
-// The server refuses a path whose chunks would pass MaxChunkMemory, with
+// The server refuses a path whose chunks and connections would pass MaxChunkMemory, with
 // ENOMEM, and takes one again once the memory is released.
 func TestServerChunkMemoryBudget(t *testing.T) {
 	_, fab := memNet()
 	a1, a2 := ap("10.82.0.1:1234"), ap("10.82.1.1:1234")
 	scfg := testServerConfig(fab, newMemDisk(1<<20), a1, a2)
-	scfg.MaxChunkMemory = int64(scfg.QueueDepth * scfg.MaxChunkSize) // one path
-	r := newRig(t, fab, scfg, testClientConfig(fab, pa("10.82.0.2", a1.String())))
+	ccfg := testClientConfig(fab, pa("10.82.0.2", a1.String()))
+	scfg.MaxChunkMemory = pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1) // one path
+	r := newRig(t, fab, scfg, ccfg)
 	_, err := r.sess.AddPath(context.Background(), pa("10.82.1.2", a2.String()))
 	if !errors.Is(err, syscall.ENOMEM) {
 		t.Fatalf("second path over the budget: %v, want ENOMEM", err)

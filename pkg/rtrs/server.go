@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
@@ -71,9 +73,10 @@ type ServerConfig struct {
 	ConnectTimeout time.Duration
 	// MaxSessions bounds the sessions the server keeps.
 	MaxSessions int
-	// MaxChunkMemory bounds the memory of all paths' chunks together
-	// (each path owns QueueDepth × MaxChunkSize bytes): a path that would
-	// pass it is refused with ENOMEM. 0 means no bound.
+	// MaxChunkMemory bounds the memory of all paths together: each
+	// path's chunks (QueueDepth × MaxChunkSize bytes) and the buffers of
+	// the connections it asked for (ConnFootprint each): a path that
+	// would pass it is refused with ENOMEM. 0 means no bound.
 	MaxChunkMemory int64
 	Handler        ServerHandler
 	Log            *log.Entry
@@ -88,8 +91,17 @@ type Endpoint struct {
 	Optional bool
 }
 
-// DefaultMaxChunkMemory lets 128 paths of the default 512 × 128 KiB chunks.
-const DefaultMaxChunkMemory = 8 << 30
+// DefaultMaxChunkMemory is a quarter of the machine's memory, at most
+// 8 GiB (128 paths of the default 512 × 128 KiB chunks): what peers can
+// make the server hold stays a part of what it has.
+func DefaultMaxChunkMemory() int64 {
+	const most = 8 << 30
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Totalram == 0 {
+		return most
+	}
+	return min(most, int64(si.Totalram)*int64(si.Unit)/4)
+}
 
 // DefaultServerConfig returns the kernel module's defaults.
 func DefaultServerConfig() ServerConfig {
@@ -101,7 +113,7 @@ func DefaultServerConfig() ServerConfig {
 		HBMissedMax:      DefaultHBMissedMax,
 		ConnectTimeout:   DefaultConnectTimeout,
 		MaxSessions:      1024,
-		MaxChunkMemory:   DefaultMaxChunkMemory,
+		MaxChunkMemory:   DefaultMaxChunkMemory(),
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -98,10 +99,11 @@ func (p *SrvPath) allocResources() error {
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
 	var err error
-	size := int64(qd) * int64(x.chunkSize)
+	size := pathFootprint(cfg, qd, x.chunkSize, len(p.conns))
 	if total := x.srv.chunkMem.Add(size); cfg.MaxChunkMemory > 0 && total > cfg.MaxChunkMemory {
 		x.srv.chunkMem.Add(-size)
-		return fmt.Errorf("chunks of %d bytes would pass max_chunk_memory %d: %w", size, cfg.MaxChunkMemory, syscall.ENOMEM)
+		return fmt.Errorf("chunks and %d connections of %d bytes would pass max_chunk_memory %d: %w",
+			len(p.conns), size, cfg.MaxChunkMemory, syscall.ENOMEM)
 	}
 	p.chunkMemSize = size
 	if p.pd, err = p.dev.AllocPD(); err != nil {
@@ -194,6 +196,63 @@ func (p *SrvPath) newConnLocked(cid int) *srvConn {
 	return c
 }
 
+// connQueues sizes connection cid's send and receive queues, and the
+// part of the send queue post counts (sqAvail).
+func connQueues(cfg *ServerConfig, qd, cid int, windows bool) (maxSend, maxRecv, sqAvail int) {
+	if cid == 0 {
+		maxSend = ServiceConQueueDepth*2 + 2
+		maxRecv = maxSend
+	} else {
+		if cfg.AlwaysInvalidate {
+			maxSend = qd*(1+4) + 1
+		} else {
+			maxSend = qd*(1+2) + 1
+		}
+		maxRecv = qd + 1
+	}
+	sqAvail = maxSend
+	if windows {
+		// Room for the unbinds and binds, posted outside post's count
+		// (the unbinds are signaled, and each completion frees the
+		// slots of the unsignaled binds before it): two per request
+		// in flight, and on the service connection the first bind of
+		// every chunk, before INFO_RSP.
+		if cid == 0 {
+			maxSend += qd + 2*ServiceConQueueDepth
+		} else {
+			sqAvail -= 2 * qd
+		}
+	}
+	return maxSend, maxRecv, sqAvail
+}
+
+// ConnFootprint is what one connection with these queue sizes is
+// counted for against MaxChunkMemory: its work requests, held twice
+// (the queue, and the batch a write takes from it), an iovec per SGE and
+// header, and the read and write buffers of a stream fabric. A verbs
+// queue pair's rings live in the driver; the figure stands for them too.
+func ConnFootprint(maxSend, maxRecv int) int64 {
+	const iovec = 16
+	perSend := 2*int64(unsafe.Sizeof(fabric.SendWR{})) + (fabric.MaxSGE+1)*iovec
+	return int64(maxSend)*perSend + int64(maxRecv)*int64(unsafe.Sizeof(fabric.RecvWR{})) + 256<<10
+}
+
+// pathFootprint is what a path of cidNum connections is counted for
+// against MaxChunkMemory: its chunks and its connections.
+func pathFootprint(cfg *ServerConfig, qd, chunkSize, cidNum int) int64 {
+	windows := cfg.AlwaysInvalidate && !cfg.InvalidateByRegistration
+	size := int64(qd) * int64(chunkSize)
+	for _, cid := range []int{0, 1} {
+		n := int64(1)
+		if cid == 1 {
+			n = int64(cidNum - 1)
+		}
+		s, r, _ := connQueues(cfg, qd, cid, windows)
+		size += n * ConnFootprint(s, r)
+	}
+	return size
+}
+
 // acceptCon accepts c's connection; the service connection gets a
 // receive for INFO_REQ before it is accepted.
 func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
@@ -201,30 +260,9 @@ func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
 	attr := fabric.ConnAttr{Handler: c}
+	attr.MaxSendWR, attr.MaxRecvWR, c.sqAvail = connQueues(cfg, qd, c.cid, p.windows)
 	if c.cid == 0 {
-		attr.MaxSendWR = ServiceConQueueDepth*2 + 2
-		attr.MaxRecvWR = attr.MaxSendWR
 		attr.Recvs = []fabric.RecvWR{{ID: wrInfoReq, Buf: p.infoMem.Bytes()[:InfoReqSize], LKey: p.infoMR.LKey()}}
-	} else {
-		if cfg.AlwaysInvalidate {
-			attr.MaxSendWR = qd*(1+4) + 1
-		} else {
-			attr.MaxSendWR = qd*(1+2) + 1
-		}
-		attr.MaxRecvWR = qd + 1
-	}
-	c.sqAvail = attr.MaxSendWR
-	if p.windows {
-		// Room for the unbinds and binds, posted outside post's count
-		// (the unbinds are signaled, and each completion frees the
-		// slots of the unsignaled binds before it): two per request
-		// in flight, and on the service connection the first bind of
-		// every chunk, before INFO_RSP.
-		if c.cid == 0 {
-			attr.MaxSendWR += qd + 2*ServiceConQueueDepth
-		} else {
-			c.sqAvail -= 2 * qd
-		}
 	}
 	var b [ConnRspSize]byte
 	rsp := ConnRsp{
