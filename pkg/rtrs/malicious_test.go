@@ -463,3 +463,39 @@ func TestHostileConnectionMemory(t *testing.T) {
 	h.stillServes()
 	waitFor(t, 10*time.Second, "the budget to be whole again", func() bool { return h.srv.chunkMem.Load() == good })
 }
+
+// A client address may have DefaultMaxConnectingPerAddr paths connecting
+// (accepted, no INFO_REQ yet: each holds its chunks) at once; the next
+// one is refused with EBUSY, another address is not affected, and a slot
+// comes back when one of them goes.
+func TestHostileHalfOpenPaths(t *testing.T) {
+	h := newHostileRig(t, true)
+	var half []*rawPath
+	for i := 0; i < DefaultMaxConnectingPerAddr; i++ {
+		half = append(half, newRawPathConns(t, h.fab, h.src, h.dst, 2, 1))
+	}
+	dev, _ := h.fab.Resolve(nil, h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, 2)
+	if _, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize))); rejectErrno(err) != syscall.EBUSY {
+		t.Fatalf("path %d connecting from one address: %v, want a reject with EBUSY", DefaultMaxConnectingPerAddr+1, err)
+	}
+	// Another address, a whole path.
+	rp := newRawPathConns(t, h.fab, netip.MustParseAddrPort("127.0.0.4:0"), h.dst, 2, 2)
+	if err := rp.sendInfoReq("other"); err != nil {
+		t.Fatal(err)
+	}
+	rp.wait(0, fabric.WCRecv)
+	half[0].close()
+	waitFor(t, 10*time.Second, "a slot to come back", func() bool {
+		h.srv.connectingMu.Lock()
+		defer h.srv.connectingMu.Unlock()
+		return h.srv.connecting[h.src.Addr()] < DefaultMaxConnectingPerAddr
+	})
+	half[0] = newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	for _, p := range half {
+		p.close()
+	}
+	rp.close()
+	h.stillServes()
+}

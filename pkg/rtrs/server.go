@@ -78,8 +78,13 @@ type ServerConfig struct {
 	// the connections it asked for (ConnFootprint each): a path that
 	// would pass it is refused with ENOMEM. 0 means no bound.
 	MaxChunkMemory int64
-	Handler        ServerHandler
-	Log            *log.Entry
+	// MaxConnectingPerAddr bounds the paths one client address may have
+	// connecting at once (accepted, not yet through INFO_REQ), each
+	// holding its share of MaxChunkMemory until ConnectTimeout: more
+	// are refused with EBUSY, and the client retries. 0 means no bound.
+	MaxConnectingPerAddr int
+	Handler              ServerHandler
+	Log                  *log.Entry
 }
 
 // Endpoint is an address to accept paths on, on a fabric.
@@ -103,17 +108,24 @@ func DefaultMaxChunkMemory() int64 {
 	return min(most, int64(si.Totalram)*int64(si.Unit)/4)
 }
 
+// DefaultMaxConnectingPerAddr lets a client host bring up 8 paths at
+// once; a legitimate client connects a path's connections one after the
+// other and sends INFO_REQ at once, so its paths are connecting for
+// milliseconds.
+const DefaultMaxConnectingPerAddr = 8
+
 // DefaultServerConfig returns the kernel module's defaults.
 func DefaultServerConfig() ServerConfig {
 	return ServerConfig{
-		QueueDepth:       DefaultQueueDepth,
-		MaxChunkSize:     DefaultMaxChunkSize,
-		AlwaysInvalidate: true,
-		HBInterval:       DefaultHBInterval,
-		HBMissedMax:      DefaultHBMissedMax,
-		ConnectTimeout:   DefaultConnectTimeout,
-		MaxSessions:      1024,
-		MaxChunkMemory:   DefaultMaxChunkMemory(),
+		QueueDepth:           DefaultQueueDepth,
+		MaxChunkSize:         DefaultMaxChunkSize,
+		AlwaysInvalidate:     true,
+		HBInterval:           DefaultHBInterval,
+		HBMissedMax:          DefaultHBMissedMax,
+		ConnectTimeout:       DefaultConnectTimeout,
+		MaxSessions:          1024,
+		MaxChunkMemory:       DefaultMaxChunkMemory(),
+		MaxConnectingPerAddr: DefaultMaxConnectingPerAddr,
 	}
 }
 
@@ -135,7 +147,7 @@ func (c *ServerConfig) validate() error {
 	if err := CheckImmBudget(uint32(c.QueueDepth), uint32(c.MaxChunkSize)); err != nil {
 		return err
 	}
-	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 {
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxConnectingPerAddr < 0 {
 		return errors.New("rtrs: bad heartbeat, timeout or session limit")
 	}
 	if c.Log == nil {
@@ -156,6 +168,11 @@ type Server struct {
 
 	mu       sync.Mutex // guards sessions
 	sessions map[[16]byte]*SrvSession
+
+	// connecting counts the paths in SrvPathConnecting per client
+	// address (MaxConnectingPerAddr).
+	connectingMu sync.Mutex
+	connecting   map[netip.Addr]int
 	// nameMu serializes session naming (claimName); taken before mu
 	// and any session's mu.
 	nameMu sync.Mutex
@@ -357,6 +374,31 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 	if err != nil {
 		s.rl.Log(path.lg().WithError(err), log.WarnLevel, "accepting connection failed")
 		path.close("accepting a connection failed")
+	}
+}
+
+// admitConnecting counts a new connecting path from a, or refuses it.
+func (s *Server) admitConnecting(a netip.Addr) bool {
+	s.connectingMu.Lock()
+	defer s.connectingMu.Unlock()
+	if s.cfg.MaxConnectingPerAddr > 0 && s.connecting[a] >= s.cfg.MaxConnectingPerAddr {
+		return false
+	}
+	if s.connecting == nil {
+		s.connecting = make(map[netip.Addr]int)
+	}
+	s.connecting[a]++
+	return true
+}
+
+// doneConnecting uncounts a path from a that is no longer connecting.
+func (s *Server) doneConnecting(a netip.Addr) {
+	s.connectingMu.Lock()
+	defer s.connectingMu.Unlock()
+	if n := s.connecting[a]; n > 1 {
+		s.connecting[a] = n - 1
+	} else {
+		delete(s.connecting, a)
 	}
 }
 

@@ -87,10 +87,14 @@ func (p *SrvPath) Disconnect() { p.close("disconnected by the administrator") }
 func (p *SrvPath) changeState(to SrvPathState) bool {
 	p.stateMu.Lock()
 	defer p.stateMu.Unlock()
-	if !srvTransitionAllowed(p.State(), to) {
+	from := p.State()
+	if !srvTransitionAllowed(from, to) {
 		return false
 	}
 	p.state.Store(int32(to))
+	if from == SrvPathConnecting {
+		p.sess.srv.doneConnecting(p.clientAddr.Addr())
+	}
 	return true
 }
 

@@ -139,10 +139,14 @@ func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, 
 		dev:        req.Device(),
 		closed:     make(chan struct{}),
 	}
+	if !s.admitConnecting(client) {
+		return nil, syscall.EBUSY, fmt.Errorf("%d paths from %v are connecting already", s.cfg.MaxConnectingPerAddr, client)
+	}
 	p.state.Store(int32(SrvPathConnecting))
 	p.logp.Store(x.logp.Load().WithField("path", p.Name()))
 	if err := p.allocResources(); err != nil {
 		p.freeResources()
+		s.doneConnecting(client)
 		return nil, syscall.ENOMEM, err
 	}
 	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {

@@ -85,7 +85,7 @@ func TestSrvStateTable(t *testing.T) {
 	}
 	for _, from := range states {
 		for _, to := range states {
-			p := &SrvPath{}
+			p := &SrvPath{sess: &SrvSession{srv: &Server{}}}
 			p.state.Store(int32(from))
 			got := p.changeState(to)
 			if want := allowed[[2]SrvPathState{from, to}]; got != want {

@@ -56,6 +56,9 @@ type Options struct {
 	// more connections are closed at once, so a flood costs sockets,
 	// not goroutines.
 	MaxHandshakes int
+	// MaxHandshakesPerAddr bounds those of one peer address (32), so
+	// that idle connections from one host cannot take every slot.
+	MaxHandshakesPerAddr int
 }
 
 // Fabric is the TCP fabric. It is safe for concurrent use.
@@ -80,6 +83,9 @@ func New(opts Options) *Fabric {
 	}
 	if opts.MaxHandshakes <= 0 {
 		opts.MaxHandshakes = 256
+	}
+	if opts.MaxHandshakesPerAddr <= 0 {
+		opts.MaxHandshakesPerAddr = 32
 	}
 	if opts.Network == nil {
 		opts.Network = tcpNetwork{userTimeout: opts.UserTimeout}
@@ -262,7 +268,10 @@ type listener struct {
 	nl        net.Listener
 	reqs      chan *connReq
 	done      chan struct{}
-	slots     chan struct{} // one per handshake in progress
+	slots     chan struct{}         // one per handshake in progress
+	perAddrMu sync.Mutex            // guards perAddr and shaking
+	perAddr   map[netip.Addr]int    // handshakes in progress per peer address
+	shaking   map[net.Conn]struct{} // their connections, closed by Close
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
@@ -295,16 +304,25 @@ func (l *listener) acceptLoop() {
 			nc.Close() // too many handshakes in progress
 			continue
 		}
+		peer := addrPortOf(nc.RemoteAddr()).Addr()
+		if !l.takePeerSlot(peer, nc) {
+			<-l.slots
+			nc.Close() // too many from this address
+			continue
+		}
 		l.wg.Add(1)
-		go l.handshake(nc)
+		go l.handshake(nc, peer)
 	}
 }
 
 // handshake reads a REQ within the handshake timeout and queues it for
 // Accept. A peer that sends garbage or nothing only costs its own socket.
-func (l *listener) handshake(nc net.Conn) {
+func (l *listener) handshake(nc net.Conn, peer netip.Addr) {
 	defer l.wg.Done()
-	defer func() { <-l.slots }()
+	defer func() {
+		l.putPeerSlot(peer, nc)
+		<-l.slots
+	}()
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
 	typ, priv, err := readHandshake(nc)
 	if err != nil || typ != hsREQ {
@@ -321,6 +339,43 @@ func (l *listener) handshake(nc net.Conn) {
 	}
 }
 
+// takePeerSlot counts nc's handshake, unless its peer has
+// MaxHandshakesPerAddr in progress or the listener is closed.
+func (l *listener) takePeerSlot(peer netip.Addr, nc net.Conn) bool {
+	l.perAddrMu.Lock()
+	defer l.perAddrMu.Unlock()
+	if l.shaking == nil {
+		l.shaking = make(map[net.Conn]struct{})
+		l.perAddr = make(map[netip.Addr]int)
+	}
+	select {
+	case <-l.done:
+		return false
+	default:
+	}
+	// A stream without addresses counts as one peer without a bound.
+	if peer.IsValid() {
+		if l.perAddr[peer] >= l.fab.opts.MaxHandshakesPerAddr {
+			return false
+		}
+		l.perAddr[peer]++
+	}
+	l.shaking[nc] = struct{}{}
+	return true
+}
+
+func (l *listener) putPeerSlot(peer netip.Addr, nc net.Conn) {
+	l.perAddrMu.Lock()
+	defer l.perAddrMu.Unlock()
+	delete(l.shaking, nc)
+	if !peer.IsValid() {
+		return
+	}
+	if l.perAddr[peer]--; l.perAddr[peer] <= 0 {
+		delete(l.perAddr, peer)
+	}
+}
+
 func (l *listener) Accept(ctx context.Context) (fabric.ConnRequest, error) {
 	select {
 	case r := <-l.reqs:
@@ -334,7 +389,12 @@ func (l *listener) Accept(ctx context.Context) (fabric.ConnRequest, error) {
 
 func (l *listener) Close() error {
 	l.closeOnce.Do(func() {
+		l.perAddrMu.Lock()
 		close(l.done)
+		for nc := range l.shaking {
+			nc.Close() // a handshake in progress ends now, not at its timeout
+		}
+		l.perAddrMu.Unlock()
 		l.nl.Close()
 	})
 	l.wg.Wait()

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"io"
 	"net"
 	"net/netip"
 	"testing"
@@ -298,5 +299,75 @@ func TestMoreHeldUntilFlush(t *testing.T) {
 		if wc.ID != uint64(i+1) || string(bufs[i][:wc.ByteLen]) != want {
 			t.Fatalf("receive %d: %+v %q, want %q", i, wc, bufs[i][:wc.ByteLen], want)
 		}
+	}
+}
+
+// Idle connections from one address take at most MaxHandshakesPerAddr
+// handshake slots: the next one from there is closed at once, while a
+// peer at another address completes its handshake.
+func TestHandshakeSlotsPerAddress(t *testing.T) {
+	fab := New(Options{HandshakeTimeout: 30 * time.Second, MaxHandshakesPerAddr: 4, MaxHandshakes: 8})
+	l, err := fab.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	from := func(ip string) net.Conn {
+		t.Helper()
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+		c, err := d.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	for i := 0; i < 4; i++ {
+		from("127.0.0.3")
+	}
+	waitFor(t, "the idle handshakes to be counted", func() bool {
+		ll := l.(*listener)
+		ll.perAddrMu.Lock()
+		defer ll.perAddrMu.Unlock()
+		return ll.perAddr[netip.MustParseAddr("127.0.0.3")] == 4
+	})
+	c := from("127.0.0.3")
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("a fifth idle connection from one address: read %v, want EOF (closed)", err)
+	}
+	// Another address still gets through.
+	dev, err := fab.Resolve(context.Background(), netip.MustParseAddrPort("127.0.0.4:0"), l.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pdv, _ := dev.AllocPD()
+	dialed := make(chan error, 1)
+	go func() {
+		conn, _, err := dev.Dial(context.Background(), fabric.DialParams{Src: netip.MustParseAddrPort("127.0.0.4:0"), Dst: l.Addr(),
+			PD: pdv, PrivateData: []byte("hi"), Attr: fabric.ConnAttr{Handler: conntest.NewRecorder(), MaxSendWR: 4, MaxRecvWR: 4}})
+		if err == nil {
+			conn.Close()
+		}
+		dialed <- err
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	r, err := l.Accept(ctx)
+	if err != nil {
+		t.Fatalf("a request from another address: %v", err)
+	}
+	r.Reject(nil)
+	<-dialed
+}
+
+// waitFor polls cond until it holds, for up to 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); !cond(); {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
