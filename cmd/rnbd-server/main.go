@@ -59,6 +59,7 @@ func newDaemon() *cobra.Command {
 			}
 			set("listen", func() { cfg.Listen = over.Listen })
 			set("dev-search-path", func() { cfg.DevSearchPath = over.DevSearchPath })
+			set("allow-migration", func() { cfg.AllowMigration = over.AllowMigration })
 			set("queue-depth", func() { cfg.QueueDepth = over.QueueDepth })
 			set("chunk-size", func() { cfg.MaxChunkSize = over.MaxChunkSize })
 			set("max-chunk-memory", func() { cfg.MaxChunkMemory = serverd.Size(chunkMem) })
@@ -87,6 +88,7 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&configFile, "config", serverd.DefaultConfigFile, "TOML configuration file")
 	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; default both on every interface, RDMA where the machine has it)")
 	f.StringVar(&over.DevSearchPath, "dev-search-path", "", "resolve device names beneath this directory (may contain %SESSNAME%)")
+	f.BoolVar(&over.AllowMigration, "allow-migration", false, "let devices under dev_search_path be opened with access_mode=migration beside a writer, as the kernel's server does")
 	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
 	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
 	chunkMem = units.Size(d.MaxChunkMemory)
@@ -105,8 +107,8 @@ func newDaemon() *cobra.Command {
 
 func newMap(g *cli.Globals) *cobra.Command {
 	var (
-		ro, wt bool
-		allow  []string
+		ro, wt, migration bool
+		allow, from       []string
 	)
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
@@ -117,7 +119,8 @@ func newMap(g *cli.Globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, WriteThrough: wt}
+			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, AllowFrom: from,
+				Migration: migration, WriteThrough: wt}
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
 			}
@@ -127,6 +130,8 @@ func newMap(g *cli.Globals) *cobra.Command {
 	}
 	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
 	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
+	cmd.Flags().StringArrayVar(&from, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
+	cmd.Flags().BoolVar(&migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
 	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
 	return cmd
 }

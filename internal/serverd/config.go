@@ -28,6 +28,7 @@ type Config struct {
 	Version          int      `toml:"version"`
 	Listen           []string `toml:"listen"`
 	DevSearchPath    string   `toml:"dev_search_path"`
+	AllowMigration   bool     `toml:"allow_migration"`
 	QueueDepth       int      `toml:"queue_depth"`
 	MaxChunkSize     int      `toml:"max_chunk_size"`
 	MaxChunkMemory   Size     `toml:"max_chunk_memory"`

@@ -1,6 +1,7 @@
 package serverd
 
 import (
+	"errors"
 	"fmt"
 	"io/fs"
 	"net/http"
@@ -72,10 +73,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
-		DevSearchPath: cfg.DevSearchPath,
-		Direct:        cfg.DirectIO,
-		MaxIOSize:     cfg.MaxChunkSize - rtrs.MaxHdrSize,
-		Log:           opts.Log,
+		DevSearchPath:  cfg.DevSearchPath,
+		AllowMigration: cfg.AllowMigration,
+		Direct:         cfg.DirectIO,
+		MaxIOSize:      cfg.MaxChunkSize - rtrs.MaxHdrSize,
+		Log:            opts.Log,
 	})
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {
@@ -175,6 +177,11 @@ type (
 		Path     string   `json:"path"`
 		ReadOnly bool     `json:"read_only"`
 		Allow    []string `json:"allow"`
+		// AllowFrom: the networks (CIDR) an OPEN may come from; empty,
+		// any (rnbd.Export.AllowFrom).
+		AllowFrom []string `json:"allow_from,omitempty"`
+		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
+		Migration bool `json:"migration,omitempty"`
 		// WriteThrough: every write durable on completion, no write
 		// cache announced (rnbd.Export.WriteThrough).
 		WriteThrough bool `json:"write_through"`
@@ -219,7 +226,16 @@ func (d *Daemon) routes() {
 		if err := ctl.Decode(r, &req); err != nil {
 			return nil, err
 		}
-		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow, WriteThrough: req.WriteThrough})
+		var from []netip.Prefix
+		for _, s := range req.AllowFrom {
+			p, err := parseNetwork(s)
+			if err != nil {
+				return nil, ctl.Errorf(ctl.CodeInvalid, "allow_from %q: %v", s, err)
+			}
+			from = append(from, p)
+		}
+		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow,
+			AllowFrom: from, Migration: req.Migration, WriteThrough: req.WriteThrough})
 	})
 	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
 		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
@@ -282,7 +298,7 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		return fmt.Errorf("saving the state file: %w", err)
 	}
 	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
-		"write_cache": d.exportCache(e)}).Info("export mapped")
+		"allow_from": e.AllowFrom, "migration": e.Migration, "write_cache": d.exportCache(e)}).Info("export mapped")
 	return nil
 }
 
@@ -471,4 +487,17 @@ func (d *Daemon) stats() []output.Record {
 		})
 	}
 	return rows
+}
+
+// parseNetwork reads a CIDR prefix, or a bare address as a prefix of
+// its whole length.
+func parseNetwork(s string) (netip.Prefix, error) {
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return p.Masked(), nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, errors.New("want an address or a network like 10.0.0.0/24")
+	}
+	return netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()), nil
 }

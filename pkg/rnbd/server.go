@@ -3,6 +3,7 @@ package rnbd
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
@@ -40,11 +41,33 @@ type Export struct {
 	Path     string   `json:"path"`
 	ReadOnly bool     `json:"read_only,omitempty"`
 	Allow    []string `json:"allow,omitempty"` // session names; empty: every session
+	// AllowFrom are the networks (CIDR prefixes) an OPEN may come from:
+	// the client address of the path it arrives on. Empty: any.
+	AllowFrom []netip.Prefix `json:"allow_from,omitempty"`
+	// Migration lets a second session open the export read-write with
+	// access_mode=migration beside a writer (live migration). Off, such
+	// an OPEN is refused: any peer could otherwise write to a device
+	// another holds.
+	Migration bool `json:"migration,omitempty"`
 	// WriteThrough makes every write durable when it completes, and
 	// OPEN_RSP then announces no write cache: clients do not flush.
 	WriteThrough bool `json:"write_through,omitempty"`
 
 	withdrawing bool // being unmapped: no new opens
+}
+
+// allowsFrom reports whether an OPEN from a may open e.
+func (e *Export) allowsFrom(a netip.Addr) bool {
+	if len(e.AllowFrom) == 0 {
+		return true
+	}
+	a = a.Unmap()
+	for _, p := range e.AllowFrom {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
 }
 
 func (e *Export) allows(sess string) bool {
@@ -67,6 +90,10 @@ type ServerConfig struct {
 	// part of the path after the token is dropped, as in the kernel).
 	// Empty: only explicit exports are served.
 	DevSearchPath string
+	// AllowMigration lets devices found under DevSearchPath be opened
+	// with access_mode=migration beside a writer, as the kernel's server
+	// does; off (the default) such an OPEN is refused.
+	AllowMigration bool
 	// Direct opens backends with O_DIRECT.
 	Direct bool
 	// Workers bounds the backend IO running at once (default 128).
@@ -352,7 +379,7 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			return nil
 		}
 	}
-	d, err := x.srv.open(x, m.DevName, m.AccessMode)
+	d, err := x.srv.open(x, m.DevName, m.AccessMode, op.Path().ClientAddr().Addr())
 	if err != nil {
 		x.srv.rl.Log(x.log().WithFields(log.Fields{"device": m.DevName, "access_mode": m.AccessMode}).WithError(err),
 			log.WarnLevel, "open refused")
@@ -407,7 +434,7 @@ func (x *SrvSession) fillOpenRsp(d *SrvSessDev, b []byte) {
 
 // open resolves name for session x, opens the backend and takes the
 // access mode on its device. x.mu is held.
-func (s *Server) open(x *SrvSession, name string, mode AccessMode) (*SrvSessDev, error) {
+func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Addr) (*SrvSessDev, error) {
 	readonly := mode == AccessRO
 	opts := blockdev.Options{ReadOnly: readonly, Direct: s.cfg.Direct}
 	s.mu.Lock()
@@ -425,11 +452,20 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode) (*SrvSessDev,
 		if !exp.allows(x.name) {
 			return nil, errorf(syscall.EPERM, "export %s does not allow session %s", name, x.name)
 		}
+		if !exp.allowsFrom(from) {
+			return nil, errorf(syscall.EPERM, "export %s does not allow clients at %v", name, from)
+		}
+		if mode == AccessMigration && !exp.Migration {
+			return nil, errorf(syscall.EPERM, "export %s does not allow access_mode=migration", name)
+		}
 		if exp.ReadOnly && !readonly {
 			return nil, errorf(syscall.EPERM, "export %s is read-only", name)
 		}
 		be, err = blockdev.Open(exp.Path, opts)
 	case s.cfg.DevSearchPath != "":
+		if mode == AccessMigration && !s.cfg.AllowMigration {
+			return nil, errorf(syscall.EPERM, "access_mode=migration is not allowed on this server (allow_migration)")
+		}
 		var dir string
 		if dir, err = s.searchDir(x.name, name); err == nil {
 			be, err = blockdev.OpenBeneath(dir, name, opts)
@@ -577,6 +613,13 @@ func (s *Server) Map(e Export) error {
 		return errorf(syscall.EEXIST, "export %s already exists", e.Name)
 	}
 	e.Allow = append([]string(nil), e.Allow...)
+	e.AllowFrom = append([]netip.Prefix(nil), e.AllowFrom...)
+	for i, p := range e.AllowFrom {
+		if !p.IsValid() {
+			return errorf(syscall.EINVAL, "export %s: invalid network in allow_from", e.Name)
+		}
+		e.AllowFrom[i] = p.Masked()
+	}
 	s.exports[e.Name] = &e
 	return nil
 }

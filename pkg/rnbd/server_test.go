@@ -240,7 +240,7 @@ func TestSessInfoVersion(t *testing.T) {
 }
 
 func TestAccessModes(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, ServerConfig{AllowMigration: true})
 	r.file("shared", 1<<20)
 	a, b, c := r.client("a"), r.client("b"), r.client("c")
 	open := func(cl *CltSession, mode AccessMode) error {
@@ -953,4 +953,55 @@ func FuzzAdmit(f *testing.F) {
 			t.Fatalf("admitted range %d+%d of %+v", off, n, m)
 		}
 	})
+}
+
+// access_mode=migration beside a writer only where it is allowed, and an
+// export's allow_from against the address of the path an OPEN arrives
+// on.
+func TestMigrationAndNetworks(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("found", 1<<20)
+	exp, exp2 := r.file("exp/x", 1<<20), r.file("exp/y", 1<<20)
+	open := func(cl *CltSession, name string, mode AccessMode) error {
+		_, err := cl.open(context.Background(), name, mode)
+		return err
+	}
+	a, b := r.client("a"), r.client("b") // paths from 10.20.1.x
+	if err := open(a, "found", AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	if err := open(b, "found", AccessMigration); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("migration beside a writer without allow_migration: %v, want EPERM", err)
+	}
+	for _, e := range []Export{
+		{Name: "nomig", Path: exp},
+		{Name: "mig", Path: exp2, Migration: true},
+		{Name: "net", Path: exp, AllowFrom: []netip.Prefix{netip.MustParsePrefix("10.20.1.7/24")}},
+	} {
+		if err := r.srv.Map(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := open(a, "nomig", AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	if err := open(b, "nomig", AccessMigration); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("migration on an export without it: %v, want EPERM", err)
+	}
+	if err := open(a, "mig", AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	if err := open(b, "mig", AccessMigration); err != nil {
+		t.Fatalf("migration on an export with it: %v", err)
+	}
+	if err := open(b, "net", AccessRO); err != nil {
+		t.Fatalf("an OPEN from inside allow_from: %v", err)
+	}
+	c := r.cltSession("c", 0) // a path from 10.20.2.x
+	if err := open(c, "net", AccessRO); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("an OPEN from outside allow_from: %v, want EPERM", err)
+	}
+	if err := r.srv.Map(Export{Name: "bad", Path: exp, AllowFrom: []netip.Prefix{{}}}); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("an invalid network: %v, want EINVAL", err)
+	}
 }
