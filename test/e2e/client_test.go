@@ -162,6 +162,7 @@ func TestClientEndToEnd(t *testing.T) {
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol0", filepath.Join(dir, "vol0.img"))
 	srv.ok("map", "vol1", filepath.Join(dir, "vol1.img"), "--write-through")
+	srv.ok("map", "fenced", filepath.Join(dir, "vol1.img"), "--allow-from", "10.99.0.0/16")
 	cl := startClient(t, dir, "--no-path-timeout", "60s")
 	path := fmt.Sprintf("ip:127.0.0.1")
 	out := cl.ok("map", fmt.Sprintf("sessname=e2e path=%s device_path=vol0 dest_port=%d", path, port))
@@ -180,6 +181,10 @@ func TestClientEndToEnd(t *testing.T) {
 	// A missing device: a clear error and the not-found exit code.
 	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory\n") {
 		t.Fatalf("map of a missing device: exit %d %q", code, errOut)
+	}
+	// An export for another network: refused, said why, permission exit code.
+	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "fenced", "--dest-port", fmt.Sprint(port)); code != 7 || !strings.Contains(errOut, "rnbd: open fenced: operation not permitted") {
+		t.Fatalf("map of an export fenced to another network: exit %d %q", code, errOut)
 	}
 	// A kernel device where the kernel has no nbd: said so, exit 8.
 	if _, err := os.Stat("/sys/module/nbd"); err != nil {
