@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -251,7 +252,9 @@ func (p *CltPath) run() {
 	}
 	schedule := func() {
 		stopTimer()
-		timer = time.NewTimer(p.reconnectDelay())
+		d := p.reconnectDelay()
+		p.logNextAttempt(d)
+		timer = time.NewTimer(d)
 		timerC = timer.C
 	}
 	for {
@@ -380,6 +383,24 @@ func (p *CltPath) reconnectDelay() time.Duration {
 		d += rand.N(cfg.ReconnectJitter)
 	}
 	return d
+}
+
+// logNextAttempt says when the next reconnect attempt comes, and which
+// of how many it is ("of unlimited" for max_reconnect_attempts -1).
+func (p *CltPath) logNextAttempt(in time.Duration) {
+	max := p.sess.MaxReconnectAttempts()
+	p.mu.Lock()
+	n := p.reconnectAttempts + 1
+	p.mu.Unlock()
+	if max >= 0 && n > max {
+		return // the attempt gives up, and says so
+	}
+	of := "unlimited"
+	if max >= 0 {
+		of = strconv.Itoa(max)
+	}
+	p.lg().WithFields(log.Fields{"attempt": n, "max_reconnect_attempts": max, "in": in.Round(time.Millisecond).String()}).
+		Infof("reconnect attempt %d of %s in %v", n, of, in.Round(time.Millisecond))
 }
 
 // reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are

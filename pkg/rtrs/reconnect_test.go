@@ -25,12 +25,27 @@ func TestReconnectLimit(t *testing.T) {
 	cli := netip.MustParseAddr("10.7.0.2")
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	ccfg.MaxReconnectAttempts = 2
+	lg, entries := log.Recorder()
+	ccfg.Log = lg
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
 	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
 	if c := counters(p); c.ReconnectsFailed != 2 || c.ReconnectsSuccessful != 0 {
 		t.Fatalf("reconnects %d/%d, want 0 successful, 2 failed", c.ReconnectsSuccessful, c.ReconnectsFailed)
+	}
+	// Each attempt was announced: which, of how many, and when.
+	var said []string
+	for _, e := range entries() {
+		if strings.HasPrefix(e.Message, "reconnect attempt ") {
+			said = append(said, e.Message)
+			if e.Data["path"] == nil || e.Data["in"] == nil {
+				t.Errorf("%q without its path or delay: %v", e.Message, e.Data)
+			}
+		}
+	}
+	if len(said) != 2 || !strings.HasPrefix(said[0], "reconnect attempt 1 of 2 in ") || !strings.HasPrefix(said[1], "reconnect attempt 2 of 2 in ") {
+		t.Fatalf("announced %q, want attempts 1 and 2 of 2", said)
 	}
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
 	time.Sleep(300 * time.Millisecond) // longer than the reconnect delays
