@@ -154,8 +154,8 @@ func Run(ctx context.Context, cfg LoadConfig) (Result, error) {
 					err = <-done
 				}
 				s.PutPermit(p)
-				if lat := time.Since(t0).Microseconds(); lat > maxLat.Load() {
-					maxLat.Store(lat)
+				lat := time.Since(t0).Microseconds()
+				for m := maxLat.Load(); lat > m && !maxLat.CompareAndSwap(m, lat); m = maxLat.Load() {
 				}
 				if err != nil {
 					atomic.AddInt64(&res.Errors, 1)

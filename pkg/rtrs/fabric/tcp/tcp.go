@@ -48,7 +48,12 @@ type Options struct {
 	HandshakeTimeout time.Duration
 	// UserTimeout is TCP_USER_TIMEOUT for real TCP: how long sent data
 	// may stay unacknowledged before the kernel kills the connection
-	// (30 s). Heartbeats detect silent peers; this bounds a stuck send.
+	// (1 s). A path that dies silently (a dead switch port, a peer's
+	// address gone: no RST, no carrier change) with IO in flight on it
+	// fails over that soon, instead of when heartbeats notice (25 s); a
+	// live peer's kernel acknowledges within milliseconds however busy
+	// its CPUs, and retransmissions ride out a few lost segments in that
+	// time. An idle path is checked by its heartbeats, which are data.
 	UserTimeout time.Duration
 	// Backlog is how many handshaken requests may wait for Accept (64).
 	Backlog int
@@ -60,6 +65,9 @@ type Options struct {
 	// that idle connections from one host cannot take every slot.
 	MaxHandshakesPerAddr int
 }
+
+// DefaultUserTimeout is Options.UserTimeout's default.
+const DefaultUserTimeout = time.Second
 
 // Fabric is the TCP fabric. It is safe for concurrent use.
 type Fabric struct {
@@ -76,7 +84,7 @@ func New(opts Options) *Fabric {
 		opts.HandshakeTimeout = 10 * time.Second
 	}
 	if opts.UserTimeout <= 0 {
-		opts.UserTimeout = 30 * time.Second
+		opts.UserTimeout = DefaultUserTimeout
 	}
 	if opts.Backlog <= 0 {
 		opts.Backlog = 64
