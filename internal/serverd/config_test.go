@@ -64,3 +64,10 @@ func TestLoadConfig(t *testing.T) {
 		t.Errorf("invalidate_by magic: %v", err)
 	}
 }
+
+func TestEverywhere(t *testing.T) {
+	got := everywhere([]string{"tcp://10.0.0.5:1234", "tcp://0.0.0.0:1234", "rdma://[::]:1234", "tcp://[fd00::1]:1234"})
+	if !reflect.DeepEqual(got, []string{"tcp://0.0.0.0:1234", "rdma://[::]:1234"}) {
+		t.Fatalf("everywhere: %q", got)
+	}
+}

@@ -114,6 +114,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
 		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath}).Info("rnbd-server started")
+	if wild := everywhere(cfg.Listen); len(wild) > 0 {
+		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
+			"can open the exports that allow it; set listen to the storage network's address, and allow/allow_from on exports")
+	}
 	return d, nil
 }
 
@@ -144,6 +148,18 @@ func endpoints(listen []string, opts Options) ([]rtrs.Endpoint, error) {
 		eps = append(eps, e)
 	}
 	return eps, nil
+}
+
+// everywhere returns the listen addresses that are not one address but
+// every interface's (0.0.0.0, ::).
+func everywhere(listen []string) []string {
+	var wild []string
+	for _, s := range listen {
+		if l, err := rtrs.ParseListen(s); err == nil && l.Addr.Addr().IsUnspecified() {
+			wild = append(wild, s)
+		}
+	}
+	return wild
 }
 
 // Addrs are the addresses the daemon listens on for RTRS.
