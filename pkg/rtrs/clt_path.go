@@ -37,6 +37,7 @@ type CltPath struct {
 	hcaName           string
 	hcaPort           int
 	reconnectAttempts int
+	nextAttempt       time.Time // when the scheduled reconnect attempt comes; zero: none
 	forNewClt         bool
 	established       bool
 	reconCnt          uint16
@@ -248,15 +249,20 @@ func (p *CltPath) run() {
 		if timer != nil {
 			timer.Stop()
 			timer, timerC = nil, nil
+			p.unscheduled()
 		}
 	}
 	schedule := func() {
 		stopTimer()
 		d := p.reconnectDelay()
 		p.logNextAttempt(d)
+		p.mu.Lock()
+		p.nextAttempt = time.Now().Add(d)
+		p.mu.Unlock()
 		timer = time.NewTimer(d)
 		timerC = timer.C
 	}
+	defer p.unscheduled()
 	for {
 		select {
 		case <-p.recoverCh:
@@ -267,6 +273,7 @@ func (p *CltPath) run() {
 			schedule()
 		case <-timerC:
 			timer, timerC = nil, nil
+			p.unscheduled()
 			if retry, _ := p.reconnectWork(false); retry {
 				schedule()
 			}
@@ -383,6 +390,26 @@ func (p *CltPath) reconnectDelay() time.Duration {
 		d += rand.N(cfg.ReconnectJitter)
 	}
 	return d
+}
+
+// unscheduled notes that no reconnect attempt is scheduled.
+func (p *CltPath) unscheduled() {
+	p.mu.Lock()
+	p.nextAttempt = time.Time{}
+	p.mu.Unlock()
+}
+
+// ReconnectAttempts is how many reconnect attempts the path made since it
+// was last connected (or since a manual reconnect), and how long until
+// the next one; next is 0 when none is scheduled (connected, connecting
+// now, or given up).
+func (p *CltPath) ReconnectAttempts() (attempts int, next time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.nextAttempt.IsZero() {
+		next = max(time.Until(p.nextAttempt), time.Millisecond)
+	}
+	return max(p.reconnectAttempts, 0), next
 }
 
 // logNextAttempt says when the next reconnect attempt comes, and which

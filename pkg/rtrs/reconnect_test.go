@@ -91,8 +91,17 @@ func TestReconnectForever(t *testing.T) {
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
 	waitFor(t, 10*time.Second, "failed attempts", func() bool { return counters(p).ReconnectsFailed >= 5 })
+	// What path show prints: the attempts so far, and the time to the
+	// next (at most the 20 ms delay and its jitter).
+	waitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
+		n, next := p.ReconnectAttempts()
+		return n >= 5 && next > 0 && next <= ccfg.ReconnectMaxDelay+ccfg.ReconnectJitter
+	})
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
 	waitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == PathConnected })
+	if n, next := p.ReconnectAttempts(); n != 0 || next != 0 {
+		t.Fatalf("connected again: %d attempts, next in %v; want 0, none", n, next)
+	}
 	// A manual reconnect while it keeps failing reports ENOTCONN.
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
 	waitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == PathReconnecting })
