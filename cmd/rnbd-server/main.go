@@ -109,6 +109,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 	var (
 		ro, wt, migration bool
 		allow, from       []string
+		maxSessions       int
 	)
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
@@ -120,7 +121,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 				return err
 			}
 			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, AllowFrom: from,
-				Migration: migration, WriteThrough: wt}
+				Migration: migration, MaxSessions: maxSessions, WriteThrough: wt}
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
 			}
@@ -131,6 +132,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
 	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
 	cmd.Flags().StringArrayVar(&from, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
+	cmd.Flags().IntVar(&maxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
 	cmd.Flags().BoolVar(&migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
 	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
 	return cmd

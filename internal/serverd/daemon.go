@@ -198,6 +198,9 @@ type (
 		AllowFrom []string `json:"allow_from,omitempty"`
 		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
 		Migration bool `json:"migration,omitempty"`
+		// MaxSessions: sessions that may have it open at once; 0 no
+		// bound (rnbd.Export.MaxSessions).
+		MaxSessions int `json:"max_sessions,omitempty"`
 		// WriteThrough: every write durable on completion, no write
 		// cache announced (rnbd.Export.WriteThrough).
 		WriteThrough bool `json:"write_through"`
@@ -251,7 +254,7 @@ func (d *Daemon) routes() {
 			from = append(from, p)
 		}
 		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow,
-			AllowFrom: from, Migration: req.Migration, WriteThrough: req.WriteThrough})
+			AllowFrom: from, Migration: req.Migration, MaxSessions: req.MaxSessions, WriteThrough: req.WriteThrough})
 	})
 	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
 		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
@@ -314,7 +317,8 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		return fmt.Errorf("saving the state file: %w", err)
 	}
 	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
-		"allow_from": e.AllowFrom, "migration": e.Migration, "write_cache": d.exportCache(e)}).Info("export mapped")
+		"allow_from": e.AllowFrom, "migration": e.Migration, "max_sessions": e.MaxSessions,
+		"write_cache": d.exportCache(e)}).Info("export mapped")
 	return nil
 }
 

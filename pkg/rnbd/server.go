@@ -49,6 +49,9 @@ type Export struct {
 	// an OPEN is refused: any peer could otherwise write to a device
 	// another holds.
 	Migration bool `json:"migration,omitempty"`
+	// MaxSessions bounds the sessions that have the export open at once;
+	// 0: no bound. One more OPEN is refused with EUSERS.
+	MaxSessions int `json:"max_sessions,omitempty"`
 	// WriteThrough makes every write durable when it completes, and
 	// OPEN_RSP then announces no write cache: clients do not flush.
 	WriteThrough bool `json:"write_through,omitempty"`
@@ -119,6 +122,9 @@ type Server struct {
 	exports  map[string]*Export
 	sessions map[*rtrs.SrvSession]*SrvSession
 	devices  map[string]*device // by backend identity
+	// exportOpens counts the sessions that have each explicit export
+	// open, or are opening it (Export.MaxSessions).
+	exportOpens map[string]int
 
 	closed atomic.Bool
 	wg     sync.WaitGroup
@@ -143,12 +149,13 @@ func NewServer(cfg ServerConfig) *Server {
 		cfg.Log = log.L
 	}
 	s := &Server{
-		cfg:      cfg,
-		log:      cfg.Log,
-		ios:      make(chan *rtrs.SrvOp, 4096),
-		exports:  make(map[string]*Export),
-		sessions: make(map[*rtrs.SrvSession]*SrvSession),
-		devices:  make(map[string]*device),
+		cfg:         cfg,
+		log:         cfg.Log,
+		ios:         make(chan *rtrs.SrvOp, 4096),
+		exports:     make(map[string]*Export),
+		sessions:    make(map[*rtrs.SrvSession]*SrvSession),
+		devices:     make(map[string]*device),
+		exportOpens: make(map[string]int),
 	}
 	for i := 0; i < cfg.Workers; i++ {
 		s.wg.Add(1)
@@ -443,8 +450,19 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		c := *e
 		exp = &c
 		opts.WriteThrough = exp.WriteThrough
+		if exp.MaxSessions > 0 && s.exportOpens[name] >= exp.MaxSessions {
+			s.mu.Unlock()
+			return nil, errorf(syscall.EUSERS, "export %s is open by %d sessions, its max_sessions", name, exp.MaxSessions)
+		}
+		s.exportOpens[name]++ // until the open fails or the device closes
 	}
 	s.mu.Unlock()
+	opened := false
+	defer func() {
+		if exp != nil && !opened {
+			s.exportClosed(exp.Name)
+		}
+	}()
 	var be *blockdev.Backend
 	var err error
 	switch {
@@ -488,6 +506,7 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	if exp != nil {
 		d.export = exp.Name
 	}
+	opened = true
 	d.refs.Add(1) // open
 	dev.mu.Lock()
 	dev.sessDevs = append(dev.sessDevs, d)
@@ -576,7 +595,21 @@ func (d *SrvSessDev) close() {
 	}
 	dev.mu.Unlock()
 	s.mu.Unlock()
+	if d.export != "" {
+		s.exportClosed(d.export)
+	}
 	d.sess.log().WithFields(log.Fields{"device": d.name, "device_id": d.id}).Info("device closed")
+}
+
+// exportClosed uncounts a session of export name.
+func (s *Server) exportClosed(name string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n := s.exportOpens[name]; n > 1 {
+		s.exportOpens[name] = n - 1
+	} else {
+		delete(s.exportOpens, name)
+	}
 }
 
 // get returns the open device id with an IO reference, or nil.
@@ -603,6 +636,9 @@ func (s *Server) Map(e Export) error {
 	}
 	if !filepath.IsAbs(e.Path) {
 		return errorf(syscall.EINVAL, "export path %q must be absolute", e.Path)
+	}
+	if e.MaxSessions < 0 {
+		return errorf(syscall.EINVAL, "export %s: max_sessions %d", e.Name, e.MaxSessions)
 	}
 	if _, err := os.Stat(e.Path); err != nil {
 		return fmt.Errorf("export %s: %w", e.Name, err)

@@ -1005,3 +1005,41 @@ func TestMigrationAndNetworks(t *testing.T) {
 		t.Fatalf("an invalid network: %v, want EINVAL", err)
 	}
 }
+
+// An export's max_sessions bounds the sessions that have it open at
+// once; a session that closes it makes room, and a refused OPEN leaves
+// nothing counted.
+func TestExportMaxSessions(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 1<<20)
+	if err := r.srv.Map(Export{Name: "two", Path: p, MaxSessions: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.srv.Map(Export{Name: "bad", Path: p, MaxSessions: -1}); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("max_sessions -1: %v, want EINVAL", err)
+	}
+	open := func(cl *CltSession) (OpenRsp, error) { return cl.open(context.Background(), "two", AccessRO) }
+	a, b, c := r.client("a"), r.client("b"), r.client("c")
+	if _, err := open(a); err != nil {
+		t.Fatal(err)
+	}
+	rb, err := open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := open(a); err != nil {
+		t.Fatalf("the same session again: %v", err)
+	}
+	for i := 0; i < 3; i++ {
+		if _, err := open(c); !errors.Is(err, syscall.EUSERS) {
+			t.Fatalf("a third session: %v, want EUSERS", err)
+		}
+	}
+	if err := b.close(context.Background(), "two", rb.DeviceID); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "b's open to close", func() bool {
+		_, err := open(c)
+		return err == nil
+	})
+}
