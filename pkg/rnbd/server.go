@@ -46,8 +46,9 @@ type Export struct {
 	AllowFrom []netip.Prefix `json:"allow_from,omitempty"`
 	// Migration lets a second session open the export read-write with
 	// access_mode=migration beside a writer (live migration). Off, such
-	// an OPEN is refused: any peer could otherwise write to a device
-	// another holds.
+	// an OPEN is refused while another session writes: any peer could
+	// otherwise write to a device another holds. Alone, migration opens
+	// as rw does.
 	Migration bool `json:"migration,omitempty"`
 	// MaxSessions bounds the sessions that have the export open at once;
 	// 0: no bound. One more OPEN is refused with EUSERS.
@@ -95,7 +96,8 @@ type ServerConfig struct {
 	DevSearchPath string
 	// AllowMigration lets devices found under DevSearchPath be opened
 	// with access_mode=migration beside a writer, as the kernel's server
-	// does; off (the default) such an OPEN is refused.
+	// does; off (the default) such an OPEN is refused while another
+	// session writes.
 	AllowMigration bool
 	// Direct opens backends with O_DIRECT.
 	Direct bool
@@ -473,17 +475,11 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		if !exp.allowsFrom(from) {
 			return nil, errorf(syscall.EPERM, "export %s does not allow clients at %v", name, from)
 		}
-		if mode == AccessMigration && !exp.Migration {
-			return nil, errorf(syscall.EPERM, "export %s does not allow access_mode=migration", name)
-		}
 		if exp.ReadOnly && !readonly {
 			return nil, errorf(syscall.EPERM, "export %s is read-only", name)
 		}
 		be, err = blockdev.Open(exp.Path, opts)
 	case s.cfg.DevSearchPath != "":
-		if mode == AccessMigration && !s.cfg.AllowMigration {
-			return nil, errorf(syscall.EPERM, "access_mode=migration is not allowed on this server (allow_migration)")
-		}
 		var dir string
 		if dir, err = s.searchDir(x.name, name); err == nil {
 			be, err = blockdev.OpenBeneath(dir, name, opts)
@@ -497,7 +493,11 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		}
 		return nil, err
 	}
-	dev, err := s.takeDevice(be, mode)
+	secondWriter := s.cfg.AllowMigration
+	if exp != nil {
+		secondWriter = exp.Migration
+	}
+	dev, err := s.takeDevice(be, mode, secondWriter)
 	if err != nil {
 		be.Close()
 		return nil, err
@@ -538,7 +538,7 @@ func (s *Server) searchDir(sess, name string) (string, error) {
 // takeDevice finds the device behind be and applies the access mode rules
 // (rnbd_srv_check_update_open_perm): ro always, rw only with no writer,
 // migration with at most one.
-func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode) (*device, error) {
+func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode, secondWriter bool) (*device, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	dev := s.devices[be.ID()]
@@ -558,6 +558,12 @@ func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode) (*device, err
 	case AccessMigration:
 		if dev.openWriteCnt >= 2 {
 			return nil, errorf(syscall.EPERM, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
+		}
+		if dev.openWriteCnt == 1 && !secondWriter {
+			// The kernel's server lets it: then anyone who reaches
+			// the port could write beside the device's writer.
+			return nil, errorf(syscall.EPERM, "%s is open for writing by another session, and a second writer "+
+				"(access_mode=migration) is not allowed here", be.Path())
 		}
 		dev.openWriteCnt++
 	}

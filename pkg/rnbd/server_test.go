@@ -982,8 +982,9 @@ func TestMigrationAndNetworks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := open(a, "nomig", AccessRW); err != nil {
-		t.Fatal(err)
+	// Alone, migration opens as rw does.
+	if err := open(a, "nomig", AccessMigration); err != nil {
+		t.Fatalf("migration as the only writer: %v", err)
 	}
 	if err := open(b, "nomig", AccessMigration); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("migration on an export without it: %v, want EPERM", err)
