@@ -36,7 +36,7 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
@@ -267,11 +267,16 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		if up > 0 {
 			state = "connected"
 		}
+		noPathSince := ""
+		if t := s.cs.NoPathSince(); !t.IsZero() {
+			noPathSince = t.UTC().Format(time.RFC3339)
+		}
 		recs = append(recs, output.Record{
 			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
 			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
-			"no_path_timeout": s.cs.NoPathTimeout().String(), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
-			"rx_bytes": rx, "tx_bytes": tx, "inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
+			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
+			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "rx_bytes": rx, "tx_bytes": tx,
+			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})
 	}
 	return recs

@@ -39,6 +39,9 @@ type CltSession struct {
 	ver     uint8
 
 	noPathTimeout atomic.Int64
+	// noPathSince is when the session lost its last path (unix ns), 0
+	// while it has one.
+	noPathSince atomic.Int64
 	// pieces[i] is the piece of IO that permit i carries.
 	pieces []piece
 
@@ -94,6 +97,16 @@ func (s *CltSession) Version() int {
 	s.adminMu.Lock()
 	defer s.adminMu.Unlock()
 	return int(s.ver)
+}
+
+// NoPathSince is when the session lost its last path; zero while it has
+// one. IO that arrives without a path waits up to NoPathTimeout from its
+// own arrival.
+func (s *CltSession) NoPathSince() time.Time {
+	if ns := s.noPathSince.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
 }
 
 // NoPathTimeout is how long a block request waits for its device when
@@ -246,11 +259,13 @@ func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
 	devs := append([]*CltDev(nil), s.devs...)
 	s.mu.Unlock()
 	if ev == rtrs.LinkDisconnected {
+		s.noPathSince.CompareAndSwap(0, time.Now().UnixNano())
 		for _, d := range devs {
 			d.disconnected()
 		}
 		return
 	}
+	s.noPathSince.Store(0)
 	select {
 	case s.reopenQ <- struct{}{}:
 	default:

@@ -172,6 +172,9 @@ func TestCltDevInflightWaitsForPath(t *testing.T) {
 		t.Fatalf("the write ended without a path: %v", err)
 	default:
 	}
+	if since := s.NoPathSince(); since.IsZero() || time.Since(since) > time.Minute {
+		t.Fatalf("no path since %v", since)
+	}
 	close(hold)
 	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
 	select {
@@ -184,6 +187,9 @@ func TestCltDevInflightWaitsForPath(t *testing.T) {
 	}
 	if held.Load() < 2 {
 		t.Fatalf("%d attempts reached the server, want the resent one too", held.Load())
+	}
+	if since := s.NoPathSince(); !since.IsZero() {
+		t.Fatalf("no path since %v after the path came back", since)
 	}
 	if b, _ := os.ReadFile(path); !bytes.Equal(b[8192:8192+4096], bytes.Repeat([]byte{0x77}, 4096)) {
 		t.Fatal("the file does not hold the write")
