@@ -365,6 +365,32 @@ func (b *Backend) ID() string {
 	return fmt.Sprintf("file:%d:%d", b.dev, b.ino)
 }
 
+// Health reports what happened to a file backend behind the server's
+// back: deleted (IO then goes to an unlinked inode nobody else sees),
+// replaced (its path now names another file), or shrunk below the size
+// clients were told (reads past the end fail with EIO). nil if none; a
+// block device is always healthy here.
+func (b *Backend) Health() error {
+	if b.kind != KindFile {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(b.f.Fd()), &st); err != nil {
+		return fmt.Errorf("blockdev: %s: %w", b.path, err)
+	}
+	if st.Nlink == 0 {
+		return fmt.Errorf("blockdev: %s was deleted: IO goes to a file nobody else sees", b.path)
+	}
+	var pst unix.Stat_t
+	if err := unix.Stat(b.path, &pst); err == nil && (pst.Dev != st.Dev || pst.Ino != st.Ino) {
+		return fmt.Errorf("blockdev: %s was replaced by another file: IO goes to the old one", b.path)
+	}
+	if st.Size < b.size {
+		return fmt.Errorf("blockdev: %s shrank from %d to %d bytes: IO past its end fails", b.path, b.size, st.Size)
+	}
+	return nil
+}
+
 func (b *Backend) check(off int64, n int, write bool) error {
 	if off < 0 || n < 0 || off > b.size || int64(n) > b.size-off {
 		if write {

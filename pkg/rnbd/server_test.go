@@ -1044,3 +1044,46 @@ func TestExportMaxSessions(t *testing.T) {
 		return err == nil
 	})
 }
+
+// A backing file deleted, replaced or shrunk behind the server's back is
+// logged once, and its recovery too.
+func TestBackingStoreHealth(t *testing.T) {
+	lg, entries := log.Recorder()
+	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 5 * time.Millisecond})
+	p := r.file("a", 1<<20)
+	c := r.client("h")
+	if _, err := c.open(context.Background(), "a", AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	said := func(msg, part string) bool {
+		for _, e := range entries() {
+			if e.Message == msg {
+				if err, _ := e.Data["error"].(error); part == "" || err != nil && strings.Contains(err.Error(), part) {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	if err := os.Truncate(p, 1<<19); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the shrink to be logged", func() bool { return said("backing store changed behind the server", "shrank from 1048576 to 524288") })
+	if err := os.Truncate(p, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the recovery to be logged", func() bool { return said("backing store healthy again", "") })
+	if err := os.Remove(p); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the deletion to be logged", func() bool { return said("backing store changed behind the server", "was deleted") })
+	n := 0
+	for _, e := range entries() {
+		if e.Message == "backing store changed behind the server" {
+			n++
+		}
+	}
+	if n != 2 {
+		t.Fatalf("%d problem entries for two problems: each is logged once", n)
+	}
+}
