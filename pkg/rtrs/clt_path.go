@@ -255,10 +255,7 @@ func (p *CltPath) run() {
 	schedule := func() {
 		stopTimer()
 		d := p.reconnectDelay()
-		p.logNextAttempt(d)
-		p.mu.Lock()
-		p.nextAttempt = time.Now().Add(d)
-		p.mu.Unlock()
+		p.nextAttemptIn(d)
 		timer = time.NewTimer(d)
 		timerC = timer.C
 	}
@@ -412,15 +409,20 @@ func (p *CltPath) ReconnectAttempts() (attempts int, next time.Duration) {
 	return max(p.reconnectAttempts, 0), next
 }
 
-// logNextAttempt says when the next reconnect attempt comes, and which
-// of how many it is ("of unlimited" for max_reconnect_attempts -1).
-func (p *CltPath) logNextAttempt(in time.Duration) {
+// nextAttemptIn notes that the next reconnect attempt comes in d, and
+// says so: which of how many it is ("of unlimited" for
+// max_reconnect_attempts -1).
+func (p *CltPath) nextAttemptIn(in time.Duration) {
 	max := p.sess.MaxReconnectAttempts()
 	p.mu.Lock()
 	n := p.reconnectAttempts + 1
+	last := max >= 0 && n > max // the timer's work gives up, and says so
+	if !last {
+		p.nextAttempt = time.Now().Add(in)
+	}
 	p.mu.Unlock()
-	if max >= 0 && n > max {
-		return // the attempt gives up, and says so
+	if last {
+		return
 	}
 	of := "unlimited"
 	if max >= 0 {

@@ -170,11 +170,11 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 				c.violation("request with a wrong msg_id or offset", fmt.Errorf("msg_id %d off %d", msgID, off))
 				return
 			}
-			if p.windows {
+			if p.wins != nil {
 				// The request is processed when the window is
 				// gone (the kernel waits for its LOCAL_INV).
 				p.winOff[msgID] = off
-				if err := p.mrs[msgID].(fabric.WindowMR).Unbind(c.qp, wrUnbind|uint64(msgID)); err != nil {
+				if err := p.wins[msgID].Unbind(c.qp, wrUnbind|uint64(msgID)); err != nil {
 					c.violation("unbinding a chunk's window failed", err)
 				}
 				return
@@ -198,7 +198,7 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		}
 	case fabric.WCBind:
 		msgID := uint32(wc.ID & wrIndexMask)
-		if wrKind(wc.ID) != wrUnbind || !p.windows || int(msgID) >= len(p.winOff) {
+		if wrKind(wc.ID) != wrUnbind || int(msgID) >= len(p.winOff) {
 			return
 		}
 		if err := p.processIOReq(c, msgID, p.winOff[msgID]); err != nil {

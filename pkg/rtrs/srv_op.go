@@ -116,10 +116,10 @@ func (op *SrvOp) Respond(err error) {
 	if cfg.AlwaysInvalidate {
 		var rkey uint32
 		var err error
-		if p.windows {
+		if p.wins != nil {
 			// Posted on the connection the answer goes on, so it
 			// is bound before the client learns the key.
-			rkey, err = chunkMR.(fabric.WindowMR).Bind(op.con.qp)
+			rkey, err = p.wins[op.id].Bind(op.con.qp)
 		} else {
 			rkey, err = chunkMR.Reregister()
 		}

@@ -39,12 +39,12 @@ type SrvPath struct {
 	// chunkMemSize is what the path counts against MaxChunkMemory.
 	chunkMemSize int64
 	mrs          []fabric.MR // one per chunk with always_invalidate, else one
-	// windows: always_invalidate by memory windows (fabric.WindowMR):
-	// a chunk's window is unbound when a request arrives and the request
-	// is processed when that completes (winOff keeps its offset), and
-	// bound again in front of the answer: work requests, no registration
-	// per IO.
-	windows bool
+	// wins (one per chunk, the same as mrs) is always_invalidate by
+	// memory windows: a chunk's window is unbound when a request arrives
+	// and the request is processed when that completes (winOff keeps its
+	// offset), and bound again in front of the answer: work requests, no
+	// registration per IO. nil otherwise.
+	wins    []fabric.WindowMR
 	winOff  []uint32
 	memBits int
 	ops     []SrvOp
@@ -129,19 +129,17 @@ func (p *SrvPath) allocResources() error {
 			}
 			p.mrs = append(p.mrs, mr)
 		}
-		n := 0
 		for _, mr := range p.mrs {
-			if _, ok := mr.(fabric.WindowMR); ok {
-				n++
+			if w, ok := mr.(fabric.WindowMR); ok {
+				p.wins = append(p.wins, w)
 			}
 		}
-		switch n {
+		switch len(p.wins) {
 		case 0:
 		case qd:
-			p.windows = true
 			p.winOff = make([]uint32, qd)
 		default:
-			return fmt.Errorf("%d of %d chunks got a memory window: %w", n, qd, syscall.EIO)
+			return fmt.Errorf("%d of %d chunks got a memory window: %w", len(p.wins), qd, syscall.EIO)
 		}
 	} else {
 		mr, err := p.pd.RegisterMR(chunks, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
@@ -245,16 +243,9 @@ func ConnFootprint(maxSend, maxRecv int) int64 {
 // against MaxChunkMemory: its chunks and its connections.
 func pathFootprint(cfg *ServerConfig, qd, chunkSize, cidNum int) int64 {
 	windows := cfg.AlwaysInvalidate && !cfg.InvalidateByRegistration
-	size := int64(qd) * int64(chunkSize)
-	for _, cid := range []int{0, 1} {
-		n := int64(1)
-		if cid == 1 {
-			n = int64(cidNum - 1)
-		}
-		s, r, _ := connQueues(cfg, qd, cid, windows)
-		size += n * ConnFootprint(s, r)
-	}
-	return size
+	s0, r0, _ := connQueues(cfg, qd, 0, windows) // the service connection
+	s1, r1, _ := connQueues(cfg, qd, 1, windows) // each IO connection
+	return int64(qd)*int64(chunkSize) + ConnFootprint(s0, r0) + int64(cidNum-1)*ConnFootprint(s1, r1)
 }
 
 // acceptCon accepts c's connection; the service connection gets a
@@ -264,7 +255,7 @@ func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
 	attr := fabric.ConnAttr{Handler: c}
-	attr.MaxSendWR, attr.MaxRecvWR, c.sqAvail = connQueues(cfg, qd, c.cid, p.windows)
+	attr.MaxSendWR, attr.MaxRecvWR, c.sqAvail = connQueues(cfg, qd, c.cid, p.wins != nil)
 	if c.cid == 0 {
 		attr.Recvs = []fabric.RecvWR{{ID: wrInfoReq, Buf: p.infoMem.Bytes()[:InfoReqSize], LKey: p.infoMR.LKey()}}
 	}
@@ -369,10 +360,10 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 	}
 	rsp := InfoRsp{Desc: make([]SGDesc, len(p.mrs))}
 	for i, mr := range p.mrs {
-		if p.windows {
+		if p.wins != nil {
 			// Bound on this connection before the answer that names
 			// the keys is sent on it.
-			if _, err := mr.(fabric.WindowMR).Bind(c.qp); err != nil {
+			if _, err := p.wins[i].Bind(c.qp); err != nil {
 				return fmt.Errorf("binding the window of chunk %d: %w", i, err)
 			}
 		}

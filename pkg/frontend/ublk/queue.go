@@ -38,6 +38,7 @@ type queue struct {
 	descs []byte // mmapped descriptor array, read only
 	bufs  []byte // depth × maxIO: the BufferProvider's, or mmapped anonymous
 	bp    BufferProvider
+	bat   Batcher // the backend, if it is one
 	efd   int
 	wbuf  *uint64 // eventfd READ target (heap: does not move)
 	reqs  []Request
@@ -62,6 +63,7 @@ func newQueue(d *Device, id, depth int) *queue {
 	q := &queue{d: d, id: id, depth: depth, maxIO: d.opts.MaxIOBytes, efd: -1,
 		exited: make(chan struct{}), wbuf: new(uint64)}
 	q.doneFn = q.complete
+	q.bat, _ = d.be.(Batcher)
 	q.reqs = make([]Request, depth)
 	q.owned = make([]atomic.Bool, depth)
 	for i := range q.reqs {
@@ -295,8 +297,8 @@ func (q *queue) loop() error {
 				firstErr = err
 			}
 		})
-		if b, ok := q.d.be.(Batcher); ok {
-			b.BatchEnd(q.id)
+		if q.bat != nil {
+			q.bat.BatchEnd(q.id)
 		}
 		q.mu.Lock()
 		q.commits = append(q.commits, q.done...)

@@ -391,6 +391,7 @@ type conn struct {
 	cq *ibverbs.CQ
 	qp *ibverbs.QP
 	h  fabric.Handler
+	bh fabric.BurstHandler // h, if it is one
 
 	local, remote netip.AddrPort
 
@@ -423,6 +424,7 @@ func (c *conn) setup(p *pd, attr fabric.ConnAttr) error {
 	if c.qp, err = c.id.CreateQP(p.p, c.cq, ibverbs.QPCaps{MaxSendWR: attr.MaxSendWR, MaxRecvWR: attr.MaxRecvWR}); err != nil {
 		return err
 	}
+	c.bh, _ = c.h.(fabric.BurstHandler)
 	attr.Handler.Attached(c)
 	for i := range attr.Recvs {
 		r := attr.Recvs[i]
@@ -524,7 +526,9 @@ func (p *pd) registerWindow(buf []byte, access fabric.Access) (*windowMR, error)
 		m.Close()
 		return nil, err
 	}
-	return &windowMR{buf: buf, mr: m, mw: w, access: verbsAccess(access&^fabric.AccessLocalWrite) &^ ibverbs.AccessLocalWrite}, nil
+	// The window carries the remote rights only (verbsAccess adds local
+	// write to remote write, as a registration needs).
+	return &windowMR{buf: buf, mr: m, mw: w, access: verbsAccess(access) &^ ibverbs.AccessLocalWrite}, nil
 }
 
 func (m *windowMR) Buf() []byte  { return m.buf }
@@ -746,10 +750,8 @@ func (c *conn) Flush() {
 // the end the handler is told (fabric.BurstHandler) and what the batch
 // posted goes to the QP in one call.
 func (c *conn) burst(start bool) {
-	if !start {
-		if bh, ok := c.h.(fabric.BurstHandler); ok {
-			bh.BurstEnd()
-		}
+	if !start && c.bh != nil {
+		c.bh.BurstEnd()
 	}
 	c.heldMu.Lock()
 	c.inBurst = start
