@@ -250,6 +250,25 @@ type ConnRequest interface {
 	Reject(priv []byte) error
 }
 
+// Authenticated is a ConnRequest whose fabric authenticated the peer:
+// on the TCP fabric with TLS, by its certificate. RDMA authenticates no
+// one (its addresses and GIDs are what the peer claims).
+type Authenticated interface {
+	// PeerNames are the names the peer's credential vouches for, the
+	// one to show first: a certificate's subject common name, then its
+	// DNS, URI and e-mail subject alternative names.
+	PeerNames() []string
+}
+
+// PeerNames returns what req's fabric authenticated of its peer (nil:
+// nothing, the fabric does not authenticate).
+func PeerNames(req ConnRequest) []string {
+	if a, ok := req.(Authenticated); ok {
+		return a.PeerNames()
+	}
+	return nil
+}
+
 // Opcode is the operation of a send work request.
 type Opcode uint8
 

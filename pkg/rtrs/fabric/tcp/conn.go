@@ -43,7 +43,8 @@ var errProtocol = errors.New("tcp fabric: protocol violation")
 // not in a burst (requests posted from other goroutines) and when the
 // socket has no room for the reader's write.
 type conn struct {
-	nc     net.Conn
+	nc     net.Conn    // in TLS if the fabric has it
+	raw    net.Conn    // the TCP connection under nc: closed without a TLS goodbye
 	sio    *rawio.Conn // nc's reads and writes, if it has a descriptor
 	dev    *device
 	pd     *pd
@@ -81,7 +82,7 @@ type conn struct {
 	wg         sync.WaitGroup
 }
 
-func newConn(nc net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, error) {
+func newConn(nc, raw net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, error) {
 	if attr.Handler == nil {
 		return nil, errors.New("tcp fabric: connection needs a handler")
 	}
@@ -97,6 +98,7 @@ func newConn(nc net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn, erro
 	}
 	c := &conn{
 		nc:      nc,
+		raw:     raw,
 		sio:     rawio.New(nc),
 		dev:     dev,
 		pd:      p,
@@ -238,7 +240,9 @@ func (c *conn) fail(err error) {
 		c.sqMu.Lock()
 		c.closed.Store(true)
 		c.sqMu.Unlock()
-		c.nc.Close()
+		// The TCP connection, not TLS's: its close_notify would wait
+		// for a peer that may have stopped reading.
+		c.raw.Close()
 		close(c.closeCh)
 		c.rqMu.Lock()
 		c.rqCond.Broadcast()
@@ -264,8 +268,9 @@ type sendBatch struct {
 	n    int
 	hdrs []byte
 	iov  [][]byte
-	rest [][]byte    // a hand-off: what the socket had no room for
-	bufs net.Buffers // for WriteTo: escapes, so it lives here
+	rest  [][]byte    // a hand-off: what the socket had no room for
+	bufs  net.Buffers // for WriteTo: escapes, so it lives here
+	stage []byte      // TLS: the frames gathered into records of up to its size
 }
 
 func newSendBatch(n int) *sendBatch {
@@ -339,10 +344,45 @@ func (c *conn) writeAll(iov [][]byte, b *sendBatch) error {
 	if c.sio != nil {
 		return c.sio.Writev(iov)
 	}
+	if c.nc != c.raw {
+		return c.writeStaged(iov, b)
+	}
 	b.bufs = iov
 	_, err := b.bufs.WriteTo(c.nc)
 	b.bufs = nil
 	return err
+}
+
+// stageSize bounds the bytes gathered for one TLS write: a few records
+// (16 KiB each) per system call instead of one per buffer of the iovec.
+const stageSize = 256 << 10
+
+// writeStaged writes iov to the TLS connection gathered into b.stage:
+// tls.Conn makes at least one record, and one write, per Write.
+func (c *conn) writeStaged(iov [][]byte, b *sendBatch) error {
+	if b.stage == nil {
+		b.stage = make([]byte, 0, stageSize)
+	}
+	st := b.stage[:0]
+	for _, v := range iov {
+		for len(v) > 0 {
+			n := min(len(v), cap(st)-len(st))
+			st = append(st, v[:n]...)
+			v = v[n:]
+			if len(st) == cap(st) {
+				if _, err := c.nc.Write(st); err != nil {
+					return err
+				}
+				st = st[:0]
+			}
+		}
+	}
+	if len(st) > 0 {
+		if _, err := c.nc.Write(st); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (c *conn) kick() {

@@ -10,6 +10,7 @@ package tcp
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -23,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
@@ -64,6 +66,19 @@ type Options struct {
 	// MaxHandshakesPerAddr bounds those of one peer address (32), so
 	// that idle connections from one host cannot take every slot.
 	MaxHandshakesPerAddr int
+	// TLS, if set, runs every connection in TLS 1.3 with certificates
+	// on both ends, in both roles: dialing, it verifies the server
+	// against RootCAs (ServerName defaults to the address dialed, so a
+	// server's certificate names its addresses) and presents
+	// Certificates or GetClientCertificate; listening, it presents
+	// Certificates or GetCertificate and requires a client certificate
+	// that ClientCAs verifies. A peer without TLS, or with a
+	// certificate that does not verify, loses its connection in the
+	// handshake. The handshake's time counts against HandshakeTimeout.
+	TLS *tls.Config
+	// Log receives what a listener refuses before RTRS sees it (failed
+	// TLS handshakes), rate limited; nil: log.L.
+	Log *log.Entry
 }
 
 // DefaultUserTimeout is Options.UserTimeout's default.
@@ -73,6 +88,7 @@ const DefaultUserTimeout = time.Second
 type Fabric struct {
 	opts Options
 	dev  *device
+	rl   log.Limiter
 }
 
 // New returns a TCP fabric.
@@ -97,6 +113,15 @@ func New(opts Options) *Fabric {
 	}
 	if opts.Network == nil {
 		opts.Network = tcpNetwork{userTimeout: opts.UserTimeout}
+	}
+	if opts.Log == nil {
+		opts.Log = log.L
+	}
+	if opts.TLS != nil {
+		c := opts.TLS.Clone()
+		c.MinVersion = tls.VersionTLS13
+		c.ClientAuth = tls.RequireAndVerifyClientCert
+		opts.TLS = c
 	}
 	f := &Fabric{opts: opts}
 	f.dev = &device{fab: f}
@@ -218,35 +243,51 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 	nc.SetDeadline(deadline)
 	stop := context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
+	raw := nc
+	if cfg := d.fab.opts.TLS; cfg != nil {
+		if cfg.ServerName == "" {
+			cfg = cfg.Clone()
+			cfg.ServerName = p.Dst.Addr().Unmap().WithZone("").String()
+		}
+		tc := tls.Client(raw, cfg)
+		if err := tc.Handshake(); err != nil {
+			raw.Close()
+			if ctx.Err() != nil {
+				return nil, nil, ctx.Err()
+			}
+			return nil, nil, fmt.Errorf("tcp fabric: TLS handshake with %v: %w", p.Dst, err)
+		}
+		nc = tc
+	}
 	if err := writeHandshake(nc, hsREQ, p.PrivateData); err != nil {
-		nc.Close()
+		raw.Close()
 		return nil, nil, err
 	}
 	typ, priv, err := readHandshake(nc)
 	if err != nil {
-		nc.Close()
+		raw.Close()
 		if ctx.Err() != nil {
 			return nil, nil, ctx.Err()
 		}
 		return nil, nil, fmt.Errorf("tcp fabric: handshake with %v: %w", p.Dst, err)
 	}
 	if !stop() {
-		nc.Close()
+		raw.Close()
 		return nil, nil, ctx.Err()
 	}
 	nc.SetDeadline(time.Time{})
 	switch typ {
 	case hsREP:
 	case hsREJ:
-		nc.Close()
+		raw.Close()
 		return nil, nil, &fabric.RejectError{PrivateData: priv}
 	default:
-		nc.Close()
+		raw.Close()
 		return nil, nil, fmt.Errorf("tcp fabric: handshake reply of type %d: %w", typ, errProtocol)
 	}
-	c, err := newConn(nc, d, pdp, p.Attr)
+	c, err := newConn(nc, raw, d, pdp, p.Attr)
 	if err != nil {
-		nc.Close()
+		raw.Close()
 		return nil, nil, err
 	}
 	c.start()
@@ -331,19 +372,32 @@ func (l *listener) handshake(nc net.Conn, peer netip.Addr) {
 		l.putPeerSlot(peer, nc)
 		<-l.slots
 	}()
+	raw := nc
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
+	var names []string
+	if cfg := l.fab.opts.TLS; cfg != nil {
+		tc := tls.Server(raw, cfg)
+		if err := tc.Handshake(); err != nil {
+			l.fab.rl.Log(l.fab.opts.Log.WithError(err).WithField("client", nc.RemoteAddr().String()),
+				log.WarnLevel, "rejecting connection: TLS handshake failed")
+			raw.Close()
+			return
+		}
+		names = CertNames(tc.ConnectionState().PeerCertificates[0])
+		nc = tc
+	}
 	typ, priv, err := readHandshake(nc)
 	if err != nil || typ != hsREQ {
-		nc.Close()
+		raw.Close()
 		return
 	}
-	r := &connReq{l: l, nc: nc, priv: priv}
+	r := &connReq{l: l, nc: nc, raw: raw, priv: priv, names: names}
 	select {
 	case l.reqs <- r:
 	case <-l.done:
-		nc.Close()
+		raw.Close()
 	default: // backlog full: drop, as a listen backlog overflow does
-		nc.Close()
+		raw.Close()
 	}
 }
 
@@ -409,7 +463,7 @@ func (l *listener) Close() error {
 	for {
 		select {
 		case r := <-l.reqs:
-			r.nc.Close()
+			r.raw.Close()
 		default:
 			return nil
 		}
@@ -417,11 +471,16 @@ func (l *listener) Close() error {
 }
 
 type connReq struct {
-	l    *listener
-	nc   net.Conn
-	priv []byte
-	once sync.Once
+	l     *listener
+	nc    net.Conn // in TLS if the fabric has it
+	raw   net.Conn // the TCP connection under nc
+	priv  []byte
+	names []string // of the peer's certificate
+	once  sync.Once
 }
+
+// PeerNames are the names of the peer's certificate (fabric.Authenticated).
+func (r *connReq) PeerNames() []string { return r.names }
 
 func (r *connReq) PrivateData() []byte        { return r.priv }
 func (r *connReq) LocalAddr() netip.AddrPort  { return addrPortOf(r.nc.LocalAddr()) }
@@ -437,17 +496,17 @@ func (r *connReq) Accept(p fabric.PD, attr fabric.ConnAttr, priv []byte) (fabric
 		pdp, ok := p.(*pd)
 		if !ok {
 			err = errors.New("tcp fabric: accept with a protection domain of another fabric")
-			r.nc.Close()
+			r.raw.Close()
 			return
 		}
-		c, err = newConn(r.nc, r.l.fab.dev, pdp, attr)
+		c, err = newConn(r.nc, r.raw, r.l.fab.dev, pdp, attr)
 		if err != nil {
-			r.nc.Close()
+			r.raw.Close()
 			return
 		}
 		r.nc.SetDeadline(time.Now().Add(r.l.fab.opts.HandshakeTimeout))
 		if err = writeHandshake(r.nc, hsREP, priv); err != nil {
-			r.nc.Close()
+			r.raw.Close()
 			return
 		}
 		r.nc.SetDeadline(time.Time{})
@@ -464,7 +523,7 @@ func (r *connReq) Reject(priv []byte) error {
 	r.once.Do(func() {
 		r.nc.SetDeadline(time.Now().Add(r.l.fab.opts.HandshakeTimeout))
 		err = writeHandshake(r.nc, hsREJ, priv)
-		r.nc.Close()
+		r.raw.Close()
 	})
 	return err
 }

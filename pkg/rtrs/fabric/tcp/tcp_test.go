@@ -234,7 +234,7 @@ func FuzzReader(f *testing.F) {
 		defer mr.Close()
 		a, b := net.Pipe()
 		h := &reposter{Recorder: conntest.NewRecorder()}
-		c, err := newConn(a, dev, pdv.(*pd), fabric.ConnAttr{Handler: h, MaxRecvWR: 8,
+		c, err := newConn(a, a, dev, pdv.(*pd), fabric.ConnAttr{Handler: h, MaxRecvWR: 8,
 			Recvs: []fabric.RecvWR{{ID: 1, Buf: make([]byte, 8)}, {ID: 2}}})
 		if err != nil {
 			t.Fatal(err)

@@ -1,0 +1,122 @@
+package tcp
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
+)
+
+// The fabric's contract holds unchanged inside TLS, and the accepting
+// side learns the names of the dialer's certificate.
+func TestTLSContract(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	cfg := ca.Config(ca.Issue(t, "node-a", "127.0.0.1", "node-a.example"))
+	newTLSPair := func(t testing.TB, recvs []fabric.RecvWR) *conntest.Pair {
+		return conntest.NewPair(t, New(Options{TLS: cfg}), netip.MustParseAddrPort("127.0.0.1:0"), recvs)
+	}
+	conntest.Contract{NewPair: newTLSPair, SendByteLen: true}.Run(t)
+}
+
+// tlsDial dials l with the fabric f; it returns the names the listener
+// saw if it got a request (which it rejects), or the dial's error.
+func tlsDial(t *testing.T, f *Fabric, l fabric.Listener) ([]string, error) {
+	t.Helper()
+	got := make(chan []string, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	go func() {
+		r, err := l.Accept(ctx)
+		if err != nil {
+			got <- nil
+			return
+		}
+		names := fabric.PeerNames(r)
+		r.Reject([]byte("no"))
+		got <- names
+	}()
+	dev, _ := f.Resolve(ctx, netip.AddrPort{}, l.Addr())
+	pdv, _ := dev.AllocPD()
+	_, _, err := dev.Dial(ctx, fabric.DialParams{Dst: l.Addr(), PD: pdv, PrivateData: []byte("hi"),
+		Attr: fabric.ConnAttr{Handler: conntest.NewRecorder()}})
+	if err == nil {
+		t.Fatal("dial accepted: the test's listener rejects every request")
+	}
+	var rej *fabric.RejectError
+	if errors.As(err, &rej) {
+		return <-got, nil
+	}
+	cancel()
+	<-got
+	return nil, err
+}
+
+func TestTLSAuthentication(t *testing.T) {
+	ca, other := testca.New(t, "test ca"), testca.New(t, "another ca")
+	server := ca.Issue(t, "server", "127.0.0.1")
+	logs, entries := log.Recorder()
+	srv := New(Options{TLS: ca.Config(server), Log: logs})
+	l, err := srv.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+
+	// A client of the authority reaches RTRS with the names of its
+	// certificate.
+	names, err := tlsDial(t, New(Options{TLS: ca.Config(ca.Issue(t, "client-1", "host1.example"))}), l)
+	if err != nil || !slices.Equal(names, []string{"client-1", "host1.example"}) {
+		t.Fatalf("client of the authority: %v, names %q", err, names)
+	}
+
+	refused := map[string]*Fabric{
+		"without TLS":                  New(Options{}),
+		"without a certificate":        New(Options{TLS: &tls.Config{RootCAs: ca.Pool()}}),
+		"of another authority":         New(Options{TLS: &tls.Config{Certificates: []tls.Certificate{other.Issue(t, "client-1")}, RootCAs: ca.Pool()}}),
+		"trusting another authority":   New(Options{TLS: other.Config(other.Issue(t, "client-1"))}),
+		"for a server of another name": New(Options{TLS: &tls.Config{Certificates: []tls.Certificate{ca.Issue(t, "client-1")}, RootCAs: ca.Pool(), ServerName: "elsewhere.example"}}),
+	}
+	for what, f := range refused {
+		if names, err := tlsDial(t, f, l); err == nil || names != nil {
+			t.Errorf("client %s: dial error %v, listener saw a request from %q", what, err, names)
+		}
+	}
+	// A TLS client of a server without TLS fails too.
+	plain, err := New(Options{}).Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if names, err := tlsDial(t, New(Options{TLS: ca.Config(ca.Issue(t, "client-1"))}), plain); err == nil || names != nil {
+		t.Errorf("TLS client of a plain server: %v %q", err, names)
+	}
+	// The server logged the clients it refused in the handshake (the
+	// one trusting another authority hangs up from its side, which the
+	// server sees as a failed handshake too).
+	n := 0
+	for _, e := range entries() {
+		if strings.Contains(e.Message, "TLS handshake failed") {
+			n++
+		}
+	}
+	if n < 3 {
+		t.Errorf("%d TLS handshake failures logged, want one per refused client", n)
+	}
+}
+
+func TestCertNames(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	c := ca.Issue(t, "a", "a", "b.example", "10.0.0.1")
+	if got := CertNames(c.Leaf); !slices.Equal(got, []string{"a", "b.example"}) {
+		t.Fatalf("names %q: the common name, then the DNS names, once each; addresses are not names", got)
+	}
+}
