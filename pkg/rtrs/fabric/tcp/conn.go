@@ -264,10 +264,10 @@ func (c *conn) Close() error {
 // sendBatch is what one write of the send queue uses: the work requests
 // taken from the queue, their frame headers and the iovec.
 type sendBatch struct {
-	wrs  []fabric.SendWR
-	n    int
-	hdrs []byte
-	iov  [][]byte
+	wrs   []fabric.SendWR
+	n     int
+	hdrs  []byte
+	iov   [][]byte
 	rest  [][]byte    // a hand-off: what the socket had no room for
 	bufs  net.Buffers // for WriteTo: escapes, so it lives here
 	stage []byte      // TLS: the frames gathered into records of up to its size
