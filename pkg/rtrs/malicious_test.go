@@ -2,14 +2,18 @@ package rtrs
 
 import (
 	"bytes"
+	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -497,5 +501,42 @@ func TestHostileHalfOpenPaths(t *testing.T) {
 		p.close()
 	}
 	rp.close()
+	h.stillServes()
+}
+
+// On TCP with TLS a session belongs to the certificate that made it: a
+// connection of another certificate cannot join it by its UUID (EACCES),
+// while the session itself, inside TLS, serves as before.
+func TestSessionPeerOverTLS(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	h := newHostileRigWith(t, true, newMemDisk(4<<20), tcp.Options{TLS: ca.Config(ca.Issue(t, "good", "127.0.0.1"))})
+	h.stillServes() // IO inside TLS
+	sess := h.srv.Sessions()
+	if len(sess) != 1 || sess[0].Identity() != "good" || !slices.Equal(sess[0].PeerNames(), []string{"good"}) {
+		t.Fatalf("the session's peer is %q, want its certificate's name", sess[0].PeerNames())
+	}
+	join := func(cert tls.Certificate) error {
+		fab := tcp.New(tcp.Options{TLS: ca.Config(cert)})
+		dev, _ := fab.Resolve(context.Background(), h.src, h.dst)
+		pd, _ := dev.AllocPD()
+		req := rawConnReq(0, 2)
+		req.PathsUUID, req.FirstConn = sess[0].UUID(), false
+		c, _, err := dialRaw(fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize)))
+		if err == nil {
+			c.qp.Close()
+		}
+		return err
+	}
+	if err := join(ca.Issue(t, "mallory")); rejectErrno(err) != syscall.EACCES {
+		t.Fatalf("another certificate joining the session: %v, want a reject with EACCES", err)
+	}
+	if len(sess[0].Paths()) != 1 {
+		t.Fatalf("the session has %d paths", len(sess[0].Paths()))
+	}
+	// The session's own certificate may add a path (that this raw one
+	// then abandons).
+	if err := join(ca.Issue(t, "good")); err != nil {
+		t.Fatalf("the session's certificate adding a path: %v", err)
+	}
 	h.stillServes()
 }

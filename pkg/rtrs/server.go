@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -311,7 +313,12 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 		s.reject(req, syscall.ECONNRESET, "server closing", log.Fields{})
 		return
 	}
-	sess, errno := s.getOrCreateSession(msg.PathsUUID, msg.FirstConn)
+	peer := fabric.PeerNames(req)
+	sess, errno := s.getOrCreateSession(msg.PathsUUID, msg.FirstConn, peer)
+	if errno == syscall.EACCES {
+		s.reject(req, errno, "peer is not the session's: its certificate differs", log.Fields{"peer": strings.Join(peer, ",")})
+		return
+	}
 	if errno != 0 {
 		s.reject(req, errno, "no session for this connection", log.Fields{"first_conn": msg.FirstConn})
 		return
@@ -402,13 +409,20 @@ func (s *Server) doneConnecting(a netip.Addr) {
 	}
 }
 
-func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool) (*SrvSession, syscall.Errno) {
+// getOrCreateSession finds the session of uuid, or makes it for the first
+// connection of a path. A connection joins a session only if its fabric
+// authenticated the same peer as the session's first (EACCES otherwise):
+// knowing a session's UUID is no credential.
+func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string) (*SrvSession, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed.Load() {
 		return nil, syscall.ECONNRESET
 	}
 	if x := s.sessions[uuid]; x != nil {
+		if !slices.Equal(x.peer, peer) {
+			return nil, syscall.EACCES
+		}
 		x.refs++
 		return x, 0
 	}
@@ -418,9 +432,9 @@ func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool) (*SrvSession,
 	if len(s.sessions) >= s.cfg.MaxSessions {
 		return nil, syscall.ENOSPC
 	}
-	x := &SrvSession{srv: s, uuid: uuid, queueDepth: s.cfg.QueueDepth, chunkSize: s.cfg.MaxChunkSize, refs: 1}
+	x := &SrvSession{srv: s, uuid: uuid, queueDepth: s.cfg.QueueDepth, chunkSize: s.cfg.MaxChunkSize, refs: 1, peer: peer}
 	x.acceptCond.L = &x.mu
-	x.logp.Store(s.log.WithField("session_uuid", fmt.Sprintf("%x", uuid[:4])))
+	x.logp.Store(x.withPeer(s.log.WithField("session_uuid", fmt.Sprintf("%x", uuid[:4]))))
 	s.sessions[uuid] = x
 	return x, 0
 }

@@ -31,7 +31,7 @@ func (x *SrvSession) claimName(name string) error {
 		return fmt.Errorf("session %q cannot take a path named %q", x.name, name)
 	}
 	x.name = name
-	x.logp.Store(s.log.WithField("session", name))
+	x.logp.Store(x.withPeer(s.log.WithField("session", name)))
 	return nil
 }
 
@@ -51,6 +51,7 @@ type SrvSession struct {
 	chunkSize  int
 	logp       atomic.Pointer[log.Entry]
 	priv       atomic.Value
+	peer       []string // what the fabric authenticated of the client
 
 	// mu guards the fields below.
 	mu      sync.Mutex
@@ -70,6 +71,27 @@ func (x *SrvSession) Name() string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	return x.name
+}
+
+// PeerNames are the names the fabric authenticated for the client (on
+// TCP with TLS, its certificate's: fabric.Authenticated), the same for
+// every connection of the session; nil if the fabric authenticates no
+// one.
+func (x *SrvSession) PeerNames() []string { return x.peer }
+
+// Identity is the first of PeerNames, or "".
+func (x *SrvSession) Identity() string {
+	if len(x.peer) == 0 {
+		return ""
+	}
+	return x.peer[0]
+}
+
+func (x *SrvSession) withPeer(e *log.Entry) *log.Entry {
+	if id := x.Identity(); id != "" {
+		return e.WithField("peer", id)
+	}
+	return e
 }
 
 // UUID is the session's paths UUID.
