@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -51,6 +52,16 @@ type Export struct {
 	// otherwise write to a device another holds. Alone, migration opens
 	// as rw does.
 	Migration bool `json:"migration,omitempty"`
+	// AllowIdentities are the client identities that may open the
+	// export, each with the most it may open it for. A client's
+	// identities are the names of its TLS certificate on the TCP fabric
+	// (rtrs.SrvSession.PeerNames), which the client cannot choose as it
+	// chooses its session name. Set, a client without a certificate (TCP
+	// without TLS, RDMA) cannot open the export, and access_mode
+	// migration needs a grant of migration (which lets the client write
+	// beside another writer whatever Migration says). Empty: any client,
+	// by the other rules.
+	AllowIdentities []Grant `json:"allow_identities,omitempty"`
 	// MaxSessions bounds the sessions that have the export open at once;
 	// 0: no bound. One more OPEN is refused with EUSERS.
 	MaxSessions int `json:"max_sessions,omitempty"`
@@ -73,6 +84,50 @@ func (e *Export) allowsFrom(a netip.Addr) bool {
 		}
 	}
 	return false
+}
+
+// Grant is an entry of Export.AllowIdentities.
+type Grant struct {
+	Identity string `json:"identity"`
+	// Access is the most the identity may open the export for: "ro",
+	// "rw" or "migration" (each allows the ones before it).
+	Access string `json:"access"`
+}
+
+// ParseGrant parses NAME or NAME=ACCESS (access rw by default).
+func ParseGrant(s string) (Grant, error) {
+	g := Grant{Identity: s, Access: "rw"}
+	if i := strings.LastIndexByte(s, '='); i >= 0 {
+		if _, err := ParseAccessMode(s[i+1:]); err == nil {
+			g.Identity, g.Access = s[:i], s[i+1:]
+		}
+	}
+	if g.Identity == "" {
+		return g, fmt.Errorf("identity %q: want NAME or NAME=ro|rw|migration", s)
+	}
+	return g, nil
+}
+
+func (g Grant) String() string { return g.Identity + "=" + g.Access }
+
+// grant returns the most a client of the peer names may open e for, and
+// whether it may open it at all (by its identities; the other rules
+// apply too). Of several matching grants the widest counts.
+func (e *Export) grant(peer []string) (AccessMode, bool) {
+	if len(e.AllowIdentities) == 0 {
+		return AccessMigration, true
+	}
+	best, ok := AccessRO, false
+	for _, g := range e.AllowIdentities {
+		if !slices.Contains(peer, g.Identity) {
+			continue
+		}
+		m, _ := ParseAccessMode(g.Access) // checked by Map
+		if !ok || m > best {
+			best, ok = m, true
+		}
+	}
+	return best, ok
 }
 
 func (e *Export) allows(sess string) bool {
@@ -545,6 +600,10 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	}()
 	var be *blockdev.Backend
 	var err error
+	secondWriter := s.cfg.AllowMigration
+	if exp != nil {
+		secondWriter = exp.Migration
+	}
 	switch {
 	case exp != nil:
 		if !exp.allows(x.name) {
@@ -552,6 +611,19 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		}
 		if !exp.allowsFrom(from) {
 			return nil, errorf(syscall.EPERM, "export %s does not allow clients at %v", name, from)
+		}
+		peer := x.rtrs.PeerNames()
+		most, ok := exp.grant(peer)
+		switch {
+		case !ok && len(peer) == 0:
+			return nil, errorf(syscall.EACCES, "export %s allows only clients with a certificate it names, and this one has none", name)
+		case !ok:
+			return nil, errorf(syscall.EACCES, "export %s does not allow client %s", name, strings.Join(peer, ", "))
+		case mode > most:
+			return nil, errorf(syscall.EACCES, "export %s allows client %s only %s", name, x.rtrs.Identity(), most)
+		}
+		if len(exp.AllowIdentities) > 0 {
+			secondWriter = most == AccessMigration
 		}
 		if exp.ReadOnly && !readonly {
 			return nil, errorf(syscall.EPERM, "export %s is read-only", name)
@@ -570,10 +642,6 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 			s.log.WithFields(log.Fields{"session": x.name, "device": name}).Warn("device name leads out of the search path: refused")
 		}
 		return nil, err
-	}
-	secondWriter := s.cfg.AllowMigration
-	if exp != nil {
-		secondWriter = exp.Migration
 	}
 	dev, err := s.takeDevice(be, mode, secondWriter)
 	if err != nil {
@@ -724,6 +792,12 @@ func (s *Server) Map(e Export) error {
 	if e.MaxSessions < 0 {
 		return errorf(syscall.EINVAL, "export %s: max_sessions %d", e.Name, e.MaxSessions)
 	}
+	e.AllowIdentities = slices.Clone(e.AllowIdentities)
+	for _, g := range e.AllowIdentities {
+		if _, err := ParseAccessMode(g.Access); err != nil || g.Identity == "" {
+			return errorf(syscall.EINVAL, "export %s: allow_identities entry %q: want an identity and ro, rw or migration", e.Name, g.String())
+		}
+	}
 	if _, err := os.Stat(e.Path); err != nil {
 		return fmt.Errorf("export %s: %w", e.Name, err)
 	}
@@ -795,6 +869,8 @@ func (s *Server) Exports() []Export {
 	for _, e := range s.exports {
 		c := *e
 		c.Allow = append([]string(nil), e.Allow...)
+		c.AllowFrom = slices.Clone(e.AllowFrom)
+		c.AllowIdentities = slices.Clone(e.AllowIdentities)
 		es = append(es, c)
 	}
 	sort.Slice(es, func(i, j int) bool { return es[i].Name < es[j].Name })

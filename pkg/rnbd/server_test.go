@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,11 +18,13 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -49,8 +52,15 @@ func newSrig(t *testing.T, cfg ServerConfig) *srig {
 // RNBD server.
 func newSrigWith(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHandler) *srig {
 	t.Helper()
+	return newSrigOn(t, cfg, wrap, tcp.Options{})
+}
+
+// newSrigOn is newSrigWith on an in-memory fabric with opts (TLS), which
+// the server and r.client use.
+func newSrigOn(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHandler, opts tcp.Options) *srig {
+	t.Helper()
 	r := &srig{t: t, net: fabrictest.NewNetwork()}
-	r.fab = r.net.Fabric()
+	r.fab = r.net.FabricWith(opts)
 	if cfg.DevSearchPath == "" {
 		r.dir = t.TempDir()
 		cfg.DevSearchPath = r.dir
@@ -95,8 +105,14 @@ func (r *srig) file(name string, size int64) string {
 // client dials an RNBD client session named sess to the rig's server.
 func (r *srig) client(sess string) *CltSession {
 	r.t.Helper()
+	return r.clientOn(r.fab, sess)
+}
+
+// clientOn is client on the fabric fab (of the rig's network).
+func (r *srig) clientOn(fab fabric.Fabric, sess string) *CltSession {
+	r.t.Helper()
 	cfg := rtrs.DefaultClientConfig()
-	cfg.SessName, cfg.Fabric, cfg.Log = sess, r.fab, log.Discard()
+	cfg.SessName, cfg.Fabric, cfg.Log = sess, fab, log.Discard()
 	cfg.ConnsPerPath = 2
 	src := netip.AddrFrom4([4]byte{10, 20, 1, byte(r.next.Add(1))})
 	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(src, 0), Dst: srvAddr}}
@@ -1004,6 +1020,82 @@ func TestMigrationAndNetworks(t *testing.T) {
 	}
 	if err := r.srv.Map(Export{Name: "bad", Path: exp, AllowFrom: []netip.Prefix{{}}}); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("an invalid network: %v, want EINVAL", err)
+	}
+}
+
+// An export's allow_identities lets only the clients its grants name open
+// it, each for at most its grant; the names are those of the client's TLS
+// certificate, whatever session name it chose.
+func TestExportIdentities(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	r := newSrigOn(t, ServerConfig{}, nil, tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
+	p := r.file("exp/x", 1<<20)
+	grants := []Grant{{"alice", "rw"}, {"bob", "ro"}, {"carol.example", "migration"}}
+	if err := r.srv.Map(Export{Name: "acl", Path: p, AllowIdentities: grants}); err != nil {
+		t.Fatal(err)
+	}
+	as := func(cn, sess string, sans ...string) *CltSession {
+		return r.clientOn(r.net.FabricWith(tcp.Options{TLS: ca.Config(ca.Issue(t, cn, sans...))}), sess)
+	}
+	open := func(cl *CltSession, mode AccessMode) error {
+		_, err := cl.open(context.Background(), "acl", mode)
+		return err
+	}
+	alice, bob, carol := as("alice", "s1"), as("bob", "s2"), as("carol", "s3", "carol.example")
+	mallory := as("mallory", "alice") // the session name of another is nothing
+	if err := open(mallory, AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("an identity without a grant: %v, want EACCES", err)
+	}
+	if err := open(bob, AccessRW); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("rw by an identity granted ro: %v, want EACCES", err)
+	}
+	if err := open(bob, AccessRO); err != nil {
+		t.Fatalf("ro by an identity granted ro: %v", err)
+	}
+	if err := open(alice, AccessMigration); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("migration by an identity granted rw: %v, want EACCES", err)
+	}
+	if err := open(alice, AccessRW); err != nil {
+		t.Fatalf("rw by an identity granted rw: %v", err)
+	}
+	// A grant of migration (to a name among the certificate's
+	// alternative names) lets a second writer in although the export has
+	// no migration flag.
+	if err := open(carol, AccessMigration); err != nil {
+		t.Fatalf("migration beside a writer by an identity granted it: %v", err)
+	}
+	if err := r.srv.Map(Export{Name: "bad", Path: p, AllowIdentities: []Grant{{"x", "rwx"}}}); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("a grant of rwx: %v, want EINVAL", err)
+	}
+	if es := r.srv.Exports(); len(es) != 1 || !slices.Equal(es[0].AllowIdentities, grants) {
+		t.Fatalf("exports %+v", es)
+	}
+
+	// Without TLS no client has an identity: such an export opens to
+	// none.
+	plain := newSrig(t, ServerConfig{})
+	if err := plain.srv.Map(Export{Name: "acl", Path: plain.file("exp/y", 1<<20), AllowIdentities: grants}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := plain.client("alice").open(context.Background(), "acl", AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("a client without a certificate: %v, want EACCES", err)
+	}
+}
+
+func TestParseGrant(t *testing.T) {
+	for in, want := range map[string]Grant{
+		"a":                 {"a", "rw"},
+		"a=ro":              {"a", "ro"},
+		"a=migration":       {"a", "migration"},
+		"spiffe://x/y?z=1":  {"spiffe://x/y?z=1", "rw"},
+		"spiffe://x/y?z=ro": {"spiffe://x/y?z", "ro"},
+	} {
+		if g, err := ParseGrant(in); err != nil || g != want {
+			t.Errorf("ParseGrant(%q) = %+v, %v; want %+v", in, g, err, want)
+		}
+	}
+	if _, err := ParseGrant("=ro"); err == nil {
+		t.Error("ParseGrant(=ro) took an empty identity")
 	}
 }
 

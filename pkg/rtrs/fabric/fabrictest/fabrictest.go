@@ -70,8 +70,13 @@ func NewNetwork() *Network {
 }
 
 // Fabric returns a fabric running on this network.
-func (n *Network) Fabric() *tcp.Fabric {
-	return tcp.New(tcp.Options{Network: n, Name: "mem"})
+func (n *Network) Fabric() *tcp.Fabric { return n.FabricWith(tcp.Options{}) }
+
+// FabricWith returns a fabric running on this network with opts (TLS,
+// handshake limits).
+func (n *Network) FabricWith(opts tcp.Options) *tcp.Fabric {
+	opts.Network, opts.Name = n, "mem"
+	return tcp.New(opts)
 }
 
 func (n *Network) linkLocked(a, b netip.Addr) *link {

@@ -121,6 +121,9 @@ func New(opts Options) *Fabric {
 		c := opts.TLS.Clone()
 		c.MinVersion = tls.VersionTLS13
 		c.ClientAuth = tls.RequireAndVerifyClientCert
+		// Nothing resumes; a ticket would be one more record to
+		// read on a stream that starts with the RTRS handshake.
+		c.SessionTicketsDisabled = true
 		opts.TLS = c
 	}
 	f := &Fabric{opts: opts}
