@@ -65,6 +65,10 @@ func newDaemon() *cobra.Command {
 			set("nbd-io-timeout", func() { cfg.NBDIOTimeout = over.NBDIOTimeout })
 			set("log-level", func() { cfg.LogLevel = over.LogLevel })
 			set("log-format", func() { cfg.LogFormat = over.LogFormat })
+			set("tls-cert", func() { cfg.TLS.Cert = over.TLS.Cert })
+			set("tls-key", func() { cfg.TLS.Key = over.TLS.Key })
+			set("tls-ca", func() { cfg.TLS.CA = over.TLS.CA })
+			set("tls-server-name", func() { cfg.TLS.ServerName = over.TLS.ServerName })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
@@ -94,6 +98,10 @@ func newDaemon() *cobra.Command {
 	f.IntVar(&over.NBDBuffers, "nbd-buffers", d.NBDBuffers, "NBD requests of up to 1 MiB in flight per device served over NBD (each takes 1 MiB of registered memory)")
 	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
 	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
+	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the client presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only); its names are the client's identity on servers")
+	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
+	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that servers' certificates must chain to")
+	f.StringVar(&over.TLS.ServerName, "tls-server-name", "", "name to check servers' certificates against (default: the address dialed, an IP subject alternative name)")
 	return cmd
 }
 

@@ -72,6 +72,9 @@ func newDaemon() *cobra.Command {
 			set("state-file", func() { cfg.StateFile = over.StateFile })
 			set("log-level", func() { cfg.LogLevel = over.LogLevel })
 			set("log-format", func() { cfg.LogFormat = over.LogFormat })
+			set("tls-cert", func() { cfg.TLS.Cert = over.TLS.Cert })
+			set("tls-key", func() { cfg.TLS.Key = over.TLS.Key })
+			set("tls-ca", func() { cfg.TLS.CA = over.TLS.CA })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
@@ -102,13 +105,16 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the explicit exports are kept")
 	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
 	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
+	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the server presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only, client certificates required)")
+	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
+	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that clients' certificates must chain to; their names are the identities of allow_identities")
 	return cmd
 }
 
 func newMap(g *cli.Globals) *cobra.Command {
 	var (
 		ro, wt, migration bool
-		allow, from       []string
+		allow, from, ids  []string
 		maxSessions       int
 	)
 	cmd := &cobra.Command{
@@ -120,7 +126,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, AllowFrom: from,
+			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, AllowFrom: from, AllowIdentities: ids,
 				Migration: migration, MaxSessions: maxSessions, WriteThrough: wt}
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
@@ -132,6 +138,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
 	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
 	cmd.Flags().StringArrayVar(&from, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
+	cmd.Flags().StringArrayVar(&ids, "allow-identity", nil, "client identity allowed to open it, NAME or NAME=ro|rw|migration (the most it may open it for; default rw): a name of the client's TLS certificate, its subject common name or a DNS, URI or e-mail alternative name (repeatable; set, clients without TLS cannot open it)")
 	cmd.Flags().IntVar(&maxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
 	cmd.Flags().BoolVar(&migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
 	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")

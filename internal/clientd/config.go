@@ -46,6 +46,10 @@ type Config struct {
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	LogLevel             string        `toml:"log_level"`
 	LogFormat            string        `toml:"log_format"`
+	// TLS, if set, makes every session over tcp:// use TLS 1.3,
+	// presenting TLS.Cert (the client's identity on the server) and
+	// accepting only a server certificate of TLS.CA.
+	TLS conf.TLS `toml:"tls"`
 }
 
 // DefaultConfig returns the defaults.
@@ -84,6 +88,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ConnsPerPath < 1 {
 		return errors.New("conns_per_path must be at least 1")
+	}
+	if err := c.TLS.Validate(); err != nil {
+		return err
 	}
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {
 		return errors.New("bad no_path_timeout or heartbeat")

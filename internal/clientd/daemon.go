@@ -89,7 +89,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		opts.Log = log.L
 	}
 	if opts.Fabric == nil {
-		opts.Fabric = tcp.New(tcp.Options{})
+		tc, err := cfg.TLS.Config()
+		if err != nil {
+			return nil, err
+		}
+		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},
@@ -118,7 +122,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 	}
 	go func() { d.served <- d.ctl.Serve() }()
-	d.log.WithFields(log.Fields{"control": cfg.ControlSocket, "mappings": len(st.Mappings)}).Info("rnbd-client started")
+	d.log.WithFields(log.Fields{"control": cfg.ControlSocket, "mappings": len(st.Mappings), "tls": cfg.TLS.Enabled()}).Info("rnbd-client started")
 	return d, nil
 }
 

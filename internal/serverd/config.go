@@ -44,6 +44,10 @@ type Config struct {
 	StateFile     string   `toml:"state_file"`
 	LogLevel      string   `toml:"log_level"`
 	LogFormat     string   `toml:"log_format"`
+	// TLS, if set, makes every tcp:// listener speak TLS 1.3 only and
+	// require a client certificate of TLS.CA; the certificate's names
+	// are the client's identity (exports' allow_identities).
+	TLS conf.TLS `toml:"tls"`
 }
 
 // Duration and Size are written as "5s" and "8GiB" in the file.
@@ -99,6 +103,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ControlSocket == "" || c.StateFile == "" {
 		return errors.New("control_socket and state_file must be set")
+	}
+	if err := c.TLS.Validate(); err != nil {
+		return err
 	}
 	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {
 		return fmt.Errorf("invalidate_by %q: want window or registration", c.InvalidateBy)

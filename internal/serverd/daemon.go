@@ -65,7 +65,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		opts.Log = log.L
 	}
 	if opts.Fabric == nil {
-		opts.Fabric = tcp.New(tcp.Options{})
+		tc, err := cfg.TLS.Config()
+		if err != nil {
+			return nil, err
+		}
+		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1)}
 	eps, err := endpoints(cfg.Listen, opts)
@@ -113,10 +117,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		bound = append(bound, l.String())
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath}).Info("rnbd-server started")
+		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
 	if wild := everywhere(cfg.Listen); len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
-			"can open the exports that allow it; set listen to the storage network's address, and allow/allow_from on exports")
+			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
 	}
 	return d, nil
 }
@@ -196,6 +200,9 @@ type (
 		// AllowFrom: the networks (CIDR) an OPEN may come from; empty,
 		// any (rnbd.Export.AllowFrom).
 		AllowFrom []string `json:"allow_from,omitempty"`
+		// AllowIdentities: NAME or NAME=ro|rw|migration, the client
+		// certificate names that may open it (rnbd.Export.AllowIdentities).
+		AllowIdentities []string `json:"allow_identities,omitempty"`
 		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
 		Migration bool `json:"migration,omitempty"`
 		// MaxSessions: sessions that may have it open at once; 0 no
@@ -216,7 +223,7 @@ type (
 // Field lists of the records the API returns, in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
 )
@@ -253,8 +260,17 @@ func (d *Daemon) routes() {
 			}
 			from = append(from, p)
 		}
+		var grants []rnbd.Grant
+		for _, s := range req.AllowIdentities {
+			g, err := rnbd.ParseGrant(s)
+			if err != nil {
+				return nil, ctl.Errorf(ctl.CodeInvalid, "allow_identities: %v", err)
+			}
+			grants = append(grants, g)
+		}
 		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow,
-			AllowFrom: from, Migration: req.Migration, MaxSessions: req.MaxSessions, WriteThrough: req.WriteThrough})
+			AllowFrom: from, AllowIdentities: grants, Migration: req.Migration, MaxSessions: req.MaxSessions,
+			WriteThrough: req.WriteThrough})
 	})
 	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
 		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
@@ -317,7 +333,7 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		return fmt.Errorf("saving the state file: %w", err)
 	}
 	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
-		"allow_from": e.AllowFrom, "migration": e.Migration, "max_sessions": e.MaxSessions,
+		"allow_from": e.AllowFrom, "allow_identities": e.AllowIdentities, "migration": e.Migration, "max_sessions": e.MaxSessions,
 		"write_cache": d.exportCache(e)}).Info("export mapped")
 	return nil
 }
@@ -432,7 +448,7 @@ func (d *Daemon) sessions(name string) []output.Record {
 		rows = append(rows, output.Record{
 			"sessname": x.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
 			"path_uu": uu.String(), "rx_bytes": rx, "tx_bytes": tx, "inflights": inflight,
-			"devices": devs[x.Name()], "direction": "server",
+			"devices": devs[x.Name()], "peer": x.Identity(), "direction": "server",
 		})
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i]["sessname"].(string) < rows[j]["sessname"].(string) })

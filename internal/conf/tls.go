@@ -1,0 +1,108 @@
+package conf
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+)
+
+// TLS is a daemon's TLS on the TCP fabric: its certificate and key and
+// the authority its peers' certificates must chain to, as PEM files.
+// Either all three are set or none.
+type TLS struct {
+	Cert string `toml:"cert"`
+	Key  string `toml:"key"`
+	CA   string `toml:"ca"`
+	// ServerName is what a client checks the server's certificate
+	// against; empty: the address it dials (the certificate then names
+	// the server's addresses as IP subject alternative names).
+	ServerName string `toml:"server_name"`
+}
+
+// Enabled reports whether TLS is configured.
+func (t TLS) Enabled() bool { return t.Cert != "" || t.Key != "" || t.CA != "" }
+
+// Validate checks that the settings are whole.
+func (t TLS) Validate() error {
+	if t.Enabled() && (t.Cert == "" || t.Key == "" || t.CA == "") {
+		return errors.New("tls: cert, key and ca must be set together")
+	}
+	return nil
+}
+
+// Config loads the files and returns the fabric's configuration, or nil
+// if TLS is not configured. The certificate and key are read again when
+// either file changes (a renewed certificate is used from the next
+// connection on, without a restart); a pair that does not load then
+// keeps the previous one. The authority is read once.
+func (t TLS) Config() (*tls.Config, error) {
+	if !t.Enabled() {
+		return nil, nil
+	}
+	if err := t.Validate(); err != nil {
+		return nil, err
+	}
+	pem, err := os.ReadFile(t.CA)
+	if err != nil {
+		return nil, fmt.Errorf("tls: ca: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("tls: ca %s: no PEM certificate in it", t.CA)
+	}
+	kp := &keyPair{cert: t.Cert, key: t.Key}
+	if _, err := kp.get(); err != nil {
+		return nil, err
+	}
+	return &tls.Config{
+		RootCAs:    pool,
+		ClientCAs:  pool,
+		ServerName: t.ServerName,
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return kp.get()
+		},
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			return kp.get()
+		},
+	}, nil
+}
+
+// keyPair is a certificate and key loaded from files, loaded again when
+// their modification times change.
+type keyPair struct {
+	cert, key string
+
+	mu       sync.Mutex
+	loaded   *tls.Certificate
+	certTime time.Time
+	keyTime  time.Time
+}
+
+func (k *keyPair) get() (*tls.Certificate, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	cs, err1 := os.Stat(k.cert)
+	ks, err2 := os.Stat(k.key)
+	if err := errors.Join(err1, err2); err != nil {
+		if k.loaded != nil {
+			return k.loaded, nil // being replaced, or gone: keep what works
+		}
+		return nil, fmt.Errorf("tls: %w", err)
+	}
+	if k.loaded != nil && cs.ModTime().Equal(k.certTime) && ks.ModTime().Equal(k.keyTime) {
+		return k.loaded, nil
+	}
+	c, err := tls.LoadX509KeyPair(k.cert, k.key)
+	if err != nil {
+		if k.loaded != nil {
+			return k.loaded, nil // half written: try again next time
+		}
+		return nil, fmt.Errorf("tls: certificate %s, key %s: %w", k.cert, k.key, err)
+	}
+	k.loaded, k.certTime, k.keyTime = &c, cs.ModTime(), ks.ModTime()
+	return k.loaded, nil
+}

@@ -1,0 +1,67 @@
+package conf
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/testca"
+)
+
+func TestTLS(t *testing.T) {
+	if c, err := (TLS{}).Config(); c != nil || err != nil {
+		t.Fatalf("no TLS configured: %v %v", c, err)
+	}
+	dir := t.TempDir()
+	ca := testca.New(t, "test ca")
+	caFile := ca.WriteCA(t, dir, "ca")
+	cert, key := testca.WriteCert(t, ca.Issue(t, "node-1"), dir, "node")
+	if err := (TLS{Cert: cert, CA: caFile}).Validate(); err == nil {
+		t.Fatal("a certificate without its key was taken")
+	}
+	if _, err := (TLS{Cert: cert, Key: key, CA: cert + ".missing"}).Config(); err == nil {
+		t.Fatal("a missing authority was taken")
+	}
+	if _, err := (TLS{Cert: cert, Key: caFile, CA: caFile}).Config(); err == nil {
+		t.Fatal("a key that is no key was taken")
+	}
+	c, err := TLS{Cert: cert, Key: key, CA: caFile}.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := func() string {
+		t.Helper()
+		kc, err := c.GetClientCertificate(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc, err := c.GetCertificate(nil)
+		if err != nil || sc != kc {
+			t.Fatalf("server and client certificates differ: %v", err)
+		}
+		return kc.Leaf.Subject.CommonName
+	}
+	if n := got(); n != "node-1" {
+		t.Fatalf("certificate of %q", n)
+	}
+	// A renewed certificate is taken from the next handshake on; a
+	// half-written one is not, until it is whole.
+	later := time.Now().Add(time.Minute)
+	os.WriteFile(cert, []byte("-----BEGIN CERT"), 0o600)
+	os.Chtimes(cert, later, later)
+	if n := got(); n != "node-1" {
+		t.Fatalf("a broken certificate file replaced the working one: %q", n)
+	}
+	testca.WriteCert(t, ca.Issue(t, "node-2"), dir, "node")
+	later = later.Add(time.Minute)
+	os.Chtimes(cert, later, later)
+	os.Chtimes(key, later, later)
+	if n := got(); n != "node-2" {
+		t.Fatalf("renewed certificate not taken: %q", n)
+	}
+	os.Remove(filepath.Join(dir, "node.crt"))
+	if n := got(); n != "node-2" {
+		t.Fatalf("certificate gone: %q, want the last one kept", n)
+	}
+}
