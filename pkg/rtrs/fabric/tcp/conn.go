@@ -8,8 +8,10 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/rawio"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -339,8 +341,20 @@ func (c *conn) sent(b *sendBatch) {
 	b.iov, b.rest = b.iov[:0], nil
 }
 
-// writeAll writes iov, waiting for room as long as it takes.
+// writeAll writes iov, waiting for room up to the stall timeout.
 func (c *conn) writeAll(iov [][]byte, b *sendBatch) error {
+	c.nc.SetWriteDeadline(time.Now().Add(c.dev.fab.opts.StallTimeout))
+	err := c.writeVec(iov, b)
+	// Cleared: an expired deadline would fail the reader's flushes,
+	// which never wait, as well.
+	c.nc.SetWriteDeadline(time.Time{})
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("tcp fabric: the peer took no data for %v: %w", c.dev.fab.opts.StallTimeout, err)
+	}
+	return err
+}
+
+func (c *conn) writeVec(iov [][]byte, b *sendBatch) error {
 	if c.sio != nil {
 		return c.sio.Writev(iov)
 	}

@@ -57,6 +57,13 @@ type Options struct {
 	// its CPUs, and retransmissions ride out a few lost segments in that
 	// time. An idle path is checked by its heartbeats, which are data.
 	UserTimeout time.Duration
+	// StallTimeout bounds one write of the send queue (at most its
+	// depth of work requests) that waits for a peer which takes no data:
+	// its receive window shut, a peer that stopped reading but
+	// acknowledges, which TCP_USER_TIMEOUT does not catch. Past it the
+	// connection is killed (30 s). A frozen peer is caught sooner by
+	// heartbeats; this is for one that writes but never reads.
+	StallTimeout time.Duration
 	// Backlog is how many handshaken requests may wait for Accept (64).
 	Backlog int
 	// MaxHandshakes bounds the handshakes in progress at once (256):
@@ -81,8 +88,11 @@ type Options struct {
 	Log *log.Entry
 }
 
-// DefaultUserTimeout is Options.UserTimeout's default.
-const DefaultUserTimeout = time.Second
+// Defaults of Options.
+const (
+	DefaultUserTimeout  = time.Second
+	DefaultStallTimeout = 30 * time.Second
+)
 
 // Fabric is the TCP fabric. It is safe for concurrent use.
 type Fabric struct {
@@ -101,6 +111,9 @@ func New(opts Options) *Fabric {
 	}
 	if opts.UserTimeout <= 0 {
 		opts.UserTimeout = DefaultUserTimeout
+	}
+	if opts.StallTimeout <= 0 {
+		opts.StallTimeout = DefaultStallTimeout
 	}
 	if opts.Backlog <= 0 {
 		opts.Backlog = 64

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -118,5 +120,76 @@ func TestCertNames(t *testing.T) {
 	c := ca.Issue(t, "a", "a", "b.example", "10.0.0.1")
 	if got := CertNames(c.Leaf); !slices.Equal(got, []string{"a", "b.example"}) {
 		t.Fatalf("names %q: the common name, then the DNS names, once each; addresses are not names", got)
+	}
+}
+
+// A peer that completes the handshake and then reads nothing (it still
+// acknowledges: its window is shut) loses its connection once a write
+// has waited StallTimeout, with TLS and without.
+func TestStalledPeer(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	for _, withTLS := range []bool{false, true} {
+		opts := Options{StallTimeout: 300 * time.Millisecond}
+		if withTLS {
+			opts.TLS = ca.Config(ca.Issue(t, "server", "127.0.0.1"))
+		}
+		f := New(opts)
+		l, err := f.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw, err := net.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var peer net.Conn = raw
+		if withTLS {
+			cfg := ca.Config(ca.Issue(t, "stalled"))
+			cfg.ServerName = "127.0.0.1"
+			tc := tls.Client(raw, cfg)
+			if err := tc.Handshake(); err != nil {
+				t.Fatal(err)
+			}
+			peer = tc
+		}
+		if err := writeHandshake(peer, hsREQ, []byte("hi")); err != nil {
+			t.Fatal(err)
+		}
+		r, err := l.Accept(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dev := r.Device()
+		pdv, _ := dev.AllocPD()
+		rec := conntest.NewRecorder()
+		c, err := r.Accept(pdv, fabric.ConnAttr{Handler: rec, MaxSendWR: 8}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Sends of 1 MiB, one at a time, until the socket's buffers are
+		// full and the connection dies.
+		buf := make([]byte, 1<<20)
+		start := time.Now()
+		for dead := false; !dead; {
+			if err := c.PostSend(conntest.Write(buf, 0, 0, 0, fabric.OpSend, 0)); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-rec.WCs:
+			case err := <-rec.Dead:
+				if !errors.Is(err, os.ErrDeadlineExceeded) {
+					t.Fatalf("tls %v: connection died of %v, want the stall timeout", withTLS, err)
+				}
+				dead = true
+			case <-time.After(20 * time.Second):
+				t.Fatalf("tls %v: a peer that reads nothing kept its connection", withTLS)
+			}
+		}
+		if d := time.Since(start); d > 10*time.Second {
+			t.Errorf("tls %v: killed after %v", withTLS, d)
+		}
+		c.Close()
+		raw.Close()
+		l.Close()
 	}
 }
