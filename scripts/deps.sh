@@ -23,6 +23,7 @@ declare -A pkgs=(
 	[fio]=fio
 	[nbdkit]=nbdkit
 	[jq]=jq
+	[openssl]=openssl
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do

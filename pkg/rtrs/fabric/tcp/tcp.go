@@ -195,7 +195,9 @@ func (d *device) AllocPD() (fabric.PD, error) { return &pd{dev: d}, nil }
 //
 //	off 0  [7]u8 "RTRSTCP"
 //	off 7  u8    version (1)
-//	off 8  u8    type: 1 REQ, 2 REP (accept), 3 REJ (reject)
+//	off 8  u8    type: 1 REQ, 2 REP (accept), 3 REJ (reject), 4 TLS
+//	             required (a server with TLS to a peer without), 5 no TLS
+//	             (a server without TLS to a peer that starts it)
 //	off 9  u8    reserved (0)
 //	off 10 le16  private data length (at most 256)
 const (
@@ -204,6 +206,8 @@ const (
 	hsREQ       = 1
 	hsREP       = 2
 	hsREJ       = 3
+	hsNeedTLS   = 4
+	hsNoTLS     = 5
 	maxPrivData = 256
 )
 
@@ -271,7 +275,11 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 			if ctx.Err() != nil {
 				return nil, nil, ctx.Err()
 			}
-			return nil, nil, fmt.Errorf("tcp fabric: TLS handshake with %v: %w", p.Dst, err)
+			var rh tls.RecordHeaderError
+			if errors.As(err, &rh) {
+				return nil, nil, fmt.Errorf("tcp fabric: %v does not speak TLS (its server has no tls configured): %w", p.Dst, syscall.EACCES)
+			}
+			return nil, nil, authError{fmt.Errorf("tcp fabric: TLS handshake with %v: %w", p.Dst, err)}
 		}
 		nc = tc
 	}
@@ -285,6 +293,13 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 		if ctx.Err() != nil {
 			return nil, nil, ctx.Err()
 		}
+		// TLS 1.3: the server checks the client's certificate after
+		// the client's side of the handshake is done; its verdict is
+		// an alert on the first read.
+		var oe *net.OpError
+		if nc != raw && errors.As(err, &oe) && oe.Op == "remote error" {
+			return nil, nil, authError{fmt.Errorf("tcp fabric: %v refused the client's certificate: %w", p.Dst, err)}
+		}
 		return nil, nil, fmt.Errorf("tcp fabric: handshake with %v: %w", p.Dst, err)
 	}
 	if !stop() {
@@ -297,6 +312,9 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 	case hsREJ:
 		raw.Close()
 		return nil, nil, &fabric.RejectError{PrivateData: priv}
+	case hsNeedTLS:
+		raw.Close()
+		return nil, nil, fmt.Errorf("tcp fabric: %v requires TLS: give the client a certificate (tls): %w", p.Dst, syscall.EACCES)
 	default:
 		raw.Close()
 		return nil, nil, fmt.Errorf("tcp fabric: handshake reply of type %d: %w", typ, errProtocol)
@@ -390,9 +408,29 @@ func (l *listener) handshake(nc net.Conn, peer netip.Addr) {
 	}()
 	raw := nc
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
+	// The first byte tells a TLS record (a handshake: 22) from the
+	// plain handshake ('R'): a peer configured otherwise than the server
+	// is told so, not only hung up on.
+	var first [1]byte
+	if _, err := io.ReadFull(raw, first[:]); err != nil {
+		raw.Close()
+		return
+	}
+	nc = &prefixConn{Conn: raw, prefix: first[:]}
+	tlsFirst := first[0] == 22
+	if tlsFirst != (l.fab.opts.TLS != nil) {
+		typ, why := byte(hsNoTLS), "TLS from a client, but the server has no tls configured"
+		if !tlsFirst {
+			typ, why = hsNeedTLS, "no TLS from a client, but the server requires it"
+		}
+		l.fab.rl.Log(l.fab.opts.Log.WithField("client", raw.RemoteAddr().String()), log.WarnLevel, "rejecting connection: "+why)
+		writeHandshake(raw, typ, nil)
+		raw.Close()
+		return
+	}
 	var names []string
 	if cfg := l.fab.opts.TLS; cfg != nil {
-		tc := tls.Server(raw, cfg)
+		tc := tls.Server(nc, cfg)
 		if err := tc.Handshake(); err != nil {
 			l.fab.rl.Log(l.fab.opts.Log.WithError(err).WithField("client", nc.RemoteAddr().String()),
 				log.WarnLevel, "rejecting connection: TLS handshake failed")
@@ -406,6 +444,9 @@ func (l *listener) handshake(nc net.Conn, peer netip.Addr) {
 	if err != nil || typ != hsREQ {
 		raw.Close()
 		return
+	}
+	if l.fab.opts.TLS == nil {
+		nc = raw // the first byte is read: no wrapper in the way of writev
 	}
 	r := &connReq{l: l, nc: nc, raw: raw, priv: priv, names: names}
 	select {
@@ -543,6 +584,28 @@ func (r *connReq) Reject(priv []byte) error {
 	})
 	return err
 }
+
+// prefixConn is a connection whose first bytes were read already.
+type prefixConn struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *prefixConn) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
+
+// authError is a failed TLS handshake: a permission error (EACCES) to
+// those who classify errors by errno.
+type authError struct{ err error }
+
+func (e authError) Error() string   { return e.err.Error() }
+func (e authError) Unwrap() []error { return []error{e.err, syscall.EACCES} }
 
 // tcpNetwork is the host's TCP.
 type tcpNetwork struct {

@@ -30,6 +30,17 @@ func newPair(t testing.TB, recvs []fabric.RecvWR) *conntest.Pair {
 
 func TestContract(t *testing.T) { conntest.Contract{NewPair: newPair, SendByteLen: true}.Run(t) }
 
+// Without TLS both ends write with writev on the socket itself: nothing
+// wraps it (the hot path).
+func TestPlainConnIsRaw(t *testing.T) {
+	p := newPair(t, nil)
+	for _, c := range []*conn{p.Cli.C.(*conn), p.Srv.C.(*conn)} {
+		if c.sio == nil || c.nc != c.raw {
+			t.Fatalf("connection %v: %T, raw IO %v", c.local, c.nc, c.sio != nil)
+		}
+	}
+}
+
 func TestSend(t *testing.T) {
 	buf := make([]byte, 16)
 	p := newPair(t, []fabric.RecvWR{{ID: 1, Buf: buf}, {ID: 2, Buf: make([]byte, 4)}})

@@ -4,11 +4,13 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -88,19 +90,29 @@ func TestTLSAuthentication(t *testing.T) {
 		"for a server of another name": New(Options{TLS: &tls.Config{Certificates: []tls.Certificate{ca.Issue(t, "client-1")}, RootCAs: ca.Pool(), ServerName: "elsewhere.example"}}),
 	}
 	for what, f := range refused {
-		if names, err := tlsDial(t, f, l); err == nil || names != nil {
+		names, err := tlsDial(t, f, l)
+		if err == nil || names != nil {
 			t.Errorf("client %s: dial error %v, listener saw a request from %q", what, err, names)
+		}
+		// What the CLI turns into its permission exit code.
+		if !errors.Is(err, syscall.EACCES) {
+			t.Errorf("client %s: %v, not EACCES", what, err)
+		}
+		if what == "without TLS" && !strings.Contains(fmt.Sprint(err), "requires TLS") {
+			t.Errorf("client without TLS told %q", err)
 		}
 	}
 	// A TLS client of a server without TLS fails too.
-	plain, err := New(Options{}).Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	plain, err := New(Options{Log: logs}).Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer plain.Close()
-	if names, err := tlsDial(t, New(Options{TLS: ca.Config(ca.Issue(t, "client-1"))}), plain); err == nil || names != nil {
+	if names, err := tlsDial(t, New(Options{TLS: ca.Config(ca.Issue(t, "client-1"))}), plain); names != nil ||
+		!errors.Is(err, syscall.EACCES) || !strings.Contains(fmt.Sprint(err), "does not speak TLS") {
 		t.Errorf("TLS client of a plain server: %v %q", err, names)
 	}
+	plainSeen := false
 	// The server logged the clients it refused in the handshake (the
 	// one trusting another authority hangs up from its side, which the
 	// server sees as a failed handshake too).
@@ -109,8 +121,14 @@ func TestTLSAuthentication(t *testing.T) {
 		if strings.Contains(e.Message, "TLS handshake failed") {
 			n++
 		}
+		if strings.Contains(e.Message, "no TLS from a client") {
+			plainSeen = true
+		}
 	}
-	if n < 3 {
+	if !plainSeen {
+		t.Error("the client without TLS was not logged")
+	}
+	if n < 2 {
 		t.Errorf("%d TLS handshake failures logged, want one per refused client", n)
 	}
 }
