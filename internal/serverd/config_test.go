@@ -71,3 +71,20 @@ func TestEverywhere(t *testing.T) {
 		t.Fatalf("everywhere: %q", got)
 	}
 }
+
+func TestTLSConfig(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "c.toml")
+	os.WriteFile(p, []byte("[tls]\ncert = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\n"), 0o644)
+	cfg, warnings, err := LoadConfig(p, true)
+	if err != nil || len(warnings) != 0 || cfg.TLS.Cert != "/x.crt" || cfg.TLS.Key != "/x.key" || cfg.TLS.CA != "/ca.crt" {
+		t.Fatalf("[tls]: %+v %v %v", cfg.TLS, warnings, err)
+	}
+	cfg.TLS.Key = ""
+	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "cert, key and ca") {
+		t.Fatalf("a certificate without its key: %v", err)
+	}
+	cfg.TLS.Key = "/x.key"
+	if _, err := Start(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "tls") {
+		t.Fatalf("start with missing TLS files: %v", err)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -83,7 +84,7 @@ type Backend struct {
 	f     *os.File // for reads, writes, fallocate and ioctls
 	fsync *os.File // the same file opened O_DSYNC: FUA writes
 	wt    bool     // write-through: every write goes to fsync
-	size  int64
+	size  atomic.Int64
 	lbs   int
 	pbs   int
 	ro    bool
@@ -226,7 +227,7 @@ func (b *Backend) probe(opts Options) error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		b.kind = KindFile
-		b.size = st.Size
+		b.size.Store(st.Size)
 		b.dev, b.ino = st.Dev, st.Ino
 		b.lbs, b.pbs = opts.LogicalBlockSize, opts.PhysicalBlockSize
 		if b.lbs == 0 {
@@ -248,10 +249,8 @@ func (b *Backend) probe(opts Options) error {
 	default:
 		return fmt.Errorf("not a regular file or block device: %w", syscall.EINVAL)
 	}
-	if b.size%int64(b.lbs) != 0 {
-		// The tail that is not a whole block cannot be addressed.
-		b.size -= b.size % int64(b.lbs)
-	}
+	// The tail that is not a whole block cannot be addressed.
+	b.size.Store(b.size.Load() &^ int64(b.lbs-1))
 	return nil
 }
 
@@ -271,12 +270,12 @@ func (b *Backend) probeFile() {
 		return
 	}
 	fd := int(b.f.Fd())
-	if unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size+1<<20, 4096) == nil {
+	if unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
 		b.caps.Discard = true
 		b.caps.MaxDiscardBytes = maxZeroBytes
 		b.caps.DiscardGranularity = uint32(b.pbs)
 	}
-	if unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, b.size+1<<20, 4096) == nil {
+	if unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
 		b.caps.ZeroRange = true
 	}
 }
@@ -287,7 +286,7 @@ func (b *Backend) probeDevice() error {
 	if err != nil {
 		return fmt.Errorf("BLKGETSIZE64: %w", err)
 	}
-	b.size = int64(size)
+	b.size.Store(int64(size))
 	if b.lbs, err = unix.IoctlGetInt(fd, unix.BLKSSZGET); err != nil {
 		return fmt.Errorf("BLKSSZGET: %w", err)
 	}
@@ -344,7 +343,29 @@ func (b *Backend) Path() string { return b.path }
 func (b *Backend) Kind() Kind { return b.kind }
 
 // Size is the addressable size in bytes, a multiple of the logical block.
-func (b *Backend) Size() int64 { return b.size }
+func (b *Backend) Size() int64 { return b.size.Load() }
+
+// Refresh reads the size again — a file grown or truncated, a block
+// device resized (lvextend), by the server or behind its back — and
+// serves that size from then on. It returns the size before and after.
+func (b *Backend) Refresh() (was, now int64, err error) {
+	switch b.kind {
+	case KindFile:
+		var st unix.Stat_t
+		if err := unix.Fstat(int(b.f.Fd()), &st); err != nil {
+			return 0, 0, fmt.Errorf("blockdev: %s: %w", b.path, err)
+		}
+		now = st.Size
+	default:
+		n, err := ioctlUint64(b.f, unix.BLKGETSIZE64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("blockdev: %s: BLKGETSIZE64: %w", b.path, err)
+		}
+		now = int64(n)
+	}
+	now &^= int64(b.lbs - 1)
+	return b.size.Swap(now), now, nil
+}
 
 // LogicalBlockSize and PhysicalBlockSize are in bytes.
 func (b *Backend) LogicalBlockSize() int  { return b.lbs }
@@ -385,18 +406,18 @@ func (b *Backend) Health() error {
 	if err := unix.Stat(b.path, &pst); err == nil && (pst.Dev != st.Dev || pst.Ino != st.Ino) {
 		return fmt.Errorf("blockdev: %s was replaced by another file: IO goes to the old one", b.path)
 	}
-	if st.Size < b.size {
-		return fmt.Errorf("blockdev: %s shrank from %d to %d bytes: IO past its end fails", b.path, b.size, st.Size)
+	if size := b.size.Load(); st.Size < size {
+		return fmt.Errorf("blockdev: %s shrank from %d to %d bytes: IO past its end fails", b.path, size, st.Size)
 	}
 	return nil
 }
 
 func (b *Backend) check(off int64, n int, write bool) error {
-	if off < 0 || n < 0 || off > b.size || int64(n) > b.size-off {
+	if size := b.size.Load(); off < 0 || n < 0 || off > size || int64(n) > size-off {
 		if write {
-			return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, b.size, syscall.ENOSPC)
+			return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.ENOSPC)
 		}
-		return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, b.size, syscall.EINVAL)
+		return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.EINVAL)
 	}
 	if write && b.ro {
 		return fmt.Errorf("blockdev: %s is read-only: %w", b.path, syscall.EROFS)

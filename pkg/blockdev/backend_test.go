@@ -149,6 +149,31 @@ func TestPastTheEnd(t *testing.T) {
 	}
 }
 
+// Refresh serves the file's new size, grown or shrunk, in whole logical
+// blocks; IO follows it.
+func TestRefresh(t *testing.T) {
+	path := sparseFile(t, os.TempDir(), 1<<20)
+	b := open(t, path, Options{LogicalBlockSize: 4096})
+	buf := make([]byte, 4096)
+	if err := b.WriteAt(buf, 1<<20, false); !errors.Is(err, ErrOutOfRange) {
+		t.Fatalf("write past the end before the refresh: %v", err)
+	}
+	os.Truncate(path, 2<<20+100) // the tail short of a block does not count
+	if was, now, err := b.Refresh(); err != nil || was != 1<<20 || now != 2<<20 || b.Size() != 2<<20 {
+		t.Fatalf("refresh after growing: %d → %d, %v; size %d", was, now, err, b.Size())
+	}
+	if err := b.WriteAt(buf, 2<<20-4096, false); err != nil {
+		t.Fatalf("write in the grown part: %v", err)
+	}
+	os.Truncate(path, 512<<10)
+	if _, now, err := b.Refresh(); err != nil || now != 512<<10 {
+		t.Fatalf("refresh after shrinking: %d %v", now, err)
+	}
+	if err := b.ReadAt(buf, 512<<10); !errors.Is(err, ErrOutOfRange) {
+		t.Fatalf("read past the new end: %v", err)
+	}
+}
+
 func TestReadOnlyAndOptions(t *testing.T) {
 	path := sparseFile(t, os.TempDir(), 1<<20+100)
 	b := open(t, path, Options{ReadOnly: true, LogicalBlockSize: 4096, PhysicalBlockSize: 4096})

@@ -19,6 +19,11 @@ import (
 // reconnects to bring a restarted server back. The kernel fails at once.
 const DefaultNoPathTimeout = 120 * time.Second
 
+// DefaultSizePoll is how often a session asks the server for the size of
+// each device it has open (SetSizePoll): how soon a resize on the server
+// reaches the client.
+const DefaultSizePoll = 5 * time.Second
+
 // CltSession is an RNBD client session (struct rnbd_clt_session): an RTRS
 // session, the protocol version agreed on it, and the devices mapped
 // through it, which share its paths and permits. It is the client's one
@@ -45,6 +50,9 @@ type CltSession struct {
 	// pieces[i] is the piece of IO that permit i carries.
 	pieces []piece
 
+	sizePoll atomic.Int64 // time.Duration; 0: never
+	onResize atomic.Pointer[func(*CltDev)]
+
 	mu      sync.Mutex
 	devs    []*CltDev
 	closed  bool
@@ -63,6 +71,7 @@ func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.
 	}
 	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
 	s.noPathTimeout.Store(int64(noPathTimeout))
+	s.sizePoll.Store(int64(DefaultSizePoll))
 	if cfg.Log == nil {
 		cfg.Log = log.L
 	}
@@ -120,6 +129,28 @@ func (s *CltSession) SetNoPathTimeout(d time.Duration) error {
 	}
 	s.noPathTimeout.Store(int64(d))
 	return nil
+}
+
+// SetSizePoll sets how often the session asks the server for the size of
+// its open devices (DefaultSizePoll; 0: never, a remap still does). It
+// asks with an OPEN of the device it has open, which the kernel's server
+// and ours both answer with the device's current size, changing nothing
+// else: the kernel's wire needs no extension for it.
+func (s *CltSession) SetSizePoll(d time.Duration) {
+	s.sizePoll.Store(int64(max(d, 0)))
+	s.kick()
+}
+
+// OnResize sets what is called, from the session's own goroutine, after
+// the server reported a new size for one of the devices (d.Size() is the
+// new one): the frontends apply it.
+func (s *CltSession) OnResize(fn func(d *CltDev)) { s.onResize.Store(&fn) }
+
+func (s *CltSession) kick() {
+	select {
+	case s.reopenQ <- struct{}{}:
+	default:
+	}
 }
 
 // Devices returns the session's mapped devices.
@@ -266,20 +297,27 @@ func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
 		return
 	}
 	s.noPathSince.Store(0)
-	select {
-	case s.reopenQ <- struct{}{}:
-	default:
-	}
+	s.kick()
 }
 
 // reopenLoop re-negotiates the session and reopens its devices after a
-// reconnect (rnbd_clt_reconnect), then lets the waiting IO go.
+// reconnect (rnbd_clt_reconnect), then lets the waiting IO go; between
+// reconnects it asks after the devices' sizes every size poll.
 func (s *CltSession) reopenLoop() {
 	defer s.wg.Done()
+	poll := time.NewTimer(time.Hour)
+	defer poll.Stop()
 	for {
+		poll.Stop()
+		if d := time.Duration(s.sizePoll.Load()); d > 0 {
+			poll.Reset(d)
+		}
 		select {
 		case <-s.done:
 			return
+		case <-poll.C:
+			s.pollSizes()
+			continue
 		case <-s.reopenQ:
 		}
 		if !s.sess.Connected() {
@@ -296,6 +334,18 @@ func (s *CltSession) reopenLoop() {
 				d.log().WithError(err).Warn("reopening the device after reconnect failed")
 			}
 		}
+		cancel()
+	}
+}
+
+// pollSizes asks the server for the size of every open device.
+func (s *CltSession) pollSizes() {
+	if !s.sess.Connected() {
+		return
+	}
+	for _, d := range s.Devices() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		d.pollSize(ctx)
 		cancel()
 	}
 }

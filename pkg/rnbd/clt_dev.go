@@ -55,6 +55,9 @@ type CltDev struct {
 	info OpenRsp // under ioMu
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
+	// srvClosed: a size poll found the device closed on the server (its
+	// administrator's force close): no more polls until it is reopened.
+	srvClosed atomic.Bool
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
@@ -135,12 +138,62 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	d.info = info
 	d.state.Store(int32(DevOpen))
 	d.ioMu.Unlock()
-	if info.NSectors != old {
-		d.log().WithFields(log.Fields{"was": old * 512, "now": info.NSectors * 512}).Info("remote device size changed")
-	}
+	d.srvClosed.Store(false)
 	d.log().WithField("device_id", info.DeviceID).Info("device reopened")
+	if info.NSectors != old {
+		d.sizeChanged(old, info.NSectors)
+	}
 	d.resubmit()
 	return nil
+}
+
+// pollSize asks the server for the device's size: an OPEN of the device
+// the session has open, which the server answers with it as it is now.
+func (d *CltDev) pollSize(ctx context.Context) {
+	if d.State() != DevOpen || d.srvClosed.Load() {
+		return
+	}
+	info, err := d.s.open(ctx, d.name, d.mode)
+	if err != nil {
+		d.s.rl.Log(d.log().WithError(err), log.DebugLevel, "asking the server for the size failed")
+		return
+	}
+	d.ioMu.Lock()
+	id, old := d.info.DeviceID, d.info.NSectors
+	same := d.State() == DevOpen && info.DeviceID == id
+	if same {
+		d.info.NSectors = info.NSectors
+	}
+	d.ioMu.Unlock()
+	if !same {
+		if d.State() == DevOpen {
+			// The server no longer had it open (an administrator
+			// closed it there): this opened it anew. Undo that; the
+			// device stays as the administrator left it until a
+			// remap or reconnect.
+			d.srvClosed.Store(true)
+			d.log().WithFields(log.Fields{"device_id": id, "new_id": info.DeviceID}).Warn("the server had closed the device; closing what the size poll opened")
+			if err := d.s.close(ctx, d.name, info.DeviceID); err != nil {
+				d.log().WithError(err).Warn("closing it failed")
+			}
+		}
+		return
+	}
+	if info.NSectors != old {
+		d.sizeChanged(old, info.NSectors)
+	}
+}
+
+// sizeChanged logs a new remote size, drops a local size (resize) the
+// device no longer has room for, and tells the session's OnResize.
+func (d *CltDev) sizeChanged(old, now uint64) {
+	d.log().WithFields(log.Fields{"was": old * 512, "now": now * 512}).Info("remote device size changed")
+	if l := d.localSectors.Load(); l > now {
+		d.localSectors.CompareAndSwap(l, 0)
+	}
+	if fn := d.s.onResize.Load(); fn != nil {
+		(*fn)(d)
+	}
 }
 
 // Remap opens the device on the server again and refreshes what the

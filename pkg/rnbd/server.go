@@ -517,6 +517,12 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 				x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "open refused")
 				return err
 			}
+			// A remap, or our client asking after the size (it does
+			// every few seconds): answer with the size the backend has
+			// now, grown or shrunk since.
+			if was, now, err := d.backend.Refresh(); err == nil && was != now {
+				x.log().WithFields(log.Fields{"device": d.name, "was": was, "now": now}).Info("device size changed")
+			}
 			x.fillOpenRsp(d, op.Data())
 			return nil
 		}
@@ -843,6 +849,51 @@ func (s *Server) Unmap(name string, force bool) error {
 		d.forceClose()
 	}
 	return nil
+}
+
+// Resize sets the size of an exported file (rnbd-server resize) and
+// serves it at once to the sessions that have it open; our clients learn
+// it within their size poll (rnbd.DefaultSizePoll), the kernel's on their
+// next remap. Shrinking an export that a session has open is refused
+// (EBUSY) unless force: the part cut off may hold what they wrote. A
+// block device cannot be resized here (EOPNOTSUPP): resize it
+// (lvextend, …) and clients learn its new size the same way.
+func (s *Server) Resize(name string, size int64, force bool) (was int64, err error) {
+	s.mu.Lock()
+	e := s.exports[name]
+	var path string
+	if e != nil && !e.withdrawing {
+		path = e.Path
+	}
+	s.mu.Unlock()
+	if path == "" {
+		return 0, errorf(syscall.ENOENT, "no export %s", name)
+	}
+	if size <= 0 || size%512 != 0 {
+		return 0, errorf(syscall.EINVAL, "size %d: want a positive multiple of 512", size)
+	}
+	st, err := os.Stat(path)
+	if err != nil {
+		return 0, fmt.Errorf("export %s: %w", name, err)
+	}
+	if !st.Mode().IsRegular() {
+		return 0, errorf(syscall.EOPNOTSUPP, "export %s is a block device: resize it (lvextend, …) and its clients learn the new size", name)
+	}
+	was = st.Size()
+	open := s.collect(func(d *SrvSessDev) bool { return d.export == name })
+	if size < was && len(open) > 0 && !force {
+		return was, errorf(syscall.EBUSY, "export %s is open by %d session(s): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		return was, fmt.Errorf("export %s: %w", name, err)
+	}
+	for _, d := range open {
+		if _, _, err := d.backend.Refresh(); err != nil {
+			s.log.WithError(err).WithFields(log.Fields{"export": name, "session": d.sess.name}).Warn("refreshing the size")
+		}
+	}
+	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": len(open)}).Info("export resized")
+	return was, nil
 }
 
 // collect returns the open devices of every session that match; it takes

@@ -1099,6 +1099,76 @@ func TestParseGrant(t *testing.T) {
 	}
 }
 
+// rnbd-server resize reaches a client that has the device open through
+// its size poll, without a remap; so does a file grown behind the
+// server's back. Shrinking what a session has open needs force; IO
+// follows the size both ways.
+func TestServerResize(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 1<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	c := r.client("s")
+	resized := make(chan int64, 4)
+	c.OnResize(func(d *CltDev) { resized <- d.Size() })
+	x := r.dev(c, "vol", AccessRW)
+	c.SetSizePoll(20 * time.Millisecond)
+	next := func(want int64) {
+		t.Helper()
+		select {
+		case got := <-resized:
+			if got != want || x.d.Size() != want {
+				t.Fatalf("resized to %d (device %d), want %d", got, x.d.Size(), want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the client did not learn the size %d", want)
+		}
+	}
+	if _, err := r.srv.Resize("vol", 4<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	next(4 << 20)
+	if err := x.d.Do(context.Background(), OpWrite, 0, 4<<20-4096, 4096, x.buf, 0); err != nil {
+		t.Fatalf("write in the grown part: %v", err)
+	}
+	os.Truncate(p, 6<<20) // behind the server's back: the poll's OPEN refreshes it
+	next(6 << 20)
+	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("shrinking an open export: %v, want EBUSY", err)
+	}
+	if was, err := r.srv.Resize("vol", 2<<20, true); err != nil || was != 6<<20 {
+		t.Fatalf("forced shrink: %d %v", was, err)
+	}
+	next(2 << 20)
+	if err := x.d.Do(context.Background(), OpRead, 0, 4<<20-4096, 4096, x.buf, 0); err == nil {
+		t.Fatal("read past the new end succeeded")
+	}
+	for _, c := range []struct {
+		name string
+		size int64
+		want syscall.Errno
+	}{{"vol", 1000, syscall.EINVAL}, {"vol", 0, syscall.EINVAL}, {"none", 1 << 20, syscall.ENOENT}} {
+		if _, err := r.srv.Resize(c.name, c.size, false); !errors.Is(err, c.want) {
+			t.Errorf("resize %s to %d: %v, want %v", c.name, c.size, err, c.want)
+		}
+	}
+	select {
+	case n := <-resized:
+		t.Fatalf("a size change %d nobody made", n)
+	default:
+	}
+	// Closed by the server's administrator: the size poll's OPEN must
+	// not leave it open again.
+	if n, err := r.srv.ForceClose("vol", "s"); err != nil || n != 1 {
+		t.Fatalf("force close: %d %v", n, err)
+	}
+	waitFor(t, "a poll to find it closed", x.d.srvClosed.Load)
+	if open := r.srv.OpenDevices(); len(open) != 0 {
+		t.Fatalf("open on the server after the polls: %+v", open)
+	}
+}
+
 // An export's max_sessions bounds the sessions that have it open at
 // once; a session that closes it makes room, and a refused OPEN leaves
 // nothing counted.

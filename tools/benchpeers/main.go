@@ -164,7 +164,10 @@ func measure(ctx context.Context, c config) ([]row, string, error) {
 	var rows []row
 	for rep := 1; rep <= c.reps; rep++ {
 		for _, name := range c.peers {
-			p, _ := newPeer(name, c, img, filepath.Join(dir, strings.ReplaceAll(name, "/", "-")))
+			p, err := newPeer(name, c, img, filepath.Join(dir, strings.ReplaceAll(name, "/", "-")))
+			if err != nil {
+				return rows, env, err
+			}
 			fmt.Fprintf(os.Stderr, "== rep %d: %s\n", rep, name)
 			if err := p.start(ctx); err != nil {
 				p.stop()
@@ -299,7 +302,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			{role: "server", args: []string{"nbdkit", "-f", "-e", export, "-i", "127.0.0.1", "-p", port, "file", "file=" + img}},
 			{role: "client", args: []string{"nbdkit", "-f", "-e", export, "-U", sock, "nbd", "hostname=127.0.0.1", "port=" + port, "export=" + export}},
 		}
-	case "rnbd/unix", "rnbd-base/unix":
+	case "rnbd/unix", "rnbd-base/unix", "rnbd-tls/unix":
 		port := strconv.Itoa(freePort())
 		p.uri = unixURI
 		bin := c.bin
@@ -323,6 +326,20 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			{role: "client", args: []string{clt, "daemon", "--config", "/dev/null", "--control-socket", cs,
 				"--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir, "--log-level", "warn"}},
 		}
+		if name == "rnbd-tls/unix" && img != "" {
+			// TLS on the fabric, certificates of scripts/test-ca.sh.
+			pki := dir + "-pki" // beside dir, which each start empties
+			for _, args := range [][]string{{"ca"}, {"server", "srv", "127.0.0.1"}, {"client", "clt"}} {
+				cmd := exec.Command("bash", append([]string{"scripts/test-ca.sh", pki}, args...)...)
+				if out, err := cmd.CombinedOutput(); err != nil {
+					return nil, fmt.Errorf("scripts/test-ca.sh %v: %v\n%s", args, err, out)
+				}
+			}
+			for i, who := range []string{"srv", "clt"} {
+				p.daemons[i].args = append(p.daemons[i].args, "--tls-cert", filepath.Join(pki, who+".crt"),
+					"--tls-key", filepath.Join(pki, who+".key"), "--tls-ca", filepath.Join(pki, "ca.crt"))
+			}
+		}
 		p.setup = func(ctx context.Context) error {
 			for _, s := range []string{ss, cs} {
 				if err := waitFor(ctx, func() bool { _, err := os.Stat(s); return err == nil }); err != nil {
@@ -336,7 +353,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 				"--dest-port", port, "--device-path", export, "--as", "socket:"+sock)
 		}
 	default:
-		return nil, fmt.Errorf("unknown peer %q (have %s, rnbd-base/unix)", name, strings.Join(defaultPeers, ", "))
+		return nil, fmt.Errorf("unknown peer %q (have %s, rnbd-base/unix, rnbd-tls/unix)", name, strings.Join(defaultPeers, ", "))
 	}
 	return p, nil
 }
