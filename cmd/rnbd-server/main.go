@@ -30,7 +30,7 @@ daemon through its control socket.`,
 	g.Add(root, serverd.DefaultControlSocket)
 	root.AddCommand(
 		newDaemon(),
-		newMap(&g), newUnmap(&g),
+		newMap(&g), newUnmap(&g), newResize(&g),
 		newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 	)
 	return root
@@ -164,6 +164,32 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "close it for every session that has it open (their IO then fails with ENOTCONN)")
+	return cmd
+}
+
+func newResize(g *cli.Globals) *cobra.Command {
+	var force bool
+	cmd := &cobra.Command{
+		Use:   "resize NAME SIZE",
+		Short: "Set an exported file's size (e.g. 20GiB); clients with it open learn it within seconds",
+		Long: `Set an exported file's size (e.g. 20GiB, a multiple of 512 bytes). rnbd
+clients that have it open learn the new size within their size poll (5 s)
+and apply it to their devices; the kernel's rnbd client learns it when it
+remaps. Shrinking an export a session has open is refused unless --force.
+A block device is resized by its own tools (lvextend, ...): clients learn
+its new size the same way.`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var rsp serverd.ResizeResponse
+			req := serverd.ResizeRequest{Size: args[1], Force: force}
+			if err := g.Call("POST", "/v1/exports/"+url.PathEscape(args[0])+"/resize", req, &rsp); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "resized %s from %d to %d bytes\n", args[0], rsp.Was, rsp.Now)
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&force, "force", false, "shrink it even though sessions have it open (what lies past the new end is lost to them)")
 	return cmd
 }
 

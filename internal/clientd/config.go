@@ -44,6 +44,7 @@ type Config struct {
 	UblkMaxIOKB          int           `toml:"ublk_max_io_kb"`
 	NBDBuffers           int           `toml:"nbd_buffers"`
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
+	SizePoll             conf.Duration `toml:"size_poll"`
 	LogLevel             string        `toml:"log_level"`
 	LogFormat            string        `toml:"log_format"`
 	// TLS, if set, makes every session over tcp:// use TLS 1.3,
@@ -69,6 +70,7 @@ func DefaultConfig() Config {
 		UblkQueueDepth:       64,
 		UblkMaxIOKB:          512,
 		NBDBuffers:           64,
+		SizePoll:             conf.Duration{Duration: rnbd.DefaultSizePoll},
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -94,6 +96,9 @@ func (c *Config) Validate() error {
 	}
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {
 		return errors.New("bad no_path_timeout or heartbeat")
+	}
+	if c.SizePoll.Duration < 0 {
+		return errors.New("size_poll must not be negative (0: never)")
 	}
 	if c.NBDIOTimeout.Duration < 0 {
 		return errors.New("nbd_io_timeout must not be negative (0: derived)")

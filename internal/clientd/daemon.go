@@ -318,6 +318,8 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 	if err != nil {
 		return nil, false, err
 	}
+	cs.OnResize(func(dev *rnbd.CltDev) { d.resized(dev) })
+	cs.SetSizePoll(d.cfg.SizePoll.Duration)
 	s = &session{cs: cs, paths: m.Paths, transport: m.Transport}
 	d.mu.Lock()
 	d.sessions[m.SessName] = s

@@ -46,6 +46,16 @@ func (d *Daemon) attachNBD(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 
 func (f *nbdFE) ioMode() string { return "nbd-kernel" }
 
+// resized sets /dev/nbdN's capacity (netlink RECONFIGURE with the size).
+func (f *nbdFE) resized(bytes int64) error {
+	nl, err := nbdnl.Dial()
+	if err != nil {
+		return err
+	}
+	defer nl.Close()
+	return nl.Resize(f.index, uint64(bytes))
+}
+
 // path is the block device: /dev/nbdN.
 func (f *nbdFE) path() string { return fmt.Sprintf("/dev/nbd%d", f.index) }
 

@@ -50,6 +50,11 @@ func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 }
 
 func (f *socketFE) ioMode() string { return "nbd-socket" }
+
+// resized: NBD clients that connect from now on are told the new size;
+// NBD cannot tell one already connected, which keeps the size it was
+// told (IO past the device's end fails).
+func (f *socketFE) resized(int64) error { return nil }
 func (f *socketFE) path() string   { return f.sock }
 
 func (f *socketFE) busy() string {

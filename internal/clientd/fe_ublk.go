@@ -153,6 +153,9 @@ type ublkFE struct {
 }
 
 func (f *ublkFE) ioMode() string { return "ublk" }
+
+// resized sets /dev/ublkbN's capacity (UPDATE_SIZE, Linux 6.16).
+func (f *ublkFE) resized(bytes int64) error { return ublk.UpdateSize(f.u.ID(), bytes) }
 func (f *ublkFE) path() string   { return f.u.Path() }
 
 func (f *ublkFE) busy() string {

@@ -1,6 +1,9 @@
 package clientd
 
 import (
+	"fmt"
+
+	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
@@ -23,6 +26,34 @@ type frontend interface {
 	// kernel device for the next daemon to take back (nbd's RECONFIGURE
 	// within dead_conn_timeout, ublk's user recovery).
 	detach()
+	// resized shows the device's new size (rnbd.CltDev.Size) to those
+	// who use it: a kernel device's capacity. An error says it could
+	// not (the device keeps its size until mapped again).
+	resized(bytes int64) error
+}
+
+// resized is the session's OnResize: the size the server reported, or
+// `resize`, goes to the frontend of the device's mapping. The error says
+// what could not apply it (also logged).
+func (d *Daemon) resized(dev *rnbd.CltDev) error {
+	d.mu.Lock()
+	var m *mapped
+	for _, x := range d.maps {
+		if x.dev == dev {
+			m = x
+		}
+	}
+	d.mu.Unlock()
+	if m == nil {
+		return nil // mapping or unmapping: it is attached, or gone, with the size it has then
+	}
+	l := d.log.WithFields(log.Fields{"device": m.Device, "size": dev.Size(), "io_mode": m.fe.ioMode(), "path": m.fe.path()})
+	if err := m.fe.resized(dev.Size()); err != nil {
+		l.WithError(err).Warn("the device keeps its size: could not apply the new one")
+		return fmt.Errorf("%s keeps its size: %w", m.fe.path(), err)
+	}
+	l.Info("device resized")
+	return nil
 }
 
 // attach offers dev through the frontend s names.

@@ -157,6 +157,7 @@ func (b *nbdBackend) export(name string) *nbd.Export {
 		Name:        name,
 		Description: "rnbd " + b.dev.Session().Session().Name() + "/" + b.dev.Name(),
 		Size:        b.dev.Size(),
+		SizeNow:     b.dev.Size,
 		ReadOnly:    ro,
 		Flush:       wc,
 		FUA:         wc && info.CachePolicy&rnbd.CacheFUA != 0,

@@ -84,7 +84,10 @@ func (d *Daemon) routes() {
 		if err != nil {
 			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
 		}
-		return nil, m.dev.Resize(n)
+		if err := m.dev.Resize(n); err != nil {
+			return nil, err
+		}
+		return nil, d.resized(m.dev)
 	})
 	h("GET /v1/sessions", func(r *http.Request) (any, error) { return d.sessionRecords(""), nil })
 	h("GET /v1/sessions/{name}", func(r *http.Request) (any, error) {

@@ -16,6 +16,7 @@ import (
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -215,6 +216,16 @@ type (
 	CloseRequest struct {
 		Session string `json:"session"`
 	}
+	// ResizeRequest: Size as "20GiB" or bytes; Force shrinks an export
+	// that sessions have open (rnbd.Server.Resize).
+	ResizeRequest struct {
+		Size  string `json:"size"`
+		Force bool   `json:"force,omitempty"`
+	}
+	ResizeResponse struct {
+		Was int64 `json:"was"`
+		Now int64 `json:"now"`
+	}
 	CloseResponse struct {
 		Closed int `json:"closed"`
 	}
@@ -271,6 +282,21 @@ func (d *Daemon) routes() {
 		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow,
 			AllowFrom: from, AllowIdentities: grants, Migration: req.Migration, MaxSessions: req.MaxSessions,
 			WriteThrough: req.WriteThrough})
+	})
+	h("POST /v1/exports/{name}/resize", func(r *http.Request) (any, error) {
+		var req ResizeRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		n, err := units.ParseSize(req.Size)
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
+		}
+		was, err := d.rnbd.Resize(r.PathValue("name"), n, req.Force)
+		if err != nil {
+			return nil, err
+		}
+		return ResizeResponse{Was: was, Now: n}, nil
 	})
 	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
 		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")

@@ -268,7 +268,7 @@ func (c *conn) check(r *Request, flags uint16) syscall.Errno {
 	if write && e.ReadOnly {
 		return syscall.EPERM
 	}
-	if uint64(r.Offset) > uint64(e.Size) || uint64(r.Length) > uint64(e.Size)-uint64(r.Offset) {
+	if size := uint64(e.size()); uint64(r.Offset) > size || uint64(r.Length) > size-uint64(r.Offset) {
 		if write {
 			return syscall.ENOSPC
 		}

@@ -160,6 +160,20 @@ type Export struct {
 	PrefBlock   uint32 // default 4096
 	MaxPayload  uint32 // default 32 MiB
 	Backend     Backend
+	// SizeNow, if set, is the export's size instead of Size: each
+	// negotiation announces it and each request is checked against it
+	// (a device whose size changes). NBD cannot tell a connection that
+	// the size changed: one connected before keeps the size it was told,
+	// within which IO goes on.
+	SizeNow func() int64
+}
+
+// size is what the export has now.
+func (e *Export) size() int64 {
+	if e.SizeNow != nil {
+		return e.SizeNow()
+	}
+	return e.Size
 }
 
 // TransmissionFlags are the NBD transmission flags the export advertises
@@ -438,7 +452,7 @@ func (s *Server) handshake(nc net.Conn) (*Export, error) {
 				return nil, fmt.Errorf("unknown export %q", data)
 			}
 			out := make([]byte, 10, 134)
-			binary.BigEndian.PutUint64(out[0:], uint64(e.Size))
+			binary.BigEndian.PutUint64(out[0:], uint64(e.size()))
 			binary.BigEndian.PutUint16(out[8:], e.flags())
 			if !noZeroes {
 				out = out[:134]
@@ -511,7 +525,7 @@ func (s *Server) info(nc net.Conn, opt uint32, data []byte) (*Export, error) {
 	}
 	var p [18]byte
 	binary.BigEndian.PutUint16(p[0:], infoExport)
-	binary.BigEndian.PutUint64(p[2:], uint64(e.Size))
+	binary.BigEndian.PutUint64(p[2:], uint64(e.size()))
 	binary.BigEndian.PutUint16(p[10:], e.flags())
 	if err := optReply(nc, opt, repInfo, p[:12]); err != nil {
 		return nil, err

@@ -26,6 +26,7 @@ const (
 	cmdGetDevInfo2      = 0x12
 	cmdGetFeatures      = 0x13
 	cmdDelDevAsync      = 0x14
+	cmdUpdateSize       = 0x15 // Linux 6.16, UBLK_F_UPDATE_SIZE
 )
 
 // IO command numbers, issued on /dev/ublkcN.

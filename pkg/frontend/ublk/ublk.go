@@ -339,6 +339,24 @@ func GetInfo(id int) (Info, error) {
 	return infoOf(di), err
 }
 
+// UpdateSize changes the size of device id (UPDATE_SIZE): the block
+// layer sees it at once and tells user space with a change uevent.
+// Kernels before 6.16 cannot: the error then wraps EOPNOTSUPP.
+func UpdateSize(id int, bytes int64) error {
+	d := &Device{ctrlFd: -1, id: uint32(id)}
+	if err := d.openControl(); err != nil {
+		return err
+	}
+	defer d.closeControl()
+	if d.features&FlagUpdateSize == 0 {
+		return fmt.Errorf("ublk: this kernel cannot change a device's size (UPDATE_SIZE needs Linux 6.16): %w", syscall.EOPNOTSUPP)
+	}
+	if bytes <= 0 || bytes%512 != 0 {
+		return fmt.Errorf("ublk: size %d is not a positive multiple of 512: %w", bytes, syscall.EINVAL)
+	}
+	return d.devCmd("UPDATE_SIZE", cmdUpdateSize, ctrlCmd{Data: uint64(bytes) / 512})
+}
+
 // Remove stops and deletes device id, which nobody serves any more (a
 // server that died and will not be recovered): IO it holds fails.
 func Remove(id int) error {

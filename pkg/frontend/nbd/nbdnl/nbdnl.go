@@ -328,6 +328,21 @@ func (c *Conn) Reconfigure(index uint32, cfg Config, socks []*os.File) error {
 	return err
 }
 
+// Resize sets the size of device index (a RECONFIGURE with only the size:
+// the kernel applies it as at CONNECT and tells the block layer, which
+// sends a change uevent).
+func (c *Conn) Resize(index uint32, sizeBytes uint64) error {
+	ae := netlink.NewAttributeEncoder()
+	ae.Uint32(attrIndex, index)
+	ae.Uint64(attrSizeBytes, sizeBytes)
+	b, err := ae.Encode()
+	if err != nil {
+		return fmt.Errorf("nbdnl: RECONFIGURE: %w", err)
+	}
+	_, err = c.execute(cmdReconfigure, b, true)
+	return err
+}
+
 // Disconnect detaches device index: the kernel sends NBD_CMD_DISC on its
 // sockets, and IO still queued fails. The device itself stays unless it
 // was connected with DestroyOnDisconnect.

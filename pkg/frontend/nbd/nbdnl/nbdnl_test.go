@@ -208,6 +208,26 @@ func TestConnectChosenIndexAndMinimalConfig(t *testing.T) {
 	}
 }
 
+// Resize is a RECONFIGURE with the index and the size only: no client
+// flags (which RECONFIGURE would reset), no sockets.
+func TestResize(t *testing.T) {
+	var got map[uint16][]byte
+	var cmd uint8
+	c := fake(t, func(greq genetlink.Message, _ netlink.Message) ([]genetlink.Message, error) {
+		if greq.Header.Command != 0 { // 0: the fake's own traffic
+			got, cmd = attrs(t, greq.Data), greq.Header.Command
+		}
+		return nil, nil
+	})
+	if err := c.Resize(3, 8<<30); err != nil {
+		t.Fatal(err)
+	}
+	if cmd != cmdReconfigure || !equalInts(attrTypes(got), []int{attrIndex, attrSizeBytes}) ||
+		nlenc.Uint32(got[attrIndex]) != 3 || nlenc.Uint64(got[attrSizeBytes]) != 8<<30 {
+		t.Fatalf("command %d, attributes %v", cmd, got)
+	}
+}
+
 func TestConnectRejectsBadArguments(t *testing.T) {
 	c := fake(t, func(genetlink.Message, netlink.Message) ([]genetlink.Message, error) {
 		t.Error("a bad CONNECT reached the kernel")
