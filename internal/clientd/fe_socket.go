@@ -55,7 +55,7 @@ func (f *socketFE) ioMode() string { return "nbd-socket" }
 // NBD cannot tell one already connected, which keeps the size it was
 // told (IO past the device's end fails).
 func (f *socketFE) resized(int64) error { return nil }
-func (f *socketFE) path() string   { return f.sock }
+func (f *socketFE) path() string        { return f.sock }
 
 func (f *socketFE) busy() string {
 	if n := f.d.nbd.Conns(f.name); n > 0 {

@@ -156,7 +156,7 @@ func (f *ublkFE) ioMode() string { return "ublk" }
 
 // resized sets /dev/ublkbN's capacity (UPDATE_SIZE, Linux 6.16).
 func (f *ublkFE) resized(bytes int64) error { return ublk.UpdateSize(f.u.ID(), bytes) }
-func (f *ublkFE) path() string   { return f.u.Path() }
+func (f *ublkFE) path() string              { return f.u.Path() }
 
 func (f *ublkFE) busy() string {
 	if inUse(f.path()) {
