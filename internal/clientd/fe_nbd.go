@@ -161,6 +161,11 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 		if err == nil {
 			k.index = uint32(index)
 			d.setQueueLimits(k)
+			// The size too, in case the server resized the device
+			// meanwhile (the kernel does nothing if it is the same).
+			if err := nl.Resize(k.index, cfg.SizeBytes); err != nil {
+				d.log.WithError(err).WithField("nbd", index).Warn("the device keeps its size: could not apply the new one")
+			}
 			return k, nil
 		}
 		// Past dead_conn_timeout, or the device went to someone else.

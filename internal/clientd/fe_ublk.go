@@ -212,7 +212,14 @@ func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (fron
 		u, err := ublk.Recover(index, opts, newUblkBackend(dev))
 		if err == nil {
 			l.WithField("ublk", u.Path()).Info("took the ublk device back (user recovery)")
-			return &ublkFE{d: d, u: u}, nil
+			f := &ublkFE{d: d, u: u}
+			if u.Size() != dev.Size() { // resized on the server meanwhile
+				if err := f.resized(dev.Size()); err != nil {
+					l.WithError(err).WithFields(log.Fields{"ublk": u.Path(), "size": u.Size(), "remote_size": dev.Size()}).
+						Warn("the device keeps its size: could not apply the new one")
+				}
+			}
+			return f, nil
 		}
 		l.WithError(err).WithField("ublk", index).Warn("could not take the ublk device back; making a new one")
 		d.removeOrphanUblk(index, opts.Cookie, l)

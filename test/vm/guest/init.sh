@@ -50,7 +50,7 @@ srv() { /bin/rnbd-server --socket /tmp/s.sock "$@"; }
 # from them: 20 + 2*4 + 10 = 38 s).
 start_client() {
 	/bin/rnbd-client daemon --config /dev/null --control-socket /tmp/c.sock --state-file /tmp/c.json \
-		--socket-dir /tmp --log-level info --hb-interval 2s --hb-missed-max 3 --no-path-timeout 20s >>/tmp/client.log 2>&1 &
+		--socket-dir /tmp --log-level info --hb-interval 2s --hb-missed-max 3 --no-path-timeout 20s --size-poll 1s >>/tmp/client.log 2>&1 &
 	for _ in $(seq 100); do [ -S /tmp/c.sock ] && return 0; sleep 0.1; done
 	return 1
 }
@@ -134,6 +134,35 @@ under_io() {
 	if wait $ddpid && [ $during = 1 ]; then res "$p-under-io" PASS ""; else res "$p-under-io" FAIL "during=$during $(cat /tmp/dd.err)"; fi
 	dd if="$dev" of=/tmp/backio bs=1M skip="$at" count=32 iflag=direct 2>/dev/null
 	check "$p-data" cmp /tmp/patio /tmp/backio
+}
+
+# resized P DEV EXPORT BYTES: rnbd-server resize grows the export, and the
+# mapping's kernel device shows the new size within 15 s (the client's
+# size poll), with IO in the grown part; where the kernel cannot resize
+# the device (ublk before Linux 6.16) the client must say so and the
+# device keep its size.
+resized() {
+	local p=$1 dev=$2 exp=$3 want=$4 got out
+	if ! out=$(srv resize "$exp" "$want" 2>&1); then
+		res "$p-server-resize" FAIL "$out"
+		return
+	fi
+	for _ in $(seq 150); do
+		got=$(/usr/sbin/blockdev --getsize64 "$dev")
+		[ "$got" = "$want" ] && break
+		grep -q "could not apply the new one.*UPDATE_SIZE" /tmp/client.log && break
+		sleep 0.1
+	done
+	if [ "$got" = "$want" ]; then
+		res "$p-server-resize" PASS "$got bytes"
+		dd if=/tmp/pat of="$dev" bs=1M seek=$((want / 1048576 - 16)) oflag=direct 2>/dev/null
+		dd if="$dev" of=/tmp/backr bs=1M skip=$((want / 1048576 - 16)) count=16 iflag=direct 2>/dev/null
+		check "$p-resized-io" cmp /tmp/pat /tmp/backr
+	elif grep -q "could not apply the new one.*UPDATE_SIZE" /tmp/client.log; then
+		res "$p-server-resize" PASS "kernel without UPDATE_SIZE: said so, $dev kept $got bytes"
+	else
+		res "$p-server-resize" FAIL "$dev shows $got bytes, want $want"
+	fi
 }
 
 # fs P DEV: ext4 made, a file written, unmounted, mounted again and
@@ -611,6 +640,7 @@ out=$(cli map --sessname mp --path ip:127.0.0.1 --path ip:10.77.0.1 --device-pat
 dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/nbd*) res map-two-paths PASS "$dev" ;; *) res map-two-paths FAIL "$out"; finish ;; esac
 throughput nbd "$dev"
+resized nbd "$dev" disk1 $(mb 192)
 check nbd-fio-verify fio --name=v --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
 	--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
 
@@ -659,6 +689,7 @@ case $dev in /dev/ublkb*) res ublk-map PASS "$dev" ;; *) res ublk-map FAIL "$out
 hwk=$(cat /sys/block/${dev#/dev/}/queue/max_hw_sectors_kb)
 [ "$hwk" = 512 ] && res ublk-max-sectors PASS "$hwk KiB" || res ublk-max-sectors FAIL "$hwk KiB"
 basic ublk "$dev" disk2 /tmp/disk2.img 2
+resized ublk "$dev" disk2 $(mb 192)
 
 # 10. restart of the client daemon while the device is idle: user
 # recovery gives the same device back with the same data.
