@@ -44,6 +44,10 @@ type CltSession struct {
 	ver     uint8
 
 	noPathTimeout atomic.Int64
+	// fastIOFail is fast_io_fail_tmo (time.Duration): this long after
+	// the session lost its last path, IO waiting for one fails, and new
+	// IO fails at once; negative: off.
+	fastIOFail atomic.Int64
 	// noPathSince is when the session lost its last path (unix ns), 0
 	// while it has one.
 	noPathSince atomic.Int64
@@ -71,6 +75,7 @@ func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.
 	}
 	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
 	s.noPathTimeout.Store(int64(noPathTimeout))
+	s.fastIOFail.Store(-1)
 	s.sizePoll.Store(int64(DefaultSizePoll))
 	if cfg.Log == nil {
 		cfg.Log = log.L
@@ -129,6 +134,46 @@ func (s *CltSession) SetNoPathTimeout(d time.Duration) error {
 	}
 	s.noPathTimeout.Store(int64(d))
 	return nil
+}
+
+// FastIOFailTmo is fast_io_fail_tmo, negative when off.
+func (s *CltSession) FastIOFailTmo() time.Duration { return time.Duration(s.fastIOFail.Load()) }
+
+// SetFastIOFailTmo sets fast_io_fail_tmo, as NVMe-oF's: once the session
+// has had no path for d, IO waiting for one fails and new IO fails at
+// once, however long no_path_timeout would let it wait; negative turns
+// it off (IO waits no_path_timeout from its own arrival). It applies to
+// IO that starts waiting from now on.
+func (s *CltSession) SetFastIOFailTmo(d time.Duration) {
+	if d < 0 {
+		d = -1
+	}
+	s.fastIOFail.Store(int64(d))
+}
+
+// FastIOFailIn is how long until fast_io_fail_tmo fails IO: 0 while the
+// session has a path or the timer is off, negative once it has passed.
+func (s *CltSession) FastIOFailIn() time.Duration {
+	since, f := s.NoPathSince(), s.FastIOFailTmo()
+	if since.IsZero() || f < 0 {
+		return 0
+	}
+	if left := time.Until(since.Add(f)); left > 0 {
+		return left
+	}
+	return -1
+}
+
+// ioDeadline is when IO that starts waiting for a path now fails: after
+// no_path_timeout, or sooner when fast_io_fail_tmo runs out first.
+func (s *CltSession) ioDeadline(now time.Time) time.Time {
+	deadline := now.Add(s.NoPathTimeout())
+	if f := s.FastIOFailTmo(); f >= 0 {
+		if since := s.NoPathSince(); !since.IsZero() && since.Add(f).Before(deadline) {
+			deadline = since.Add(f)
+		}
+	}
+	return deadline
 }
 
 // SetSizePoll sets how often the session asks the server for the size of

@@ -462,14 +462,15 @@ func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 }
 
 // park keeps a piece until the device is open again or no_path_timeout
-// passes.
+// (or fast_io_fail_tmo) passes.
 func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
-	t := d.s.NoPathTimeout()
-	if t == 0 {
+	now := time.Now()
+	deadline := d.s.ioDeadline(now)
+	if !deadline.After(now) {
 		r.pieceDone(rtrs.ErrNoPath)
 		return
 	}
-	if !d.wait.add(&parked{r: r, off: off, n: n, bufOff: bufOff, deadline: time.Now().Add(t)}) {
+	if !d.wait.add(&parked{r: r, off: off, n: n, bufOff: bufOff, deadline: deadline}) {
 		r.pieceDone(errUnmapped)
 		return
 	}
@@ -482,7 +483,7 @@ func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
 
 // expired fails the pieces whose no_path_timeout passed.
 func (d *CltDev) expired(ps []*parked) {
-	d.log().WithField("requests", len(ps)).Warn("no path within no_path_timeout: failing requests")
+	d.log().WithField("requests", len(ps)).Warn("no path within no_path_timeout (or fast_io_fail_tmo): failing requests")
 	for _, p := range ps {
 		p.r.pieceDone(rtrs.ErrNoPath)
 	}

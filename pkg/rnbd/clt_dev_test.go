@@ -250,6 +250,33 @@ func TestCltDevNoPathTimeout(t *testing.T) {
 	}
 }
 
+// fast_io_fail_tmo counts from the loss of the last path: IO waiting
+// then fails when it runs out although no_path_timeout would let it wait
+// longer, and IO after that fails at once.
+func TestCltDevFastIOFail(t *testing.T) {
+	s, a, buf := lostDevice(t, time.Minute)
+	since := s.NoPathSince()
+	if since.IsZero() || s.FastIOFailTmo() >= 0 || s.FastIOFailIn() != 0 {
+		t.Fatalf("no path since %v, fast_io_fail_tmo %v (off by default), in %v", since, s.FastIOFailTmo(), s.FastIOFailIn())
+	}
+	s.SetFastIOFailTmo(time.Since(since) + 300*time.Millisecond)
+	if in := s.FastIOFailIn(); in <= 0 || in > 300*time.Millisecond {
+		t.Fatalf("fast_io_fail in %v", in)
+	}
+	start := time.Now()
+	err := syncIO(a, OpRead, 0, 0, 4096, buf)
+	if el := time.Since(start); !errors.Is(err, rtrs.ErrNoPath) || el < 250*time.Millisecond || el > 10*time.Second {
+		t.Fatalf("IO waiting for a path: %v after %v, want ErrNoPath after about 300ms", err, el)
+	}
+	if s.FastIOFailIn() >= 0 {
+		t.Fatalf("fast_io_fail in %v after it passed", s.FastIOFailIn())
+	}
+	start = time.Now()
+	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) || time.Since(start) > time.Second {
+		t.Fatalf("IO after fast_io_fail_tmo: %v after %v, want ErrNoPath at once", err, time.Since(start))
+	}
+}
+
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
