@@ -57,6 +57,7 @@ func newDaemon() *cobra.Command {
 			set("mpath-policy", func() { cfg.MPPolicy = over.MPPolicy })
 			set("max-reconnect-attempts", func() { cfg.MaxReconnectAttempts = over.MaxReconnectAttempts })
 			set("no-path-timeout", func() { cfg.NoPathTimeout = over.NoPathTimeout })
+			set("fast-io-fail-tmo", func() { cfg.FastIOFailTmo = over.FastIOFailTmo })
 			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
 			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
 			set("ublk-queue-depth", func() { cfg.UblkQueueDepth = over.UblkQueueDepth })
@@ -91,6 +92,7 @@ func newDaemon() *cobra.Command {
 	f.TextVar(&over.MPPolicy, "mpath-policy", d.MPPolicy, "round-robin, min-inflight or min-latency")
 	f.IntVar(&over.MaxReconnectAttempts, "max-reconnect-attempts", d.MaxReconnectAttempts, "-1 forever, 0 never, or N")
 	f.DurationVar(&over.NoPathTimeout.Duration, "no-path-timeout", d.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
+	f.StringVar(&over.FastIOFailTmo, "fast-io-fail-tmo", d.FastIOFailTmo, "after this long without a path, IO waiting for one fails and new IO fails at once (off: IO waits no_path_timeout)")
 	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
 	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
 	f.DurationVar(&over.SizePoll.Duration, "size-poll", d.SizePoll.Duration, "how often sessions ask servers for their devices' sizes, which reach the devices (0: never; remap does)")
@@ -110,6 +112,7 @@ func newDaemon() *cobra.Command {
 func newMap(g *cli.Globals) *cobra.Command {
 	var m clientd.Mapping
 	var port uint16
+	var sets []string
 	cmd := &cobra.Command{
 		Use:   `map [--sessname S --path P... --device-path D | "sessname=S path=P device_path=D ..."]`,
 		Short: "Map a remote device and serve it (prints the device and its NBD socket)",
@@ -131,6 +134,15 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 			}
 			if cmd.Flags().Changed("dest-port") {
 				m.DestPort = port
+			}
+			for _, kv := range sets {
+				k, v, ok := strings.Cut(kv, "=")
+				if !ok {
+					return ctl.Errorf(ctl.CodeInvalid, "--set %q: want KEY=VALUE", kv)
+				}
+				if err := m.Settings.Parse(k, v); err != nil {
+					return err
+				}
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
 			var out clientd.Mapping
@@ -154,6 +166,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
 	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
+	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+clientd.SettingKeys+" (repeatable; as session set, and kept across restarts)")
 	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir")
 	return cmd
 }
@@ -173,6 +186,7 @@ func merge(m *clientd.Mapping, line clientd.Mapping) {
 	if line.DestPort != 0 {
 		m.DestPort = line.DestPort
 	}
+	m.Settings = m.Settings.Merge(line.Settings)
 }
 
 func devCmd(g *cli.Globals, use, short, op string, body func() any, done string) *cobra.Command {
@@ -221,7 +235,7 @@ func newSession(g *cli.Globals) *cobra.Command {
 		Done: func(args []string) string { return args[0] + " reconnected" },
 	}), &cobra.Command{
 		Use:   "set NAME KEY=VALUE...",
-		Short: "Set mpath_policy, max_reconnect_attempts or no_path_timeout of a session",
+		Short: "Set " + clientd.SettingKeys + " of a session (kept across restarts)",
 		Args:  cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var req clientd.SetRequest
@@ -230,19 +244,8 @@ func newSession(g *cli.Globals) *cobra.Command {
 				if !ok {
 					return ctl.Errorf(ctl.CodeInvalid, "%q: want KEY=VALUE", kv)
 				}
-				switch k {
-				case "mpath_policy", "mp_policy":
-					req.MPPolicy = &v
-				case "max_reconnect_attempts":
-					var n int
-					if _, err := fmt.Sscan(v, &n); err != nil {
-						return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %q: want a number", v)
-					}
-					req.MaxReconnectAttempts = &n
-				case "no_path_timeout":
-					req.NoPathTimeout = &v
-				default:
-					return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want mpath_policy, max_reconnect_attempts or no_path_timeout", k)
+				if err := req.Parse(k, v); err != nil {
+					return err
 				}
 			}
 			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/set", req, nil); err != nil {

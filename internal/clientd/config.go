@@ -38,6 +38,7 @@ type Config struct {
 	MPPolicy             rtrs.MPPolicy `toml:"mpath_policy"`
 	MaxReconnectAttempts int           `toml:"max_reconnect_attempts"`
 	NoPathTimeout        conf.Duration `toml:"no_path_timeout"`
+	FastIOFailTmo        string        `toml:"fast_io_fail_tmo"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
@@ -65,6 +66,7 @@ func DefaultConfig() Config {
 		MPPolicy:             d.MPPolicy,
 		MaxReconnectAttempts: d.MaxReconnectAttempts,
 		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
+		FastIOFailTmo:        "off",
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,
@@ -97,6 +99,9 @@ func (c *Config) Validate() error {
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {
 		return errors.New("bad no_path_timeout or heartbeat")
 	}
+	if _, err := ParseTmo(c.FastIOFailTmo); err != nil {
+		return fmt.Errorf("fast_io_fail_tmo: %w", err)
+	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")
 	}
@@ -116,6 +121,12 @@ func (c *Config) Validate() error {
 		return errors.New("socket_dir is not a directory")
 	}
 	return nil
+}
+
+// fastIOFail is fast_io_fail_tmo (validated), negative when off.
+func (c *Config) fastIOFail() time.Duration {
+	t, _ := ParseTmo(c.FastIOFailTmo)
+	return t
 }
 
 // nbdIOTimeout is the kernel nbd driver's per-request timeout for the

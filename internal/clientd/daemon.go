@@ -231,11 +231,25 @@ func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mappe
 		return nil, err
 	}
 	s.SessUUID = sess.uuid()
+	if err := sess.set(s.Settings); err != nil { // checked: cannot fail
+		d.log.WithError(err).WithField("session", s.SessName).Warn("session settings")
+	}
 	dev, err := sess.cs.Map(ctx, s.DevicePath, s.mode)
 	if err == nil {
 		var fe frontend
 		if fe, err = d.attach(s, dev); err == nil {
-			return d.register(s, dev, fe), nil
+			mp := d.register(s, dev, fe)
+			if !restore && s.Settings != (SetRequest{}) {
+				// The session's other mappings keep the same.
+				d.mu.Lock()
+				for _, m := range d.maps {
+					if m.SessName == s.SessName {
+						m.Settings = m.Settings.Merge(s.Settings)
+					}
+				}
+				d.mu.Unlock()
+			}
+			return mp, nil
 		}
 		dev.Unmap(context.Background())
 	}
@@ -320,6 +334,7 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 	}
 	cs.OnResize(func(dev *rnbd.CltDev) { d.resized(dev) })
 	cs.SetSizePoll(d.cfg.SizePoll.Duration)
+	cs.SetFastIOFailTmo(d.cfg.fastIOFail())
 	s = &session{cs: cs, paths: m.Paths, transport: m.Transport}
 	d.mu.Lock()
 	d.sessions[m.SessName] = s

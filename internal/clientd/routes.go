@@ -20,10 +20,14 @@ type (
 	ResizeRequest struct {
 		Size string `json:"size"`
 	}
+	// SetRequest is a session's settings (session set, or map's for
+	// the session it makes); unset fields stay as they are.
 	SetRequest struct {
 		MPPolicy             *string `json:"mpath_policy,omitempty"`
 		MaxReconnectAttempts *int    `json:"max_reconnect_attempts,omitempty"`
 		NoPathTimeout        *string `json:"no_path_timeout,omitempty"`
+		// FastIOFailTmo: a duration, or "off" (rnbd.CltSession.SetFastIOFailTmo).
+		FastIOFailTmo *string `json:"fast_io_fail_tmo,omitempty"`
 	}
 	PathRequest struct {
 		Path string `json:"path"`
@@ -36,7 +40,7 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
@@ -105,7 +109,10 @@ func (d *Daemon) routes() {
 		if err != nil {
 			return nil, err
 		}
-		return nil, s.set(req)
+		if err := s.set(req); err != nil {
+			return nil, err
+		}
+		return nil, d.keepSettings(r.PathValue("name"), req)
 	})
 	h("POST /v1/sessions/{name}/reconnect", func(r *http.Request) (any, error) {
 		s, err := d.findSession(r.PathValue("name"))
@@ -203,9 +210,97 @@ func (s *session) set(req SetRequest) error {
 		if err != nil {
 			return ctl.Errorf(ctl.CodeInvalid, "no_path_timeout %q: %v", *req.NoPathTimeout, err)
 		}
-		return cs.SetNoPathTimeout(t)
+		if err := cs.SetNoPathTimeout(t); err != nil {
+			return err
+		}
+	}
+	if req.FastIOFailTmo != nil {
+		t, err := ParseTmo(*req.FastIOFailTmo)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "fast_io_fail_tmo: %v", err)
+		}
+		cs.SetFastIOFailTmo(t)
 	}
 	return nil
+}
+
+// check says what is wrong with the settings, without applying them.
+func (req SetRequest) check() error {
+	if req.MPPolicy != nil {
+		if _, err := rtrs.ParseMPPolicy(*req.MPPolicy); err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "%v", err)
+		}
+	}
+	if n := req.MaxReconnectAttempts; n != nil && (*n < -1 || *n > 9999) {
+		return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %d: want -1 to 9999", *n)
+	}
+	if req.NoPathTimeout != nil {
+		if t, err := time.ParseDuration(*req.NoPathTimeout); err != nil || t < 0 {
+			return ctl.Errorf(ctl.CodeInvalid, "no_path_timeout %q: want a duration of 0 or more", *req.NoPathTimeout)
+		}
+	}
+	if req.FastIOFailTmo != nil {
+		if _, err := ParseTmo(*req.FastIOFailTmo); err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "fast_io_fail_tmo: %v", err)
+		}
+	}
+	return nil
+}
+
+// Merge overlays what o sets on req.
+func (req SetRequest) Merge(o SetRequest) SetRequest {
+	if o.MPPolicy != nil {
+		req.MPPolicy = o.MPPolicy
+	}
+	if o.MaxReconnectAttempts != nil {
+		req.MaxReconnectAttempts = o.MaxReconnectAttempts
+	}
+	if o.NoPathTimeout != nil {
+		req.NoPathTimeout = o.NoPathTimeout
+	}
+	if o.FastIOFailTmo != nil {
+		req.FastIOFailTmo = o.FastIOFailTmo
+	}
+	return req
+}
+
+// ParseTmo parses a timer that can be off: a duration, or "off" (or a
+// negative one).
+func ParseTmo(v string) (time.Duration, error) {
+	if v == "off" || v == "-1" {
+		return -1, nil
+	}
+	t, err := time.ParseDuration(v)
+	if err != nil {
+		return 0, fmt.Errorf("%q: want a duration or off", v)
+	}
+	return max(t, -1), nil
+}
+
+// keepSettings records settings of session name in its mappings, so
+// that a restart dials it with them, and saves the state.
+func (d *Daemon) keepSettings(name string, req SetRequest) error {
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	d.mu.Lock()
+	for _, m := range d.maps {
+		if m.SessName == name {
+			m.Settings = m.Settings.Merge(req)
+		}
+	}
+	d.mu.Unlock()
+	if err := d.saveState(); err != nil {
+		return fmt.Errorf("the settings apply, but saving them in the state file failed: %w", err)
+	}
+	return nil
+}
+
+// tmoString shows a timer that can be off.
+func tmoString(t time.Duration) string {
+	if t < 0 {
+		return "off"
+	}
+	return t.String()
 }
 
 func (d *Daemon) sessionList() []*session {
@@ -274,10 +369,18 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		if t := s.cs.NoPathSince(); !t.IsZero() {
 			noPathSince = t.UTC().Format(time.RFC3339)
 		}
+		failIn := ""
+		switch in := s.cs.FastIOFailIn(); {
+		case in > 0:
+			failIn = in.Round(time.Millisecond).String()
+		case in < 0:
+			failIn = "passed"
+		}
 		recs = append(recs, output.Record{
 			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
 			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
+			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "rx_bytes": rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})

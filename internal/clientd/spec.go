@@ -30,6 +30,10 @@ type Mapping struct {
 	// dials its sessions with the same one, so the server takes them for
 	// the sessions it may still hold rather than refusing their names.
 	SessUUID string `json:"sess_uuid,omitempty"`
+	// Settings of the session given with the map that made it, or with
+	// session set since: a restart dials the session with them. Unset
+	// ones are the daemon's configuration.
+	Settings SetRequest `json:"session_settings,omitzero"`
 }
 
 // feKind is the kind of frontend a mapping is offered through.
@@ -83,10 +87,37 @@ func ParseMapString(s string) (Mapping, error) {
 		case "nr_poll_queues":
 			return m, ctl.Errorf(ctl.CodeNotSupported, "map: nr_poll_queues is a kernel block-layer option with no meaning here")
 		default:
-			return m, ctl.Errorf(ctl.CodeInvalid, "map: unknown parameter %q", k)
+			if err := m.Settings.Parse(k, v); err != nil {
+				return m, ctl.Errorf(ctl.CodeInvalid, "map: unknown parameter %q", k)
+			}
 		}
 	}
 	return m, nil
+}
+
+// SettingKeys are the session settings Parse takes.
+const SettingKeys = "mpath_policy, max_reconnect_attempts, no_path_timeout or fast_io_fail_tmo"
+
+// Parse sets the session setting k to v (session set KEY=VALUE, and the
+// map string's session keys); values are checked by the daemon.
+func (req *SetRequest) Parse(k, v string) error {
+	switch k {
+	case "mpath_policy", "mp_policy":
+		req.MPPolicy = &v
+	case "max_reconnect_attempts":
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %q: want a number", v)
+		}
+		req.MaxReconnectAttempts = &n
+	case "no_path_timeout":
+		req.NoPathTimeout = &v
+	case "fast_io_fail_tmo":
+		req.FastIOFailTmo = &v
+	default:
+		return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want %s", k, SettingKeys)
+	}
+	return nil
 }
 
 // normalize checks a mapping request, fills the defaults and types it.
@@ -97,6 +128,9 @@ func normalize(m Mapping) (mapSpec, error) {
 	}
 	if err := rtrs.ValidSessName(m.SessName); err != nil {
 		return s, ctl.Errorf(ctl.CodeInvalid, "sessname %q: %v", m.SessName, err)
+	}
+	if err := m.Settings.check(); err != nil {
+		return s, err
 	}
 	if s.AccessMode == "" {
 		s.AccessMode = "rw"

@@ -1,0 +1,52 @@
+package e2e
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestSessionSettingsKept: timers given at map time (--set, or in the
+// kernel-style map string) and changed by session set are the session's,
+// shown by session show, and come back after a restart of the client.
+func TestSessionSettingsKept(t *testing.T) {
+	dir := t.TempDir()
+	sparseFile(t, filepath.Join(dir, "a.img"), 8<<20)
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "a", filepath.Join(dir, "a.img"))
+	cl := startClient(t, dir)
+	cl.ok("map", fmt.Sprintf("sessname=st path=ip:127.0.0.1 device_path=a dest_port=%d no_path_timeout=45s", port),
+		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7")
+	show := func() map[string]any {
+		t.Helper()
+		s := cl.records("session", "show", "st")
+		if len(s) != 1 {
+			t.Fatalf("session show: %v", s)
+		}
+		return s[0]
+	}
+	want := func(k string, v any) {
+		t.Helper()
+		if got := show()[k]; got != v {
+			t.Fatalf("%s = %v, want %v", k, got, v)
+		}
+	}
+	want("no_path_timeout", "45s")
+	want("fast_io_fail_tmo", "5s")
+	want("fast_io_fail_in", "") // the session has its path
+	want("max_reconnect_attempts", float64(7))
+	cl.ok("session", "set", "st", "fast_io_fail_tmo=off", "mpath_policy=round-robin")
+	if _, errOut, code := cl.ctl("session", "set", "st", "fast_io_fail_tmo=soon"); code != 2 || !strings.Contains(errOut, "want a duration or off") {
+		t.Fatalf("a bad fast_io_fail_tmo: exit %d %q", code, errOut)
+	}
+	cl.stop()
+	cl = startClient(t, dir)
+	want("fast_io_fail_tmo", "off")
+	if p, _ := show()["mpath_policy"].(string); !strings.HasPrefix(p, "round-robin") {
+		t.Fatalf("mpath_policy %q after the restart", p)
+	}
+	want("no_path_timeout", "45s")
+	want("max_reconnect_attempts", float64(7))
+}
