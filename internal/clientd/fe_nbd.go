@@ -53,7 +53,25 @@ func (f *nbdFE) resized(bytes int64) error {
 		return err
 	}
 	defer nl.Close()
-	return nl.Resize(f.index, uint64(bytes))
+	return nbdResize(nl, f.index, bytes)
+}
+
+// nbdResize sets the size of /dev/nbdINDEX and checks that it took:
+// kernels whose RECONFIGURE does not know the size attribute ignore it
+// without an error, and refuse the ioctls on a device set up by netlink.
+func nbdResize(nl *nbdnl.Conn, index uint32, bytes int64) error {
+	if err := nl.Resize(index, uint64(bytes)); err != nil {
+		return err
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/sys/block/nbd%d/size", index))
+	if err != nil {
+		return err
+	}
+	if got, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); got*512 != bytes {
+		return fmt.Errorf("this kernel's nbd driver cannot resize a device it attached by netlink (RECONFIGURE ignored the size; it has %d bytes): %w",
+			got*512, syscall.EOPNOTSUPP)
+	}
+	return nil
 }
 
 // path is the block device: /dev/nbdN.
@@ -163,7 +181,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 			d.setQueueLimits(k)
 			// The size too, in case the server resized the device
 			// meanwhile (the kernel does nothing if it is the same).
-			if err := nl.Resize(k.index, cfg.SizeBytes); err != nil {
+			if err := nbdResize(nl, k.index, int64(cfg.SizeBytes)); err != nil {
 				d.log.WithError(err).WithField("nbd", index).Warn("the device keeps its size: could not apply the new one")
 			}
 			return k, nil
