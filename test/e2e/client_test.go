@@ -117,6 +117,19 @@ func (c *clientDaemon) records(args ...string) []map[string]any {
 	return recs
 }
 
+// fioVerify writes size of random data in blocks of 4 KiB to maxBlock at
+// depth 16 through the NBD URI with fio's nbd engine, reads every block
+// back and verifies it (crc32c).
+func fioVerify(t *testing.T, uri, maxBlock, size string, within time.Duration) {
+	t.Helper()
+	out := run(t, within, "fio", "--name=verify", "--ioengine=nbd", "--uri="+uri,
+		"--rw=randwrite", "--bsrange=4k-"+maxBlock, "--iodepth=16", "--size="+size, "--verify=crc32c",
+		"--verify_fatal=1", "--do_verify=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
+	if !strings.Contains(out, `"error" : 0`) {
+		t.Fatalf("fio: %s", out)
+	}
+}
+
 func needTools(t *testing.T, tools ...string) {
 	t.Helper()
 	for _, tool := range tools {
@@ -234,12 +247,7 @@ func TestClientEndToEnd(t *testing.T) {
 	}
 	// fio: 1 GiB of random writes of mixed sizes, then every block read
 	// back and verified.
-	out = run(t, 10*time.Minute, "fio", "--name=mixed", "--ioengine=nbd", "--uri="+uri0,
-		"--rw=randwrite", "--bsrange=4k-256k", "--iodepth=16", "--size=1g", "--verify=crc32c",
-		"--verify_fatal=1", "--do_verify=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
-	if !strings.Contains(out, `"error" : 0`) {
-		t.Fatalf("fio: %s", out)
-	}
+	fioVerify(t, uri0, "256k", "1g", 10*time.Minute)
 
 	// The server restarts: the client reconnects, reopens the device and
 	// the IO that waited meanwhile completes.

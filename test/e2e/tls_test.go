@@ -63,12 +63,7 @@ func TestTLSEndToEnd(t *testing.T) {
 	if !ok {
 		t.Fatalf("map output %q", out)
 	}
-	out = run(t, 5*time.Minute, "fio", "--name=tls", "--ioengine=nbd", "--uri="+uri,
-		"--rw=randwrite", "--bsrange=4k-128k", "--iodepth=16", "--size=128m", "--verify=crc32c",
-		"--verify_fatal=1", "--do_verify=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
-	if !strings.Contains(out, `"error" : 0`) {
-		t.Fatalf("fio: %s", out)
-	}
+	fioVerify(t, uri, "128k", "128m", 5*time.Minute)
 	sess := srv.records("session", "list", "--fields", "all")
 	if len(sess) != 1 || sess[0]["sessname"] != "sa" || sess[0]["peer"] != "client-a" {
 		t.Fatalf("server sessions: %v", sess)

@@ -162,6 +162,8 @@ resized() {
 		res "$p-server-resize" PASS "the kernel cannot resize it, and the client said so ($out); $dev kept $got bytes"
 	else
 		res "$p-server-resize" FAIL "$dev shows $got bytes, want $want"
+		grep -i "size" /tmp/client.log | tail -5 | sed 's/^/DETAIL /'
+		cat /sys/block/${dev#/dev/}/size | sed 's/^/DETAIL sysfs size /'
 	fi
 }
 
