@@ -56,22 +56,30 @@ func (f *nbdFE) resized(bytes int64) error {
 	return nbdResize(nl, f.index, bytes)
 }
 
-// nbdResize sets the size of /dev/nbdINDEX and checks that it took:
-// kernels whose RECONFIGURE does not know the size attribute ignore it
-// without an error, and refuse the ioctls on a device set up by netlink.
+// nbdResize sets the size of /dev/nbdINDEX, unless it has it, and checks
+// that it took: some kernels refuse a size in RECONFIGURE (Debian 12's
+// 6.12 answers EINVAL) or ignore it, and every kernel refuses the resize
+// ioctl on a device set up by netlink.
 func nbdResize(nl *nbdnl.Conn, index uint32, bytes int64) error {
+	size := func() (int64, error) {
+		b, err := os.ReadFile(fmt.Sprintf("/sys/block/nbd%d/size", index))
+		if err != nil {
+			return 0, err
+		}
+		n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		return n * 512, err
+	}
+	if got, err := size(); err != nil || got == bytes {
+		return err
+	}
 	if err := nl.Resize(index, uint64(bytes)); err != nil {
-		return err
+		return fmt.Errorf("this kernel's nbd driver cannot resize the device (RECONFIGURE with the size: %w)", err)
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/sys/block/nbd%d/size", index))
-	if err != nil {
-		return err
+	got, err := size()
+	if err == nil && got != bytes {
+		err = fmt.Errorf("this kernel's nbd driver cannot resize the device (RECONFIGURE ignored the size; it has %d bytes): %w", got, syscall.EOPNOTSUPP)
 	}
-	if got, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); got*512 != bytes {
-		return fmt.Errorf("this kernel's nbd driver cannot resize a device it attached by netlink (RECONFIGURE ignored the size; it has %d bytes): %w",
-			got*512, syscall.EOPNOTSUPP)
-	}
-	return nil
+	return err
 }
 
 // path is the block device: /dev/nbdN.
