@@ -25,14 +25,16 @@ const ConfigVersion = 1
 
 // Config is the daemon's configuration: the TOML file, then flags.
 type Config struct {
-	Version          int      `toml:"version"`
-	Listen           []string `toml:"listen"`
-	DevSearchPath    string   `toml:"dev_search_path"`
-	AllowMigration   bool     `toml:"allow_migration"`
-	QueueDepth       int      `toml:"queue_depth"`
-	MaxChunkSize     int      `toml:"max_chunk_size"`
-	MaxChunkMemory   Size     `toml:"max_chunk_memory"`
-	AlwaysInvalidate bool     `toml:"always_invalidate"`
+	Version        int      `toml:"version"`
+	Listen         []string `toml:"listen"`
+	DevSearchPath  string   `toml:"dev_search_path"`
+	AllowMigration bool     `toml:"allow_migration"`
+	QueueDepth     int      `toml:"queue_depth"`
+	MaxChunkSize   int      `toml:"max_chunk_size"`
+	MaxChunkMemory Size     `toml:"max_chunk_memory"`
+	// MaxSessionsPerClient bounds one client's sessions (rtrs.ServerConfig).
+	MaxSessionsPerClient int  `toml:"max_sessions_per_client"`
+	AlwaysInvalidate     bool `toml:"always_invalidate"`
 	// InvalidateBy is how always_invalidate revokes a chunk's rkey on
 	// RDMA: "window" (memory windows bound by work requests, where the
 	// device has them) or "registration" (deregister and register).
@@ -60,19 +62,20 @@ type (
 // them (port 1234, 512 chunks of 128 KiB, always_invalidate on).
 func DefaultConfig() Config {
 	return Config{
-		Version:          ConfigVersion,
-		Listen:           []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort), fmt.Sprintf("rdma://0.0.0.0:%d", rtrs.DefaultPort)},
-		QueueDepth:       rtrs.DefaultQueueDepth,
-		MaxChunkSize:     rtrs.DefaultMaxChunkSize,
-		MaxChunkMemory:   Size(rtrs.DefaultMaxChunkMemory()),
-		AlwaysInvalidate: true,
-		InvalidateBy:     "window",
-		HBInterval:       Duration{Duration: rtrs.DefaultHBInterval},
-		HBMissedMax:      rtrs.DefaultHBMissedMax,
-		ControlSocket:    DefaultControlSocket,
-		StateFile:        DefaultStateFile,
-		LogLevel:         "info",
-		LogFormat:        "text",
+		Version:              ConfigVersion,
+		Listen:               []string{fmt.Sprintf("tcp://0.0.0.0:%d", rtrs.DefaultPort), fmt.Sprintf("rdma://0.0.0.0:%d", rtrs.DefaultPort)},
+		QueueDepth:           rtrs.DefaultQueueDepth,
+		MaxChunkSize:         rtrs.DefaultMaxChunkSize,
+		MaxChunkMemory:       Size(rtrs.DefaultMaxChunkMemory()),
+		MaxSessionsPerClient: rtrs.DefaultMaxSessionsPerClient,
+		AlwaysInvalidate:     true,
+		InvalidateBy:         "window",
+		HBInterval:           Duration{Duration: rtrs.DefaultHBInterval},
+		HBMissedMax:          rtrs.DefaultHBMissedMax,
+		ControlSocket:        DefaultControlSocket,
+		StateFile:            DefaultStateFile,
+		LogLevel:             "info",
+		LogFormat:            "text",
 	}
 }
 
@@ -103,6 +106,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ControlSocket == "" || c.StateFile == "" {
 		return errors.New("control_socket and state_file must be set")
+	}
+	if c.MaxSessionsPerClient < 0 {
+		return errors.New("max_sessions_per_client must not be negative (0: no bound)")
 	}
 	if err := c.TLS.Validate(); err != nil {
 		return err

@@ -106,6 +106,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	rcfg.InvalidateByRegistration = cfg.InvalidateBy == "registration"
 	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
 	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
+	rcfg.MaxSessionsPerClient = cfg.MaxSessionsPerClient
 	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {
 		d.ctl.Close()
 		d.rnbd.Close()

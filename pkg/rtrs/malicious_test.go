@@ -540,3 +540,29 @@ func TestSessionPeerOverTLS(t *testing.T) {
 	}
 	h.stillServes()
 }
+
+// One client address (or identity) may have MaxSessionsPerClient
+// sessions; one more is refused with EUSERS while other addresses are
+// not affected, and a slot comes back when a session goes.
+func TestHostileSessionsPerClient(t *testing.T) {
+	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
+	dst := loopbackListener(t)
+	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	scfg.MaxSessionsPerClient = 2
+	h := &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
+		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	first := newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	dev, _ := h.fab.Resolve(context.Background(), h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, 2)
+	if _, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize))); rejectErrno(err) != syscall.EUSERS {
+		t.Fatalf("a third session from one address: %v, want a reject with EUSERS", err)
+	}
+	other := netip.MustParseAddrPort("127.0.0.4:0")
+	newRawPathConns(t, h.fab, other, h.dst, 2, 1) // another address has its own
+	first.close()
+	waitFor(t, 10*time.Second, "the closed session to go", func() bool { return len(h.srv.Sessions()) == 3 })
+	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	h.stillServesWith(4)
+}

@@ -85,6 +85,12 @@ type ServerConfig struct {
 	// holding its share of MaxChunkMemory until ConnectTimeout: more
 	// are refused with EBUSY, and the client retries. 0 means no bound.
 	MaxConnectingPerAddr int
+	// MaxSessionsPerClient bounds the sessions of one client: of one
+	// identity where the fabric authenticates peers (TLS certificates),
+	// else of one address. One more is refused with EUSERS, so a client
+	// cannot take every session, or the chunk memory, from the others.
+	// 0 means no bound.
+	MaxSessionsPerClient int
 	Handler              ServerHandler
 	Log                  *log.Entry
 }
@@ -116,6 +122,11 @@ func DefaultMaxChunkMemory() int64 {
 // milliseconds.
 const DefaultMaxConnectingPerAddr = 8
 
+// DefaultMaxSessionsPerClient: a client host has a session per server
+// (or per group of devices) it maps from; 64 of them on one server is
+// more than any legitimate one makes.
+const DefaultMaxSessionsPerClient = 64
+
 // DefaultServerConfig returns the kernel module's defaults.
 func DefaultServerConfig() ServerConfig {
 	return ServerConfig{
@@ -128,6 +139,7 @@ func DefaultServerConfig() ServerConfig {
 		MaxSessions:          1024,
 		MaxChunkMemory:       DefaultMaxChunkMemory(),
 		MaxConnectingPerAddr: DefaultMaxConnectingPerAddr,
+		MaxSessionsPerClient: DefaultMaxSessionsPerClient,
 	}
 }
 
@@ -149,7 +161,7 @@ func (c *ServerConfig) validate() error {
 	if err := CheckImmBudget(uint32(c.QueueDepth), uint32(c.MaxChunkSize)); err != nil {
 		return err
 	}
-	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxConnectingPerAddr < 0 {
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxConnectingPerAddr < 0 || c.MaxSessionsPerClient < 0 {
 		return errors.New("rtrs: bad heartbeat, timeout or session limit")
 	}
 	if c.Log == nil {
@@ -314,9 +326,13 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 		return
 	}
 	peer := fabric.PeerNames(req)
-	sess, errno := s.getOrCreateSession(msg.PathsUUID, msg.FirstConn, peer)
-	if errno == syscall.EACCES {
+	sess, errno := s.getOrCreateSession(msg.PathsUUID, msg.FirstConn, peer, clientKey(peer, req))
+	switch errno {
+	case syscall.EACCES:
 		s.reject(req, errno, "peer is not the session's: its certificate differs", log.Fields{"peer": strings.Join(peer, ",")})
+		return
+	case syscall.EUSERS:
+		s.reject(req, errno, "too many sessions of this client", log.Fields{"client_key": clientKey(peer, req), "max_sessions_per_client": s.cfg.MaxSessionsPerClient})
 		return
 	}
 	if errno != 0 {
@@ -413,7 +429,16 @@ func (s *Server) doneConnecting(a netip.Addr) {
 // connection of a path. A connection joins a session only if its fabric
 // authenticated the same peer as the session's first (EACCES otherwise):
 // knowing a session's UUID is no credential.
-func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string) (*SrvSession, syscall.Errno) {
+// clientKey is what sessions are counted by for MaxSessionsPerClient: the
+// peer's identity where the fabric authenticated one, else its address.
+func clientKey(peer []string, req fabric.ConnRequest) string {
+	if len(peer) > 0 {
+		return "identity:" + peer[0]
+	}
+	return "address:" + req.RemoteAddr().Addr().Unmap().String()
+}
+
+func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string, client string) (*SrvSession, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed.Load() {
@@ -432,7 +457,18 @@ func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string
 	if len(s.sessions) >= s.cfg.MaxSessions {
 		return nil, syscall.ENOSPC
 	}
-	x := &SrvSession{srv: s, uuid: uuid, queueDepth: s.cfg.QueueDepth, chunkSize: s.cfg.MaxChunkSize, refs: 1, peer: peer}
+	if most := s.cfg.MaxSessionsPerClient; most > 0 {
+		n := 0
+		for _, x := range s.sessions {
+			if x.client == client {
+				n++
+			}
+		}
+		if n >= most {
+			return nil, syscall.EUSERS
+		}
+	}
+	x := &SrvSession{srv: s, uuid: uuid, queueDepth: s.cfg.QueueDepth, chunkSize: s.cfg.MaxChunkSize, refs: 1, peer: peer, client: client}
 	x.acceptCond.L = &x.mu
 	x.logp.Store(x.withPeer(s.log.WithField("session_uuid", fmt.Sprintf("%x", uuid[:4]))))
 	s.sessions[uuid] = x

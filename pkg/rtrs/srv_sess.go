@@ -52,6 +52,7 @@ type SrvSession struct {
 	logp       atomic.Pointer[log.Entry]
 	priv       atomic.Value
 	peer       []string // what the fabric authenticated of the client
+	client     string   // what it counts against MaxSessionsPerClient (clientKey)
 
 	// mu guards the fields below.
 	mu      sync.Mutex
