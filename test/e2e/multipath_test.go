@@ -229,3 +229,80 @@ func jsonPart(out string) string {
 	}
 	return ""
 }
+
+// TestMultipathSilentLossNBD is the same fault as TestMultipathSilentLoss
+// as a user meets it: the real daemons in the two namespaces, the device
+// mapped over both paths as an NBD socket, fio (nbd engine) writing 4 KiB
+// random blocks at QD16 with crc32c verification while the server's
+// address on one path disappears for 12 s. No IO fails, every block
+// verifies, and none waits more than 2 s.
+func TestMultipathSilentLossNBD(t *testing.T) {
+	needTools(t, "fio")
+	requireRoot(t)
+	dir := t.TempDir()
+	id := os.Getpid()
+	r := &twoPaths{net: 203,
+		srvNS: netns(t, fmt.Sprintf("rnbd-e2f-%d-s", id)),
+		cliNS: netns(t, fmt.Sprintf("rnbd-e2f-%d-c", id))}
+	veth(t, r.cliNS, "c1", r.addr(1, 2)+"/24", r.srvNS, "s1", r.addr(1, 1)+"/24")
+	veth(t, r.cliNS, "c2", r.addr(2, 2)+"/24", r.srvNS, "s2", r.addr(2, 1)+"/24")
+	vol := filepath.Join(dir, "vol.img")
+	sparseFile(t, vol, 256<<20)
+	ssock, csock := filepath.Join(dir, "s.sock"), filepath.Join(dir, "c.sock")
+	start(t, "ip", "netns", "exec", r.srvNS, bin("rnbd-server"), "daemon", "--config", "/dev/null",
+		"--listen", "tcp://"+r.addr(1, 1)+":1234", "--listen", "tcp://"+r.addr(2, 1)+":1234",
+		"--control-socket", ssock, "--state-file", filepath.Join(dir, "s.json"))
+	start(t, "ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
+		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir)
+	for _, s := range []string{ssock, csock} {
+		deadline := time.Now().Add(20 * time.Second)
+		for _, err := os.Stat(s); err != nil; _, err = os.Stat(s) {
+			if time.Now().After(deadline) {
+				t.Fatalf("no control socket %s", s)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	run(t, time.Minute, bin("rnbd-server"), "--socket", ssock, "map", "vol", vol)
+	run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "map", "--sessname", "sl", "--device-path", "vol",
+		"--path", "ip:"+r.addr(1, 2)+"@ip:"+r.addr(1, 1), "--path", "ip:"+r.addr(2, 2)+"@ip:"+r.addr(2, 1),
+		"--set", "mpath_policy=round-robin")
+	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	fio := start(t, "fio", "--name=silent", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
+		"--iodepth=16", "--size=256m", "--time_based", "--runtime=24", "--rate_iops=4000",
+		"--verify=crc32c", "--verify_backlog=4096", "--verify_fatal=1", "--verify_state_save=0",
+		"--randrepeat=0", "--output-format=json")
+	time.Sleep(4 * time.Second)
+	gone := r.addr(1, 1) + "/24"
+	sh(t, "ip", "-n", r.srvNS, "addr", "del", gone, "dev", "s1")
+	t.Logf("server address %s removed", gone)
+	time.Sleep(12 * time.Second)
+	sh(t, "ip", "-n", r.srvNS, "addr", "add", gone, "dev", "s1")
+	t.Logf("server address %s back", gone)
+	if err := fio.wait(t, 2*time.Minute); err != nil {
+		t.Fatalf("fio: %v\n%s", err, fio.out.String())
+	}
+	var res struct {
+		Jobs []struct {
+			Error int `json:"error"`
+			Write struct {
+				IOs  int64 `json:"total_ios"`
+				Clat struct {
+					Max float64 `json:"max"`
+				} `json:"clat_ns"`
+			} `json:"write"`
+		} `json:"jobs"`
+	}
+	if err := json.Unmarshal([]byte(jsonPart(fio.out.String())), &res); err != nil || len(res.Jobs) != 1 {
+		t.Fatalf("fio output: %v\n%s", err, fio.out.String())
+	}
+	j := res.Jobs[0]
+	if j.Error != 0 || j.Write.IOs == 0 {
+		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
+	}
+	if j.Write.Clat.Max > 2e9 {
+		t.Errorf("a write waited %.2f s across the silent loss, want at most 2 s", j.Write.Clat.Max/1e9)
+	}
+	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
+	t.Logf("%d writes verified across the silent loss, max wait %.0f ms; paths:\n%s", j.Write.IOs, j.Write.Clat.Max/1e6, paths)
+}
