@@ -400,13 +400,13 @@ func (l *listener) acceptLoop() {
 
 // handshake reads a REQ within the handshake timeout and queues it for
 // Accept. A peer that sends garbage or nothing only costs its own socket.
-func (l *listener) handshake(nc net.Conn, peer netip.Addr) {
+func (l *listener) handshake(raw net.Conn, peer netip.Addr) {
 	defer l.wg.Done()
 	defer func() {
-		l.putPeerSlot(peer, nc)
+		l.putPeerSlot(peer, raw) // the connection takePeerSlot counted
 		<-l.slots
 	}()
-	raw := nc
+	nc := raw
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
 	// The first byte tells a TLS record (a handshake: 22) from the
 	// plain handshake ('R'): a peer configured otherwise than the server

@@ -131,6 +131,29 @@ func TestTLSAuthentication(t *testing.T) {
 	if n < 2 {
 		t.Errorf("%d TLS handshake failures logged, want one per refused client", n)
 	}
+	// Whatever became of them, no handshake is left counted.
+	for _, l := range []fabric.Listener{l, plain} {
+		ll := l.(*listener)
+		waitShaken(t, ll)
+	}
+}
+
+// waitShaken waits until l counts no handshake in progress.
+func waitShaken(t *testing.T, l *listener) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		l.perAddrMu.Lock()
+		n, m := len(l.shaking), len(l.perAddr)
+		l.perAddrMu.Unlock()
+		if n == 0 && m == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d handshakes (%d addresses) still counted after every peer went", n, m)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 func TestCertNames(t *testing.T) {
