@@ -341,15 +341,30 @@ func (c *conn) sent(b *sendBatch) {
 	b.iov, b.rest = b.iov[:0], nil
 }
 
-// writeAll writes iov, waiting for room up to the stall timeout.
+// stallStep is how much of a write must go out within the stall timeout:
+// a peer that takes less than that in StallTimeout is taken for stalled.
+const stallStep = 4 << 20
+
+// writeAll writes iov, waiting for room as long as the peer takes
+// stallStep bytes per stall timeout: each step of the iovec gets a
+// deadline of its own.
 func (c *conn) writeAll(iov [][]byte, b *sendBatch) error {
-	c.nc.SetWriteDeadline(time.Now().Add(c.dev.fab.opts.StallTimeout))
-	err := c.writeVec(iov, b)
+	var err error
+	for len(iov) > 0 && err == nil {
+		n, size := 0, 0
+		for n < len(iov) && (n == 0 || size+len(iov[n]) <= stallStep) {
+			size += len(iov[n])
+			n++
+		}
+		c.nc.SetWriteDeadline(time.Now().Add(c.dev.fab.opts.StallTimeout))
+		err = c.writeVec(iov[:n], b)
+		iov = iov[n:]
+	}
 	// Cleared: an expired deadline would fail the reader's flushes,
 	// which never wait, as well.
 	c.nc.SetWriteDeadline(time.Time{})
 	if errors.Is(err, os.ErrDeadlineExceeded) {
-		return fmt.Errorf("tcp fabric: the peer took no data for %v: %w", c.dev.fab.opts.StallTimeout, err)
+		return fmt.Errorf("tcp fabric: the peer took less than %d bytes in %v: %w", stallStep, c.dev.fab.opts.StallTimeout, err)
 	}
 	return err
 }

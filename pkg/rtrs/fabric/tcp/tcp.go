@@ -57,12 +57,12 @@ type Options struct {
 	// its CPUs, and retransmissions ride out a few lost segments in that
 	// time. An idle path is checked by its heartbeats, which are data.
 	UserTimeout time.Duration
-	// StallTimeout bounds one write of the send queue (at most its
-	// depth of work requests) that waits for a peer which takes no data:
-	// its receive window shut, a peer that stopped reading but
-	// acknowledges, which TCP_USER_TIMEOUT does not catch. Past it the
-	// connection is killed (30 s). A frozen peer is caught sooner by
-	// heartbeats; this is for one that writes but never reads.
+	// StallTimeout is how long a write may wait for a peer that takes
+	// (almost) no data — less than 4 MiB in that time: its receive
+	// window shut, a peer that stopped reading but acknowledges, which
+	// TCP_USER_TIMEOUT does not catch. Past it the connection is killed
+	// (30 s). A frozen peer is caught sooner by heartbeats; this is for
+	// one that writes but never reads. A slow but moving peer is not.
 	StallTimeout time.Duration
 	// Backlog is how many handshaken requests may wait for Accept (64).
 	Backlog int
@@ -279,7 +279,11 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 			if errors.As(err, &rh) {
 				return nil, nil, fmt.Errorf("tcp fabric: %v does not speak TLS (its server has no tls configured): %w", p.Dst, syscall.EACCES)
 			}
-			return nil, nil, authError{fmt.Errorf("tcp fabric: TLS handshake with %v: %w", p.Dst, err)}
+			err = fmt.Errorf("tcp fabric: TLS handshake with %v: %w", p.Dst, err)
+			if isAuthFailure(err) {
+				err = authError{err}
+			}
+			return nil, nil, err
 		}
 		nc = tc
 	}
@@ -296,8 +300,7 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 		// TLS 1.3: the server checks the client's certificate after
 		// the client's side of the handshake is done; its verdict is
 		// an alert on the first read.
-		var oe *net.OpError
-		if nc != raw && errors.As(err, &oe) && oe.Op == "remote error" {
+		if nc != raw && isAuthFailure(err) {
 			return nil, nil, authError{fmt.Errorf("tcp fabric: %v refused the client's certificate: %w", p.Dst, err)}
 		}
 		return nil, nil, fmt.Errorf("tcp fabric: handshake with %v: %w", p.Dst, err)
@@ -600,8 +603,17 @@ func (c *prefixConn) Read(p []byte) (int, error) {
 	return c.Conn.Read(p)
 }
 
-// authError is a failed TLS handshake: a permission error (EACCES) to
-// those who classify errors by errno.
+// isAuthFailure reports whether a TLS error is about credentials: a
+// certificate that does not verify here, or an alert from the peer (which
+// refuses ours). A timeout, a reset or an EOF is not.
+func isAuthFailure(err error) bool {
+	var cv *tls.CertificateVerificationError
+	var oe *net.OpError
+	return errors.As(err, &cv) || (errors.As(err, &oe) && oe.Op == "remote error")
+}
+
+// authError is a failed TLS authentication: a permission error (EACCES)
+// to those who classify errors by errno.
 type authError struct{ err error }
 
 func (e authError) Error() string   { return e.err.Error() }
