@@ -231,24 +231,12 @@ func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mappe
 		return nil, err
 	}
 	s.SessUUID = sess.uuid()
-	if err := sess.set(s.Settings); err != nil { // checked: cannot fail
-		d.log.WithError(err).WithField("session", s.SessName).Warn("session settings")
-	}
 	dev, err := sess.cs.Map(ctx, s.DevicePath, s.mode)
 	if err == nil {
 		var fe frontend
 		if fe, err = d.attach(s, dev); err == nil {
 			mp := d.register(s, dev, fe)
-			if !restore && s.Settings != (SetRequest{}) {
-				// The session's other mappings keep the same.
-				d.mu.Lock()
-				for _, m := range d.maps {
-					if m.SessName == s.SessName {
-						m.Settings = m.Settings.Merge(s.Settings)
-					}
-				}
-				d.mu.Unlock()
-			}
+			d.sessionSettings(sess, mp, restore)
 			return mp, nil
 		}
 		dev.Unmap(context.Background())
@@ -257,6 +245,32 @@ func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mappe
 		d.dropSession(s.SessName)
 	}
 	return nil, err
+}
+
+// sessionSettings applies a new mapping's session settings to its
+// session and makes every mapping of the session carry all of them, so
+// that the state file keeps them as long as any of its mappings lives.
+// A restore applies what the mapping carries.
+func (d *Daemon) sessionSettings(sess *session, mp *mapped, restore bool) {
+	d.mu.Lock()
+	all := SetRequest{}
+	if !restore {
+		for _, m := range d.maps {
+			if m.SessName == mp.SessName && m != mp {
+				all = all.Merge(m.Settings)
+			}
+		}
+	}
+	all = all.Merge(mp.Settings) // the newest win
+	for _, m := range d.maps {
+		if m.SessName == mp.SessName {
+			m.Settings = all
+		}
+	}
+	d.mu.Unlock()
+	if err := sess.set(mp.Settings); err != nil { // checked by normalize
+		d.log.WithError(err).WithField("session", mp.SessName).Warn("session settings")
+	}
 }
 
 // fabricFor is the fabric of a transport; the RDMA one is made on first

@@ -36,6 +36,10 @@ type frontend interface {
 // `resize`, goes to the frontend of the device's mapping. The error says
 // what could not apply it (also logged).
 func (d *Daemon) resized(dev *rnbd.CltDev) error {
+	// In turn with map and unmap: the frontend found is the device's,
+	// not one a later map got in its place.
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
 	d.mu.Lock()
 	var m *mapped
 	for _, x := range d.maps {

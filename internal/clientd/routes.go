@@ -109,6 +109,9 @@ func (d *Daemon) routes() {
 		if err != nil {
 			return nil, err
 		}
+		if err := req.check(); err != nil {
+			return nil, err // nothing applied
+		}
 		if err := s.set(req); err != nil {
 			return nil, err
 		}

@@ -259,8 +259,21 @@ var ErrBadOpenRsp = fmt.Errorf("rnbd: server answered with an unusable device: %
 // open opens the remote device name on the server (OPEN). The server
 // answers the same device id for a name the session has open already.
 func (s *CltSession) open(ctx context.Context, name string, mode AccessMode) (OpenRsp, error) {
+	return s.openIf(ctx, name, mode, nil)
+}
+
+// errNotNow is openIf's answer when its condition did not hold.
+var errNotNow = errors.New("rnbd: not sent")
+
+// openIf is open, sent only if cond (when not nil) holds once the admin
+// messages are serialized: nothing else (a CLOSE, an OPEN) can come
+// between the check and the OPEN.
+func (s *CltSession) openIf(ctx context.Context, name string, mode AccessMode, cond func() bool) (OpenRsp, error) {
 	s.adminMu.Lock()
 	defer s.adminMu.Unlock()
+	if cond != nil && !cond() {
+		return OpenRsp{}, errNotNow
+	}
 	var usr [OpenSize]byte
 	(&Open{AccessMode: mode, DevName: name}).Encode(usr[:])
 	if err := s.adminDo(ctx, usr[:], OpenRspSize); err != nil {
@@ -278,8 +291,11 @@ func (s *CltSession) open(ctx context.Context, name string, mode AccessMode) (Op
 
 func validBlockSize(n uint16) bool { return n >= 512 && n&(n-1) == 0 }
 
-// close closes device id on the server (CLOSE).
+// close closes device id on the server (CLOSE), in turn with the other
+// admin messages (a size poll's OPEN cannot overtake it).
 func (s *CltSession) close(ctx context.Context, name string, id uint32) error {
+	s.adminMu.Lock()
+	defer s.adminMu.Unlock()
 	var usr [CloseSize]byte
 	(&Close{DeviceID: id}).Encode(usr[:])
 	ctx, cancel := context.WithTimeout(ctx, AdminTimeout)

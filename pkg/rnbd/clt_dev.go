@@ -58,6 +58,7 @@ type CltDev struct {
 	// srvClosed: a size poll found the device closed on the server (its
 	// administrator's force close): no more polls until it is reopened.
 	srvClosed atomic.Bool
+	resizeMu  sync.Mutex // one OnResize at a time
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
@@ -140,20 +141,26 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	d.ioMu.Unlock()
 	d.srvClosed.Store(false)
 	d.log().WithField("device_id", info.DeviceID).Info("device reopened")
+	d.resubmit()
 	if info.NSectors != old {
 		d.sizeChanged(old, info.NSectors)
 	}
-	d.resubmit()
 	return nil
 }
 
 // pollSize asks the server for the device's size: an OPEN of the device
 // the session has open, which the server answers with it as it is now.
 func (d *CltDev) pollSize(ctx context.Context) {
-	if d.State() != DevOpen || d.srvClosed.Load() {
+	open := func() bool { return d.State() == DevOpen && !d.srvClosed.Load() }
+	if !open() {
 		return
 	}
-	info, err := d.s.open(ctx, d.name, d.mode)
+	// Checked again in turn with the admin messages: an Unmap's CLOSE
+	// cannot come between the check and the OPEN.
+	info, err := d.s.openIf(ctx, d.name, d.mode, open)
+	if errors.Is(err, errNotNow) {
+		return
+	}
 	if err != nil {
 		d.s.rl.Log(d.log().WithError(err), log.DebugLevel, "asking the server for the size failed")
 		return
@@ -166,17 +173,24 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	}
 	d.ioMu.Unlock()
 	if !same {
-		if d.State() == DevOpen {
+		switch {
+		case info.DeviceID == id:
+			// Reopened meanwhile under the same id: nothing opened anew.
+		case d.State() == DevOpen:
 			// The server no longer had it open (an administrator
 			// closed it there): this opened it anew. Undo that; the
 			// device stays as the administrator left it until a
 			// remap or reconnect.
 			d.srvClosed.Store(true)
 			d.log().WithFields(log.Fields{"device_id": id, "new_id": info.DeviceID}).Warn("the server had closed the device; closing what the size poll opened")
-			if err := d.s.close(ctx, d.name, info.DeviceID); err != nil {
-				d.log().WithError(err).Warn("closing it failed")
-			}
+			d.closeOpened(ctx, info.DeviceID)
+		case d.State() == DevUnmapped:
+			// Unmapped while the poll asked: its CLOSE went before
+			// this OPEN, which opened the device again.
+			d.closeOpened(ctx, info.DeviceID)
 		}
+		// DevClosed: the session is reconnecting, and the reopen gets
+		// the device this opened (an OPEN of an open device).
 		return
 	}
 	if info.NSectors != old {
@@ -184,15 +198,29 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	}
 }
 
+func (d *CltDev) closeOpened(ctx context.Context, id uint32) {
+	if err := d.s.close(ctx, d.name, id); err != nil {
+		d.log().WithError(err).WithField("device_id", id).Warn("closing what the size poll opened failed")
+	}
+}
+
 // sizeChanged logs a new remote size, drops a local size (resize) the
-// device no longer has room for, and tells the session's OnResize.
+// device no longer has room for, and tells the session's OnResize — on a
+// goroutine of its own, one at a time per device: applying a size may
+// wait for the device's IO (the kernel freezes a queue to resize it),
+// which must not wait for the goroutine that reopens devices. Each call
+// applies d.Size() as it is then, so the last one leaves the last size.
 func (d *CltDev) sizeChanged(old, now uint64) {
 	d.log().WithFields(log.Fields{"was": old * 512, "now": now * 512}).Info("remote device size changed")
 	if l := d.localSectors.Load(); l > now {
 		d.localSectors.CompareAndSwap(l, 0)
 	}
 	if fn := d.s.onResize.Load(); fn != nil {
-		(*fn)(d)
+		go func() {
+			d.resizeMu.Lock()
+			defer d.resizeMu.Unlock()
+			(*fn)(d)
+		}()
 	}
 }
 

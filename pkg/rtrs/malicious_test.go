@@ -538,6 +538,11 @@ func TestSessionPeerOverTLS(t *testing.T) {
 	if err := join(ca.Issue(t, "good")); err != nil {
 		t.Fatalf("the session's certificate adding a path: %v", err)
 	}
+	// A renewed certificate of the same identity, with other alternative
+	// names, too.
+	if err := join(ca.Issue(t, "good", "good.example")); err != nil {
+		t.Fatalf("a renewed certificate of the session's identity adding a path: %v", err)
+	}
 	h.stillServes()
 }
 

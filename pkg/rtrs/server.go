@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -427,8 +426,15 @@ func (s *Server) doneConnecting(a netip.Addr) {
 
 // getOrCreateSession finds the session of uuid, or makes it for the first
 // connection of a path. A connection joins a session only if its fabric
-// authenticated the same peer as the session's first (EACCES otherwise):
-// knowing a session's UUID is no credential.
+// authenticated the same peer identity as the session's first (EACCES
+// otherwise): knowing a session's UUID is no credential.
+func first(names []string) string {
+	if len(names) == 0 {
+		return ""
+	}
+	return names[0]
+}
+
 // clientKey is what sessions are counted by for MaxSessionsPerClient: the
 // peer's identity where the fabric authenticated one, else its address.
 func clientKey(peer []string, req fabric.ConnRequest) string {
@@ -445,7 +451,10 @@ func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string
 		return nil, syscall.ECONNRESET
 	}
 	if x := s.sessions[uuid]; x != nil {
-		if !slices.Equal(x.peer, peer) {
+		// The identity (the first name) must be the session's; the
+		// rest may differ (a renewed certificate with other
+		// alternative names). The session keeps its first names.
+		if first(x.peer) != first(peer) || (len(x.peer) == 0) != (len(peer) == 0) {
 			return nil, syscall.EACCES
 		}
 		x.refs++

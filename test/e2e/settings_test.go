@@ -13,9 +13,11 @@ import (
 func TestSessionSettingsKept(t *testing.T) {
 	dir := t.TempDir()
 	sparseFile(t, filepath.Join(dir, "a.img"), 8<<20)
+	sparseFile(t, filepath.Join(dir, "b.img"), 8<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "a", filepath.Join(dir, "a.img"))
+	srv.ok("map", "b", filepath.Join(dir, "b.img"))
 	cl := startClient(t, dir)
 	cl.ok("map", fmt.Sprintf("sessname=st path=ip:127.0.0.1 device_path=a dest_port=%d no_path_timeout=45s", port),
 		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7")
@@ -38,9 +40,15 @@ func TestSessionSettingsKept(t *testing.T) {
 	want("fast_io_fail_in", "") // the session has its path
 	want("max_reconnect_attempts", float64(7))
 	cl.ok("session", "set", "st", "fast_io_fail_tmo=off", "mpath_policy=round-robin")
-	if _, errOut, code := cl.ctl("session", "set", "st", "fast_io_fail_tmo=soon"); code != 2 || !strings.Contains(errOut, "want a duration or off") {
+	// A bad value among good ones: nothing is applied.
+	if _, errOut, code := cl.ctl("session", "set", "st", "no_path_timeout=10s", "fast_io_fail_tmo=soon"); code != 2 || !strings.Contains(errOut, "want a duration or off") {
 		t.Fatalf("a bad fast_io_fail_tmo: exit %d %q", code, errOut)
 	}
+	want("no_path_timeout", "45s")
+	// A second device joins the session; the first goes: the settings
+	// stay with the session.
+	cl.ok("map", "--sessname", "st", "--path", "ip:127.0.0.1", "--device-path", "b", "--dest-port", fmt.Sprint(port))
+	cl.ok("unmap", "rnbd0")
 	cl.stop()
 	cl = startClient(t, dir)
 	want("fast_io_fail_tmo", "off")
