@@ -229,6 +229,7 @@ func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	if err != nil {
 		d.t.Fatalf("session %s: %v", sessname, err)
 	}
+	c.SetSizePoll(0) // the tests count the server's requests exactly
 	d.t.Cleanup(func() { c.Close() })
 	return c
 }
