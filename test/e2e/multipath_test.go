@@ -4,8 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -230,20 +232,18 @@ func jsonPart(out string) string {
 	return ""
 }
 
-// TestMultipathSilentLossNBD is the same fault as TestMultipathSilentLoss
-// as a user meets it: the real daemons in the two namespaces, the device
-// mapped over both paths as an NBD socket, fio (nbd engine) writing 4 KiB
-// random blocks at QD16 with crc32c verification while the server's
-// address on one path disappears for 12 s. No IO fails, every block
-// verifies, and none waits more than 2 s.
-func TestMultipathSilentLossNBD(t *testing.T) {
-	needTools(t, "fio")
+// nbdTwoPaths is a twoPaths rig with the real daemons: rnbd-server in
+// the server namespace serving a 256 MiB file on both addresses,
+// rnbd-client in the client namespace with the device mapped over both
+// paths (map's extra arguments added) as an NBD socket. It returns the
+// rig, the client's control socket and the socket's NBD URI.
+func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoPaths, string, string) {
 	requireRoot(t)
 	dir := t.TempDir()
 	id := os.Getpid()
-	r := &twoPaths{net: 203,
-		srvNS: netns(t, fmt.Sprintf("rnbd-e2f-%d-s", id)),
-		cliNS: netns(t, fmt.Sprintf("rnbd-e2f-%d-c", id))}
+	r := &twoPaths{net: net,
+		srvNS: netns(t, fmt.Sprintf("rnbd-%s-%d-s", tag, id)),
+		cliNS: netns(t, fmt.Sprintf("rnbd-%s-%d-c", tag, id))}
 	veth(t, r.cliNS, "c1", r.addr(1, 2)+"/24", r.srvNS, "s1", r.addr(1, 1)+"/24")
 	veth(t, r.cliNS, "c2", r.addr(2, 2)+"/24", r.srvNS, "s2", r.addr(2, 1)+"/24")
 	vol := filepath.Join(dir, "vol.img")
@@ -264,10 +264,20 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 		}
 	}
 	run(t, time.Minute, bin("rnbd-server"), "--socket", ssock, "map", "vol", vol)
-	run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "map", "--sessname", "sl", "--device-path", "vol",
-		"--path", "ip:"+r.addr(1, 2)+"@ip:"+r.addr(1, 1), "--path", "ip:"+r.addr(2, 2)+"@ip:"+r.addr(2, 1),
-		"--set", "mpath_policy=round-robin")
-	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	run(t, time.Minute, bin("rnbd-client"), append([]string{"--socket", csock, "map", "--sessname", "sl", "--device-path", "vol",
+		"--path", "ip:" + r.addr(1, 2) + "@ip:" + r.addr(1, 1), "--path", "ip:" + r.addr(2, 2) + "@ip:" + r.addr(2, 1)}, mapArgs...)...)
+	return r, csock, "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+}
+
+// TestMultipathSilentLossNBD is the same fault as TestMultipathSilentLoss
+// as a user meets it: the real daemons in the two namespaces, the device
+// mapped over both paths as an NBD socket, fio (nbd engine) writing 4 KiB
+// random blocks at QD16 with crc32c verification while the server's
+// address on one path disappears for 12 s. No IO fails, every block
+// verifies, and none waits more than 2 s.
+func TestMultipathSilentLossNBD(t *testing.T) {
+	needTools(t, "fio")
+	r, csock, uri := newNBDTwoPaths(t, "e2f", 203, "--set", "mpath_policy=round-robin")
 	fio := start(t, "fio", "--name=silent", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
 		"--iodepth=16", "--size=256m", "--time_based", "--runtime=24", "--rate_iops=4000",
 		"--verify=crc32c", "--verify_backlog=4096", "--verify_fatal=1", "--verify_state_save=0",
@@ -305,4 +315,65 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	}
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
 	t.Logf("%d writes verified across the silent loss, max wait %.0f ms; paths:\n%s", j.Write.IOs, j.Write.Clat.Max/1e6, paths)
+}
+
+// TestFastIOFailNBD: every path of a session dies silently (both server
+// addresses gone). With fast_io_fail_tmo 3 s and no_path_timeout 60 s, a
+// write waiting for a path fails soon after the loss is noticed — not a
+// minute later —, session show says the timer passed, the next write
+// fails at once, and when the addresses are back the paths reconnect by
+// themselves and writes work again.
+func TestFastIOFailNBD(t *testing.T) {
+	needTools(t, "qemu-io")
+	r, csock, uri := newNBDTwoPaths(t, "e2t", 204, "--set", "fast_io_fail_tmo=3s", "--set", "no_path_timeout=60s")
+	write := func(off string) (string, time.Duration) {
+		t.Helper()
+		start := time.Now()
+		out, _ := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x3c "+off+" 4k", uri).CombinedOutput()
+		return string(out), time.Since(start)
+	}
+	session := func() map[string]any {
+		t.Helper()
+		var recs []map[string]any
+		out := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "session", "show", "sl", "--format", "json", "--fields", "all")
+		if err := json.Unmarshal([]byte(out), &recs); err != nil || len(recs) != 1 {
+			t.Fatalf("session show: %v %s", err, out)
+		}
+		return recs[0]
+	}
+	if out, _ := write("0"); strings.Contains(out, "failed") {
+		t.Fatalf("write with both paths up: %s", out)
+	}
+	for _, n := range []int{1, 2} {
+		sh(t, "ip", "-n", r.srvNS, "addr", "del", r.addr(n, 1)+"/24", "dev", fmt.Sprintf("s%d", n))
+	}
+	t.Log("both server addresses removed")
+	out, took := write("1M")
+	if !strings.Contains(out, "failed") || !strings.Contains(out, "Input/output error") {
+		t.Fatalf("write with every path lost: %s", out)
+	}
+	// Noticed within a heartbeat and the user timeout (≤ 6 s), then 3 s.
+	if took < 3*time.Second || took > 15*time.Second {
+		t.Fatalf("the write failed after %v, want fast_io_fail_tmo (3 s) after the loss was noticed", took)
+	}
+	if s := session(); s["fast_io_fail_in"] != "passed" || s["fast_io_fail_tmo"] != "3s" || s["no_path_since"] == "" {
+		t.Fatalf("session show: %v", s)
+	}
+	if out, took := write("2M"); !strings.Contains(out, "failed") || took > 2*time.Second {
+		t.Fatalf("a write after fast_io_fail_tmo: %v %s, want a failure at once", took, out)
+	}
+	for _, n := range []int{1, 2} {
+		sh(t, "ip", "-n", r.srvNS, "addr", "add", r.addr(n, 1)+"/24", "dev", fmt.Sprintf("s%d", n))
+	}
+	t.Logf("addresses back; the write failed after %v", took)
+	deadline := time.Now().Add(90 * time.Second)
+	for session()["state"] != "connected" {
+		if time.Now().After(deadline) {
+			t.Fatalf("the session did not come back: %v", session())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if out, _ := write("3M"); strings.Contains(out, "failed") {
+		t.Fatalf("write after the paths came back: %s", out)
+	}
 }
