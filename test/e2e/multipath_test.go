@@ -63,6 +63,17 @@ func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths
 	return r
 }
 
+// silentLoss takes the server's address on path 1 away for d, and back:
+// packets to it are dropped, with no RST and no carrier change.
+func (r *twoPaths) silentLoss(t *testing.T, d time.Duration) {
+	gone := r.addr(1, 1) + "/24"
+	sh(t, "ip", "-n", r.srvNS, "addr", "del", gone, "dev", "s1")
+	t.Logf("server address %s removed", gone)
+	time.Sleep(d)
+	sh(t, "ip", "-n", r.srvNS, "addr", "add", gone, "dev", "s1")
+	t.Logf("server address %s back", gone)
+}
+
 // addr is host h on subnet n (1 or 2).
 func (r *twoPaths) addr(n, h int) string { return fmt.Sprintf("10.%d.%d.%d", r.net, n, h) }
 
@@ -155,12 +166,7 @@ func TestMultipathSilentLoss(t *testing.T) {
 	r := newTwoPaths(t, "e2s", 202)
 	load := r.load(t, 24*time.Second, "--reconnect-delay", "200ms", "--reconnect-max-delay", "1s")
 	time.Sleep(3 * time.Second)
-	gone := r.addr(1, 1) + "/24"
-	sh(t, "ip", "-n", r.srvNS, "addr", "del", gone, "dev", "s1")
-	t.Logf("server address %s removed", gone)
-	time.Sleep(12 * time.Second)
-	sh(t, "ip", "-n", r.srvNS, "addr", "add", gone, "dev", "s1")
-	t.Logf("server address %s back", gone)
+	r.silentLoss(t, 12*time.Second)
 	rep := r.report(t, load, 90*time.Second)
 	if m := rep.Result.LatencyMaxMicros; m > 2e6 {
 		t.Errorf("an IO waited %.1f s across the silent loss, want at most 2 s", float64(m)/1e6)
@@ -283,12 +289,7 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 		"--verify=crc32c", "--verify_backlog=4096", "--verify_fatal=1", "--verify_state_save=0",
 		"--randrepeat=0", "--output-format=json")
 	time.Sleep(4 * time.Second)
-	gone := r.addr(1, 1) + "/24"
-	sh(t, "ip", "-n", r.srvNS, "addr", "del", gone, "dev", "s1")
-	t.Logf("server address %s removed", gone)
-	time.Sleep(12 * time.Second)
-	sh(t, "ip", "-n", r.srvNS, "addr", "add", gone, "dev", "s1")
-	t.Logf("server address %s back", gone)
+	r.silentLoss(t, 12*time.Second)
 	if err := fio.wait(t, 2*time.Minute); err != nil {
 		t.Fatalf("fio: %v\n%s", err, fio.out.String())
 	}
