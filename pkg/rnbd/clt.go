@@ -61,6 +61,7 @@ type CltSession struct {
 	devs    []*CltDev
 	closed  bool
 	reopenQ chan struct{} // cap 1: wakes the reopen goroutine
+	pollQ   chan struct{} // cap 1: the size poll changed
 	done    chan struct{}
 	wg      sync.WaitGroup
 }
@@ -73,7 +74,7 @@ func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.
 	if noPathTimeout < 0 {
 		return nil, fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
 	}
-	s := &CltSession{reopenQ: make(chan struct{}, 1), done: make(chan struct{})}
+	s := &CltSession{reopenQ: make(chan struct{}, 1), pollQ: make(chan struct{}, 1), done: make(chan struct{})}
 	s.noPathTimeout.Store(int64(noPathTimeout))
 	s.fastIOFail.Store(-1)
 	s.sizePoll.Store(int64(DefaultSizePoll))
@@ -183,7 +184,10 @@ func (s *CltSession) ioDeadline(now time.Time) time.Time {
 // else: the kernel's wire needs no extension for it.
 func (s *CltSession) SetSizePoll(d time.Duration) {
 	s.sizePoll.Store(int64(max(d, 0)))
-	s.kick()
+	select {
+	case s.pollQ <- struct{}{}: // the timer starts again with it
+	default:
+	}
 }
 
 // OnResize sets what is called, from the session's own goroutine, after
@@ -378,6 +382,8 @@ func (s *CltSession) reopenLoop() {
 			return
 		case <-poll.C:
 			s.pollSizes()
+			continue
+		case <-s.pollQ:
 			continue
 		case <-s.reopenQ:
 		}
