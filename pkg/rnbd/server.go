@@ -877,7 +877,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 		return 0, fmt.Errorf("export %s: %w", name, err)
 	}
 	if !st.Mode().IsRegular() {
-		return 0, errorf(syscall.EOPNOTSUPP, "export %s is a block device: resize it (lvextend, …) and its clients learn the new size", name)
+		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file: resize a block device with its own tools (lvextend, …), and its clients learn the new size", name)
 	}
 	was = st.Size()
 	open := s.collect(func(d *SrvSessDev) bool { return d.export == name })
