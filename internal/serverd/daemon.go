@@ -124,6 +124,18 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
 	}
+	if cfg.TLS.Enabled() {
+		var plain []string
+		for _, l := range bound {
+			if strings.HasPrefix(l, "rdma://") {
+				plain = append(plain, l)
+			}
+		}
+		if len(plain) > 0 {
+			d.log.WithField("listen", strings.Join(plain, ",")).Warn("TLS covers tcp:// only: on these RDMA addresses clients " +
+				"are not authenticated nor encrypted, and exports with allow_identities cannot be opened there")
+		}
+	}
 	return d, nil
 }
 
