@@ -39,6 +39,7 @@ type Config struct {
 	MaxReconnectAttempts int           `toml:"max_reconnect_attempts"`
 	NoPathTimeout        conf.Duration `toml:"no_path_timeout"`
 	FastIOFailTmo        string        `toml:"fast_io_fail_tmo"`
+	CtrlLossTmo          string        `toml:"ctrl_loss_tmo"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
@@ -67,6 +68,7 @@ func DefaultConfig() Config {
 		MaxReconnectAttempts: d.MaxReconnectAttempts,
 		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
 		FastIOFailTmo:        "off",
+		CtrlLossTmo:          "off",
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,
@@ -101,6 +103,9 @@ func (c *Config) Validate() error {
 	}
 	if _, err := ParseTmo(c.FastIOFailTmo); err != nil {
 		return fmt.Errorf("fast_io_fail_tmo: %w", err)
+	}
+	if _, err := ParseTmo(c.CtrlLossTmo); err != nil {
+		return fmt.Errorf("ctrl_loss_tmo: %w", err)
 	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")

@@ -28,6 +28,8 @@ type (
 		NoPathTimeout        *string `json:"no_path_timeout,omitempty"`
 		// FastIOFailTmo: a duration, or "off" (rnbd.CltSession.SetFastIOFailTmo).
 		FastIOFailTmo *string `json:"fast_io_fail_tmo,omitempty"`
+		// CtrlLossTmo: a duration, or "off" (rtrs.CltSession.SetCtrlLossTmo).
+		CtrlLossTmo *string `json:"ctrl_loss_tmo,omitempty"`
 	}
 	PathRequest struct {
 		Path string `json:"path"`
@@ -40,7 +42,7 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
@@ -224,6 +226,13 @@ func (s *session) set(req SetRequest) error {
 		}
 		cs.SetFastIOFailTmo(t)
 	}
+	if req.CtrlLossTmo != nil {
+		t, err := ParseTmo(*req.CtrlLossTmo)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "ctrl_loss_tmo: %v", err)
+		}
+		cs.Session().SetCtrlLossTmo(t)
+	}
 	return nil
 }
 
@@ -247,6 +256,11 @@ func (req SetRequest) check() error {
 			return ctl.Errorf(ctl.CodeInvalid, "fast_io_fail_tmo: %v", err)
 		}
 	}
+	if req.CtrlLossTmo != nil {
+		if _, err := ParseTmo(*req.CtrlLossTmo); err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "ctrl_loss_tmo: %v", err)
+		}
+	}
 	return nil
 }
 
@@ -263,6 +277,9 @@ func (req SetRequest) Merge(o SetRequest) SetRequest {
 	}
 	if o.FastIOFailTmo != nil {
 		req.FastIOFailTmo = o.FastIOFailTmo
+	}
+	if o.CtrlLossTmo != nil {
+		req.CtrlLossTmo = o.CtrlLossTmo
 	}
 	return req
 }
@@ -384,7 +401,8 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
 			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
-			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "rx_bytes": rx, "tx_bytes": tx,
+			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
+			"rx_bytes": rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})
 	}

@@ -38,6 +38,7 @@ type CltPath struct {
 	hcaPort           int
 	reconnectAttempts int
 	nextAttempt       time.Time // when the scheduled reconnect attempt comes; zero: none
+	downSince         time.Time // when the path went down (ctrl_loss_tmo); zero while up
 	forNewClt         bool
 	established       bool
 	reconCnt          uint16
@@ -255,6 +256,9 @@ func (p *CltPath) run() {
 	schedule := func() {
 		stopTimer()
 		d := p.reconnectDelay()
+		if left, ok := p.lossLeft(); ok && left < d {
+			d = left // ctrl_loss_tmo runs out first: give up then
+		}
 		p.nextAttemptIn(d)
 		timer = time.NewTimer(d)
 		timerC = timer.C
@@ -266,6 +270,7 @@ func (p *CltPath) run() {
 			if p.State() != PathReconnecting {
 				continue
 			}
+			p.wentDown()
 			p.stopAndDestroyConns()
 			schedule()
 		case <-timerC:
@@ -280,6 +285,7 @@ func (p *CltPath) run() {
 				c.reply <- p.initPath(c.ctx)
 			case cmdKeepTrying:
 				if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
+					p.wentDown()
 					schedule()
 				}
 				c.reply <- nil
@@ -389,6 +395,31 @@ func (p *CltPath) reconnectDelay() time.Duration {
 	return d
 }
 
+// wentDown notes when the path went down, unless it was already.
+func (p *CltPath) wentDown() {
+	p.mu.Lock()
+	if p.downSince.IsZero() {
+		p.downSince = time.Now()
+	}
+	p.mu.Unlock()
+}
+
+// lossLeft is the time ctrl_loss_tmo leaves the path to reconnect in
+// (at most 0), and whether the session has a ctrl_loss_tmo.
+func (p *CltPath) lossLeft() (time.Duration, bool) {
+	tmo := p.sess.CtrlLossTmo()
+	if tmo < 0 {
+		return 0, false
+	}
+	p.mu.Lock()
+	since := p.downSince
+	p.mu.Unlock()
+	if since.IsZero() {
+		return tmo, true
+	}
+	return max(tmo-time.Since(since), 0), true
+}
+
 // unscheduled notes that no reconnect attempt is scheduled.
 func (p *CltPath) unscheduled() {
 	p.mu.Lock()
@@ -414,9 +445,11 @@ func (p *CltPath) ReconnectAttempts() (attempts int, next time.Duration) {
 // max_reconnect_attempts -1).
 func (p *CltPath) nextAttemptIn(in time.Duration) {
 	max := p.sess.MaxReconnectAttempts()
+	left, bounded := p.lossLeft()
 	p.mu.Lock()
 	n := p.reconnectAttempts + 1
-	last := max >= 0 && n > max // the timer's work gives up, and says so
+	// The timer's work gives up, and says so.
+	last := (max >= 0 && n > max) || (bounded && left <= in)
 	if !last {
 		p.nextAttempt = time.Now().Add(in)
 	}
@@ -442,12 +475,18 @@ func (p *CltPath) reconnectWork(manual bool) (bool, error) {
 	max := p.sess.MaxReconnectAttempts()
 	p.mu.Lock()
 	giveUp := !manual && (p.reconnectAttempts < 0 || (max >= 0 && p.reconnectAttempts >= max))
-	if !giveUp {
+	tmo := p.sess.CtrlLossTmo()
+	lost := !manual && !giveUp && tmo >= 0 && !p.downSince.IsZero() && time.Since(p.downSince) >= tmo
+	if !giveUp && !lost {
 		p.reconnectAttempts++
 	}
 	p.mu.Unlock()
-	if giveUp {
-		p.lg().WithField("max_reconnect_attempts", max).Warn("giving up reconnecting; trigger a manual reconnect")
+	if giveUp || lost {
+		l := p.lg().WithField("max_reconnect_attempts", max)
+		if lost {
+			l = l.WithField("ctrl_loss_tmo", tmo.String())
+		}
+		l.Warn("giving up reconnecting; trigger a manual reconnect")
 		p.closeConns()
 		return false, nil
 	}
@@ -484,6 +523,7 @@ func (p *CltPath) reconnectCmd() error {
 	if changed {
 		p.mu.Lock()
 		p.reconnectAttempts = 0
+		p.downSince = time.Time{} // a manual reconnect starts the clock again
 		p.mu.Unlock()
 		p.stopAndDestroyConns()
 	}
@@ -537,6 +577,7 @@ func (p *CltPath) initPath(ctx context.Context) error {
 	p.mu.Lock()
 	p.established = true
 	p.reconnectAttempts = 0
+	p.downSince = time.Time{}
 	p.forNewClt = true // a later reconnect may recreate a lost server session
 	p.mu.Unlock()
 	p.stats.reconnSucc.Add(1)

@@ -78,6 +78,10 @@ type ClientConfig struct {
 	// MaxReconnectAttempts bounds automatic reconnects of a path: -1
 	// retries forever (default), 0 never reconnects automatically.
 	MaxReconnectAttempts int
+	// CtrlLossTmo is NVMe-oF's ctrl_loss_tmo: a path that has been down
+	// this long stops reconnecting, whatever attempts are left. 0 (the
+	// zero value) or negative: no bound.
+	CtrlLossTmo time.Duration
 	// ReconnectDelay is the wait before the first reconnect attempt; it
 	// doubles after each failed attempt up to ReconnectMaxDelay, and a
 	// random ReconnectJitter is added to spread clients out.
@@ -211,6 +215,7 @@ type CltSession struct {
 	policy               atomic.Int32
 	rrCursor             atomic.Uint32
 	maxReconnectAttempts atomic.Int32
+	ctrlLossTmo          atomic.Int64 // time.Duration; -1: no bound
 
 	// mu guards the path list and the link-event bookkeeping.
 	mu        sync.Mutex
@@ -258,6 +263,7 @@ func Open(ctx context.Context, cfg ClientConfig) (*CltSession, error) {
 	s.log = cfg.Log.WithField("session", s.name)
 	s.policy.Store(int32(cfg.MPPolicy))
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
+	s.SetCtrlLossTmo(cfg.CtrlLossTmo)
 	s.pathsSnap.Store(&[]*CltPath{})
 	var firstErr error
 	up := 0
@@ -364,6 +370,19 @@ func (s *CltSession) SetMPPolicy(p MPPolicy) error {
 	}
 	s.policy.Store(int32(p))
 	return nil
+}
+
+// CtrlLossTmo is how long a path may be down before it stops
+// reconnecting; negative: no bound.
+func (s *CltSession) CtrlLossTmo() time.Duration { return time.Duration(s.ctrlLossTmo.Load()) }
+
+// SetCtrlLossTmo sets ctrl_loss_tmo (0 or negative: no bound). It applies
+// to the next reconnect a path schedules, counted from when it went down.
+func (s *CltSession) SetCtrlLossTmo(d time.Duration) {
+	if d <= 0 {
+		d = -1
+	}
+	s.ctrlLossTmo.Store(int64(d))
 }
 
 // MaxReconnectAttempts returns the reconnect bound (-1: forever).

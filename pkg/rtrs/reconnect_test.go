@@ -491,3 +491,48 @@ func TestCloseIsNotAnError(t *testing.T) {
 		}
 	}
 }
+
+// TestCtrlLossTmo: with unlimited attempts, a path that has been down for
+// ctrl_loss_tmo stops reconnecting (and says why), not before; a manual
+// reconnect brings it back.
+func TestCtrlLossTmo(t *testing.T) {
+	net, fab := memNet()
+	srvAddr := ap("10.7.0.1:1234")
+	cli := netip.MustParseAddr("10.7.0.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.MaxReconnectAttempts = -1
+	ccfg.CtrlLossTmo = 700 * time.Millisecond
+	lg, entries := log.Recorder()
+	ccfg.Log = lg
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	if r.sess.CtrlLossTmo() != 700*time.Millisecond {
+		t.Fatalf("ctrl_loss_tmo %v", r.sess.CtrlLossTmo())
+	}
+	p := r.sess.Paths()[0]
+	start := time.Now()
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	if took := time.Since(start); took < 700*time.Millisecond {
+		t.Fatalf("gave up after %v, before ctrl_loss_tmo", took)
+	}
+	if c := counters(p); c.ReconnectsFailed == 0 {
+		t.Fatalf("no reconnect attempt before giving up: %+v", c)
+	}
+	said := false
+	for _, e := range entries() {
+		if strings.HasPrefix(e.Message, "giving up reconnecting") && e.Data["ctrl_loss_tmo"] == "700ms" {
+			said = true
+		}
+	}
+	if !said {
+		t.Fatal("the give-up does not name ctrl_loss_tmo")
+	}
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	if err := p.Reconnect(context.Background()); err != nil {
+		t.Fatalf("manual reconnect: %v", err)
+	}
+	r.sess.SetCtrlLossTmo(0)
+	if r.sess.CtrlLossTmo() >= 0 {
+		t.Fatalf("ctrl_loss_tmo 0 is no bound, got %v", r.sess.CtrlLossTmo())
+	}
+}

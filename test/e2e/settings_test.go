@@ -20,7 +20,7 @@ func TestSessionSettingsKept(t *testing.T) {
 	srv.ok("map", "b", filepath.Join(dir, "b.img"))
 	cl := startClient(t, dir)
 	cl.ok("map", fmt.Sprintf("sessname=st path=ip:127.0.0.1 device_path=a dest_port=%d no_path_timeout=45s", port),
-		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7")
+		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7", "--set", "ctrl_loss_tmo=10m")
 	show := func() map[string]any {
 		t.Helper()
 		s := cl.records("session", "show", "st")
@@ -39,6 +39,7 @@ func TestSessionSettingsKept(t *testing.T) {
 	want("fast_io_fail_tmo", "5s")
 	want("fast_io_fail_in", "") // the session has its path
 	want("max_reconnect_attempts", float64(7))
+	want("ctrl_loss_tmo", "10m0s")
 	cl.ok("session", "set", "st", "fast_io_fail_tmo=off", "mpath_policy=round-robin")
 	// A bad value among good ones: nothing is applied.
 	if _, errOut, code := cl.ctl("session", "set", "st", "no_path_timeout=10s", "fast_io_fail_tmo=soon"); code != 2 || !strings.Contains(errOut, "want a duration or off") {
@@ -57,4 +58,5 @@ func TestSessionSettingsKept(t *testing.T) {
 	}
 	want("no_path_timeout", "45s")
 	want("max_reconnect_attempts", float64(7))
+	want("ctrl_loss_tmo", "10m0s")
 }
