@@ -405,7 +405,7 @@ func (p *CltPath) wentDown() {
 }
 
 // lossLeft is the time ctrl_loss_tmo leaves the path to reconnect in
-// (at most 0), and whether the session has a ctrl_loss_tmo.
+// (never below 0), and whether the session has a ctrl_loss_tmo.
 func (p *CltPath) lossLeft() (time.Duration, bool) {
 	tmo := p.sess.CtrlLossTmo()
 	if tmo < 0 {
