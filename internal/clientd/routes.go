@@ -43,7 +43,7 @@ type (
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
 	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
-	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
+	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
 
@@ -421,6 +421,7 @@ func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 		"sessname": rs.Name(), "pathname": p.Name(),
 		"src_addr": rtrs.FormatAddr(a.Src.Addr(), false), "dst_addr": rtrs.FormatAddr(a.Dst.Addr(), false),
 		"hca_name": p.HCAName(), "hca_port": p.HCAPort(), "state": p.State().SysfsString(),
+		"rtrs_state": p.State().String(),
 		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
 		"reconnects": strings.TrimSpace(p.Stats().Reconnects()), "cur_latency": p.CurLatency().Nanoseconds(),
 		"reconnect_attempts": attempts, "next_reconnect_in": nextIn,

@@ -44,6 +44,7 @@ type twoPaths struct {
 	srvNS, cliNS string
 	net          int
 	srv          *proc
+	srvArgs      []string // how srv was started (newNBDTwoPaths)
 }
 
 func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths {
@@ -255,9 +256,10 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 	vol := filepath.Join(dir, "vol.img")
 	sparseFile(t, vol, 256<<20)
 	ssock, csock := filepath.Join(dir, "s.sock"), filepath.Join(dir, "c.sock")
-	start(t, "ip", "netns", "exec", r.srvNS, bin("rnbd-server"), "daemon", "--config", "/dev/null",
-		"--listen", "tcp://"+r.addr(1, 1)+":1234", "--listen", "tcp://"+r.addr(2, 1)+":1234",
-		"--control-socket", ssock, "--state-file", filepath.Join(dir, "s.json"))
+	r.srvArgs = []string{"ip", "netns", "exec", r.srvNS, bin("rnbd-server"), "daemon", "--config", "/dev/null",
+		"--listen", "tcp://" + r.addr(1, 1) + ":1234", "--listen", "tcp://" + r.addr(2, 1) + ":1234",
+		"--control-socket", ssock, "--state-file", filepath.Join(dir, "s.json")}
+	r.srv = start(t, r.srvArgs...)
 	start(t, "ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
 		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir)
 	for _, s := range []string{ssock, csock} {
@@ -279,17 +281,17 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 // as a user meets it: the real daemons in the two namespaces, the device
 // mapped over both paths as an NBD socket, fio (nbd engine) writing 4 KiB
 // random blocks at QD16 with crc32c verification while the server's
-// address on one path disappears for 12 s. No IO fails, every block
+// address on one path disappears for 40 s. No IO fails, every block
 // verifies, and none waits more than 2 s.
 func TestMultipathSilentLossNBD(t *testing.T) {
 	needTools(t, "fio")
 	r, csock, uri := newNBDTwoPaths(t, "e2f", 203, "--set", "mpath_policy=round-robin")
 	fio := start(t, "fio", "--name=silent", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
-		"--iodepth=16", "--size=256m", "--time_based", "--runtime=24", "--rate_iops=4000",
+		"--iodepth=16", "--size=256m", "--time_based", "--runtime=50", "--rate_iops=4000",
 		"--verify=crc32c", "--verify_backlog=4096", "--verify_fatal=1", "--verify_state_save=0",
 		"--randrepeat=0", "--output-format=json")
 	time.Sleep(4 * time.Second)
-	r.silentLoss(t, 12*time.Second)
+	r.silentLoss(t, 40*time.Second)
 	if err := fio.wait(t, 2*time.Minute); err != nil {
 		t.Fatalf("fio: %v\n%s", err, fio.out.String())
 	}
@@ -376,5 +378,53 @@ func TestFastIOFailNBD(t *testing.T) {
 	}
 	if out, _ := write("3M"); strings.Contains(out, "failed") {
 		t.Fatalf("write after the paths came back: %s", out)
+	}
+}
+
+// TestCtrlLossTmoNBD: the server dies (SIGKILL) under a session with
+// ctrl_loss_tmo 4 s and unlimited attempts: its paths try to reconnect,
+// then give up 4 s after they went down; the server back does not bring
+// them back by itself, a session reconnect does, and writes work again.
+func TestCtrlLossTmoNBD(t *testing.T) {
+	needTools(t, "qemu-io")
+	r, csock, uri := newNBDTwoPaths(t, "e2c", 205, "--set", "ctrl_loss_tmo=4s", "--set", "no_path_timeout=1s")
+	cli := func(args ...string) string {
+		t.Helper()
+		return run(t, time.Minute, bin("rnbd-client"), append([]string{"--socket", csock}, args...)...)
+	}
+	// given up: every path CLOSED (not RECONNECTING or CONNECTING).
+	givenUp := func() bool {
+		var ps []map[string]any
+		if err := json.Unmarshal([]byte(cli("path", "list", "--format", "json", "--fields", "all")), &ps); err != nil || len(ps) != 2 {
+			t.Fatalf("path list: %v %v", err, ps)
+		}
+		for _, p := range ps {
+			if p["rtrs_state"] != "CLOSED" || p["state"] != "disconnected" || p["next_reconnect_in"] != "" {
+				return false
+			}
+		}
+		return true
+	}
+	r.srv.cmd.Process.Kill()
+	r.srv.wait(t, 10*time.Second)
+	killed := time.Now()
+	for !givenUp() {
+		if time.Since(killed) > 30*time.Second {
+			t.Fatalf("the paths did not give up: %s", cli("path", "list", "--fields", "all"))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if took := time.Since(killed); took < 4*time.Second {
+		t.Fatalf("the paths gave up after %v, before ctrl_loss_tmo", took)
+	}
+	t.Logf("the paths gave up %v after the server died", time.Since(killed).Round(100*time.Millisecond))
+	r.srv = start(t, r.srvArgs...)
+	time.Sleep(3 * time.Second) // longer than any reconnect delay so far
+	if !givenUp() {
+		t.Fatalf("a path reconnected by itself after giving up: %s", cli("path", "list", "--fields", "all"))
+	}
+	cli("session", "reconnect", "sl")
+	if out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x5c 0 4k", "-c", "read -P 0x5c 0 4k", uri).CombinedOutput(); err != nil || strings.Contains(string(out), "failed") {
+		t.Fatalf("IO after the session reconnect: %v %s", err, out)
 	}
 }
