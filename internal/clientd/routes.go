@@ -420,9 +420,9 @@ func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 	return output.Record{
 		"sessname": rs.Name(), "pathname": p.Name(),
 		"src_addr": rtrs.FormatAddr(a.Src.Addr(), false), "dst_addr": rtrs.FormatAddr(a.Dst.Addr(), false),
-		"hca_name": p.HCAName(), "hca_port": p.HCAPort(), "state": p.State().SysfsString(),
-		"rtrs_state": p.State().String(),
-		"rx_bytes":   c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
+		"hca_name": p.HCAName(), "hca_port": p.HCAPort(),
+		"state": p.State().SysfsString(), "rtrs_state": p.State().String(),
+		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
 		"reconnects": strings.TrimSpace(p.Stats().Reconnects()), "cur_latency": p.CurLatency().Nanoseconds(),
 		"reconnect_attempts": attempts, "next_reconnect_in": nextIn,
 		"rdma": strings.TrimSpace(p.Stats().RDMA()), "direction": "client",
