@@ -34,6 +34,7 @@ vet:
 # tests (network namespaces); otherwise they skip and say why.
 test: deps vet
 	$(GO) test -race -count=1 -timeout 30m ./...
+	RNBD_E2E_TLS=1 $(GO) test -count=1 -timeout 30m ./test/e2e
 
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from

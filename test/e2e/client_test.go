@@ -33,7 +33,7 @@ func startClient(t *testing.T, dir string, extra ...string) *clientDaemon {
 		"--socket-dir", dir,
 		"--conns-per-path", "2",
 		"--hb-interval", "1s",
-	}, extra...)
+	}, append(tlsFlags("e2e-client", extra...), extra...)...)
 	c.cmd = exec.Command(bin("rnbd-client"), args...)
 	c.cmd.Stdout, c.cmd.Stderr = c.out, c.out
 	if err := c.cmd.Start(); err != nil {

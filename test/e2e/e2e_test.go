@@ -32,9 +32,55 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "building the binaries: %v\n%s", err, out)
 		os.Exit(1)
 	}
+	if os.Getenv("RNBD_E2E_TLS") == "1" {
+		if err := makeSuitePKI(filepath.Join(dir, "pki"), filepath.Dir(strings.TrimSpace(string(root)))); err != nil {
+			fmt.Fprintln(os.Stderr, "test CA:", err)
+			os.Exit(1)
+		}
+	}
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
+}
+
+// suitePKI, with RNBD_E2E_TLS=1, is where scripts/test-ca.sh put the
+// certificates the daemons of every test run with: the whole suite over
+// TLS. Empty: plain TCP.
+var suitePKI string
+
+// makeSuitePKI makes a CA, a server certificate naming every address
+// the tests serve on, and a client certificate.
+func makeSuitePKI(pki, repo string) error {
+	script := filepath.Join(repo, "scripts", "test-ca.sh")
+	server := []string{"server", "srv", "127.0.0.1"}
+	for net := 201; net <= 210; net++ {
+		for sub := 1; sub <= 2; sub++ {
+			server = append(server, fmt.Sprintf("10.%d.%d.1", net, sub))
+		}
+	}
+	for _, args := range [][]string{{"ca"}, server, {"client", "e2e-client"}} {
+		if out, err := exec.Command("bash", append([]string{script, pki}, args...)...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %v\n%s", args, err, out)
+		}
+	}
+	suitePKI = pki
+	return nil
+}
+
+// tlsFlags are the daemon flags for the suite's TLS (none without it, or
+// when a test's own args set TLS — "--tls-cert=" alone turns it off):
+// who is "srv" or "e2e-client".
+func tlsFlags(who string, own ...string) []string {
+	for _, a := range own {
+		if strings.HasPrefix(a, "--tls-") {
+			return nil
+		}
+	}
+	if suitePKI == "" {
+		return nil
+	}
+	return []string{"--tls-cert", filepath.Join(suitePKI, who+".crt"), "--tls-key", filepath.Join(suitePKI, who+".key"),
+		"--tls-ca", filepath.Join(suitePKI, "ca.crt")}
 }
 
 func bin(name string) string { return filepath.Join(binDir, name) }

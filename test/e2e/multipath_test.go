@@ -48,6 +48,9 @@ type twoPaths struct {
 }
 
 func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths {
+	if suitePKI != "" {
+		t.Skip("rtrs-demo has no TLS: the plain pass runs this")
+	}
 	requireRoot(t)
 	id := os.Getpid()
 	r := &twoPaths{net: net,
@@ -259,9 +262,10 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 	r.srvArgs = []string{"ip", "netns", "exec", r.srvNS, bin("rnbd-server"), "daemon", "--config", "/dev/null",
 		"--listen", "tcp://" + r.addr(1, 1) + ":1234", "--listen", "tcp://" + r.addr(2, 1) + ":1234",
 		"--control-socket", ssock, "--state-file", filepath.Join(dir, "s.json")}
+	r.srvArgs = append(r.srvArgs, tlsFlags("srv")...)
 	r.srv = start(t, r.srvArgs...)
-	start(t, "ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
-		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir)
+	start(t, append([]string{"ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
+		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir}, tlsFlags("e2e-client")...)...)
 	for _, s := range []string{ssock, csock} {
 		deadline := time.Now().Add(20 * time.Second)
 		for _, err := os.Stat(s); err != nil; _, err = os.Stat(s) {

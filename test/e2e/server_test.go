@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -92,7 +94,7 @@ log_level = "debug"
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := append([]string{"daemon", "--config", conf, "--hb-missed-max", "10"}, extra...)
+	args := append(append([]string{"daemon", "--config", conf, "--hb-missed-max", "10"}, tlsFlags("srv", extra...)...), extra...)
 	d.cmd = exec.Command(bin("rnbd-server"), args...)
 	d.cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
@@ -114,6 +116,16 @@ log_level = "debug"
 	})
 	if got := d.waitNotify(); got != "READY=1" {
 		t.Fatalf("first notification %q, want READY=1", got)
+	}
+	if tlsFlags("srv", extra...) != nil {
+		// Its start-up line says so (the output may trail READY=1).
+		deadline := time.Now().Add(10 * time.Second)
+		for !strings.Contains(d.out.String(), "tls=true") {
+			if time.Now().After(deadline) {
+				t.Fatalf("the suite runs with TLS, but the server does not:\n%s", d.out.String())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
 	return d
 }
@@ -215,7 +227,16 @@ func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	d.t.Helper()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName = sessname
-	cfg.Fabric = tcp.New(tcp.Options{})
+	var tc *tls.Config
+	if suitePKI != "" {
+		var err error
+		tc, err = conf.TLS{Cert: filepath.Join(suitePKI, "e2e-client.crt"), Key: filepath.Join(suitePKI, "e2e-client.key"),
+			CA: filepath.Join(suitePKI, "ca.crt")}.Config()
+		if err != nil {
+			d.t.Fatal(err)
+		}
+	}
+	cfg.Fabric = tcp.New(tcp.Options{TLS: tc})
 	cfg.ConnsPerPath = 2
 	cfg.Log = log.Discard()
 	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(d.port))
