@@ -47,10 +47,9 @@ type twoPaths struct {
 	srvArgs      []string // how srv was started (newNBDTwoPaths)
 }
 
-func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths {
-	if suitePKI != "" {
-		t.Skip("rtrs-demo has no TLS: the plain pass runs this")
-	}
+// newNamespaces makes the client and server namespaces of a twoPaths rig
+// and joins them by the two veth pairs.
+func newNamespaces(t *testing.T, tag string, net int) *twoPaths {
 	requireRoot(t)
 	id := os.Getpid()
 	r := &twoPaths{net: net,
@@ -58,6 +57,14 @@ func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths
 		cliNS: netns(t, fmt.Sprintf("rnbd-%s-%d-c", tag, id))}
 	veth(t, r.cliNS, "c1", r.addr(1, 2)+"/24", r.srvNS, "s1", r.addr(1, 1)+"/24")
 	veth(t, r.cliNS, "c2", r.addr(2, 2)+"/24", r.srvNS, "s2", r.addr(2, 1)+"/24")
+	return r
+}
+
+func newTwoPaths(t *testing.T, tag string, net int, srvArgs ...string) *twoPaths {
+	if suitePKI != "" {
+		t.Skip("rtrs-demo has no TLS: the plain pass runs this")
+	}
+	r := newNamespaces(t, tag, net)
 	ready := filepath.Join(t.TempDir(), "ready")
 	args := append([]string{"ip", "netns", "exec", r.srvNS, bin("rtrs-demo"), "server",
 		"--listen", "tcp://" + r.addr(1, 1) + ":1234", "--listen", "tcp://" + r.addr(2, 1) + ":1234",
@@ -248,14 +255,8 @@ func jsonPart(out string) string {
 // paths (map's extra arguments added) as an NBD socket. It returns the
 // rig, the client's control socket and the socket's NBD URI.
 func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoPaths, string, string) {
-	requireRoot(t)
+	r := newNamespaces(t, tag, net)
 	dir := t.TempDir()
-	id := os.Getpid()
-	r := &twoPaths{net: net,
-		srvNS: netns(t, fmt.Sprintf("rnbd-%s-%d-s", tag, id)),
-		cliNS: netns(t, fmt.Sprintf("rnbd-%s-%d-c", tag, id))}
-	veth(t, r.cliNS, "c1", r.addr(1, 2)+"/24", r.srvNS, "s1", r.addr(1, 1)+"/24")
-	veth(t, r.cliNS, "c2", r.addr(2, 2)+"/24", r.srvNS, "s2", r.addr(2, 1)+"/24")
 	vol := filepath.Join(dir, "vol.img")
 	sparseFile(t, vol, 256<<20)
 	ssock, csock := filepath.Join(dir, "s.sock"), filepath.Join(dir, "c.sock")
