@@ -334,6 +334,7 @@ func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*Cl
 		return nil, err
 	}
 	d := &CltDev{s: s, name: name, mode: mode, info: info}
+	d.remoteSectors.Store(info.NSectors)
 	d.wait.expired = d.expired
 	d.state.Store(int32(DevOpen))
 	s.mu.Lock()

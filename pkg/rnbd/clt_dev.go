@@ -55,6 +55,9 @@ type CltDev struct {
 	info OpenRsp // under ioMu
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
+	// remoteSectors is info.NSectors, read without ioMu: Size is asked
+	// for by every request (its bounds check, and the NBD frontend's).
+	remoteSectors atomic.Uint64
 	// srvClosed: a size poll found the device closed on the server (its
 	// administrator's force close): no more polls until it is reopened.
 	srvClosed atomic.Bool
@@ -96,7 +99,7 @@ func (d *CltDev) Size() int64 {
 	if n := d.localSectors.Load(); n != 0 {
 		return int64(n) * 512
 	}
-	return int64(d.Info().NSectors) * 512
+	return int64(d.remoteSectors.Load()) * 512
 }
 
 // Resize sets the size the device shows (the kernel's resize): at most
@@ -137,6 +140,7 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	}
 	old := d.info.NSectors
 	d.info = info
+	d.remoteSectors.Store(info.NSectors)
 	d.state.Store(int32(DevOpen))
 	d.ioMu.Unlock()
 	d.srvClosed.Store(false)
@@ -170,6 +174,7 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	same := d.State() == DevOpen && info.DeviceID == id
 	if same {
 		d.info.NSectors = info.NSectors
+		d.remoteSectors.Store(info.NSectors)
 	}
 	d.ioMu.Unlock()
 	if !same {
