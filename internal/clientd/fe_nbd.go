@@ -27,7 +27,10 @@ const kernelDeadConnTimeout = 120 * time.Second
 type nbdFE struct {
 	nbdServed
 	index uint32
-	ours  []net.Conn
+	// backend is the device's backend identifier, which every
+	// RECONFIGURE of it must repeat.
+	backend string
+	ours    []net.Conn
 }
 
 func (d *Daemon) attachNBD(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
@@ -53,14 +56,14 @@ func (f *nbdFE) resized(bytes int64) error {
 		return err
 	}
 	defer nl.Close()
-	return nbdResize(nl, f.index, bytes)
+	return nbdResize(nl, f.index, f.backend, bytes)
 }
 
 // nbdResize sets the size of /dev/nbdINDEX, unless it has it, and checks
-// that it took: some kernels refuse a size in RECONFIGURE (Debian 12's
-// 6.12 answers EINVAL) or ignore it, and every kernel refuses the resize
-// ioctl on a device set up by netlink.
-func nbdResize(nl *nbdnl.Conn, index uint32, bytes int64) error {
+// that it took: a kernel may refuse a size in RECONFIGURE or ignore it
+// (before 5.3), and every kernel refuses the resize ioctl on a device set
+// up by netlink.
+func nbdResize(nl *nbdnl.Conn, index uint32, backend string, bytes int64) error {
 	size := func() (int64, error) {
 		b, err := os.ReadFile(fmt.Sprintf("/sys/block/nbd%d/size", index))
 		if err != nil {
@@ -72,7 +75,7 @@ func nbdResize(nl *nbdnl.Conn, index uint32, bytes int64) error {
 	if got, err := size(); err != nil || got == bytes {
 		return err
 	}
-	if err := nl.Resize(index, uint64(bytes)); err != nil {
+	if err := nl.Resize(index, backend, uint64(bytes)); err != nil {
 		return fmt.Errorf("this kernel's nbd driver cannot resize the device (RECONFIGURE with the size: %w)", err)
 	}
 	got, err := size()
@@ -181,7 +184,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 			}
 		}(c)
 	}
-	k := &nbdFE{ours: ours}
+	k := &nbdFE{ours: ours, backend: backendID}
 	if index >= 0 {
 		err := nl.Reconfigure(uint32(index), cfg, theirs)
 		if err == nil {
@@ -189,7 +192,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 			d.setQueueLimits(k)
 			// The size too, in case the server resized the device
 			// meanwhile (the kernel does nothing if it is the same).
-			if err := nbdResize(nl, k.index, int64(cfg.SizeBytes)); err != nil {
+			if err := nbdResize(nl, k.index, k.backend, int64(cfg.SizeBytes)); err != nil {
 				d.log.WithError(err).WithField("nbd", index).Warn("the device keeps its size: could not apply the new one")
 			}
 			return k, nil

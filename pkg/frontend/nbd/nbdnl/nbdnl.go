@@ -330,11 +330,16 @@ func (c *Conn) Reconfigure(index uint32, cfg Config, socks []*os.File) error {
 
 // Resize sets the size of device index (a RECONFIGURE with only the size:
 // the kernel applies it as at CONNECT and tells the block layer, which
-// sends a change uevent).
-func (c *Conn) Resize(index uint32, sizeBytes uint64) error {
+// sends a change uevent). backendID must be the device's backend
+// identifier, if it was connected with one: the kernel refuses (EINVAL,
+// "must specify backend") a RECONFIGURE of such a device without it.
+func (c *Conn) Resize(index uint32, backendID string, sizeBytes uint64) error {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, index)
 	ae.Uint64(attrSizeBytes, sizeBytes)
+	if backendID != "" {
+		ae.String(attrBackendIdentifier, backendID)
+	}
 	b, err := ae.Encode()
 	if err != nil {
 		return fmt.Errorf("nbdnl: RECONFIGURE: %w", err)

@@ -208,8 +208,10 @@ func TestConnectChosenIndexAndMinimalConfig(t *testing.T) {
 	}
 }
 
-// Resize is a RECONFIGURE with the index and the size only: no client
-// flags (which RECONFIGURE would reset), no sockets.
+// Resize is a RECONFIGURE with the index, the size and the backend
+// identifier only: no client flags (which RECONFIGURE would reset), no
+// sockets. A device connected with an identifier cannot be reconfigured
+// without it.
 func TestResize(t *testing.T) {
 	var got map[uint16][]byte
 	var cmd uint8
@@ -219,12 +221,19 @@ func TestResize(t *testing.T) {
 		}
 		return nil, nil
 	})
-	if err := c.Resize(3, 8<<30); err != nil {
+	if err := c.Resize(3, "rnbd:s/d", 8<<30); err != nil {
 		t.Fatal(err)
 	}
-	if cmd != cmdReconfigure || !equalInts(attrTypes(got), []int{attrIndex, attrSizeBytes}) ||
-		nlenc.Uint32(got[attrIndex]) != 3 || nlenc.Uint64(got[attrSizeBytes]) != 8<<30 {
+	if cmd != cmdReconfigure || !equalInts(attrTypes(got), []int{attrIndex, attrSizeBytes, attrBackendIdentifier}) ||
+		nlenc.Uint32(got[attrIndex]) != 3 || nlenc.Uint64(got[attrSizeBytes]) != 8<<30 ||
+		string(got[attrBackendIdentifier]) != "rnbd:s/d\x00" {
 		t.Fatalf("command %d, attributes %v", cmd, got)
+	}
+	if err := c.Resize(4, "", 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !equalInts(attrTypes(got), []int{attrIndex, attrSizeBytes}) {
+		t.Fatalf("without an identifier: attributes %v", got)
 	}
 }
 
