@@ -39,8 +39,12 @@ test: deps vet
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from
 # apt). VM_ONLY=rdma runs one part. See docs/testing.md.
+# The whole tier on bookworm-backports' kernel (6.12), then the nbd and
+# ublk parts on trixie-backports' newest, which has ublk's UPDATE_SIZE
+# (6.16+): a server-pushed resize reaches /dev/ublkbN.
 test-vm: deps
 	@test/vm/run.sh
+	@VM_SUITE=trixie-backports VM_ONLY=nbd,ublk VM_KMODS=none test/vm/run.sh
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...

@@ -8,7 +8,9 @@
 # qemu-system-x86, busybox-static, cpio, xz-utils and kmod from apt.
 #
 #   VM_CACHE=dir   downloads and the extracted kernel (default /var/cache/rnbd-vm)
-#   KPKG=linux-image-…  pin the kernel package (default: backports' linux-image-amd64)
+#   VM_SUITE=suite the Debian suite of the kernel (default bookworm-backports;
+#                  trixie-backports has kernels with ublk's UPDATE_SIZE, 6.16+)
+#   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
 #   VM_TIMEOUT=s   bound on the guest run (default 600)
 #   VM_LOG=file    keep the guest's whole serial console output there
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
@@ -54,31 +56,62 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 static || die "$bb is not statically linked"
 
-# The kernel, from bookworm-backports through a private apt state: the
-# host's apt sources stay as they are.
-mkdir -p "$cache/apt/lists/partial" "$cache/apt/cache/archives/partial"
+# The kernel, from the suite through a private apt state (one per suite):
+# the host's apt sources stay as they are.
+suite=${VM_SUITE:-bookworm-backports}
+case $suite in *[!a-z0-9-]* | "") die "VM_SUITE=$suite: not a Debian suite name" ;; esac
+astate=$cache/apt
+[ "$suite" = bookworm-backports ] || astate=$cache/apt-$suite
+mkdir -p "$astate/lists/partial" "$astate/cache/archives/partial"
 mirror=${DEBIAN_MIRROR:-$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)}
 [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $2 ~ /^https?:/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
 [ -n "$mirror" ] || die "no Debian mirror in the apt sources; set DEBIAN_MIRROR"
-echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror bookworm-backports main" >"$cache/apt/sources.list"
-apt=(-o Dir::Etc::SourceList="$cache/apt/sources.list" -o Dir::Etc::SourceParts=/nonexistent
-	-o Dir::State::Lists="$cache/apt/lists" -o Dir::Cache="$cache/apt/cache")
+echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $suite main" >"$astate/sources.list"
+apt=(-o Dir::Etc::SourceList="$astate/sources.list" -o Dir::Etc::SourceParts=/nonexistent
+	-o Dir::State::Lists="$astate/lists" -o Dir::Cache="$astate/cache")
 kpkg=${KPKG:-}
 if [ -z "$kpkg" ]; then
-	timeout 300 apt-get "${apt[@]}" update -qq || die "apt-get update (bookworm-backports)"
+	timeout 300 apt-get "${apt[@]}" update -qq || die "apt-get update ($suite)"
 	kpkg=$(apt-cache "${apt[@]}" depends linux-image-amd64 | awk '/Depends: linux-image-/ {print $2; exit}')
-	[ -n "$kpkg" ] || die "no linux-image-amd64 in bookworm-backports"
+	[ -n "$kpkg" ] || die "no linux-image-amd64 in $suite"
 fi
 kv=${kpkg#linux-image-}
 kr=$cache/k-$kv
-if [ ! -f "$kr/boot/vmlinuz-$kv" ]; then
-	log "download $kpkg"
-	(cd "$cache" && ls "${kpkg}"_*.deb >/dev/null 2>&1 || timeout 600 apt-get "${apt[@]}" download "$kpkg" >/dev/null 2>&1) ||
-		die "apt-get download $kpkg"
+# The kernel image: /boot/vmlinuz-KV, or in newer suites beside the
+# modules.
+vmlinuz() {
+	local f
+	for f in "$kr/boot/vmlinuz-$kv" "$kr/usr/lib/modules/$kv/vmlinuz"; do
+		[ -f "$f" ] && echo "$f" && return
+	done
+	return 1
+}
+if ! vmlinuz >/dev/null; then
+	# Newer suites split the image: the kernel and its modules are in
+	# linux-binary-KV and linux-modules-KV, on which the image depends.
+	pkgs=("$kpkg")
+	if [ -z "${KPKG:-}" ]; then
+		pkgs+=($(apt-cache "${apt[@]}" depends "$kpkg" | awk -v kv="$kv" '$1 == "Depends:" && ($2 == "linux-binary-" kv || $2 == "linux-modules-" kv) {print $2}'))
+	fi
+	# Extracted beside, moved into place once whole: an interrupted run
+	# leaves nothing that looks ready.
+	final=$kr
+	kr=$kr.new
 	rm -rf "$kr"
 	mkdir -p "$kr"
-	dpkg-deb -x "$(ls "$cache/${kpkg}"_*.deb | head -1)" "$kr"
+	for p in "${pkgs[@]}"; do
+		log "download $p"
+		(cd "$cache" && ls "${p}"_*.deb >/dev/null 2>&1 || timeout 600 apt-get "${apt[@]}" download "$p" >/dev/null 2>&1) ||
+			die "apt-get download $p"
+		dpkg-deb -x "$(ls "$cache/${p}"_*.deb | head -1)" "$kr"
+	done
+	# Merged /usr: modprobe -d and depmod -b look in lib/modules.
+	[ -e "$kr/lib" ] || [ ! -d "$kr/usr/lib/modules" ] || ln -s usr/lib "$kr/lib"
+	vmlinuz >/dev/null || die "$kpkg: no vmlinuz in ${pkgs[*]}"
 	depmod -b "$kr" "$kv"
+	rm -rf "$final"
+	mv "$kr" "$final"
+	kr=$final
 fi
 log "kernel $kv"
 if [ -z "${VM_KMODS:-}" ]; then
@@ -165,7 +198,7 @@ chmod +x "$root/init"
 # not fail the tier by itself.
 boot() {
 	log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
-	timeout "$timeout" qemu-system-x86_64 -kernel "$kr/boot/vmlinuz-$kv" -initrd "$work/initrd.gz" \
+	timeout "$timeout" qemu-system-x86_64 -kernel "$(vmlinuz)" -initrd "$work/initrd.gz" \
 		-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
 		-append "console=ttyS0 panic=-1 quiet vmtest.only=${VM_ONLY:-all}" </dev/null >"$work/serial.log" 2>&1
 }
