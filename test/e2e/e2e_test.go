@@ -58,7 +58,11 @@ func makeSuitePKI(pki, repo string) error {
 			server = append(server, fmt.Sprintf("10.%d.%d.1", net, sub))
 		}
 	}
-	for _, args := range [][]string{{"ca"}, server, {"client", "e2e-client"}} {
+	steps := [][]string{{"ca"}, server, {"client", "e2e-client"}}
+	for _, id := range hostileIdentities {
+		steps = append(steps, []string{"client", id})
+	}
+	for _, args := range steps {
 		if out, err := exec.Command("bash", append([]string{script, pki}, args...)...).CombinedOutput(); err != nil {
 			return fmt.Errorf("%v: %v\n%s", args, err, out)
 		}

@@ -56,6 +56,9 @@ type Options struct {
 	// live peer's kernel acknowledges within milliseconds however busy
 	// its CPUs, and retransmissions ride out a few lost segments in that
 	// time. An idle path is checked by its heartbeats, which are data.
+	// Linux applies it to a peer's receive window kept shut as well (its
+	// zero-window probes): a peer that stops reading loses its
+	// connection after it too (test/e2e TestHostileBesideVerify).
 	UserTimeout time.Duration
 	// StallTimeout is how long a write may wait for a peer that takes
 	// (almost) no data — less than 4 MiB in that time: its receive
