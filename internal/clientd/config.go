@@ -40,6 +40,7 @@ type Config struct {
 	NoPathTimeout        conf.Duration `toml:"no_path_timeout"`
 	FastIOFailTmo        string        `toml:"fast_io_fail_tmo"`
 	CtrlLossTmo          string        `toml:"ctrl_loss_tmo"`
+	ReconnectDelay       conf.Duration `toml:"reconnect_delay"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
@@ -69,6 +70,7 @@ func DefaultConfig() Config {
 		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
 		FastIOFailTmo:        "off",
 		CtrlLossTmo:          "off",
+		ReconnectDelay:       conf.Duration{Duration: d.ReconnectDelay},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
 		UblkQueueDepth:       64,
@@ -106,6 +108,9 @@ func (c *Config) Validate() error {
 	}
 	if _, err := ParseTmo(c.CtrlLossTmo); err != nil {
 		return fmt.Errorf("ctrl_loss_tmo: %w", err)
+	}
+	if d := c.ReconnectDelay.Duration; d < rtrs.MinReconnectDelayLimit || d > rtrs.MaxReconnectDelayLimit {
+		return fmt.Errorf("reconnect_delay %v: want %v to %v", d, rtrs.MinReconnectDelayLimit, rtrs.MaxReconnectDelayLimit)
 	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")

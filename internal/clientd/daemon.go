@@ -332,6 +332,7 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 	cfg.MPPolicy = d.cfg.MPPolicy
 	cfg.MaxReconnectAttempts = d.cfg.MaxReconnectAttempts
 	cfg.CtrlLossTmo, _ = ParseTmo(d.cfg.CtrlLossTmo) // validated
+	cfg.ReconnectDelay = d.cfg.ReconnectDelay.Duration
 	cfg.HBInterval, cfg.HBMissedMax = d.cfg.HBInterval.Duration, d.cfg.HBMissedMax
 	// The session's UUID is ours, not rtrs's random one, and kept in the
 	// state file: its paths' UUIDs derive from it, so after a restart

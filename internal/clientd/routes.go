@@ -30,6 +30,8 @@ type (
 		FastIOFailTmo *string `json:"fast_io_fail_tmo,omitempty"`
 		// CtrlLossTmo: a duration, or "off" (rtrs.CltSession.SetCtrlLossTmo).
 		CtrlLossTmo *string `json:"ctrl_loss_tmo,omitempty"`
+		// ReconnectDelay: a duration (rtrs.CltSession.SetReconnectDelay).
+		ReconnectDelay *string `json:"reconnect_delay,omitempty"`
 	}
 	PathRequest struct {
 		Path string `json:"path"`
@@ -42,7 +44,7 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
@@ -233,7 +235,26 @@ func (s *session) set(req SetRequest) error {
 		}
 		cs.Session().SetCtrlLossTmo(t)
 	}
+	if req.ReconnectDelay != nil {
+		t, err := parseReconnectDelay(*req.ReconnectDelay)
+		if err != nil {
+			return err
+		}
+		if err := cs.Session().SetReconnectDelay(t); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// parseReconnectDelay parses reconnect_delay: a duration from 100 ms to
+// an hour.
+func parseReconnectDelay(v string) (time.Duration, error) {
+	t, err := time.ParseDuration(v)
+	if err != nil || t < rtrs.MinReconnectDelayLimit || t > rtrs.MaxReconnectDelayLimit {
+		return 0, ctl.Errorf(ctl.CodeInvalid, "reconnect_delay %q: want a duration from %v to %v", v, rtrs.MinReconnectDelayLimit, rtrs.MaxReconnectDelayLimit)
+	}
+	return t, nil
 }
 
 // check says what is wrong with the settings, without applying them.
@@ -261,6 +282,11 @@ func (req SetRequest) check() error {
 			return ctl.Errorf(ctl.CodeInvalid, "ctrl_loss_tmo: %v", err)
 		}
 	}
+	if req.ReconnectDelay != nil {
+		if _, err := parseReconnectDelay(*req.ReconnectDelay); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -280,6 +306,9 @@ func (req SetRequest) Merge(o SetRequest) SetRequest {
 	}
 	if o.CtrlLossTmo != nil {
 		req.CtrlLossTmo = o.CtrlLossTmo
+	}
+	if o.ReconnectDelay != nil {
+		req.ReconnectDelay = o.ReconnectDelay
 	}
 	return req
 }
@@ -402,6 +431,7 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
 			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
+			"reconnect_delay": rs.ReconnectDelay().String(),
 			"rx_bytes": rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})

@@ -96,7 +96,7 @@ func ParseMapString(s string) (Mapping, error) {
 }
 
 // SettingKeys are the session settings Parse takes.
-const SettingKeys = "mpath_policy, max_reconnect_attempts, ctrl_loss_tmo, no_path_timeout or fast_io_fail_tmo"
+const SettingKeys = "mpath_policy, max_reconnect_attempts, reconnect_delay, ctrl_loss_tmo, no_path_timeout or fast_io_fail_tmo"
 
 // Parse sets the session setting k to v (session set KEY=VALUE, and the
 // map string's session keys); values are checked by the daemon.
@@ -116,6 +116,8 @@ func (req *SetRequest) Parse(k, v string) error {
 		req.FastIOFailTmo = &v
 	case "ctrl_loss_tmo":
 		req.CtrlLossTmo = &v
+	case "reconnect_delay":
+		req.ReconnectDelay = &v
 	default:
 		return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want %s", k, SettingKeys)
 	}

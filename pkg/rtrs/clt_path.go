@@ -384,11 +384,12 @@ func (p *CltPath) reconnectDelay() time.Duration {
 	p.mu.Lock()
 	n := p.reconnectAttempts
 	p.mu.Unlock()
-	d := cfg.ReconnectDelay
-	for i := 0; i < n && d < cfg.ReconnectMaxDelay; i++ {
+	d := p.sess.ReconnectDelay()
+	limit := max(cfg.ReconnectMaxDelay, d)
+	for i := 0; i < n && d < limit; i++ {
 		d *= 2
 	}
-	d = min(d, cfg.ReconnectMaxDelay)
+	d = min(d, limit)
 	if cfg.ReconnectJitter > 0 {
 		d += rand.N(cfg.ReconnectJitter)
 	}

@@ -216,6 +216,7 @@ type CltSession struct {
 	rrCursor             atomic.Uint32
 	maxReconnectAttempts atomic.Int32
 	ctrlLossTmo          atomic.Int64 // time.Duration; -1: no bound
+	reconnectDelay       atomic.Int64 // time.Duration: the first reconnect's wait
 
 	// mu guards the path list and the link-event bookkeeping.
 	mu        sync.Mutex
@@ -264,6 +265,7 @@ func Open(ctx context.Context, cfg ClientConfig) (*CltSession, error) {
 	s.policy.Store(int32(cfg.MPPolicy))
 	s.maxReconnectAttempts.Store(int32(cfg.MaxReconnectAttempts))
 	s.SetCtrlLossTmo(cfg.CtrlLossTmo)
+	s.reconnectDelay.Store(int64(cfg.ReconnectDelay))
 	s.pathsSnap.Store(&[]*CltPath{})
 	var firstErr error
 	up := 0
@@ -383,6 +385,28 @@ func (s *CltSession) SetCtrlLossTmo(d time.Duration) {
 		d = -1
 	}
 	s.ctrlLossTmo.Store(int64(d))
+}
+
+// ReconnectDelay is the wait before a path's first reconnect attempt;
+// it doubles after each failed one, up to ReconnectMaxDelay or itself,
+// whichever is longer.
+func (s *CltSession) ReconnectDelay() time.Duration { return time.Duration(s.reconnectDelay.Load()) }
+
+// The range of SetReconnectDelay: a path that cannot connect must not
+// retry in a tight loop.
+const (
+	MinReconnectDelayLimit = 100 * time.Millisecond
+	MaxReconnectDelayLimit = time.Hour
+)
+
+// SetReconnectDelay sets reconnect_delay, 100 ms to an hour. It applies
+// to the next reconnect a path schedules.
+func (s *CltSession) SetReconnectDelay(d time.Duration) error {
+	if d < MinReconnectDelayLimit || d > MaxReconnectDelayLimit {
+		return fmt.Errorf("rtrs: reconnect_delay %v out of range %v..%v: %w", d, MinReconnectDelayLimit, MaxReconnectDelayLimit, syscall.EINVAL)
+	}
+	s.reconnectDelay.Store(int64(d))
+	return nil
 }
 
 // MaxReconnectAttempts returns the reconnect bound (-1: forever).

@@ -110,6 +110,48 @@ func TestReconnectForever(t *testing.T) {
 	}
 }
 
+// TestSetReconnectDelay: reconnect_delay set at run time is the wait the
+// path schedules next, doubled after each failed attempt up to itself
+// when it is longer than ReconnectMaxDelay; out of range is EINVAL.
+func TestSetReconnectDelay(t *testing.T) {
+	net, fab := memNet()
+	srvAddr := ap("10.9.1.1:1234")
+	cli := netip.MustParseAddr("10.9.1.2")
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.ReconnectJitter = 0
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
+	for _, d := range []time.Duration{0, 99 * time.Millisecond, 2 * time.Hour} {
+		if err := r.sess.SetReconnectDelay(d); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("reconnect_delay %v: %v, want EINVAL", d, err)
+		}
+	}
+	if got := r.sess.ReconnectDelay(); got != ccfg.ReconnectDelay {
+		t.Fatalf("reconnect_delay %v after refused changes, want %v", got, ccfg.ReconnectDelay)
+	}
+	const d = 2 * time.Second // longer than ReconnectMaxDelay (200 ms)
+	if err := r.sess.SetReconnectDelay(d); err != nil {
+		t.Fatal(err)
+	}
+	p := r.sess.Paths()[0]
+	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
+		_, next := p.ReconnectAttempts()
+		return next > 0
+	})
+	if n, next := p.ReconnectAttempts(); n != 0 || next < d-100*time.Millisecond || next > d {
+		t.Fatalf("first attempt %d in %v, want 0 in about %v", n, next, d)
+	}
+	// The first attempt fails; the next wait is d again: neither
+	// doubled past it nor cut to ReconnectMaxDelay.
+	waitFor(t, 10*time.Second, "a failed attempt", func() bool {
+		n, next := p.ReconnectAttempts()
+		return n == 1 && next > 0
+	})
+	if _, next := p.ReconnectAttempts(); next < d-200*time.Millisecond || next > d {
+		t.Fatalf("second attempt in %v, want about %v", next, d)
+	}
+}
+
 // TestPathControls: disconnect, reconnect, remove and add_path with the
 // kernel's blocking behaviour and return values, under IO.
 func TestPathControls(t *testing.T) {

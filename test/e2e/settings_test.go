@@ -20,7 +20,7 @@ func TestSessionSettingsKept(t *testing.T) {
 	srv.ok("map", "b", filepath.Join(dir, "b.img"))
 	cl := startClient(t, dir)
 	cl.ok("map", fmt.Sprintf("sessname=st path=ip:127.0.0.1 device_path=a dest_port=%d no_path_timeout=45s", port),
-		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7", "--set", "ctrl_loss_tmo=10m")
+		"--set", "fast_io_fail_tmo=5s", "--set", "max_reconnect_attempts=7", "--set", "ctrl_loss_tmo=10m", "--set", "reconnect_delay=3s")
 	show := func() map[string]any {
 		t.Helper()
 		s := cl.records("session", "show", "st")
@@ -40,7 +40,11 @@ func TestSessionSettingsKept(t *testing.T) {
 	want("fast_io_fail_in", "") // the session has its path
 	want("max_reconnect_attempts", float64(7))
 	want("ctrl_loss_tmo", "10m0s")
-	cl.ok("session", "set", "st", "fast_io_fail_tmo=off", "mpath_policy=round-robin")
+	want("reconnect_delay", "3s")
+	cl.ok("session", "set", "st", "fast_io_fail_tmo=off", "mpath_policy=round-robin", "reconnect_delay=2s")
+	if _, errOut, code := cl.ctl("session", "set", "st", "reconnect_delay=1ms"); code != 2 || !strings.Contains(errOut, "want a duration from 100ms to 1h0m0s") {
+		t.Fatalf("reconnect_delay=1ms: exit %d %q", code, errOut)
+	}
 	// A bad value among good ones: nothing is applied.
 	if _, errOut, code := cl.ctl("session", "set", "st", "no_path_timeout=10s", "fast_io_fail_tmo=soon"); code != 2 || !strings.Contains(errOut, "want a duration or off") {
 		t.Fatalf("a bad fast_io_fail_tmo: exit %d %q", code, errOut)
@@ -59,4 +63,5 @@ func TestSessionSettingsKept(t *testing.T) {
 	want("no_path_timeout", "45s")
 	want("max_reconnect_attempts", float64(7))
 	want("ctrl_loss_tmo", "10m0s")
+	want("reconnect_delay", "2s")
 }
