@@ -432,7 +432,7 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
 			"reconnect_delay": rs.ReconnectDelay().String(),
-			"rx_bytes": rx, "tx_bytes": tx,
+			"rx_bytes":        rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})
 	}
