@@ -431,8 +431,7 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
 			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
-			"reconnect_delay": rs.ReconnectDelay().String(),
-			"rx_bytes":        rx, "tx_bytes": tx,
+			"reconnect_delay": rs.ReconnectDelay().String(), "rx_bytes": rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})
 	}
