@@ -220,13 +220,33 @@ func newDevice(g *cli.Globals) *cobra.Command {
 }
 
 func newSession(g *cli.Globals) *cobra.Command {
-	cmd := &cobra.Command{Use: "session", Short: "List, show and disconnect client sessions"}
+	cmd := &cobra.Command{Use: "session", Short: "List, show and disconnect client sessions; list and free the session names bound to identities"}
 	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List client sessions", "Show a session", nil,
 		[]string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}, serverd.SessionFields)...)
 	cmd.AddCommand(g.Command(cli.Action{Use: "disconnect NAME", Short: "Disconnect every path of a session (its devices close)", Args: 1,
 		Path: cli.Under("/v1/sessions", "/disconnect"),
 		Done: func(args []string) string { return "disconnecting " + args[0] },
 	}))
+	cmd.AddCommand(&cobra.Command{
+		Use:   "names",
+		Short: "List the session names bound to client identities (TLS): only that identity may take the name",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return g.List(cmd.OutOrStdout(), "/v1/session-names", "session-name", []string{"sessname", "identity"}, []string{"sessname", "identity"})
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
+		Use:   "forget NAME",
+		Short: "Free a session name bound to an identity: the next identity to take it binds it",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := g.Call("DELETE", "/v1/session-names/"+url.PathEscape(args[0]), nil, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "session name %s freed\n", args[0])
+			return nil
+		},
+	})
 	return cmd
 }
 

@@ -27,10 +27,12 @@ import (
 // StateVersion is the version of the state file format.
 const StateVersion = 1
 
-// State is what survives a restart: the explicit exports.
+// State is what survives a restart: the explicit exports, and the
+// session names bound to client identities (rnbd.SessionOwner).
 type State struct {
-	Version int           `json:"version"`
-	Exports []rnbd.Export `json:"exports"`
+	Version       int                 `json:"version"`
+	Exports       []rnbd.Export       `json:"exports"`
+	SessionOwners []rnbd.SessionOwner `json:"session_owners,omitempty"`
 }
 
 // Daemon is a running rnbd-server.
@@ -44,6 +46,11 @@ type Daemon struct {
 	// stateMu serializes changes of the exports and their saving.
 	stateMu sync.Mutex
 	served  chan error
+	// ownersDirty asks saveOwners to save the state file: a session
+	// name was bound. stopOwners and ownersDone end saveOwners.
+	ownersDirty chan struct{}
+	stopOwners  chan struct{}
+	ownersDone  chan struct{}
 }
 
 // Options are what a daemon is started with beyond its configuration.
@@ -72,7 +79,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log})
 	}
-	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1)}
+	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1),
+		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{})}
 	eps, err := endpoints(cfg.Listen, opts)
 	if err != nil {
 		return nil, err
@@ -82,13 +90,20 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		AllowMigration: cfg.AllowMigration,
 		Direct:         cfg.DirectIO,
 		MaxIOSize:      cfg.MaxChunkSize - rtrs.MaxHdrSize,
-		Log:            opts.Log,
+		OwnersChanged: func() {
+			select {
+			case d.ownersDirty <- struct{}{}:
+			default: // a save is due already
+			}
+		},
+		Log: opts.Log,
 	})
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {
 		d.rnbd.Close()
 		return nil, err
 	}
+	d.rnbd.SetSessionOwners(st.SessionOwners)
 	for _, e := range st.Exports {
 		if err := d.rnbd.Map(e); err != nil {
 			// Keep going: the rest of the exports are still served,
@@ -113,6 +128,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.routes()
+	go d.saveOwners()
 	go func() { d.served <- d.ctl.Serve() }()
 	var bound []string
 	for _, l := range d.rtrs.Listening() {
@@ -187,6 +203,8 @@ func (d *Daemon) Addrs() []netip.AddrPort { return d.rtrs.Addrs() }
 // IO answered, then the control socket.
 func (d *Daemon) Stop() error {
 	d.rtrs.Close()
+	close(d.stopOwners)
+	<-d.ownersDone
 	d.rnbd.Close()
 	err := d.ctl.Close()
 	<-d.served
@@ -200,8 +218,34 @@ func (st *State) StateVersion() int { return st.Version }
 // saveState writes the exports atomically: a temporary file, synced, then
 // renamed over the old one, and the directory synced.
 func (d *Daemon) saveState() error {
-	st := State{Version: StateVersion, Exports: d.rnbd.Exports()}
+	st := State{Version: StateVersion, Exports: d.rnbd.Exports(), SessionOwners: d.rnbd.SessionOwners()}
 	return conf.SaveState(d.cfg.StateFile, st)
+}
+
+// saveOwners saves the state file when a session name was bound, until
+// Stop, and once more then if one is still due.
+func (d *Daemon) saveOwners() {
+	defer close(d.ownersDone)
+	save := func() {
+		d.stateMu.Lock()
+		defer d.stateMu.Unlock()
+		if err := d.saveState(); err != nil {
+			d.log.WithError(err).Error("saving the session names' identities failed")
+		}
+	}
+	for {
+		select {
+		case <-d.ownersDirty:
+			save()
+		case <-d.stopOwners:
+			select {
+			case <-d.ownersDirty:
+				save()
+			default:
+			}
+			return
+		}
+	}
 }
 
 // Requests of the control API.
@@ -329,6 +373,24 @@ func (d *Daemon) routes() {
 		}
 		for _, p := range x.Paths() {
 			p.Disconnect()
+		}
+		return nil, nil
+	})
+	h("GET /v1/session-names", func(r *http.Request) (any, error) {
+		var rows []output.Record
+		for _, o := range d.rnbd.SessionOwners() {
+			rows = append(rows, output.Record{"sessname": o.Name, "identity": o.Identity})
+		}
+		return rows, nil
+	})
+	h("DELETE /v1/session-names/{name}", func(r *http.Request) (any, error) {
+		d.stateMu.Lock()
+		defer d.stateMu.Unlock()
+		if _, err := d.rnbd.ForgetSessionName(r.PathValue("name")); err != nil {
+			return nil, err
+		}
+		if err := d.saveState(); err != nil {
+			return nil, fmt.Errorf("name freed, but saving the state file failed: %w", err)
 		}
 		return nil, nil
 	})

@@ -167,7 +167,11 @@ type ServerConfig struct {
 	// MaxIOSize is the transport's largest IO (the RTRS chunk minus its
 	// header room); OPEN_RSP never announces more.
 	MaxIOSize int
-	Log       *log.Entry
+	// OwnersChanged, if set, is told when a session name is bound to an
+	// identity (srv_names.go), to save SessionOwners; it is called on
+	// RTRS's naming path and must not block.
+	OwnersChanged func()
+	Log           *log.Entry
 }
 
 // Server is the RNBD server: the user of an RTRS server. It is safe for
@@ -188,6 +192,10 @@ type Server struct {
 	// exportOpens counts the sessions that have each explicit export
 	// open, or are opening it (Export.MaxSessions).
 	exportOpens map[string]int
+
+	// ownMu guards owners: session name → the identity it is bound to.
+	ownMu  sync.Mutex
+	owners map[string]string
 
 	closed atomic.Bool
 	done   chan struct{} // closed by Close: stops the health checks
@@ -221,6 +229,7 @@ func NewServer(cfg ServerConfig) *Server {
 		sessions:    make(map[*rtrs.SrvSession]*SrvSession),
 		devices:     make(map[string]*device),
 		exportOpens: make(map[string]int),
+		owners:      make(map[string]string),
 	}
 	for i := 0; i < cfg.Workers; i++ {
 		s.wg.Add(1)

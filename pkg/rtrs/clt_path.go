@@ -227,7 +227,7 @@ func (p *CltPath) errorRecovery(res *pathRes) {
 	}
 	if p.changeStateFromTo(PathConnecting, PathConnectingErr) && res != nil {
 		select {
-		case res.infoDone <- errPathDown:
+		case res.infoDone <- errInfoUnanswered:
 		default:
 		}
 	}

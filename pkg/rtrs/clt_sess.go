@@ -31,6 +31,11 @@ var (
 	ErrQueueDepthChanged = fmt.Errorf("rtrs: server queue depth changed: %w", syscall.ECONNRESET)
 
 	errPathDown = errors.New("rtrs: path not connected")
+	// errInfoUnanswered: the path's connections went down while it
+	// waited for INFO_RSP. INFO_REQ has no error answer: a server that
+	// refuses the session's name closes the path.
+	errInfoUnanswered = fmt.Errorf("rtrs: the server closed the path instead of answering its INFO_REQ "+
+		"(so it refuses a session name in use, or bound to another client's identity; its log says why): %w", syscall.ECONNRESET)
 )
 
 // ClientLinkEvent is what a session tells its user about its paths as a

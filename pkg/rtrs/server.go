@@ -46,6 +46,16 @@ type ServerHandler interface {
 	HandleIO(op *SrvOp) error
 }
 
+// NameClaimer is an optional part of a ServerHandler: which client may
+// take a session name. ClaimSessionName is called when a session first
+// takes a name nobody holds, with the identity the fabric authenticated
+// for it ("" without one), under the server's naming lock; an error
+// refuses the path (the session name arrives in INFO_REQ, which has no
+// answer for an error: the client sees its path closed).
+type NameClaimer interface {
+	ClaimSessionName(name, identity string) error
+}
+
 // ServerConfig configures a Server. Start from DefaultServerConfig.
 type ServerConfig struct {
 	// Fabric carries the paths accepted on the Listen addresses.

@@ -26,10 +26,18 @@ func (x *SrvSession) claimName(name string) error {
 		}
 	}
 	x.mu.Lock()
-	defer x.mu.Unlock()
-	if x.name != "" && x.name != name {
-		return fmt.Errorf("session %q cannot take a path named %q", x.name, name)
+	had := x.name
+	x.mu.Unlock()
+	if had != "" && had != name {
+		return fmt.Errorf("session %q cannot take a path named %q", had, name)
 	}
+	if nc, ok := s.cfg.Handler.(NameClaimer); ok && had == "" {
+		if err := nc.ClaimSessionName(name, x.Identity()); err != nil {
+			return err
+		}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
 	x.name = name
 	x.logp.Store(x.withPeer(s.log.WithField("session", name)))
 	return nil

@@ -98,4 +98,66 @@ func TestTLSEndToEnd(t *testing.T) {
 	if sess := srv.records("session", "list"); len(sess) != 2 {
 		t.Fatalf("server sessions after the refused clients: %v", sess)
 	}
+
+	// Session names are bound to the identities that took them, and
+	// kept across a restart of the server: while client-a is down and
+	// the server restarts, client-b cannot take "sa" and lock client-a
+	// out of it; client-a gets it back; the operator can free it.
+	names := func() string {
+		var b strings.Builder
+		for _, r := range srv.records("session", "names") {
+			fmt.Fprintf(&b, "%s=%s ", r["sessname"], r["identity"])
+		}
+		return strings.TrimSpace(b.String())
+	}
+	if got := names(); got != "sa=client-a sa2=client-b" {
+		t.Fatalf("session names %q", got)
+	}
+	a.stop()
+	srv.stop()
+	srv = startServer(t, dir, port, tlsArgs(pki, "srv")...)
+	if got := names(); got != "sa=client-a sa2=client-b" {
+		t.Fatalf("session names after a restart %q", got)
+	}
+	b.ok("unmap", "rnbd0") // its sa2 mapping of vol: the NBD export name is taken
+	if _, errOut, code := b.ctl(mapArgs("sa", "ro")...); code == 0 || !strings.Contains(errOut, "refuses a session name in use, or bound to another client's identity") {
+		t.Fatalf("client-b's map through client-a's session name: exit %d %q", code, errOut)
+	}
+	if !strings.Contains(srv.out.String(), "session name refused: it belongs to another identity") {
+		t.Fatalf("the server did not say why it refused the name:\n%s", srv.out.String())
+	}
+	a = startClient(t, filepath.Join(dir, "a"), tlsArgs(pki, "client-a")...) // restores its mapping in "sa"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if s := a.records("session", "show", "sa"); len(s) == 1 && s[0]["act_path_cnt"] == float64(1) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("client-a did not get its session back:\n%s", srv.out.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	a.ok("unmap", "rnbd0")
+	srv.ok("session", "forget", "sa")
+	if got := names(); got != "sa2=client-b" {
+		t.Fatalf("session names after forget %q", got)
+	}
+	if _, errOut, code := srv.ctl("session", "forget", "sa"); code == 0 || !strings.Contains(errOut, "not bound") {
+		t.Fatalf("forget of a free name: exit %d %q", code, errOut)
+	}
+	deadline = time.Now().Add(30 * time.Second)
+	for {
+		_, errOut, code := b.ctl(mapArgs("sa", "ro")...)
+		if code == 0 {
+			break
+		}
+		// client-a's session may still be closing on the server.
+		if time.Now().After(deadline) {
+			t.Fatalf("client-b cannot take the freed name: exit %d %q", code, errOut)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if got := names(); got != "sa=client-b sa2=client-b" {
+		t.Fatalf("session names after client-b took the freed one %q", got)
+	}
 }
