@@ -41,10 +41,13 @@ test: deps vet
 # apt). VM_ONLY=rdma runs one part. See docs/testing.md.
 # The whole tier on bookworm-backports' kernel (6.12), then the nbd and
 # ublk parts on trixie-backports' newest, which has ublk's UPDATE_SIZE
-# (6.16+): a server-pushed resize reaches /dev/ublkbN.
+# (6.16+): a server-pushed resize reaches /dev/ublkbN. A run that picks
+# its own part, kernel or suite (VM_ONLY, KPKG, VM_SUITE) is that run only.
 test-vm: deps
 	@test/vm/run.sh
-	@VM_SUITE=trixie-backports VM_ONLY=nbd,ublk VM_KMODS=none test/vm/run.sh
+	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then \
+		VM_SUITE=trixie-backports VM_ONLY=nbd,ublk VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
+	fi
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...

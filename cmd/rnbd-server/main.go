@@ -64,6 +64,7 @@ func newDaemon() *cobra.Command {
 			set("chunk-size", func() { cfg.MaxChunkSize = over.MaxChunkSize })
 			set("max-chunk-memory", func() { cfg.MaxChunkMemory = serverd.Size(chunkMem) })
 			set("max-sessions-per-client", func() { cfg.MaxSessionsPerClient = over.MaxSessionsPerClient })
+			set("bind-session-names", func() { cfg.BindSessionNames = over.BindSessionNames })
 			set("always-invalidate", func() { cfg.AlwaysInvalidate = over.AlwaysInvalidate })
 			set("invalidate-by", func() { cfg.InvalidateBy = over.InvalidateBy })
 			set("direct-io", func() { cfg.DirectIO = over.DirectIO })
@@ -97,6 +98,7 @@ func newDaemon() *cobra.Command {
 	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
 	chunkMem = units.Size(d.MaxChunkMemory)
 	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound; default a quarter of RAM, at most 8 GiB)")
+	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity that first takes it, kept in the state file; others are refused it")
 	f.IntVar(&over.MaxSessionsPerClient, "max-sessions-per-client", d.MaxSessionsPerClient, "sessions one client may have: one identity with TLS, else one address (0: no bound); one more is refused with EUSERS")
 	f.BoolVar(&over.AlwaysInvalidate, "always-invalidate", d.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
 	f.StringVar(&over.InvalidateBy, "invalidate-by", d.InvalidateBy, "how always_invalidate revokes a chunk's rkey on RDMA: window (memory windows bound by work requests, where the device has them) or registration")
@@ -236,8 +238,25 @@ func newSession(g *cli.Globals) *cobra.Command {
 		},
 	})
 	cmd.AddCommand(&cobra.Command{
+		Use:   "bind NAME IDENTITY",
+		Short: "Give a session name to a client identity (TLS), in advance or instead of another; a session that has it under another identity is disconnected",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var resp serverd.BindResponse
+			if err := g.Call("PUT", "/v1/session-names/"+url.PathEscape(args[0]), serverd.BindRequest{Identity: args[1]}, &resp); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "session name %s bound to %s", args[0], args[1])
+			if resp.Disconnected > 0 {
+				fmt.Fprint(cmd.OutOrStdout(), "; the session that had it under another identity was disconnected")
+			}
+			fmt.Fprintln(cmd.OutOrStdout())
+			return nil
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
 		Use:   "forget NAME",
-		Short: "Free a session name bound to an identity: the next identity to take it binds it",
+		Short: "Free a session name bound to an identity (not while a session has it): the next identity to take it binds it",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := g.Call("DELETE", "/v1/session-names/"+url.PathEscape(args[0]), nil, nil); err != nil {

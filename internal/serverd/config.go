@@ -33,8 +33,11 @@ type Config struct {
 	MaxChunkSize   int      `toml:"max_chunk_size"`
 	MaxChunkMemory Size     `toml:"max_chunk_memory"`
 	// MaxSessionsPerClient bounds one client's sessions (rtrs.ServerConfig).
-	MaxSessionsPerClient int  `toml:"max_sessions_per_client"`
-	AlwaysInvalidate     bool `toml:"always_invalidate"`
+	MaxSessionsPerClient int `toml:"max_sessions_per_client"`
+	// BindSessionNames, with TLS, binds each session name to the
+	// identity that first takes it (rnbd.ServerConfig).
+	BindSessionNames bool `toml:"bind_session_names"`
+	AlwaysInvalidate bool `toml:"always_invalidate"`
 	// InvalidateBy is how always_invalidate revokes a chunk's rkey on
 	// RDMA: "window" (memory windows bound by work requests, where the
 	// device has them) or "registration" (deregister and register).
@@ -68,6 +71,7 @@ func DefaultConfig() Config {
 		MaxChunkSize:         rtrs.DefaultMaxChunkSize,
 		MaxChunkMemory:       Size(rtrs.DefaultMaxChunkMemory()),
 		MaxSessionsPerClient: rtrs.DefaultMaxSessionsPerClient,
+		BindSessionNames:     true,
 		AlwaysInvalidate:     true,
 		InvalidateBy:         "window",
 		HBInterval:           Duration{Duration: rtrs.DefaultHBInterval},

@@ -45,7 +45,11 @@ type Daemon struct {
 
 	// stateMu serializes changes of the exports and their saving.
 	stateMu sync.Mutex
-	served  chan error
+	// unrestored are the exports of the state file that could not be
+	// served at start (a backing file or device not there yet): kept in
+	// the file by every save until mapped again or unmapped. stateMu.
+	unrestored []rnbd.Export
+	served     chan error
 	// ownersDirty asks saveOwners to save the state file: a session
 	// name was bound. stopOwners and ownersDone end saveOwners.
 	ownersDirty chan struct{}
@@ -86,10 +90,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
-		DevSearchPath:  cfg.DevSearchPath,
-		AllowMigration: cfg.AllowMigration,
-		Direct:         cfg.DirectIO,
-		MaxIOSize:      cfg.MaxChunkSize - rtrs.MaxHdrSize,
+		DevSearchPath:    cfg.DevSearchPath,
+		AllowMigration:   cfg.AllowMigration,
+		Direct:           cfg.DirectIO,
+		MaxIOSize:        cfg.MaxChunkSize - rtrs.MaxHdrSize,
+		BindSessionNames: cfg.TLS.Enabled() && cfg.BindSessionNames,
 		OwnersChanged: func() {
 			select {
 			case d.ownersDirty <- struct{}{}:
@@ -109,6 +114,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			// Keep going: the rest of the exports are still served,
 			// and the state file keeps the entry for when it returns.
 			d.log.WithError(err).WithField("export", e.Name).Error("restoring export failed")
+			d.unrestored = append(d.unrestored, e)
 		}
 	}
 	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
@@ -219,7 +225,29 @@ func (st *State) StateVersion() int { return st.Version }
 // renamed over the old one, and the directory synced.
 func (d *Daemon) saveState() error {
 	st := State{Version: StateVersion, Exports: d.rnbd.Exports(), SessionOwners: d.rnbd.SessionOwners()}
+	served := map[string]bool{}
+	for _, e := range st.Exports {
+		served[e.Name] = true
+	}
+	for _, e := range d.unrestored {
+		if !served[e.Name] {
+			st.Exports = append(st.Exports, e)
+		}
+	}
+	sort.Slice(st.Exports, func(i, j int) bool { return st.Exports[i].Name < st.Exports[j].Name })
 	return conf.SaveState(d.cfg.StateFile, st)
+}
+
+// dropUnrestored forgets an export that could not be restored (it was
+// mapped again, or unmapped). stateMu is held.
+func (d *Daemon) dropUnrestored(name string) bool {
+	for i, e := range d.unrestored {
+		if e.Name == name {
+			d.unrestored = append(d.unrestored[:i], d.unrestored[i+1:]...)
+			return true
+		}
+	}
+	return false
 }
 
 // saveOwners saves the state file when a session name was bound, until
@@ -272,6 +300,16 @@ type (
 	}
 	CloseRequest struct {
 		Session string `json:"session"`
+	}
+	// BindRequest gives a session name to a client identity
+	// (rnbd.Server.BindSessionName).
+	BindRequest struct {
+		Identity string `json:"identity"`
+	}
+	// BindResponse: Disconnected is 1 if a session that had the name
+	// under another identity was disconnected.
+	BindResponse struct {
+		Disconnected int `json:"disconnected"`
 	}
 	// ResizeRequest: Size as "20GiB" or bytes; Force shrinks an export
 	// that sessions have open (rnbd.Server.Resize).
@@ -383,6 +421,22 @@ func (d *Daemon) routes() {
 		}
 		return rows, nil
 	})
+	h("PUT /v1/session-names/{name}", func(r *http.Request) (any, error) {
+		var req BindRequest
+		if err := ctl.Decode(r, &req); err != nil {
+			return nil, err
+		}
+		d.stateMu.Lock()
+		defer d.stateMu.Unlock()
+		n, err := d.rnbd.BindSessionName(r.PathValue("name"), req.Identity)
+		if err != nil {
+			return nil, err
+		}
+		if err := d.saveState(); err != nil {
+			return nil, fmt.Errorf("name bound, but saving the state file failed: %w", err)
+		}
+		return BindResponse{Disconnected: n}, nil
+	})
 	h("DELETE /v1/session-names/{name}", func(r *http.Request) (any, error) {
 		d.stateMu.Lock()
 		defer d.stateMu.Unlock()
@@ -433,6 +487,7 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		d.rnbd.Unmap(e.Name, true)
 		return fmt.Errorf("saving the state file: %w", err)
 	}
+	d.dropUnrestored(e.Name) // served now, as given
 	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
 		"allow_from": e.AllowFrom, "allow_identities": e.AllowIdentities, "migration": e.Migration, "max_sessions": e.MaxSessions,
 		"write_cache": d.exportCache(e)}).Info("export mapped")
@@ -444,7 +499,11 @@ func (d *Daemon) Unmap(name string, force bool) error {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	if err := d.rnbd.Unmap(name, force); err != nil {
-		return err
+		if !errors.Is(err, syscall.ENOENT) || !d.dropUnrestored(name) {
+			return err
+		}
+		// An export of the state file that is not served: unmapping
+		// removes it from the file.
 	}
 	if err := d.saveState(); err != nil {
 		return fmt.Errorf("export withdrawn, but saving the state file failed: %w", err)

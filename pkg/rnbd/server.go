@@ -167,6 +167,10 @@ type ServerConfig struct {
 	// MaxIOSize is the transport's largest IO (the RTRS chunk minus its
 	// header room); OPEN_RSP never announces more.
 	MaxIOSize int
+	// BindSessionNames binds a session name to the client identity that
+	// first takes it and refuses it to others (srv_names.go); only
+	// meaningful where clients are authenticated (TLS).
+	BindSessionNames bool
 	// OwnersChanged, if set, is told when a session name is bound to an
 	// identity (srv_names.go), to save SessionOwners; it is called on
 	// RTRS's naming path and must not block.

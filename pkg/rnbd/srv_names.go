@@ -13,13 +13,20 @@ import (
 // A client chooses its session name, and the name selects things: the
 // %SESSNAME% directory of dev_search_path, an export's Allow list, and
 // the one session the server lets have it. With authenticated clients
-// (TLS), a name taken by an identity is bound to it: from then on only
-// that identity may take it, across restarts of either end (the binding
-// is kept with the exports). So a peer that connects first after a server
-// restart cannot lock a client out of its name, nor reach its
-// %SESSNAME% directory. A client without an identity (plain TCP, RDMA)
-// binds nothing and may not take a bound name. An operator frees a name
-// with ForgetSessionName (rnbd-server session forget).
+// (TLS) and ServerConfig.BindSessionNames, a name taken by an identity is
+// bound to it: from then on only that identity may take it, across
+// restarts of either end (the binding is kept with the exports). So a
+// peer that connects first after a server restart cannot lock a client
+// out of its name, nor reach its %SESSNAME% directory. A client without
+// an identity (RDMA beside TLS) binds nothing and may not take a bound
+// name. An operator frees a name (ForgetSessionName) or gives it to an
+// identity in advance (BindSessionName). Without BindSessionNames the
+// bindings are kept but not enforced, and nothing new is bound.
+
+// MaxNamesPerIdentity bounds the names one identity binds: past it, its
+// new sessions take their names unbound, as without TLS, so that one
+// client cannot fill the state file.
+const MaxNamesPerIdentity = 256
 
 // SessionOwner is one binding: a session name and the identity that
 // holds it.
@@ -32,9 +39,13 @@ type SessionOwner struct {
 // when it is free and identity is not empty; a name bound to another
 // identity is refused with EACCES.
 func (s *Server) ClaimSessionName(name, identity string) error {
+	if !s.cfg.BindSessionNames {
+		return nil
+	}
 	s.ownMu.Lock()
 	owner, bound := s.owners[name]
-	if !bound && identity != "" {
+	bind := !bound && identity != "" && s.ownedBy(identity) < MaxNamesPerIdentity
+	if bind {
 		s.owners[name] = identity
 	}
 	s.ownMu.Unlock()
@@ -47,13 +58,31 @@ func (s *Server) ClaimSessionName(name, identity string) error {
 		s.rl.Log(s.log.WithFields(log.Fields{"session": name, "peer": who, "owner": owner}), log.WarnLevel,
 			"session name refused: it belongs to another identity")
 		return fmt.Errorf("session name %q belongs to identity %q, not %s: %w", name, owner, who, syscall.EACCES)
-	case !bound && identity != "":
+	case bind:
 		s.log.WithFields(log.Fields{"session": name, "identity": identity}).Info("session name bound to its identity")
-		if s.cfg.OwnersChanged != nil {
-			s.cfg.OwnersChanged()
-		}
+		s.ownersChanged()
+	case !bound && identity != "":
+		s.rl.Log(s.log.WithFields(log.Fields{"session": name, "identity": identity, "max": MaxNamesPerIdentity}), log.WarnLevel,
+			"session name left unbound: its identity has bound as many as it may")
 	}
 	return nil
+}
+
+// ownedBy counts the names identity holds. ownMu is held.
+func (s *Server) ownedBy(identity string) int {
+	n := 0
+	for _, id := range s.owners {
+		if id == identity {
+			n++
+		}
+	}
+	return n
+}
+
+func (s *Server) ownersChanged() {
+	if s.cfg.OwnersChanged != nil {
+		s.cfg.OwnersChanged()
+	}
 }
 
 // SessionOwners returns the bindings, by name.
@@ -79,12 +108,31 @@ func (s *Server) SetSessionOwners(owners []SessionOwner) {
 	s.ownMu.Lock()
 	s.owners = m
 	s.ownMu.Unlock()
+	if len(m) > 0 && !s.cfg.BindSessionNames {
+		s.log.WithField("names", len(m)).Warn("session names are bound to identities, but bindings are not enforced " +
+			"(no TLS, or bind_session_names off): any client may take them")
+	}
+}
+
+// holder is the connected session that has name, if any.
+func (s *Server) holder(name string) *SrvSession {
+	for _, x := range s.Sessions() {
+		if x.name == name {
+			return x
+		}
+	}
+	return nil
 }
 
 // ForgetSessionName frees a bound name: the next identity to take it
-// binds it. A session that has it keeps it while it is connected. ENOENT
-// if the name is not bound.
+// binds it. ENOENT if the name is not bound; EBUSY while a session has
+// it (it would bind it again when it reconnects: disconnect it first, or
+// give the name to an identity with BindSessionName).
 func (s *Server) ForgetSessionName(name string) (identity string, err error) {
+	if x := s.holder(name); x != nil {
+		return "", fmt.Errorf("session %s is connected (peer %q): disconnect it first, or bind the name to another identity: %w",
+			name, x.rtrs.Identity(), syscall.EBUSY)
+	}
 	s.ownMu.Lock()
 	identity, ok := s.owners[name]
 	delete(s.owners, name)
@@ -94,4 +142,27 @@ func (s *Server) ForgetSessionName(name string) (identity string, err error) {
 	}
 	s.log.WithFields(log.Fields{"session": name, "identity": identity}).Info("session name freed")
 	return identity, nil
+}
+
+// BindSessionName gives name to identity, replacing any binding, and
+// disconnects a session that has the name under another identity (its
+// client then cannot take it back). It returns how many were
+// disconnected.
+func (s *Server) BindSessionName(name, identity string) (int, error) {
+	if identity == "" {
+		return 0, fmt.Errorf("binding session name %q: no identity: %w", name, syscall.EINVAL)
+	}
+	s.ownMu.Lock()
+	was := s.owners[name]
+	s.owners[name] = identity
+	s.ownMu.Unlock()
+	s.log.WithFields(log.Fields{"session": name, "identity": identity, "was": was}).Info("session name bound by the operator")
+	x := s.holder(name)
+	if x == nil || x.rtrs.Identity() == identity {
+		return 0, nil
+	}
+	for _, p := range x.rtrs.Paths() {
+		p.Disconnect()
+	}
+	return 1, nil
 }

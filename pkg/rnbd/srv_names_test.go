@@ -2,6 +2,7 @@ package rnbd
 
 import (
 	"errors"
+	"fmt"
 	"syscall"
 	"testing"
 )
@@ -12,7 +13,7 @@ import (
 // can be forgotten.
 func TestSessionNameBinding(t *testing.T) {
 	changed := 0
-	s := NewServer(ServerConfig{OwnersChanged: func() { changed++ }, HealthInterval: -1})
+	s := NewServer(ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
 	defer s.Close()
 	for _, c := range []struct {
 		name, id string
@@ -37,7 +38,7 @@ func TestSessionNameBinding(t *testing.T) {
 	if len(got) != 2 || got[0] != (SessionOwner{"a", "client-a"}) || got[1] != (SessionOwner{"plain", "client-b"}) {
 		t.Fatalf("owners %v", got)
 	}
-	s2 := NewServer(ServerConfig{HealthInterval: -1})
+	s2 := NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1})
 	defer s2.Close()
 	s2.SetSessionOwners(append(got, SessionOwner{"", "x"}, SessionOwner{"y", ""}))
 	if err := s2.ClaimSessionName("a", "client-b"); !errors.Is(err, syscall.EACCES) {
@@ -54,5 +55,54 @@ func TestSessionNameBinding(t *testing.T) {
 	}
 	if got := s2.SessionOwners(); len(got) != 2 || got[0] != (SessionOwner{"a", "client-b"}) {
 		t.Fatalf("owners after forget and claim %v", got)
+	}
+	// The operator gives a name to an identity, in advance or instead
+	// of another.
+	if n, err := s2.BindSessionName("a", "client-c"); err != nil || n != 0 {
+		t.Fatalf("bind: %d %v", n, err)
+	}
+	if err := s2.ClaimSessionName("a", "client-b"); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("a name bound to client-c, claimed by client-b: %v", err)
+	}
+	if _, err := s2.BindSessionName("b", ""); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("bind to no identity: %v", err)
+	}
+}
+
+// TestSessionNameBindingOff: without BindSessionNames (no TLS, or
+// bind_session_names off) restored bindings are kept but not enforced,
+// and nothing new binds.
+func TestSessionNameBindingOff(t *testing.T) {
+	s := NewServer(ServerConfig{HealthInterval: -1})
+	defer s.Close()
+	s.SetSessionOwners([]SessionOwner{{"a", "client-a"}})
+	for _, id := range []string{"", "client-b"} {
+		if err := s.ClaimSessionName("a", id); err != nil {
+			t.Fatalf("claim by %q with bindings off: %v", id, err)
+		}
+	}
+	if err := s.ClaimSessionName("new", "client-b"); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.SessionOwners(); len(got) != 1 || got[0] != (SessionOwner{"a", "client-a"}) {
+		t.Fatalf("owners %v, want the restored one only", got)
+	}
+}
+
+// TestSessionNamesPerIdentity: one identity binds at most
+// MaxNamesPerIdentity names; past it its sessions take names unbound.
+func TestSessionNamesPerIdentity(t *testing.T) {
+	s := NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1})
+	defer s.Close()
+	for i := 0; i < MaxNamesPerIdentity+10; i++ {
+		if err := s.ClaimSessionName(fmt.Sprintf("n%d", i), "greedy"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := len(s.SessionOwners()); got != MaxNamesPerIdentity {
+		t.Fatalf("%d names bound to one identity, want %d", got, MaxNamesPerIdentity)
+	}
+	if err := s.ClaimSessionName(fmt.Sprintf("n%d", MaxNamesPerIdentity+5), "other"); err != nil {
+		t.Fatalf("an unbound name past the cap: %v", err)
 	}
 }

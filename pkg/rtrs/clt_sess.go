@@ -34,8 +34,8 @@ var (
 	// errInfoUnanswered: the path's connections went down while it
 	// waited for INFO_RSP. INFO_REQ has no error answer: a server that
 	// refuses the session's name closes the path.
-	errInfoUnanswered = fmt.Errorf("rtrs: the server closed the path instead of answering its INFO_REQ "+
-		"(so it refuses a session name in use, or bound to another client's identity; its log says why): %w", syscall.ECONNRESET)
+	errInfoUnanswered = fmt.Errorf("rtrs: the path went down before the server answered its INFO_REQ "+
+		"(a server closes it so when it refuses a session name in use, or bound to another client's identity; its log says why): %w", syscall.ECONNRESET)
 )
 
 // ClientLinkEvent is what a session tells its user about its paths as a

@@ -251,10 +251,17 @@ func TestHostileBesideVerify(t *testing.T) {
 	}
 	// The server hangs up on the half-open paths after its connect
 	// timeout.
+	halfDeadline := time.NewTimer(max(0, 45*time.Second-time.Since(attackStart)))
+	defer halfDeadline.Stop()
 	for i, rec := range halfOpen {
 		select {
 		case <-rec.Dead:
-		case <-time.After(45*time.Second - time.Since(attackStart)):
+			continue
+		default:
+		}
+		select {
+		case <-rec.Dead:
+		case <-halfDeadline.C:
 			t.Fatalf("half-open path %d still open %v after the attack began", i, time.Since(attackStart))
 		}
 	}

@@ -655,3 +655,43 @@ func TestServerHostileClients(t *testing.T) {
 	}
 	d.stop()
 }
+
+// TestUnrestoredExportKept: an export whose backing file is missing when
+// the server starts (a volume not there yet) is logged and not served,
+// but stays in the state file through other changes of it — a map, a
+// session name bound — until it is mapped again or unmapped.
+func TestUnrestoredExportKept(t *testing.T) {
+	dir := t.TempDir()
+	late, other := filepath.Join(dir, "late.img"), filepath.Join(dir, "other.img")
+	sparseFile(t, late, 1<<20)
+	sparseFile(t, other, 1<<20)
+	port := freePort(t)
+	d := startServer(t, dir, port)
+	d.ok("map", "late", late)
+	d.stop()
+	if err := os.Rename(late, late+".away"); err != nil {
+		t.Fatal(err)
+	}
+	d = startServer(t, dir, port)
+	waitForCond(t, 10*time.Second, "the server to say it could not restore the export", func() bool {
+		return strings.Contains(d.out.String(), "restoring export failed")
+	})
+	d.ok("map", "other", other)
+	state := func() string {
+		b, err := os.ReadFile(filepath.Join(dir, "state.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	if s := state(); !strings.Contains(s, `"late"`) || !strings.Contains(s, `"other"`) {
+		t.Fatalf("state file after a map beside an unrestored export:\n%s", s)
+	}
+	d.ok("unmap", "late")
+	if s := state(); strings.Contains(s, `"late"`) || !strings.Contains(s, `"other"`) {
+		t.Fatalf("state file after unmapping the unrestored export:\n%s", s)
+	}
+	if _, errOut, code := d.ctl("unmap", "late"); code == 0 || !strings.Contains(errOut, "no export late") {
+		t.Fatalf("unmap twice: exit %d %q", code, errOut)
+	}
+}

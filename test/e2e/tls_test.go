@@ -120,12 +120,12 @@ func TestTLSEndToEnd(t *testing.T) {
 		t.Fatalf("session names after a restart %q", got)
 	}
 	b.ok("unmap", "rnbd0") // its sa2 mapping of vol: the NBD export name is taken
-	if _, errOut, code := b.ctl(mapArgs("sa", "ro")...); code == 0 || !strings.Contains(errOut, "refuses a session name in use, or bound to another client's identity") {
+	if _, errOut, code := b.ctl(mapArgs("sa", "ro")...); code == 0 || !strings.Contains(errOut, "when it refuses a session name in use, or bound to another client's identity") {
 		t.Fatalf("client-b's map through client-a's session name: exit %d %q", code, errOut)
 	}
-	if !strings.Contains(srv.out.String(), "session name refused: it belongs to another identity") {
-		t.Fatalf("the server did not say why it refused the name:\n%s", srv.out.String())
-	}
+	waitForCond(t, 10*time.Second, "the server to log why it refused the name", func() bool {
+		return strings.Contains(srv.out.String(), "session name refused: it belongs to another identity")
+	})
 	a = startClient(t, filepath.Join(dir, "a"), tlsArgs(pki, "client-a")...) // restores its mapping in "sa"
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -137,13 +137,17 @@ func TestTLSEndToEnd(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	a.ok("unmap", "rnbd0")
-	srv.ok("session", "forget", "sa")
-	if got := names(); got != "sa2=client-b" {
-		t.Fatalf("session names after forget %q", got)
+	// A name in use cannot be forgotten (its session would bind it again
+	// when it reconnects); the operator gives it to another identity
+	// instead, which disconnects the session that has it.
+	if _, errOut, code := srv.ctl("session", "forget", "sa"); code != 5 || !strings.Contains(errOut, "is connected") {
+		t.Fatalf("forget of a name in use: exit %d %q", code, errOut)
 	}
-	if _, errOut, code := srv.ctl("session", "forget", "sa"); code == 0 || !strings.Contains(errOut, "not bound") {
-		t.Fatalf("forget of a free name: exit %d %q", code, errOut)
+	if out := srv.ok("session", "bind", "sa", "client-b"); !strings.Contains(out, "was disconnected") {
+		t.Fatalf("bind of a name in use: %q", out)
+	}
+	if got := names(); got != "sa=client-b sa2=client-b" {
+		t.Fatalf("session names after bind %q", got)
 	}
 	deadline = time.Now().Add(30 * time.Second)
 	for {
@@ -153,9 +157,14 @@ func TestTLSEndToEnd(t *testing.T) {
 		}
 		// client-a's session may still be closing on the server.
 		if time.Now().After(deadline) {
-			t.Fatalf("client-b cannot take the freed name: exit %d %q", code, errOut)
+			t.Fatalf("client-b cannot take the name given to it: exit %d %q", code, errOut)
 		}
 		time.Sleep(200 * time.Millisecond)
+	}
+	// client-a keeps trying, and is refused, until it unmaps.
+	a.ok("unmap", "rnbd0")
+	if _, errOut, code := srv.ctl("session", "forget", "nosuch"); code == 0 || !strings.Contains(errOut, "not bound") {
+		t.Fatalf("forget of a free name: exit %d %q", code, errOut)
 	}
 	if got := names(); got != "sa=client-b sa2=client-b" {
 		t.Fatalf("session names after client-b took the freed one %q", got)

@@ -89,9 +89,13 @@ vmlinuz() {
 if ! vmlinuz >/dev/null; then
 	# Newer suites split the image: the kernel and its modules are in
 	# linux-binary-KV and linux-modules-KV, on which the image depends.
+	# (A pinned KPKG skips apt-get update: its suite's lists may be
+	# missing, and then only the image is fetched.)
 	pkgs=("$kpkg")
-	if [ -z "${KPKG:-}" ]; then
-		pkgs+=($(apt-cache "${apt[@]}" depends "$kpkg" | awk -v kv="$kv" '$1 == "Depends:" && ($2 == "linux-binary-" kv || $2 == "linux-modules-" kv) {print $2}'))
+	if deps=$(apt-cache "${apt[@]}" depends "$kpkg" 2>/dev/null); then
+		pkgs+=($(awk -v kv="$kv" '$1 == "Depends:" && ($2 == "linux-binary-" kv || $2 == "linux-modules-" kv) {print $2}' <<<"$deps"))
+	elif [ -z "${KPKG:-}" ]; then
+		die "apt-cache depends $kpkg"
 	fi
 	# Extracted beside, moved into place once whole: an interrupted run
 	# leaves nothing that looks ready.
@@ -106,7 +110,10 @@ if ! vmlinuz >/dev/null; then
 		dpkg-deb -x "$(ls "$cache/${p}"_*.deb | head -1)" "$kr"
 	done
 	# Merged /usr: modprobe -d and depmod -b look in lib/modules.
-	[ -e "$kr/lib" ] || [ ! -d "$kr/usr/lib/modules" ] || ln -s usr/lib "$kr/lib"
+	if [ ! -e "$kr/lib/modules" ] && [ -d "$kr/usr/lib/modules" ]; then
+		mkdir -p "$kr/lib"
+		ln -s ../usr/lib/modules "$kr/lib/modules"
+	fi
 	vmlinuz >/dev/null || die "$kpkg: no vmlinuz in ${pkgs[*]}"
 	depmod -b "$kr" "$kv"
 	rm -rf "$final"
