@@ -24,6 +24,7 @@ declare -A pkgs=(
 	[nbdkit]=nbdkit
 	[jq]=jq
 	[openssl]=openssl
+	[curl]=curl
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do
@@ -41,6 +42,27 @@ if [ ${#missing[@]} -gt 0 ]; then
 		apt-get install -y -qq "${missing[@]}" >/dev/null
 	else
 		echo "deps: missing (install them to run every test): ${missing[*]}" >&2
+	fi
+fi
+
+# promtool, to check the daemons' /metrics as Prometheus would: taken
+# out of Debian's prometheus package into .tools/, not installed (the
+# package would start a Prometheus server on this machine).
+if [ ! -x .tools/promtool ] && ! command -v promtool >/dev/null 2>&1; then
+	if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+		tmp=$(mktemp -d)
+		if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 ||
+			{ apt-get update -qq >/dev/null && apt-get download prometheus >/dev/null 2>&1; }; } &&
+			dpkg-deb -x prometheus_*.deb x && [ -x x/usr/bin/promtool ]); then
+			mkdir -p .tools
+			cp "$tmp/x/usr/bin/promtool" .tools/promtool
+			echo "deps: promtool from Debian's prometheus package in .tools/"
+		else
+			echo "deps: could not get promtool (Debian's prometheus package); the metrics tests use promlint alone" >&2
+		fi
+		rm -rf "$tmp"
+	else
+		echo "deps: missing promtool (Debian's prometheus package); the metrics tests use promlint alone" >&2
 	fi
 fi
 

@@ -48,8 +48,11 @@ type Config struct {
 	NBDBuffers           int           `toml:"nbd_buffers"`
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	SizePoll             conf.Duration `toml:"size_poll"`
-	LogLevel             string        `toml:"log_level"`
-	LogFormat            string        `toml:"log_format"`
+	// MetricsListen, HOST:PORT, serves Prometheus metrics at /metrics;
+	// empty: none.
+	MetricsListen string `toml:"metrics_listen"`
+	LogLevel      string `toml:"log_level"`
+	LogFormat     string `toml:"log_format"`
 	// TLS, if set, makes every session over tcp:// use TLS 1.3,
 	// presenting TLS.Cert (the client's identity on the server) and
 	// accepting only a server certificate of TLS.CA.

@@ -13,6 +13,7 @@ import (
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/metrics"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -68,6 +69,7 @@ type Daemon struct {
 	mu       sync.Mutex
 	sessions map[string]*session
 	maps     map[string]*mapped
+	metrics  *metrics.Server // nil without metrics_listen
 	failed   []Mapping // saved mappings that did not come back; kept in the state file
 	wg       sync.WaitGroup
 }
@@ -106,6 +108,12 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.routes()
+	if cfg.MetricsListen != "" {
+		if d.metrics, err = metrics.Listen(cfg.MetricsListen, cltCollector{d}, d.log); err != nil {
+			d.ctl.Close()
+			return nil, err
+		}
+	}
 	// The saved mappings come back before the control socket answers, so
 	// a command after the start sees them.
 	for _, m := range st.Mappings {
@@ -130,6 +138,9 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 // then closes their devices); the mappings stay in the state file and come
 // back with the next start.
 func (d *Daemon) Stop() error {
+	if d.metrics != nil {
+		d.metrics.Close()
+	}
 	d.nbd.Close()
 	d.mu.Lock()
 	maps := d.maps

@@ -47,8 +47,11 @@ type Config struct {
 	HBMissedMax   int      `toml:"hb_missed_max"`
 	ControlSocket string   `toml:"control_socket"`
 	StateFile     string   `toml:"state_file"`
-	LogLevel      string   `toml:"log_level"`
-	LogFormat     string   `toml:"log_format"`
+	// MetricsListen, HOST:PORT, serves Prometheus metrics at /metrics;
+	// empty: none.
+	MetricsListen string `toml:"metrics_listen"`
+	LogLevel      string `toml:"log_level"`
+	LogFormat     string `toml:"log_format"`
 	// TLS, if set, makes every tcp:// listener speak TLS 1.3 only and
 	// require a client certificate of TLS.CA; the certificate's names
 	// are the client's identity (exports' allow_identities).

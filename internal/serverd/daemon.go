@@ -15,6 +15,7 @@ import (
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/metrics"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rnbd"
@@ -50,6 +51,7 @@ type Daemon struct {
 	// the file by every save until mapped again or unmapped. stateMu.
 	unrestored []rnbd.Export
 	served     chan error
+	metrics    *metrics.Server // nil without metrics_listen
 	// ownersDirty asks saveOwners to save the state file: a session
 	// name was bound. stopOwners and ownersDone end saveOwners.
 	ownersDirty chan struct{}
@@ -134,6 +136,14 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.routes()
+	if cfg.MetricsListen != "" {
+		if d.metrics, err = metrics.Listen(cfg.MetricsListen, srvCollector{d}, d.log); err != nil {
+			d.rtrs.Close()
+			d.ctl.Close()
+			d.rnbd.Close()
+			return nil, err
+		}
+	}
 	go d.saveOwners()
 	go func() { d.served <- d.ctl.Serve() }()
 	var bound []string
@@ -208,6 +218,9 @@ func (d *Daemon) Addrs() []netip.AddrPort { return d.rtrs.Addrs() }
 // Stop drains and stops: no new connections, every path closed after its
 // IO answered, then the control socket.
 func (d *Daemon) Stop() error {
+	if d.metrics != nil {
+		d.metrics.Close()
+	}
 	d.rtrs.Close()
 	close(d.stopOwners)
 	<-d.ownersDone

@@ -65,6 +65,38 @@ type CltDev struct {
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
+
+	// ops and opBytes count submitted requests by operation, fuas those
+	// with FUA (Counters).
+	ops, opBytes [opLast]atomic.Uint64
+	fuas         atomic.Uint64
+}
+
+// DevCounters are a device's requests since it was mapped: by
+// operation (indexed by Op), their bytes, and how many carried FUA.
+type DevCounters struct {
+	Requests [opLast]uint64
+	Bytes    [opLast]uint64
+	FUA      uint64
+}
+
+// Counters returns the device's request counters.
+func (d *CltDev) Counters() DevCounters {
+	var c DevCounters
+	for i := range c.Requests {
+		c.Requests[i], c.Bytes[i] = d.ops[i].Load(), d.opBytes[i].Load()
+	}
+	c.FUA = d.fuas.Load()
+	return c
+}
+
+// Ops are the operations of DevCounters, in order.
+func Ops() []Op {
+	ops := make([]Op, opLast)
+	for i := range ops {
+		ops[i] = Op(i)
+	}
+	return ops
 }
 
 func (d *CltDev) log() *log.Entry { return d.s.log.WithField("device", d.name) }
@@ -339,6 +371,11 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 	}
 	if r.Op != OpFlush && r.Off+int64(r.Len) > d.Size() {
 		return syscall.EINVAL
+	}
+	d.ops[r.Op].Add(1)
+	d.opBytes[r.Op].Add(uint64(r.Len))
+	if r.Flags&FFUA != 0 {
+		d.fuas.Add(1)
 	}
 	r.dev = d
 	r.failed.Store(false)

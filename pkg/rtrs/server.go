@@ -201,6 +201,8 @@ type Server struct {
 	nameMu sync.Mutex
 	// chunkMem is the memory all paths' chunks take (MaxChunkMemory).
 	chunkMem atomic.Int64
+	// rejected counts refused connection requests by errno (low byte).
+	rejected [256]atomic.Uint64
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -247,6 +249,26 @@ func (s *Server) Addrs() []netip.AddrPort {
 		a = append(a, l.Addr())
 	}
 	return a
+}
+
+// Rejected counts the connection requests the server refused, by the
+// errno it answered with (EUSERS: too many sessions of the client,
+// ENOMEM: past the chunk memory, EACCES: identity, EBUSY: paths
+// connecting, ...), since it started.
+func (s *Server) Rejected() map[syscall.Errno]uint64 {
+	m := map[syscall.Errno]uint64{}
+	for i := range s.rejected {
+		if n := s.rejected[i].Load(); n > 0 {
+			m[syscall.Errno(i)] = n
+		}
+	}
+	return m
+}
+
+// ChunkMemory is the memory all paths hold against MaxChunkMemory, and
+// that bound (0: none).
+func (s *Server) ChunkMemory() (used, limit int64) {
+	return s.chunkMem.Load(), s.cfg.MaxChunkMemory
 }
 
 // Sessions returns the server's sessions.
@@ -300,6 +322,7 @@ func (s *Server) acceptLoop(fab fabric.Fabric, l fabric.Listener) {
 func (s *Server) reject(req fabric.ConnRequest, errno syscall.Errno, why string, f log.Fields) {
 	f["client"] = req.RemoteAddr()
 	f["errno"] = errno.Error()
+	s.rejected[errno&0xff].Add(1)
 	s.rl.Log(s.log.WithFields(f), log.WarnLevel, "rejecting connection: "+why)
 	var b [ConnRspSize]byte
 	rsp := ConnRsp{Magic: Magic, Version: ProtoVer, Errno: errno}

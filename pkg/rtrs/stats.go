@@ -40,7 +40,8 @@ type PathStats struct {
 	reconnSucc atomic.Int64
 	reconnFail atomic.Int64
 	lat        [2][latBuckets]atomic.Uint64
-	latMax     [2]atomic.Int64 // ns
+	latMax     [2]atomic.Int64  // ns
+	latSum     [2]atomic.Uint64 // ns
 }
 
 func newPathStats() *PathStats {
@@ -69,6 +70,7 @@ func (s *PathStats) observeLatency(d Dir, lat time.Duration) {
 		b = latBuckets - 1
 	}
 	s.lat[d][b].Add(1)
+	s.latSum[d].Add(uint64(lat))
 	for {
 		m := s.latMax[d].Load()
 		if int64(lat) <= m || s.latMax[d].CompareAndSwap(m, int64(lat)) {
@@ -122,6 +124,18 @@ func (s *PathStats) LatencyHist() string {
 	return b.String()
 }
 
+// Latency returns stats/rdma_lat's buckets for direction d: counts[i],
+// i < len-1, is the requests that took less than 2^i µs (and at least
+// 2^(i-1)), the last those that took longer; and the sum of all their
+// latencies.
+func (s *PathStats) Latency(d Dir) (counts []uint64, sum time.Duration) {
+	counts = make([]uint64, latBuckets)
+	for i := range counts {
+		counts[i] = s.lat[d][i].Load()
+	}
+	return counts, time.Duration(s.latSum[d].Load())
+}
+
 // ResetRDMA clears stats/rdma except inflight, which tracks live requests.
 func (s *PathStats) ResetRDMA() {
 	s.rdCnt.Store(0)
@@ -144,6 +158,7 @@ func (s *PathStats) ResetLatency() {
 			s.lat[d][i].Store(0)
 		}
 		s.latMax[d].Store(0)
+		s.latSum[d].Store(0)
 	}
 }
 

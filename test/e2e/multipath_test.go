@@ -254,6 +254,10 @@ func jsonPart(out string) string {
 // rnbd-client in the client namespace with the device mapped over both
 // paths (map's extra arguments added) as an NBD socket. It returns the
 // rig, the client's control socket and the socket's NBD URI.
+// nsMetrics is where the client daemon of newNBDTwoPaths serves its
+// metrics, inside its namespace.
+const nsMetrics = "127.0.0.1:9725"
+
 func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoPaths, string, string) {
 	r := newNamespaces(t, tag, net)
 	dir := t.TempDir()
@@ -266,7 +270,8 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 	r.srvArgs = append(r.srvArgs, tlsFlags("srv")...)
 	r.srv = start(t, r.srvArgs...)
 	start(t, append([]string{"ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
-		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir}, tlsFlags("e2e-client")...)...)
+		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir,
+		"--metrics-listen", nsMetrics}, tlsFlags("e2e-client")...)...)
 	for _, s := range []string{ssock, csock} {
 		deadline := time.Now().Add(20 * time.Second)
 		for _, err := os.Stat(s); err != nil; _, err = os.Stat(s) {
@@ -322,7 +327,17 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 		t.Errorf("a write waited %.2f s across the silent loss, want at most 2 s", j.Write.Clat.Max/1e9)
 	}
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
-	t.Logf("%d writes verified across the silent loss, max wait %.0f ms; paths:\n%s", j.Write.IOs, j.Write.Clat.Max/1e6, paths)
+	// The client's metrics say the same: requests failed over, and
+	// every write fio made.
+	m := parseMetrics(t, []byte(run(t, time.Minute, "ip", "netns", "exec", r.cliNS, "curl", "-sf", "http://"+nsMetrics+"/metrics")))
+	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`); f < 1 {
+		t.Errorf("rnbd_client_path_failovers_total %v after the silent loss, want some", f)
+	}
+	if w := m.sum("rnbd_client_device_requests_total", `op="write"`); w != float64(j.Write.IOs) {
+		t.Errorf("rnbd_client_device_requests_total{op=\"write\"} %v, fio wrote %d", w, j.Write.IOs)
+	}
+	t.Logf("%d writes verified across the silent loss, max wait %.0f ms, %v failed over; paths:\n%s", j.Write.IOs, j.Write.Clat.Max/1e6,
+		m.sum("rnbd_client_path_failovers_total"), paths)
 }
 
 // TestFastIOFailNBD: every path of a session dies silently (both server

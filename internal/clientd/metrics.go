@@ -1,0 +1,132 @@
+package clientd
+
+import (
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/rnbd/rnbd/internal/metrics"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// The client's metrics (docs/metrics.md), read from the sessions',
+// paths' and devices' own counters at each scrape. Labels are names an
+// operator gave (sessions, devices) or the path's addresses: bounded by
+// the mappings, never per request.
+var (
+	pathLabels = []string{"session", "path"}
+	cltDescs   = struct {
+		pathReqs, pathBytes, pathInflight, pathFailovers, pathReconnects, pathUp, pathState, pathRTT, pathLat *prometheus.Desc
+		sessPaths, sessUp, devReqs, devBytes, devFUA, devSize, devState                                       *prometheus.Desc
+	}{
+		pathReqs: prometheus.NewDesc("rnbd_client_path_requests_total",
+			"RTRS requests posted on the path (stats/rdma rd_cnt, wr_cnt), by direction.", append(pathLabels, "direction"), nil),
+		pathBytes: prometheus.NewDesc("rnbd_client_path_bytes_total",
+			"Bytes of the requests posted on the path (stats/rdma rd_bytes, wr_bytes), by direction.", append(pathLabels, "direction"), nil),
+		pathInflight: prometheus.NewDesc("rnbd_client_path_inflight_requests",
+			"Requests on the path waiting for their answers.", pathLabels, nil),
+		pathFailovers: prometheus.NewDesc("rnbd_client_path_failovers_total",
+			"Requests of the path that failed over to another path (stats/rdma failover_cnt).", pathLabels, nil),
+		pathReconnects: prometheus.NewDesc("rnbd_client_path_reconnects_total",
+			"Reconnects of the path (stats/reconnects), by result.", append(pathLabels, "result"), nil),
+		pathUp: prometheus.NewDesc("rnbd_client_path_up",
+			"1 if the path is connected.", pathLabels, nil),
+		pathState: prometheus.NewDesc("rnbd_client_path_state",
+			"1 for the path's RTRS state (CONNECTED, RECONNECTING, CONNECTING, CONNECTING_ERR, CLOSING, CLOSED, DEAD).", append(pathLabels, "state"), nil),
+		pathRTT: prometheus.NewDesc("rnbd_client_path_heartbeat_rtt_seconds",
+			"The path's last heartbeat round trip (cur_latency).", pathLabels, nil),
+		pathLat: prometheus.NewDesc("rnbd_client_path_request_duration_seconds",
+			"Time from posting a request on the path to its answer (stats/rdma_lat's log2 buckets), by direction.", append(pathLabels, "direction"), nil),
+		sessPaths: prometheus.NewDesc("rnbd_client_session_paths",
+			"Paths of the session.", []string{"session"}, nil),
+		sessUp: prometheus.NewDesc("rnbd_client_session_connected_paths",
+			"Connected paths of the session.", []string{"session"}, nil),
+		devReqs: prometheus.NewDesc("rnbd_client_device_requests_total",
+			"Requests submitted to the mapped device, by operation (read, write, flush, discard, secure_erase, write_zeroes).",
+			[]string{"device", "session", "device_path", "op"}, nil),
+		devBytes: prometheus.NewDesc("rnbd_client_device_bytes_total",
+			"Bytes of the requests submitted to the mapped device, by operation.", []string{"device", "session", "device_path", "op"}, nil),
+		devFUA: prometheus.NewDesc("rnbd_client_device_fua_requests_total",
+			"Requests with FUA submitted to the mapped device.", []string{"device", "session", "device_path"}, nil),
+		devSize: prometheus.NewDesc("rnbd_client_device_size_bytes",
+			"Size of the mapped device.", []string{"device", "session", "device_path"}, nil),
+		devState: prometheus.NewDesc("rnbd_client_device_open",
+			"1 if the device is open on the server (state open), 0 while it waits for a path or was closed.", []string{"device", "session", "device_path"}, nil),
+	}
+)
+
+type cltCollector struct{ d *Daemon }
+
+func (c cltCollector) Describe(ch chan<- *prometheus.Desc) {
+	x := cltDescs
+	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathFailovers, x.pathReconnects,
+		x.pathUp, x.pathState, x.pathRTT, x.pathLat, x.sessPaths, x.sessUp, x.devReqs, x.devBytes, x.devFUA, x.devSize, x.devState} {
+		ch <- d
+	}
+}
+
+func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
+	x := cltDescs
+	counter := func(d *prometheus.Desc, v float64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, l...)
+	}
+	gauge := func(d *prometheus.Desc, v float64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
+	}
+	for _, s := range c.d.sessionList() {
+		rs := s.cs.Session()
+		sess := rs.Name()
+		up := 0
+		paths := rs.Paths()
+		for _, p := range paths {
+			name := p.Name()
+			st := p.Stats()
+			cn := st.Counters()
+			counter(x.pathReqs, float64(cn.ReadCount), sess, name, "read")
+			counter(x.pathReqs, float64(cn.WriteCount), sess, name, "write")
+			counter(x.pathBytes, float64(cn.ReadBytes), sess, name, "read")
+			counter(x.pathBytes, float64(cn.WriteBytes), sess, name, "write")
+			gauge(x.pathInflight, float64(cn.Inflight), sess, name)
+			counter(x.pathFailovers, float64(cn.FailoverCount), sess, name)
+			counter(x.pathReconnects, float64(max(cn.ReconnectsSuccessful, 0)), sess, name, "success")
+			counter(x.pathReconnects, float64(max(cn.ReconnectsFailed, 0)), sess, name, "failure")
+			connected := 0.0
+			if p.State() == rtrs.PathConnected {
+				connected = 1
+				up++
+			}
+			gauge(x.pathUp, connected, sess, name)
+			gauge(x.pathState, 1, sess, name, p.State().String())
+			gauge(x.pathRTT, p.CurLatency().Seconds(), sess, name)
+			for _, dir := range []rtrs.Dir{rtrs.Read, rtrs.Write} {
+				counts, sum := st.Latency(dir)
+				buckets, n := metrics.Log2Buckets(counts)
+				ch <- prometheus.MustNewConstHistogram(x.pathLat, n, sum.Seconds(), buckets, sess, name, dir.String())
+			}
+		}
+		gauge(x.sessPaths, float64(len(paths)), sess)
+		gauge(x.sessUp, float64(up), sess)
+	}
+	c.d.mu.Lock()
+	maps := make([]*mapped, 0, len(c.d.maps))
+	for _, m := range c.d.maps {
+		maps = append(maps, m)
+	}
+	c.d.mu.Unlock()
+	for _, m := range maps {
+		l := []string{m.Device, m.SessName, m.DevicePath}
+		cn := m.dev.Counters()
+		for _, op := range rnbd.Ops() {
+			counter(x.devReqs, float64(cn.Requests[op]), append(l, strings.ToLower(op.String()))...)
+			counter(x.devBytes, float64(cn.Bytes[op]), append(l, strings.ToLower(op.String()))...)
+		}
+		counter(x.devFUA, float64(cn.FUA), l...)
+		gauge(x.devSize, float64(m.dev.Size()), l...)
+		open := 0.0
+		if m.dev.State() == rnbd.DevOpen {
+			open = 1
+		}
+		gauge(x.devState, open, l...)
+	}
+}

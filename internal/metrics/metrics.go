@@ -1,0 +1,85 @@
+// Package metrics serves a daemon's Prometheus metrics: the HTTP
+// endpoint, and the conversions the daemons' collectors share. The
+// collectors themselves read the daemons' own counters at scrape time
+// (internal/clientd, internal/serverd), so the IO path counts nothing
+// twice.
+package metrics
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/rnbd/rnbd/internal/log"
+)
+
+// Server is a metrics endpoint: GET /metrics.
+type Server struct {
+	srv  *http.Server
+	ln   net.Listener
+	done chan struct{}
+}
+
+// Listen serves c, with the Go runtime's and the process's collectors,
+// at http://addr/metrics. addr is HOST:PORT; it should be a loopback or
+// management address: the metrics name sessions, paths and devices.
+func Listen(addr string, c prometheus.Collector, lg *log.Entry) (*Server, error) {
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(c); err != nil {
+		return nil, err
+	}
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog: httpLog{lg}, ErrorHandling: promhttp.ContinueOnError, MaxRequestsInFlight: 4,
+	}))
+	s := &Server{ln: ln, done: make(chan struct{}),
+		srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, WriteTimeout: 30 * time.Second}}
+	go func() {
+		defer close(s.done)
+		if err := s.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			lg.WithError(err).Error("metrics endpoint stopped")
+		}
+	}()
+	lg.WithField("metrics", "http://"+ln.Addr().String()+"/metrics").Info("serving metrics")
+	return s, nil
+}
+
+// Addr is the address the endpoint listens on.
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Close stops the endpoint.
+func (s *Server) Close() error {
+	err := s.srv.Close()
+	<-s.done
+	return err
+}
+
+type httpLog struct{ lg *log.Entry }
+
+func (l httpLog) Println(v ...any) { l.lg.Warn(fmt.Sprint(v...)) }
+
+// Log2Buckets turns stats/rdma_lat's buckets (counts[i], i < len-1:
+// requests under 2^i µs; the last: the rest) into a Prometheus
+// histogram's cumulative buckets, upper bounds in seconds, and the total.
+func Log2Buckets(counts []uint64) (buckets map[float64]uint64, total uint64) {
+	buckets = make(map[float64]uint64, len(counts))
+	for i, n := range counts {
+		total += n
+		if i < len(counts)-1 {
+			buckets[math.Ldexp(1e-6, i)] = total
+		}
+	}
+	return buckets, total
+}

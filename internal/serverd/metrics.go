@@ -1,0 +1,118 @@
+package serverd
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// The server's metrics (docs/metrics.md), read from its sessions',
+// paths' and open devices' counters at each scrape. Labels: session and
+// path names, export or device names, the errno of a refusal: bounded,
+// never per request.
+var srvDescs = struct {
+	pathReqs, pathBytes, pathInflight, pathUp, sessions, sessPaths      *prometheus.Desc
+	devBytes, devReqs, devFUA, openDevices, exports, chunkMem, chunkMax *prometheus.Desc
+	refused                                                             *prometheus.Desc
+}{
+	pathReqs: prometheus.NewDesc("rnbd_server_path_requests_total",
+		"RTRS requests received on the path (stats/rdma rd_cnt, wr_cnt), by direction: read sends data to the client.",
+		[]string{"session", "path", "direction"}, nil),
+	pathBytes: prometheus.NewDesc("rnbd_server_path_bytes_total",
+		"Bytes of the requests received on the path (stats/rdma rd_bytes, wr_bytes), by direction.",
+		[]string{"session", "path", "direction"}, nil),
+	pathInflight: prometheus.NewDesc("rnbd_server_path_inflight_requests",
+		"Requests of the path handed to RNBD and not answered yet.", []string{"session", "path"}, nil),
+	pathUp: prometheus.NewDesc("rnbd_server_path_up",
+		"1 if the path is connected.", []string{"session", "path"}, nil),
+	sessions: prometheus.NewDesc("rnbd_server_sessions",
+		"Client sessions the server has.", nil, nil),
+	sessPaths: prometheus.NewDesc("rnbd_server_session_paths",
+		"Paths of the session.", []string{"session"}, nil),
+	devBytes: prometheus.NewDesc("rnbd_server_device_bytes_total",
+		"Bytes read and written on a device a session has open, since it opened it, by direction.",
+		[]string{"session", "device", "direction"}, nil),
+	devReqs: prometheus.NewDesc("rnbd_server_device_requests_total",
+		"Flush, discard and write-zeroes requests on a device a session has open, since it opened it.",
+		[]string{"session", "device", "op"}, nil),
+	devFUA: prometheus.NewDesc("rnbd_server_device_fua_writes_total",
+		"Writes with FUA on a device a session has open, since it opened it.", []string{"session", "device"}, nil),
+	openDevices: prometheus.NewDesc("rnbd_server_open_devices",
+		"Devices open by sessions (one per session and device).", nil, nil),
+	exports: prometheus.NewDesc("rnbd_server_exports",
+		"Explicit exports served.", nil, nil),
+	chunkMem: prometheus.NewDesc("rnbd_server_chunk_memory_bytes",
+		"Memory the paths hold against max_chunk_memory: chunks and connection buffers.", nil, nil),
+	chunkMax: prometheus.NewDesc("rnbd_server_chunk_memory_limit_bytes",
+		"max_chunk_memory (0: no bound).", nil, nil),
+	refused: prometheus.NewDesc("rnbd_server_refused_connections_total",
+		"Connection requests refused, by the errno answered (EUSERS: too many sessions of one client, ENOMEM: max_chunk_memory, "+
+			"EACCES: identity, EBUSY: paths connecting, ...).", []string{"reason"}, nil),
+}
+
+type srvCollector struct{ d *Daemon }
+
+func (c srvCollector) Describe(ch chan<- *prometheus.Desc) {
+	x := srvDescs
+	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathUp, x.sessions, x.sessPaths,
+		x.devBytes, x.devReqs, x.devFUA, x.openDevices, x.exports, x.chunkMem, x.chunkMax, x.refused} {
+		ch <- d
+	}
+}
+
+func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
+	x := srvDescs
+	counter := func(d *prometheus.Desc, v float64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, l...)
+	}
+	gauge := func(d *prometheus.Desc, v float64, l ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
+	}
+	sessions := c.d.rtrs.Sessions()
+	gauge(x.sessions, float64(len(sessions)))
+	for _, s := range sessions {
+		sess := s.Name()
+		paths := s.Paths()
+		gauge(x.sessPaths, float64(len(paths)), sess)
+		for _, p := range paths {
+			name := p.Name()
+			cn := p.Stats().Counters()
+			counter(x.pathReqs, float64(cn.ReadCount), sess, name, "read")
+			counter(x.pathReqs, float64(cn.WriteCount), sess, name, "write")
+			counter(x.pathBytes, float64(cn.ReadBytes), sess, name, "read")
+			counter(x.pathBytes, float64(cn.WriteBytes), sess, name, "write")
+			gauge(x.pathInflight, float64(cn.Inflight), sess, name)
+			up := 0.0
+			if p.State() == rtrs.SrvPathConnected {
+				up = 1
+			}
+			gauge(x.pathUp, up, sess, name)
+		}
+	}
+	devs := c.d.rnbd.OpenDevices()
+	gauge(x.openDevices, float64(len(devs)))
+	for _, o := range devs {
+		dev := o.Name
+		if o.Export != "" {
+			dev = o.Export
+		}
+		counter(x.devBytes, float64(o.ReadSectors*512), o.Session, dev, "read")
+		counter(x.devBytes, float64(o.WrittenSectors*512), o.Session, dev, "write")
+		counter(x.devReqs, float64(o.Flushes), o.Session, dev, "flush")
+		counter(x.devReqs, float64(o.Discards), o.Session, dev, "discard")
+		counter(x.devReqs, float64(o.WriteZeroes), o.Session, dev, "write_zeroes")
+		counter(x.devFUA, float64(o.FUAWrites), o.Session, dev)
+	}
+	gauge(x.exports, float64(len(c.d.rnbd.Exports())))
+	used, limit := c.d.rtrs.ChunkMemory()
+	gauge(x.chunkMem, float64(used))
+	gauge(x.chunkMax, float64(limit))
+	for errno, n := range c.d.rtrs.Rejected() {
+		reason := unix.ErrnoName(errno)
+		if reason == "" {
+			reason = errno.Error()
+		}
+		counter(x.refused, float64(n), reason)
+	}
+}

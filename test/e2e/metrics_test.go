@@ -1,0 +1,166 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
+)
+
+// scrape is one /metrics: each sample by its name and labels as
+// written ("name{a=\"x\"}"), and the raw text.
+type scrape struct {
+	samples map[string]float64
+	text    []byte
+}
+
+// fetchMetrics gets http://addr/metrics.
+func fetchMetrics(t *testing.T, addr string) scrape {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+addr+"/metrics", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("scrape %s: %v %s", addr, err, resp.Status)
+	}
+	return parseMetrics(t, b)
+}
+
+func parseMetrics(t *testing.T, b []byte) scrape {
+	t.Helper()
+	s := scrape{samples: map[string]float64{}, text: b}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		l := sc.Text()
+		if l == "" || l[0] == '#' {
+			continue
+		}
+		i := strings.LastIndexByte(l, ' ')
+		v, err := strconv.ParseFloat(l[i+1:], 64)
+		if i < 0 || err != nil {
+			t.Fatalf("metrics line %q", l)
+		}
+		s.samples[l[:i]] = v
+	}
+	return s
+}
+
+// sum adds the samples of a metric whose labels contain every one of
+// match (`op="write"`).
+func (s scrape) sum(name string, match ...string) float64 {
+	var n float64
+	for k, v := range s.samples {
+		rest, ok := strings.CutPrefix(k, name)
+		if !ok || (rest != "" && rest[0] != '{') {
+			continue
+		}
+		all := true
+		for _, m := range match {
+			all = all && strings.Contains(rest, m)
+		}
+		if all {
+			n += v
+		}
+	}
+	return n
+}
+
+// lintMetrics checks an exposition as promtool check metrics does
+// (client_golang's promlint), and with promtool itself where make deps
+// put it.
+func lintMetrics(t *testing.T, who string, s scrape) {
+	t.Helper()
+	problems, err := promlint.New(bytes.NewReader(s.text)).Lint()
+	if err != nil {
+		t.Fatalf("%s metrics: %v", who, err)
+	}
+	for _, p := range problems {
+		t.Errorf("%s metrics: %s: %s", who, p.Metric, p.Text)
+	}
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		promtool, err = filepath.Abs("../../.tools/promtool") // make deps
+	}
+	if _, serr := os.Stat(promtool); err != nil || serr != nil {
+		t.Logf("no promtool: only promlint checked %s's metrics", who)
+		return
+	}
+	cmd := exec.Command(promtool, "check", "metrics")
+	cmd.Stdin = bytes.NewReader(s.text)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Errorf("promtool check metrics on %s's: %v\n%s", who, err, out)
+	}
+}
+
+// TestMetrics: both daemons serve /metrics; after fio writes 16 MiB in
+// 4 KiB blocks through a mapping and flushes, the client's device and
+// path counters and the server's path and device counters moved by
+// exactly what fio did, the latency histogram counted every request,
+// and the expositions pass promtool check metrics.
+func TestMetrics(t *testing.T) {
+	needTools(t, "fio")
+	dir := t.TempDir()
+	vol := filepath.Join(dir, "vol.img")
+	sparseFile(t, vol, 64<<20)
+	port := freePort(t)
+	srvMetrics, cltMetrics := fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	srv := startServer(t, dir, port, "--metrics-listen", srvMetrics)
+	srv.ok("map", "vol", vol)
+	cl := startClient(t, dir, "--metrics-listen", cltMetrics)
+	out := cl.ok("map", "--sessname", "mx", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
+	uri, ok := strings.CutPrefix(strings.TrimSpace(out), "rnbd0 mapped: ")
+	if !ok {
+		t.Fatalf("map output %q", out)
+	}
+	c0, s0 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
+	run(t, 2*time.Minute, "fio", "--name=m", "--ioengine=nbd", "--uri="+uri, "--rw=write", "--bs=4k", "--iodepth=8",
+		"--size=16m", "--end_fsync=1", "--output-format=json")
+	c1, s1 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
+	const writes, bytes = 4096, 16 << 20
+	delta := func(a, b scrape, name string, match ...string) float64 { return b.sum(name, match...) - a.sum(name, match...) }
+	for _, c := range []struct {
+		what      string
+		got, want float64
+		atLeast   bool
+	}{
+		{"client device writes", delta(c0, c1, "rnbd_client_device_requests_total", `op="write"`, `device="rnbd0"`, `session="mx"`), writes, false},
+		{"client device bytes written", delta(c0, c1, "rnbd_client_device_bytes_total", `op="write"`), bytes, false},
+		{"client device flushes", delta(c0, c1, "rnbd_client_device_requests_total", `op="flush"`), 1, true},
+		{"client device reads", delta(c0, c1, "rnbd_client_device_requests_total", `op="read"`), 0, false},
+		{"client path writes", delta(c0, c1, "rnbd_client_path_requests_total", `direction="write"`), writes + 1, true},
+		{"client latency observations", delta(c0, c1, "rnbd_client_path_request_duration_seconds_count", `direction="write"`), writes + 1, true},
+		{"client path failovers", delta(c0, c1, "rnbd_client_path_failovers_total"), 0, false},
+		{"client connected paths", c1.sum("rnbd_client_session_connected_paths", `session="mx"`), 1, false},
+		{"server path writes", delta(s0, s1, "rnbd_server_path_requests_total", `direction="write"`, `session="mx"`), writes + 1, true},
+		{"server device bytes written", delta(s0, s1, "rnbd_server_device_bytes_total", `direction="write"`, `device="vol"`), bytes, false},
+		{"server device flushes", delta(s0, s1, "rnbd_server_device_requests_total", `op="flush"`), 1, true},
+		{"server open devices", s1.sum("rnbd_server_open_devices"), 1, false},
+		{"server sessions", s1.sum("rnbd_server_sessions"), 1, false},
+	} {
+		if c.got != c.want && !(c.atLeast && c.got >= c.want) {
+			t.Errorf("%s moved by %v, want %v", c.what, c.got, c.want)
+		}
+	}
+	if used := s1.sum("rnbd_server_chunk_memory_bytes"); used <= 0 || used > s1.sum("rnbd_server_chunk_memory_limit_bytes") {
+		t.Errorf("server chunk memory %v of %v", used, s1.sum("rnbd_server_chunk_memory_limit_bytes"))
+	}
+	lintMetrics(t, "rnbd-client", c1)
+	lintMetrics(t, "rnbd-server", s1)
+}
