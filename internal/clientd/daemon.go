@@ -70,7 +70,7 @@ type Daemon struct {
 	sessions map[string]*session
 	maps     map[string]*mapped
 	metrics  *metrics.Server // nil without metrics_listen
-	failed   []Mapping // saved mappings that did not come back; kept in the state file
+	failed   []Mapping       // saved mappings that did not come back; kept in the state file
 	wg       sync.WaitGroup
 }
 

@@ -134,7 +134,9 @@ func TestMetrics(t *testing.T) {
 		"--size=16m", "--end_fsync=1", "--output-format=json")
 	c1, s1 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
 	const writes, bytes = 4096, 16 << 20
-	delta := func(a, b scrape, name string, match ...string) float64 { return b.sum(name, match...) - a.sum(name, match...) }
+	delta := func(a, b scrape, name string, match ...string) float64 {
+		return b.sum(name, match...) - a.sum(name, match...)
+	}
 	for _, c := range []struct {
 		what      string
 		got, want float64
