@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build demo demo-rtrs test test-vm vet bench bench-peers fuzz clean
+.PHONY: all deps build man demo demo-rtrs test test-vm vet bench bench-peers fuzz clean
 
 all: build
 
@@ -14,6 +14,15 @@ deps:
 
 build: deps
 	$(GO) build -o $(BIN)/ ./cmd/...
+
+# Man pages (section 8, one per command, from the cobra commands) and
+# bash completions into bin/man and bin/completion.
+man: build
+	$(BIN)/rnbd-server man $(BIN)/man
+	$(BIN)/rnbd-client man $(BIN)/man
+	mkdir -p $(BIN)/completion
+	$(BIN)/rnbd-server completion bash >$(BIN)/completion/rnbd-server
+	$(BIN)/rnbd-client completion bash >$(BIN)/completion/rnbd-client
 
 # The quick start's first command: both daemons, a sparse demo export, a
 # mapping over RTRS/TCP on loopback and a short verified IO through it.

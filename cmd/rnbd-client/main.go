@@ -4,15 +4,18 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
@@ -26,7 +29,8 @@ func newRoot() *cobra.Command {
 	}
 	g.Add(root, clientd.DefaultControlSocket)
 	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
-		newDevice(&g), newSession(&g), newPath(&g), newStats(&g))
+		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g))
+	root.AddCommand(cli.ManCmd(root))
 	return root
 }
 
@@ -283,4 +287,58 @@ func newPath(g *cli.Globals) *cobra.Command {
 
 func newStats(g *cli.Globals) *cobra.Command {
 	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency, or reset them", clientd.StatsFields)
+}
+
+// newWait is `rnbd-client wait`: for boot scripts and units ordered
+// after the daemon, it waits for the daemon to answer and for every
+// mapping to be open on its server.
+func newWait(g *cli.Globals) *cobra.Command {
+	var timeout time.Duration
+	cmd := &cobra.Command{
+		Use:   "wait",
+		Short: "Wait until the daemon answers and every mapping is open on its server (exit 0), or say which is not",
+		Long: `Wait until the daemon answers and every mapping is open on its server.
+
+Mappings come back from the state file when the daemon starts; one that
+could not be restored (state "not restored") never comes up by itself,
+and wait fails at once naming it. Otherwise wait fails after --timeout
+naming the devices still not open.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			deadline := time.Now().Add(timeout)
+			for {
+				var recs []output.Record
+				err := g.Call("GET", "/v1/devices", nil, &recs)
+				var waiting, lost []string
+				for _, r := range recs {
+					name, _ := r["devname"].(string)
+					switch st, _ := r["state"].(string); st {
+					case "open":
+					case clientd.StateNotRestored:
+						lost = append(lost, name)
+					default:
+						waiting = append(waiting, name+" ("+st+")")
+					}
+				}
+				switch {
+				case err != nil && !errors.Is(err, ctl.ErrNotRunning):
+					return err
+				case err == nil && len(lost) > 0:
+					return ctl.Errorf(ctl.CodeUnavailable, "not restored at start (see the daemon's log; unmap or map them again): %s", strings.Join(lost, ", "))
+				case err == nil && len(waiting) == 0:
+					fmt.Fprintf(cmd.OutOrStdout(), "%d device(s) open\n", len(recs))
+					return nil
+				}
+				if time.Now().After(deadline) {
+					if err != nil {
+						return fmt.Errorf("the daemon did not answer within %v: %w", timeout, err)
+					}
+					return ctl.Errorf(ctl.CodeUnavailable, "not open after %v: %s", timeout, strings.Join(waiting, ", "))
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+		},
+	}
+	cmd.Flags().DurationVar(&timeout, "timeout", 90*time.Second, "how long to wait")
+	return cmd
 }

@@ -33,6 +33,7 @@ daemon through its control socket.`,
 		newMap(&g), newUnmap(&g), newResize(&g),
 		newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 	)
+	root.AddCommand(cli.ManCmd(root))
 	return root
 }
 

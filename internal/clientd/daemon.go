@@ -74,6 +74,10 @@ type Daemon struct {
 	wg       sync.WaitGroup
 }
 
+// StateNotRestored is the state `device list` gives a mapping of the
+// state file that could not be restored at start.
+const StateNotRestored = "not restored"
+
 // Options are what a daemon is started with beyond its configuration.
 type Options struct {
 	Fabric fabric.Fabric // overrides TCP (tests)

@@ -371,9 +371,24 @@ func (d *Daemon) devices(name string) []output.Record {
 			ms = append(ms, m)
 		}
 	}
+	var failed []Mapping
+	for _, m := range d.failed {
+		if name == "" || m.Device == name {
+			failed = append(failed, m)
+		}
+	}
 	d.mu.Unlock()
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
 	var recs []output.Record
+	// Mappings of the state file that did not come back at start: they
+	// stay until unmapped (or mapped again).
+	for _, m := range failed {
+		recs = append(recs, output.Record{
+			"devname": m.Device, "sessname": m.SessName, "devpath": "", "mapping_path": m.DevicePath,
+			"access_mode": m.AccessMode, "state": StateNotRestored, "size": 0,
+			"socket": "", "io_mode": "", "direction": "client",
+		})
+	}
 	for _, m := range ms {
 		socket := ""
 		if m.Kernel == "" {
@@ -385,6 +400,7 @@ func (d *Daemon) devices(name string) []output.Record {
 			"socket": socket, "io_mode": m.fe.ioMode(), "direction": "client",
 		})
 	}
+	sort.SliceStable(recs, func(i, j int) bool { return recs[i]["devname"].(string) < recs[j]["devname"].(string) })
 	return recs
 }
 

@@ -61,9 +61,17 @@ var exitCodes = map[Code]int{
 type Error struct {
 	Code    Code   `json:"code"`
 	Message string `json:"error"`
+	// err is what it wraps, on the client's side (ErrNotRunning).
+	err error
 }
 
 func (e *Error) Error() string { return e.Message }
+
+func (e *Error) Unwrap() error { return e.err }
+
+// ErrNotRunning: no daemon listens on the control socket (Client.Do's
+// error wraps it).
+var ErrNotRunning = errors.New("daemon not running")
 
 // Errorf makes an Error of class code.
 func Errorf(code Code, format string, args ...any) *Error {
@@ -257,7 +265,9 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
-			return Errorf(CodeUnavailable, "daemon not running (no daemon listens on %s)", c.path)
+			e := Errorf(CodeUnavailable, "daemon not running (no daemon listens on %s)", c.path)
+			e.err = ErrNotRunning
+			return e
 		}
 		if errors.Is(err, syscall.EACCES) {
 			return Errorf(CodePermission, "no permission to use %s (run as root)", c.path)

@@ -292,3 +292,37 @@ func TestClientEndToEnd(t *testing.T) {
 	cl.ok("unmap", "rnbd1")
 	cl.stop()
 }
+
+// TestClientWait: rnbd-client wait returns once every mapping is open;
+// a mapping that did not come back at start makes it fail at once,
+// naming it (device list shows it "not restored"); with no daemon it
+// fails after its timeout.
+func TestClientWait(t *testing.T) {
+	dir := t.TempDir()
+	sparseFile(t, filepath.Join(dir, "w.img"), 8<<20)
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "w", filepath.Join(dir, "w.img"))
+	cl := startClient(t, dir)
+	cl.ok("map", "--sessname", "ws", "--path", "ip:127.0.0.1", "--device-path", "w", "--dest-port", fmt.Sprint(port))
+	if out := cl.ok("wait", "--timeout", "10s"); strings.TrimSpace(out) != "1 device(s) open" {
+		t.Fatalf("wait: %q", out)
+	}
+	cl.stop()
+	srv.stop()
+	cl = startClient(t, dir) // the server is gone: the mapping does not come back
+	start := time.Now()
+	if _, errOut, code := cl.ctl("wait", "--timeout", "30s"); code != 6 || !strings.Contains(errOut, "not restored at start") || !strings.Contains(errOut, "rnbd0") {
+		t.Fatalf("wait with a mapping not restored: exit %d %q", code, errOut)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("wait took %v to say the mapping was not restored", d)
+	}
+	if devs := cl.records("device", "list"); len(devs) != 1 || devs[0]["state"] != "not restored" || devs[0]["devname"] != "rnbd0" {
+		t.Fatalf("device list: %v", devs)
+	}
+	cl.stop()
+	if _, errOut, code := cl.ctl("wait", "--timeout", "1s"); code != 6 || !strings.Contains(errOut, "did not answer within 1s") {
+		t.Fatalf("wait without a daemon: exit %d %q", code, errOut)
+	}
+}
