@@ -25,6 +25,7 @@ declare -A pkgs=(
 	[jq]=jq
 	[openssl]=openssl
 	[curl]=curl
+	[systemd-analyze]=systemd
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do
