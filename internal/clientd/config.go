@@ -48,6 +48,9 @@ type Config struct {
 	NBDBuffers           int           `toml:"nbd_buffers"`
 	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
 	SizePoll             conf.Duration `toml:"size_poll"`
+	// DevLinksDir holds the stable names of kernel devices,
+	// DIR/SESSNAME/DEVICE_PATH (devlinks.go); empty: none.
+	DevLinksDir string `toml:"dev_links_dir"`
 	// MetricsListen, HOST:PORT, serves Prometheus metrics at /metrics;
 	// empty: none.
 	MetricsListen string `toml:"metrics_listen"`
@@ -73,6 +76,7 @@ func DefaultConfig() Config {
 		NoPathTimeout:        conf.Duration{Duration: rnbd.DefaultNoPathTimeout},
 		FastIOFailTmo:        "off",
 		CtrlLossTmo:          "off",
+		DevLinksDir:          "/dev/rnbd",
 		ReconnectDelay:       conf.Duration{Duration: d.ReconnectDelay},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,

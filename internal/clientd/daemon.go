@@ -130,6 +130,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 				d.removeOrphanUblk(parseUblkIndex(m.Kernel), ublkCookie(backendID(m)), l)
 				m.Kernel = ""
 			}
+			d.removeDevLink(m) // it would name a device that is not the mapping's
 			d.failed = append(d.failed, m)
 		}
 	}
@@ -312,6 +313,7 @@ func (d *Daemon) register(s mapSpec, dev *rnbd.CltDev, fe frontend) *mapped {
 	whereKey := "socket"
 	if s.fe != feSocket {
 		mp.Kernel, whereKey = fe.path(), "kernel_device"
+		d.makeDevLink(mp.Mapping, mp.Kernel)
 	}
 	d.mu.Lock()
 	d.maps[mp.Device] = mp
@@ -423,6 +425,7 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	delete(d.maps, device)
 	d.mu.Unlock()
 	m.fe.remove() // no request of the frontend is left after it
+	d.removeDevLink(m.Mapping)
 	err := m.dev.Unmap(ctx)
 	d.dropSession(m.SessName)
 	d.log.WithFields(log.Fields{"device": device, "force": force}).Info("device unmapped")

@@ -306,8 +306,13 @@ func TestRestart(t *testing.T) {
 	r.stopServer()
 	d = r.start()
 	defer d.Stop()
-	if n := len(d.devices("")); n != 0 {
-		t.Fatalf("%d devices restored without a server", n)
+	for _, r := range d.devices("") {
+		if r["state"] != StateNotRestored {
+			t.Fatalf("device restored without a server: %v", r)
+		}
+	}
+	if n := len(d.devices("")); n != 2 {
+		t.Fatalf("device list shows %d mappings not restored, want 2", n)
 	}
 	if st := r.savedState(); len(st.Mappings) != 2 {
 		t.Fatalf("state after a failed restore %+v", st)

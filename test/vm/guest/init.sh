@@ -169,6 +169,14 @@ resized() {
 	fi
 }
 
+# stable NAME SESS DEVPATH DEV: the daemon's stable name of a mapping,
+# /dev/rnbd/SESS/DEVPATH, is a link to its kernel device DEV.
+stable() {
+	local got
+	got=$(readlink "/dev/rnbd/$2/$3" 2>&1)
+	[ "$got" = "$4" ] && res "$1" PASS "/dev/rnbd/$2/$3 -> $got" || res "$1" FAIL "/dev/rnbd/$2/$3 -> $got, want $4"
+}
+
 # kernel_at_least MAJOR MINOR: the running kernel is that version or later.
 kernel_at_least() {
 	local v=$(uname -r) maj min
@@ -629,6 +637,7 @@ nq=$(ls $b/mq | wc -l)
 # Requests up to the daemon's 1 MiB NBD buffers, within the driver's limit.
 msk=$(cat $b/queue/max_sectors_kb) hwk=$(cat $b/queue/max_hw_sectors_kb)
 [ "$msk" = "$((hwk < 1024 ? hwk : 1024))" ] && res nbd-max-sectors PASS "$msk KiB (hw $hwk)" || res nbd-max-sectors FAIL "$msk KiB (hw $hwk)"
+stable nbd-stable-name vm disk0 "$dev"
 basic nbd "$dev" disk0 /tmp/disk0.img 4
 
 # 2. restart of the client daemon while the device is idle: the same
@@ -640,11 +649,13 @@ dd if=/tmp/pat of=/tmp/pat2 bs=1M skip=8 count=8 2>/dev/null
 dd if="$dev" of=/tmp/back2 bs=1M skip=12 count=8 iflag=direct 2>/dev/null
 check nbd-restart-reconfigure cmp /tmp/pat2 /tmp/back2
 [ "$(devpath)" = "$dev" ] && res nbd-restart-same-device PASS "" || res nbd-restart-same-device FAIL "$(cli device list 2>&1)"
+stable nbd-restart-stable-name vm disk0 "$dev"
 
 # 3. a filesystem, then unmap under the mount.
 scenario nbd-fs
 fs nbd "$dev"
 [ "$(cat $b/size)" = 0 ] && res nbd-disconnected PASS "" || res nbd-disconnected FAIL "$(cat $b/size) sectors"
+[ ! -L /dev/rnbd/vm/disk0 ] && [ ! -d /dev/rnbd/vm ] && res nbd-stable-name-gone PASS "" || res nbd-stable-name-gone FAIL "$(ls -l /dev/rnbd/vm 2>&1)"
 
 # 4. two paths (loopback and a dummy interface of the guest), fio verify.
 scenario nbd-fio-two-paths
@@ -701,6 +712,7 @@ scenario ublk-map-io
 out=$(cli map --sessname ub --path ip:127.0.0.1 --path ip:10.77.0.1 --device-path disk2 --as ublk 2>&1)
 dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 case $dev in /dev/ublkb*) res ublk-map PASS "$dev" ;; *) res ublk-map FAIL "$out"; finish ;; esac
+stable ublk-stable-name ub disk2 "$dev"
 # The device takes requests up to ublk_max_io_kb (default 512).
 hwk=$(cat /sys/block/${dev#/dev/}/queue/max_hw_sectors_kb)
 [ "$hwk" = 512 ] && res ublk-max-sectors PASS "$hwk KiB" || res ublk-max-sectors FAIL "$hwk KiB"
@@ -714,6 +726,7 @@ restart_client
 dd if="$dev" of=/tmp/back2 bs=1M skip=10 count=8 iflag=direct 2>/dev/null
 check ublk-restart-recovered cmp /tmp/pat2 /tmp/back2
 [ "$(devpath)" = "$dev" ] && res ublk-restart-same-device PASS "" || res ublk-restart-same-device FAIL "$(cli device list 2>&1)"
+stable ublk-restart-stable-name ub disk2 "$dev"
 grep -q "took the ublk device back" /tmp/client.log && res ublk-restart-logged PASS "" || res ublk-restart-logged FAIL ""
 
 scenario ublk-fio
@@ -728,6 +741,7 @@ throughput rnbd-ublk "$dev"
 scenario ublk-crash-busy
 under_io ublk-client-kill "$dev" 0 restart_client -9
 [ "$(devpath)" = "$dev" ] && res ublk-client-kill-same-device PASS "" || res ublk-client-kill-same-device FAIL "$(cli device list 2>&1)"
+stable ublk-client-kill-stable-name ub disk2 "$dev"
 
 # 12. kill -9 of the server, and a path cut, under IO.
 scenario ublk-server-kill
