@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build man demo demo-rtrs test test-vm vet bench bench-peers fuzz clean
+.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm vet bench bench-peers fuzz clean
 
 all: build
 
@@ -23,6 +23,15 @@ man: build
 	mkdir -p $(BIN)/completion
 	$(BIN)/rnbd-server completion bash >$(BIN)/completion/rnbd-server
 	$(BIN)/rnbd-client completion bash >$(BIN)/completion/rnbd-client
+
+# Debian packages rnbd-server and rnbd-client into build/deb (version
+# from git), and CI's check of them: lintian, install, systemd-analyze
+# verify, man pages, upgrade, remove, purge (root).
+deb: deps
+	@scripts/mkdeb.sh build/deb
+
+test-deb: deps
+	@scripts/test-deb.sh
 
 # The quick start's first command: both daemons, a sparse demo export, a
 # mapping over RTRS/TCP on loopback and a short verified IO through it.

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Build the rnbd-server and rnbd-client Debian packages from this tree:
+#   scripts/mkdeb.sh [OUTDIR]        (default build/deb)
+# Binaries in /usr/sbin, units in /lib/systemd/system, /etc/rnbd/*.toml as
+# conffiles, modules-load.d, man pages and bash completions generated from
+# the commands, the docs. The version comes from git: the newest tag, or
+# 0.0 and the commit's date and hash (0.0~git20261125.4951b1b-1);
+# RNBD_DEB_VERSION overrides it. Needs dpkg-dev (dpkg-shlibdeps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+out=${1:-build/deb}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+if [ -n "${RNBD_DEB_VERSION:-}" ]; then
+	version=$RNBD_DEB_VERSION
+elif tag=$(git describe --tags --abbrev=0 2>/dev/null); then
+	version="${tag#v}+git$(git log -1 --format=%cd --date=format:%Y%m%d).$(git rev-parse --short HEAD)-1"
+else
+	version="0.0~git$(git log -1 --format=%cd --date=format:%Y%m%d).$(git rev-parse --short HEAD)-1"
+fi
+arch=$(dpkg --print-architecture)
+maint="rnbd developers <rnbd@example.org>"
+date=$(git log -1 --format=%cD)
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w" -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+"$work/bin/rnbd-server" man "$work/man"
+"$work/bin/rnbd-client" man "$work/man"
+
+# depends BINARY: the shared libraries' packages (dpkg-shlibdeps wants a
+# debian/control to look at).
+depends() {
+	mkdir -p "$work/shl/debian"
+	printf 'Source: rnbd\n\nPackage: rnbd\nArchitecture: any\n' >"$work/shl/debian/control"
+	(cd "$work/shl" && dpkg-shlibdeps -O -e "$1" 2>/dev/null) | sed -n 's/^shlibs:Depends=//p'
+}
+
+# pkg NAME DESCRIPTION-LINE: one package; the rest of the description
+# comes on stdin.
+pkg() {
+	local name=$1 short=$2 root=$work/$1 doc
+	local long
+	long=$(cat)
+	doc=$root/usr/share/doc/$name
+	install -d "$root/DEBIAN" "$root/usr/sbin" "$root/lib/systemd/system" "$root/etc/rnbd" \
+		"$root/usr/lib/modules-load.d" "$root/usr/share/man/man8" "$root/usr/share/bash-completion/completions" "$doc"
+	install -m 0755 "$work/bin/$name" "$root/usr/sbin/"
+	install -m 0644 "deploy/$name.service" "$root/lib/systemd/system/"
+	install -m 0644 "deploy/${name#rnbd-}.toml" "$root/etc/rnbd/"
+	install -m 0644 "deploy/modules-load.d/$name.conf" "$root/usr/lib/modules-load.d/"
+	for m in "$work/man/$name".8 "$work/man/$name"-*.8; do
+		gzip -9n <"$m" >"$root/usr/share/man/man8/$(basename "$m").gz"
+	done
+	"$work/bin/$name" completion bash >"$root/usr/share/bash-completion/completions/$name"
+	for d in README.md docs/operations.md docs/metrics.md docs/control-api.md "docs/${name#rnbd-}.md"; do
+		gzip -9n <"$d" >"$doc/$(basename "$d").gz"
+	done
+	cat >"$doc/copyright" <<EOF
+Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
+Upstream-Name: rnbd
+Comment: a userspace Go implementation of the Linux RNBD/RTRS block
+ transport. The project has not chosen a license yet: all rights are
+ reserved by its authors until it does.
+
+Files: *
+Copyright: 2026 the rnbd developers
+License: none
+ No license has been granted yet.
+EOF
+	{
+		echo "$name ($version) unstable; urgency=medium"
+		echo
+		echo "  * Built from git $(git rev-parse --short HEAD): $(git log -1 --format=%s | cut -c1-60)."
+		echo
+		echo " -- $maint  $date"
+	} | gzip -9n >"$doc/changelog.Debian.gz"
+	echo "/etc/rnbd/${name#rnbd-}.toml" >"$root/DEBIAN/conffiles"
+	cat >"$root/DEBIAN/control" <<EOF
+Package: $name
+Version: $version
+Architecture: $arch
+Maintainer: $maint
+Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
+Depends: $(depends "$root/usr/sbin/$name"), kmod
+Section: admin
+Priority: optional
+Homepage: https://github.com/rnbd/rnbd
+Description: $short
+$long
+EOF
+	maintscripts "$name"
+	(cd "$root" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | sort -z | xargs -0 md5sum >DEBIAN/md5sums)
+	dpkg-deb --root-owner-group -Zxz --build "$root" "$out/${name}_${version}_${arch}.deb" >/dev/null
+	echo "$out/${name}_${version}_${arch}.deb"
+}
+
+# maintscripts NAME: enable the unit on install and restart it on upgrade
+# (as debhelper's snippets do, with deb-systemd-helper/-invoke, which do
+# nothing where systemd is not running); stop it on removal, forget it
+# on purge. A first install does not start the daemon: its configuration
+# (listen addresses, TLS) is for the operator to set first.
+maintscripts() {
+	local name=$1 unit=$1.service root=$work/$1
+	cat >"$root/DEBIAN/postinst" <<EOF
+#!/bin/sh
+set -e
+if [ "\$1" = configure ] || [ "\$1" = abort-upgrade ] || [ "\$1" = abort-deconfigure ] || [ "\$1" = abort-remove ]; then
+	if deb-systemd-helper debian-installed $unit; then
+		# An upgrade: the unit keeps its enablement, and a running
+		# daemon is restarted on the new binary (the client's mappings
+		# come back from its state file).
+		deb-systemd-helper unmask $unit >/dev/null || true
+	else
+		deb-systemd-helper enable $unit >/dev/null || true
+	fi
+	if [ -d /run/systemd/system ]; then
+		systemctl --system daemon-reload >/dev/null || true
+		if [ -n "\$2" ]; then
+			deb-systemd-invoke try-restart $unit >/dev/null || true
+		fi
+	fi
+fi
+EOF
+	cat >"$root/DEBIAN/prerm" <<EOF
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ] && [ "\$1" = remove ]; then
+	deb-systemd-invoke stop $unit >/dev/null || true
+fi
+EOF
+	cat >"$root/DEBIAN/postrm" <<EOF
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ]; then
+	systemctl --system daemon-reload >/dev/null || true
+fi
+if [ "\$1" = remove ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
+	deb-systemd-helper mask $unit >/dev/null || true
+fi
+if [ "\$1" = purge ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
+	deb-systemd-helper purge $unit >/dev/null || true
+	deb-systemd-helper unmask $unit >/dev/null || true
+fi
+EOF
+	chmod 0755 "$root/DEBIAN/postinst" "$root/DEBIAN/prerm" "$root/DEBIAN/postrm"
+}
+
+pkg rnbd-server "RNBD block device server (userspace, RTRS over RDMA or TCP)" <<'EOF'
+ rnbd-server exports files and block devices over RNBD, the Linux kernel's
+ RDMA network block device protocol, with its RTRS transport implemented
+ in userspace: several paths per session, per-IO multipath, heartbeats
+ and reconnects, over RDMA verbs or TCP (optionally TLS 1.3 with client
+ certificates). It interoperates with the kernel's rnbd_client.
+EOF
+pkg rnbd-client "RNBD block device client (userspace, RTRS over RDMA or TCP)" <<'EOF'
+ rnbd-client maps devices exported by an RNBD server (rnbd-server or the
+ kernel's rnbd_server) as /dev/nbdN, /dev/ublkbN or NBD sockets, with its
+ RTRS transport implemented in userspace: several paths per session,
+ per-IO multipath with failover, heartbeats and reconnects, over RDMA
+ verbs or TCP (optionally TLS 1.3).
+EOF

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# CI's packaging check, as root on Debian: build both packages, lintian
+# (no errors), install them, systemd-analyze verify the installed units,
+# render every man page, upgrade to a newer build (a changed conffile is
+# kept), remove and purge (nothing left behind). Installs lintian and
+# man-db from apt if missing. Never starts a daemon: the postinst only
+# enables the units, and restarts them on upgrade where systemd runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '== [%(%T)T] %s\n' -1 "$*" >&2; }
+die() { log "FAIL: $*"; exit 1; }
+[ "$(id -u)" = 0 ] || die "needs root (dpkg -i)"
+need=()
+for c in lintian:lintian man:man-db dpkg-shlibdeps:dpkg-dev systemd-analyze:systemd; do
+	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+done
+if [ ${#need[@]} -gt 0 ]; then
+	log "apt-get install ${need[*]}"
+	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
+		die "apt-get install ${need[*]}"
+fi
+for p in rnbd-server rnbd-client; do
+	! dpkg -s "$p" >/dev/null 2>&1 || die "$p is installed already: this check installs and purges it"
+done
+out=$(mktemp -d /tmp/rnbd-deb.XXXXXX)
+trap 'rm -rf "$out"' EXIT
+RNBD_DEB_VERSION=0.0~test1-1 scripts/mkdeb.sh "$out/1" >/dev/null
+RNBD_DEB_VERSION=0.0~test2-1 scripts/mkdeb.sh "$out/2" >/dev/null
+log "lintian"
+lintian --fail-on error --suppress-tags initial-upload-closes-no-bugs "$out"/1/*.deb || die "lintian"
+
+log "install"
+dpkg -i "$out"/1/*.deb >/dev/null || die "dpkg -i"
+for p in rnbd-server rnbd-client; do
+	[ -x /usr/sbin/$p ] || die "/usr/sbin/$p"
+	/usr/sbin/$p --help >/dev/null || die "$p --help"
+	[ -f /lib/systemd/system/$p.service ] || die "no unit $p.service"
+	[ -f /usr/share/bash-completion/completions/$p ] || die "no completion for $p"
+	man -l /usr/share/man/man8/$p.8.gz 2>/dev/null | grep -q "^NAME" || die "man -l $p.8"
+	for m in /usr/share/man/man8/$p-*.8.gz; do
+		man -l "$m" >/dev/null 2>&1 || die "man -l $m"
+	done
+done
+[ -f /etc/rnbd/server.toml ] && [ -f /etc/rnbd/client.toml ] || die "no configuration in /etc/rnbd"
+log "systemd-analyze verify"
+systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service || die "systemd-analyze verify"
+
+log "upgrade"
+echo "# changed by the operator" >>/etc/rnbd/client.toml
+dpkg -i --force-confold "$out"/2/*.deb >/dev/null || die "dpkg -i (upgrade)"
+[ "$(dpkg-query -W -f '${Version}' rnbd-client)" = 0.0~test2-1 ] || die "not upgraded"
+grep -q "changed by the operator" /etc/rnbd/client.toml || die "the changed conffile was replaced"
+
+log "remove and purge"
+dpkg -r rnbd-server rnbd-client >/dev/null || die "dpkg -r"
+[ ! -e /usr/sbin/rnbd-server ] && [ ! -e /usr/sbin/rnbd-client ] || die "binaries left after remove"
+[ -f /etc/rnbd/client.toml ] || die "remove took the conffile (only purge may)"
+dpkg -P rnbd-server rnbd-client >/dev/null || die "dpkg -P"
+left=$(ls /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /lib/systemd/system/rnbd-*.service \
+	/etc/systemd/system/multi-user.target.wants/rnbd-* 2>/dev/null || true)
+[ -z "$left" ] || die "left after purge: $left"
+log "packages: lintian clean, installed, verified, upgraded, removed and purged"
