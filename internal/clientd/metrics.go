@@ -68,12 +68,8 @@ func (c cltCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 	x := cltDescs
-	counter := func(d *prometheus.Desc, v float64, l ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, l...)
-	}
-	gauge := func(d *prometheus.Desc, v float64, l ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
-	}
+	e := metrics.Emit{Ch: ch}
+	counter, gauge := e.Counter, e.Gauge
 	for _, s := range c.d.sessionList() {
 		rs := s.cs.Session()
 		sess := rs.Name()

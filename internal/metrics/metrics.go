@@ -70,6 +70,22 @@ type httpLog struct{ lg *log.Entry }
 
 func (l httpLog) Println(v ...any) { l.lg.Warn(fmt.Sprint(v...)) }
 
+// Emit sends metrics of one kind (prometheus.CounterValue or
+// GaugeValue) to a collector's channel: the collectors' shorthand.
+type Emit struct {
+	Ch chan<- prometheus.Metric
+}
+
+// Counter sends a counter's value with its labels.
+func (e Emit) Counter(d *prometheus.Desc, v float64, labels ...string) {
+	e.Ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+}
+
+// Gauge sends a gauge's value with its labels.
+func (e Emit) Gauge(d *prometheus.Desc, v float64, labels ...string) {
+	e.Ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+}
+
 // Log2Buckets turns stats/rdma_lat's buckets (counts[i], i < len-1:
 // requests under 2^i µs; the last: the rest) into a Prometheus
 // histogram's cumulative buckets, upper bounds in seconds, and the total.

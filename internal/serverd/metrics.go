@@ -4,6 +4,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
+	"github.com/rnbd/rnbd/internal/metrics"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
@@ -63,12 +64,8 @@ func (c srvCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 	x := srvDescs
-	counter := func(d *prometheus.Desc, v float64, l ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, l...)
-	}
-	gauge := func(d *prometheus.Desc, v float64, l ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, l...)
-	}
+	e := metrics.Emit{Ch: ch}
+	counter, gauge := e.Counter, e.Gauge
 	sessions := c.d.rtrs.Sessions()
 	gauge(x.sessions, float64(len(sessions)))
 	for _, s := range sessions {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -275,21 +274,7 @@ func TestHostileBesideVerify(t *testing.T) {
 	}
 	close(stopRSS)
 	rssDone.Wait()
-	var res struct {
-		Jobs []struct {
-			Error int `json:"error"`
-			Write struct {
-				IOs  int64 `json:"total_ios"`
-				Clat struct {
-					Max float64 `json:"max"`
-				} `json:"clat_ns"`
-			} `json:"write"`
-		} `json:"jobs"`
-	}
-	if err := json.Unmarshal([]byte(jsonPart(fio.out.String())), &res); err != nil || len(res.Jobs) != 1 {
-		t.Fatalf("fio output: %v\n%s", err, fio.out.String())
-	}
-	j := res.Jobs[0]
+	j := fioWrites(t, fio)
 	if j.Error != 0 || j.Write.IOs < 50000 {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}

@@ -254,6 +254,30 @@ func jsonPart(out string) string {
 // rnbd-client in the client namespace with the device mapped over both
 // paths (map's extra arguments added) as an NBD socket. It returns the
 // rig, the client's control socket and the socket's NBD URI.
+// fioJob is what the tests read of a fio job's JSON report: its error,
+// and its writes with their longest completion latency.
+type fioJob struct {
+	Error int `json:"error"`
+	Write struct {
+		IOs  int64 `json:"total_ios"`
+		Clat struct {
+			Max float64 `json:"max"`
+		} `json:"clat_ns"`
+	} `json:"write"`
+}
+
+// fioWrites parses the JSON report of a fio run of one job.
+func fioWrites(t *testing.T, fio *proc) fioJob {
+	t.Helper()
+	var res struct {
+		Jobs []fioJob `json:"jobs"`
+	}
+	if err := json.Unmarshal([]byte(jsonPart(fio.out.String())), &res); err != nil || len(res.Jobs) != 1 {
+		t.Fatalf("fio output: %v\n%s", err, fio.out.String())
+	}
+	return res.Jobs[0]
+}
+
 // nsMetrics is where the client daemon of newNBDTwoPaths serves its
 // metrics, inside its namespace.
 const nsMetrics = "127.0.0.1:9725"
@@ -305,21 +329,7 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	if err := fio.wait(t, 2*time.Minute); err != nil {
 		t.Fatalf("fio: %v\n%s", err, fio.out.String())
 	}
-	var res struct {
-		Jobs []struct {
-			Error int `json:"error"`
-			Write struct {
-				IOs  int64 `json:"total_ios"`
-				Clat struct {
-					Max float64 `json:"max"`
-				} `json:"clat_ns"`
-			} `json:"write"`
-		} `json:"jobs"`
-	}
-	if err := json.Unmarshal([]byte(jsonPart(fio.out.String())), &res); err != nil || len(res.Jobs) != 1 {
-		t.Fatalf("fio output: %v\n%s", err, fio.out.String())
-	}
-	j := res.Jobs[0]
+	j := fioWrites(t, fio)
 	if j.Error != 0 || j.Write.IOs == 0 {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}
