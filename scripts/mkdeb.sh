@@ -48,13 +48,18 @@ pkg() {
 	install -d "$root/DEBIAN" "$root/usr/sbin" "$root/lib/systemd/system" "$root/etc/rnbd" \
 		"$root/usr/lib/modules-load.d" "$root/usr/share/man/man8" "$root/usr/share/bash-completion/completions" "$doc"
 	install -m 0755 "$work/bin/$name" "$root/usr/sbin/"
-	install -m 0644 "deploy/$name.service" "$root/lib/systemd/system/"
+	install -m 0644 "deploy/$name".service "deploy/$name"-*.service "$root/lib/systemd/system/" 2>/dev/null ||
+		install -m 0644 "deploy/$name.service" "$root/lib/systemd/system/"
 	install -m 0644 "deploy/${name#rnbd-}.toml" "$root/etc/rnbd/"
 	install -m 0644 "deploy/modules-load.d/$name.conf" "$root/usr/lib/modules-load.d/"
 	for m in "$work/man/$name".8 "$work/man/$name"-*.8; do
 		gzip -9n <"$m" >"$root/usr/share/man/man8/$(basename "$m").gz"
 	done
 	"$work/bin/$name" completion bash >"$root/usr/share/bash-completion/completions/$name"
+	if [ "$name" = rnbd-client ]; then
+		install -d "$root/lib/udev/rules.d"
+		install -m 0644 deploy/udev/60-rnbd.rules "$root/lib/udev/rules.d/"
+	fi
 	for d in README.md docs/operations.md docs/metrics.md docs/control-api.md "docs/${name#rnbd-}.md"; do
 		gzip -9n <"$d" >"$doc/$(basename "$d").gz"
 	done
@@ -103,23 +108,28 @@ EOF
 # on purge. A first install does not start the daemon: its configuration
 # (listen addresses, TLS) is for the operator to set first.
 maintscripts() {
-	local name=$1 unit=$1.service root=$work/$1
+	local name=$1 root=$work/$1 unit
+	unit=$(cd "$root/lib/systemd/system" && echo *.service)
 	cat >"$root/DEBIAN/postinst" <<EOF
 #!/bin/sh
 set -e
 if [ "\$1" = configure ] || [ "\$1" = abort-upgrade ] || [ "\$1" = abort-deconfigure ] || [ "\$1" = abort-remove ]; then
-	if deb-systemd-helper debian-installed $unit; then
-		# An upgrade: the unit keeps its enablement, and a running
-		# daemon is restarted on the new binary (the client's mappings
-		# come back from its state file).
-		deb-systemd-helper unmask $unit >/dev/null || true
-	else
-		deb-systemd-helper enable $unit >/dev/null || true
-	fi
+	for u in $unit; do
+		if deb-systemd-helper debian-installed \$u; then
+			# An upgrade: the unit keeps its enablement.
+			deb-systemd-helper unmask \$u >/dev/null || true
+		else
+			deb-systemd-helper enable \$u >/dev/null || true
+		fi
+	done
 	if [ -d /run/systemd/system ]; then
 		systemctl --system daemon-reload >/dev/null || true
 		if [ -n "\$2" ]; then
-			deb-systemd-invoke try-restart $unit >/dev/null || true
+			# A running daemon restarts on the new binary (the
+			# client's mappings come back from its state file).
+			for u in $unit; do
+				deb-systemd-invoke try-restart \$u >/dev/null || true
+			done
 		fi
 	fi
 fi
@@ -128,7 +138,9 @@ EOF
 #!/bin/sh
 set -e
 if [ -d /run/systemd/system ] && [ "\$1" = remove ]; then
-	deb-systemd-invoke stop $unit >/dev/null || true
+	for u in $unit; do
+		deb-systemd-invoke stop \$u >/dev/null || true
+	done
 fi
 EOF
 	cat >"$root/DEBIAN/postrm" <<EOF
@@ -137,13 +149,15 @@ set -e
 if [ -d /run/systemd/system ]; then
 	systemctl --system daemon-reload >/dev/null || true
 fi
-if [ "\$1" = remove ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
-	deb-systemd-helper mask $unit >/dev/null || true
-fi
-if [ "\$1" = purge ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
-	deb-systemd-helper purge $unit >/dev/null || true
-	deb-systemd-helper unmask $unit >/dev/null || true
-fi
+for u in $unit; do
+	if [ "\$1" = remove ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
+		deb-systemd-helper mask \$u >/dev/null || true
+	fi
+	if [ "\$1" = purge ] && [ -x "/usr/bin/deb-systemd-helper" ]; then
+		deb-systemd-helper purge \$u >/dev/null || true
+		deb-systemd-helper unmask \$u >/dev/null || true
+	fi
+done
 EOF
 	chmod 0755 "$root/DEBIAN/postinst" "$root/DEBIAN/prerm" "$root/DEBIAN/postrm"
 }

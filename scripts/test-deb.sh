@@ -23,7 +23,8 @@ for p in rnbd-server rnbd-client; do
 	! dpkg -s "$p" >/dev/null 2>&1 || die "$p is installed already: this check installs and purges it"
 done
 out=$(mktemp -d /tmp/rnbd-deb.XXXXXX)
-trap 'rm -rf "$out"' EXIT
+# Whatever happens, the machine is left without the packages.
+trap 'dpkg -P rnbd-server rnbd-client >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
 RNBD_DEB_VERSION=0.0~test1-1 scripts/mkdeb.sh "$out/1" >/dev/null
 RNBD_DEB_VERSION=0.0~test2-1 scripts/mkdeb.sh "$out/2" >/dev/null
 log "lintian"
@@ -42,8 +43,11 @@ for p in rnbd-server rnbd-client; do
 	done
 done
 [ -f /etc/rnbd/server.toml ] && [ -f /etc/rnbd/client.toml ] || die "no configuration in /etc/rnbd"
+[ -f /lib/udev/rules.d/60-rnbd.rules ] || die "no udev rule"
 log "systemd-analyze verify"
-systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service || die "systemd-analyze verify"
+systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service \
+	/lib/systemd/system/rnbd-client-wait.service || die "systemd-analyze verify"
+[ -L /etc/systemd/system/remote-fs-pre.target.wants/rnbd-client-wait.service ] || die "rnbd-client-wait.service not enabled"
 
 log "upgrade"
 echo "# changed by the operator" >>/etc/rnbd/client.toml
@@ -57,6 +61,6 @@ dpkg -r rnbd-server rnbd-client >/dev/null || die "dpkg -r"
 [ -f /etc/rnbd/client.toml ] || die "remove took the conffile (only purge may)"
 dpkg -P rnbd-server rnbd-client >/dev/null || die "dpkg -P"
 left=$(ls /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /lib/systemd/system/rnbd-*.service \
-	/etc/systemd/system/multi-user.target.wants/rnbd-* 2>/dev/null || true)
+	/etc/systemd/system/*.wants/rnbd-* 2>/dev/null || true)
 [ -z "$left" ] || die "left after purge: $left"
 log "packages: lintian clean, installed, verified, upgraded, removed and purged"

@@ -4,6 +4,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/url"
@@ -307,10 +308,11 @@ and wait fails at once naming it. Otherwise wait fails after --timeout
 naming the devices still not open.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			deadline := time.Now().Add(timeout)
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
 			for {
 				var recs []output.Record
-				err := g.Call("GET", "/v1/devices", nil, &recs)
+				err := g.Client().Do(ctx, "GET", "/v1/devices", nil, &recs)
 				var waiting, lost []string
 				for _, r := range recs {
 					name, _ := r["devname"].(string)
@@ -323,7 +325,7 @@ naming the devices still not open.`,
 					}
 				}
 				switch {
-				case err != nil && !errors.Is(err, ctl.ErrNotRunning):
+				case err != nil && ctx.Err() == nil && !errors.Is(err, ctl.ErrNotRunning):
 					return err
 				case err == nil && len(lost) > 0:
 					return ctl.Errorf(ctl.CodeUnavailable, "not restored at start (see the daemon's log; unmap or map them again): %s", strings.Join(lost, ", "))
@@ -331,13 +333,14 @@ naming the devices still not open.`,
 					fmt.Fprintf(cmd.OutOrStdout(), "%d device(s) open\n", len(recs))
 					return nil
 				}
-				if time.Now().After(deadline) {
+				select {
+				case <-ctx.Done():
 					if err != nil {
-						return fmt.Errorf("the daemon did not answer within %v: %w", timeout, err)
+						return ctl.Errorf(ctl.CodeUnavailable, "the daemon did not answer within %v: %v", timeout, err)
 					}
 					return ctl.Errorf(ctl.CodeUnavailable, "not open after %v: %s", timeout, strings.Join(waiting, ", "))
+				case <-time.After(200 * time.Millisecond):
 				}
-				time.Sleep(200 * time.Millisecond)
 			}
 		},
 	}

@@ -70,6 +70,10 @@ type Daemon struct {
 	sessions map[string]*session
 	maps     map[string]*mapped
 	metrics  *metrics.Server // nil without metrics_listen
+	// hints, where udev runs, is where the daemon leaves the stable
+	// names of kernel devices for udev (devlinks.go); "": it makes the
+	// links itself. sysBlock is /sys/block.
+	hints, sysBlock string
 	failed   []Mapping       // saved mappings that did not come back; kept in the state file
 	wg       sync.WaitGroup
 }
@@ -103,7 +107,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},
-		nbd: nbd.NewServer(nbd.Options{Log: opts.Log})}
+		nbd: nbd.NewServer(nbd.Options{Log: opts.Log}), sysBlock: "/sys/block"}
+	if cfg.DevLinksDir != "" && udevRunning() {
+		d.hints = udevHints
+	}
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {
 		return nil, err
@@ -127,6 +134,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			if m.As == "ublk" && parseUblkIndex(m.Kernel) >= 0 {
 				// Unlike nbd's dead_conn_timeout, a quiesced ublk
 				// device holds its IO for ever: fail it now.
+				d.removeDevLink(m) // its device is going
 				d.removeOrphanUblk(parseUblkIndex(m.Kernel), ublkCookie(backendID(m)), l)
 				m.Kernel = ""
 			}
@@ -195,6 +203,13 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 		if x.SessName == spec.SessName && x.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
 			return m, ctl.Errorf(ctl.CodeExists, "%s is already mapped through session %s as %s", spec.DevicePath, spec.SessName, x.Device)
+		}
+	}
+	for _, f := range d.failed {
+		if f.SessName == spec.SessName && f.DevicePath == spec.DevicePath {
+			d.mu.Unlock()
+			return m, ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start: unmap %s, then map it again",
+				spec.DevicePath, spec.SessName, f.Device, f.Device)
 		}
 	}
 	spec.named(d.nextDeviceLocked(), d.cfg.SocketDir)

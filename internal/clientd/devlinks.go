@@ -1,11 +1,14 @@
 package clientd
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 
 	"github.com/rnbd/rnbd/internal/log"
 )
@@ -14,63 +17,135 @@ import (
 //
 // /dev/nbdN and /dev/ublkbN numbers depend on the order of mappings and
 // on what else the machine has. A mapping served as a kernel device
-// also gets DevLinksDir/SESSNAME/DEVICE_PATH (/dev/rnbd/host7/vol1), a
-// symbolic link to it that the daemon keeps: made when the device is
-// attached (a map, a restore after a restart: the link then names the
-// device the mapping has now), removed when it is unmapped, and removed
-// at start for a mapping that did not come back. A '/' in the device
-// path is written '!', as the kernel's rnbd names its sysfs entries.
-// The daemon makes the links itself rather than a udev rule: ublk's
-// devices carry nothing udev could name them by, and the daemon knows
-// every mapping when the device appears.
+// also gets /dev/rnbd/SESSNAME/DEVICE_PATH, a link to it: made when the
+// device is attached (a map, or a restore after a restart: the link then
+// names the device the mapping has now), removed when it is unmapped,
+// and removed at start for a mapping that did not come back. A '/' in
+// the device path is written '!', as the kernel's rnbd names its sysfs
+// entries.
+//
+// Where udev runs, the links are udev's, so that systemd knows them as
+// devices (an fstab line on /dev/rnbd/... waits for its .device unit):
+// the daemon writes the name to udevHints/KERNEL (/run/rnbd/devlinks/nbd0)
+// and asks udev to look at the device again (a "change" uevent); the
+// rule deploy/udev/60-rnbd.rules turns the file into the link, and the
+// link goes when the file does. Without udev (a minimal system, the VM
+// tier) the daemon makes the link in DevLinksDir itself. ublk's devices
+// carry nothing a udev rule could name them by on its own, hence the
+// file rather than a rule on a sysfs attribute.
 
-// devLink is the stable name of mapping m, or "" when there is none (no
-// DevLinksDir, or a device path that cannot be a file name).
-func (d *Daemon) devLink(m Mapping) string {
+// udevHints is where the daemon leaves the names for udev's rule.
+const udevHints = "/run/rnbd/devlinks"
+
+// udevRunning reports whether a udev daemon manages /dev.
+var udevRunning = func() bool {
+	_, err := os.Stat("/run/udev/control")
+	return err == nil
+}
+
+var tmpSeq atomic.Uint64
+
+// linkName is m's name below the links' directory, SESSNAME/DEVICE_PATH,
+// or "" when there is none (no DevLinksDir, or a device path that cannot
+// be a file name).
+func (d *Daemon) linkName(m Mapping) string {
 	if d.cfg.DevLinksDir == "" {
 		return ""
 	}
 	name := strings.ReplaceAll(m.DevicePath, "/", "!")
-	if name == "" || name == "." || name == ".." || strings.ContainsRune(name, 0) || m.SessName == "" {
+	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "\x00\n") || m.SessName == "" {
 		return ""
 	}
-	return filepath.Join(d.cfg.DevLinksDir, m.SessName, name)
+	return m.SessName + "/" + name
 }
 
-// makeDevLink points m's stable name at target (replacing what it named
-// before, in one rename). Best effort: the mapping works without it.
+// devLink is the link the daemon makes itself for m, or "".
+func (d *Daemon) devLink(m Mapping) string {
+	n := d.linkName(m)
+	if n == "" {
+		return ""
+	}
+	return filepath.Join(d.cfg.DevLinksDir, n)
+}
+
+// makeDevLink gives m's kernel device, target, its stable name.
+// Best effort: the mapping works without it.
 func (d *Daemon) makeDevLink(m Mapping, target string) {
-	link := d.devLink(m)
-	if link == "" {
+	name := d.linkName(m)
+	if name == "" {
 		return
 	}
-	l := d.log.WithFields(log.Fields{"device": m.Device, "link": link, "kernel_device": target})
-	if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+	l := d.log.WithFields(log.Fields{"device": m.Device, "name": name, "kernel_device": target})
+	var err error
+	if d.hints != "" {
+		err = d.hint(filepath.Base(target), name)
+	} else {
+		err = d.link(filepath.Join(d.cfg.DevLinksDir, name), target)
+	}
+	if err != nil {
 		l.WithError(err).Warn("no stable name for the device")
-		return
 	}
-	tmp := link + ".new"
-	os.Remove(tmp)
-	if err := os.Symlink(target, tmp); err != nil {
-		l.WithError(err).Warn("no stable name for the device")
-		return
-	}
-	if err := os.Rename(tmp, link); err != nil {
-		os.Remove(tmp)
-		l.WithError(err).Warn("no stable name for the device")
-		return
-	}
-	l.Debug("stable name")
 }
 
-// removeDevLink removes m's stable name, if it is a link, and its
-// session's directory once empty.
+// link points path at target, replacing what it named in one rename. The
+// temporary name is in the links' directory itself, where no session's
+// directory can be called ".tmp-…" (session names have no '.').
+func (d *Daemon) link(path, target string) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(d.cfg.DevLinksDir, fmt.Sprintf(".tmp-%d-%d", os.Getpid(), tmpSeq.Add(1)))
+	if err := os.Symlink(target, tmp); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// hint writes udev's name for kernel device kname and has udev look at
+// the device again; name "" withdraws it.
+func (d *Daemon) hint(kname, name string) error {
+	file := filepath.Join(d.hints, kname)
+	if name == "" {
+		if err := os.Remove(file); err != nil {
+			return err
+		}
+	} else {
+		if err := os.MkdirAll(d.hints, 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(file+".new", []byte(name+"\n"), 0o644); err != nil {
+			return err
+		}
+		if err := os.Rename(file+".new", file); err != nil {
+			return err
+		}
+	}
+	return os.WriteFile(filepath.Join(d.sysBlock, kname, "uevent"), []byte("change"), 0)
+}
+
+// removeDevLink removes m's stable name if it still names m's own
+// device (m.Kernel): another mapping may have the name now.
 func (d *Daemon) removeDevLink(m Mapping) {
-	link := d.devLink(m)
-	if link == "" {
+	name := d.linkName(m)
+	if name == "" || m.Kernel == "" {
 		return
 	}
-	if fi, err := os.Lstat(link); err != nil || fi.Mode()&fs.ModeSymlink == 0 {
+	if d.hints != "" {
+		kname := filepath.Base(m.Kernel)
+		if b, err := os.ReadFile(filepath.Join(d.hints, kname)); err != nil || !bytes.Equal(bytes.TrimSpace(b), []byte(name)) {
+			return
+		}
+		if err := d.hint(kname, ""); err != nil {
+			d.log.WithError(err).WithField("name", name).Warn("could not remove the device's stable name")
+		}
+		return
+	}
+	link := filepath.Join(d.cfg.DevLinksDir, name)
+	if got, err := os.Readlink(link); err != nil || got != m.Kernel {
 		return
 	}
 	if err := os.Remove(link); err != nil && !errors.Is(err, fs.ErrNotExist) {

@@ -8,9 +8,10 @@ import (
 	"github.com/rnbd/rnbd/internal/log"
 )
 
-// TestDevLinks: a mapping's stable name is DIR/SESSNAME/DEVICE_PATH
-// ('/' as '!'), points at the device it has now, and goes with the
-// mapping, its session's directory too once empty; names that cannot be
+// TestDevLinks: without udev, a mapping's stable name is a link
+// DIR/SESSNAME/DEVICE_PATH ('/' as '!') to the device it has now; it
+// goes with the mapping, its session's directory too once empty, but
+// not while it names another mapping's device; names that cannot be
 // files get none, and a file that is not a link is left alone.
 func TestDevLinks(t *testing.T) {
 	dir := t.TempDir()
@@ -23,9 +24,18 @@ func TestDevLinks(t *testing.T) {
 			t.Fatalf("%s -> %q %v, want %s", link, got, err, target)
 		}
 	}
+	m.Kernel = "/dev/nbd3" // a mapping whose device the name no longer names
+	d.removeDevLink(m)
+	if _, err := os.Lstat(link); err != nil {
+		t.Fatalf("the link of another device was removed: %v", err)
+	}
+	m.Kernel = "/dev/nbd5"
 	d.removeDevLink(m)
 	if _, err := os.Lstat(filepath.Join(dir, "host7")); !os.IsNotExist(err) {
 		t.Fatalf("session directory after the last link went: %v", err)
+	}
+	if left, _ := os.ReadDir(dir); len(left) != 0 {
+		t.Fatalf("left in the links' directory: %v", left)
 	}
 	for _, p := range []string{"", ".", ".."} {
 		if l := d.devLink(Mapping{SessName: "s", DevicePath: p}); l != "" {
@@ -36,11 +46,42 @@ func TestDevLinks(t *testing.T) {
 	os.MkdirAll(filepath.Join(dir, "s"), 0o755)
 	plain := filepath.Join(dir, "s", "f")
 	os.WriteFile(plain, nil, 0o644)
-	d.removeDevLink(Mapping{SessName: "s", DevicePath: "f"})
+	d.removeDevLink(Mapping{SessName: "s", DevicePath: "f", Kernel: "/dev/nbd1"})
 	if _, err := os.Stat(plain); err != nil {
 		t.Fatalf("a plain file was removed: %v", err)
 	}
 	if (&Daemon{cfg: Config{}}).devLink(m) != "" {
 		t.Error("a link without dev_links_dir")
+	}
+}
+
+// TestDevLinksUdev: where udev runs, the daemon leaves the name in a file
+// named after the kernel device, for the udev rule, and asks udev to
+// look at the device again (a change uevent); the file goes with the
+// mapping, not while it names another mapping.
+func TestDevLinksUdev(t *testing.T) {
+	hints, sys := t.TempDir(), t.TempDir()
+	os.MkdirAll(filepath.Join(sys, "ublkb2"), 0o755)
+	uevent := filepath.Join(sys, "ublkb2", "uevent")
+	d := &Daemon{cfg: Config{DevLinksDir: "/dev/rnbd"}, log: log.Discard(), hints: hints, sysBlock: sys}
+	m := Mapping{SessName: "ub", DevicePath: "disk2", Device: "rnbd1", Kernel: "/dev/ublkb2"}
+	d.makeDevLink(m, m.Kernel)
+	if b, err := os.ReadFile(filepath.Join(hints, "ublkb2")); err != nil || string(b) != "ub/disk2\n" {
+		t.Fatalf("hint %q %v", b, err)
+	}
+	if b, _ := os.ReadFile(uevent); string(b) != "change" {
+		t.Fatalf("uevent %q, want change", b)
+	}
+	os.Remove(uevent)
+	d.removeDevLink(Mapping{SessName: "other", DevicePath: "disk2", Kernel: "/dev/ublkb2"})
+	if _, err := os.Stat(filepath.Join(hints, "ublkb2")); err != nil {
+		t.Fatalf("another mapping's name was withdrawn: %v", err)
+	}
+	d.removeDevLink(m)
+	if _, err := os.Stat(filepath.Join(hints, "ublkb2")); !os.IsNotExist(err) {
+		t.Fatalf("hint after unmap: %v", err)
+	}
+	if b, _ := os.ReadFile(uevent); string(b) != "change" {
+		t.Fatalf("uevent after unmap %q, want change", b)
 	}
 }

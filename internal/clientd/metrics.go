@@ -75,8 +75,13 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 		sess := rs.Name()
 		up := 0
 		paths := rs.Paths()
+		seen := map[string]bool{}
 		for _, p := range paths {
 			name := p.Name()
+			if seen[name] {
+				continue // two paths of the same addresses: one series
+			}
+			seen[name] = true
 			st := p.Stats()
 			cn := st.Counters()
 			counter(x.pathReqs, float64(cn.ReadCount), sess, name, "read")
@@ -98,7 +103,7 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 			for _, dir := range []rtrs.Dir{rtrs.Read, rtrs.Write} {
 				counts, sum := st.Latency(dir)
 				buckets, n := metrics.Log2Buckets(counts)
-				ch <- prometheus.MustNewConstHistogram(x.pathLat, n, sum.Seconds(), buckets, sess, name, dir.String())
+				e.Histogram(x.pathLat, n, sum.Seconds(), buckets, sess, name, dir.String())
 			}
 		}
 		gauge(x.sessPaths, float64(len(paths)), sess)

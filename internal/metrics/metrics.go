@@ -11,6 +11,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -70,20 +71,44 @@ type httpLog struct{ lg *log.Entry }
 
 func (l httpLog) Println(v ...any) { l.lg.Warn(fmt.Sprint(v...)) }
 
-// Emit sends metrics of one kind (prometheus.CounterValue or
-// GaugeValue) to a collector's channel: the collectors' shorthand.
+// Emit sends a collector's metrics to its channel. Label values come
+// from peers and operators (session names, paths): invalid UTF-8 is
+// replaced, and a metric that cannot be made is left out rather than
+// failing the scrape.
 type Emit struct {
 	Ch chan<- prometheus.Metric
 }
 
+// Label makes s a valid label value.
+func Label(s string) string { return strings.ToValidUTF8(s, "\uFFFD") }
+
+func (e Emit) send(d *prometheus.Desc, t prometheus.ValueType, v float64, labels []string) {
+	for i, l := range labels {
+		labels[i] = Label(l)
+	}
+	if m, err := prometheus.NewConstMetric(d, t, v, labels...); err == nil {
+		e.Ch <- m
+	}
+}
+
 // Counter sends a counter's value with its labels.
 func (e Emit) Counter(d *prometheus.Desc, v float64, labels ...string) {
-	e.Ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+	e.send(d, prometheus.CounterValue, v, labels)
 }
 
 // Gauge sends a gauge's value with its labels.
 func (e Emit) Gauge(d *prometheus.Desc, v float64, labels ...string) {
-	e.Ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	e.send(d, prometheus.GaugeValue, v, labels)
+}
+
+// Histogram sends a histogram with its labels.
+func (e Emit) Histogram(d *prometheus.Desc, n uint64, sum float64, buckets map[float64]uint64, labels ...string) {
+	for i, l := range labels {
+		labels[i] = Label(l)
+	}
+	if m, err := prometheus.NewConstHistogram(d, n, sum, buckets, labels...); err == nil {
+		e.Ch <- m
+	}
 }
 
 // Log2Buckets turns stats/rdma_lat's buckets (counts[i], i < len-1:

@@ -48,3 +48,26 @@ func TestListen(t *testing.T) {
 		t.Fatalf("POST /metrics: %s", resp.Status)
 	}
 }
+
+// TestEmit: label values a peer chose are made valid UTF-8, and a
+// metric that cannot be made (wrong label count) is left out, not a
+// panic that would cut the scrape short.
+func TestEmit(t *testing.T) {
+	d := prometheus.NewDesc("rnbd_test_total", "A test counter.", []string{"session"}, nil)
+	ch := make(chan prometheus.Metric, 4)
+	e := Emit{Ch: ch}
+	e.Counter(d, 1, "bad\xffname")
+	e.Counter(d, 2, "a", "b")
+	e.Gauge(d, 3)
+	close(ch)
+	var got []prometheus.Metric
+	for m := range ch {
+		got = append(got, m)
+	}
+	if len(got) != 1 {
+		t.Fatalf("%d metrics, want the one with a valid label count", len(got))
+	}
+	if Label("bad\xffname") != "bad\uFFFDname" {
+		t.Fatalf("label %q", Label("bad\xffname"))
+	}
+}

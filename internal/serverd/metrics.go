@@ -70,6 +70,9 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge(x.sessions, float64(len(sessions)))
 	for _, s := range sessions {
 		sess := s.Name()
+		if sess == "" {
+			continue // still connecting: named by its INFO_REQ
+		}
 		paths := s.Paths()
 		gauge(x.sessPaths, float64(len(paths)), sess)
 		for _, p := range paths {
