@@ -89,10 +89,7 @@ func nbdResize(nl *nbdnl.Conn, index uint32, backend string, bytes int64) error 
 func (f *nbdFE) path() string { return fmt.Sprintf("/dev/nbd%d", f.index) }
 
 func (f *nbdFE) busy() string {
-	if inUse(f.path()) {
-		return "(" + f.path() + ") is in use (mounted?); unmount it"
-	}
-	return ""
+	return inUse(f.path())
 }
 
 // remove disconnects the kernel device, then withdraws the export.
@@ -228,16 +225,22 @@ func (d *Daemon) setQueueLimits(k *nbdFE) {
 	}
 }
 
-// inUse reports whether someone holds the block device at path
-// exclusively (a mounted filesystem, LVM, md): an exclusive open then
-// fails with EBUSY.
-func inUse(path string) bool {
+// inUse says why the block device at path must not be taken away, or
+// "": someone holds it exclusively (a mounted filesystem, LVM, md: an
+// exclusive open then fails with EBUSY), or it cannot be checked.
+func inUse(path string) string {
 	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_EXCL|syscall.O_CLOEXEC, 0)
-	if err != nil {
-		return errors.Is(err, syscall.EBUSY)
+	switch {
+	case err == nil:
+		syscall.Close(fd)
+		return ""
+	case errors.Is(err, syscall.EBUSY):
+		return "(" + path + ") is in use (mounted?); unmount it"
+	case errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ENXIO):
+		return "" // the kernel device is gone already
 	}
-	syscall.Close(fd)
-	return false
+	// EPERM, EACCES (a device allow list without it): unknown is not free.
+	return fmt.Sprintf("(%s) cannot be checked for users (%v); unmap --force if nothing uses it", path, err)
 }
 
 // parseKernelIndex reads N of /dev/nbdN (-1 if there is none).

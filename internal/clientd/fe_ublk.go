@@ -159,10 +159,7 @@ func (f *ublkFE) resized(bytes int64) error { return ublk.UpdateSize(f.u.ID(), b
 func (f *ublkFE) path() string              { return f.u.Path() }
 
 func (f *ublkFE) busy() string {
-	if inUse(f.path()) {
-		return "(" + f.path() + ") is in use (mounted?); unmount it"
-	}
-	return ""
+	return inUse(f.path())
 }
 
 // remove stops and deletes the device; its queues' buffers go with it.
