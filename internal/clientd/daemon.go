@@ -74,8 +74,8 @@ type Daemon struct {
 	// names of kernel devices for udev (devlinks.go); "": it makes the
 	// links itself. sysBlock is /sys/block.
 	hints, sysBlock string
-	failed   []Mapping       // saved mappings that did not come back; kept in the state file
-	wg       sync.WaitGroup
+	failed          []Mapping // saved mappings that did not come back; kept in the state file
+	wg              sync.WaitGroup
 }
 
 // StateNotRestored is the state `device list` gives a mapping of the
