@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"fmt"
 	"os"
 	"os/exec"
@@ -132,7 +131,7 @@ func veth(t *testing.T, nsA, ifA, addrA, nsB, ifB, addrB string) {
 // proc is a background process the test started.
 type proc struct {
 	cmd  *exec.Cmd
-	out  bytes.Buffer
+	out  lockedBuffer
 	done chan error
 }
 

@@ -45,6 +45,7 @@ type twoPaths struct {
 	net          int
 	srv          *proc
 	srvArgs      []string // how srv was started (newNBDTwoPaths)
+	cli          *proc    // the client daemon (newNBDTwoPaths)
 }
 
 // newNamespaces makes the client and server namespaces of a twoPaths rig
@@ -293,7 +294,7 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 		"--control-socket", ssock, "--state-file", filepath.Join(dir, "s.json")}
 	r.srvArgs = append(r.srvArgs, tlsFlags("srv")...)
 	r.srv = start(t, r.srvArgs...)
-	start(t, append([]string{"ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
+	r.cli = start(t, append([]string{"ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "daemon", "--config", "/dev/null",
 		"--control-socket", csock, "--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir,
 		"--metrics-listen", nsMetrics}, tlsFlags("e2e-client")...)...)
 	for _, s := range []string{ssock, csock} {
@@ -334,7 +335,8 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}
 	if j.Write.Clat.Max > 2e9 {
-		t.Errorf("a write waited %.2f s across the silent loss, want at most 2 s", j.Write.Clat.Max/1e9)
+		t.Errorf("a write waited %.2f s across the silent loss, want at most 2 s; the client said:\n%s",
+			j.Write.Clat.Max/1e9, r.cli.out.String())
 	}
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
 	// The client's metrics say the same: requests failed over, and
