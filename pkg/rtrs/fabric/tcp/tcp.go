@@ -627,10 +627,20 @@ type tcpNetwork struct {
 	userTimeout time.Duration
 }
 
+// tcpRTOMaxMS is TCP_RTO_MAX_MS (Linux 6.11): the socket's largest
+// retransmission timeout, 1000 ms at least.
+const tcpRTOMaxMS = 44
+
 func (n tcpNetwork) control(network, address string, c syscall.RawConn) error {
 	var serr error
 	err := c.Control(func(fd uintptr) {
 		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(n.userTimeout/time.Millisecond))
+		// TCP_USER_TIMEOUT is checked when a retransmission is due, and
+		// the first one is due after the retransmission timeout, which
+		// one slow round trip (a busy moment) can raise past a second:
+		// then a silent loss took two user timeouts, not one. Bounding
+		// the timeout keeps it to about one. Older kernels do without.
+		unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, tcpRTOMaxMS, int(max(n.userTimeout, time.Second)/time.Millisecond))
 	})
 	if err != nil {
 		return err
