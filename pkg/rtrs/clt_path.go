@@ -139,8 +139,14 @@ func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
 		p.lg().Error("heartbeat: peer silent for too long")
 		p.errorRecovery(nil)
 	})
+	p.hb.probeEvery = min(probePeriod, s.cfg.HBInterval)
+	p.hb.busy = func() bool { return p.stats.inflight.Load() > 0 }
 	return p
 }
+
+// probePeriod is how often a path with requests waiting looks for
+// silence from its server, and probes it with a heartbeat (heartbeat.go).
+const probePeriod = 200 * time.Millisecond
 
 // State returns the path's state.
 func (p *CltPath) State() PathState { return PathState(p.state.Load()) }

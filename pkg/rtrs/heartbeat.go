@@ -29,6 +29,23 @@ type heartbeat struct {
 
 	send  func() error // post a HB_MSG
 	onErr func()       // the peer is gone or the send failed
+
+	// probeEvery and busy (the client's paths) make the heartbeat a
+	// probe as well: every probeEvery, if requests wait on the path
+	// (busy) and nothing came from the peer since the last look, a
+	// HB_MSG goes out at once. A request can be lost with nothing of
+	// ours unacknowledged on the wire — the peer's kernel took it, and
+	// the answer died with the path —, and then TCP_USER_TIMEOUT (or
+	// the RDMA QP's retries) has nothing to time out until the next
+	// regular heartbeat, up to an interval later. The probe is
+	// something to time out: a silent loss costs about the user
+	// timeout plus one or two probe periods. A live peer answers it,
+	// and traffic from the peer keeps it from being sent at all.
+	probeEvery time.Duration
+	busy       func() bool
+	probeTimer *time.Timer
+	recvSeq    atomic.Uint64 // counts what came from the peer
+	probeSeen  uint64        // recvSeq at the last probe tick; under mu
 }
 
 func (h *heartbeat) init(interval time.Duration, missedMax int, send func() error, onErr func()) {
@@ -49,6 +66,14 @@ func (h *heartbeat) start() {
 	} else {
 		h.timer.Reset(h.interval)
 	}
+	if h.probeEvery > 0 {
+		h.probeSeen = h.recvSeq.Load()
+		if h.probeTimer == nil {
+			h.probeTimer = time.AfterFunc(h.probeEvery, h.probeTick)
+		} else {
+			h.probeTimer.Reset(h.probeEvery)
+		}
+	}
 }
 
 // stop halts ticking and waits for a running tick.
@@ -59,7 +84,31 @@ func (h *heartbeat) stop() {
 	if h.timer != nil {
 		h.timer.Stop()
 	}
+	if h.probeTimer != nil {
+		h.probeTimer.Stop()
+	}
 	h.missed.Store(0)
+}
+
+// probeTick sends a HB_MSG now if requests wait and the peer has been
+// silent for a probe period (see probeEvery).
+func (h *heartbeat) probeTick() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.running {
+		return
+	}
+	seq := h.recvSeq.Load()
+	if seq == h.probeSeen && h.busy() {
+		h.lastSent.Store(int64(time.Since(h.epoch)))
+		if err := h.send(); err != nil {
+			h.running = false
+			h.onErr()
+			return
+		}
+	}
+	h.probeSeen = seq
+	h.probeTimer.Reset(h.probeEvery)
 }
 
 func (h *heartbeat) tick() {
@@ -87,11 +136,15 @@ func (h *heartbeat) tick() {
 }
 
 // alive notes traffic from the peer.
-func (h *heartbeat) alive() { h.missed.Store(0) }
+func (h *heartbeat) alive() {
+	h.missed.Store(0)
+	h.recvSeq.Add(1)
+}
 
 // ack notes a HB_ACK: traffic, and a latency sample.
 func (h *heartbeat) ack() {
 	h.missed.Store(0)
+	h.recvSeq.Add(1)
 	h.curLatency.Store(int64(time.Since(h.epoch)) - h.lastSent.Load())
 }
 

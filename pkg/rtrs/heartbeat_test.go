@@ -142,3 +142,46 @@ func TestHeartbeatLatency(t *testing.T) {
 		t.Fatalf("cur_latency %v on loopback", l)
 	}
 }
+
+// TestHeartbeatProbe: with requests waiting and nothing from the peer for
+// a probe period, a heartbeat goes out at once, long before the regular
+// one; traffic from the peer, or no request waiting, sends none.
+func TestHeartbeatProbe(t *testing.T) {
+	var sent atomic.Int32
+	var busy atomic.Bool
+	h := &heartbeat{}
+	h.init(time.Hour, 3, func() error { sent.Add(1); return nil }, func() { t.Error("onErr") })
+	h.probeEvery = 100 * time.Millisecond
+	h.busy = busy.Load
+	h.start()
+	defer h.stop()
+	time.Sleep(300 * time.Millisecond)
+	if n := sent.Load(); n != 0 {
+		t.Fatalf("%d probes with nothing waiting", n)
+	}
+	busy.Store(true)
+	stopTraffic := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-stopTraffic:
+				return
+			default:
+				h.alive()
+				time.Sleep(time.Millisecond)
+			}
+		}
+	}()
+	time.Sleep(300 * time.Millisecond)
+	close(stopTraffic)
+	if n := sent.Load(); n != 0 {
+		t.Fatalf("%d probes while the peer talks", n)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for sent.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no probe with a request waiting and a silent peer")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
