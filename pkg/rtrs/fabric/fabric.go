@@ -388,3 +388,16 @@ type WC struct {
 	Imm     uint32
 	InvRKey uint32
 }
+
+// PeerGroup is the unit in which peers are counted against per-peer
+// limits: an IPv4 address, or the /64 an IPv6 address belongs to — what
+// one host is given, and can pick any address of (privacy addresses, a
+// delegated prefix), so that one host cannot pass for many.
+func PeerGroup(a netip.Addr) netip.Prefix {
+	a = a.Unmap()
+	if a.Is6() {
+		p, _ := a.Prefix(64)
+		return p
+	}
+	return netip.PrefixFrom(a, a.BitLen())
+}

@@ -70,11 +70,14 @@ type Options struct {
 	// Backlog is how many handshaken requests may wait for Accept (64).
 	Backlog int
 	// MaxHandshakes bounds the handshakes in progress at once (256):
-	// more connections are closed at once, so a flood costs sockets,
-	// not goroutines.
+	// past it a connection from a peer with fewer in progress than the
+	// peer with the most takes the oldest of that one's slots, and
+	// others are closed at once, so a flood costs sockets, not
+	// goroutines, and cannot keep a peer with few out.
 	MaxHandshakes int
-	// MaxHandshakesPerAddr bounds those of one peer address (32), so
-	// that idle connections from one host cannot take every slot.
+	// MaxHandshakesPerAddr bounds those of one peer address (an IPv6
+	// peer's /64) (32), so that idle connections from one host cannot
+	// take every slot.
 	MaxHandshakesPerAddr int
 	// TLS, if set, runs every connection in TLS 1.3 with certificates
 	// on both ends, in both roles: dialing, it verifies the server
@@ -341,11 +344,10 @@ func (f *Fabric) Listen(addr netip.AddrPort) (fabric.Listener, error) {
 		return nil, err
 	}
 	l := &listener{
-		fab:   f,
-		nl:    nl,
-		reqs:  make(chan *connReq, f.opts.Backlog),
-		done:  make(chan struct{}),
-		slots: make(chan struct{}, f.opts.MaxHandshakes),
+		fab:  f,
+		nl:   nl,
+		reqs: make(chan *connReq, f.opts.Backlog),
+		done: make(chan struct{}),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
@@ -357,10 +359,10 @@ type listener struct {
 	nl        net.Listener
 	reqs      chan *connReq
 	done      chan struct{}
-	slots     chan struct{}         // one per handshake in progress
-	perAddrMu sync.Mutex            // guards perAddr and shaking
-	perAddr   map[netip.Addr]int    // handshakes in progress per peer address
-	shaking   map[net.Conn]struct{} // their connections, closed by Close
+	perAddrMu sync.Mutex                // guards perAddr, shaking and shakeSeq
+	perAddr   map[netip.Prefix]int      // handshakes in progress per peer (fabric.PeerGroup)
+	shaking   map[net.Conn]shakingState // their connections, closed by Close
+	shakeSeq  uint64
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
@@ -387,16 +389,9 @@ func (l *listener) acceptLoop() {
 			time.Sleep(10 * time.Millisecond) // EMFILE and friends: do not spin
 			continue
 		}
-		select {
-		case l.slots <- struct{}{}:
-		default:
-			nc.Close() // too many handshakes in progress
-			continue
-		}
-		peer := addrPortOf(nc.RemoteAddr()).Addr()
+		peer := fabric.PeerGroup(addrPortOf(nc.RemoteAddr()).Addr())
 		if !l.takePeerSlot(peer, nc) {
-			<-l.slots
-			nc.Close() // too many from this address
+			nc.Close() // too many from this peer, or in all
 			continue
 		}
 		l.wg.Add(1)
@@ -406,12 +401,9 @@ func (l *listener) acceptLoop() {
 
 // handshake reads a REQ within the handshake timeout and queues it for
 // Accept. A peer that sends garbage or nothing only costs its own socket.
-func (l *listener) handshake(raw net.Conn, peer netip.Addr) {
+func (l *listener) handshake(raw net.Conn, peer netip.Prefix) {
 	defer l.wg.Done()
-	defer func() {
-		l.putPeerSlot(peer, raw) // the connection takePeerSlot counted
-		<-l.slots
-	}()
+	defer l.putPeerSlot(peer, raw) // the connection takePeerSlot counted
 	nc := raw
 	nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
 	// The first byte tells a TLS record (a handshake: 22) from the
@@ -464,14 +456,26 @@ func (l *listener) handshake(raw net.Conn, peer netip.Addr) {
 	}
 }
 
-// takePeerSlot counts nc's handshake, unless its peer has
-// MaxHandshakesPerAddr in progress or the listener is closed.
-func (l *listener) takePeerSlot(peer netip.Addr, nc net.Conn) bool {
+// shakingState is a handshake in progress: its peer, and its place in
+// the order they started in.
+type shakingState struct {
+	peer netip.Prefix
+	seq  uint64
+}
+
+// takePeerSlot counts nc's handshake, unless its peer (a
+// fabric.PeerGroup) has MaxHandshakesPerAddr in progress or the listener
+// is closed. When MaxHandshakes are in progress in all, the peer with the
+// most gives up its oldest to a peer with fewer (its connection is
+// closed): a peer's fair share is kept however many others flood the
+// listener, so idle connections from a few hosts cannot keep a
+// legitimate client's paths out.
+func (l *listener) takePeerSlot(peer netip.Prefix, nc net.Conn) bool {
 	l.perAddrMu.Lock()
 	defer l.perAddrMu.Unlock()
 	if l.shaking == nil {
-		l.shaking = make(map[net.Conn]struct{})
-		l.perAddr = make(map[netip.Addr]int)
+		l.shaking = make(map[net.Conn]shakingState)
+		l.perAddr = make(map[netip.Prefix]int)
 	}
 	select {
 	case <-l.done:
@@ -479,26 +483,64 @@ func (l *listener) takePeerSlot(peer netip.Addr, nc net.Conn) bool {
 	default:
 	}
 	// A stream without addresses counts as one peer without a bound.
+	if peer.IsValid() && l.perAddr[peer] >= l.fab.opts.MaxHandshakesPerAddr {
+		return false
+	}
+	if len(l.shaking) >= l.fab.opts.MaxHandshakes && !l.evictLocked(peer) {
+		return false
+	}
 	if peer.IsValid() {
-		if l.perAddr[peer] >= l.fab.opts.MaxHandshakesPerAddr {
-			return false
-		}
 		l.perAddr[peer]++
 	}
-	l.shaking[nc] = struct{}{}
+	l.shakeSeq++
+	l.shaking[nc] = shakingState{peer: peer, seq: l.shakeSeq}
 	return true
 }
 
-func (l *listener) putPeerSlot(peer netip.Addr, nc net.Conn) {
-	l.perAddrMu.Lock()
-	defer l.perAddrMu.Unlock()
-	delete(l.shaking, nc)
-	if !peer.IsValid() {
+// evictLocked closes the oldest handshake of the peer with the most in
+// progress, if that is more than peer's next one would make; it reports
+// whether it made room.
+func (l *listener) evictLocked(peer netip.Prefix) bool {
+	var most netip.Prefix
+	for p, n := range l.perAddr {
+		if n > l.perAddr[most] {
+			most = p
+		}
+	}
+	if !most.IsValid() || l.perAddr[most] <= l.perAddr[peer]+1 {
+		return false
+	}
+	var victim net.Conn
+	var oldest uint64
+	for c, st := range l.shaking {
+		if st.peer == most && (victim == nil || st.seq < oldest) {
+			victim, oldest = c, st.seq
+		}
+	}
+	l.dropLocked(victim)
+	victim.Close() // its handshake fails now; its slot is free already
+	return true
+}
+
+// dropLocked uncounts nc's handshake, once.
+func (l *listener) dropLocked(nc net.Conn) {
+	st, ok := l.shaking[nc]
+	if !ok {
 		return
 	}
-	if l.perAddr[peer]--; l.perAddr[peer] <= 0 {
-		delete(l.perAddr, peer)
+	delete(l.shaking, nc)
+	if !st.peer.IsValid() {
+		return
 	}
+	if l.perAddr[st.peer]--; l.perAddr[st.peer] <= 0 {
+		delete(l.perAddr, st.peer)
+	}
+}
+
+func (l *listener) putPeerSlot(peer netip.Prefix, nc net.Conn) {
+	l.perAddrMu.Lock()
+	defer l.perAddrMu.Unlock()
+	l.dropLocked(nc)
 }
 
 func (l *listener) Accept(ctx context.Context) (fabric.ConnRequest, error) {

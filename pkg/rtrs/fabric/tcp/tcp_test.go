@@ -314,8 +314,9 @@ func TestMoreHeldUntilFlush(t *testing.T) {
 }
 
 // Idle connections from one address take at most MaxHandshakesPerAddr
-// handshake slots: the next one from there is closed at once, while a
-// peer at another address completes its handshake.
+// handshake slots: the next one from there is closed at once. When two
+// such floods take every slot (MaxHandshakes), a peer at a third address
+// still completes its handshake: it takes the oldest slot of a flood.
 func TestHandshakeSlotsPerAddress(t *testing.T) {
 	fab := New(Options{HandshakeTimeout: 30 * time.Second, MaxHandshakesPerAddr: 4, MaxHandshakes: 8})
 	l, err := fab.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
@@ -333,21 +334,28 @@ func TestHandshakeSlotsPerAddress(t *testing.T) {
 		t.Cleanup(func() { c.Close() })
 		return c
 	}
-	for i := 0; i < 4; i++ {
-		from("127.0.0.3")
-	}
-	waitFor(t, "the idle handshakes to be counted", func() bool {
+	counted := func(ip string) int {
 		ll := l.(*listener)
 		ll.perAddrMu.Lock()
 		defer ll.perAddrMu.Unlock()
-		return ll.perAddr[netip.MustParseAddr("127.0.0.3")] == 4
-	})
+		return ll.perAddr[netip.MustParsePrefix(ip+"/32")]
+	}
+	var flood []net.Conn
+	for i := 0; i < 4; i++ {
+		flood = append(flood, from("127.0.0.3"))
+	}
+	waitFor(t, "the idle handshakes to be counted", func() bool { return counted("127.0.0.3") == 4 })
 	c := from("127.0.0.3")
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
 		t.Fatalf("a fifth idle connection from one address: read %v, want EOF (closed)", err)
 	}
-	// Another address still gets through.
+	for i := 0; i < 4; i++ {
+		from("127.0.0.5")
+	}
+	waitFor(t, "the second flood to be counted", func() bool { return counted("127.0.0.5") == 4 })
+	// Another address still gets through: every slot is taken, and the
+	// oldest of a flood's gives way.
 	dev, err := fab.Resolve(context.Background(), netip.MustParseAddrPort("127.0.0.4:0"), l.Addr())
 	if err != nil {
 		t.Fatal(err)
@@ -370,6 +378,15 @@ func TestHandshakeSlotsPerAddress(t *testing.T) {
 	}
 	r.Reject(nil)
 	<-dialed
+	if n := counted("127.0.0.3") + counted("127.0.0.5"); n != 7 {
+		t.Fatalf("the floods hold %d slots after the third address came, want 7", n)
+	}
+	if counted("127.0.0.3") == 3 {
+		flood[0].SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := flood[0].Read(make([]byte, 1)); err != io.EOF {
+			t.Fatalf("the oldest idle connection of the flood that gave way: read %v, want EOF (closed)", err)
+		}
+	}
 }
 
 // waitFor polls cond until it holds, for up to 10 s.
