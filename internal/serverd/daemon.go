@@ -129,6 +129,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	rcfg.InvalidateByRegistration = cfg.InvalidateBy == "registration"
 	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
 	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
+	rcfg.MaxChunkMemoryPerClient = cfg.ChunkMemoryPerClient()
 	rcfg.MaxSessionsPerClient = cfg.MaxSessionsPerClient
 	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {
 		d.ctl.Close()

@@ -494,7 +494,7 @@ func TestHostileHalfOpenPaths(t *testing.T) {
 	waitFor(t, 10*time.Second, "a slot to come back", func() bool {
 		h.srv.connectingMu.Lock()
 		defer h.srv.connectingMu.Unlock()
-		return h.srv.connecting[h.src.Addr()] < DefaultMaxConnectingPerAddr
+		return h.srv.connecting[fabric.PeerGroup(h.src.Addr())] < DefaultMaxConnectingPerAddr
 	})
 	half[0] = newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	for _, p := range half {
@@ -568,6 +568,41 @@ func TestHostileSessionsPerClient(t *testing.T) {
 	newRawPathConns(t, h.fab, other, h.dst, 2, 1) // another address has its own
 	first.close()
 	waitFor(t, 10*time.Second, "the closed session to go", func() bool { return len(h.srv.Sessions()) == 3 })
+	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	h.stillServesWith(4)
+}
+
+// One client's paths may hold MaxChunkMemoryPerClient of the budget
+// together: past it a path of that client is refused with ENOMEM while
+// another address gets a path from what is left, and the share comes
+// back when a path goes.
+func TestHostileClientMemoryShare(t *testing.T) {
+	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
+	dst := loopbackListener(t)
+	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	small := pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, 2) // a raw path of two connections
+	scfg.MaxChunkMemory = 16 * small
+	scfg.MaxChunkMemoryPerClient = 2 * small
+	h := &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
+		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	first := newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
+	dev, _ := h.fab.Resolve(context.Background(), h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, 2)
+	if _, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize))); rejectErrno(err) != syscall.ENOMEM {
+		t.Fatalf("a third path of one client past its share: %v, want a reject with ENOMEM", err)
+	}
+	if used, _ := h.srv.ChunkMemory(); used >= scfg.MaxChunkMemory-small {
+		t.Fatalf("%d bytes of %d used: the refusal was the budget's, not the share's", used, scfg.MaxChunkMemory)
+	}
+	newRawPathConns(t, h.fab, netip.MustParseAddrPort("127.0.0.4:0"), h.dst, 2, 1) // another client has its own share
+	first.close()
+	waitFor(t, 10*time.Second, "the closed path's share to come back", func() bool {
+		h.srv.memMu.Lock()
+		defer h.srv.memMu.Unlock()
+		return h.srv.clientMem["address:127.0.0.3"] == small
+	})
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	h.stillServesWith(4)
 }

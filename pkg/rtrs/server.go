@@ -89,8 +89,15 @@ type ServerConfig struct {
 	// the connections it asked for (ConnFootprint each): a path that
 	// would pass it is refused with ENOMEM. 0 means no bound.
 	MaxChunkMemory int64
-	// MaxConnectingPerAddr bounds the paths one client address may have
-	// connecting at once (accepted, not yet through INFO_REQ), each
+	// MaxChunkMemoryPerClient bounds what the paths of one client (one
+	// identity, else one address, as MaxSessionsPerClient counts) may
+	// hold of MaxChunkMemory together: a path that would pass it is
+	// refused with ENOMEM, so one client cannot take the memory the
+	// others need. 0 means no bound of its own.
+	MaxChunkMemoryPerClient int64
+	// MaxConnectingPerAddr bounds the paths one client address (an IPv6
+	// client's /64) may have connecting at once (accepted, not yet
+	// through INFO_REQ), each
 	// holding its share of MaxChunkMemory until ConnectTimeout: more
 	// are refused with EBUSY, and the client retries. 0 means no bound.
 	MaxConnectingPerAddr int
@@ -125,6 +132,16 @@ func DefaultMaxChunkMemory() int64 {
 	return min(most, int64(si.Totalram)*int64(si.Unit)/4)
 }
 
+// DefaultClientMemoryShare is the part of MaxChunkMemory one client may
+// hold by default: a quarter (DefaultMaxChunkMemoryPerClient).
+const DefaultClientMemoryShare = 4
+
+// DefaultMaxChunkMemoryPerClient is a quarter of total: 2 GiB of the
+// largest default budget, about 29 paths of the default 512 × 128 KiB
+// chunks and three connections — more than any one legitimate client
+// holds on one server.
+func DefaultMaxChunkMemoryPerClient(total int64) int64 { return total / DefaultClientMemoryShare }
+
 // DefaultMaxConnectingPerAddr lets a client host bring up 8 paths at
 // once; a legitimate client connects a path's connections one after the
 // other and sends INFO_REQ at once, so its paths are connecting for
@@ -138,7 +155,7 @@ const DefaultMaxSessionsPerClient = 64
 
 // DefaultServerConfig returns the kernel module's defaults.
 func DefaultServerConfig() ServerConfig {
-	return ServerConfig{
+	c := ServerConfig{
 		QueueDepth:           DefaultQueueDepth,
 		MaxChunkSize:         DefaultMaxChunkSize,
 		AlwaysInvalidate:     true,
@@ -146,10 +163,12 @@ func DefaultServerConfig() ServerConfig {
 		HBMissedMax:          DefaultHBMissedMax,
 		ConnectTimeout:       DefaultConnectTimeout,
 		MaxSessions:          1024,
-		MaxChunkMemory:       DefaultMaxChunkMemory(),
 		MaxConnectingPerAddr: DefaultMaxConnectingPerAddr,
 		MaxSessionsPerClient: DefaultMaxSessionsPerClient,
 	}
+	c.MaxChunkMemory = DefaultMaxChunkMemory()
+	c.MaxChunkMemoryPerClient = DefaultMaxChunkMemoryPerClient(c.MaxChunkMemory)
+	return c
 }
 
 func (c *ServerConfig) validate() error {
@@ -170,7 +189,7 @@ func (c *ServerConfig) validate() error {
 	if err := CheckImmBudget(uint32(c.QueueDepth), uint32(c.MaxChunkSize)); err != nil {
 		return err
 	}
-	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxConnectingPerAddr < 0 || c.MaxSessionsPerClient < 0 {
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxChunkMemoryPerClient < 0 || c.MaxConnectingPerAddr < 0 || c.MaxSessionsPerClient < 0 {
 		return errors.New("rtrs: bad heartbeat, timeout or session limit")
 	}
 	if c.Log == nil {
@@ -195,12 +214,16 @@ type Server struct {
 	// connecting counts the paths in SrvPathConnecting per client
 	// address (MaxConnectingPerAddr).
 	connectingMu sync.Mutex
-	connecting   map[netip.Addr]int
+	connecting   map[netip.Prefix]int
 	// nameMu serializes session naming (claimName); taken before mu
 	// and any session's mu.
 	nameMu sync.Mutex
-	// chunkMem is the memory all paths' chunks take (MaxChunkMemory).
-	chunkMem atomic.Int64
+	// chunkMem is the memory all paths' chunks take (MaxChunkMemory);
+	// clientMem that of each client's paths (MaxChunkMemoryPerClient).
+	// Both change under memMu.
+	memMu     sync.Mutex
+	chunkMem  atomic.Int64
+	clientMem map[string]int64
 	// rejected counts refused connection requests by errno (low byte).
 	rejected [256]atomic.Uint64
 
@@ -432,22 +455,60 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 	}
 }
 
-// admitConnecting counts a new connecting path from a, or refuses it.
-func (s *Server) admitConnecting(a netip.Addr) bool {
+// reserveMem counts size against MaxChunkMemory and the share of it
+// client may hold, or refuses it (ENOMEM) and counts nothing.
+func (s *Server) reserveMem(client string, size int64) error {
+	s.memMu.Lock()
+	defer s.memMu.Unlock()
+	total, mine := s.chunkMem.Load()+size, s.clientMem[client]+size
+	if most := s.cfg.MaxChunkMemory; most > 0 && total > most {
+		return fmt.Errorf("its %d bytes would pass max_chunk_memory %d: %w", size, most, syscall.ENOMEM)
+	}
+	if most := s.cfg.MaxChunkMemoryPerClient; most > 0 && mine > most {
+		return fmt.Errorf("its %d bytes would pass max_chunk_memory_per_client %d of %s: %w", size, most, client, syscall.ENOMEM)
+	}
+	if s.clientMem == nil {
+		s.clientMem = make(map[string]int64)
+	}
+	s.chunkMem.Store(total)
+	s.clientMem[client] = mine
+	return nil
+}
+
+// releaseMem gives back what reserveMem counted for client.
+func (s *Server) releaseMem(client string, size int64) {
+	if size == 0 {
+		return
+	}
+	s.memMu.Lock()
+	defer s.memMu.Unlock()
+	s.chunkMem.Add(-size)
+	if n := s.clientMem[client] - size; n > 0 {
+		s.clientMem[client] = n
+	} else {
+		delete(s.clientMem, client)
+	}
+}
+
+// admitConnecting counts a new connecting path from a (its
+// fabric.PeerGroup), or refuses it.
+func (s *Server) admitConnecting(addr netip.Addr) bool {
+	a := fabric.PeerGroup(addr)
 	s.connectingMu.Lock()
 	defer s.connectingMu.Unlock()
 	if s.cfg.MaxConnectingPerAddr > 0 && s.connecting[a] >= s.cfg.MaxConnectingPerAddr {
 		return false
 	}
 	if s.connecting == nil {
-		s.connecting = make(map[netip.Addr]int)
+		s.connecting = make(map[netip.Prefix]int)
 	}
 	s.connecting[a]++
 	return true
 }
 
 // doneConnecting uncounts a path from a that is no longer connecting.
-func (s *Server) doneConnecting(a netip.Addr) {
+func (s *Server) doneConnecting(addr netip.Addr) {
+	a := fabric.PeerGroup(addr)
 	s.connectingMu.Lock()
 	defer s.connectingMu.Unlock()
 	if n := s.connecting[a]; n > 1 {
@@ -468,13 +529,19 @@ func first(names []string) string {
 	return names[0]
 }
 
-// clientKey is what sessions are counted by for MaxSessionsPerClient: the
-// peer's identity where the fabric authenticated one, else its address.
+// clientKey is what sessions and their memory are counted by for
+// MaxSessionsPerClient and MaxChunkMemoryPerClient: the peer's identity
+// where the fabric authenticated one, else its address (an IPv6 peer's
+// /64: fabric.PeerGroup).
 func clientKey(peer []string, req fabric.ConnRequest) string {
 	if len(peer) > 0 {
 		return "identity:" + peer[0]
 	}
-	return "address:" + req.RemoteAddr().Addr().Unmap().String()
+	g := fabric.PeerGroup(req.RemoteAddr().Addr())
+	if g.IsSingleIP() {
+		return "address:" + g.Addr().String()
+	}
+	return "address:" + g.String()
 }
 
 func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string, client string) (*SrvSession, syscall.Errno) {

@@ -104,10 +104,8 @@ func (p *SrvPath) allocResources() error {
 	qd := x.queueDepth
 	var err error
 	size := pathFootprint(cfg, qd, x.chunkSize, len(p.conns))
-	if total := x.srv.chunkMem.Add(size); cfg.MaxChunkMemory > 0 && total > cfg.MaxChunkMemory {
-		x.srv.chunkMem.Add(-size)
-		return fmt.Errorf("chunks and %d connections of %d bytes would pass max_chunk_memory %d: %w",
-			len(p.conns), size, cfg.MaxChunkMemory, syscall.ENOMEM)
+	if err := x.srv.reserveMem(x.client, size); err != nil {
+		return fmt.Errorf("a path of %d chunks and %d connections: %w", qd, len(p.conns), err)
 	}
 	p.chunkMemSize = size
 	if p.pd, err = p.dev.AllocPD(); err != nil {
@@ -186,7 +184,7 @@ func (p *SrvPath) freeResources() {
 	if p.pd != nil {
 		p.pd.Close()
 	}
-	p.sess.srv.chunkMem.Add(-p.chunkMemSize)
+	p.sess.srv.releaseMem(p.sess.client, p.chunkMemSize)
 	p.chunkMemSize = 0
 }
 

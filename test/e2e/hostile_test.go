@@ -50,7 +50,9 @@ func TestHostileBesideVerify(t *testing.T) {
 	sparseFile(t, vol+".2", 64<<20)
 	port := freePort(t)
 	const budget = 384 << 20
-	srv := startServer(t, dir, port, "--max-sessions-per-client", "4", "--max-chunk-memory", fmt.Sprintf("%dMiB", budget>>20))
+	// The budget is small so that the test can fill it; each client's
+	// share of it (a quarter) and its sessions are the defaults.
+	srv := startServer(t, dir, port, "--max-chunk-memory", fmt.Sprintf("%dMiB", budget>>20))
 	srv.ok("map", "vol", vol)
 	srv.ok("map", "vol2", vol+".2")
 	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
@@ -175,22 +177,30 @@ func TestHostileBesideVerify(t *testing.T) {
 			len(halfOpen), halfRefused, rtrs.DefaultMaxConnectingPerAddr)
 	}
 
-	// 4. More sessions than one client may have: four, then EUSERS.
+	// 4. As many sessions as one client can make: it gets what its
+	// share of the chunk memory holds (a quarter of the budget), then
+	// ENOMEM, and the budget keeps room for the others.
 	var many []*rnbd.CltSession
-	for i := 0; i < 6; i++ {
+	for i := 0; ; i++ {
 		s, err := hostileSession(t, fmt.Sprintf("many-%d", i), "127.0.0.68", dst, "e2e-many", nil)
-		if i < 4 {
-			if err != nil {
-				t.Fatalf("session %d of 4: %v", i, err)
-			}
-			many = append(many, s)
-			if _, err := s.Map(context.Background(), "vol", rnbd.AccessRO); err != nil {
-				t.Fatalf("session %d: map ro: %v", i, err)
-			}
-		} else if !errors.Is(err, syscall.EUSERS) {
-			t.Fatalf("session %d of a client allowed 4: %v, want EUSERS", i, err)
+		if errors.Is(err, syscall.ENOMEM) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("session %d of one client: %v, want a session or ENOMEM", i, err)
+		}
+		if i == 64 {
+			t.Fatalf("one client made %d sessions, holding more than its share of %d MiB", i+1, budget>>20)
+		}
+		many = append(many, s)
+		if _, err := s.Map(context.Background(), "vol", rnbd.AccessRO); err != nil {
+			t.Fatalf("session %d: map ro: %v", i, err)
 		}
 	}
+	if len(many) < 2 {
+		t.Fatalf("one client got %d sessions before its share ran out, want a few", len(many))
+	}
+	t.Logf("one client's share of the chunk memory held %d sessions", len(many))
 
 	// 5. A client that fills its queue with 124 KiB reads and stops
 	// reading the answers. In this process, on a wrapped connection the
