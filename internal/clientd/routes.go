@@ -44,8 +44,8 @@ type (
 // Field lists in the rnbd tool's names.
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
-	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "cur_latency", "direction"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "waiting_io", "waiting_io_fails_in", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "ctrl_loss_in", "reconnect_delay", "max_reconnect_attempts", "ctrl_loss_tmo", "cur_latency", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
 )
 
@@ -441,10 +441,12 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		case in < 0:
 			failIn = "passed"
 		}
+		waiting, waitFailIn := s.cs.Waiting()
 		recs = append(recs, output.Record{
 			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
 			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
 			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
+			"waiting_io": waiting, "waiting_io_fails_in": durString(waitFailIn),
 			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
 			"reconnect_delay": rs.ReconnectDelay().String(), "rx_bytes": rx, "tx_bytes": tx,
@@ -454,13 +456,21 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 	return recs
 }
 
+// durString shows a time left: "" for none (0), rounded to milliseconds.
+func durString(d time.Duration) string {
+	if d <= 0 {
+		return ""
+	}
+	return d.Round(time.Millisecond).String()
+}
+
 func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 	c := p.Stats().Counters()
 	a := p.Addr()
 	attempts, next := p.ReconnectAttempts()
-	nextIn := ""
-	if next > 0 {
-		nextIn = next.Round(time.Millisecond).String()
+	lossIn := ""
+	if left, ok := p.CtrlLossIn(); ok {
+		lossIn = left.Round(time.Millisecond).String()
 	}
 	return output.Record{
 		"sessname": rs.Name(), "pathname": p.Name(),
@@ -469,8 +479,10 @@ func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 		"state": p.State().SysfsString(), "rtrs_state": p.State().String(),
 		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
 		"reconnects": strings.TrimSpace(p.Stats().Reconnects()), "cur_latency": p.CurLatency().Nanoseconds(),
-		"reconnect_attempts": attempts, "next_reconnect_in": nextIn,
-		"rdma": strings.TrimSpace(p.Stats().RDMA()), "direction": "client",
+		"reconnect_attempts": attempts, "next_reconnect_in": durString(next), "ctrl_loss_in": lossIn,
+		"reconnect_delay": rs.ReconnectDelay().String(), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
+		"ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
+		"rdma":          strings.TrimSpace(p.Stats().RDMA()), "direction": "client",
 	}
 }
 

@@ -152,6 +152,25 @@ func (s *CltSession) SetFastIOFailTmo(d time.Duration) {
 	s.fastIOFail.Store(int64(d))
 }
 
+// Waiting is how many pieces of block requests of the session's devices
+// wait for a path, and how long until the first of them fails
+// (no_path_timeout or fast_io_fail_tmo after it began to wait; 0 when
+// none waits).
+func (s *CltSession) Waiting() (n int, failIn time.Duration) {
+	var first time.Time
+	for _, d := range s.Devices() {
+		dn, df := d.wait.pending()
+		n += dn
+		if dn > 0 && (first.IsZero() || df.Before(first)) {
+			first = df
+		}
+	}
+	if n > 0 {
+		failIn = max(time.Until(first), time.Millisecond)
+	}
+	return n, failIn
+}
+
 // FastIOFailIn is how long until fast_io_fail_tmo fails IO: 0 while the
 // session has a path or the timer is off, negative once it has passed.
 func (s *CltSession) FastIOFailIn() time.Duration {
@@ -281,6 +300,9 @@ func (s *CltSession) openIf(ctx context.Context, name string, mode AccessMode, c
 	var usr [OpenSize]byte
 	(&Open{AccessMode: mode, DevName: name}).Encode(usr[:])
 	if err := s.adminDo(ctx, usr[:], OpenRspSize); err != nil {
+		if why := openRefused(err); why != "" {
+			return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w: %s", name, err, why)
+		}
 		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
 	}
 	var rsp OpenRsp
@@ -291,6 +313,27 @@ func (s *CltSession) openIf(ctx context.Context, name string, mode AccessMode, c
 		return OpenRsp{}, fmt.Errorf("%w: block sizes %d/%d", ErrBadOpenRsp, rsp.LogicalBlockSize, rsp.PhysicalBlockSize)
 	}
 	return rsp, nil
+}
+
+// openRefused says what a server's refusal of an OPEN means: the answer
+// carries an errno only, and rnbd-server logs the detail (which grant,
+// address or mode). "" for other errors.
+func openRefused(err error) string {
+	var e syscall.Errno
+	if !errors.As(err, &e) {
+		return ""
+	}
+	switch e {
+	case syscall.EACCES:
+		return "the export grants this client's identity (its TLS certificate) no access, or less than this access mode, or the client presented none (allow_identities)"
+	case syscall.EPERM:
+		return "the export does not allow this session name or client address, is read-only, or has a writer already (a second one needs access_mode=migration where the export allows it)"
+	case syscall.EUSERS:
+		return "the export is open by as many sessions as its max_sessions allows"
+	case syscall.ENOENT:
+		return "the server has no such device"
+	}
+	return ""
 }
 
 func validBlockSize(n uint16) bool { return n >= 512 && n&(n-1) == 0 }

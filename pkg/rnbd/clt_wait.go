@@ -44,6 +44,19 @@ func (q *waitQueue) add(p *parked) bool {
 	return true
 }
 
+// pending is how many pieces wait and the earliest deadline among them
+// (zero when none wait).
+func (q *waitQueue) pending() (n int, first time.Time) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, p := range q.items {
+		if first.IsZero() || p.deadline.Before(first) {
+			first = p.deadline
+		}
+	}
+	return len(q.items), first
+}
+
 // take removes and returns the pieces whose deadline is at or before
 // now, or all of them if all.
 func (q *waitQueue) take(now time.Time, all bool) []*parked {

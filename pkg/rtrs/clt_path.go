@@ -427,6 +427,24 @@ func (p *CltPath) lossLeft() (time.Duration, bool) {
 	return max(tmo-time.Since(since), 0), true
 }
 
+// CtrlLossIn is how long the path, down, has left to reconnect before it
+// gives up (ctrl_loss_tmo after it went down; never below 0); ok is false
+// while it is up, once it has given up, or when the session has no
+// ctrl_loss_tmo.
+func (p *CltPath) CtrlLossIn() (left time.Duration, ok bool) {
+	switch p.State() {
+	case PathConnected, PathClosed, PathDead:
+		return 0, false
+	}
+	p.mu.Lock()
+	down := !p.downSince.IsZero()
+	p.mu.Unlock()
+	if !down {
+		return 0, false
+	}
+	return p.lossLeft()
+}
+
 // unscheduled notes that no reconnect attempt is scheduled.
 func (p *CltPath) unscheduled() {
 	p.mu.Lock()
@@ -469,7 +487,7 @@ func (p *CltPath) nextAttemptIn(in time.Duration) {
 		of = strconv.Itoa(max)
 	}
 	p.lg().WithFields(log.Fields{"attempt": n, "max_reconnect_attempts": max, "in": in.Round(time.Millisecond).String()}).
-		Infof("reconnect attempt %d of %s in %v", n, of, in.Round(time.Millisecond))
+		Infof("path %s: reconnect attempt %d of %s in %v", p.Name(), n, of, in.Round(time.Millisecond))
 }
 
 // reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are

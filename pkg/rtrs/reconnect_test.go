@@ -37,8 +37,8 @@ func TestReconnectLimit(t *testing.T) {
 	// Each attempt was announced: which, of how many, and when.
 	var said []string
 	for _, e := range entries() {
-		if strings.HasPrefix(e.Message, "reconnect attempt ") {
-			said = append(said, e.Message)
+		if rest, ok := strings.CutPrefix(e.Message, "path "+p.Name()+": "); ok && strings.HasPrefix(rest, "reconnect attempt ") {
+			said = append(said, rest)
 			if e.Data["path"] == nil || e.Data["in"] == nil {
 				t.Errorf("%q without its path or delay: %v", e.Message, e.Data)
 			}

@@ -192,13 +192,18 @@ func TestClientEndToEnd(t *testing.T) {
 		t.Fatalf("sessions: %v", s)
 	}
 	// A missing device: a clear error and the not-found exit code.
-	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory\n") {
+	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory: the server has no such device\n") {
 		t.Fatalf("map of a missing device: exit %d %q", code, errOut)
 	}
 	// An export for another network: refused, said why, permission exit code.
-	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "fenced", "--dest-port", fmt.Sprint(port)); code != 7 || !strings.Contains(errOut, "rnbd: open fenced: operation not permitted") {
+	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "fenced", "--dest-port", fmt.Sprint(port)); code != 7 ||
+		!strings.Contains(errOut, "rnbd: open fenced: operation not permitted: the export does not allow this session name or client address") {
 		t.Fatalf("map of an export fenced to another network: exit %d %q", code, errOut)
 	}
+	// The server's log names what refused it.
+	waitForCond(t, 10*time.Second, "the server to log the refused open", func() bool {
+		return strings.Contains(srv.out.String(), "export fenced does not allow clients at 127.0.0.1")
+	})
 	// A kernel device where the kernel has no nbd: said so, exit 8.
 	if _, err := os.Stat("/sys/module/nbd"); err != nil {
 		if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "vol0", "--dest-port", fmt.Sprint(port), "--as", "nbd"); code != 8 || !strings.Contains(errOut, "no nbd driver (modprobe nbd)") {

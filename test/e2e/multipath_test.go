@@ -383,7 +383,32 @@ func TestFastIOFailNBD(t *testing.T) {
 		sh(t, "ip", "-n", r.srvNS, "addr", "del", r.addr(n, 1)+"/24", "dev", fmt.Sprintf("s%d", n))
 	}
 	t.Log("both server addresses removed")
+	// While the write waits for a path, session show counts it.
+	var sawWaiting map[string]any
+	watchDone := make(chan struct{})
+	stopWatch := make(chan struct{})
+	go func() {
+		defer close(watchDone)
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			out, err := exec.Command(bin("rnbd-client"), "--socket", csock, "session", "show", "sl", "--format", "json", "--fields", "all").Output()
+			var recs []map[string]any
+			if err == nil && json.Unmarshal(out, &recs) == nil && len(recs) == 1 && recs[0]["waiting_io"] != float64(0) {
+				sawWaiting = recs[0]
+				return
+			}
+		}
+	}()
 	out, took := write("1M")
+	close(stopWatch)
+	<-watchDone
+	if sawWaiting == nil || sawWaiting["waiting_io_fails_in"] == "" {
+		t.Fatalf("session show never counted the write waiting for a path: %v", sawWaiting)
+	}
 	if !strings.Contains(out, "failed") || !strings.Contains(out, "Input/output error") {
 		t.Fatalf("write with every path lost: %s", out)
 	}
@@ -425,17 +450,26 @@ func TestCtrlLossTmoNBD(t *testing.T) {
 		return run(t, time.Minute, bin("rnbd-client"), append([]string{"--socket", csock}, args...)...)
 	}
 	// given up: every path CLOSED (not RECONNECTING or CONNECTING).
+	// Until then path list shows the time ctrl_loss_tmo leaves.
+	var lossIn []string
 	givenUp := func() bool {
 		var ps []map[string]any
 		if err := json.Unmarshal([]byte(cli("path", "list", "--format", "json", "--fields", "all")), &ps); err != nil || len(ps) != 2 {
 			t.Fatalf("path list: %v %v", err, ps)
 		}
+		up := true
 		for _, p := range ps {
-			if p["rtrs_state"] != "CLOSED" || p["state"] != "disconnected" || p["next_reconnect_in"] != "" {
-				return false
+			if p["ctrl_loss_tmo"] != "4s" {
+				t.Fatalf("path list: ctrl_loss_tmo %v, want 4s", p["ctrl_loss_tmo"])
+			}
+			if in, _ := p["ctrl_loss_in"].(string); in != "" {
+				lossIn = append(lossIn, in)
+			}
+			if p["rtrs_state"] != "CLOSED" || p["state"] != "disconnected" || p["next_reconnect_in"] != "" || p["ctrl_loss_in"] != "" {
+				up = false
 			}
 		}
-		return true
+		return up
 	}
 	r.srv.cmd.Process.Kill()
 	r.srv.wait(t, 10*time.Second)
@@ -449,7 +483,16 @@ func TestCtrlLossTmoNBD(t *testing.T) {
 	if took := time.Since(killed); took < 4*time.Second {
 		t.Fatalf("the paths gave up after %v, before ctrl_loss_tmo", took)
 	}
-	t.Logf("the paths gave up %v after the server died", time.Since(killed).Round(100*time.Millisecond))
+	if len(lossIn) == 0 {
+		t.Fatal("path list never showed ctrl_loss_in while the paths reconnected")
+	}
+	for _, in := range lossIn {
+		if d, err := time.ParseDuration(in); err != nil || d <= 0 || d > 4*time.Second {
+			t.Fatalf("ctrl_loss_in %q, want a time left of at most ctrl_loss_tmo", in)
+		}
+	}
+	t.Logf("the paths gave up %v after the server died (ctrl_loss_in went %s … %s)", time.Since(killed).Round(100*time.Millisecond),
+		lossIn[0], lossIn[len(lossIn)-1])
 	r.srv = start(t, r.srvArgs...)
 	time.Sleep(3 * time.Second) // longer than any reconnect delay so far
 	if !givenUp() {

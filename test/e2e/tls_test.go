@@ -71,7 +71,8 @@ func TestTLSEndToEnd(t *testing.T) {
 
 	// client-b may read, not write; its session name does not matter.
 	b := client("b", tlsArgs(pki, "client-b")...)
-	if _, errOut, code := b.ctl(mapArgs("sa2", "rw")...); code != 7 || !strings.Contains(errOut, "rnbd: open vol: permission denied") {
+	if _, errOut, code := b.ctl(mapArgs("sa2", "rw")...); code != 7 ||
+		!strings.Contains(errOut, "rnbd: open vol: permission denied: the export grants this client's identity (its TLS certificate) no access, or less than this access mode") {
 		t.Fatalf("rw map by an identity granted ro: exit %d %q", code, errOut)
 	}
 	b.ok(mapArgs("sa2", "ro")...)
