@@ -13,6 +13,7 @@ import (
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 // Default paths.
@@ -43,6 +44,9 @@ type Config struct {
 	ReconnectDelay       conf.Duration `toml:"reconnect_delay"`
 	HBInterval           conf.Duration `toml:"hb_interval"`
 	HBMissedMax          int           `toml:"hb_missed_max"`
+	// TCPUserTimeout is the TCP fabric's TCP_USER_TIMEOUT: a duration
+	// or "off" (tcp.Options.UserTimeout).
+	TCPUserTimeout string `toml:"tcp_user_timeout"`
 	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
 	UblkMaxIOKB          int           `toml:"ublk_max_io_kb"`
 	NBDBuffers           int           `toml:"nbd_buffers"`
@@ -80,6 +84,7 @@ func DefaultConfig() Config {
 		ReconnectDelay:       conf.Duration{Duration: d.ReconnectDelay},
 		HBInterval:           conf.Duration{Duration: d.HBInterval},
 		HBMissedMax:          d.HBMissedMax,
+		TCPUserTimeout:       tcp.DefaultUserTimeout.String(),
 		UblkQueueDepth:       64,
 		UblkMaxIOKB:          512,
 		NBDBuffers:           64,
@@ -105,6 +110,9 @@ func (c *Config) Validate() error {
 		return errors.New("conns_per_path must be at least 1")
 	}
 	if err := c.TLS.Validate(); err != nil {
+		return err
+	}
+	if _, err := conf.ParseUserTimeout(c.TCPUserTimeout); err != nil {
 		return err
 	}
 	if c.NoPathTimeout.Duration < 0 || c.HBInterval.Duration <= 0 || c.HBMissedMax < 0 {

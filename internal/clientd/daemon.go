@@ -103,7 +103,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		if err != nil {
 			return nil, err
 		}
-		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log})
+		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
+		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},

@@ -138,3 +138,16 @@ func SaveState(path string, st any) error {
 	}
 	return WriteFileAtomic(path, append(b, '\n'))
 }
+
+// ParseUserTimeout reads tcp_user_timeout: a duration of at least 100 ms,
+// or "off" (returned as -1: the kernel's retransmission limits).
+func ParseUserTimeout(v string) (time.Duration, error) {
+	if v == "off" {
+		return -1, nil
+	}
+	t, err := time.ParseDuration(v)
+	if err != nil || t < 100*time.Millisecond || t > time.Hour {
+		return 0, fmt.Errorf("tcp_user_timeout %q: want a duration from 100ms to 1h, or off", v)
+	}
+	return t, nil
+}

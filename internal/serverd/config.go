@@ -10,6 +10,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 // Default paths.
@@ -48,6 +49,9 @@ type Config struct {
 	DirectIO      bool     `toml:"direct_io"`
 	HBInterval    Duration `toml:"hb_interval"`
 	HBMissedMax   int      `toml:"hb_missed_max"`
+	// TCPUserTimeout is the TCP fabric's TCP_USER_TIMEOUT: a duration
+	// or "off" (tcp.Options.UserTimeout).
+	TCPUserTimeout string `toml:"tcp_user_timeout"`
 	ControlSocket string   `toml:"control_socket"`
 	StateFile     string   `toml:"state_file"`
 	// MetricsListen, HOST:PORT, serves Prometheus metrics at /metrics;
@@ -82,6 +86,7 @@ func DefaultConfig() Config {
 		InvalidateBy:         "window",
 		HBInterval:           Duration{Duration: rtrs.DefaultHBInterval},
 		HBMissedMax:          rtrs.DefaultHBMissedMax,
+		TCPUserTimeout:       tcp.DefaultUserTimeout.String(),
 		ControlSocket:        DefaultControlSocket,
 		StateFile:            DefaultStateFile,
 		LogLevel:             "info",
@@ -121,6 +126,9 @@ func (c *Config) Validate() error {
 		return errors.New("max_sessions_per_client must not be negative (0: no bound)")
 	}
 	if err := c.TLS.Validate(); err != nil {
+		return err
+	}
+	if _, err := conf.ParseUserTimeout(c.TCPUserTimeout); err != nil {
 		return err
 	}
 	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {

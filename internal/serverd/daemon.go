@@ -83,7 +83,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		if err != nil {
 			return nil, err
 		}
-		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log})
+		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
+		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1),
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{})}

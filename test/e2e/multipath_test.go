@@ -145,30 +145,6 @@ func (r *twoPaths) stop(t *testing.T) {
 	}
 }
 
-// TestMultipathLinkDown runs a verified mixed load over two paths, takes
-// one link down and up again under the load, and checks that no request
-// failed, no data was lost, requests failed over, and the path
-// reconnected.
-func TestMultipathLinkDown(t *testing.T) {
-	r := newTwoPaths(t, "e2e", 201, "--hb-interval", "200ms", "--hb-missed-max", "3")
-	load := r.load(t, 12*time.Second, "--hb-interval", "200ms", "--hb-missed-max", "3",
-		"--reconnect-delay", "200ms", "--reconnect-max-delay", "1s", "--connect-timeout", "5s")
-	time.Sleep(3 * time.Second)
-	sh(t, "ip", "-n", r.cliNS, "link", "set", "c1", "down")
-	t.Log("link c1 down")
-	time.Sleep(3 * time.Second)
-	sh(t, "ip", "-n", r.cliNS, "link", "set", "c1", "up")
-	t.Log("link c1 up")
-	rep := r.report(t, load, 60*time.Second)
-	if rep.failovers() == 0 {
-		t.Error("no request failed over: the link went down with nothing in flight on it")
-	}
-	if cut := rep.Paths[0]; cut.Counters.ReconnectsSuccessful < 1 {
-		t.Errorf("the cut path %s did not reconnect: %+v", cut.Name, cut.Counters)
-	}
-	r.stop(t)
-}
-
 // TestMultipathSilentLoss: the server's address on one path disappears
 // for 12 s under a verified load with the default heartbeats: packets to
 // it are dropped, with no RST and no carrier change (a dead switch port, a
@@ -187,42 +163,6 @@ func TestMultipathSilentLoss(t *testing.T) {
 		t.Error("no request failed over")
 	}
 	t.Logf("across the silent loss: max IO wait %d µs, %d failovers", rep.Result.LatencyMaxMicros, rep.failovers())
-	r.stop(t)
-}
-
-// TestMultipathBusyNoFailover: the same two paths under a verified load
-// for 60 s while busy loops saturate every CPU: a slow but live path is
-// not taken for a dead one (failover_cnt 0, no reconnect).
-func TestMultipathBusyNoFailover(t *testing.T) {
-	r := newTwoPaths(t, "e2b", 203)
-	// A busy loop per CPU in this process, until the test ends.
-	stop := make(chan struct{})
-	var spun sync.WaitGroup
-	for i := 0; i < runtime.NumCPU(); i++ {
-		spun.Add(1)
-		go func() {
-			defer spun.Done()
-			for n := 0; ; n++ {
-				if n%1024 == 0 {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-				}
-			}
-		}()
-	}
-	defer spun.Wait()
-	defer close(stop)
-	rep := r.report(t, r.load(t, 60*time.Second), 120*time.Second)
-	for _, p := range rep.Paths {
-		if c := p.Counters; c.FailoverCount != 0 || c.ReconnectsSuccessful != 0 || c.ReconnectsFailed != 0 {
-			t.Errorf("path %s under CPU load: failovers %d, reconnects %d/%d", p.Name,
-				c.FailoverCount, c.ReconnectsSuccessful, c.ReconnectsFailed)
-		}
-	}
-	t.Logf("under CPU load: %+v", rep.Result)
 	r.stop(t)
 }
 
@@ -341,7 +281,8 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
 	// The client's metrics say the same: requests failed over, and
 	// every write fio made.
-	m := parseMetrics(t, []byte(run(t, time.Minute, "ip", "netns", "exec", r.cliNS, "curl", "-sf", "http://"+nsMetrics+"/metrics")))
+	m := r.clientMetrics(t)
+	lintMetrics(t, "rnbd-client (after a silent path loss)", m)
 	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`); f < 1 {
 		t.Errorf("rnbd_client_path_failovers_total %v after the silent loss, want some", f)
 	}
@@ -350,6 +291,113 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	}
 	t.Logf("%d writes verified across the silent loss, max wait %.0f ms, %v failed over; paths:\n%s", j.Write.IOs, j.Write.Clat.Max/1e6,
 		m.sum("rnbd_client_path_failovers_total"), paths)
+}
+
+// fioVerifyNBD starts fio writing 4 KiB random blocks with crc32c at QD16
+// through uri for runtime, rate-limited, verifying as it goes.
+func fioVerifyNBD(t *testing.T, name, uri string, runtime time.Duration) *proc {
+	return start(t, "fio", "--name="+name, "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
+		"--iodepth=16", "--size=256m", "--time_based", fmt.Sprintf("--runtime=%d", int(runtime.Seconds())), "--rate_iops=4000",
+		"--verify=crc32c", "--verify_backlog=4096", "--verify_fatal=1", "--verify_state_save=0",
+		"--randrepeat=0", "--output-format=json")
+}
+
+// endFio waits for fio and checks that it wrote and verified without an
+// error; it returns its report.
+func endFio(t *testing.T, fio *proc) fioJob {
+	t.Helper()
+	if err := fio.wait(t, 3*time.Minute); err != nil {
+		t.Fatalf("fio: %v\n%s", err, fio.out.String())
+	}
+	j := fioWrites(t, fio)
+	if j.Error != 0 || j.Write.IOs == 0 {
+		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
+	}
+	return j
+}
+
+// clientMetrics scrapes the client daemon of a newNBDTwoPaths rig.
+func (r *twoPaths) clientMetrics(t *testing.T) scrape {
+	t.Helper()
+	return parseMetrics(t, []byte(run(t, time.Minute, "ip", "netns", "exec", r.cliNS, "curl", "-sf", "http://"+nsMetrics+"/metrics")))
+}
+
+// TestMultipathLinkDownNBD: the real daemons in the two namespaces, fio
+// writing and verifying through the NBD socket while one link is cut
+// (carrier down) for 3 s and comes back: no IO fails, none waits long,
+// requests fail over at once, and the cut path reconnects.
+func TestMultipathLinkDownNBD(t *testing.T) {
+	needTools(t, "fio", "curl")
+	r, csock, uri := newNBDTwoPaths(t, "e2l", 206, "--set", "mpath_policy=round-robin", "--set", "reconnect_delay=200ms")
+	fio := fioVerifyNBD(t, "linkdown", uri, 14*time.Second)
+	time.Sleep(3 * time.Second)
+	sh(t, "ip", "-n", r.cliNS, "link", "set", "c1", "down")
+	t.Log("link c1 down")
+	time.Sleep(3 * time.Second)
+	sh(t, "ip", "-n", r.cliNS, "link", "set", "c1", "up")
+	t.Log("link c1 up")
+	j := endFio(t, fio)
+	if j.Write.Clat.Max > 2e9 {
+		t.Errorf("a write waited %.2f s across the link cut, want at most 2 s", j.Write.Clat.Max/1e9)
+	}
+	var m scrape
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		m = r.clientMetrics(t)
+		if m.sum("rnbd_client_session_connected_paths", `session="sl"`) == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the cut path did not come back: %s", run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "path", "list", "--fields", "all"))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`); f < 1 {
+		t.Errorf("rnbd_client_path_failovers_total %v after the link cut, want some", f)
+	}
+	if n := m.sum("rnbd_client_path_reconnects_total", `result="success"`); n < 1 {
+		t.Errorf("rnbd_client_path_reconnects_total{result=\"success\"} %v, want the cut path's reconnect", n)
+	}
+	t.Logf("%d writes verified across the link cut, max wait %.0f ms, %v failed over", j.Write.IOs, j.Write.Clat.Max/1e6,
+		m.sum("rnbd_client_path_failovers_total"))
+}
+
+// TestMultipathBusyNoFailoverNBD: the real daemons under fio's verified
+// writes for 60 s while busy loops saturate every CPU: a slow but live
+// path is not taken for a dead one — no failover, no reconnect, and no
+// write waits long.
+func TestMultipathBusyNoFailoverNBD(t *testing.T) {
+	needTools(t, "fio", "curl")
+	r, _, uri := newNBDTwoPaths(t, "e2b", 207, "--set", "mpath_policy=round-robin")
+	// A busy loop per CPU in this process, until the test ends.
+	stop := make(chan struct{})
+	var spun sync.WaitGroup
+	for i := 0; i < runtime.NumCPU(); i++ {
+		spun.Add(1)
+		go func() {
+			defer spun.Done()
+			for n := 0; ; n++ {
+				if n%1024 == 0 {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+				}
+			}
+		}()
+	}
+	defer spun.Wait()
+	defer close(stop)
+	j := endFio(t, fioVerifyNBD(t, "busy", uri, 60*time.Second))
+	m := r.clientMetrics(t)
+	if f, n := m.sum("rnbd_client_path_failovers_total"), m.sum("rnbd_client_path_reconnects_total"); f != 0 || n != 0 {
+		t.Errorf("under CPU load: %v requests failed over, %v reconnects, want none", f, n)
+	}
+	if up := m.sum("rnbd_client_session_connected_paths", `session="sl"`); up != 2 {
+		t.Errorf("%v paths connected after the load, want 2", up)
+	}
+	t.Logf("under CPU load: %d writes verified, max wait %.0f ms", j.Write.IOs, j.Write.Clat.Max/1e6)
 }
 
 // TestFastIOFailNBD: every path of a session dies silently (both server

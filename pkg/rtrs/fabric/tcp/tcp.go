@@ -59,6 +59,11 @@ type Options struct {
 	// Linux applies it to a peer's receive window kept shut as well (its
 	// zero-window probes): a peer that stops reading loses its
 	// connection after it too (test/e2e TestHostileBesideVerify).
+	// Negative: none, the kernel's retransmission limits (minutes). On a
+	// network with long round trips or heavy loss raise it: it must
+	// outlast a few retransmissions of one segment (each 200 ms and a
+	// round trip at least), or a live path is failed over and
+	// reconnects (no IO is lost, but it waits).
 	UserTimeout time.Duration
 	// StallTimeout is how long a write may wait for a peer that takes
 	// (almost) no data — less than 4 MiB in that time: its receive
@@ -115,7 +120,7 @@ func New(opts Options) *Fabric {
 	if opts.HandshakeTimeout <= 0 {
 		opts.HandshakeTimeout = 10 * time.Second
 	}
-	if opts.UserTimeout <= 0 {
+	if opts.UserTimeout == 0 {
 		opts.UserTimeout = DefaultUserTimeout
 	}
 	if opts.StallTimeout <= 0 {
@@ -675,6 +680,9 @@ const tcpRTOMaxMS = 44
 
 func (n tcpNetwork) control(network, address string, c syscall.RawConn) error {
 	var serr error
+	if n.userTimeout < 0 {
+		return nil // the kernel's retransmission limits, minutes
+	}
 	err := c.Control(func(fd uintptr) {
 		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(n.userTimeout/time.Millisecond))
 		// TCP_USER_TIMEOUT is checked when a retransmission is due, and
