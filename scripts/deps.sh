@@ -26,6 +26,7 @@ declare -A pkgs=(
 	[openssl]=openssl
 	[curl]=curl
 	[systemd-analyze]=systemd
+	[gcc]=gcc
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do

@@ -35,7 +35,10 @@ CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w" -o "$work/bin/"
 depends() {
 	mkdir -p "$work/shl/debian"
 	printf 'Source: rnbd\n\nPackage: rnbd\nArchitecture: any\n' >"$work/shl/debian/control"
-	(cd "$work/shl" && dpkg-shlibdeps -O -e "$1" 2>/dev/null) | sed -n 's/^shlibs:Depends=//p'
+	local d
+	d=$(cd "$work/shl" && dpkg-shlibdeps -O -e "$1" 2>"$work/shl/err" | sed -n 's/^shlibs:Depends=//p')
+	[ -n "$d" ] || { cat "$work/shl/err" >&2; echo "mkdeb: dpkg-shlibdeps found no dependencies of $1" >&2; exit 1; }
+	echo "$d"
 }
 
 # pkg NAME DESCRIPTION-LINE: one package; the rest of the description
@@ -78,18 +81,20 @@ EOF
 	{
 		echo "$name ($version) unstable; urgency=medium"
 		echo
-		echo "  * Built from git $(git rev-parse --short HEAD): $(git log -1 --format=%s | cut -c1-60)."
+		echo "  * Built from git $(git rev-parse --short HEAD): $(git log -1 --format=%s | cut -c1-44)."
 		echo
 		echo " -- $maint  $date"
 	} | gzip -9n >"$doc/changelog.Debian.gz"
 	echo "/etc/rnbd/${name#rnbd-}.toml" >"$root/DEBIAN/conffiles"
+	local deps
+	deps=$(depends "$root/usr/sbin/$name")
 	cat >"$root/DEBIAN/control" <<EOF
 Package: $name
 Version: $version
 Architecture: $arch
 Maintainer: $maint
 Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
-Depends: $(depends "$root/usr/sbin/$name"), kmod
+Depends: $deps, kmod
 Section: admin
 Priority: optional
 Homepage: https://github.com/rnbd/rnbd

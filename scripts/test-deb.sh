@@ -14,6 +14,10 @@ need=()
 for c in lintian:lintian man:man-db dpkg-shlibdeps:dpkg-dev systemd-analyze:systemd; do
 	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
 done
+if [ ${#need[@]} -gt 0 ] || ! dpkg -s kmod >/dev/null 2>&1; then
+	log "apt-get update"
+	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -qq >/dev/null || die "apt-get update"
+fi
 if [ ${#need[@]} -gt 0 ]; then
 	log "apt-get install ${need[*]}"
 	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
@@ -30,8 +34,11 @@ RNBD_DEB_VERSION=0.0~test2-1 scripts/mkdeb.sh "$out/2" >/dev/null
 log "lintian"
 lintian --fail-on error --suppress-tags initial-upload-closes-no-bugs "$out"/1/*.deb || die "lintian"
 
+# apt resolves the packages' dependencies (kmod), which a fresh machine
+# may lack.
 log "install"
-dpkg -i "$out"/1/*.deb >/dev/null || die "dpkg -i"
+DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "$out"/1/*.deb >/dev/null ||
+	die "apt-get install of the packages"
 for p in rnbd-server rnbd-client; do
 	[ -x /usr/sbin/$p ] || die "/usr/sbin/$p"
 	/usr/sbin/$p --help >/dev/null || die "$p --help"
@@ -47,7 +54,10 @@ done
 log "systemd-analyze verify"
 systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service \
 	/lib/systemd/system/rnbd-client-wait.service || die "systemd-analyze verify"
-[ -L /etc/systemd/system/remote-fs-pre.target.wants/rnbd-client-wait.service ] || die "rnbd-client-wait.service not enabled"
+# In every boot: remote-fs.target (wanted by multi-user.target) wants it,
+# and it pulls in the passive remote-fs-pre.target it is ordered before.
+[ -L /etc/systemd/system/remote-fs.target.wants/rnbd-client-wait.service ] || die "rnbd-client-wait.service not enabled"
+[ -L /etc/systemd/system/multi-user.target.wants/rnbd-client.service ] || die "rnbd-client.service not enabled"
 
 log "upgrade"
 echo "# changed by the operator" >>/etc/rnbd/client.toml
