@@ -54,9 +54,9 @@ done
 log "systemd-analyze verify"
 systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service \
 	/lib/systemd/system/rnbd-client-wait.service || die "systemd-analyze verify"
-# In every boot: remote-fs.target (wanted by multi-user.target) wants it,
-# and it pulls in the passive remote-fs-pre.target it is ordered before.
-[ -L /etc/systemd/system/remote-fs.target.wants/rnbd-client-wait.service ] || die "rnbd-client-wait.service not enabled"
+# In every boot (multi-user.target wants it), and it pulls in the passive
+# remote-fs-pre.target it is ordered before.
+[ -L /etc/systemd/system/multi-user.target.wants/rnbd-client-wait.service ] || die "rnbd-client-wait.service not enabled"
 [ -L /etc/systemd/system/multi-user.target.wants/rnbd-client.service ] || die "rnbd-client.service not enabled"
 
 log "upgrade"
