@@ -94,7 +94,7 @@ func Classify(err error) Code {
 			return CodeNotFound
 		case syscall.EEXIST, syscall.EALREADY:
 			return CodeExists
-		case syscall.EBUSY:
+		case syscall.EBUSY, syscall.EUSERS:
 			return CodeBusy
 		case syscall.EINVAL, syscall.ERANGE, syscall.ENAMETOOLONG, syscall.EISDIR, syscall.ENOTDIR:
 			return CodeInvalid

@@ -30,6 +30,14 @@ type Config struct {
 	Listen         []string `toml:"listen"`
 	DevSearchPath  string   `toml:"dev_search_path"`
 	AllowMigration bool     `toml:"allow_migration"`
+	// SearchAllowFrom and SearchAllowIdentities are who may open the
+	// devices under DevSearchPath, as an export's allow_from and
+	// allow_identities (rnbd.ServerConfig).
+	SearchAllowFrom       []string `toml:"dev_search_path_allow_from"`
+	SearchAllowIdentities []string `toml:"dev_search_path_allow_identities"`
+	// Exports are the exports of the configuration file ([[export]]
+	// tables), served from start-up; map and unmap do not change them.
+	Exports []MapRequest `toml:"export"`
 	QueueDepth     int      `toml:"queue_depth"`
 	MaxChunkSize   int      `toml:"max_chunk_size"`
 	MaxChunkMemory Size     `toml:"max_chunk_memory"`
@@ -130,6 +138,25 @@ func (c *Config) Validate() error {
 	}
 	if _, err := conf.ParseUserTimeout(c.TCPUserTimeout); err != nil {
 		return err
+	}
+	if _, err := parseNetworks(c.SearchAllowFrom); err != nil {
+		return fmt.Errorf("dev_search_path_%v", err)
+	}
+	if _, err := parseGrants(c.SearchAllowIdentities); err != nil {
+		return fmt.Errorf("dev_search_path_%v", err)
+	}
+	names := map[string]bool{}
+	for i, r := range c.Exports {
+		if r.Name == "" || r.Path == "" {
+			return fmt.Errorf("[[export]] %d: name and path must be set", i+1)
+		}
+		if names[r.Name] {
+			return fmt.Errorf("[[export]] %s: defined twice", r.Name)
+		}
+		names[r.Name] = true
+		if _, err := r.Export(); err != nil {
+			return fmt.Errorf("[[export]] %s: %v", r.Name, err)
+		}
 	}
 	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {
 		return fmt.Errorf("invalidate_by %q: want window or registration", c.InvalidateBy)

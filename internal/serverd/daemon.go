@@ -50,6 +50,9 @@ type Daemon struct {
 	// served at start (a backing file or device not there yet): kept in
 	// the file by every save until mapped again or unmapped. stateMu.
 	unrestored []rnbd.Export
+	// configured are the names of the configuration file's exports:
+	// never saved in the state file, never mapped or unmapped.
+	configured map[string]bool
 	served     chan error
 	metrics    *metrics.Server // nil without metrics_listen
 	// ownersDirty asks saveOwners to save the state file: a session
@@ -92,9 +95,13 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
+	searchFrom, _ := parseNetworks(cfg.SearchAllowFrom)     // validated
+	searchIDs, _ := parseGrants(cfg.SearchAllowIdentities) // validated
 	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
-		DevSearchPath:    cfg.DevSearchPath,
-		AllowMigration:   cfg.AllowMigration,
+		DevSearchPath:         cfg.DevSearchPath,
+		AllowMigration:        cfg.AllowMigration,
+		SearchAllowFrom:       searchFrom,
+		SearchAllowIdentities: searchIDs,
 		Direct:           cfg.DirectIO,
 		MaxIOSize:        cfg.MaxChunkSize - rtrs.MaxHdrSize,
 		BindSessionNames: cfg.TLS.Enabled() && cfg.BindSessionNames,
@@ -112,7 +119,26 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.rnbd.SetSessionOwners(st.SessionOwners)
+	// The configuration file's exports first: a name there is served as
+	// the file says, whatever a map of the same name left in the state.
+	d.configured = map[string]bool{}
+	for _, r := range cfg.Exports {
+		e, _ := r.Export() // validated
+		if err := d.rnbd.Map(e); err != nil {
+			d.rnbd.Close()
+			return nil, fmt.Errorf("[[export]] %s: %w", e.Name, err)
+		}
+		d.configured[e.Name] = true
+		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
+	}
 	for _, e := range st.Exports {
+		if d.configured[e.Name] {
+			// Kept in the state file, for when the configuration
+			// no longer has the name.
+			d.log.WithField("export", e.Name).Warn("export of the state file not served: the configuration file has one of that name")
+			d.unrestored = append(d.unrestored, e)
+			continue
+		}
 		if err := d.rnbd.Map(e); err != nil {
 			// Keep going: the rest of the exports are still served,
 			// and the state file keeps the entry for when it returns.
@@ -239,10 +265,13 @@ func (st *State) StateVersion() int { return st.Version }
 // saveState writes the exports atomically: a temporary file, synced, then
 // renamed over the old one, and the directory synced.
 func (d *Daemon) saveState() error {
-	st := State{Version: StateVersion, Exports: d.rnbd.Exports(), SessionOwners: d.rnbd.SessionOwners()}
+	st := State{Version: StateVersion, SessionOwners: d.rnbd.SessionOwners()}
 	served := map[string]bool{}
-	for _, e := range st.Exports {
-		served[e.Name] = true
+	for _, e := range d.rnbd.Exports() {
+		if !d.configured[e.Name] {
+			st.Exports = append(st.Exports, e)
+			served[e.Name] = true
+		}
 	}
 	for _, e := range d.unrestored {
 		if !served[e.Name] {
@@ -293,25 +322,33 @@ func (d *Daemon) saveOwners() {
 
 // Requests of the control API.
 type (
+	// MapRequest is an export as map gives it, and as an [[export]]
+	// table of the configuration file does.
 	MapRequest struct {
-		Name     string   `json:"name"`
-		Path     string   `json:"path"`
-		ReadOnly bool     `json:"read_only"`
-		Allow    []string `json:"allow"`
+		Name     string   `json:"name" toml:"name"`
+		Path     string   `json:"path" toml:"path"`
+		ReadOnly bool     `json:"read_only" toml:"read_only"`
+		Allow    []string `json:"allow" toml:"allow"`
 		// AllowFrom: the networks (CIDR) an OPEN may come from; empty,
 		// any (rnbd.Export.AllowFrom).
-		AllowFrom []string `json:"allow_from,omitempty"`
+		AllowFrom []string `json:"allow_from,omitempty" toml:"allow_from"`
 		// AllowIdentities: NAME or NAME=ro|rw|migration, the client
 		// certificate names that may open it (rnbd.Export.AllowIdentities).
-		AllowIdentities []string `json:"allow_identities,omitempty"`
+		AllowIdentities []string `json:"allow_identities,omitempty" toml:"allow_identities"`
 		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
-		Migration bool `json:"migration,omitempty"`
+		Migration bool `json:"migration,omitempty" toml:"migration"`
 		// MaxSessions: sessions that may have it open at once; 0 no
 		// bound (rnbd.Export.MaxSessions).
-		MaxSessions int `json:"max_sessions,omitempty"`
+		MaxSessions int `json:"max_sessions,omitempty" toml:"max_sessions"`
 		// WriteThrough: every write durable on completion, no write
 		// cache announced (rnbd.Export.WriteThrough).
-		WriteThrough bool `json:"write_through"`
+		WriteThrough bool `json:"write_through" toml:"write_through"`
+	}
+	// ExportRecord is an export as GET /v1/exports lists it: where it
+	// comes from, "config" (the configuration file) or "map".
+	ExportRecord struct {
+		rnbd.Export
+		Source string `json:"source"`
 	}
 	CloseRequest struct {
 		Session string `json:"session"`
@@ -343,7 +380,7 @@ type (
 
 // Field lists of the records the API returns, in the rnbd tool's names.
 var (
-	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "direction"}
+	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "direction"}
 	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
@@ -367,31 +404,23 @@ func (d *Daemon) routes() {
 		n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
 		return CloseResponse{Closed: n}, err
 	})
-	h("GET /v1/exports", func(r *http.Request) (any, error) { return d.rnbd.Exports(), nil })
+	h("GET /v1/exports", func(r *http.Request) (any, error) {
+		var out []ExportRecord
+		for _, e := range d.rnbd.Exports() {
+			out = append(out, ExportRecord{Export: e, Source: d.source(e.Name)})
+		}
+		return out, nil
+	})
 	h("POST /v1/exports", func(r *http.Request) (any, error) {
 		var req MapRequest
 		if err := ctl.Decode(r, &req); err != nil {
 			return nil, err
 		}
-		var from []netip.Prefix
-		for _, s := range req.AllowFrom {
-			p, err := parseNetwork(s)
-			if err != nil {
-				return nil, ctl.Errorf(ctl.CodeInvalid, "allow_from %q: %v", s, err)
-			}
-			from = append(from, p)
+		e, err := req.Export()
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
 		}
-		var grants []rnbd.Grant
-		for _, s := range req.AllowIdentities {
-			g, err := rnbd.ParseGrant(s)
-			if err != nil {
-				return nil, ctl.Errorf(ctl.CodeInvalid, "allow_identities: %v", err)
-			}
-			grants = append(grants, g)
-		}
-		return nil, d.Map(rnbd.Export{Name: req.Name, Path: req.Path, ReadOnly: req.ReadOnly, Allow: req.Allow,
-			AllowFrom: from, AllowIdentities: grants, Migration: req.Migration, MaxSessions: req.MaxSessions,
-			WriteThrough: req.WriteThrough})
+		return nil, d.Map(e)
 	})
 	h("POST /v1/exports/{name}/resize", func(r *http.Request) (any, error) {
 		var req ResizeRequest
@@ -495,6 +524,9 @@ func (d *Daemon) routes() {
 func (d *Daemon) Map(e rnbd.Export) error {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
+	if d.configured[e.Name] {
+		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
+	}
 	if err := d.rnbd.Map(e); err != nil {
 		return err
 	}
@@ -503,16 +535,24 @@ func (d *Daemon) Map(e rnbd.Export) error {
 		return fmt.Errorf("saving the state file: %w", err)
 	}
 	d.dropUnrestored(e.Name) // served now, as given
-	d.log.WithFields(log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
-		"allow_from": e.AllowFrom, "allow_identities": e.AllowIdentities, "migration": e.Migration, "max_sessions": e.MaxSessions,
-		"write_cache": d.exportCache(e)}).Info("export mapped")
+	d.log.WithFields(exportFields(e)).WithField("write_cache", d.exportCache(e)).Info("export mapped")
 	return nil
+}
+
+// exportFields are the log fields of an export.
+func exportFields(e rnbd.Export) log.Fields {
+	return log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
+		"allow_from": e.AllowFrom, "allow_identities": e.AllowIdentities, "migration": e.Migration, "max_sessions": e.MaxSessions,
+		"write_through": e.WriteThrough}
 }
 
 // Unmap withdraws an export and saves the state.
 func (d *Daemon) Unmap(name string, force bool) error {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
+	if d.configured[name] {
+		return fmt.Errorf("export %s is one of the configuration file's: remove it there and restart: %w", name, syscall.EPERM)
+	}
 	if err := d.rnbd.Unmap(name, force); err != nil {
 		if !errors.Is(err, syscall.ENOENT) || !d.dropUnrestored(name) {
 			return err
@@ -543,7 +583,8 @@ func (d *Daemon) devices(name string) []output.Record {
 			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
 			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
 			"state": "open", "write_cache": writeCache(o.WriteCache), "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
-			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "direction": "server",
+			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "source": d.source(o.Export),
+			"direction": "server",
 		})
 	}
 	for _, e := range d.rnbd.Exports() {
@@ -554,11 +595,24 @@ func (d *Daemon) devices(name string) []output.Record {
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
 			"state": "exported", "write_cache": d.exportCache(e), "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
-			"wzero_cnt": 0, "direction": "server",
+			"wzero_cnt": 0, "source": d.source(e.Name), "direction": "server",
 		})
 	}
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })
 	return rows
+}
+
+// source says where a device comes from: "config" (an [[export]] of
+// the configuration file), "map", or "search" (dev_search_path) for a
+// device of no export.
+func (d *Daemon) source(export string) string {
+	switch {
+	case export == "":
+		return "search"
+	case d.configured[export]:
+		return "config"
+	}
+	return "map"
 }
 
 // writeCache names a cache policy as the kernel's queue/write_cache does.
@@ -698,6 +752,46 @@ func (d *Daemon) stats() []output.Record {
 		})
 	}
 	return rows
+}
+
+// Export is the export r describes, its networks and grants parsed.
+func (r MapRequest) Export() (rnbd.Export, error) {
+	from, err := parseNetworks(r.AllowFrom)
+	if err != nil {
+		return rnbd.Export{}, err
+	}
+	grants, err := parseGrants(r.AllowIdentities)
+	if err != nil {
+		return rnbd.Export{}, err
+	}
+	return rnbd.Export{Name: r.Name, Path: r.Path, ReadOnly: r.ReadOnly, Allow: r.Allow, AllowFrom: from,
+		AllowIdentities: grants, Migration: r.Migration, MaxSessions: r.MaxSessions, WriteThrough: r.WriteThrough}, nil
+}
+
+// parseNetworks reads allow_from: CIDR prefixes or addresses.
+func parseNetworks(ss []string) ([]netip.Prefix, error) {
+	var from []netip.Prefix
+	for _, s := range ss {
+		p, err := parseNetwork(s)
+		if err != nil {
+			return nil, fmt.Errorf("allow_from %q: %v", s, err)
+		}
+		from = append(from, p)
+	}
+	return from, nil
+}
+
+// parseGrants reads allow_identities: NAME or NAME=ro|rw|migration.
+func parseGrants(ss []string) ([]rnbd.Grant, error) {
+	var grants []rnbd.Grant
+	for _, s := range ss {
+		g, err := rnbd.ParseGrant(s)
+		if err != nil {
+			return nil, fmt.Errorf("allow_identities: %v", err)
+		}
+		grants = append(grants, g)
+	}
+	return grants, nil
 }
 
 // parseNetwork reads a CIDR prefix, or a bare address as a prefix of

@@ -130,6 +130,37 @@ func (e *Export) grant(peer []string) (AccessMode, bool) {
 	return best, ok
 }
 
+// admit checks an OPEN of e by session x in mode, from a client at
+// from, against e's rules: the session name, the client's network, its
+// identity's grant, read-only. It reports whether the session may write
+// beside another writer (access_mode=migration: Migration, or a grant of
+// migration where grants are given).
+func (e *Export) admit(x *SrvSession, mode AccessMode, from netip.Addr) (secondWriter bool, err error) {
+	if !e.allows(x.name) {
+		return false, errorf(syscall.EPERM, "export %s does not allow session %s", e.Name, x.name)
+	}
+	if !e.allowsFrom(from) {
+		return false, errorf(syscall.EPERM, "export %s does not allow clients at %v", e.Name, from)
+	}
+	peer := x.rtrs.PeerNames()
+	most, ok := e.grant(peer)
+	switch {
+	case !ok && len(peer) == 0:
+		return false, errorf(syscall.EACCES, "export %s allows only clients with a certificate it names, and this one has none", e.Name)
+	case !ok:
+		return false, errorf(syscall.EACCES, "export %s does not allow client %s", e.Name, strings.Join(peer, ", "))
+	case mode > most:
+		return false, errorf(syscall.EACCES, "export %s allows client %s only %s", e.Name, x.rtrs.Identity(), most)
+	}
+	if e.ReadOnly && mode != AccessRO {
+		return false, errorf(syscall.EPERM, "export %s is read-only", e.Name)
+	}
+	if len(e.AllowIdentities) > 0 {
+		return most == AccessMigration, nil
+	}
+	return e.Migration, nil
+}
+
 func (e *Export) allows(sess string) bool {
 	if len(e.Allow) == 0 {
 		return true
@@ -155,6 +186,13 @@ type ServerConfig struct {
 	// does; off (the default) such an OPEN is refused while another
 	// session writes.
 	AllowMigration bool
+	// SearchAllowFrom and SearchAllowIdentities are, for every device
+	// found under DevSearchPath, what an explicit export's AllowFrom and
+	// AllowIdentities are for it: the networks an OPEN may come from,
+	// and the client identities that may open (and for what). Empty:
+	// any, as the kernel's server.
+	SearchAllowFrom       []netip.Prefix
+	SearchAllowIdentities []Grant
 	// Direct opens backends with O_DIRECT.
 	Direct bool
 	// HealthInterval is how often the open backends are checked for
@@ -619,36 +657,20 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	}()
 	var be *blockdev.Backend
 	var err error
-	secondWriter := s.cfg.AllowMigration
-	if exp != nil {
-		secondWriter = exp.Migration
-	}
+	var secondWriter bool
 	switch {
 	case exp != nil:
-		if !exp.allows(x.name) {
-			return nil, errorf(syscall.EPERM, "export %s does not allow session %s", name, x.name)
-		}
-		if !exp.allowsFrom(from) {
-			return nil, errorf(syscall.EPERM, "export %s does not allow clients at %v", name, from)
-		}
-		peer := x.rtrs.PeerNames()
-		most, ok := exp.grant(peer)
-		switch {
-		case !ok && len(peer) == 0:
-			return nil, errorf(syscall.EACCES, "export %s allows only clients with a certificate it names, and this one has none", name)
-		case !ok:
-			return nil, errorf(syscall.EACCES, "export %s does not allow client %s", name, strings.Join(peer, ", "))
-		case mode > most:
-			return nil, errorf(syscall.EACCES, "export %s allows client %s only %s", name, x.rtrs.Identity(), most)
-		}
-		if len(exp.AllowIdentities) > 0 {
-			secondWriter = most == AccessMigration
-		}
-		if exp.ReadOnly && !readonly {
-			return nil, errorf(syscall.EPERM, "export %s is read-only", name)
+		if secondWriter, err = exp.admit(x, mode, from); err != nil {
+			return nil, err
 		}
 		be, err = blockdev.Open(exp.Path, opts)
 	case s.cfg.DevSearchPath != "":
+		// Every device there has the same rules.
+		rules := Export{Name: name, AllowFrom: s.cfg.SearchAllowFrom, AllowIdentities: s.cfg.SearchAllowIdentities,
+			Migration: s.cfg.AllowMigration}
+		if secondWriter, err = rules.admit(x, mode, from); err != nil {
+			return nil, err
+		}
 		var dir string
 		if dir, err = s.searchDir(x.name, name); err == nil {
 			be, err = blockdev.OpenBeneath(dir, name, opts)

@@ -1249,3 +1249,42 @@ func TestBackingStoreHealth(t *testing.T) {
 		t.Fatalf("%d problem entries for two problems: each is logged once", n)
 	}
 }
+
+// The devices under dev_search_path have the rules an export can have:
+// the networks an OPEN may come from and the identities that may open
+// them, for what.
+func TestSearchPathRules(t *testing.T) {
+	open := func(cl *CltSession, name string, mode AccessMode) error {
+		_, err := cl.open(context.Background(), name, mode)
+		return err
+	}
+	r := newSrig(t, ServerConfig{SearchAllowFrom: []netip.Prefix{netip.MustParsePrefix("10.20.1.0/24")}})
+	r.file("found", 1<<20)
+	if err := open(r.client("a"), "found", AccessRW); err != nil { // a path from 10.20.1.x
+		t.Fatalf("an OPEN from inside dev_search_path_allow_from: %v", err)
+	}
+	if err := open(r.cltSession("c", 0), "found", AccessRO); !errors.Is(err, syscall.EPERM) { // from 10.20.2.x
+		t.Fatalf("an OPEN from outside dev_search_path_allow_from: %v, want EPERM", err)
+	}
+
+	ca := testca.New(t, "test ca")
+	r = newSrigOn(t, ServerConfig{SearchAllowIdentities: []Grant{{"alice", "rw"}, {"bob", "ro"}}}, nil,
+		tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
+	r.file("found", 1<<20)
+	as := func(cn, sess string) *CltSession {
+		return r.clientOn(r.net.FabricWith(tcp.Options{TLS: ca.Config(ca.Issue(t, cn))}), sess)
+	}
+	if err := open(as("mallory", "s0"), "found", AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("an identity without a grant: %v, want EACCES", err)
+	}
+	bob := as("bob", "s1")
+	if err := open(bob, "found", AccessRW); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("rw by an identity granted ro: %v, want EACCES", err)
+	}
+	if err := open(bob, "found", AccessRO); err != nil {
+		t.Fatalf("ro by an identity granted ro: %v", err)
+	}
+	if err := open(as("alice", "s2"), "found", AccessRW); err != nil {
+		t.Fatalf("rw by an identity granted rw: %v", err)
+	}
+}

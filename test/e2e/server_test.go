@@ -71,6 +71,13 @@ func freePort(t *testing.T) int {
 // a notify socket of the test's, as systemd would.
 func startServer(t *testing.T, dir string, port int, extra ...string) *serverDaemon {
 	t.Helper()
+	return startServerConf(t, dir, port, "", extra...)
+}
+
+// startServerConf is startServer with more of the configuration file
+// (TOML after the suite's keys).
+func startServerConf(t *testing.T, dir string, port int, moreConf string, extra ...string) *serverDaemon {
+	t.Helper()
 	d := &serverDaemon{t: t, dir: dir, sock: filepath.Join(dir, "server.sock"), port: port,
 		out: &lockedBuffer{}, done: make(chan error, 1)}
 	notifyPath := filepath.Join(dir, "notify.sock")
@@ -90,7 +97,7 @@ hb_interval = "1s"
 control_socket = %q
 state_file = %q
 log_level = "debug"
-`, port, d.sock, filepath.Join(dir, "state.json"))), 0o644)
+`, port, d.sock, filepath.Join(dir, "state.json"))+moreConf), 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -693,5 +700,85 @@ func TestUnrestoredExportKept(t *testing.T) {
 	}
 	if _, errOut, code := d.ctl("unmap", "late"); code == 0 || !strings.Contains(errOut, "no export late") {
 		t.Fatalf("unmap twice: exit %d %q", code, errOut)
+	}
+}
+
+// TestConfigExports: exports of the configuration file ([[export]]) are
+// served from start-up with their rules, listed as such, never saved in
+// the state file, and map and unmap refuse their names; a name the state
+// file also has is served as the configuration says, its state entry
+// kept. dev_search_path_allow_from fences the search path's devices.
+func TestConfigExports(t *testing.T) {
+	dir := t.TempDir()
+	search := filepath.Join(dir, "search")
+	os.MkdirAll(search, 0o755)
+	vol, old, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "old.img"), filepath.Join(dir, "other.img")
+	for _, f := range []string{vol, old, other, filepath.Join(search, "found")} {
+		sparseFile(t, f, 16<<20)
+	}
+	port := freePort(t)
+	d := startServer(t, dir, port)
+	d.ok("map", "vol2", old)
+	d.stop()
+	d = startServerConf(t, dir, port, fmt.Sprintf(`dev_search_path = %q
+dev_search_path_allow_from = ["10.99.0.0/16"]
+
+[[export]]
+name = "vol"
+path = %q
+allow_from = ["127.0.0.0/8"]
+max_sessions = 1
+
+[[export]]
+name = "vol2"
+path = %q
+read_only = true
+`, search, vol, other))
+	waitForCond(t, 10*time.Second, "the server to say the configuration shadows the state's vol2", func() bool {
+		return strings.Contains(d.out.String(), "export of the state file not served: the configuration file has one of that name")
+	})
+	src := map[string]any{}
+	for _, r := range d.records("device", "list", "--fields", "devname,devpath,source") {
+		src[r["devname"].(string)] = r["source"]
+		if r["devname"] == "vol2" && r["devpath"] != other {
+			t.Fatalf("vol2 is served from %v, want the configuration's %s", r["devpath"], other)
+		}
+	}
+	if src["vol"] != "config" || src["vol2"] != "config" {
+		t.Fatalf("device list sources: %v", src)
+	}
+	if _, errOut, code := d.ctl("unmap", "vol"); code == 0 || !strings.Contains(errOut, "one of the configuration file's") {
+		t.Fatalf("unmap of a configured export: exit %d %q", code, errOut)
+	}
+	if _, errOut, code := d.ctl("map", "vol", other); code == 0 || !strings.Contains(errOut, "one of the configuration file's") {
+		t.Fatalf("map over a configured export: exit %d %q", code, errOut)
+	}
+	state, _ := os.ReadFile(filepath.Join(dir, "state.json"))
+	if !strings.Contains(string(state), old) || strings.Contains(string(state), vol) {
+		t.Fatalf("state file: the map's vol2 kept, the configuration's exports never in it:\n%s", state)
+	}
+
+	cl := startClient(t, filepath.Join(dir, "c"))
+	mapArgs := func(sess, dev, mode string) []string {
+		return []string{"map", "--sessname", sess, "--path", "ip:127.0.0.1", "--device-path", dev,
+			"--dest-port", fmt.Sprint(port), "--access-mode", mode}
+	}
+	uri, ok := strings.CutPrefix(strings.TrimSpace(cl.ok(mapArgs("s1", "vol", "rw")...)), "rnbd0 mapped: ")
+	if !ok {
+		t.Fatal("map output")
+	}
+	if out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x7e 0 64k", "-c", "read -P 0x7e 0 64k", uri).CombinedOutput(); err != nil || strings.Contains(string(out), "failed") {
+		t.Fatalf("IO on a configured export: %v %s", err, out)
+	}
+	// Its max_sessions is 1; read-only vol2 refuses rw; the search path
+	// is fenced to another network.
+	if _, errOut, code := cl.ctl(mapArgs("s2", "vol", "ro")...); code != 5 || !strings.Contains(errOut, "max_sessions") {
+		t.Fatalf("a second session on an export of max_sessions 1: exit %d %q", code, errOut)
+	}
+	if _, errOut, code := cl.ctl(mapArgs("s1", "vol2", "rw")...); code != 7 || !strings.Contains(errOut, "read-only") {
+		t.Fatalf("rw map of a read-only configured export: exit %d %q", code, errOut)
+	}
+	if _, errOut, code := cl.ctl(mapArgs("s1", "found", "ro")...); code != 7 || !strings.Contains(errOut, "client address") {
+		t.Fatalf("map of a search-path device from outside dev_search_path_allow_from: exit %d %q", code, errOut)
 	}
 }
