@@ -46,12 +46,12 @@ type Config struct {
 	HBMissedMax          int           `toml:"hb_missed_max"`
 	// TCPUserTimeout is the TCP fabric's TCP_USER_TIMEOUT: a duration
 	// or "off" (tcp.Options.UserTimeout).
-	TCPUserTimeout string `toml:"tcp_user_timeout"`
-	UblkQueueDepth       int           `toml:"ublk_queue_depth"`
-	UblkMaxIOKB          int           `toml:"ublk_max_io_kb"`
-	NBDBuffers           int           `toml:"nbd_buffers"`
-	NBDIOTimeout         conf.Duration `toml:"nbd_io_timeout"`
-	SizePoll             conf.Duration `toml:"size_poll"`
+	TCPUserTimeout string        `toml:"tcp_user_timeout"`
+	UblkQueueDepth int           `toml:"ublk_queue_depth"`
+	UblkMaxIOKB    int           `toml:"ublk_max_io_kb"`
+	NBDBuffers     int           `toml:"nbd_buffers"`
+	NBDIOTimeout   conf.Duration `toml:"nbd_io_timeout"`
+	SizePoll       conf.Duration `toml:"size_poll"`
 	// DevLinksDir holds the stable names of kernel devices,
 	// DIR/SESSNAME/DEVICE_PATH (devlinks.go); empty: none.
 	DevLinksDir string `toml:"dev_links_dir"`

@@ -37,10 +37,10 @@ type Config struct {
 	SearchAllowIdentities []string `toml:"dev_search_path_allow_identities"`
 	// Exports are the exports of the configuration file ([[export]]
 	// tables), served from start-up; map and unmap do not change them.
-	Exports []MapRequest `toml:"export"`
-	QueueDepth     int      `toml:"queue_depth"`
-	MaxChunkSize   int      `toml:"max_chunk_size"`
-	MaxChunkMemory Size     `toml:"max_chunk_memory"`
+	Exports        []MapRequest `toml:"export"`
+	QueueDepth     int          `toml:"queue_depth"`
+	MaxChunkSize   int          `toml:"max_chunk_size"`
+	MaxChunkMemory Size         `toml:"max_chunk_memory"`
 	// MaxChunkMemoryPerClient bounds what one client may hold of it
 	// (rtrs.ServerConfig); unset, a quarter of MaxChunkMemory.
 	MaxChunkMemoryPerClient *Size `toml:"max_chunk_memory_per_client"`
@@ -53,15 +53,15 @@ type Config struct {
 	// InvalidateBy is how always_invalidate revokes a chunk's rkey on
 	// RDMA: "window" (memory windows bound by work requests, where the
 	// device has them) or "registration" (deregister and register).
-	InvalidateBy  string   `toml:"invalidate_by"`
-	DirectIO      bool     `toml:"direct_io"`
-	HBInterval    Duration `toml:"hb_interval"`
-	HBMissedMax   int      `toml:"hb_missed_max"`
+	InvalidateBy string   `toml:"invalidate_by"`
+	DirectIO     bool     `toml:"direct_io"`
+	HBInterval   Duration `toml:"hb_interval"`
+	HBMissedMax  int      `toml:"hb_missed_max"`
 	// TCPUserTimeout is the TCP fabric's TCP_USER_TIMEOUT: a duration
 	// or "off" (tcp.Options.UserTimeout).
 	TCPUserTimeout string `toml:"tcp_user_timeout"`
-	ControlSocket string   `toml:"control_socket"`
-	StateFile     string   `toml:"state_file"`
+	ControlSocket  string `toml:"control_socket"`
+	StateFile      string `toml:"state_file"`
 	// MetricsListen, HOST:PORT, serves Prometheus metrics at /metrics;
 	// empty: none.
 	MetricsListen string `toml:"metrics_listen"`

@@ -95,16 +95,16 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	searchFrom, _ := parseNetworks(cfg.SearchAllowFrom)     // validated
+	searchFrom, _ := parseNetworks(cfg.SearchAllowFrom)    // validated
 	searchIDs, _ := parseGrants(cfg.SearchAllowIdentities) // validated
 	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
 		DevSearchPath:         cfg.DevSearchPath,
 		AllowMigration:        cfg.AllowMigration,
 		SearchAllowFrom:       searchFrom,
 		SearchAllowIdentities: searchIDs,
-		Direct:           cfg.DirectIO,
-		MaxIOSize:        cfg.MaxChunkSize - rtrs.MaxHdrSize,
-		BindSessionNames: cfg.TLS.Enabled() && cfg.BindSessionNames,
+		Direct:                cfg.DirectIO,
+		MaxIOSize:             cfg.MaxChunkSize - rtrs.MaxHdrSize,
+		BindSessionNames:      cfg.TLS.Enabled() && cfg.BindSessionNames,
 		OwnersChanged: func() {
 			select {
 			case d.ownersDirty <- struct{}{}:
