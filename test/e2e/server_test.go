@@ -782,3 +782,45 @@ read_only = true
 		t.Fatalf("map of a search-path device from outside dev_search_path_allow_from: exit %d %q", code, errOut)
 	}
 }
+
+// TestBackendErrorsLogged: an export on a file system that fills up. A
+// write past its space fails with ENOSPC at the NBD client, and both
+// daemons log it: the server which backend IO failed, the client which
+// request.
+func TestBackendErrorsLogged(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a small tmpfs")
+	}
+	needTools(t, "qemu-io")
+	dir := t.TempDir()
+	small := filepath.Join(dir, "small")
+	os.MkdirAll(small, 0o755)
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=1m", "rnbd-e2e", small).CombinedOutput(); err != nil {
+		t.Skipf("mount tmpfs: %v %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("umount", "-l", small).Run() })
+	vol := filepath.Join(small, "vol.img")
+	sparseFile(t, vol, 16<<20) // sparse: 16 MiB on a 1 MiB file system
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol", vol)
+	cl := startClient(t, filepath.Join(dir, "c"))
+	uri, ok := strings.CutPrefix(strings.TrimSpace(cl.ok("map", "--sessname", "full", "--path", "ip:127.0.0.1", "--device-path", "vol",
+		"--dest-port", fmt.Sprint(port))), "rnbd0 mapped: ")
+	if !ok {
+		t.Fatal("map output")
+	}
+	out, _ := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x11 0 4M", uri).CombinedOutput()
+	if !strings.Contains(string(out), "No space left on device") {
+		t.Fatalf("a write past the file system's space: %s, want ENOSPC", out)
+	}
+	for _, l := range []struct {
+		who, says string
+		out       *lockedBuffer
+	}{{"server", "IO failed on the backend", srv.out}, {"client", "IO failed", cl.out}} {
+		waitForCond(t, 10*time.Second, "the "+l.who+" to log the failed write", func() bool {
+			s := l.out.String()
+			return strings.Contains(s, l.says) && strings.Contains(s, "no space left on device")
+		})
+	}
+}
