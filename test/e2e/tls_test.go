@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -29,6 +30,7 @@ func TestTLSEndToEnd(t *testing.T) {
 	ca(pki, "server", "srv", "127.0.0.1")
 	ca(pki, "client", "client-a")
 	ca(pki, "client", "client-b")
+	ca(pki, "client", "client-c") // granted nothing
 	ca(other, "ca")
 	ca(other, "client", "client-a") // the same name from an authority the server does not trust
 	tlsArgs := func(d, name string) []string {
@@ -75,7 +77,39 @@ func TestTLSEndToEnd(t *testing.T) {
 		!strings.Contains(errOut, "rnbd: open vol: permission denied: the export grants this client's identity (its TLS certificate) no access, or less than this access mode") {
 		t.Fatalf("rw map by an identity granted ro: exit %d %q", code, errOut)
 	}
-	b.ok(mapArgs("sa2", "ro")...)
+	bOut := b.ok(mapArgs("sa2", "ro")...)
+	bURI, ok := strings.CutPrefix(strings.TrimSpace(bOut), "rnbd0 mapped: ")
+	if !ok {
+		t.Fatalf("map output %q", bOut)
+	}
+	// Through its ro mapping it reads what client-a wrote, and cannot
+	// write: the NBD export is read-only, and the server would refuse.
+	if out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write -P 0x42 0 4k", bURI).CombinedOutput(); err == nil && !strings.Contains(string(out), "failed") {
+		t.Fatalf("a write through client-b's ro mapping: %s, want it refused", out)
+	}
+	if out, err := exec.Command("qemu-io", "-f", "raw", "-r", "-c", "read 0 4k", bURI).CombinedOutput(); err != nil || strings.Contains(string(out), "failed") {
+		t.Fatalf("a read through client-b's ro mapping: %v %s", err, out)
+	}
+	// An identity the export does not name: refused, said why, no
+	// session left open for it.
+	c := client("c", tlsArgs(pki, "client-c")...)
+	if _, errOut, code := c.ctl(mapArgs("sc", "ro")...); code != 7 ||
+		!strings.Contains(errOut, "permission denied: the export grants this client's identity (its TLS certificate) no access") {
+		t.Fatalf("map by an identity granted nothing: exit %d %q", code, errOut)
+	}
+	waitForCond(t, 10*time.Second, "the server to log the refusal", func() bool {
+		return strings.Contains(srv.out.String(), "export vol does not allow client client-c")
+	})
+	c.stop()
+	waitForCond(t, 10*time.Second, "the refused client's session to go", func() bool {
+		for _, r := range srv.records("session", "list") {
+			if r["sessname"] == "sc" {
+				return false
+			}
+		}
+		return true
+	})
+	srv.ok("session", "forget", "sc") // the name it bound by connecting
 
 	// No TLS, or another authority: no session, and the server says why.
 	for _, c := range []struct {
