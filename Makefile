@@ -64,7 +64,7 @@ test: deps vet
 test-vm: deps
 	@test/vm/run.sh
 	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then \
-		VM_SUITE=trixie-backports VM_ONLY=nbd,ublk VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
+		VM_SUITE=trixie-backports VM_MIN_KERNEL=6.16 VM_ONLY=nbd,ublk VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
 	fi
 
 bench: deps

@@ -13,6 +13,8 @@
 #   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
 #   VM_TIMEOUT=s   bound on the guest run (default 600)
 #   VM_LOG=file    keep the guest's whole serial console output there
+#   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
+#                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
 #                  ublk, rdma, interop; comma-separated; default all)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
@@ -76,6 +78,12 @@ if [ -z "$kpkg" ]; then
 	[ -n "$kpkg" ] || die "no linux-image-amd64 in $suite"
 fi
 kv=${kpkg#linux-image-}
+# VM_MIN_KERNEL=X.Y: a run that exists to prove what only kernels from X.Y
+# do (the second pass: ublk's UPDATE_SIZE, 6.16) fails on an older one
+# instead of passing through its "the kernel cannot" branches.
+if [ -n "${VM_MIN_KERNEL:-}" ] && [ "$(printf '%s\n%s\n' "$VM_MIN_KERNEL" "${kv%%-*}" | sort -V | head -1)" != "$VM_MIN_KERNEL" ]; then
+	die "$kpkg is older than VM_MIN_KERNEL=$VM_MIN_KERNEL"
+fi
 kr=$cache/k-$kv
 # The kernel image: /boot/vmlinuz-KV, or in newer suites beside the
 # modules.
