@@ -179,7 +179,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		bound = append(bound, l.String())
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(st.Exports), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
+		"exports": len(d.rnbd.Exports()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
 	if wild := everywhere(cfg.Listen); len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")

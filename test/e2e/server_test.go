@@ -733,7 +733,17 @@ max_sessions = 1
 name = "vol2"
 path = %q
 read_only = true
-`, search, vol, other))
+`, search, vol, other), "--listen", fmt.Sprintf("tcp://127.0.0.1:%d", port), "--listen", fmt.Sprintf("tcp://127.0.0.2:%d", port))
+	// It serves on both addresses it was given, and says so.
+	waitForCond(t, 10*time.Second, "the server to log where it listens", func() bool {
+		return strings.Contains(d.out.String(), fmt.Sprintf("listen=\"tcp://127.0.0.1:%d,tcp://127.0.0.2:%d\"", port, port)) &&
+			strings.Contains(d.out.String(), "exports=2")
+	})
+	if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.2:%d", port)); err != nil {
+		t.Fatalf("the second listen address: %v", err)
+	} else {
+		c.Close()
+	}
 	waitForCond(t, 10*time.Second, "the server to say the configuration shadows the state's vol2", func() bool {
 		return strings.Contains(d.out.String(), "export of the state file not served: the configuration file has one of that name")
 	})
