@@ -197,6 +197,21 @@ for b in "$work"/bin/*; do
 	copy_elf "$b"
 	mv "$root$b" "$root/bin/"
 done
+# systemd-udevd (udevadm under that name), from this machine's Debian udev
+# package unpacked, not installed (this machine's /dev stays as it is),
+# and the packages' rule: the guest's udev scenario makes the stable
+# names /dev/rnbd/... the way udev does on a real node.
+udev=$cache/udev-$(dpkg-query -W -f '${Version}' systemd 2>/dev/null || echo any)
+if [ ! -x "$udev/bin/udevadm" ]; then
+	log "apt-get download udev"
+	rm -rf "$udev.new" && mkdir -p "$udev.new"
+	(cd "$udev.new" && timeout 300 apt-get download udev >/dev/null 2>&1 && dpkg-deb -x udev_*.deb x) || die "apt-get download udev"
+	mkdir -p "$udev.new/bin" && mv "$udev.new/x/bin/udevadm" "$udev.new/bin/" && rm -rf "$udev" && mv "$udev.new" "$udev"
+fi
+copy_elf "$udev/bin/udevadm"
+mv "$root$udev/bin/udevadm" "$root/bin/udevadm"
+ln -s udevadm "$root/bin/systemd-udevd"
+mkdir -p "$root/lib/udev/rules.d" && cp "$repo/deploy/udev/60-rnbd.rules" "$root/lib/udev/rules.d/"
 # libibverbs dlopen()s its provider, chosen by /etc/libibverbs.d; glibc
 # dlopen()s libgcc_s for thread cancellation. ldd lists neither.
 copy_elf "$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)"

@@ -755,4 +755,51 @@ ip addr add 10.77.0.1/24 dev mp0
 scenario ublk-fs
 fs ublk "$dev"
 [ ! -e "$dev" ] && res ublk-gone PASS "" || res ublk-gone FAIL "$dev still there"
+
+# 14. stable names made by udev, as on a real node: Debian's
+# systemd-udevd runs with the packages' rule (60-rnbd.rules); the client,
+# started after it, leaves the links to it (a hint file and a change
+# event per device). The link names the device, udev knows it as the
+# device's (what systemd's .device units and fstab go by), and it goes
+# with the mapping. An export name with '/' shows how it is written.
+udev_link() { # NAME SESS DEVPATH DEV: udev made /dev/rnbd/SESS/DEVPATH for DEV
+	local l=/dev/rnbd/$2/$3 got
+	for _ in $(seq 100); do [ -L "$l" ] && break; sleep 0.1; done
+	got=$(readlink -f "$l" 2>&1)
+	if [ "$got" = "$4" ] && udevadm info --query=symlink --name="$4" 2>&1 | tr ' ' '\n' | grep -qx "rnbd/$2/$3"; then
+		res "$1" PASS "$l -> $(readlink "$l")"
+	else
+		res "$1" FAIL "$l -> $got, want $4; udev: $(udevadm info --query=symlink --name="$4" 2>&1)"
+	fi
+}
+udev_gone() { # NAME SESS DEVPATH
+	for _ in $(seq 100); do [ ! -e "/dev/rnbd/$2/$3" ] && [ ! -L "/dev/rnbd/$2/$3" ] && break; sleep 0.1; done
+	[ ! -L "/dev/rnbd/$2/$3" ] && res "$1" PASS "" || res "$1" FAIL "$(ls -l /dev/rnbd/$2 2>&1)"
+}
+if [ -x /bin/udevadm ]; then
+	scenario udev-stable-names
+	mkdir -p /run/udev
+	/bin/systemd-udevd --daemon >>/tmp/udev.log 2>&1
+	for _ in $(seq 100); do [ -e /run/udev/control ] && break; sleep 0.1; done
+	[ -e /run/udev/control ] && res udevd PASS "" || res udevd FAIL "$(tail -3 /tmp/udev.log)"
+	restart_client
+	srv map grp/disk3 /tmp/disk3.img >/dev/null
+	out=$(cli map --sessname uv --path ip:127.0.0.1 --device-path grp/disk3 --as nbd 2>/dev/null)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/nbd*) udev_link udev-nbd-name uv 'grp!disk3' "$dev" ;; *) res udev-nbd-name FAIL "$out" ;; esac
+	[ -f /run/rnbd/devlinks/${dev#/dev/} ] && res udev-hint-file PASS "" || res udev-hint-file FAIL "$(ls /run/rnbd/devlinks 2>&1)"
+	cli unmap "$(devname)" >/dev/null
+	udev_gone udev-nbd-name-gone uv 'grp!disk3'
+	out=$(cli map --sessname uv --path ip:127.0.0.1 --device-path disk4 --as ublk 2>/dev/null)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/ublkb*) udev_link udev-ublk-name uv disk4 "$dev" ;; *) res udev-ublk-name FAIL "$out" ;; esac
+	# A restart of the client: the device is taken back, the name stays.
+	restart_client
+	udev_link udev-ublk-name-restart uv disk4 "$dev"
+	cli unmap "$(devname)" >/dev/null
+	udev_gone udev-ublk-name-gone uv disk4
+	udevadm control --exit 2>/dev/null || kill "$(pidof systemd-udevd)"
+	rm -rf /run/udev
+	restart_client
+fi
 finish
