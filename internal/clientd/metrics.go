@@ -18,7 +18,7 @@ var (
 	pathLabels = []string{"session", "path"}
 	cltDescs   = struct {
 		pathReqs, pathBytes, pathInflight, pathFailovers, pathReconnects, pathUp, pathState, pathRTT, pathLat *prometheus.Desc
-		sessPaths, sessUp, devReqs, devBytes, devFUA, devSize, devState                                       *prometheus.Desc
+		sessPaths, sessUp, devReqs, devBytes, devFUA, devSize, devState, devInflight                          *prometheus.Desc
 	}{
 		pathReqs: prometheus.NewDesc("rnbd_client_path_requests_total",
 			"RTRS requests posted on the path (stats/rdma rd_cnt, wr_cnt), by direction.", append(pathLabels, "direction"), nil),
@@ -33,7 +33,8 @@ var (
 		pathUp: prometheus.NewDesc("rnbd_client_path_up",
 			"1 if the path is connected.", pathLabels, nil),
 		pathState: prometheus.NewDesc("rnbd_client_path_state",
-			"1 for the path's RTRS state (CONNECTED, RECONNECTING, CONNECTING, CONNECTING_ERR, CLOSING, CLOSED, DEAD).", append(pathLabels, "state"), nil),
+			"1 for the path's RTRS state, 0 for the others (CONNECTING, CONNECTING_ERR, RECONNECTING, CONNECTED, CLOSING, CLOSED, DEAD).",
+			append(pathLabels, "state"), nil),
 		pathRTT: prometheus.NewDesc("rnbd_client_path_heartbeat_rtt_seconds",
 			"The path's last heartbeat round trip (cur_latency).", pathLabels, nil),
 		pathLat: prometheus.NewDesc("rnbd_client_path_request_duration_seconds",
@@ -51,6 +52,9 @@ var (
 			"Requests with FUA submitted to the mapped device.", []string{"device", "session", "device_path"}, nil),
 		devSize: prometheus.NewDesc("rnbd_client_device_size_bytes",
 			"Size of the mapped device.", []string{"device", "session", "device_path"}, nil),
+		devInflight: prometheus.NewDesc("rnbd_client_device_inflight_requests",
+			"Requests submitted to the mapped device and not done, those waiting for a path included.",
+			[]string{"device", "session", "device_path"}, nil),
 		devState: prometheus.NewDesc("rnbd_client_device_open",
 			"1 if the device is open on the server (state open), 0 while it waits for a path or was closed.", []string{"device", "session", "device_path"}, nil),
 	}
@@ -61,7 +65,7 @@ type cltCollector struct{ d *Daemon }
 func (c cltCollector) Describe(ch chan<- *prometheus.Desc) {
 	x := cltDescs
 	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathFailovers, x.pathReconnects,
-		x.pathUp, x.pathState, x.pathRTT, x.pathLat, x.sessPaths, x.sessUp, x.devReqs, x.devBytes, x.devFUA, x.devSize, x.devState} {
+		x.pathUp, x.pathState, x.pathRTT, x.pathLat, x.sessPaths, x.sessUp, x.devReqs, x.devBytes, x.devFUA, x.devSize, x.devState, x.devInflight} {
 		ch <- d
 	}
 }
@@ -98,7 +102,14 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 				up++
 			}
 			gauge(x.pathUp, connected, sess, name)
-			gauge(x.pathState, 1, sess, name, p.State().String())
+			now := p.State()
+			for st := rtrs.PathConnecting; st <= rtrs.PathDead; st++ {
+				v := 0.0
+				if st == now {
+					v = 1
+				}
+				gauge(x.pathState, v, sess, name, st.String())
+			}
 			gauge(x.pathRTT, p.CurLatency().Seconds(), sess, name)
 			for _, dir := range []rtrs.Dir{rtrs.Read, rtrs.Write} {
 				counts, sum := st.Latency(dir)
@@ -123,6 +134,7 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(x.devBytes, float64(cn.Bytes[op]), append(l, strings.ToLower(op.String()))...)
 		}
 		counter(x.devFUA, float64(cn.FUA), l...)
+		gauge(x.devInflight, float64(cn.Inflight), l...)
 		gauge(x.devSize, float64(m.dev.Size()), l...)
 		open := 0.0
 		if m.dev.State() == rnbd.DevOpen {

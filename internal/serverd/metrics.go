@@ -13,9 +13,9 @@ import (
 // path names, export or device names, the errno of a refusal: bounded,
 // never per request.
 var srvDescs = struct {
-	pathReqs, pathBytes, pathInflight, pathUp, sessions, sessPaths      *prometheus.Desc
-	devBytes, devReqs, devFUA, openDevices, exports, chunkMem, chunkMax *prometheus.Desc
-	refused                                                             *prometheus.Desc
+	pathReqs, pathBytes, pathInflight, pathUp, pathLat, sessions, sessPaths *prometheus.Desc
+	devBytes, devReqs, devFUA, devInflight, openDevices, exports           *prometheus.Desc
+	chunkMem, chunkMax, refused                                            *prometheus.Desc
 }{
 	pathReqs: prometheus.NewDesc("rnbd_server_path_requests_total",
 		"RTRS requests received on the path (stats/rdma rd_cnt, wr_cnt), by direction: read sends data to the client.",
@@ -27,6 +27,9 @@ var srvDescs = struct {
 		"Requests of the path handed to RNBD and not answered yet.", []string{"session", "path"}, nil),
 	pathUp: prometheus.NewDesc("rnbd_server_path_up",
 		"1 if the path is connected.", []string{"session", "path"}, nil),
+	pathLat: prometheus.NewDesc("rnbd_server_path_request_duration_seconds",
+		"Time from a request's arrival on the path to its answer being posted: the backend's work and the wait for it "+
+			"(log2 buckets, as the client's), by direction.", []string{"session", "path", "direction"}, nil),
 	sessions: prometheus.NewDesc("rnbd_server_sessions",
 		"Client sessions the server has.", nil, nil),
 	sessPaths: prometheus.NewDesc("rnbd_server_session_paths",
@@ -35,10 +38,13 @@ var srvDescs = struct {
 		"Bytes read and written on a device a session has open, since it opened it, by direction.",
 		[]string{"session", "device", "direction"}, nil),
 	devReqs: prometheus.NewDesc("rnbd_server_device_requests_total",
-		"Flush, discard and write-zeroes requests on a device a session has open, since it opened it.",
+		"Requests on a device a session has open, since it opened it, by operation (read, write, flush, discard, write_zeroes; "+
+			"a write with PREFLUSH counts as a flush too).",
 		[]string{"session", "device", "op"}, nil),
-	devFUA: prometheus.NewDesc("rnbd_server_device_fua_writes_total",
-		"Writes with FUA on a device a session has open, since it opened it.", []string{"session", "device"}, nil),
+	devFUA: prometheus.NewDesc("rnbd_server_device_fua_requests_total",
+		"Requests with FUA on a device a session has open, since it opened it.", []string{"session", "device"}, nil),
+	devInflight: prometheus.NewDesc("rnbd_server_device_inflight_requests",
+		"Requests of a session on a device running on the backend now.", []string{"session", "device"}, nil),
 	openDevices: prometheus.NewDesc("rnbd_server_open_devices",
 		"Devices open by sessions (one per session and device).", nil, nil),
 	exports: prometheus.NewDesc("rnbd_server_exports",
@@ -56,8 +62,8 @@ type srvCollector struct{ d *Daemon }
 
 func (c srvCollector) Describe(ch chan<- *prometheus.Desc) {
 	x := srvDescs
-	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathUp, x.sessions, x.sessPaths,
-		x.devBytes, x.devReqs, x.devFUA, x.openDevices, x.exports, x.chunkMem, x.chunkMax, x.refused} {
+	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathUp, x.pathLat, x.sessions, x.sessPaths,
+		x.devBytes, x.devReqs, x.devFUA, x.devInflight, x.openDevices, x.exports, x.chunkMem, x.chunkMax, x.refused} {
 		ch <- d
 	}
 }
@@ -88,6 +94,11 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 				up = 1
 			}
 			gauge(x.pathUp, up, sess, name)
+			for _, dir := range []rtrs.Dir{rtrs.Read, rtrs.Write} {
+				counts, sum := p.Stats().Latency(dir)
+				buckets, n := metrics.Log2Buckets(counts)
+				e.Histogram(x.pathLat, n, sum.Seconds(), buckets, sess, name, dir.String())
+			}
 		}
 	}
 	devs := c.d.rnbd.OpenDevices()
@@ -99,10 +110,13 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		counter(x.devBytes, float64(o.ReadSectors*512), o.Session, dev, "read")
 		counter(x.devBytes, float64(o.WrittenSectors*512), o.Session, dev, "write")
+		counter(x.devReqs, float64(o.Reads), o.Session, dev, "read")
+		counter(x.devReqs, float64(o.Writes), o.Session, dev, "write")
 		counter(x.devReqs, float64(o.Flushes), o.Session, dev, "flush")
 		counter(x.devReqs, float64(o.Discards), o.Session, dev, "discard")
 		counter(x.devReqs, float64(o.WriteZeroes), o.Session, dev, "write_zeroes")
 		counter(x.devFUA, float64(o.FUAWrites), o.Session, dev)
+		gauge(x.devInflight, float64(o.Inflight), o.Session, dev)
 	}
 	gauge(x.exports, float64(len(c.d.rnbd.Exports())))
 	used, limit := c.d.rtrs.ChunkMemory()

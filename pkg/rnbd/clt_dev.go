@@ -65,6 +65,7 @@ type CltDev struct {
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
+	nflight  atomic.Int64   // how many: DevCounters.Inflight
 
 	// ops and opBytes count submitted requests by operation, fuas those
 	// with FUA (Counters).
@@ -78,6 +79,9 @@ type DevCounters struct {
 	Requests [opLast]uint64
 	Bytes    [opLast]uint64
 	FUA      uint64
+	// Inflight is the requests submitted and not done (those waiting
+	// for a path included).
+	Inflight int64
 }
 
 // Counters returns the device's request counters.
@@ -87,6 +91,7 @@ func (d *CltDev) Counters() DevCounters {
 		c.Requests[i], c.Bytes[i] = d.ops[i].Load(), d.opBytes[i].Load()
 	}
 	c.FUA = d.fuas.Load()
+	c.Inflight = d.nflight.Load()
 	return c
 }
 
@@ -391,6 +396,7 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 		n = (r.Len + step - 1) / step
 	}
 	d.inflight.Add(1)
+	d.nflight.Add(1)
 	r.pending.Store(int32(n))
 	for i := 0; i < n; i++ {
 		off := int64(i) * int64(step)
@@ -527,6 +533,7 @@ func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 			log.ErrorLevel, "IO failed")
 	}
 	r.Burst = b
+	d.nflight.Add(-1)
 	r.Done(r, r.firstErr)
 	d.inflight.Done()
 }

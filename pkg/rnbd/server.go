@@ -402,7 +402,10 @@ type SrvSessDev struct {
 	// count what reached the backend: flushes (explicit or before a
 	// write), FUA writes, discards and write-zeroes.
 	rdSect, wrSect                  atomic.Uint64
+	reads, writes                   atomic.Uint64
 	flushes, fuas, discards, wzeros atomic.Uint64
+	// inflight counts the requests running on the backend now.
+	inflight atomic.Int64
 
 	// refs counts IO in flight plus one for being open; closing waits
 	// for it to drain.
@@ -1008,8 +1011,12 @@ type SessDevInfo struct {
 	AccessMode AccessMode
 	ReadOnly   bool
 	// ReadSectors and WrittenSectors count the device's IO, in 512-byte
-	// sectors, since it was opened.
+	// sectors, since it was opened; Reads and Writes the requests that
+	// carried data (a write without data is a flush).
 	ReadSectors, WrittenSectors uint64
+	Reads, Writes               uint64
+	// Inflight is the requests running on the backend now.
+	Inflight int64
 	// Flushes, FUAWrites, Discards and WriteZeroes count those requests
 	// since it was opened (a write with preflush counts as a flush too).
 	Flushes, FUAWrites, Discards, WriteZeroes uint64
@@ -1026,7 +1033,8 @@ func (s *Server) OpenDevices() []SessDevInfo {
 		out = append(out, SessDevInfo{
 			Session: d.sess.name, Name: d.name, Export: d.export, Path: d.backend.Path(),
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
-			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(),
+			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(), Reads: d.reads.Load(), Writes: d.writes.Load(),
+			Inflight: d.inflight.Load(),
 			Flushes: d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
 			WriteCache: d.backend.Caps().WriteCache,
 		})

@@ -134,11 +134,13 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 	}
 	var done bool
 	var err error
+	d.inflight.Add(1)
 	if m.Op() == OpRead {
 		done, err = d.backend.TryReadAt(op.Data(), off)
 	} else {
 		done, err = d.backend.TryWriteAt(op.Data(), off)
 	}
+	d.inflight.Add(-1)
 	if !done || err != nil {
 		return false // the worker does it again and reports the error
 	}
@@ -166,7 +168,10 @@ func (x *SrvSession) processIO(op *rtrs.SrvOp) error {
 	if r != nil {
 		return x.refuse(ioFields(op, &m, d.name), r)
 	}
-	if err := d.run(&m, op.Data(), off, n); err != nil {
+	d.inflight.Add(1)
+	err := d.run(&m, op.Data(), off, n)
+	d.inflight.Add(-1)
+	if err != nil {
 		x.srv.rl.Log(x.log().WithFields(ioFields(op, &m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
 		return err
 	}
@@ -216,11 +221,15 @@ func (d *SrvSessDev) count(m *IO, n int64) {
 	fua := m.RW&FFUA != 0
 	switch m.Op() {
 	case OpRead:
+		d.reads.Add(1)
 		d.rdSect.Add(uint64(n / 512))
 		return
 	case OpWrite:
 		if m.RW&FPreflush != 0 || (n == 0 && fua) {
 			d.flushes.Add(1)
+		}
+		if n > 0 {
+			d.writes.Add(1)
 		}
 		d.wrSect.Add(uint64(n / 512))
 	case OpFlush:

@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -26,6 +27,7 @@ type SrvOp struct {
 	data  []byte
 	usr   []byte
 	rd    RDMARead
+	began time.Time // when the request was handed to the user
 	wrs   [3]fabric.SendWR
 	nwr   int // work requests of a response parked for send queue room
 }
@@ -140,6 +142,7 @@ func (op *SrvOp) Respond(err error) {
 		op.wrs[i].Next = &op.wrs[i+1]
 	}
 	op.nwr = n
+	p.stats.observeLatency(op.dir, time.Since(op.began))
 	parked, err := op.con.post(&op.wrs[0], n, op)
 	if err != nil {
 		if !errors.Is(err, ErrClosed) {
@@ -205,6 +208,7 @@ func (op *SrvOp) start(req opReq) {
 	op.data = chunk[:req.dataLen]
 	op.usr = chunk[req.dataLen:req.off]
 	p.stats.update(op.dir, int(req.off))
+	op.began = time.Now()
 	if err := p.sess.srv.cfg.Handler.HandleIO(op); err != nil {
 		op.Respond(err)
 	}

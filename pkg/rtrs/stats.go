@@ -28,6 +28,52 @@ func (d Dir) String() string {
 // the rest. 2^26 µs is about 67 s.
 const latBuckets = 28
 
+// latHist is a log2 latency histogram per direction (stats/rdma_lat's),
+// with the largest and the sum of what it counted.
+type latHist struct {
+	lat    [2][latBuckets]atomic.Uint64
+	latMax [2]atomic.Int64  // ns
+	latSum [2]atomic.Uint64 // ns
+}
+
+func (h *latHist) observeLatency(d Dir, lat time.Duration) {
+	us := uint64(lat / time.Microsecond)
+	b := bits.Len64(us)
+	if b >= latBuckets {
+		b = latBuckets - 1
+	}
+	h.lat[d][b].Add(1)
+	h.latSum[d].Add(uint64(lat))
+	for {
+		m := h.latMax[d].Load()
+		if int64(lat) <= m || h.latMax[d].CompareAndSwap(m, int64(lat)) {
+			break
+		}
+	}
+}
+
+// Latency returns the buckets for direction d: counts[i], i < len-1, is
+// the requests that took less than 2^i µs (and at least 2^(i-1)), the
+// last those that took longer; and the sum of all their latencies.
+func (h *latHist) Latency(d Dir) (counts []uint64, sum time.Duration) {
+	counts = make([]uint64, latBuckets)
+	for i := range counts {
+		counts[i] = h.lat[d][i].Load()
+	}
+	return counts, time.Duration(h.latSum[d].Load())
+}
+
+// ResetLatency clears the histogram.
+func (h *latHist) ResetLatency() {
+	for d := range h.lat {
+		for i := range h.lat[d] {
+			h.lat[d][i].Store(0)
+		}
+		h.latMax[d].Store(0)
+		h.latSum[d].Store(0)
+	}
+}
+
 // PathStats are a client path's counters, in the kernel's stats/ formats.
 // All methods are safe for concurrent use.
 type PathStats struct {
@@ -39,9 +85,7 @@ type PathStats struct {
 	// rtrs_clt_init_stats arranges.
 	reconnSucc atomic.Int64
 	reconnFail atomic.Int64
-	lat        [2][latBuckets]atomic.Uint64
-	latMax     [2]atomic.Int64  // ns
-	latSum     [2]atomic.Uint64 // ns
+	latHist    // from posting a request to its answer
 }
 
 func newPathStats() *PathStats {
@@ -61,22 +105,6 @@ func (s *PathStats) update(d Dir, size int) {
 		s.wrBytes.Add(uint64(size))
 	}
 	s.inflight.Add(1)
-}
-
-func (s *PathStats) observeLatency(d Dir, lat time.Duration) {
-	us := uint64(lat / time.Microsecond)
-	b := bits.Len64(us)
-	if b >= latBuckets {
-		b = latBuckets - 1
-	}
-	s.lat[d][b].Add(1)
-	s.latSum[d].Add(uint64(lat))
-	for {
-		m := s.latMax[d].Load()
-		if int64(lat) <= m || s.latMax[d].CompareAndSwap(m, int64(lat)) {
-			break
-		}
-	}
 }
 
 // RDMA is stats/rdma: "rd_cnt rd_bytes wr_cnt wr_bytes inflight failover_cnt".
@@ -124,18 +152,6 @@ func (s *PathStats) LatencyHist() string {
 	return b.String()
 }
 
-// Latency returns stats/rdma_lat's buckets for direction d: counts[i],
-// i < len-1, is the requests that took less than 2^i µs (and at least
-// 2^(i-1)), the last those that took longer; and the sum of all their
-// latencies.
-func (s *PathStats) Latency(d Dir) (counts []uint64, sum time.Duration) {
-	counts = make([]uint64, latBuckets)
-	for i := range counts {
-		counts[i] = s.lat[d][i].Load()
-	}
-	return counts, time.Duration(s.latSum[d].Load())
-}
-
 // ResetRDMA clears stats/rdma except inflight, which tracks live requests.
 func (s *PathStats) ResetRDMA() {
 	s.rdCnt.Store(0)
@@ -149,17 +165,6 @@ func (s *PathStats) ResetRDMA() {
 func (s *PathStats) ResetReconnects() {
 	s.reconnSucc.Store(0)
 	s.reconnFail.Store(0)
-}
-
-// ResetLatency clears stats/rdma_lat.
-func (s *PathStats) ResetLatency() {
-	for d := range s.lat {
-		for i := range s.lat[d] {
-			s.lat[d][i].Store(0)
-		}
-		s.latMax[d].Store(0)
-		s.latSum[d].Store(0)
-	}
 }
 
 // ResetAll is stats/reset_all. Unlike the kernel it keeps inflight, which
@@ -176,6 +181,7 @@ type SrvPathStats struct {
 	rdCnt, rdBytes atomic.Uint64
 	wrCnt, wrBytes atomic.Uint64
 	inflight       atomic.Int64
+	latHist        // from a request's arrival to its answer being posted
 }
 
 func (s *SrvPathStats) update(d Dir, size int) {
@@ -211,4 +217,5 @@ func (s *SrvPathStats) Reset() {
 	s.rdBytes.Store(0)
 	s.wrCnt.Store(0)
 	s.wrBytes.Store(0)
+	s.ResetLatency()
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -112,11 +113,13 @@ func lintMetrics(t *testing.T, who string, s scrape) {
 	}
 }
 
-// TestMetrics: both daemons serve /metrics; after fio writes 16 MiB in
-// 4 KiB blocks through a mapping and flushes, the client's device and
-// path counters and the server's path and device counters moved by
-// exactly what fio did, the latency histogram counted every request,
-// and the expositions pass promtool check metrics.
+// TestMetrics: both daemons serve /metrics. While fio writes through a
+// mapping, both are scraped: requests are in flight, the counters only
+// grow. After fio wrote 16 MiB in 4 KiB blocks and flushed, then read
+// 8 MiB in 64 KiB blocks, the client's device and path counters and the
+// server's path and device counters moved by exactly what fio did, both
+// latency histograms counted every request, and the expositions pass
+// promtool check metrics.
 func TestMetrics(t *testing.T) {
 	needTools(t, "fio")
 	dir := t.TempDir()
@@ -133,10 +136,44 @@ func TestMetrics(t *testing.T) {
 		t.Fatalf("map output %q", out)
 	}
 	c0, s0 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
-	run(t, 2*time.Minute, "fio", "--name=m", "--ioengine=nbd", "--uri="+uri, "--rw=write", "--bs=4k", "--iodepth=8",
+	// During a run: scraped every 50 ms, some scrape sees requests in
+	// flight on both sides, and no counter ever goes back.
+	fio := start(t, "fio", "--name=m", "--ioengine=nbd", "--uri="+uri, "--rw=write", "--bs=4k", "--iodepth=8",
 		"--size=16m", "--end_fsync=1", "--output-format=json")
+	var cltBusy, srvBusy bool
+	prevC, prevS := c0, s0
+	for running := true; running; {
+		select {
+		case err := <-fio.done:
+			fio.done <- err // for wait
+			running = false
+		case <-time.After(50 * time.Millisecond):
+		}
+		c, s := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
+		cltBusy = cltBusy || c.sum("rnbd_client_device_inflight_requests", `device="rnbd0"`) > 0
+		srvBusy = srvBusy || s.sum("rnbd_server_path_inflight_requests", `session="mx"`) > 0
+		for _, m := range []struct {
+			a, b scrape
+			name string
+		}{{prevC, c, "rnbd_client_device_requests_total"}, {prevC, c, "rnbd_client_path_bytes_total"},
+			{prevS, s, "rnbd_server_path_requests_total"}, {prevS, s, "rnbd_server_device_bytes_total"}} {
+			if m.b.sum(m.name) < m.a.sum(m.name) {
+				t.Errorf("%s went back from %v to %v during the run", m.name, m.a.sum(m.name), m.b.sum(m.name))
+			}
+		}
+		prevC, prevS = c, s
+	}
+	if err := fio.wait(t, 2*time.Minute); err != nil {
+		t.Fatalf("fio: %v\n%s", err, fio.out.String())
+	}
+	if !cltBusy || !srvBusy {
+		t.Errorf("no scrape during the run saw requests in flight (client %v, server %v)", cltBusy, srvBusy)
+	}
+	run(t, 2*time.Minute, "fio", "--name=r", "--ioengine=nbd", "--uri="+uri, "--rw=read", "--bs=64k", "--iodepth=4",
+		"--size=8m", "--output-format=json")
 	c1, s1 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
 	const writes, bytes = 4096, 16 << 20
+	const reads, readBytes = 128, 8 << 20
 	delta := func(a, b scrape, name string, match ...string) float64 {
 		return b.sum(name, match...) - a.sum(name, match...)
 	}
@@ -148,7 +185,10 @@ func TestMetrics(t *testing.T) {
 		{"client device writes", delta(c0, c1, "rnbd_client_device_requests_total", `op="write"`, `device="rnbd0"`, `session="mx"`), writes, false},
 		{"client device bytes written", delta(c0, c1, "rnbd_client_device_bytes_total", `op="write"`), bytes, false},
 		{"client device flushes", delta(c0, c1, "rnbd_client_device_requests_total", `op="flush"`), 1, true},
-		{"client device reads", delta(c0, c1, "rnbd_client_device_requests_total", `op="read"`), 0, false},
+		{"client device reads", delta(c0, c1, "rnbd_client_device_requests_total", `op="read"`), reads, false},
+		{"client device bytes read", delta(c0, c1, "rnbd_client_device_bytes_total", `op="read"`), readBytes, false},
+		{"client path reads", delta(c0, c1, "rnbd_client_path_requests_total", `direction="read"`), reads, false},
+		{"client device in flight after the runs", c1.sum("rnbd_client_device_inflight_requests"), 0, false},
 		{"client path writes", delta(c0, c1, "rnbd_client_path_requests_total", `direction="write"`), writes + 1, true},
 		{"client latency observations", delta(c0, c1, "rnbd_client_path_request_duration_seconds_count", `direction="write"`), writes + 1, true},
 		{"client path failovers", delta(c0, c1, "rnbd_client_path_failovers_total"), 0, false},
@@ -156,8 +196,17 @@ func TestMetrics(t *testing.T) {
 		{"server path writes", delta(s0, s1, "rnbd_server_path_requests_total", `direction="write"`, `session="mx"`), writes + 1, true},
 		{"server device bytes written", delta(s0, s1, "rnbd_server_device_bytes_total", `direction="write"`, `device="vol"`), bytes, false},
 		{"server device flushes", delta(s0, s1, "rnbd_server_device_requests_total", `op="flush"`), 1, true},
+		{"server device writes", delta(s0, s1, "rnbd_server_device_requests_total", `op="write"`, `device="vol"`), writes, false},
+		{"server device reads", delta(s0, s1, "rnbd_server_device_requests_total", `op="read"`, `device="vol"`), reads, false},
+		{"server device bytes read", delta(s0, s1, "rnbd_server_device_bytes_total", `direction="read"`, `device="vol"`), readBytes, false},
+		{"server path reads", delta(s0, s1, "rnbd_server_path_requests_total", `direction="read"`, `session="mx"`), reads, false},
+		{"server latency observations", delta(s0, s1, "rnbd_server_path_request_duration_seconds_count", `session="mx"`),
+			writes + reads + 1, true},
+		{"server device in flight after the runs", s1.sum("rnbd_server_device_inflight_requests"), 0, false},
 		{"server open devices", s1.sum("rnbd_server_open_devices"), 1, false},
 		{"server sessions", s1.sum("rnbd_server_sessions"), 1, false},
+		{"client path states", c1.sum("rnbd_client_path_state", `session="mx"`), 1, false},
+		{"client path state CONNECTED", c1.sum("rnbd_client_path_state", `session="mx"`, `state="CONNECTED"`), 1, false},
 	} {
 		if c.got != c.want && !(c.atLeast && c.got >= c.want) {
 			t.Errorf("%s moved by %v, want %v", c.what, c.got, c.want)
@@ -168,4 +217,15 @@ func TestMetrics(t *testing.T) {
 	}
 	lintMetrics(t, "rnbd-client", c1)
 	lintMetrics(t, "rnbd-server", s1)
+
+	// The example dashboard shows only what the daemons serve.
+	dash, err := os.ReadFile("../../deploy/grafana-rnbd.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range regexp.MustCompile(`rnbd_(client|server)_[a-z_]+`).FindAllString(string(dash), -1) {
+		if c1.sum(name)+s1.sum(name) == 0 && !strings.Contains(string(c1.text)+string(s1.text), "\n"+name) {
+			t.Errorf("deploy/grafana-rnbd.json uses %s, which neither daemon serves", name)
+		}
+	}
 }
