@@ -14,8 +14,8 @@ import (
 // never per request.
 var srvDescs = struct {
 	pathReqs, pathBytes, pathInflight, pathUp, pathLat, sessions, sessPaths *prometheus.Desc
-	devBytes, devReqs, devFUA, devInflight, openDevices, exports           *prometheus.Desc
-	chunkMem, chunkMax, refused                                            *prometheus.Desc
+	devBytes, devReqs, devFUA, devInflight, openDevices, exports            *prometheus.Desc
+	chunkMem, chunkMax, refused                                             *prometheus.Desc
 }{
 	pathReqs: prometheus.NewDesc("rnbd_server_path_requests_total",
 		"RTRS requests received on the path (stats/rdma rd_cnt, wr_cnt), by direction: read sends data to the client.",

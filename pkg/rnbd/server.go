@@ -1035,7 +1035,7 @@ func (s *Server) OpenDevices() []SessDevInfo {
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
 			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(), Reads: d.reads.Load(), Writes: d.writes.Load(),
 			Inflight: d.inflight.Load(),
-			Flushes: d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
+			Flushes:  d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
 			WriteCache: d.backend.Caps().WriteCache,
 		})
 	}
