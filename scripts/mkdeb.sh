@@ -27,6 +27,8 @@ date=$(git log -1 --format=%cD)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w" -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+# The man pages carry the commit's date, not the build's.
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}
 "$work/bin/rnbd-server" man "$work/man"
 "$work/bin/rnbd-client" man "$work/man"
 

@@ -3,6 +3,8 @@ package cli
 import (
 	"fmt"
 	"os"
+	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/cobra/doc"
@@ -23,6 +25,16 @@ func ManCmd(root *cobra.Command) *cobra.Command {
 			}
 			root.DisableAutoGenTag = true
 			hdr := &doc.GenManHeader{Section: "8", Source: "rnbd", Manual: "System Administration"}
+			// Reproducible pages: dated SOURCE_DATE_EPOCH (the
+			// packages set the commit's date), not when they were made.
+			if v := os.Getenv("SOURCE_DATE_EPOCH"); v != "" {
+				sec, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					return fmt.Errorf("SOURCE_DATE_EPOCH %q: %w", v, err)
+				}
+				t := time.Unix(sec, 0).UTC()
+				hdr.Date = &t
+			}
 			if err := doc.GenManTree(root, hdr, args[0]); err != nil {
 				return fmt.Errorf("man pages: %w", err)
 			}
