@@ -198,13 +198,18 @@ func jsonPart(out string) string {
 // fioJob is what the tests read of a fio job's JSON report: its error,
 // and its writes with their longest completion latency.
 type fioJob struct {
-	Error int `json:"error"`
-	Write struct {
-		IOs  int64 `json:"total_ios"`
-		Clat struct {
-			Max float64 `json:"max"`
-		} `json:"clat_ns"`
-	} `json:"write"`
+	Error int    `json:"error"`
+	Read  fioDir `json:"read"`
+	Write fioDir `json:"write"`
+}
+
+// fioDir is one direction of a fio job: its IOs and their longest
+// completion latency.
+type fioDir struct {
+	IOs  int64 `json:"total_ios"`
+	Clat struct {
+		Max float64 `json:"max"`
+	} `json:"clat_ns"`
 }
 
 // fioWrites parses the JSON report of a fio run of one job.
@@ -274,10 +279,17 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	if j.Error != 0 || j.Write.IOs == 0 {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}
-	if j.Write.Clat.Max > 2e9 {
-		t.Errorf("a write waited %.2f s across the silent loss, want at most 2 s; the client said:\n%s",
-			j.Write.Clat.Max/1e9, r.cli.out.String())
+	if j.Write.Clat.Max > 2e9 || j.Read.Clat.Max > 2e9 {
+		t.Errorf("a write waited %.2f s, a verifying read %.2f s across the silent loss, want at most 2 s; the client said:\n%s",
+			j.Write.Clat.Max/1e9, j.Read.Clat.Max/1e9, r.cli.out.String())
 	}
+	if j.Read.IOs == 0 {
+		t.Errorf("fio verified nothing (no reads)")
+	}
+	// The path whose address came back reconnects by itself.
+	waitForCond(t, 30*time.Second, "the lost path to reconnect", func() bool {
+		return r.clientMetrics(t).sum("rnbd_client_session_connected_paths", `session="sl"`) == 2
+	})
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")
 	// The client's metrics say the same: requests failed over, and
 	// every write fio made.
