@@ -48,6 +48,30 @@ func newHostileRigWith(t *testing.T, inv bool, disk *memDisk, opts tcp.Options) 
 	return &hostileRig{rig: r, fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
 }
 
+// newHostileRigCfg is a hostile rig on a plain TCP fabric whose server
+// configuration set adjusts.
+func newHostileRigCfg(t *testing.T, set func(*ServerConfig)) *hostileRig {
+	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
+	dst := loopbackListener(t)
+	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	set(&scfg)
+	return &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
+		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+}
+
+// dialPath asks for the first connection of a new path (and session) of
+// two connections from h.src; a refusal is a *fabric.RejectError.
+func (h *hostileRig) dialPath() error {
+	dev, _ := h.fab.Resolve(context.Background(), h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, 2)
+	c, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize)))
+	if err == nil {
+		c.qp.Close()
+	}
+	return err
+}
+
 // stillServes checks the good session and that the server holds no
 // session but the good one.
 func (h *hostileRig) stillServes() { h.stillServesWith(1) }
@@ -550,18 +574,10 @@ func TestSessionPeerOverTLS(t *testing.T) {
 // sessions; one more is refused with EUSERS while other addresses are
 // not affected, and a slot comes back when a session goes.
 func TestHostileSessionsPerClient(t *testing.T) {
-	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
-	dst := loopbackListener(t)
-	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
-	scfg.MaxSessionsPerClient = 2
-	h := &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
-		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	h := newHostileRigCfg(t, func(c *ServerConfig) { c.MaxSessionsPerClient = 2 })
 	first := newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
-	dev, _ := h.fab.Resolve(context.Background(), h.src, h.dst)
-	pd, _ := dev.AllocPD()
-	req := rawConnReq(0, 2)
-	if _, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize))); rejectErrno(err) != syscall.EUSERS {
+	if err := h.dialPath(); rejectErrno(err) != syscall.EUSERS {
 		t.Fatalf("a third session from one address: %v, want a reject with EUSERS", err)
 	}
 	other := netip.MustParseAddrPort("127.0.0.4:0")
@@ -577,24 +593,19 @@ func TestHostileSessionsPerClient(t *testing.T) {
 // another address gets a path from what is left, and the share comes
 // back when a path goes.
 func TestHostileClientMemoryShare(t *testing.T) {
-	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
-	dst := loopbackListener(t)
-	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
-	small := pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, 2) // a raw path of two connections
-	scfg.MaxChunkMemory = 16 * small
-	scfg.MaxChunkMemoryPerClient = 2 * small
-	h := &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
-		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	var small, budget int64
+	h := newHostileRigCfg(t, func(c *ServerConfig) {
+		small = pathFootprint(c, c.QueueDepth, c.MaxChunkSize, 2) // a raw path of two connections
+		budget = 16 * small
+		c.MaxChunkMemory, c.MaxChunkMemoryPerClient = budget, 2*small
+	})
 	first := newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
-	dev, _ := h.fab.Resolve(context.Background(), h.src, h.dst)
-	pd, _ := dev.AllocPD()
-	req := rawConnReq(0, 2)
-	if _, _, err := dialRaw(h.fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize))); rejectErrno(err) != syscall.ENOMEM {
+	if err := h.dialPath(); rejectErrno(err) != syscall.ENOMEM {
 		t.Fatalf("a third path of one client past its share: %v, want a reject with ENOMEM", err)
 	}
-	if used, _ := h.srv.ChunkMemory(); used >= scfg.MaxChunkMemory-small {
-		t.Fatalf("%d bytes of %d used: the refusal was the budget's, not the share's", used, scfg.MaxChunkMemory)
+	if used, _ := h.srv.ChunkMemory(); used >= budget-small {
+		t.Fatalf("%d bytes of %d used: the refusal was the budget's, not the share's", used, budget)
 	}
 	newRawPathConns(t, h.fab, netip.MustParseAddrPort("127.0.0.4:0"), h.dst, 2, 1) // another client has its own share
 	first.close()
