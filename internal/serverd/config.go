@@ -42,7 +42,7 @@ type Config struct {
 	MaxChunkSize   int          `toml:"max_chunk_size"`
 	MaxChunkMemory Size         `toml:"max_chunk_memory"`
 	// MaxChunkMemoryPerClient bounds what one client may hold of it
-	// (rtrs.ServerConfig); unset, a quarter of MaxChunkMemory.
+	// (rtrs.ServerConfig); unset, rtrs.DefaultMaxChunkMemoryPerClient.
 	MaxChunkMemoryPerClient *Size `toml:"max_chunk_memory_per_client"`
 	// MaxSessionsPerClient bounds one client's sessions (rtrs.ServerConfig).
 	MaxSessionsPerClient int `toml:"max_sessions_per_client"`
@@ -164,14 +164,6 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// ChunkMemoryPerClient is what one client may hold of the chunk memory:
-// max_chunk_memory_per_client, or a quarter of max_chunk_memory.
-func (c *Config) ChunkMemoryPerClient() int64 {
-	if c.MaxChunkMemoryPerClient != nil {
-		return int64(*c.MaxChunkMemoryPerClient)
-	}
-	return rtrs.DefaultMaxChunkMemoryPerClient(int64(c.MaxChunkMemory))
-}
 
 // dirOf is the part of a search path that must exist: up to %SESSNAME%.
 func dirOf(sp string) string {

@@ -156,7 +156,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	rcfg.InvalidateByRegistration = cfg.InvalidateBy == "registration"
 	rcfg.HBInterval, rcfg.HBMissedMax = cfg.HBInterval.Duration, cfg.HBMissedMax
 	rcfg.MaxChunkMemory = int64(cfg.MaxChunkMemory)
-	rcfg.MaxChunkMemoryPerClient = cfg.ChunkMemoryPerClient()
+	rcfg.MaxChunkMemoryPerClient = rtrs.DefaultMaxChunkMemoryPerClient(&rcfg)
+	if cfg.MaxChunkMemoryPerClient != nil {
+		rcfg.MaxChunkMemoryPerClient = int64(*cfg.MaxChunkMemoryPerClient)
+	}
 	rcfg.MaxSessionsPerClient = cfg.MaxSessionsPerClient
 	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {
 		d.ctl.Close()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -136,11 +137,24 @@ func DefaultMaxChunkMemory() int64 {
 // hold by default: a quarter (DefaultMaxChunkMemoryPerClient).
 const DefaultClientMemoryShare = 4
 
-// DefaultMaxChunkMemoryPerClient is a quarter of total: 2 GiB of the
-// largest default budget, about 29 paths of the default 512 × 128 KiB
-// chunks and three connections — more than any one legitimate client
-// holds on one server.
-func DefaultMaxChunkMemoryPerClient(total int64) int64 { return total / DefaultClientMemoryShare }
+// DefaultClientPaths is how many paths one client may hold by default
+// however small the budget: a client with a few sessions of two paths.
+const DefaultClientPaths = 8
+
+// DefaultMaxChunkMemoryPerClient is what one client may hold of cfg's
+// MaxChunkMemory by default: a quarter of it (2 GiB of the largest
+// default budget, about 29 paths of the default 512 × 128 KiB chunks),
+// but at least DefaultClientPaths paths of cfg's chunks with a
+// connection per CPU and the service one, and at most all of it. On a
+// machine whose budget holds few paths there is no share to keep.
+func DefaultMaxChunkMemoryPerClient(cfg *ServerConfig) int64 {
+	total := cfg.MaxChunkMemory
+	if total <= 0 {
+		return 0
+	}
+	paths := DefaultClientPaths * pathFootprint(cfg, cfg.QueueDepth, cfg.MaxChunkSize, runtime.NumCPU()+1)
+	return min(total, max(total/DefaultClientMemoryShare, paths))
+}
 
 // DefaultMaxConnectingPerAddr lets a client host bring up 8 paths at
 // once; a legitimate client connects a path's connections one after the
@@ -167,7 +181,7 @@ func DefaultServerConfig() ServerConfig {
 		MaxSessionsPerClient: DefaultMaxSessionsPerClient,
 	}
 	c.MaxChunkMemory = DefaultMaxChunkMemory()
-	c.MaxChunkMemoryPerClient = DefaultMaxChunkMemoryPerClient(c.MaxChunkMemory)
+	c.MaxChunkMemoryPerClient = DefaultMaxChunkMemoryPerClient(&c)
 	return c
 }
 
