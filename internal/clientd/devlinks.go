@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/rnbd/rnbd/internal/log"
 )
@@ -21,8 +23,9 @@ import (
 // device is attached (a map, or a restore after a restart: the link then
 // names the device the mapping has now), removed when it is unmapped,
 // and removed at start for a mapping that did not come back. A '/' in
-// the device path is written '!', as the kernel's rnbd names its sysfs
-// entries.
+// the device path makes a directory, and a character udev does not allow
+// in a link's name becomes '_', as udev would make it (linkName): the
+// name is the same with udev and without.
 //
 // Where udev runs, the links are udev's, so that systemd knows them as
 // devices (an fstab line on /dev/rnbd/... waits for its .device unit):
@@ -46,17 +49,43 @@ var udevRunning = func() bool {
 var tmpSeq atomic.Uint64
 
 // linkName is m's name below the links' directory, SESSNAME/DEVICE_PATH,
-// or "" when there is none (no DevLinksDir, or a device path that cannot
-// be a file name).
+// or "" when there is none (no DevLinksDir, no session name, or a device
+// path of no name). Each '/' of the device path separates directories
+// (empty parts are dropped, and "." and ".." become "_" and "__": the
+// name never leaves the session's directory); a character udev does not
+// allow in a link (outside 0-9 A-Z a-z # + - . : = @ _ and UTF-8 beyond
+// ASCII) becomes '_', as udev makes it.
 func (d *Daemon) linkName(m Mapping) string {
-	if d.cfg.DevLinksDir == "" {
+	if d.cfg.DevLinksDir == "" || m.SessName == "" {
 		return ""
 	}
-	name := strings.ReplaceAll(m.DevicePath, "/", "!")
-	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "\x00\n") || m.SessName == "" {
+	var parts []string
+	for _, p := range append([]string{m.SessName}, strings.Split(m.DevicePath, "/")...) {
+		switch p {
+		case "":
+			continue
+		case ".", "..":
+			p = strings.Repeat("_", len(p))
+		}
+		parts = append(parts, udevSafe(p))
+	}
+	if len(parts) < 2 {
 		return ""
 	}
-	return m.SessName + "/" + name
+	return strings.Join(parts, "/")
+}
+
+// udevSafe replaces what udev would replace in a link's name by '_'.
+func udevSafe(s string) string {
+	return strings.Map(func(r rune) rune {
+		switch {
+		case r >= '0' && r <= '9', r >= 'A' && r <= 'Z', r >= 'a' && r <= 'z', strings.ContainsRune("#+-.:=@_", r):
+			return r
+		case r > unicode.MaxASCII && r != utf8.RuneError:
+			return r
+		}
+		return '_'
+	}, s)
 }
 
 // devLink is the link the daemon makes itself for m, or "".
@@ -151,5 +180,7 @@ func (d *Daemon) removeDevLink(m Mapping) {
 	if err := os.Remove(link); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		d.log.WithError(err).WithField("link", link).Warn("could not remove the device's stable name")
 	}
-	os.Remove(filepath.Dir(link)) // only if empty
+	// Its directories, the session's included, as far as they are empty.
+	for dir := filepath.Dir(link); dir != filepath.Clean(d.cfg.DevLinksDir) && os.Remove(dir) == nil; dir = filepath.Dir(dir) {
+	}
 }

@@ -9,15 +9,15 @@ import (
 )
 
 // TestDevLinks: without udev, a mapping's stable name is a link
-// DIR/SESSNAME/DEVICE_PATH ('/' as '!') to the device it has now; it
-// goes with the mapping, its session's directory too once empty, but
+// DIR/SESSNAME/DEVICE_PATH (a '/' makes a directory) to the device it
+// has now; it goes with the mapping, its directories too once empty, but
 // not while it names another mapping's device; names that cannot be
 // files get none, and a file that is not a link is left alone.
 func TestDevLinks(t *testing.T) {
 	dir := t.TempDir()
 	d := &Daemon{cfg: Config{DevLinksDir: dir}, log: log.Discard()}
 	m := Mapping{SessName: "host7", DevicePath: "vg/lv1", Device: "rnbd0"}
-	link := filepath.Join(dir, "host7", "vg!lv1")
+	link := filepath.Join(dir, "host7", "vg", "lv1")
 	for _, target := range []string{"/dev/nbd3", "/dev/nbd5"} {
 		d.makeDevLink(m, target)
 		if got, err := os.Readlink(link); err != nil || got != target {
@@ -37,9 +37,18 @@ func TestDevLinks(t *testing.T) {
 	if left, _ := os.ReadDir(dir); len(left) != 0 {
 		t.Fatalf("left in the links' directory: %v", left)
 	}
-	for _, p := range []string{"", ".", ".."} {
+	for _, p := range []string{"", "/", "//"} {
 		if l := d.devLink(Mapping{SessName: "s", DevicePath: p}); l != "" {
 			t.Errorf("device path %q has link %q", p, l)
+		}
+	}
+	// As udev writes link names: what it does not allow becomes '_',
+	// and no part leaves the session's directory.
+	for p, want := range map[string]string{
+		"../../etc/x": "s/__/__/etc/x", "./a": "s/_/a", "a b\tc!d": "s/a_b_c_d", "/abs//x/": "s/abs/x", "zürich": "s/zürich",
+	} {
+		if l := d.devLink(Mapping{SessName: "s", DevicePath: p}); l != filepath.Join(dir, want) {
+			t.Errorf("device path %q has link %q, want %s", p, l, filepath.Join(dir, want))
 		}
 	}
 	// Not a link: not ours to remove.

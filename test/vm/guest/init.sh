@@ -786,10 +786,10 @@ if [ -x /bin/udevadm ]; then
 	srv map grp/disk3 /tmp/disk3.img >/dev/null
 	out=$(cli map --sessname uv --path ip:127.0.0.1 --device-path grp/disk3 --as nbd 2>/dev/null)
 	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
-	case $dev in /dev/nbd*) udev_link udev-nbd-name uv 'grp!disk3' "$dev" ;; *) res udev-nbd-name FAIL "$out" ;; esac
+	case $dev in /dev/nbd*) udev_link udev-nbd-name uv grp/disk3 "$dev" ;; *) res udev-nbd-name FAIL "$out" ;; esac
 	[ -f /run/rnbd/devlinks/${dev#/dev/} ] && res udev-hint-file PASS "" || res udev-hint-file FAIL "$(ls /run/rnbd/devlinks 2>&1)"
 	cli unmap "$(devname)" >/dev/null
-	udev_gone udev-nbd-name-gone uv 'grp!disk3'
+	udev_gone udev-nbd-name-gone uv grp/disk3
 	out=$(cli map --sessname uv --path ip:127.0.0.1 --device-path disk4 --as ublk 2>/dev/null)
 	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
 	case $dev in /dev/ublkb*) udev_link udev-ublk-name uv disk4 "$dev" ;; *) res udev-ublk-name FAIL "$out" ;; esac
