@@ -272,6 +272,7 @@ type sendBatch struct {
 	iov   [][]byte
 	rest  [][]byte    // a hand-off: what the socket had no room for
 	bufs  net.Buffers // for WriteTo: escapes, so it lives here
+	wc    fabric.WC   // a send completion: handed to the handler, so it escapes too
 	stage []byte      // TLS: the frames gathered into records of up to its size
 }
 
@@ -320,7 +321,7 @@ func (b *sendBatch) frames() {
 // sent delivers the send completions of b's work requests, in order, and
 // forgets them and the buffers written.
 func (c *conn) sent(b *sendBatch) {
-	var wc fabric.WC
+	wc := &b.wc
 	for i := 0; i < b.n; i++ {
 		w := &b.wrs[i]
 		if w.Signaled {
@@ -331,8 +332,8 @@ func (c *conn) sent(b *sendBatch) {
 			case opUnbind:
 				op = fabric.WCBind
 			}
-			wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
-			c.h.Completion(&wc)
+			*wc = fabric.WC{ID: w.ID, Opcode: op, ByteLen: uint32(w.Len())}
+			c.h.Completion(wc)
 		}
 		*w = fabric.SendWR{}
 	}
