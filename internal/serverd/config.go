@@ -164,7 +164,6 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-
 // dirOf is the part of a search path that must exist: up to %SESSNAME%.
 func dirOf(sp string) string {
 	for i := 0; i+len("%SESSNAME%") <= len(sp); i++ {
