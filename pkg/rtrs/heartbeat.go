@@ -24,7 +24,7 @@ type heartbeat struct {
 	running bool
 
 	missed     atomic.Int32
-	lastSent   atomic.Int64 // ns since epoch
+	lastSent   atomic.Int64 // ns since epoch (≥ 1) of the oldest HB_MSG unanswered; 0: none
 	curLatency atomic.Int64 // ns, the last HB round trip
 
 	send  func() error // post a HB_MSG
@@ -60,6 +60,7 @@ func (h *heartbeat) start() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.missed.Store(0)
+	h.lastSent.Store(0)
 	h.running = true
 	if h.timer == nil {
 		h.timer = time.AfterFunc(h.interval, h.tick)
@@ -100,7 +101,7 @@ func (h *heartbeat) probeTick() {
 	}
 	seq := h.recvSeq.Load()
 	if seq == h.probeSeen && h.busy() {
-		h.lastSent.Store(int64(time.Since(h.epoch)))
+		h.noteSent()
 		if err := h.send(); err != nil {
 			h.running = false
 			h.onErr()
@@ -126,13 +127,21 @@ func (h *heartbeat) tick() {
 		h.timer.Reset(h.interval)
 		return
 	}
-	h.lastSent.Store(int64(time.Since(h.epoch)))
+	h.noteSent()
 	if err := h.send(); err != nil {
 		h.running = false
 		h.onErr()
 		return
 	}
 	h.timer.Reset(h.interval)
+}
+
+// noteSent keeps the send time of a HB_MSG about to go out unless an
+// earlier one is still unanswered: the HB_ACK that comes back first is
+// measured from the oldest send, never from a later one (which would
+// make a slow path look fast to the min-latency policy).
+func (h *heartbeat) noteSent() {
+	h.lastSent.CompareAndSwap(0, max(int64(time.Since(h.epoch)), 1))
 }
 
 // alive notes traffic from the peer.
@@ -145,7 +154,9 @@ func (h *heartbeat) alive() {
 func (h *heartbeat) ack() {
 	h.missed.Store(0)
 	h.recvSeq.Add(1)
-	h.curLatency.Store(int64(time.Since(h.epoch)) - h.lastSent.Load())
+	if sent := h.lastSent.Swap(0); sent != 0 {
+		h.curLatency.Store(int64(time.Since(h.epoch)) - sent)
+	}
 }
 
 // latency is the last measured heartbeat round trip.

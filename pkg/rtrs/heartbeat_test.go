@@ -145,43 +145,71 @@ func TestHeartbeatLatency(t *testing.T) {
 
 // TestHeartbeatProbe: with requests waiting and nothing from the peer for
 // a probe period, a heartbeat goes out at once, long before the regular
-// one; traffic from the peer, or no request waiting, sends none.
+// one; traffic from the peer, or no request waiting, sends none. On the
+// bubble's clock: a scheduling gap cannot pass for silence.
 func TestHeartbeatProbe(t *testing.T) {
-	var sent atomic.Int32
-	var busy atomic.Bool
-	h := &heartbeat{}
-	h.init(time.Hour, 3, func() error { sent.Add(1); return nil }, func() { t.Error("onErr") })
-	h.probeEvery = 100 * time.Millisecond
-	h.busy = busy.Load
-	h.start()
-	defer h.stop()
-	time.Sleep(300 * time.Millisecond)
-	if n := sent.Load(); n != 0 {
-		t.Fatalf("%d probes with nothing waiting", n)
-	}
-	busy.Store(true)
-	stopTraffic := make(chan struct{})
-	go func() {
-		for {
-			select {
-			case <-stopTraffic:
-				return
-			default:
-				h.alive()
-				time.Sleep(time.Millisecond)
-			}
+	synctest.Test(t, func(t *testing.T) {
+		var sent atomic.Int32
+		var busy atomic.Bool
+		h := &heartbeat{}
+		h.init(time.Hour, 3, func() error { sent.Add(1); return nil }, func() { t.Error("onErr") })
+		h.probeEvery = 100 * time.Millisecond
+		h.busy = busy.Load
+		h.start()
+		defer h.stop()
+		time.Sleep(300 * time.Millisecond)
+		if n := sent.Load(); n != 0 {
+			t.Fatalf("%d probes with nothing waiting", n)
 		}
-	}()
-	time.Sleep(300 * time.Millisecond)
-	close(stopTraffic)
-	if n := sent.Load(); n != 0 {
-		t.Fatalf("%d probes while the peer talks", n)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for sent.Load() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("no probe with a request waiting and a silent peer")
+		busy.Store(true)
+		for range 300 { // the peer talks every millisecond
+			h.alive()
+			time.Sleep(time.Millisecond)
 		}
+		synctest.Wait()
+		if n := sent.Load(); n != 0 {
+			t.Fatalf("%d probes while the peer talks", n)
+		}
+		// The first tick of the silence still saw the peer's last
+		// words; the next probes, and so does every one after it.
+		time.Sleep(150 * time.Millisecond)
+		synctest.Wait()
+		if n := sent.Load(); n != 1 {
+			t.Fatalf("%d probes 150ms into the silence with a request waiting, want 1", n)
+		}
+		time.Sleep(100 * time.Millisecond)
+		synctest.Wait()
+		if n := sent.Load(); n != 2 {
+			t.Fatalf("%d probes 250ms into the silence, want 2", n)
+		}
+	})
+}
+
+// TestHeartbeatLatencyFromOldest: a HB_ACK measures from the oldest
+// HB_MSG unanswered (a probe after a regular heartbeat must not make a
+// slow path look fast), and the next round trip stands on its own.
+func TestHeartbeatLatencyFromOldest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var h heartbeat
+		h.init(time.Hour, 3, func() error { return nil }, func() {})
 		time.Sleep(time.Millisecond)
-	}
+		h.noteSent()
+		time.Sleep(300 * time.Millisecond)
+		h.noteSent()
+		time.Sleep(100 * time.Millisecond)
+		h.ack()
+		if l := time.Duration(h.curLatency.Load()); l != 400*time.Millisecond {
+			t.Fatalf("cur_latency %v, want 400ms (from the first send)", l)
+		}
+		h.ack() // the second send's answer: no sample of its own
+		if l := time.Duration(h.curLatency.Load()); l != 400*time.Millisecond {
+			t.Fatalf("cur_latency %v after a second ack, want 400ms kept", l)
+		}
+		h.noteSent()
+		time.Sleep(50 * time.Millisecond)
+		h.ack()
+		if l := time.Duration(h.curLatency.Load()); l != 50*time.Millisecond {
+			t.Fatalf("cur_latency %v, want 50ms", l)
+		}
+	})
 }
