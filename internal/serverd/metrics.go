@@ -81,8 +81,15 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		paths := s.Paths()
 		gauge(x.sessPaths, float64(len(paths)), sess)
+		seen := map[string]bool{}
 		for _, p := range paths {
 			name := p.Name()
+			if seen[name] {
+				// Two paths of one session between the same two
+				// addresses (a raw peer can make them): one series.
+				continue
+			}
+			seen[name] = true
 			cn := p.Stats().Counters()
 			counter(x.pathReqs, float64(cn.ReadCount), sess, name, "read")
 			counter(x.pathReqs, float64(cn.WriteCount), sess, name, "write")

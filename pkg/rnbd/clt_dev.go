@@ -377,11 +377,6 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 	if r.Op != OpFlush && r.Off+int64(r.Len) > d.Size() {
 		return syscall.EINVAL
 	}
-	d.ops[r.Op].Add(1)
-	d.opBytes[r.Op].Add(uint64(r.Len))
-	if r.Flags&FFUA != 0 {
-		d.fuas.Add(1)
-	}
 	r.dev = d
 	r.failed.Store(false)
 	r.firstErr = nil
@@ -390,6 +385,11 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 	step := d.pieceSize(r.Op)
 	if step <= 0 {
 		return syscall.EOPNOTSUPP
+	}
+	d.ops[r.Op].Add(1)
+	d.opBytes[r.Op].Add(uint64(r.Len))
+	if r.Flags&FFUA != 0 {
+		d.fuas.Add(1)
 	}
 	n := 1
 	if r.Len > step {

@@ -79,6 +79,7 @@ type pathRes struct {
 	infoMem    fabric.Memory
 	infoMR     fabric.MR
 	infoDone   chan error // cap 1
+	infoSent   atomic.Bool // INFO_REQ posted: a path down now is its answer
 }
 
 // rbuf is a server chunk: its address and current rkey (struct rtrs_rbuf).
@@ -232,8 +233,12 @@ func (p *CltPath) errorRecovery(res *pathRes) {
 		return
 	}
 	if p.changeStateFromTo(PathConnecting, PathConnectingErr) && res != nil {
+		err := errInfoUnanswered
+		if !res.infoSent.Load() {
+			err = fmt.Errorf("rtrs: the path went down while it was being established: %w", syscall.ECONNRESET)
+		}
 		select {
-		case res.infoDone <- errInfoUnanswered:
+		case res.infoDone <- err:
 		default:
 		}
 	}
@@ -789,6 +794,7 @@ func (p *CltPath) sendPathInfo(ctx context.Context, res *pathRes) error {
 	req.Encode(tx)
 	wr := fabric.SendWR{ID: wrInfoReq, Op: fabric.OpSend, NumSGE: 1, Signaled: true}
 	wr.SG[0] = fabric.SGE{Buf: tx, LKey: res.infoMR.LKey()}
+	res.infoSent.Store(true)
 	if err := con0.qp.PostSend(&wr); err != nil {
 		return err
 	}

@@ -451,6 +451,12 @@ func (l *listener) handshake(raw net.Conn, peer netip.Prefix) {
 	if l.fab.opts.TLS == nil {
 		nc = raw // the first byte is read: no wrapper in the way of writev
 	}
+	// The handshake is done: its slot is freed before the request is
+	// queued, so an eviction cannot close a connection Accept hands out;
+	// one evicted while it finished is closed already.
+	if !l.finishShake(raw) {
+		return
+	}
 	r := &connReq{l: l, nc: nc, raw: raw, priv: priv, names: names}
 	select {
 	case l.reqs <- r:
@@ -540,6 +546,18 @@ func (l *listener) dropLocked(nc net.Conn) {
 	if l.perAddr[st.peer]--; l.perAddr[st.peer] <= 0 {
 		delete(l.perAddr, st.peer)
 	}
+}
+
+// finishShake uncounts nc's finished handshake; false if an eviction
+// took it first.
+func (l *listener) finishShake(nc net.Conn) bool {
+	l.perAddrMu.Lock()
+	defer l.perAddrMu.Unlock()
+	if _, ok := l.shaking[nc]; !ok {
+		return false
+	}
+	l.dropLocked(nc)
+	return true
 }
 
 func (l *listener) putPeerSlot(peer netip.Prefix, nc net.Conn) {
