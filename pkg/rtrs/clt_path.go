@@ -78,7 +78,7 @@ type pathRes struct {
 	mrs        atomic.Pointer[[]fabric.MR] // per session region id
 	infoMem    fabric.Memory
 	infoMR     fabric.MR
-	infoDone   chan error // cap 1
+	infoDone   chan error  // cap 1
 	infoSent   atomic.Bool // INFO_REQ posted: a path down now is its answer
 }
 
