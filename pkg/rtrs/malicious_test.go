@@ -5,10 +5,13 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -616,4 +619,56 @@ func TestHostileClientMemoryShare(t *testing.T) {
 	})
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	h.stillServesWith(4)
+}
+
+// namingDisk is a memDisk whose server asks it for every session name.
+type namingDisk struct {
+	*memDisk
+	refuse atomic.Bool
+	claims atomic.Int32
+}
+
+func (d *namingDisk) ClaimSessionName(name, identity string) error {
+	d.claims.Add(1)
+	if d.refuse.Load() {
+		return fmt.Errorf("name %q taken from %q: %w", name, identity, syscall.EACCES)
+	}
+	return nil
+}
+
+// TestNameClaimedPerPath: a name is claimed by every path, not only the
+// session's first: when the operator gives the name to another client
+// while a session holds it, a path that would join the old session is
+// refused too.
+func TestNameClaimedPerPath(t *testing.T) {
+	fab := tcp.New(tcp.Options{})
+	a := loopbackListener(t)
+	// Another address: a path between the addresses of one it has
+	// already is refused with EEXIST.
+	b := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.2"), a.Port())
+	d := &namingDisk{memDisk: newMemDisk(1 << 20)}
+	srv, err := NewServer(testServerConfig(fab, d, a, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	sess, err := Open(ctx, testClientConfig(fab, PathAddr{Dst: a}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	if n := d.claims.Load(); n != 1 {
+		t.Fatalf("%d claims for the first path, want 1", n)
+	}
+	d.refuse.Store(true)
+	if _, err := sess.AddPath(ctx, PathAddr{Dst: b}); err == nil {
+		t.Fatal("a second path joined the session after its name was taken away")
+	} else if !errors.Is(err, errInfoUnanswered) {
+		t.Fatalf("second path: %v, want the INFO_REQ unanswered", err)
+	}
+	if n := d.claims.Load(); n < 2 {
+		t.Fatalf("%d claims, want one per path", n)
+	}
 }

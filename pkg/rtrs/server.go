@@ -48,9 +48,10 @@ type ServerHandler interface {
 }
 
 // NameClaimer is an optional part of a ServerHandler: which client may
-// take a session name. ClaimSessionName is called when a session first
-// takes a name nobody holds, with the identity the fabric authenticated
-// for it ("" without one), under the server's naming lock; an error
+// take a session name. ClaimSessionName is called for every path that
+// brings the name (a session's first, and each that joins it), with the
+// identity the fabric authenticated for the session ("" without one),
+// under the server's naming lock, so it must be idempotent; an error
 // refuses the path (the session name arrives in INFO_REQ, which has no
 // answer for an error: the client sees its path closed).
 type NameClaimer interface {

@@ -31,7 +31,10 @@ func (x *SrvSession) claimName(name string) error {
 	if had != "" && had != name {
 		return fmt.Errorf("session %q cannot take a path named %q", had, name)
 	}
-	if nc, ok := s.cfg.Handler.(NameClaimer); ok && had == "" {
+	// Every path asks, not only the session's first: a name the
+	// operator gave to another identity while this session held it is
+	// refused to its next path, even one that joins the old session.
+	if nc, ok := s.cfg.Handler.(NameClaimer); ok {
 		if err := nc.ClaimSessionName(name, x.Identity()); err != nil {
 			return err
 		}
