@@ -97,8 +97,8 @@ type ServerConfig struct {
 	// refused with ENOMEM, so one client cannot take the memory the
 	// others need. 0 means no bound of its own.
 	MaxChunkMemoryPerClient int64
-	// MaxConnectingPerAddr bounds the paths one client address (an IPv6
-	// client's /64) may have connecting at once (accepted, not yet
+	// MaxConnectingPerAddr bounds the paths one client address (fabric.PeerGroup)
+	// may have connecting at once (accepted, not yet
 	// through INFO_REQ), each
 	// holding its share of MaxChunkMemory until ConnectTimeout: more
 	// are refused with EBUSY, and the client retries. 0 means no bound.
@@ -546,8 +546,7 @@ func first(names []string) string {
 
 // clientKey is what sessions and their memory are counted by for
 // MaxSessionsPerClient and MaxChunkMemoryPerClient: the peer's identity
-// where the fabric authenticated one, else its address (an IPv6 peer's
-// /64: fabric.PeerGroup).
+// where the fabric authenticated one, else its address (fabric.PeerGroup).
 func clientKey(peer []string, req fabric.ConnRequest) string {
 	if len(peer) > 0 {
 		return "identity:" + peer[0]

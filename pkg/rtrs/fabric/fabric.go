@@ -390,14 +390,12 @@ type WC struct {
 }
 
 // PeerGroup is the unit in which peers are counted against per-peer
-// limits: an IPv4 address, or the /64 an IPv6 address belongs to — what
-// one host is given, and can pick any address of (privacy addresses, a
-// delegated prefix), so that one host cannot pass for many.
+// limits: one address (an IPv4-mapped IPv6 address as its IPv4 one, the
+// zone dropped). Not an IPv6 host's /64: on a storage network every
+// client shares the link's /64, and counting them as one client would
+// refuse legitimate sessions. A host that takes many addresses counts as
+// many clients; TLS counts by identity instead (see docs/server.md).
 func PeerGroup(a netip.Addr) netip.Prefix {
-	a = a.Unmap()
-	if a.Is6() {
-		p, _ := a.Prefix(64)
-		return p
-	}
+	a = a.Unmap().WithZone("")
 	return netip.PrefixFrom(a, a.BitLen())
 }

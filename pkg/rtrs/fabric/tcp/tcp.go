@@ -80,8 +80,8 @@ type Options struct {
 	// others are closed at once, so a flood costs sockets, not
 	// goroutines, and cannot keep a peer with few out.
 	MaxHandshakes int
-	// MaxHandshakesPerAddr bounds those of one peer address (an IPv6
-	// peer's /64) (32), so that idle connections from one host cannot
+	// MaxHandshakesPerAddr bounds those of one peer address
+	// (fabric.PeerGroup) (32), so that idle connections from one host cannot
 	// take every slot.
 	MaxHandshakesPerAddr int
 	// TLS, if set, runs every connection in TLS 1.3 with certificates
