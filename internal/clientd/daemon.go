@@ -329,7 +329,13 @@ func (d *Daemon) register(s mapSpec, dev *rnbd.CltDev, fe frontend) *mapped {
 	whereKey := "socket"
 	if s.fe != feSocket {
 		mp.Kernel, whereKey = fe.path(), "kernel_device"
-		d.makeDevLink(mp.Mapping, mp.Kernel)
+		if other := d.linkHolder(mp.Mapping); other != "" {
+			// "a!b" and "a_b" make one name: the first keeps it.
+			d.log.WithFields(log.Fields{"device": mp.Device, "name": d.linkName(mp.Mapping), "held_by": other}).
+				Warn("no stable name for the device: another mapping's device has it")
+		} else {
+			d.makeDevLink(mp.Mapping, mp.Kernel)
+		}
 	}
 	d.mu.Lock()
 	d.maps[mp.Device] = mp

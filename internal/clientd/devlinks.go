@@ -97,6 +97,23 @@ func (d *Daemon) devLink(m Mapping) string {
 	return filepath.Join(d.cfg.DevLinksDir, n)
 }
 
+// linkHolder is the device of another mapping served as a kernel device
+// whose stable name is m's, or "".
+func (d *Daemon) linkHolder(m Mapping) string {
+	name := d.linkName(m)
+	if name == "" {
+		return ""
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for dev, o := range d.maps {
+		if dev != m.Device && o.Kernel != "" && d.linkName(o.Mapping) == name {
+			return dev
+		}
+	}
+	return ""
+}
+
 // makeDevLink gives m's kernel device, target, its stable name.
 // Best effort: the mapping works without it.
 func (d *Daemon) makeDevLink(m Mapping, target string) {

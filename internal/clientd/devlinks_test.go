@@ -94,3 +94,22 @@ func TestDevLinksUdev(t *testing.T) {
 		t.Fatalf("uevent after unmap %q, want change", b)
 	}
 }
+
+// TestDevLinkHolder: two device paths that make one stable name ("a!b"
+// and "a_b") — the second mapping is told who holds it; a socket mapping
+// and the mapping itself hold nothing.
+func TestDevLinkHolder(t *testing.T) {
+	d := &Daemon{cfg: Config{DevLinksDir: "/dev/rnbd"}, log: log.Discard(), maps: map[string]*mapped{}}
+	first := Mapping{SessName: "s", DevicePath: "a!b", Device: "rnbd0", Kernel: "/dev/nbd0"}
+	d.maps["rnbd0"] = &mapped{Mapping: first}
+	d.maps["rnbd2"] = &mapped{Mapping: Mapping{SessName: "s", DevicePath: "c", Device: "rnbd2"}} // a socket
+	if h := d.linkHolder(first); h != "" {
+		t.Fatalf("a mapping holds its own name from %q", h)
+	}
+	if h := d.linkHolder(Mapping{SessName: "s", DevicePath: "a_b", Device: "rnbd1"}); h != "rnbd0" {
+		t.Fatalf("holder of s/a_b %q, want rnbd0", h)
+	}
+	if h := d.linkHolder(Mapping{SessName: "s", DevicePath: "c", Device: "rnbd3"}); h != "" {
+		t.Fatalf("a socket mapping holds %q's name", h)
+	}
+}
