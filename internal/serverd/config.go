@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -37,10 +38,14 @@ type Config struct {
 	SearchAllowIdentities []string `toml:"dev_search_path_allow_identities"`
 	// Exports are the exports of the configuration file ([[export]]
 	// tables), served from start-up; map and unmap do not change them.
-	Exports        []MapRequest `toml:"export"`
-	QueueDepth     int          `toml:"queue_depth"`
-	MaxChunkSize   int          `toml:"max_chunk_size"`
-	MaxChunkMemory Size         `toml:"max_chunk_memory"`
+	Exports []MapRequest `toml:"export"`
+	// ExportRetry is how often an export that could not be served (of
+	// the configuration file, or restored from the state file) is tried
+	// again.
+	ExportRetry    Duration `toml:"export_retry"`
+	QueueDepth     int      `toml:"queue_depth"`
+	MaxChunkSize   int      `toml:"max_chunk_size"`
+	MaxChunkMemory Size     `toml:"max_chunk_memory"`
 	// MaxChunkMemoryPerClient bounds what one client may hold of it
 	// (rtrs.ServerConfig); unset, rtrs.DefaultMaxChunkMemoryPerClient.
 	MaxChunkMemoryPerClient *Size `toml:"max_chunk_memory_per_client"`
@@ -94,6 +99,7 @@ func DefaultConfig() Config {
 		InvalidateBy:         "window",
 		HBInterval:           Duration{Duration: rtrs.DefaultHBInterval},
 		HBMissedMax:          rtrs.DefaultHBMissedMax,
+		ExportRetry:          Duration{Duration: 10 * time.Second},
 		TCPUserTimeout:       tcp.DefaultUserTimeout.String(),
 		ControlSocket:        DefaultControlSocket,
 		StateFile:            DefaultStateFile,
@@ -129,6 +135,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ControlSocket == "" || c.StateFile == "" {
 		return errors.New("control_socket and state_file must be set")
+	}
+	if c.ExportRetry.Duration < 100*time.Millisecond {
+		return fmt.Errorf("export_retry %v: at least 100ms", c.ExportRetry.Duration)
 	}
 	if c.MaxSessionsPerClient < 0 {
 		return errors.New("max_sessions_per_client must not be negative (0: no bound)")

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -53,8 +54,15 @@ type Daemon struct {
 	// configured are the names of the configuration file's exports:
 	// never saved in the state file, never mapped or unmapped.
 	configured map[string]bool
-	served     chan error
-	metrics    *metrics.Server // nil without metrics_listen
+	// configPending are the configuration file's exports that could not
+	// be served (a device not there yet, a file not readable): the
+	// others are served, and these are tried again every retryEvery, as
+	// are the unrestored ones. notServed says why, by name. stateMu.
+	configPending []rnbd.Export
+	notServed     map[string]string
+	retryEvery    time.Duration
+	served        chan error
+	metrics       *metrics.Server // nil without metrics_listen
 	// ownersDirty asks saveOwners to save the state file: a session
 	// name was bound. stopOwners and ownersDone end saveOwners.
 	ownersDirty chan struct{}
@@ -89,7 +97,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
 		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
 	}
-	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1),
+	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{})}
 	eps, err := endpoints(cfg.Listen, opts)
 	if err != nil {
@@ -121,14 +129,17 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	d.rnbd.SetSessionOwners(st.SessionOwners)
 	// The configuration file's exports first: a name there is served as
 	// the file says, whatever a map of the same name left in the state.
-	d.configured = map[string]bool{}
+	d.configured, d.notServed = map[string]bool{}, map[string]string{}
 	for _, r := range cfg.Exports {
 		e, _ := r.Export() // validated
-		if err := d.rnbd.Map(e); err != nil {
-			d.rnbd.Close()
-			return nil, fmt.Errorf("[[export]] %s: %w", e.Name, err)
-		}
 		d.configured[e.Name] = true
+		if err := d.rnbd.Map(e); err != nil {
+			// One missing device does not keep the others from
+			// being served.
+			d.configPending = append(d.configPending, e)
+			d.noteNotServed(e, "export of the configuration file not served (tried again every "+d.retryEvery.String()+")", err)
+			continue
+		}
 		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
 	}
 	for _, e := range st.Exports {
@@ -142,7 +153,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		if err := d.rnbd.Map(e); err != nil {
 			// Keep going: the rest of the exports are still served,
 			// and the state file keeps the entry for when it returns.
-			d.log.WithError(err).WithField("export", e.Name).Error("restoring export failed")
+			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err)
 			d.unrestored = append(d.unrestored, e)
 		}
 	}
@@ -182,7 +193,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		bound = append(bound, l.String())
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(d.rnbd.Exports()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
+		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
 	if wild := everywhere(cfg.Listen); len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
@@ -301,6 +312,8 @@ func (d *Daemon) dropUnrestored(name string) bool {
 // Stop, and once more then if one is still due.
 func (d *Daemon) saveOwners() {
 	defer close(d.ownersDone)
+	retry := time.NewTicker(d.retryEvery)
+	defer retry.Stop()
 	save := func() {
 		d.stateMu.Lock()
 		defer d.stateMu.Unlock()
@@ -312,6 +325,8 @@ func (d *Daemon) saveOwners() {
 		select {
 		case <-d.ownersDirty:
 			save()
+		case <-retry.C:
+			d.retryNotServed()
 		case <-d.stopOwners:
 			select {
 			case <-d.ownersDirty:
@@ -321,6 +336,62 @@ func (d *Daemon) saveOwners() {
 			return
 		}
 	}
+}
+
+// unserved lists the exports that could not be served, with why: the
+// configuration file's, and the state file's not shadowed by one of the
+// configuration file.
+func (d *Daemon) unserved() []ExportRecord {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	var out []ExportRecord
+	for _, e := range d.configPending {
+		out = append(out, ExportRecord{Export: e, Source: "config", NotServed: d.notServed[e.Name]})
+	}
+	for _, e := range d.unrestored {
+		if !d.configured[e.Name] {
+			out = append(out, ExportRecord{Export: e, Source: "map", NotServed: d.notServed[e.Name]})
+		}
+	}
+	return out
+}
+
+// noteNotServed records why e is not served, and logs it when that is
+// news. stateMu is held (or the daemon is starting).
+func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
+	if d.notServed[e.Name] == err.Error() {
+		return
+	}
+	d.notServed[e.Name] = err.Error()
+	d.log.WithError(err).WithFields(exportFields(e)).Error(what)
+}
+
+// retryNotServed tries the exports that could not be served again: a
+// device that appeared since (an LVM volume activated late, a file
+// system mounted) is served without a restart.
+func (d *Daemon) retryNotServed() {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	try := func(list []rnbd.Export, skip func(string) bool, what string) []rnbd.Export {
+		keep := list[:0]
+		for _, e := range list {
+			if skip(e.Name) {
+				keep = append(keep, e)
+				continue
+			}
+			if err := d.rnbd.Map(e); err != nil {
+				d.noteNotServed(e, what+" still not served", err)
+				keep = append(keep, e)
+				continue
+			}
+			delete(d.notServed, e.Name)
+			d.log.WithFields(exportFields(e)).Info(what + " served now")
+		}
+		return keep
+	}
+	d.configPending = try(d.configPending, func(string) bool { return false }, "export of the configuration file")
+	// One the configuration file shadows waits for the file to lose it.
+	d.unrestored = try(d.unrestored, func(name string) bool { return d.configured[name] }, "export of the state file")
 }
 
 // Requests of the control API.
@@ -352,6 +423,9 @@ type (
 	ExportRecord struct {
 		rnbd.Export
 		Source string `json:"source"`
+		// NotServed says why an export is not served (its file or
+		// device could not be opened; tried again every export_retry).
+		NotServed string `json:"not_served,omitempty"`
 	}
 	CloseRequest struct {
 		Session string `json:"session"`
@@ -383,7 +457,7 @@ type (
 
 // Field lists of the records the API returns, in the rnbd tool's names.
 var (
-	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "direction"}
+	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "reason", "direction"}
 	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
 	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
 	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
@@ -412,7 +486,7 @@ func (d *Daemon) routes() {
 		for _, e := range d.rnbd.Exports() {
 			out = append(out, ExportRecord{Export: e, Source: d.source(e.Name)})
 		}
-		return out, nil
+		return append(out, d.unserved()...), nil
 	})
 	h("POST /v1/exports", func(r *http.Request) (any, error) {
 		var req MapRequest
@@ -587,7 +661,7 @@ func (d *Daemon) devices(name string) []output.Record {
 			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
 			"state": "open", "write_cache": writeCache(o.WriteCache), "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
 			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "source": d.source(o.Export),
-			"direction": "server",
+			"direction": "server", "reason": "",
 		})
 	}
 	for _, e := range d.rnbd.Exports() {
@@ -598,7 +672,19 @@ func (d *Daemon) devices(name string) []output.Record {
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
 			"state": "exported", "write_cache": d.exportCache(e), "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
-			"wzero_cnt": 0, "source": d.source(e.Name), "direction": "server",
+			"wzero_cnt": 0, "source": d.source(e.Name), "direction": "server", "reason": "",
+		})
+	}
+	for _, x := range d.unserved() {
+		e := x.Export
+		if name != "" && e.Name != name {
+			continue
+		}
+		rows = append(rows, output.Record{
+			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
+			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
+			"state": "not served", "write_cache": "", "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
+			"wzero_cnt": 0, "source": x.Source, "direction": "server", "reason": x.NotServed,
 		})
 	}
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })

@@ -707,12 +707,16 @@ func TestUnrestoredExportKept(t *testing.T) {
 // served from start-up with their rules, listed as such, never saved in
 // the state file, and map and unmap refuse their names; a name the state
 // file also has is served as the configuration says, its state entry
-// kept. dev_search_path_allow_from fences the search path's devices.
+// kept. dev_search_path_allow_from fences the search path's devices. An
+// export whose file is not there yet does not keep the others from
+// being served: it is listed as not served, with why, and served once
+// the file appears.
 func TestConfigExports(t *testing.T) {
 	dir := t.TempDir()
 	search := filepath.Join(dir, "search")
 	os.MkdirAll(search, 0o755)
 	vol, old, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "old.img"), filepath.Join(dir, "other.img")
+	late := filepath.Join(dir, "late.img")
 	for _, f := range []string{vol, old, other, filepath.Join(search, "found")} {
 		sparseFile(t, f, 16<<20)
 	}
@@ -722,6 +726,7 @@ func TestConfigExports(t *testing.T) {
 	d.stop()
 	d = startServerConf(t, dir, port, fmt.Sprintf(`dev_search_path = %q
 dev_search_path_allow_from = ["10.99.0.0/16"]
+export_retry = "200ms"
 
 [[export]]
 name = "vol"
@@ -733,11 +738,30 @@ max_sessions = 1
 name = "vol2"
 path = %q
 read_only = true
-`, search, vol, other), "--listen", fmt.Sprintf("tcp://127.0.0.1:%d", port), "--listen", fmt.Sprintf("tcp://127.0.0.2:%d", port))
+
+[[export]]
+name = "late"
+path = %q
+`, search, vol, other, late), "--listen", fmt.Sprintf("tcp://127.0.0.1:%d", port), "--listen", fmt.Sprintf("tcp://127.0.0.2:%d", port))
 	// It serves on both addresses it was given, and says so.
 	waitForCond(t, 10*time.Second, "the server to log where it listens", func() bool {
 		return strings.Contains(d.out.String(), fmt.Sprintf("listen=\"tcp://127.0.0.1:%d,tcp://127.0.0.2:%d\"", port, port)) &&
-			strings.Contains(d.out.String(), "exports=2")
+			strings.Contains(d.out.String(), "exports=2") && strings.Contains(d.out.String(), "not_served=1")
+	})
+	lateState := func() map[string]any {
+		for _, r := range d.records("device", "list", "--fields", "devname,state,reason") {
+			if r["devname"] == "late" {
+				return r
+			}
+		}
+		return nil
+	}
+	if r := lateState(); r["state"] != "not served" || !strings.Contains(fmt.Sprint(r["reason"]), "no such file") {
+		t.Fatalf("an export whose file is missing: %v", r)
+	}
+	sparseFile(t, late, 1<<20)
+	waitForCond(t, 10*time.Second, "the late export to be served once its file is there", func() bool {
+		return strings.Contains(d.out.String(), "export of the configuration file served now") && lateState()["state"] == "exported"
 	})
 	if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.2:%d", port)); err != nil {
 		t.Fatalf("the second listen address: %v", err)
