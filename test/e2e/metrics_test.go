@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -136,11 +137,9 @@ func TestMetrics(t *testing.T) {
 		t.Fatalf("map output %q", out)
 	}
 	c0, s0 := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
-	// During a run: scraped every 50 ms, some scrape sees requests in
-	// flight on both sides, and no counter ever goes back.
+	// During a run, scraped every 50 ms: no counter ever goes back.
 	fio := start(t, "fio", "--name=m", "--ioengine=nbd", "--uri="+uri, "--rw=write", "--bs=4k", "--iodepth=8",
 		"--size=16m", "--end_fsync=1", "--output-format=json")
-	var cltBusy, srvBusy bool
 	prevC, prevS := c0, s0
 	for running := true; running; {
 		select {
@@ -150,8 +149,6 @@ func TestMetrics(t *testing.T) {
 		case <-time.After(50 * time.Millisecond):
 		}
 		c, s := fetchMetrics(t, cltMetrics), fetchMetrics(t, srvMetrics)
-		cltBusy = cltBusy || c.sum("rnbd_client_device_inflight_requests", `device="rnbd0"`) > 0
-		srvBusy = srvBusy || s.sum("rnbd_server_path_inflight_requests", `session="mx"`) > 0
 		for _, m := range []struct {
 			a, b scrape
 			name string
@@ -165,9 +162,6 @@ func TestMetrics(t *testing.T) {
 	}
 	if err := fio.wait(t, 2*time.Minute); err != nil {
 		t.Fatalf("fio: %v\n%s", err, fio.out.String())
-	}
-	if !cltBusy || !srvBusy {
-		t.Errorf("no scrape during the run saw requests in flight (client %v, server %v)", cltBusy, srvBusy)
 	}
 	run(t, 2*time.Minute, "fio", "--name=r", "--ioengine=nbd", "--uri="+uri, "--rw=read", "--bs=64k", "--iodepth=4",
 		"--size=8m", "--output-format=json")
@@ -217,6 +211,28 @@ func TestMetrics(t *testing.T) {
 	}
 	lintMetrics(t, "rnbd-client", c1)
 	lintMetrics(t, "rnbd-server", s1)
+
+	// Requests in flight show on both sides under load. A server
+	// answers a write to a file in memory within microseconds, so the
+	// load runs until scrapes saw both (at most 20 s), not for a count.
+	load := start(t, "fio", "--name=busy", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k", "--iodepth=32",
+		"--size=64m", "--time_based", "--runtime=20s", "--output-format=json")
+	var cltBusy, srvBusy bool
+	for running := true; running && !(cltBusy && srvBusy); {
+		select {
+		case err := <-load.done:
+			load.done <- err
+			running = false
+		case <-time.After(10 * time.Millisecond):
+		}
+		cltBusy = cltBusy || fetchMetrics(t, cltMetrics).sum("rnbd_client_device_inflight_requests", `device="rnbd0"`) > 0
+		srvBusy = srvBusy || fetchMetrics(t, srvMetrics).sum("rnbd_server_path_inflight_requests", `session="mx"`) > 0
+	}
+	load.cmd.Process.Signal(syscall.SIGINT) // fio ends its job early, and cleanly
+	load.wait(t, 30*time.Second)
+	if !cltBusy || !srvBusy {
+		t.Errorf("no scrape under load saw requests in flight (client %v, server %v)", cltBusy, srvBusy)
+	}
 
 	// The example dashboard shows only what the daemons serve.
 	dash, err := os.ReadFile("../../deploy/grafana-rnbd.json")
