@@ -304,10 +304,12 @@ func newWait(g *cli.Globals) *cobra.Command {
 		Short: "Wait until the daemon answers and every mapping is open on its server (exit 0), or say which is not",
 		Long: `Wait until the daemon answers and every mapping is open on its server.
 
-Mappings come back from the state file when the daemon starts; one that
-could not be restored (state "not restored") never comes up by itself,
-and wait fails at once naming it. Otherwise wait fails after --timeout
-naming the devices still not open.`,
+Mappings come back from the state file when the daemon starts. One whose
+server did not answer then (state "restoring") is tried again in the
+background, and wait waits for it; one whose entry in the state file is
+invalid (state "not restored") never comes up by itself, and wait fails
+at once naming it. Otherwise wait fails after --timeout naming the
+devices still not open.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
@@ -330,7 +332,7 @@ naming the devices still not open.`,
 				case err != nil && ctx.Err() == nil && !errors.Is(err, ctl.ErrNotRunning):
 					return err
 				case err == nil && len(lost) > 0:
-					return ctl.Errorf(ctl.CodeUnavailable, "not restored at start (see the daemon's log; unmap or map them again): %s", strings.Join(lost, ", "))
+					return ctl.Errorf(ctl.CodeUnavailable, "not restored at start, invalid in the state file (see the daemon's log; unmap or map them again): %s", strings.Join(lost, ", "))
 				case err == nil && len(waiting) == 0:
 					fmt.Fprintf(cmd.OutOrStdout(), "%d device(s) open\n", len(recs))
 					return nil

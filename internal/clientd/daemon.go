@@ -74,13 +74,43 @@ type Daemon struct {
 	// names of kernel devices for udev (devlinks.go); "": it makes the
 	// links itself. sysBlock is /sys/block.
 	hints, sysBlock string
-	failed          []Mapping // saved mappings that did not come back; kept in the state file
+	failed          []failedMapping // saved mappings that did not come back; kept in the state file
 	wg              sync.WaitGroup
+	// stopRetry ends retryRestores, which closes retryDone; retryCtx
+	// bounds its attempts.
+	stopRetry   chan struct{}
+	retryDone   chan struct{}
+	retryCtx    context.Context
+	retryCancel context.CancelFunc
+}
+
+// failedMapping is a mapping of the state file that did not come back
+// at start. One whose server did not answer (not up yet at boot, the
+// network not there yet) is tried again in the background (retry) until
+// it is served or unmapped; one the state file gives wrong waits for the
+// operator.
+type failedMapping struct {
+	Mapping
+	retry bool
 }
 
 // StateNotRestored is the state `device list` gives a mapping of the
-// state file that could not be restored at start.
-const StateNotRestored = "not restored"
+// state file that could not be restored at start and is not tried again
+// (its entry is invalid); StateRestoring one that is being tried again.
+const (
+	StateNotRestored = "not restored"
+	StateRestoring   = "restoring"
+)
+
+// Restore retries: the first a second after the start, then twice as
+// long each time, up to restoreRetryMax; each attempt bounded by
+// restoreTimeout.
+var (
+	restoreRetryFirst = time.Second
+	restoreRetryMax   = 30 * time.Second
+)
+
+const restoreTimeout = 30 * time.Second
 
 // Options are what a daemon is started with beyond its configuration.
 type Options struct {
@@ -128,10 +158,18 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	// The saved mappings come back before the control socket answers, so
 	// a command after the start sees them.
+	d.stopRetry, d.retryDone = make(chan struct{}), make(chan struct{})
+	d.retryCtx, d.retryCancel = context.WithCancel(context.Background())
+	retry := false
 	for _, m := range st.Mappings {
 		if err := d.restore(m); err != nil {
 			l := d.log.WithField("device", m.Device)
-			l.WithError(err).Error("restoring mapping failed; it stays in the state file")
+			_, invalid := normalize(m)
+			if invalid == nil {
+				l.WithError(err).Error("restoring mapping failed; it stays in the state file and is tried again")
+			} else {
+				l.WithError(err).Error("restoring mapping failed; it stays in the state file until unmapped")
+			}
 			if m.As == "ublk" && parseUblkIndex(m.Kernel) >= 0 {
 				// Unlike nbd's dead_conn_timeout, a quiesced ublk
 				// device holds its IO for ever: fail it now.
@@ -140,8 +178,14 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 				m.Kernel = ""
 			}
 			d.removeDevLink(m) // it would name a device that is not the mapping's
-			d.failed = append(d.failed, m)
+			d.failed = append(d.failed, failedMapping{Mapping: m, retry: invalid == nil})
+			retry = retry || invalid == nil
 		}
+	}
+	if retry {
+		go d.retryRestores()
+	} else {
+		close(d.retryDone)
 	}
 	go func() { d.served <- d.ctl.Serve() }()
 	d.log.WithFields(log.Fields{"control": cfg.ControlSocket, "mappings": len(st.Mappings), "tls": cfg.TLS.Enabled()}).Info("rnbd-client started")
@@ -152,6 +196,9 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 // then closes their devices); the mappings stay in the state file and come
 // back with the next start.
 func (d *Daemon) Stop() error {
+	close(d.stopRetry)
+	d.retryCancel()
+	<-d.retryDone // no session dialled after this
 	if d.metrics != nil {
 		d.metrics.Close()
 	}
@@ -184,7 +231,9 @@ func (d *Daemon) saveState() error {
 	for _, m := range d.maps {
 		st.Mappings = append(st.Mappings, m.Mapping)
 	}
-	st.Mappings = append(st.Mappings, d.failed...)
+	for _, f := range d.failed {
+		st.Mappings = append(st.Mappings, f.Mapping)
+	}
 	d.mu.Unlock()
 	sort.Slice(st.Mappings, func(i, j int) bool { return st.Mappings[i].Device < st.Mappings[j].Device })
 	return conf.SaveState(d.cfg.StateFile, st)
@@ -209,8 +258,8 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 	for _, f := range d.failed {
 		if f.SessName == spec.SessName && f.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
-			return m, ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start: unmap %s, then map it again",
-				spec.DevicePath, spec.SessName, f.Device, f.Device)
+			return m, ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start (%s): unmap %s, then map it again",
+				spec.DevicePath, spec.SessName, f.Device, f.state(), f.Device)
 		}
 	}
 	spec.named(d.nextDeviceLocked(), d.cfg.SocketDir)
@@ -237,6 +286,95 @@ func (d *Daemon) nextDeviceLocked() string {
 			return name
 		}
 	}
+}
+
+func (f failedMapping) state() string {
+	if f.retry {
+		return StateRestoring
+	}
+	return StateNotRestored
+}
+
+// retryRestores tries the mappings that did not come back at start
+// again, backing off, until each is served or unmapped, or the daemon
+// stops.
+func (d *Daemon) retryRestores() {
+	defer close(d.retryDone)
+	delay := restoreRetryFirst
+	t := time.NewTimer(delay)
+	defer t.Stop()
+	for attempt := 2; ; attempt++ {
+		select {
+		case <-d.stopRetry:
+			return
+		case <-t.C:
+		}
+		d.mu.Lock()
+		var todo []Mapping
+		for _, f := range d.failed {
+			if f.retry {
+				todo = append(todo, f.Mapping)
+			}
+		}
+		d.mu.Unlock()
+		if len(todo) == 0 {
+			return
+		}
+		for _, m := range todo {
+			select {
+			case <-d.stopRetry:
+				return
+			default:
+			}
+			if err := d.restoreFailed(m); err != nil {
+				d.log.WithError(err).WithFields(log.Fields{"device": m.Device, "attempt": attempt}).
+					Warn("restoring mapping failed again; it is tried again")
+			}
+		}
+		delay = min(2*delay, restoreRetryMax)
+		t.Reset(delay)
+	}
+}
+
+// restoreFailed tries a mapping that did not come back once more; it
+// does nothing if the mapping was unmapped (or mapped) meanwhile.
+func (d *Daemon) restoreFailed(m Mapping) error {
+	spec, err := normalize(m)
+	if err != nil {
+		return err
+	}
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	if d.failedIndex(m.Device) < 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(d.retryCtx, restoreTimeout)
+	defer cancel()
+	mp, err := d.mapLocked(ctx, spec, true)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	if i := d.failedIndex(m.Device); i >= 0 {
+		d.failed = append(d.failed[:i:i], d.failed[i+1:]...)
+	}
+	d.mu.Unlock()
+	d.log.WithFields(log.Fields{"device": mp.Device, "session": mp.SessName, "device_path": mp.DevicePath}).Info("mapping restored")
+	if err := d.saveState(); err != nil { // its kernel device may be another
+		d.log.WithError(err).Error("saving the state file")
+	}
+	return nil
+}
+
+// failedIndex is the index of device in d.failed, or -1. d.mu or
+// d.mapMu is held.
+func (d *Daemon) failedIndex(device string) int {
+	for i, f := range d.failed {
+		if f.Device == device {
+			return i
+		}
+	}
+	return -1
 }
 
 // restore maps a mapping of the state file under its old device name.

@@ -265,8 +265,12 @@ func TestMapRefusals(t *testing.T) {
 }
 
 // A restart restores every mapping under its device name and session UUID;
-// one that cannot come back stays in the state file until unmapped.
+// one that cannot come back stays in the state file and is tried again
+// until its server answers (or it is unmapped); one whose entry is
+// invalid waits for the operator.
 func TestRestart(t *testing.T) {
+	defer func(d time.Duration) { restoreRetryFirst = d }(restoreRetryFirst)
+	restoreRetryFirst = 20 * time.Millisecond
 	r := newRig(t)
 	r.file("a", 1<<20)
 	r.file("b", 1<<20)
@@ -302,12 +306,12 @@ func TestRestart(t *testing.T) {
 	}
 
 	// Without the server, nothing comes back: the mappings stay saved,
-	// and unmapping one that failed only forgets it.
+	// are tried again, and unmapping one that failed only forgets it.
 	r.stopServer()
 	d = r.start()
-	defer d.Stop()
+	defer func() { d.Stop() }()
 	for _, r := range d.devices("") {
-		if r["state"] != StateNotRestored {
+		if r["state"] != StateRestoring {
 			t.Fatalf("device restored without a server: %v", r)
 		}
 	}
@@ -329,6 +333,30 @@ func TestRestart(t *testing.T) {
 	c, err := d.Map(ctx, r.mapping("s3", "c"))
 	if err != nil || c.Device != "rnbd1" {
 		t.Fatalf("map beside a failed mapping: %+v %v", c, err)
+	}
+	// With its server back, the retry restores rnbd0: its data is there.
+	waitFor(t, "rnbd0 to be restored by a retry", func() bool {
+		recs := d.devices("rnbd0")
+		return len(recs) == 1 && recs[0]["state"] != StateRestoring
+	})
+	rw(t, d, "rnbd0", 8192, 0x5d)
+	if st := r.savedState(); len(st.Mappings) != 2 {
+		t.Fatalf("state after the retry %+v", st)
+	}
+	if err := d.Stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	// An entry of the state file that is wrong is not tried again.
+	st := r.savedState()
+	st.Mappings[0].AccessMode = "bogus"
+	b, _ := json.Marshal(st)
+	if err := os.WriteFile(r.cfg.StateFile, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d = r.start()
+	if recs := d.devices("rnbd0"); len(recs) != 1 || recs[0]["state"] != StateNotRestored {
+		t.Fatalf("an invalid entry: %v", recs)
 	}
 }
 

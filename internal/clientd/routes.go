@@ -371,7 +371,7 @@ func (d *Daemon) devices(name string) []output.Record {
 			ms = append(ms, m)
 		}
 	}
-	var failed []Mapping
+	var failed []failedMapping
 	for _, m := range d.failed {
 		if name == "" || m.Device == name {
 			failed = append(failed, m)
@@ -381,11 +381,11 @@ func (d *Daemon) devices(name string) []output.Record {
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
 	var recs []output.Record
 	// Mappings of the state file that did not come back at start: they
-	// stay until unmapped (or mapped again).
+	// stay until restored by a retry, or unmapped.
 	for _, m := range failed {
 		recs = append(recs, output.Record{
 			"devname": m.Device, "sessname": m.SessName, "devpath": "", "mapping_path": m.DevicePath,
-			"access_mode": m.AccessMode, "state": StateNotRestored, "size": 0,
+			"access_mode": m.AccessMode, "state": m.state(), "size": 0,
 			"socket": "", "io_mode": "", "direction": "client",
 		})
 	}
