@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 
+	"github.com/rnbd/rnbd/internal/tagpool"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -18,8 +19,9 @@ const slotSize = 1 << 20
 // wire (and back) without another copy.
 type nbdBackend struct {
 	dev   *rnbd.CltDev
-	pool  *rtrs.Buffer  // slots of slotSize
-	slots chan *slotBuf // free slots
+	pool  *rtrs.Buffer // slots of slotSize
+	slots []slotBuf
+	free  *tagpool.Pool // free slots, lowest first: the memory in use stays warm
 	reqs  sync.Pool     // *ioReq
 }
 
@@ -28,9 +30,9 @@ func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &nbdBackend{dev: dev, pool: pool, slots: make(chan *slotBuf, nslots)}
-	for i := 0; i < nslots; i++ {
-		b.slots <- &slotBuf{b: b, slot: i, buf: pool, off: i * slotSize}
+	b := &nbdBackend{dev: dev, pool: pool, slots: make([]slotBuf, nslots), free: tagpool.New(nslots)}
+	for i := range b.slots {
+		b.slots[i] = slotBuf{b: b, slot: i, buf: pool, off: i * slotSize}
 	}
 	b.reqs.New = func() any {
 		r := new(ioReq)
@@ -59,7 +61,7 @@ func (s *slotBuf) Release() {
 		s.buf.Free()
 		return
 	}
-	s.b.slots <- s
+	s.b.free.Put(s.slot)
 }
 
 func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
@@ -70,20 +72,18 @@ func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 		}
 		return &slotBuf{b: b, slot: -1, buf: buf, data: buf.Bytes()[:n]}, nil
 	}
-	var s *slotBuf
-	select {
-	case s = <-b.slots:
-	default:
+	i := b.free.TryGet()
+	if i < 0 {
 		// The connection's plug may hold what frees a slot.
 		if pl := nbd.PlugFrom(ctx); pl != nil {
 			pl.Unplug()
 		}
-		select {
-		case s = <-b.slots:
-		case <-ctx.Done():
-			return nil, ctx.Err()
+		var err error
+		if i, err = b.free.Get(ctx, nil); err != nil {
+			return nil, err
 		}
 	}
+	s := &b.slots[i]
 	s.data = b.pool.Bytes()[s.off : s.off+n]
 	return s, nil
 }

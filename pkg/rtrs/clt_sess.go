@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/tagpool"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
@@ -240,7 +241,8 @@ type CltSession struct {
 	hdrSlot    int // bytes of header memory per permit
 	maxIOSize  atomic.Uint32
 	permits    []Permit
-	permitCh   chan *Permit
+	// permitTags hands out permits lowest id first (tagpool).
+	permitTags tagpool.Pool
 	hdrMem     fabric.Memory
 
 	// regMu guards regions and every path's registrations of them.
@@ -336,15 +338,14 @@ func (s *CltSession) initResources(qd int, maxHdr, maxIO uint32) error {
 		s.regMu.Unlock()
 		memBits := MemBits(uint32(qd))
 		s.permits = make([]Permit, qd)
-		s.permitCh = make(chan *Permit, qd)
 		for i := range s.permits {
 			p := &s.permits[i]
 			p.sess = s
 			p.id = uint16(i)
 			p.memOff = uint32(i) << memBits
 			p.hdr = s.hdrMem.Bytes()[i*s.hdrSlot : (i+1)*s.hdrSlot]
-			s.permitCh <- p
 		}
+		s.permitTags.Init(qd)
 	})
 	return s.initErr
 }
@@ -566,35 +567,29 @@ func (s *CltSession) GetPermit(ctx context.Context, t ConType) (*Permit, error) 
 	if s.closed.Load() {
 		return nil, ErrClosed
 	}
-	select {
-	case p := <-s.permitCh:
-		p.held.Store(true)
-		p.conType = t
-		return p, nil
-	default:
-	}
-	select {
-	case p := <-s.permitCh:
-		p.held.Store(true)
-		p.conType = t
-		return p, nil
-	case <-s.closedCh:
+	id, err := s.permitTags.Get(ctx, s.closedCh)
+	if errors.Is(err, tagpool.ErrStopped) {
 		return nil, ErrClosed
-	case <-ctx.Done():
-		return nil, ctx.Err()
 	}
+	if err != nil {
+		return nil, err
+	}
+	p := &s.permits[id]
+	p.held.Store(true)
+	p.conType = t
+	return p, nil
 }
 
 // TryGetPermit takes a permit if one is free.
 func (s *CltSession) TryGetPermit(t ConType) *Permit {
-	select {
-	case p := <-s.permitCh:
-		p.held.Store(true)
-		p.conType = t
-		return p
-	default:
+	id := s.permitTags.TryGet()
+	if id < 0 {
 		return nil
 	}
+	p := &s.permits[id]
+	p.held.Store(true)
+	p.conType = t
+	return p
 }
 
 // PutPermit returns a permit. Its request, if any, must have completed.
@@ -603,7 +598,7 @@ func (s *CltSession) PutPermit(p *Permit) {
 		panic("rtrs: PutPermit of a permit not held")
 	}
 	p.req.conf, p.req.buf = nil, nil
-	s.permitCh <- p
+	s.permitTags.Put(int(p.id))
 }
 
 // Buffer is registered memory a request's data must live in: reads land

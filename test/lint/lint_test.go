@@ -61,7 +61,7 @@ func TestCgoOnlyInIbverbs(t *testing.T) {
 // backends). The frontends a mapped device is offered through (NBD, the
 // kernel's nbd attach, ublk) live in pkg/frontend, and only the client
 // daemon joins them to RNBD. Nothing under pkg imports cmd or internal
-// packages other than log, units, uring and rawio (leaves that know nothing of
+// packages other than log, units, uring, rawio and tagpool (leaves that know nothing of
 // the daemons); pkg/rtrs knows nothing of RNBD, NBD or ublk; pkg/rnbd
 // knows nothing of the frontends; the backends and the frontends know
 // nothing of RNBD or RTRS, nor of each other.
@@ -75,7 +75,7 @@ func TestDependencyDirection(t *testing.T) {
 		module + "/internal/":    {module + "/cmd/"},
 	}
 	allowedInternal := map[string]bool{module + "/internal/log": true, module + "/internal/units": true,
-		module + "/internal/uring": true, module + "/internal/rawio": true}
+		module + "/internal/uring": true, module + "/internal/rawio": true, module + "/internal/tagpool": true}
 	for _, p := range packages(t) {
 		for _, imp := range p.Imports {
 			for prefix, bad := range forbidden {

@@ -1,0 +1,125 @@
+// Package tagpool hands out the tags 0..n-1 of a fixed set of resources
+// (a session's permits, a device's buffer slots) lowest first, as the
+// kernel's tag bitmaps do (find_first_zero_bit), rather than in the order
+// they came back. At a queue depth of 32 over 512 tags, requests then
+// cycle through the first 32 resources and their memory stays in the
+// CPU's caches; a FIFO free list makes every request take the least
+// recently used one.
+package tagpool
+
+import (
+	"context"
+	"errors"
+	"math/bits"
+	"sync"
+)
+
+// ErrStopped is what Get returns when its stop channel is closed.
+var ErrStopped = errors.New("tagpool: stopped")
+
+// Pool is a set of tags. The zero Pool has none (Get waits); Init gives
+// it its tags.
+type Pool struct {
+	mu      sync.Mutex
+	free    []uint64 // bit t%64 of word t/64 set: tag t is free
+	waiters int
+	// wake has a token when a tag came back while someone waited; a
+	// waiter that takes a tag passes the token on if more are free.
+	wake chan struct{}
+}
+
+// Init makes tags 0..n-1, all free. It is called once, before any other
+// method runs concurrently with it.
+func (p *Pool) Init(n int) {
+	p.free = make([]uint64, (n+63)/64)
+	for t := 0; t < n; t++ {
+		p.free[t/64] |= 1 << (t % 64)
+	}
+	p.wake = make(chan struct{}, 1)
+}
+
+// New returns a pool of n tags.
+func New(n int) *Pool {
+	p := &Pool{}
+	p.Init(n)
+	return p
+}
+
+// TryGet takes the lowest free tag, or returns -1.
+func (p *Pool) TryGet() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.takeLocked()
+}
+
+func (p *Pool) takeLocked() int {
+	for w, word := range p.free {
+		if word != 0 {
+			b := bits.TrailingZeros64(word)
+			p.free[w] = word &^ (1 << b)
+			return w*64 + b
+		}
+	}
+	return -1
+}
+
+func (p *Pool) anyFreeLocked() bool {
+	for _, word := range p.free {
+		if word != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// Get takes the lowest free tag, waiting for one until ctx ends
+// (ctx.Err()) or stop is closed (ErrStopped).
+func (p *Pool) Get(ctx context.Context, stop <-chan struct{}) (int, error) {
+	p.mu.Lock()
+	if t := p.takeLocked(); t >= 0 {
+		p.mu.Unlock()
+		return t, nil
+	}
+	p.waiters++
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		p.waiters--
+		p.mu.Unlock()
+	}()
+	for {
+		select {
+		case <-p.wake:
+		case <-stop:
+			return -1, ErrStopped
+		case <-ctx.Done():
+			return -1, ctx.Err()
+		}
+		p.mu.Lock()
+		t := p.takeLocked()
+		if t >= 0 && p.waiters > 1 && p.anyFreeLocked() {
+			p.signal() // another waiter may take the next
+		}
+		p.mu.Unlock()
+		if t >= 0 {
+			return t, nil
+		}
+	}
+}
+
+// Put returns tag t.
+func (p *Pool) Put(t int) {
+	p.mu.Lock()
+	p.free[t/64] |= 1 << (t % 64)
+	if p.waiters > 0 {
+		p.signal()
+	}
+	p.mu.Unlock()
+}
+
+func (p *Pool) signal() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
