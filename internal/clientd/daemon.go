@@ -326,7 +326,7 @@ func (d *Daemon) retryRestores() {
 				return
 			default:
 			}
-			if err := d.restoreFailed(m); err != nil {
+			if err := d.restoreFailed(m.Device); err != nil {
 				d.log.WithError(err).WithFields(log.Fields{"device": m.Device, "attempt": attempt}).
 					Warn("restoring mapping failed again; it is tried again")
 			}
@@ -338,15 +338,18 @@ func (d *Daemon) retryRestores() {
 
 // restoreFailed tries a mapping that did not come back once more; it
 // does nothing if the mapping was unmapped (or mapped) meanwhile.
-func (d *Daemon) restoreFailed(m Mapping) error {
+func (d *Daemon) restoreFailed(device string) error {
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	i := d.failedIndex(device)
+	if i < 0 {
+		return nil
+	}
+	// The entry as it is now: session set may have changed its settings.
+	m := d.failed[i].Mapping
 	spec, err := normalize(m)
 	if err != nil {
 		return err
-	}
-	d.mapMu.Lock()
-	defer d.mapMu.Unlock()
-	if d.failedIndex(m.Device) < 0 {
-		return nil
 	}
 	ctx, cancel := context.WithTimeout(d.retryCtx, restoreTimeout)
 	defer cancel()
@@ -355,7 +358,7 @@ func (d *Daemon) restoreFailed(m Mapping) error {
 		return err
 	}
 	d.mu.Lock()
-	if i := d.failedIndex(m.Device); i >= 0 {
+	if i := d.failedIndex(device); i >= 0 {
 		d.failed = append(d.failed[:i:i], d.failed[i+1:]...)
 	}
 	d.mu.Unlock()

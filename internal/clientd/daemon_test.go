@@ -327,6 +327,15 @@ func TestRestart(t *testing.T) {
 	if st := r.savedState(); len(st.Mappings) != 1 || st.Mappings[0].Device != "rnbd0" {
 		t.Fatalf("state after forgetting rnbd1 %+v", st)
 	}
+	// Settings given to the session meanwhile are kept for the mapping
+	// being restored, and come back with it.
+	pol := "round-robin"
+	if err := d.keepSettings("s1", SetRequest{MPPolicy: &pol}); err != nil {
+		t.Fatal(err)
+	}
+	if st := r.savedState(); st.Mappings[0].Settings.MPPolicy == nil || *st.Mappings[0].Settings.MPPolicy != pol {
+		t.Fatalf("settings of a mapping being restored %+v", st.Mappings[0].Settings)
+	}
 	// The name of a mapping that did not come back is not given away.
 	r.startServer()
 	r.file("c", 1<<20)
@@ -340,7 +349,7 @@ func TestRestart(t *testing.T) {
 		return len(recs) == 1 && recs[0]["state"] != StateRestoring
 	})
 	rw(t, d, "rnbd0", 8192, 0x5d)
-	if st := r.savedState(); len(st.Mappings) != 2 {
+	if st := r.savedState(); len(st.Mappings) != 2 || st.Mappings[0].Settings.MPPolicy == nil || *st.Mappings[0].Settings.MPPolicy != pol {
 		t.Fatalf("state after the retry %+v", st)
 	}
 	if err := d.Stop(); err != nil {

@@ -337,6 +337,12 @@ func (d *Daemon) keepSettings(name string, req SetRequest) error {
 			m.Settings = m.Settings.Merge(req)
 		}
 	}
+	// A mapping still being restored comes back with them too.
+	for i := range d.failed {
+		if d.failed[i].SessName == name {
+			d.failed[i].Settings = d.failed[i].Settings.Merge(req)
+		}
+	}
 	d.mu.Unlock()
 	if err := d.saveState(); err != nil {
 		return fmt.Errorf("the settings apply, but saving them in the state file failed: %w", err)
@@ -373,6 +379,9 @@ func (d *Daemon) devices(name string) []output.Record {
 	}
 	var failed []failedMapping
 	for _, m := range d.failed {
+		if d.maps[m.Device] != nil {
+			continue // restored a moment ago: listed as it is now
+		}
 		if name == "" || m.Device == name {
 			failed = append(failed, m)
 		}

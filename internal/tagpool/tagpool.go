@@ -45,10 +45,15 @@ func New(n int) *Pool {
 	return p
 }
 
-// TryGet takes the lowest free tag, or returns -1.
+// TryGet takes the lowest free tag, or returns -1. While others wait for
+// a tag it takes none: a tag that comes back is theirs, in the order they
+// came (a caller that could always barge in could starve a waiter).
 func (p *Pool) TryGet() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.waiters > 0 {
+		return -1
+	}
 	return p.takeLocked()
 }
 
@@ -76,9 +81,11 @@ func (p *Pool) anyFreeLocked() bool {
 // (ctx.Err()) or stop is closed (ErrStopped).
 func (p *Pool) Get(ctx context.Context, stop <-chan struct{}) (int, error) {
 	p.mu.Lock()
-	if t := p.takeLocked(); t >= 0 {
-		p.mu.Unlock()
-		return t, nil
+	if p.waiters == 0 {
+		if t := p.takeLocked(); t >= 0 {
+			p.mu.Unlock()
+			return t, nil
+		}
 	}
 	p.waiters++
 	p.mu.Unlock()

@@ -110,3 +110,31 @@ func TestManyWaitersManyPuts(t *testing.T) {
 		t.Fatalf("tags served %v", seen)
 	}
 }
+
+// TestNoBarging: while a waiter waits, a tag that comes back is its
+// own, not the next TryGet's or Get's.
+func TestNoBarging(t *testing.T) {
+	p := New(1)
+	p.TryGet()
+	got := make(chan int, 1)
+	go func() {
+		tag, _ := p.Get(context.Background(), nil)
+		got <- tag
+	}()
+	for {
+		p.mu.Lock()
+		w := p.waiters
+		p.mu.Unlock()
+		if w == 1 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	p.Put(0)
+	if tag := p.TryGet(); tag != -1 {
+		t.Fatalf("TryGet took tag %d from a waiter", tag)
+	}
+	if tag := <-got; tag != 0 {
+		t.Fatalf("the waiter got %d", tag)
+	}
+}

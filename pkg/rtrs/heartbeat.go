@@ -23,8 +23,13 @@ type heartbeat struct {
 	timer   *time.Timer
 	running bool
 
-	missed     atomic.Int32
-	lastSent   atomic.Int64 // ns since epoch (≥ 1) of the oldest HB_MSG unanswered; 0: none
+	missed atomic.Int32
+	// sent are the send times (ns since epoch) of the HB_MSGs not
+	// answered yet, oldest first: HB_ACKs come back in order on the one
+	// connection, so each ack is measured from its own message.
+	sentMu     sync.Mutex
+	sent       [8]int64
+	nsent      int
 	curLatency atomic.Int64 // ns, the last HB round trip
 
 	send  func() error // post a HB_MSG
@@ -60,7 +65,9 @@ func (h *heartbeat) start() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.missed.Store(0)
-	h.lastSent.Store(0)
+	h.sentMu.Lock()
+	h.nsent = 0 // the old connection's messages get no answer
+	h.sentMu.Unlock()
 	h.running = true
 	if h.timer == nil {
 		h.timer = time.AfterFunc(h.interval, h.tick)
@@ -136,12 +143,17 @@ func (h *heartbeat) tick() {
 	h.timer.Reset(h.interval)
 }
 
-// noteSent keeps the send time of a HB_MSG about to go out unless an
-// earlier one is still unanswered: the HB_ACK that comes back first is
-// measured from the oldest send, never from a later one (which would
-// make a slow path look fast to the min-latency policy).
+// noteSent keeps the send time of a HB_MSG about to go out, for the
+// HB_ACK that answers it. Past len(sent) unanswered the newest are not
+// kept: their acks, if any come, are then measured from older sends
+// (longer, never shorter, than they were: a slow path never looks fast).
 func (h *heartbeat) noteSent() {
-	h.lastSent.CompareAndSwap(0, max(int64(time.Since(h.epoch)), 1))
+	h.sentMu.Lock()
+	if h.nsent < len(h.sent) {
+		h.sent[h.nsent] = int64(time.Since(h.epoch))
+		h.nsent++
+	}
+	h.sentMu.Unlock()
 }
 
 // alive notes traffic from the peer.
@@ -154,9 +166,13 @@ func (h *heartbeat) alive() {
 func (h *heartbeat) ack() {
 	h.missed.Store(0)
 	h.recvSeq.Add(1)
-	if sent := h.lastSent.Swap(0); sent != 0 {
-		h.curLatency.Store(int64(time.Since(h.epoch)) - sent)
+	h.sentMu.Lock()
+	if h.nsent > 0 {
+		h.curLatency.Store(int64(time.Since(h.epoch)) - h.sent[0])
+		copy(h.sent[:], h.sent[1:h.nsent])
+		h.nsent--
 	}
+	h.sentMu.Unlock()
 }
 
 // latency is the last measured heartbeat round trip.

@@ -185,31 +185,38 @@ func TestHeartbeatProbe(t *testing.T) {
 	})
 }
 
-// TestHeartbeatLatencyFromOldest: a HB_ACK measures from the oldest
-// HB_MSG unanswered (a probe after a regular heartbeat must not make a
-// slow path look fast), and the next round trip stands on its own.
+// TestHeartbeatLatencyFromOldest: each HB_ACK is measured from the
+// HB_MSG it answers (acks come back in order): a probe sent after a
+// regular heartbeat does not make a slow path look fast, nor does one
+// sent between two acks.
 func TestHeartbeatLatencyFromOldest(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var h heartbeat
 		h.init(time.Hour, 3, func() error { return nil }, func() {})
-		time.Sleep(time.Millisecond)
-		h.noteSent()
+		lat := func() time.Duration { return time.Duration(h.curLatency.Load()) }
+		h.noteSent() // HB1 at 0
 		time.Sleep(300 * time.Millisecond)
-		h.noteSent()
+		h.noteSent() // HB2 at 300
 		time.Sleep(100 * time.Millisecond)
-		h.ack()
-		if l := time.Duration(h.curLatency.Load()); l != 400*time.Millisecond {
-			t.Fatalf("cur_latency %v, want 400ms (from the first send)", l)
+		h.ack() // HB1's, at 400
+		if l := lat(); l != 400*time.Millisecond {
+			t.Fatalf("cur_latency %v, want 400ms (from HB1)", l)
 		}
-		h.ack() // the second send's answer: no sample of its own
-		if l := time.Duration(h.curLatency.Load()); l != 400*time.Millisecond {
-			t.Fatalf("cur_latency %v after a second ack, want 400ms kept", l)
-		}
-		h.noteSent()
 		time.Sleep(50 * time.Millisecond)
-		h.ack()
-		if l := time.Duration(h.curLatency.Load()); l != 50*time.Millisecond {
-			t.Fatalf("cur_latency %v, want 50ms", l)
+		h.noteSent() // HB3 at 450
+		time.Sleep(50 * time.Millisecond)
+		h.ack() // HB2's, at 500
+		if l := lat(); l != 200*time.Millisecond {
+			t.Fatalf("cur_latency %v, want 200ms (from HB2, not HB3)", l)
+		}
+		time.Sleep(50 * time.Millisecond)
+		h.ack() // HB3's, at 550
+		if l := lat(); l != 100*time.Millisecond {
+			t.Fatalf("cur_latency %v, want 100ms", l)
+		}
+		h.ack() // nothing unanswered: no sample
+		if l := lat(); l != 100*time.Millisecond {
+			t.Fatalf("cur_latency %v after a stray ack, want 100ms kept", l)
 		}
 	})
 }
