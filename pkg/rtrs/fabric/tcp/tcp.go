@@ -508,29 +508,52 @@ func (l *listener) takePeerSlot(peer netip.Prefix, nc net.Conn) bool {
 	return true
 }
 
-// evictLocked closes the oldest handshake of the peer with the most in
-// progress, if that is more than peer's next one would make; it reports
-// whether it made room.
+// evictLocked closes the oldest handshake of the network with the most
+// in progress, if that is more than peer's network's next one would
+// make; it reports whether it made room. Networks, not addresses, share
+// the slots here (an IPv6 /64, an IPv4 address: evictionNet): one host
+// that takes a handshake from each of many addresses of its /64 is one
+// network, and gives way to others.
 func (l *listener) evictLocked(peer netip.Prefix) bool {
+	counts := map[netip.Prefix]int{}
+	for _, st := range l.shaking {
+		if st.peer.IsValid() {
+			counts[evictionNet(st.peer)]++
+		}
+	}
 	var most netip.Prefix
-	for p, n := range l.perAddr {
-		if n > l.perAddr[most] {
+	for p, n := range counts {
+		if n > counts[most] {
 			most = p
 		}
 	}
-	if !most.IsValid() || l.perAddr[most] <= l.perAddr[peer]+1 {
+	if !most.IsValid() || counts[most] <= counts[evictionNet(peer)]+1 {
 		return false
 	}
 	var victim net.Conn
 	var oldest uint64
 	for c, st := range l.shaking {
-		if st.peer == most && (victim == nil || st.seq < oldest) {
+		if st.peer.IsValid() && evictionNet(st.peer) == most && (victim == nil || st.seq < oldest) {
 			victim, oldest = c, st.seq
 		}
 	}
 	l.dropLocked(victim)
 	victim.Close() // its handshake fails now; its slot is free already
 	return true
+}
+
+// evictionNet is the network a peer (a fabric.PeerGroup) shares
+// handshake slots with when they run short: its /64 for IPv6, itself for
+// IPv4.
+func evictionNet(peer netip.Prefix) netip.Prefix {
+	if !peer.IsValid() {
+		return peer
+	}
+	if a := peer.Addr(); a.Is6() {
+		p, _ := a.Prefix(64)
+		return p
+	}
+	return peer
 }
 
 // dropLocked uncounts nc's handshake, once.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -401,5 +402,36 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestEvictionByNetwork: when the handshake slots run short, a host that
+// holds one from each of many addresses of its IPv6 /64 counts as one
+// network and gives way to a peer of another network, oldest first; a
+// peer of the same /64 takes nothing from it.
+func TestEvictionByNetwork(t *testing.T) {
+	l := &listener{shaking: map[net.Conn]shakingState{}, perAddr: map[netip.Prefix]int{}}
+	var conns []net.Conn
+	for i := 1; i <= 6; i++ {
+		a, b := net.Pipe()
+		t.Cleanup(func() { a.Close(); b.Close() })
+		peer := fabric.PeerGroup(netip.MustParseAddr(fmt.Sprintf("2001:db8:1:2::%x", i)))
+		l.shakeSeq++
+		l.shaking[a] = shakingState{peer: peer, seq: l.shakeSeq}
+		l.perAddr[peer]++
+		conns = append(conns, b)
+	}
+	if l.evictLocked(fabric.PeerGroup(netip.MustParseAddr("2001:db8:1:2::99"))) {
+		t.Fatal("a peer of the same /64 evicted one of its own network")
+	}
+	if !l.evictLocked(fabric.PeerGroup(netip.MustParseAddr("2001:db8:7::1"))) {
+		t.Fatal("a peer of another network found no room")
+	}
+	if len(l.shaking) != 5 {
+		t.Fatalf("%d handshakes left, want 5", len(l.shaking))
+	}
+	conns[0].SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := conns[0].Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("the oldest handshake of the network: read %v, want EOF (closed)", err)
 	}
 }
