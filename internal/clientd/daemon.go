@@ -110,7 +110,12 @@ var (
 	restoreRetryMax   = 30 * time.Second
 )
 
-const restoreTimeout = 30 * time.Second
+// restoreTimeout bounds a restore at start; retryTimeout a retry, which
+// holds map and unmap off while it runs (shorter: a retry comes again).
+const (
+	restoreTimeout = 30 * time.Second
+	retryTimeout   = 10 * time.Second
+)
 
 // Options are what a daemon is started with beyond its configuration.
 type Options struct {
@@ -351,7 +356,7 @@ func (d *Daemon) restoreFailed(device string) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(d.retryCtx, restoreTimeout)
+	ctx, cancel := context.WithTimeout(d.retryCtx, retryTimeout)
 	defer cancel()
 	mp, err := d.mapLocked(ctx, spec, true)
 	if err != nil {
@@ -388,7 +393,7 @@ func (d *Daemon) restore(m Mapping) error {
 	}
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), restoreTimeout)
 	defer cancel()
 	_, err = d.mapLocked(ctx, spec, true)
 	return err
