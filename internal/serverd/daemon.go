@@ -301,6 +301,7 @@ func (d *Daemon) saveState() error {
 func (d *Daemon) dropUnrestored(name string) bool {
 	for i, e := range d.unrestored {
 		if e.Name == name {
+			delete(d.notServed, name)
 			d.unrestored = append(d.unrestored[:i], d.unrestored[i+1:]...)
 			return true
 		}
