@@ -104,7 +104,7 @@ const (
 
 // Restore retries: the first a second after the start, then twice as
 // long each time, up to restoreRetryMax; each attempt bounded by
-// restoreTimeout.
+// retryTimeout.
 var (
 	restoreRetryFirst = time.Second
 	restoreRetryMax   = 30 * time.Second
