@@ -28,9 +28,11 @@ type Pool struct {
 	wake chan struct{}
 }
 
-// Init makes tags 0..n-1, all free. It is called once, before any other
-// method runs concurrently with it.
+// Init makes tags 0..n-1, all free. It is called once; a Get waiting
+// on the zero Pool before it ends only at its context or stop.
 func (p *Pool) Init(n int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	p.free = make([]uint64, (n+63)/64)
 	for t := 0; t < n; t++ {
 		p.free[t/64] |= 1 << (t % 64)
@@ -88,6 +90,7 @@ func (p *Pool) Get(ctx context.Context, stop <-chan struct{}) (int, error) {
 		}
 	}
 	p.waiters++
+	wake := p.wake
 	p.mu.Unlock()
 	defer func() {
 		p.mu.Lock()
@@ -96,7 +99,7 @@ func (p *Pool) Get(ctx context.Context, stop <-chan struct{}) (int, error) {
 	}()
 	for {
 		select {
-		case <-p.wake:
+		case <-wake:
 		case <-stop:
 			return -1, ErrStopped
 		case <-ctx.Done():
