@@ -373,10 +373,12 @@ func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
 func (d *Daemon) retryNotServed() {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	try := func(list []rnbd.Export, skip func(string) bool, what string) []rnbd.Export {
+	// A state-file export the configuration file shadows waits for the
+	// file to lose it (state true); the configuration's own never are.
+	try := func(list []rnbd.Export, state bool, what string) []rnbd.Export {
 		keep := list[:0]
 		for _, e := range list {
-			if skip(e.Name) {
+			if state && d.configured[e.Name] {
 				keep = append(keep, e)
 				continue
 			}
@@ -390,9 +392,8 @@ func (d *Daemon) retryNotServed() {
 		}
 		return keep
 	}
-	d.configPending = try(d.configPending, func(string) bool { return false }, "export of the configuration file")
-	// One the configuration file shadows waits for the file to lose it.
-	d.unrestored = try(d.unrestored, func(name string) bool { return d.configured[name] }, "export of the state file")
+	d.configPending = try(d.configPending, false, "export of the configuration file")
+	d.unrestored = try(d.unrestored, true, "export of the state file")
 }
 
 // Requests of the control API.
