@@ -68,6 +68,13 @@ type Daemon struct {
 	ownersDirty chan struct{}
 	stopOwners  chan struct{}
 	ownersDone  chan struct{}
+	// stopRetry and retryDone end retryLoop, which tries the exports
+	// not served again.
+	stopRetry chan struct{}
+	retryDone chan struct{}
+	// probe looks at export paths before they are mapped, so that one
+	// on a mount that does not answer holds nothing.
+	probe pathProbe
 }
 
 // Options are what a daemon is started with beyond its configuration.
@@ -98,7 +105,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
-		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{})}
+		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{}),
+		stopRetry: make(chan struct{}), retryDone: make(chan struct{})}
 	eps, err := endpoints(cfg.Listen, opts)
 	if err != nil {
 		return nil, err
@@ -130,10 +138,18 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	// The configuration file's exports first: a name there is served as
 	// the file says, whatever a map of the same name left in the state.
 	d.configured, d.notServed = map[string]bool{}, map[string]string{}
+	var paths []string
+	for _, r := range cfg.Exports {
+		paths = append(paths, r.Path)
+	}
+	for _, e := range st.Exports {
+		paths = append(paths, e.Path)
+	}
+	looked := d.probe.look(paths, probeWait)
 	for _, r := range cfg.Exports {
 		e, _ := r.Export() // validated
 		d.configured[e.Name] = true
-		if err := d.rnbd.Map(e); err != nil {
+		if err := d.mapLooked(e, looked); err != nil {
 			// One missing device does not keep the others from
 			// being served.
 			d.configPending = append(d.configPending, e)
@@ -150,7 +166,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			d.unrestored = append(d.unrestored, e)
 			continue
 		}
-		if err := d.rnbd.Map(e); err != nil {
+		if err := d.mapLooked(e, looked); err != nil {
 			// Keep going: the rest of the exports are still served,
 			// and the state file keeps the entry for when it returns.
 			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err)
@@ -187,6 +203,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 	}
 	go d.saveOwners()
+	go d.retryLoop()
 	go func() { d.served <- d.ctl.Serve() }()
 	var bound []string
 	for _, l := range d.rtrs.Listening() {
@@ -266,6 +283,15 @@ func (d *Daemon) Stop() error {
 	d.rtrs.Close()
 	close(d.stopOwners)
 	<-d.ownersDone
+	close(d.stopRetry)
+	select {
+	case <-d.retryDone:
+	case <-time.After(retryStopWait):
+		// A path of an export not served is on a mount that does not
+		// answer (a hard NFS mount of a server that is gone): its
+		// stat cannot be interrupted, and must not hold the stop.
+		d.log.Warn("stopping without waiting for a retried export's path, which does not answer")
+	}
 	d.rnbd.Close()
 	err := d.ctl.Close()
 	<-d.served
@@ -313,8 +339,6 @@ func (d *Daemon) dropUnrestored(name string) bool {
 // Stop, and once more then if one is still due.
 func (d *Daemon) saveOwners() {
 	defer close(d.ownersDone)
-	retry := time.NewTicker(d.retryEvery)
-	defer retry.Stop()
 	save := func() {
 		d.stateMu.Lock()
 		defer d.stateMu.Unlock()
@@ -326,8 +350,6 @@ func (d *Daemon) saveOwners() {
 		select {
 		case <-d.ownersDirty:
 			save()
-		case <-retry.C:
-			d.retryNotServed()
 		case <-d.stopOwners:
 			select {
 			case <-d.ownersDirty:
@@ -367,10 +389,53 @@ func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
 	d.log.WithError(err).WithFields(exportFields(e)).Error(what)
 }
 
+// mapLooked maps e, unless its path did not answer when looked at.
+func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]error) error {
+	if err := looked[e.Path]; errors.Is(err, syscall.ETIMEDOUT) {
+		return fmt.Errorf("export %s: %w", e.Name, err)
+	}
+	return d.rnbd.Map(e)
+}
+
+// retryStopWait bounds how long Stop waits for a retry under way.
+const retryStopWait = 5 * time.Second
+
+// retryLoop tries the exports not served again every retryEvery, until
+// Stop. It is a goroutine of its own: a path on a mount that hangs holds
+// only it, not the saves of the state file.
+func (d *Daemon) retryLoop() {
+	defer close(d.retryDone)
+	t := time.NewTicker(d.retryEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			d.retryNotServed()
+		case <-d.stopRetry:
+			return
+		}
+	}
+}
+
 // retryNotServed tries the exports that could not be served again: a
 // device that appeared since (an LVM volume activated late, a file
-// system mounted) is served without a restart.
+// system mounted) is served without a restart. Their paths are looked
+// at without the state lock: a stat on a mount that does not answer
+// hangs, and must not hold map, unmap and the saves with it; an export
+// is mapped only once its path answered.
 func (d *Daemon) retryNotServed() {
+	d.stateMu.Lock()
+	var paths []string
+	for _, list := range [][]rnbd.Export{d.configPending, d.unrestored} {
+		for _, e := range list {
+			paths = append(paths, e.Path)
+		}
+	}
+	d.stateMu.Unlock()
+	if len(paths) == 0 {
+		return
+	}
+	looked := d.probe.look(paths, probeWait)
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	// A state-file export the configuration file shadows waits for the
@@ -382,7 +447,11 @@ func (d *Daemon) retryNotServed() {
 				keep = append(keep, e)
 				continue
 			}
-			if err := d.rnbd.Map(e); err != nil {
+			if _, ok := looked[e.Path]; !ok { // not pending when the paths were looked at
+				keep = append(keep, e)
+				continue
+			}
+			if err := d.mapLooked(e, looked); err != nil {
 				d.noteNotServed(e, what+" still not served", err)
 				keep = append(keep, e)
 				continue
@@ -601,12 +670,15 @@ func (d *Daemon) routes() {
 // Map adds an export and saves the state; if saving fails the export is
 // withdrawn again, so the daemon never serves what a restart would lose.
 func (d *Daemon) Map(e rnbd.Export) error {
+	// Looked at first, without the state lock: a path that does not
+	// answer fails this map, not every other map and unmap with it.
+	looked := d.probe.look([]string{e.Path}, probeWait)
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	if d.configured[e.Name] {
 		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
 	}
-	if err := d.rnbd.Map(e); err != nil {
+	if err := d.mapLooked(e, looked); err != nil {
 		return err
 	}
 	if err := d.saveState(); err != nil {

@@ -24,6 +24,8 @@ import (
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+
+	"golang.org/x/sys/unix"
 )
 
 // lockedBuffer collects a process's output while the test reads it.
@@ -857,4 +859,94 @@ func TestBackendErrorsLogged(t *testing.T) {
 			return strings.Contains(s, l.says) && strings.Contains(s, "no space left on device")
 		})
 	}
+}
+
+// TestHungExportPath: an export whose path is on a mount that does not
+// answer — here a FUSE mount whose daemon never replies, as a hard NFS
+// mount of a server that is gone — holds nothing else: the server starts
+// and serves the other exports, lists it not served with why, maps and
+// unmaps others meanwhile, refuses a map on that mount within seconds,
+// and stops.
+func TestHungExportPath(t *testing.T) {
+	mnt := hungMount(t)
+	dir := t.TempDir()
+	vol, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "other.img")
+	sparseFile(t, vol, 1<<20)
+	sparseFile(t, other, 1<<20)
+	port := freePort(t)
+	began := time.Now()
+	d := startServerConf(t, dir, port, fmt.Sprintf(`export_retry = "200ms"
+
+[[export]]
+name = "vol"
+path = %q
+
+[[export]]
+name = "hung"
+path = %q
+`, vol, filepath.Join(mnt, "disk.img")))
+	if took := time.Since(began); took > 15*time.Second {
+		t.Fatalf("the server took %v to start", took)
+	}
+	state := map[string]string{}
+	for _, r := range d.records("device", "list", "--fields", "devname,state,reason") {
+		state[r["devname"].(string)] = fmt.Sprint(r["state"], ": ", r["reason"])
+	}
+	if !strings.HasPrefix(state["vol"], "exported") || !strings.Contains(state["hung"], "not served") ||
+		!strings.Contains(state["hung"], "no answer") {
+		t.Fatalf("device list: %v", state)
+	}
+	// The retries of the hung path (every 200 ms) hold no map or unmap.
+	time.Sleep(time.Second)
+	quick := func(what string, args ...string) (string, int) {
+		t.Helper()
+		began := time.Now()
+		_, errOut, code := d.ctl(args...)
+		if took := time.Since(began); took > 5*time.Second {
+			t.Fatalf("%s took %v", what, took)
+		}
+		return errOut, code
+	}
+	if errOut, code := quick("a map", "map", "other", other); code != 0 {
+		t.Fatalf("map beside a hung export: exit %d %s", code, errOut)
+	}
+	if errOut, code := quick("a map on the hung mount", "map", "other2", filepath.Join(mnt, "other.img")); code == 0 ||
+		!strings.Contains(errOut, "no answer") {
+		t.Fatalf("map of a path that does not answer: exit %d %q", code, errOut)
+	}
+	if errOut, code := quick("an unmap", "unmap", "other"); code != 0 {
+		t.Fatalf("unmap beside a hung export: exit %d %s", code, errOut)
+	}
+	began = time.Now()
+	d.stop()
+	if took := time.Since(began); took > 10*time.Second {
+		t.Fatalf("the server took %v to stop", took)
+	}
+}
+
+// hungMount mounts a FUSE file system that never answers (its device is
+// opened and never read): every stat under it waits until the test ends,
+// when closing the device aborts the connection.
+func hungMount(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Skipf("no FUSE here: %v", err)
+	}
+	mnt := t.TempDir()
+	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", fd)
+	if err := unix.Mount("rnbd-test", mnt, "fuse", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		unix.Close(fd)
+		t.Skipf("mounting FUSE: %v", err)
+	}
+	t.Cleanup(func() {
+		unix.Close(fd) // aborts the connection: every stat waiting returns ENOTCONN
+		if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmounting %s: %v", mnt, err)
+		}
+	})
+	return mnt
 }

@@ -1,0 +1,78 @@
+package serverd
+
+import (
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// probeWait is how long an export's path may take to answer a stat
+// before the export is left not served (and tried again later).
+const probeWait = 2 * time.Second
+
+// pathProbe looks at export paths without waiting for one that does not
+// answer: a stat on a hard NFS mount of a server that is gone, or a FUSE
+// mount whose daemon hangs, never returns, and cannot be interrupted. A
+// daemon that waited for it would not start, or would hold every map and
+// unmap behind it. Each stat runs in a goroutine of its own; a path whose
+// stat is still hanging is not looked at again until it returns, so a
+// dead mount costs one goroutine, not one per retry.
+type pathProbe struct {
+	mu      sync.Mutex
+	pending map[string]bool // paths whose stat has not returned
+}
+
+// look stats the paths, for at most wait. The result has one entry per
+// path: nil if it is there, the stat's error, or an ETIMEDOUT error for a
+// path that did not answer in time.
+func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]error {
+	type answer struct {
+		path string
+		err  error
+	}
+	out := make(map[string]error, len(paths))
+	done := make(chan answer, len(paths))
+	asked := 0
+	pp.mu.Lock()
+	if pp.pending == nil {
+		pp.pending = map[string]bool{}
+	}
+	for _, p := range paths {
+		if _, dup := out[p]; dup {
+			continue
+		}
+		out[p] = hungPath(p, wait)
+		if pp.pending[p] {
+			continue // still hanging from an earlier look
+		}
+		pp.pending[p] = true
+		asked++
+		go func() {
+			_, err := os.Stat(p)
+			pp.mu.Lock()
+			delete(pp.pending, p)
+			pp.mu.Unlock()
+			done <- answer{p, err} // buffered: never blocks
+		}()
+	}
+	pp.mu.Unlock()
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for ; asked > 0; asked-- {
+		select {
+		case a := <-done:
+			out[a.path] = a.err
+		case <-t.C:
+			return out
+		}
+	}
+	return out
+}
+
+// hungPath is the error of a path that did not answer a stat.
+func hungPath(path string, wait time.Duration) error {
+	return &os.PathError{Op: "stat", Path: path,
+		Err: fmt.Errorf("no answer in %v (a mount that does not answer?): %w", wait, syscall.ETIMEDOUT)}
+}
