@@ -53,6 +53,9 @@ func (s *session) uuid() string {
 
 // Daemon is a running rnbd-client.
 type Daemon struct {
+	stopOnce sync.Once
+	stopErr  error // of the first Stop
+
 	cfg    Config
 	log    *log.Entry
 	fabric fabric.Fabric // TCP
@@ -200,7 +203,13 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 // Stop stops serving: NBD connections close, sessions close (the server
 // then closes their devices); the mappings stay in the state file and come
 // back with the next start.
+// Calls after the first return its result.
 func (d *Daemon) Stop() error {
+	d.stopOnce.Do(func() { d.stopErr = d.stop() })
+	return d.stopErr
+}
+
+func (d *Daemon) stop() error {
 	close(d.stopRetry)
 	d.retryCancel()
 	<-d.retryDone // no session dialled after this

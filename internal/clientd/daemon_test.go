@@ -288,6 +288,9 @@ func TestRestart(t *testing.T) {
 	if err := d.Stop(); err != nil {
 		t.Fatal(err)
 	}
+	if err := d.Stop(); err != nil { // a second Stop does nothing
+		t.Fatal(err)
+	}
 	waitFor(t, "the server to drop the sessions", func() bool { return len(r.rs.Sessions()) == 0 })
 
 	d = r.start()

@@ -39,6 +39,9 @@ type State struct {
 
 // Daemon is a running rnbd-server.
 type Daemon struct {
+	stopOnce sync.Once
+	stopErr  error // of the first Stop
+
 	cfg  Config
 	log  *log.Entry
 	rnbd *rnbd.Server
@@ -276,7 +279,13 @@ func (d *Daemon) Addrs() []netip.AddrPort { return d.rtrs.Addrs() }
 
 // Stop drains and stops: no new connections, every path closed after its
 // IO answered, then the control socket.
+// Calls after the first return its result.
 func (d *Daemon) Stop() error {
+	d.stopOnce.Do(func() { d.stopErr = d.stop() })
+	return d.stopErr
+}
+
+func (d *Daemon) stop() error {
 	if d.metrics != nil {
 		d.metrics.Close()
 	}
