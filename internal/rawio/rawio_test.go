@@ -170,3 +170,27 @@ func TestFileCalls(t *testing.T) {
 		t.Fatalf("bad descriptor: %v", err)
 	}
 }
+
+// Bytes that arrive after a short read, before the next Read, are read:
+// Read must try the socket before it waits. (Waiting at once after a
+// short read, to save the read that returns EAGAIN, loses them: the
+// runtime's poller forgets readiness it saw before each RawConn.Read, so
+// the wake-up for them is gone and the reader sleeps with data queued —
+// a hang found by measuring exactly that change.)
+func TestReadAfterShortRead(t *testing.T) {
+	a, b := tcpPair(t)
+	r := New(b)
+	buf := make([]byte, 64)
+	for i := range 3 {
+		if _, err := a.Write([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+		// Idle, so that the poller takes the socket's wake-up for
+		// the byte before Read is called.
+		time.Sleep(20 * time.Millisecond)
+		b.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if n, err := r.Read(buf); err != nil || n != 1 || buf[0] != byte(i) {
+			t.Fatalf("read %d: %d bytes %v, %v", i, n, buf[:n], err)
+		}
+	}
+}
