@@ -580,46 +580,64 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		cli map --sessname $1 --path ip:10.78.0.1@ip:10.78.0.1 --dest-port $2 --device-path $3 --transport rdma --as nbd 2>/dev/null |
 			awk '/mapped:/ {print $3}'
 	}
-	perf_pair() { # name device
+	# One emulated run of a few seconds moves by a factor of two from
+	# one boot or mapping to the next: every pairing is measured in
+	# perf_rounds rounds, mapped afresh in each, the pairings
+	# interleaved; the medians are reported, with each round's figure.
+	perf_rounds=3
+	perf_pair() { # name device: one round of a pairing
 		if [ ! -b "$2" ]; then
-			res interop-perf-$1 FAIL "not mapped"
+			eval "perf_${1}_fail=1"
 			return
 		fi
-		eval "perf_${1}_4k=\$(perf_fio $2 randread 4k 16) perf_${1}_1m=\$(perf_fio $2 read 1M 4)"
-		eval "res interop-perf-$1 PASS \"4k \$perf_${1}_4k IOPS, 1M \$perf_${1}_1m IOPS\""
+		local a b
+		a=$(perf_fio $2 randread 4k 16)
+		b=$(perf_fio $2 read 1M 4)
+		eval "perf_${1}_4k=\"\${perf_${1}_4k:-} $a\" perf_${1}_1m=\"\${perf_${1}_1m:-} $b\""
 	}
-	d=$(kmap pkk 1235 ram0); perf_pair kk "$d"; [ -b "$d" ] && kunmap "$d"
-	d=$(kmap pkr 1234 pram); perf_pair kr "$d"; [ -b "$d" ] && kunmap "$d"
-	d=$(umap prk 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-	d=$(umap prr 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-	stop_server
-	srv_extra="--invalidate-by=registration"
-	start_server || res server-restart FAIL "no control socket"
-	srv map pram /dev/ram1 >/dev/null 2>&1
-	d=$(kmap pkr3 1234 pram); perf_pair kr_reg "$d"; [ -b "$d" ] && kunmap "$d"
-	stop_server
-	srv_extra="--always-invalidate=false"
-	start_server || res server-restart FAIL "no control socket"
-	srv map pram /dev/ram1 >/dev/null 2>&1
-	d=$(kmap pkr2 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
-	d=$(umap prr2 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-	stop_server
-	srv_extra=""
-	start_server || res server-restart FAIL "no control socket"
+	restart_server() { # extra flags of rnbd-server
+		stop_server
+		srv_extra="$*"
+		start_server || res server-restart FAIL "no control socket"
+		srv map pram /dev/ram1 >/dev/null 2>&1
+	}
+	for r in $(seq $perf_rounds); do
+		d=$(kmap pkk$r 1235 ram0); perf_pair kk "$d"; [ -b "$d" ] && kunmap "$d"
+		d=$(kmap pkr$r 1234 pram); perf_pair kr "$d"; [ -b "$d" ] && kunmap "$d"
+		d=$(umap prk$r 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+		d=$(umap prr$r 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+		restart_server --invalidate-by=registration
+		d=$(kmap pkrr$r 1234 pram); perf_pair kr_reg "$d"; [ -b "$d" ] && kunmap "$d"
+		restart_server --always-invalidate=false
+		d=$(kmap pkrn$r 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
+		d=$(umap prrn$r 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+		restart_server
+	done
+	median() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }'; }
 	ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
+	for p in kk kr rk rr kr_reg kr_noinv rr_noinv; do
+		eval "f=\${perf_${p}_fail:-} a=\${perf_${p}_4k:-} b=\${perf_${p}_1m:-}"
+		if [ -n "$f" ]; then
+			res interop-perf-$p FAIL "not mapped in every round"
+		else
+			res interop-perf-$p PASS "4k${a} IOPS, 1M${b} IOPS"
+		fi
+		eval "med_${p}_4k=\$(median \$a) med_${p}_1m=\$(median \$b)"
+	done
 	for w in 4k 1m; do
-		eval "kk=\$perf_kk_$w"
+		eval "kk=\$med_kk_$w all=\$perf_kk_$w"
 		line=""
 		for p in kr rk rr kr_reg kr_noinv rr_noinv; do
-			eval "v=\$perf_${p}_$w"
-			line="$line $p ${v:-?} ($(ratio "$v" "$kk")x)"
+			eval "v=\$med_${p}_$w all=\$perf_${p}_$w"
+			line="$line $p ${v:-?} ($(ratio "$v" "$kk")x) [${all# }]"
 		done
+		eval "all=\$perf_kk_$w"
 		what="4 KiB random read QD16"
 		[ $w = 1m ] && what="1 MiB sequential read QD4"
-		echo "TPUT interop-perf $what, IOPS (emulated): kk ${kk:-?}$line"
+		echo "TPUT interop-perf $what, IOPS (emulated, median of $perf_rounds rounds [each round]): kk ${kk:-?} [${all# }]$line"
 	done
-	eval "inv=\$perf_kr_4k reg=\$perf_kr_reg_4k noinv=\$perf_kr_noinv_4k"
-	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server: on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
+	eval "inv=\$med_kr_4k reg=\$med_kr_reg_4k noinv=\$med_kr_noinv_4k"
+	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server (medians): on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
 fi
 want nbd || want ublk || finish
 
