@@ -130,7 +130,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			default: // a save is due already
 			}
 		},
-		Log: opts.Log,
+		// d.rtrs is set before the control socket, where a name is
+		// forgotten, serves.
+		NameHeld: func(name string) bool { return d.rtrs.NameHeld(name) },
+		Log:      opts.Log,
 	})
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
 	if err != nil {

@@ -213,7 +213,12 @@ type ServerConfig struct {
 	// identity (srv_names.go), to save SessionOwners; it is called on
 	// RTRS's naming path and must not block.
 	OwnersChanged func()
-	Log           *log.Entry
+	// NameHeld, if set, says whether a transport session has a name,
+	// once the namings under way are done (rtrs.Server.NameHeld):
+	// ForgetSessionName asks it for a session that took the name
+	// before it shows among Sessions.
+	NameHeld func(name string) bool
+	Log      *log.Entry
 }
 
 // Server is the RNBD server: the user of an RTRS server. It is safe for

@@ -140,6 +140,19 @@ func (s *Server) ForgetSessionName(name string) (identity string, err error) {
 	if !ok {
 		return "", fmt.Errorf("session name %q is not bound to an identity: %w", name, syscall.ENOENT)
 	}
+	// A path may have taken the name under the binding just removed
+	// while its session was not among Sessions yet: once the namings
+	// under way are done, such a session is seen by the transport, and
+	// the binding is put back (unless a claim after the removal bound
+	// the name anew).
+	if s.cfg.NameHeld != nil && s.cfg.NameHeld(name) {
+		s.ownMu.Lock()
+		if _, bound := s.owners[name]; !bound {
+			s.owners[name] = identity
+		}
+		s.ownMu.Unlock()
+		return "", fmt.Errorf("session %s is connecting: disconnect it first, or bind the name to another identity: %w", name, syscall.EBUSY)
+	}
 	s.log.WithFields(log.Fields{"session": name, "identity": identity}).Info("session name freed")
 	return identity, nil
 }

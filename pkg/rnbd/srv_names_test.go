@@ -106,3 +106,39 @@ func TestSessionNamesPerIdentity(t *testing.T) {
 		t.Fatalf("an unbound name past the cap: %v", err)
 	}
 }
+
+// TestForgetWhileConnecting: a forget that races a path taking the name
+// (the transport has the session, Sessions not yet) fails with EBUSY and
+// leaves the binding; if a claim bound the name anew meanwhile, that
+// binding stays.
+func TestForgetWhileConnecting(t *testing.T) {
+	var s *Server
+	var held func(string) bool
+	s = NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1,
+		NameHeld: func(name string) bool { return held(name) }})
+	defer s.Close()
+	s.SetSessionOwners([]SessionOwner{{"a", "client-a"}, {"b", "client-a"}, {"c", "client-a"}})
+
+	held = func(string) bool { return true } // client-a's path took "a" just before
+	if _, err := s.ForgetSessionName("a"); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("forget of a name being taken: %v, want EBUSY", err)
+	}
+	held = func(name string) bool {
+		// client-b took "b" right after the binding was removed.
+		if err := s.ClaimSessionName(name, "client-b"); err != nil {
+			t.Errorf("claim of a freed name: %v", err)
+		}
+		return true
+	}
+	if _, err := s.ForgetSessionName("b"); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("forget of a name taken anew: %v, want EBUSY", err)
+	}
+	held = func(string) bool { return false }
+	if id, err := s.ForgetSessionName("c"); err != nil || id != "client-a" {
+		t.Fatalf("forget of a name no session has: %q %v", id, err)
+	}
+	want := []SessionOwner{{"a", "client-a"}, {"b", "client-b"}}
+	if got := s.SessionOwners(); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("owners %v, want %v", got, want)
+	}
+}

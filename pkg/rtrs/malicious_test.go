@@ -672,3 +672,58 @@ func TestNameClaimedPerPath(t *testing.T) {
 		t.Fatalf("%d claims, want one per path", n)
 	}
 }
+
+// gatedNaming holds the first claim of a name until released.
+type gatedNaming struct {
+	*memDisk
+	claiming chan struct{} // closed when the claim began
+	release  chan struct{}
+	once     sync.Once
+}
+
+func (d *gatedNaming) ClaimSessionName(name, identity string) error {
+	d.once.Do(func() {
+		close(d.claiming)
+		<-d.release
+	})
+	return nil
+}
+
+// TestNameHeldWaitsForClaims: NameHeld answers once the naming under way
+// is done, so a session that took a name just before is seen (the
+// operator's forget relies on it), not missed because it was not named
+// yet.
+func TestNameHeldWaitsForClaims(t *testing.T) {
+	fab := tcp.New(tcp.Options{})
+	a := loopbackListener(t)
+	d := &gatedNaming{memDisk: newMemDisk(1 << 20), claiming: make(chan struct{}), release: make(chan struct{})}
+	srv, err := NewServer(testServerConfig(fab, d, a))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	opened := make(chan error, 1)
+	var sess *CltSession
+	go func() {
+		var err error
+		sess, err = Open(ctx, testClientConfig(fab, PathAddr{Dst: a}))
+		opened <- err
+	}()
+	<-d.claiming
+	held := make(chan bool, 1)
+	go func() { held <- srv.NameHeld("testsess") }()
+	time.Sleep(50 * time.Millisecond) // NameHeld would answer now if it did not wait
+	close(d.release)
+	if !<-held {
+		t.Fatal("NameHeld missed the session whose path was taking the name")
+	}
+	if err := <-opened; err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	if srv.NameHeld("other") {
+		t.Fatal("NameHeld of a name no session has")
+	}
+}

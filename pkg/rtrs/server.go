@@ -309,6 +309,19 @@ func (s *Server) ChunkMemory() (used, limit int64) {
 	return s.chunkMem.Load(), s.cfg.MaxChunkMemory
 }
 
+// NameHeld says whether a session has name, once the namings under way
+// (claimName) are done: a path that took it before this call is seen.
+func (s *Server) NameHeld(name string) bool {
+	s.nameMu.Lock()
+	defer s.nameMu.Unlock()
+	for _, x := range s.Sessions() {
+		if x.Name() == name {
+			return true
+		}
+	}
+	return false
+}
+
 // Sessions returns the server's sessions.
 func (s *Server) Sessions() []*SrvSession {
 	s.mu.Lock()
