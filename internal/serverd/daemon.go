@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"net/http"
 	"net/netip"
-	"os"
 	"sort"
 	"strings"
 	"sync"
@@ -133,6 +132,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		// d.rtrs is set before the control socket, where a name is
 		// forgotten, serves.
 		NameHeld: func(name string) bool { return d.rtrs.NameHeld(name) },
+		Stat:     d.probe.stat,
 		Log:      opts.Log,
 	})
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)
@@ -293,17 +293,17 @@ func (d *Daemon) stop() error {
 		d.metrics.Close()
 	}
 	d.rtrs.Close()
-	close(d.stopOwners)
-	<-d.ownersDone
 	close(d.stopRetry)
 	select {
 	case <-d.retryDone:
 	case <-time.After(retryStopWait):
-		// A path of an export not served is on a mount that does not
-		// answer (a hard NFS mount of a server that is gone): its
-		// stat cannot be interrupted, and must not hold the stop.
-		d.log.Warn("stopping without waiting for a retried export's path, which does not answer")
+		// Every stat of a retry is bounded (probeWait), but a retry
+		// may look at many paths, one after another, under the
+		// state lock: the stop does not wait for it all.
+		d.log.Warn("stopping while a retry of exports not served is under way")
 	}
+	close(d.stopOwners)
+	<-d.ownersDone
 	d.rnbd.Close()
 	err := d.ctl.Close()
 	<-d.served
@@ -401,9 +401,10 @@ func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
 	d.log.WithError(err).WithFields(exportFields(e)).Error(what)
 }
 
-// mapLooked maps e, unless its path did not answer when looked at.
-func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]error) error {
-	if err := looked[e.Path]; errors.Is(err, syscall.ETIMEDOUT) {
+// mapLooked maps e, unless its path did not answer when looked at (Map
+// looks again, bounded the same way).
+func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]probed) error {
+	if err := looked[e.Path].err; errors.Is(err, syscall.ETIMEDOUT) {
 		return fmt.Errorf("export %s: %w", e.Name, err)
 	}
 	return d.rnbd.Map(e)
@@ -682,14 +683,14 @@ func (d *Daemon) routes() {
 // Map adds an export and saves the state; if saving fails the export is
 // withdrawn again, so the daemon never serves what a restart would lose.
 func (d *Daemon) Map(e rnbd.Export) error {
+	if d.configured[e.Name] { // set at start, never changed
+		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
+	}
 	// Looked at first, without the state lock: a path that does not
 	// answer fails this map, not every other map and unmap with it.
 	looked := d.probe.look([]string{e.Path}, probeWait)
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	if d.configured[e.Name] {
-		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
-	}
 	if err := d.mapLooked(e, looked); err != nil {
 		return err
 	}
@@ -805,7 +806,7 @@ func (d *Daemon) exportCache(e rnbd.Export) string {
 	if e.WriteThrough || !d.cfg.DirectIO {
 		return writeCache(!e.WriteThrough)
 	}
-	if st, err := os.Stat(e.Path); err == nil && st.Mode()&fs.ModeDevice != 0 {
+	if st, err := d.probe.stat(e.Path); err == nil && st.Mode()&fs.ModeDevice != 0 {
 		return "device"
 	}
 	return writeCache(true)

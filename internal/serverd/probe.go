@@ -12,27 +12,38 @@ import (
 // before the export is left not served (and tried again later).
 const probeWait = 2 * time.Second
 
+// maxProbesPending bounds the stats that have not returned: each holds
+// an OS thread until its mount answers, if ever.
+const maxProbesPending = 64
+
 // pathProbe looks at export paths without waiting for one that does not
 // answer: a stat on a hard NFS mount of a server that is gone, or a FUSE
 // mount whose daemon hangs, never returns, and cannot be interrupted. A
 // daemon that waited for it would not start, or would hold every map and
 // unmap behind it. Each stat runs in a goroutine of its own; a path whose
 // stat is still hanging is not looked at again until it returns, so a
-// dead mount costs one goroutine, not one per retry.
+// path on a dead mount costs one goroutine (and the OS thread it blocks),
+// however often it is retried, and at most maxProbesPending are pending.
 type pathProbe struct {
 	mu      sync.Mutex
 	pending map[string]bool // paths whose stat has not returned
 }
 
+// probed is what a stat of a path gave.
+type probed struct {
+	fi  os.FileInfo
+	err error
+}
+
 // look stats the paths, for at most wait. The result has one entry per
-// path: nil if it is there, the stat's error, or an ETIMEDOUT error for a
-// path that did not answer in time.
-func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]error {
+// path: its FileInfo, the stat's error, or an ETIMEDOUT error for a path
+// that did not answer in time.
+func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed {
 	type answer struct {
 		path string
-		err  error
+		probed
 	}
-	out := make(map[string]error, len(paths))
+	out := make(map[string]probed, len(paths))
 	done := make(chan answer, len(paths))
 	asked := 0
 	pp.mu.Lock()
@@ -43,18 +54,23 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]error {
 		if _, dup := out[p]; dup {
 			continue
 		}
-		out[p] = hungPath(p, wait)
+		out[p] = probed{err: hungPath(p, wait)}
 		if pp.pending[p] {
 			continue // still hanging from an earlier look
+		}
+		if len(pp.pending) >= maxProbesPending {
+			out[p] = probed{err: &os.PathError{Op: "stat", Path: p,
+				Err: fmt.Errorf("not looked at: %d export paths do not answer: %w", len(pp.pending), syscall.ETIMEDOUT)}}
+			continue
 		}
 		pp.pending[p] = true
 		asked++
 		go func() {
-			_, err := os.Stat(p)
+			fi, err := os.Stat(p)
 			pp.mu.Lock()
 			delete(pp.pending, p)
 			pp.mu.Unlock()
-			done <- answer{p, err} // buffered: never blocks
+			done <- answer{p, probed{fi, err}} // buffered: never blocks
 		}()
 	}
 	pp.mu.Unlock()
@@ -63,12 +79,18 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]error {
 	for ; asked > 0; asked-- {
 		select {
 		case a := <-done:
-			out[a.path] = a.err
+			out[a.path] = a.probed
 		case <-t.C:
 			return out
 		}
 	}
 	return out
+}
+
+// stat is os.Stat of one path, bounded as look.
+func (pp *pathProbe) stat(path string) (os.FileInfo, error) {
+	r := pp.look([]string{path}, probeWait)[path]
+	return r.fi, r.err
 }
 
 // hungPath is the error of a path that did not answer a stat.

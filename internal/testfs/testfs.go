@@ -3,6 +3,7 @@
 package testfs
 
 import (
+	"fmt"
 	"os"
 	"testing"
 
@@ -33,4 +34,33 @@ func IsHole(t testing.TB, path string, off int64) bool {
 		t.Fatal(err)
 	}
 	return h == off
+}
+
+// HungMount mounts a FUSE file system that never answers (its device is
+// opened and never read), as a hard NFS mount of a server that is gone:
+// every stat under it waits until the test ends, when closing the device
+// aborts the connection. It skips the test where it cannot mount (not
+// root, no FUSE).
+func HungMount(t testing.TB) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Skipf("no FUSE here: %v", err)
+	}
+	mnt := t.TempDir()
+	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", fd)
+	if err := unix.Mount("rnbd-test", mnt, "fuse", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		unix.Close(fd)
+		t.Skipf("mounting FUSE: %v", err)
+	}
+	t.Cleanup(func() {
+		unix.Close(fd) // aborts the connection: every stat waiting returns ENOTCONN
+		if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmounting %s: %v", mnt, err)
+		}
+	})
+	return mnt
 }

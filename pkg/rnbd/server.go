@@ -218,7 +218,11 @@ type ServerConfig struct {
 	// ForgetSessionName asks it for a session that took the name
 	// before it shows among Sessions.
 	NameHeld func(name string) bool
-	Log      *log.Entry
+	// Stat is how Map looks at an export's path: os.Stat if nil. The
+	// daemon bounds it, as a path on a mount that does not answer never
+	// returns.
+	Stat func(path string) (os.FileInfo, error)
+	Log  *log.Entry
 }
 
 // Server is the RNBD server: the user of an RTRS server. It is safe for
@@ -847,7 +851,11 @@ func (s *Server) Map(e Export) error {
 			return errorf(syscall.EINVAL, "export %s: allow_identities entry %q: want an identity and ro, rw or migration", e.Name, g.String())
 		}
 	}
-	if _, err := os.Stat(e.Path); err != nil {
+	stat := s.cfg.Stat
+	if stat == nil {
+		stat = os.Stat
+	}
+	if _, err := stat(e.Path); err != nil {
 		return fmt.Errorf("export %s: %w", e.Name, err)
 	}
 	s.mu.Lock()

@@ -21,11 +21,10 @@ import (
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
-
-	"golang.org/x/sys/unix"
 )
 
 // lockedBuffer collects a process's output while the test reads it.
@@ -868,7 +867,7 @@ func TestBackendErrorsLogged(t *testing.T) {
 // unmaps others meanwhile, refuses a map on that mount within seconds,
 // and stops.
 func TestHungExportPath(t *testing.T) {
-	mnt := hungMount(t)
+	mnt := testfs.HungMount(t)
 	dir := t.TempDir()
 	vol, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "other.img")
 	sparseFile(t, vol, 1<<20)
@@ -900,12 +899,20 @@ path = %q
 	time.Sleep(time.Second)
 	quick := func(what string, args ...string) (string, int) {
 		t.Helper()
-		began := time.Now()
-		_, errOut, code := d.ctl(args...)
-		if took := time.Since(began); took > 5*time.Second {
-			t.Fatalf("%s took %v", what, took)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin("rnbd-server"), append(args, "--socket", d.sock)...)
+		var errOut bytes.Buffer
+		cmd.Stderr = &errOut
+		err := cmd.Run()
+		if ctx.Err() != nil {
+			t.Fatalf("%s took more than 5 s", what)
 		}
-		return errOut, code
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatalf("%s: %v", what, err)
+		}
+		return errOut.String(), cmd.ProcessState.ExitCode()
 	}
 	if errOut, code := quick("a map", "map", "other", other); code != 0 {
 		t.Fatalf("map beside a hung export: exit %d %s", code, errOut)
@@ -922,31 +929,4 @@ path = %q
 	if took := time.Since(began); took > 10*time.Second {
 		t.Fatalf("the server took %v to stop", took)
 	}
-}
-
-// hungMount mounts a FUSE file system that never answers (its device is
-// opened and never read): every stat under it waits until the test ends,
-// when closing the device aborts the connection.
-func hungMount(t *testing.T) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("mounting needs root")
-	}
-	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Skipf("no FUSE here: %v", err)
-	}
-	mnt := t.TempDir()
-	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", fd)
-	if err := unix.Mount("rnbd-test", mnt, "fuse", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-		unix.Close(fd)
-		t.Skipf("mounting FUSE: %v", err)
-	}
-	t.Cleanup(func() {
-		unix.Close(fd) // aborts the connection: every stat waiting returns ENOTCONN
-		if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
-			t.Errorf("unmounting %s: %v", mnt, err)
-		}
-	})
-	return mnt
 }

@@ -593,6 +593,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		local a b
 		a=$(perf_fio $2 randread 4k 16)
 		b=$(perf_fio $2 read 1M 4)
+		[ -n "$a" ] && [ -n "$b" ] || eval "perf_${1}_fail=1"
 		eval "perf_${1}_4k=\"\${perf_${1}_4k:-} $a\" perf_${1}_1m=\"\${perf_${1}_1m:-} $b\""
 	}
 	restart_server() { # extra flags of rnbd-server
@@ -613,12 +614,13 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		d=$(umap prrn$r 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
 		restart_server
 	done
+	# The middle figure; of two (a round failed), the lower.
 	median() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }'; }
 	ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
 	for p in kk kr rk rr kr_reg kr_noinv rr_noinv; do
 		eval "f=\${perf_${p}_fail:-} a=\${perf_${p}_4k:-} b=\${perf_${p}_1m:-}"
 		if [ -n "$f" ]; then
-			res interop-perf-$p FAIL "not mapped in every round"
+			res interop-perf-$p FAIL "not mapped, or no figure, in every round"
 		else
 			res interop-perf-$p PASS "4k${a} IOPS, 1M${b} IOPS"
 		fi
