@@ -387,10 +387,11 @@ type SrvSession struct {
 	name string
 	ver  atomic.Uint32
 
-	// mu guards devs and nextID.
-	mu     sync.Mutex
-	devs   map[uint32]*SrvSessDev // a nil value is an id kept after force_close
-	nextID uint32
+	// mu guards devs, nextID and opening.
+	mu      sync.Mutex
+	devs    map[uint32]*SrvSessDev // a nil value is an id kept after force_close
+	nextID  uint32
+	opening map[string]bool // device names whose open is under way
 }
 
 // Name is the session's name.
@@ -566,9 +567,12 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 	if m.AccessMode > AccessMigration {
 		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "OPEN of %s with access mode %d", m.DevName, m.AccessMode))
 	}
+	// The backend's open and its size refresh are file system calls,
+	// which on a mount that stops answering never return: they run
+	// without x.mu, which every IO of the session takes (get).
 	x.mu.Lock()
-	defer x.mu.Unlock()
 	if x.devs == nil {
+		x.mu.Unlock()
 		return syscall.ENOTCONN // the session is going
 	}
 	for _, d := range x.devs {
@@ -576,10 +580,16 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			// The kernel answers with the open device whatever the
 			// mode; a writer must not get a device it cannot write.
 			if d.readonly && m.AccessMode != AccessRO {
+				x.mu.Unlock()
 				err := errorf(syscall.EPERM, "%s is open read-only by this session; close it to reopen it %v", m.DevName, m.AccessMode)
 				x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "open refused")
 				return err
 			}
+			if !d.ref() {
+				break // closing: opened anew below, once closed
+			}
+			x.mu.Unlock()
+			defer d.refs.Done()
 			// A remap, or our client asking after the size (it does
 			// every few seconds): answer with the size the backend has
 			// now, grown or shrunk since.
@@ -590,12 +600,32 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			return nil
 		}
 	}
+	if x.opening[m.DevName] {
+		x.mu.Unlock()
+		return errorf(syscall.EBUSY, "%s is being opened by this session", m.DevName)
+	}
+	if x.opening == nil {
+		x.opening = map[string]bool{}
+	}
+	x.opening[m.DevName] = true
+	x.mu.Unlock()
 	d, err := x.srv.open(x, m.DevName, m.AccessMode, op.Path().ClientAddr().Addr())
+	x.mu.Lock()
+	delete(x.opening, m.DevName)
 	if err != nil {
+		x.mu.Unlock()
 		x.srv.rl.Log(x.log().WithFields(log.Fields{"device": m.DevName, "access_mode": m.AccessMode}).WithError(err),
 			log.WarnLevel, "open refused")
 		return err
 	}
+	if x.devs == nil || !d.ref() {
+		// The session went, or the device was force-closed (its
+		// export unmapped), while it was being opened.
+		x.mu.Unlock()
+		d.close()
+		return errorf(syscall.ENOTCONN, "%s was closed while it was being opened", m.DevName)
+	}
+	d.refs.Done()
 	for {
 		x.nextID++
 		if _, used := x.devs[x.nextID]; !used && x.nextID != 0 {
@@ -605,6 +635,7 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 	d.id = x.nextID
 	x.devs[d.id] = d
 	x.fillOpenRsp(d, op.Data())
+	x.mu.Unlock()
 	x.log().WithFields(log.Fields{"device": d.name, "path": d.backend.Path(), "device_id": d.id, "access_mode": d.access}).Info("device opened")
 	return nil
 }
@@ -644,7 +675,7 @@ func (x *SrvSession) fillOpenRsp(d *SrvSessDev, b []byte) {
 }
 
 // open resolves name for session x, opens the backend and takes the
-// access mode on its device. x.mu is held.
+// access mode on its device. x.mu is not held: the open may take long.
 func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Addr) (*SrvSessDev, error) {
 	readonly := mode == AccessRO
 	opts := blockdev.Options{ReadOnly: readonly, Direct: s.cfg.Direct}
@@ -822,16 +853,21 @@ func (x *SrvSession) get(id uint32) *SrvSessDev {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	d := x.devs[id]
-	if d == nil {
+	if d == nil || !d.ref() {
 		return nil
 	}
+	return d
+}
+
+// ref takes an IO reference on d, unless it is closing.
+func (d *SrvSessDev) ref() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closing {
-		return nil
+		return false
 	}
 	d.refs.Add(1)
-	return d
+	return true
 }
 
 // Map adds an explicit export. Paths are checked when a session opens them.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -1164,9 +1165,9 @@ func TestServerResize(t *testing.T) {
 		t.Fatalf("force close: %d %v", n, err)
 	}
 	waitFor(t, "a poll to find it closed", x.d.srvClosed.Load)
-	if open := r.srv.OpenDevices(); len(open) != 0 {
-		t.Fatalf("open on the server after the polls: %+v", open)
-	}
+	// The poll found it closed by opening it anew, and closes that
+	// right after saying so (and polls no more).
+	waitFor(t, "what the poll opened to be closed", func() bool { return len(r.srv.OpenDevices()) == 0 })
 }
 
 // An export's max_sessions bounds the sessions that have it open at
@@ -1286,5 +1287,74 @@ func TestSearchPathRules(t *testing.T) {
 	}
 	if err := open(as("alice", "s2"), "found", AccessRW); err != nil {
 		t.Fatalf("rw by an identity granted rw: %v", err)
+	}
+}
+
+// TestOpenOnHungMount: an OPEN whose backing file is on a mount that
+// does not answer holds only itself: the session's IO on its other
+// devices goes on, and a second OPEN of the same name is refused (EBUSY)
+// rather than stacked behind it.
+func TestOpenOnHungMount(t *testing.T) {
+	var mnt string
+	r := newSrig(t, ServerConfig{Stat: func(p string) (os.FileInfo, error) {
+		if mnt != "" && strings.HasPrefix(p, mnt) {
+			return nil, nil // exported while the mount answered
+		}
+		return os.Stat(p)
+	}})
+	r.file("vol1", 1<<20)
+	c := r.client("c1")
+	x := r.dev(c, "vol1", AccessRW)
+	mnt = testfs.HungMount(t) // its cleanup, first, lets the open fail
+	if err := r.srv.Map(Export{Name: "hung", Path: filepath.Join(mnt, "disk.img")}); err != nil {
+		t.Fatal(err)
+	}
+	go c.open(context.Background(), "hung", AccessRW) // hangs until the cleanup
+	opening := func() bool {
+		for _, s := range r.srv.Sessions() {
+			if !s.mu.TryLock() {
+				continue // (held through the open, it would never be free)
+			}
+			o := s.opening["hung"]
+			s.mu.Unlock()
+			if o {
+				return true
+			}
+		}
+		return false
+	}
+	for deadline := time.Now().Add(10 * time.Second); !opening(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the open of the hung export never started")
+		}
+	}
+	done := make(chan error, 1)
+	go func() {
+		want := bytes.Repeat([]byte("still served"), 4096/12+1)[:4096]
+		err := x.write(0, want, 0)
+		if err == nil {
+			var got []byte
+			if got, err = x.read(0, len(want)); err == nil && !bytes.Equal(got, want) {
+				err = fmt.Errorf("read back %q", got[:12])
+			}
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("IO on another device of the session waits for the hung open")
+	}
+	// Our client sends one admin message at a time; another client
+	// need not.
+	var usr [OpenSize]byte
+	(&Open{AccessMode: AccessRW, DevName: "hung"}).Encode(usr[:])
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.Session().Do(ctx, rtrs.IOCon, rtrs.Read, usr[:], x.buf, 0, OpenRspSize); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("a second open of the name being opened: %v, want EBUSY", err)
 	}
 }
