@@ -258,6 +258,9 @@ type Server struct {
 	// beforeIO, if set, runs when an IO holds its device, before the
 	// backend sees it (tests hold IO in flight with it).
 	beforeIO func()
+	// afterOpen, if set, runs when a backend was opened for an OPEN,
+	// before the device joins its session (tests).
+	afterOpen func()
 }
 
 // NewServer returns an RNBD server; pass it as the RTRS server's handler.
@@ -402,8 +405,9 @@ type SrvSessDev struct {
 	sess     *SrvSession
 	dev      *device
 	id       uint32
-	name     string // the name the client opened
-	export   string // the export it resolved to, if explicit
+	name     string  // the name the client opened
+	export   string  // the export it resolved to, if explicit
+	from     *Export // that export, as the server had it at the open
 	access   AccessMode
 	readonly bool
 	backend  *blockdev.Backend
@@ -585,8 +589,9 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 				x.srv.rl.Log(x.log().WithError(err), log.WarnLevel, "open refused")
 				return err
 			}
-			if !d.ref() {
-				break // closing: opened anew below, once closed
+			if !d.ref() { // (close takes it out of devs first)
+				x.mu.Unlock()
+				return errorf(syscall.ENOTCONN, "%s is being closed", m.DevName)
 			}
 			x.mu.Unlock()
 			defer d.refs.Done()
@@ -610,6 +615,9 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 	x.opening[m.DevName] = true
 	x.mu.Unlock()
 	d, err := x.srv.open(x, m.DevName, m.AccessMode, op.Path().ClientAddr().Addr())
+	if h := x.srv.afterOpen; h != nil && err == nil {
+		h()
+	}
 	x.mu.Lock()
 	delete(x.opening, m.DevName)
 	if err != nil {
@@ -618,14 +626,19 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			log.WarnLevel, "open refused")
 		return err
 	}
-	if x.devs == nil || !d.ref() {
-		// The session went, or the device was force-closed (its
-		// export unmapped), while it was being opened.
+	if x.devs == nil {
 		x.mu.Unlock()
 		d.close()
-		return errorf(syscall.ENOTCONN, "%s was closed while it was being opened", m.DevName)
+		return errorf(syscall.ENOTCONN, "the session closed while %s was being opened", m.DevName)
 	}
-	d.refs.Done()
+	if !x.srv.stillExported(d) {
+		// Unmapped (or mapped anew) while it was being opened: Unmap
+		// looks for the devices to close among devs, where this one
+		// is not yet. Once it is, under x.mu, Unmap finds it.
+		x.mu.Unlock()
+		d.close()
+		return errorf(syscall.ENOENT, "export %s was withdrawn while %s was being opened", d.export, m.DevName)
+	}
 	for {
 		x.nextID++
 		if _, used := x.devs[x.nextID]; !used && x.nextID != 0 {
@@ -680,10 +693,10 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	readonly := mode == AccessRO
 	opts := blockdev.Options{ReadOnly: readonly, Direct: s.cfg.Direct}
 	s.mu.Lock()
-	var exp *Export
+	var exp, orig *Export
 	if e := s.exports[name]; e != nil && !e.withdrawing {
 		c := *e
-		exp = &c
+		exp, orig = &c, e
 		opts.WriteThrough = exp.WriteThrough
 		if exp.MaxSessions > 0 && s.exportOpens[name] >= exp.MaxSessions {
 			s.mu.Unlock()
@@ -734,7 +747,7 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	}
 	d := &SrvSessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
 	if exp != nil {
-		d.export = exp.Name
+		d.export, d.from = exp.Name, orig
 	}
 	opened = true
 	d.refs.Add(1) // open
@@ -857,6 +870,19 @@ func (x *SrvSession) get(id uint32) *SrvSessDev {
 		return nil
 	}
 	return d
+}
+
+// stillExported says whether the export d was opened from is still
+// served as it was (not withdrawn, nor replaced); true for a device of
+// the search path. The caller holds d.sess.mu (lock order).
+func (s *Server) stillExported(d *SrvSessDev) bool {
+	if d.from == nil {
+		return true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.exports[d.export]
+	return e == d.from && !e.withdrawing
 }
 
 // ref takes an IO reference on d, unless it is closing.

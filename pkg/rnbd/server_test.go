@@ -1358,3 +1358,44 @@ func TestOpenOnHungMount(t *testing.T) {
 		t.Fatalf("a second open of the name being opened: %v, want EBUSY", err)
 	}
 }
+
+// TestUnmapDuringOpen: an export withdrawn while a session's OPEN of it
+// is under way (its backend opened, the device not yet the session's) is
+// not left open behind the unmap: the OPEN fails with ENOENT, nothing
+// stays open, and the export's max_sessions count is released.
+func TestUnmapDuringOpen(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 1<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p, MaxSessions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	opened, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.srv.afterOpen = func() {
+		once.Do(func() {
+			close(opened)
+			<-release
+		})
+	}
+	c := r.client("s")
+	res := make(chan error, 1)
+	go func() {
+		_, err := c.open(context.Background(), "vol", AccessRW)
+		res <- err
+	}()
+	<-opened
+	if err := r.srv.Unmap("vol", false); err != nil {
+		t.Fatalf("unmap while an open is under way: %v", err)
+	}
+	close(release)
+	if err := <-res; !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("the open of a withdrawn export: %v, want ENOENT", err)
+	}
+	if open := r.srv.OpenDevices(); len(open) != 0 {
+		t.Fatalf("open after the unmap: %+v", open)
+	}
+	if err := r.srv.Map(Export{Name: "vol", Path: p, MaxSessions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	r.dev(c, "vol", AccessRW) // its one session's room was given back
+}
