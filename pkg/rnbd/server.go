@@ -477,18 +477,31 @@ func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 	if s.tryInline(op) {
 		return nil
 	}
+	if t, err := MsgType(op.Usr()); err == nil && t == MsgOpen {
+		// An OPEN opens a file, which on a mount that stopped
+		// answering never returns: not on a worker, which the IO of
+		// every session needs. (In flight at once: a session's
+		// queue depth, as for any request.)
+		s.serveApart(op)
+		return nil
+	}
 	select {
 	case s.ios <- op:
 	default:
 		// Every worker busy and the queue full: do not stall the
 		// connection's receive path.
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.serve(op)
-		}()
+		s.serveApart(op)
 	}
 	return nil
+}
+
+// serveApart serves op on a goroutine of its own.
+func (s *Server) serveApart(op *rtrs.SrvOp) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.serve(op)
+	}()
 }
 
 func (s *Server) worker() {
