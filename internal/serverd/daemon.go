@@ -460,10 +460,6 @@ func (d *Daemon) retryNotServed() {
 				keep = append(keep, e)
 				continue
 			}
-			if _, ok := looked[e.Path]; !ok { // not pending when the paths were looked at
-				keep = append(keep, e)
-				continue
-			}
 			if err := d.mapLooked(e, looked); err != nil {
 				d.noteNotServed(e, what+" still not served", err)
 				keep = append(keep, e)

@@ -474,10 +474,11 @@ func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 	if s.closed.Load() {
 		return syscall.ESHUTDOWN
 	}
-	if s.tryInline(op) {
+	typ, err := MsgType(op.Usr()) // serve refuses what is short
+	if err == nil && typ == MsgIO && s.tryInline(op) {
 		return nil
 	}
-	if t, err := MsgType(op.Usr()); err == nil && t == MsgOpen {
+	if err == nil && typ == MsgOpen {
 		// An OPEN opens a file, which on a mount that stopped
 		// answering never returns: not on a worker, which the IO of
 		// every session needs. (In flight at once: a session's

@@ -104,16 +104,14 @@ func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *r
 
 // tryInline answers a plain read or write whose backend IO cannot block,
 // and reports whether it did. Anything else, including every request
-// that is refused or fails, is left to a worker, which logs it.
+// that is refused or fails, is left to a worker, which logs it. op is
+// an RNBD_MSG_IO (HandleIO looked).
 func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 	if s.beforeIO != nil {
 		return false
 	}
 	x, _ := op.Session().Priv().(*SrvSession)
 	if x == nil {
-		return false
-	}
-	if typ, err := MsgType(op.Usr()); err != nil || typ != MsgIO {
 		return false
 	}
 	var m IO
