@@ -43,6 +43,14 @@ func IsHole(t testing.TB, path string, off int64) bool {
 // root, no FUSE).
 func HungMount(t testing.TB) string {
 	t.Helper()
+	return HungMountAt(t, t.TempDir())
+}
+
+// HungMountAt mounts the file system of HungMount on mnt, over what the
+// directory held: a path under it that answered stops answering, as a
+// mount does whose server goes away.
+func HungMountAt(t testing.TB, mnt string) string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("mounting needs root")
 	}
@@ -50,7 +58,6 @@ func HungMount(t testing.TB) string {
 	if err != nil {
 		t.Skipf("no FUSE here: %v", err)
 	}
-	mnt := t.TempDir()
 	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", fd)
 	if err := unix.Mount("rnbd-test", mnt, "fuse", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		unix.Close(fd)

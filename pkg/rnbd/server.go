@@ -218,9 +218,12 @@ type ServerConfig struct {
 	// ForgetSessionName asks it for a session that took the name
 	// before it shows among Sessions.
 	NameHeld func(name string) bool
-	// Stat is how Map looks at an export's path: os.Stat if nil. The
-	// daemon bounds it, as a path on a mount that does not answer never
-	// returns.
+	// Stat is how the server looks at an export's path — on Map, before
+	// an OPEN opens it, and before a size poll of an open device asks
+	// the backend —: os.Stat if nil. The daemon bounds it, as a path on
+	// a mount that does not answer never returns; a bounded Stat keeps
+	// an OPEN or a size poll there from holding the client's admin
+	// message for ever (it fails with the Stat's error instead).
 	Stat func(path string) (os.FileInfo, error)
 	Log  *log.Entry
 }
@@ -408,6 +411,7 @@ type SrvSessDev struct {
 	name     string  // the name the client opened
 	export   string  // the export it resolved to, if explicit
 	from     *Export // that export, as the server had it at the open
+	path     string  // and its path
 	access   AccessMode
 	readonly bool
 	backend  *blockdev.Backend
@@ -611,7 +615,13 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			defer d.refs.Done()
 			// A remap, or our client asking after the size (it does
 			// every few seconds): answer with the size the backend has
-			// now, grown or shrunk since.
+			// now, grown or shrunk since — if its mount answers (the
+			// file renamed or removed is still the device's).
+			if d.path != "" {
+				if err := x.srv.lookAt(d.export, d.path); errors.Is(err, syscall.ETIMEDOUT) {
+					return err
+				}
+			}
 			if was, now, err := d.backend.Refresh(); err == nil && was != now {
 				x.log().WithFields(log.Fields{"device": d.name, "was": was, "now": now}).Info("device size changed")
 			}
@@ -733,7 +743,9 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		if secondWriter, err = exp.admit(x, mode, from); err != nil {
 			return nil, err
 		}
-		be, err = blockdev.Open(exp.Path, opts)
+		if err = s.lookAt(exp.Name, exp.Path); err == nil {
+			be, err = blockdev.Open(exp.Path, opts)
+		}
 	case s.cfg.DevSearchPath != "":
 		// Every device there has the same rules.
 		rules := Export{Name: name, AllowFrom: s.cfg.SearchAllowFrom, AllowIdentities: s.cfg.SearchAllowIdentities,
@@ -761,7 +773,7 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	}
 	d := &SrvSessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
 	if exp != nil {
-		d.export, d.from = exp.Name, orig
+		d.export, d.from, d.path = exp.Name, orig, exp.Path
 	}
 	opened = true
 	d.refs.Add(1) // open
@@ -927,12 +939,8 @@ func (s *Server) Map(e Export) error {
 			return errorf(syscall.EINVAL, "export %s: allow_identities entry %q: want an identity and ro, rw or migration", e.Name, g.String())
 		}
 	}
-	stat := s.cfg.Stat
-	if stat == nil {
-		stat = os.Stat
-	}
-	if _, err := stat(e.Path); err != nil {
-		return fmt.Errorf("export %s: %w", e.Name, err)
+	if err := s.lookAt(e.Name, e.Path); err != nil {
+		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -1021,6 +1029,19 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	}
 	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": len(open)}).Info("export resized")
 	return was, nil
+}
+
+// lookAt stats an export's path through cfg.Stat: an error if the path
+// is gone or, with the daemon's bounded Stat, does not answer in time.
+func (s *Server) lookAt(name, path string) error {
+	stat := s.cfg.Stat
+	if stat == nil {
+		stat = os.Stat
+	}
+	if _, err := stat(path); err != nil {
+		return fmt.Errorf("export %s: %w", name, err)
+	}
+	return nil
 }
 
 // collect returns the open devices of every session that match; it takes

@@ -1403,3 +1403,54 @@ func TestUnmapDuringOpen(t *testing.T) {
 	}
 	r.dev(c, "vol", AccessRW) // its one session's room was given back
 }
+
+// TestReopenLooksAtPath: an OPEN of a device the session has open (a
+// remap, our client's size poll) asks the backend for its size only if
+// the export's path answers the server's Stat: where it does not (the
+// daemon's bounded Stat gives ETIMEDOUT), the OPEN fails with that at
+// once instead of waiting on the mount. A path that is gone is no reason
+// to fail: the file renamed or removed is still the device's.
+func TestReopenLooksAtPath(t *testing.T) {
+	var hung atomic.Bool
+	r := newSrig(t, ServerConfig{Stat: func(p string) (os.FileInfo, error) {
+		if hung.Load() {
+			return nil, &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
+		}
+		return os.Stat(p)
+	}})
+	p := r.file("exp/vol", 1<<20)
+	for name, path := range map[string]string{"vol": p, "vol2": r.file("exp/vol2", 1<<20)} {
+		if err := r.srv.Map(Export{Name: name, Path: path}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := r.client("c1")
+	r.dev(c, "vol", AccessRW)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := os.Truncate(p, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(p, p+".moved"); err != nil {
+		t.Fatal(err)
+	}
+	rsp, err := c.open(ctx, "vol", AccessRW)
+	if err != nil || rsp.NSectors != (2<<20)/512 {
+		t.Fatalf("reopen with the file moved away: %v, %d sectors, want the grown size %d", err, rsp.NSectors, (2<<20)/512)
+	}
+	hung.Store(true)
+	if _, err := c.open(ctx, "vol", AccessRW); !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("reopen with the path not answering: %v, want ETIMEDOUT", err)
+	}
+	// A first OPEN is refused the same way, and leaves nothing behind.
+	if _, err := c.open(ctx, "vol2", AccessRW); !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("open with the path not answering: %v, want ETIMEDOUT", err)
+	}
+	hung.Store(false)
+	if _, err := c.open(ctx, "vol", AccessRW); err != nil {
+		t.Fatalf("reopen once the path answers: %v", err)
+	}
+	if _, err := c.open(ctx, "vol2", AccessRW); err != nil {
+		t.Fatalf("open once the path answers: %v", err)
+	}
+}

@@ -930,3 +930,50 @@ path = %q
 		t.Fatalf("the server took %v to stop", took)
 	}
 }
+
+// TestExportMountHangs: the mount under an export stops answering after
+// the export was mapped (a hard NFS mount whose server went away). A
+// client's map of it fails within seconds with the reason, where the
+// OPEN used to wait on the mount for ever and hold the client's map with
+// it, and the session's other device goes on serving IO.
+func TestExportMountHangs(t *testing.T) {
+	needTools(t, "qemu-io")
+	dir := t.TempDir()
+	under := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(under, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	vol, keep := filepath.Join(under, "vol.img"), filepath.Join(dir, "keep.img")
+	sparseFile(t, vol, 1<<20)
+	sparseFile(t, keep, 1<<20)
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol", vol)
+	srv.ok("map", "keep", keep)
+	cl := startClient(t, dir)
+	sess := []string{"--sessname", "hang", "--path", "ip:127.0.0.1", "--dest-port", fmt.Sprint(port)}
+	keepSock := filepath.Join(dir, "keep.sock")
+	cl.ok(append([]string{"map", "--device-path", "keep", "--as", "socket:" + keepSock}, sess...)...)
+	testfs.HungMountAt(t, under) // vol.img now lies under a mount that never answers
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin("rnbd-client"), append([]string{"map", "--device-path", "vol",
+		"--socket", cl.sock}, sess...)...)
+	var errOut bytes.Buffer
+	cmd.Stderr = &errOut
+	began := time.Now()
+	err := cmd.Run()
+	took := time.Since(began)
+	if ctx.Err() != nil {
+		t.Fatal("the map of an export on a mount that does not answer still waited after 20 s")
+	}
+	if err == nil || !strings.Contains(errOut.String(), "timed out") || took > 10*time.Second {
+		t.Fatalf("map of an export on a hung mount: %v after %v: %q", err, took, errOut.String())
+	}
+	uri := "nbd+unix:///keep?socket=" + keepSock
+	qemuIO(t, uri, "write -P 0x5a 0 64k", "read -P 0x5a 0 64k", "flush")
+	waitForCond(t, 10*time.Second, "the server to log the refused open", func() bool {
+		return strings.Contains(srv.out.String(), "no answer in")
+	})
+}
