@@ -1007,9 +1007,9 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	if size <= 0 || size%512 != 0 {
 		return 0, errorf(syscall.EINVAL, "size %d: want a positive multiple of 512", size)
 	}
-	st, err := os.Stat(path)
+	st, err := s.statExport(name, path) // bounded in the daemon: the mount may not answer
 	if err != nil {
-		return 0, fmt.Errorf("export %s: %w", name, err)
+		return 0, err
 	}
 	if !st.Mode().IsRegular() {
 		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file: resize a block device with its own tools (lvextend, …), and its clients learn the new size", name)
@@ -1034,14 +1034,20 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 // lookAt stats an export's path through cfg.Stat: an error if the path
 // is gone or, with the daemon's bounded Stat, does not answer in time.
 func (s *Server) lookAt(name, path string) error {
+	_, err := s.statExport(name, path)
+	return err
+}
+
+func (s *Server) statExport(name, path string) (os.FileInfo, error) {
 	stat := s.cfg.Stat
 	if stat == nil {
 		stat = os.Stat
 	}
-	if _, err := stat(path); err != nil {
-		return fmt.Errorf("export %s: %w", name, err)
+	fi, err := stat(path)
+	if err != nil {
+		return nil, fmt.Errorf("export %s: %w", name, err)
 	}
-	return nil
+	return fi, nil
 }
 
 // collect returns the open devices of every session that match; it takes

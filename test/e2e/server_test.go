@@ -956,21 +956,26 @@ func TestExportMountHangs(t *testing.T) {
 	cl.ok(append([]string{"map", "--device-path", "keep", "--as", "socket:" + keepSock}, sess...)...)
 	testfs.HungMountAt(t, under) // vol.img now lies under a mount that never answers
 
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, bin("rnbd-client"), append([]string{"map", "--device-path", "vol",
-		"--socket", cl.sock}, sess...)...)
-	var errOut bytes.Buffer
-	cmd.Stderr = &errOut
-	began := time.Now()
-	err := cmd.Run()
-	took := time.Since(began)
-	if ctx.Err() != nil {
-		t.Fatal("the map of an export on a mount that does not answer still waited after 20 s")
+	// within runs a command that must fail, saying "timed out", in 10 s.
+	within := func(what, prog string, args ...string) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin(prog), args...)
+		var errOut bytes.Buffer
+		cmd.Stderr = &errOut
+		began := time.Now()
+		err := cmd.Run()
+		took := time.Since(began)
+		if ctx.Err() != nil {
+			t.Fatalf("%s of an export on a mount that does not answer still waited after 20 s", what)
+		}
+		if err == nil || !strings.Contains(errOut.String(), "timed out") || took > 10*time.Second {
+			t.Fatalf("%s of an export on a hung mount: %v after %v: %q", what, err, took, errOut.String())
+		}
 	}
-	if err == nil || !strings.Contains(errOut.String(), "timed out") || took > 10*time.Second {
-		t.Fatalf("map of an export on a hung mount: %v after %v: %q", err, took, errOut.String())
-	}
+	within("a client's map", "rnbd-client", append([]string{"map", "--device-path", "vol", "--socket", cl.sock}, sess...)...)
+	within("a resize", "rnbd-server", "resize", "vol", "2MiB", "--socket", srv.sock)
 	uri := "nbd+unix:///keep?socket=" + keepSock
 	qemuIO(t, uri, "write -P 0x5a 0 64k", "read -P 0x5a 0 64k", "flush")
 	waitForCond(t, 10*time.Second, "the server to log the refused open", func() bool {
