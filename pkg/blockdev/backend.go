@@ -40,7 +40,9 @@ type Options struct {
 	// to the logical block size, which the RNBD server enforces anyway.
 	Direct bool
 	// LogicalBlockSize and PhysicalBlockSize apply to files (defaults 512
-	// and 4096); a block device reports its own.
+	// and 4096; with Direct, the logical size defaults to the alignment
+	// O_DIRECT needs on the file's storage, 4096 on a 4Kn disk); a block
+	// device reports its own.
 	LogicalBlockSize  int
 	PhysicalBlockSize int
 	// WriteThrough makes every write durable when it completes (O_DSYNC),
@@ -58,7 +60,8 @@ type Caps struct {
 	DiscardGranularity uint32
 	DiscardAlignment   uint32
 	// WriteZeroes is always available (emulated by writing zeros where
-	// the system cannot); ZeroRange tells whether it avoids writing.
+	// the system cannot); ZeroRange tells whether it avoids writing (on
+	// a file: whether it tries FALLOC_FL_ZERO_RANGE first).
 	MaxWriteZeroesBytes uint64
 	ZeroRange           bool
 	// SecureErase is BLKSECDISCARD on a device that supports it.
@@ -92,6 +95,9 @@ type Backend struct {
 	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
 	ino   uint64
 	nw    nowaitState
+	// noZeroRange: FALLOC_FL_ZERO_RANGE failed with EOPNOTSUPP on this
+	// file; write-zeroes writes zeros.
+	noZeroRange atomic.Bool
 
 	closeOnce sync.Once
 }
@@ -230,11 +236,22 @@ func (b *Backend) probe(opts Options) error {
 		b.size.Store(st.Size)
 		b.dev, b.ino = st.Dev, st.Ino
 		b.lbs, b.pbs = opts.LogicalBlockSize, opts.PhysicalBlockSize
+		if opts.Direct {
+			// O_DIRECT IO must be aligned as the file's storage
+			// wants: 4 KiB on a 4Kn disk, where 512 fails EINVAL.
+			a := dioAlign(b.f, st.Dev)
+			switch {
+			case b.lbs == 0:
+				b.lbs = max(a, 512)
+			case b.lbs < a:
+				return fmt.Errorf("logical block size %d: O_DIRECT IO on this file must be aligned to %d bytes: %w", b.lbs, a, syscall.EINVAL)
+			}
+		}
 		if b.lbs == 0 {
 			b.lbs = 512
 		}
 		if b.pbs == 0 {
-			b.pbs = 4096
+			b.pbs = max(4096, b.lbs)
 		}
 		if !validBlockSize(b.lbs) || !validBlockSize(b.pbs) || b.pbs < b.lbs {
 			return fmt.Errorf("block sizes %d/%d: want powers of two from 512 to 65536, physical >= logical: %w", b.lbs, b.pbs, syscall.EINVAL)
@@ -254,11 +271,29 @@ func (b *Backend) probe(opts Options) error {
 	return nil
 }
 
+// dioAlign is the offset and length alignment O_DIRECT IO on f needs:
+// statx's STATX_DIOALIGN (Linux 6.1), else the logical block size of the
+// disk its file system lies on (fsdev, st_dev), else 0 (unknown).
+func dioAlign(f *os.File, fsdev uint64) int {
+	var stx unix.Statx_t
+	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &stx) == nil &&
+		stx.Mask&unix.STATX_DIOALIGN != 0 && stx.Dio_offset_align > 0 {
+		return int(stx.Dio_offset_align)
+	}
+	_, disk := sysfsDirs("/sys/dev/block", fsdev)
+	s, err := os.ReadFile(filepath.Join(disk, "queue", "logical_block_size"))
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(strings.TrimSpace(string(s)))
+	return n
+}
+
 func validBlockSize(n int) bool { return n >= 512 && n <= 65536 && n&(n-1) == 0 }
 
 // probeFile learns what the file's filesystem can do, without changing
-// the file: fallocate past the end with KEEP_SIZE is a no-op where it is
-// supported and EOPNOTSUPP where not.
+// the file: a hole punched past the end with KEEP_SIZE changes nothing,
+// and fails with EOPNOTSUPP where holes cannot be punched.
 func (b *Backend) probeFile() {
 	b.caps = Caps{
 		MaxIOBytes:          8 << 20,
@@ -269,14 +304,13 @@ func (b *Backend) probeFile() {
 	if b.ro {
 		return
 	}
-	fd := int(b.f.Fd())
-	if unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
+	// Zero range is not probed: past the end it allocates an unwritten
+	// extent (ext4, XFS) that stays; the first write-zeroes finds out.
+	b.caps.ZeroRange = true
+	if unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
 		b.caps.Discard = true
 		b.caps.MaxDiscardBytes = maxZeroBytes
 		b.caps.DiscardGranularity = uint32(b.pbs)
-	}
-	if unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
-		b.caps.ZeroRange = true
 	}
 }
 
@@ -300,27 +334,25 @@ func (b *Backend) probeDevice() error {
 	if ro != 0 && !b.ro {
 		return fmt.Errorf("device is read-only: %w", syscall.EROFS)
 	}
-	q := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(b.dev), unix.Minor(b.dev))
-	num := func(name string) uint64 {
-		s, err := os.ReadFile(filepath.Join(q, name))
+	dir, disk := sysfsDirs("/sys/dev/block", b.dev)
+	num := func(path string) uint64 {
+		s, err := os.ReadFile(path)
 		if err != nil {
 			return 0
 		}
 		n, _ := strconv.ParseUint(strings.TrimSpace(string(s)), 10, 64)
 		return n
 	}
-	str := func(name string) string {
-		s, _ := os.ReadFile(filepath.Join(q, name))
-		return strings.TrimSpace(string(s))
-	}
+	q := filepath.Join(disk, "queue")
+	wc, _ := os.ReadFile(filepath.Join(q, "write_cache"))
 	b.caps = Caps{
-		MaxDiscardBytes:     num("queue/discard_max_bytes"),
-		DiscardGranularity:  uint32(num("queue/discard_granularity")),
-		DiscardAlignment:    uint32(num("discard_alignment")),
-		MaxWriteZeroesBytes: num("queue/write_zeroes_max_bytes"),
-		WriteCache:          str("queue/write_cache") == "write back",
-		MaxIOBytes:          uint32(min(num("queue/max_hw_sectors_kb")<<10, 1<<31)),
-		MaxSegments:         uint16(min(num("queue/max_segments"), 65535)),
+		MaxDiscardBytes:     num(filepath.Join(q, "discard_max_bytes")),
+		DiscardGranularity:  uint32(num(filepath.Join(q, "discard_granularity"))),
+		DiscardAlignment:    uint32(num(filepath.Join(dir, "discard_alignment"))),
+		MaxWriteZeroesBytes: num(filepath.Join(q, "write_zeroes_max_bytes")),
+		WriteCache:          strings.TrimSpace(string(wc)) == "write back",
+		MaxIOBytes:          uint32(min(num(filepath.Join(q, "max_hw_sectors_kb"))<<10, 1<<31)),
+		MaxSegments:         uint16(min(num(filepath.Join(q, "max_segments")), 65535)),
 	}
 	b.caps.Discard = b.caps.MaxDiscardBytes > 0 && !b.ro
 	b.caps.ZeroRange = b.caps.MaxWriteZeroesBytes > 0
@@ -334,6 +366,22 @@ func (b *Backend) probeDevice() error {
 		b.caps.MaxSegments = 128
 	}
 	return nil
+}
+
+// sysfsDirs returns the sysfs directory of block device dev (under root,
+// /sys/dev/block) and that of the disk whose request queue serves it: a
+// partition has no queue of its own — its disk's limits and write cache
+// are its own — and is a subdirectory of its disk's.
+func sysfsDirs(root string, dev uint64) (dir, disk string) {
+	dir = filepath.Join(root, fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev)))
+	if _, err := os.Stat(filepath.Join(dir, "partition")); err != nil {
+		return dir, dir
+	}
+	real, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return dir, dir
+	}
+	return dir, filepath.Dir(real)
 }
 
 // Path is the path the backend was opened from.
@@ -412,8 +460,8 @@ func (b *Backend) Health() error {
 	return nil
 }
 
-func (b *Backend) check(off int64, n int, write bool) error {
-	if size := b.size.Load(); off < 0 || n < 0 || off > size || int64(n) > size-off {
+func (b *Backend) check(off, n int64, write bool) error {
+	if size := b.size.Load(); off < 0 || n < 0 || off > size || n > size-off {
 		if write {
 			return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.ENOSPC)
 		}
@@ -427,7 +475,7 @@ func (b *Backend) check(off int64, n int, write bool) error {
 
 // ReadAt reads exactly len(p) bytes at off.
 func (b *Backend) ReadAt(p []byte, off int64) error {
-	if err := b.check(off, len(p), false); err != nil {
+	if err := b.check(off, int64(len(p)), false); err != nil {
 		return err
 	}
 	n, err := b.f.ReadAt(p, off)
@@ -444,7 +492,7 @@ func (b *Backend) ReadAt(p []byte, off int64) error {
 // WriteAt writes all of p at off; with fua, or on a write-through
 // backend, the data is durable when it returns (an O_DSYNC write).
 func (b *Backend) WriteAt(p []byte, off int64, fua bool) error {
-	if err := b.check(off, len(p), true); err != nil {
+	if err := b.check(off, int64(len(p)), true); err != nil {
 		return err
 	}
 	_, err := b.writer(fua).WriteAt(p, off)
@@ -481,7 +529,7 @@ func (b *Backend) Flush() error {
 
 // Discard deallocates n bytes at off; reads of them return zeros after.
 func (b *Backend) Discard(off, n int64) error {
-	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
 	if !b.caps.Discard {
@@ -497,7 +545,7 @@ func (b *Backend) Discard(off, n int64) error {
 // stays allocated (FALLOC_FL_ZERO_RANGE, or zeros written); without it the
 // range may be deallocated (a hole punched) when that is supported.
 func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
-	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
 	return b.settle(b.writeZeroes(off, n, noUnmap))
@@ -516,8 +564,14 @@ func (b *Backend) writeZeroes(off, n int64, noUnmap bool) error {
 		if b.kind == KindBlockDevice {
 			return ioctlRange(b.f, unix.BLKZEROOUT, off, n)
 		}
-		if err := unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil {
-			return nil
+		if !b.noZeroRange.Load() {
+			err := unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+			if err == nil {
+				return nil
+			}
+			if errors.Is(err, unix.EOPNOTSUPP) {
+				b.noZeroRange.Store(true) // this file system cannot
+			}
 		}
 	}
 	return b.writeZeros(off, n)
@@ -540,7 +594,7 @@ func (b *Backend) writeZeros(off, n int64) error {
 
 // SecureErase is BLKSECDISCARD on a block device; files cannot.
 func (b *Backend) SecureErase(off, n int64) error {
-	if err := b.check(off, int(min(n, 1<<31)), true); err != nil || n == 0 {
+	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
 	if b.kind != KindBlockDevice {

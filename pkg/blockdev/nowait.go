@@ -19,14 +19,16 @@ import (
 // when that holds, and say so.
 //
 // What cannot block:
-//   - everything on a memory filesystem (tmpfs, ramfs, hugetlbfs) and on a
-//     RAM block device (brd, zram): IO there is a memory copy;
+//   - everything on a memory filesystem (tmpfs, ramfs, hugetlbfs): IO
+//     there is a memory copy;
+//   - reads of a RAM block device (brd, zram);
 //   - on other filesystems, buffered reads the page cache can serve, as
 //     preadv2(RWF_NOWAIT) finds out (EAGAIN when it would have to wait).
 //
 // Writes elsewhere, and any O_DIRECT IO, always go to a worker: RWF_NOWAIT
 // on an O_DIRECT read still waits for the device, and buffered writes may
-// wait for writeback throttling.
+// wait for writeback throttling — a RAM block device's too, whose writes
+// go through its page cache and its dirty page limits.
 //
 // What cannot block is also made as a raw system call (internal/rawio):
 // the runtime then does not treat the connection's goroutine as blocked
@@ -41,8 +43,11 @@ const (
 )
 
 type nowaitState struct {
-	// mem: the backend lives in memory; every read and write is a copy.
+	// mem: the backend lives in memory; every read is a copy.
 	mem bool
+	// memWrites: every write is a copy too (a memory file system, not a
+	// RAM disk's page cache, whose dirty pages are throttled).
+	memWrites bool
 	// reads: try RWF_NOWAIT reads (cleared on the first EOPNOTSUPP).
 	reads atomic.Bool
 	fd    int
@@ -60,7 +65,7 @@ func (b *Backend) probeNowait(direct bool) {
 		if unix.Fstatfs(b.nw.fd, &fs) == nil {
 			switch uint32(fs.Type) {
 			case tmpfsMagic, ramfsMagic, hugetlbfsMagic:
-				b.nw.mem = true
+				b.nw.mem, b.nw.memWrites = true, true
 			}
 		}
 	case KindBlockDevice:
@@ -84,7 +89,7 @@ func (b *Backend) TryReadAt(p []byte, off int64) (bool, error) {
 	if !b.nw.mem && !b.nw.reads.Load() {
 		return false, nil
 	}
-	if err := b.check(off, len(p), false); err != nil {
+	if err := b.check(off, int64(len(p)), false); err != nil {
 		return true, err
 	}
 	if b.nw.mem {
@@ -105,16 +110,17 @@ func (b *Backend) TryReadAt(p []byte, off int64) (bool, error) {
 	return false, nil
 }
 
-// TryWriteAt writes all of p at off if that cannot block (the backend is
-// in memory), and reports whether it did. It never makes a FUA write.
+// TryWriteAt writes all of p at off if that cannot block (a file on a
+// memory file system), and reports whether it did. It never makes a FUA
+// write.
 func (b *Backend) TryWriteAt(p []byte, off int64) (bool, error) {
-	if !b.nw.mem {
+	if !b.nw.memWrites {
 		return false, nil
 	}
 	if b.wt {
 		return true, b.WriteAt(p, off, false) // through the O_DSYNC descriptor
 	}
-	if err := b.check(off, len(p), true); err != nil {
+	if err := b.check(off, int64(len(p)), true); err != nil {
 		return true, err
 	}
 	if n, err := rawio.Pwrite(b.nw.fd, p, off); err == nil && n == len(p) {
