@@ -766,20 +766,16 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		}
 		return nil, err
 	}
-	dev, err := s.takeDevice(be, mode, secondWriter)
-	if err != nil {
-		be.Close()
-		return nil, err
-	}
-	d := &SrvSessDev{sess: x, dev: dev, name: name, access: mode, readonly: readonly, backend: be}
+	d := &SrvSessDev{sess: x, name: name, access: mode, readonly: readonly, backend: be}
 	if exp != nil {
 		d.export, d.from, d.path = exp.Name, orig, exp.Path
 	}
-	opened = true
 	d.refs.Add(1) // open
-	dev.mu.Lock()
-	dev.sessDevs = append(dev.sessDevs, d)
-	dev.mu.Unlock()
+	if err := s.takeDevice(d, secondWriter); err != nil {
+		be.Close()
+		return nil, err
+	}
+	opened = true
 	return d, nil
 }
 
@@ -804,10 +800,11 @@ func (s *Server) searchDir(sess, name string) (string, error) {
 	return dir, nil
 }
 
-// takeDevice finds the device behind be and applies the access mode rules
-// (rnbd_srv_check_update_open_perm): ro always, rw only with no writer,
-// migration with at most one.
-func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode, secondWriter bool) (*device, error) {
+// takeDevice finds the device behind d's backend, applies the access mode
+// rules (rnbd_srv_check_update_open_perm: ro always, rw only with no
+// writer, migration with at most one) and adds d to its sessions.
+func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
+	be, mode := d.backend, d.access
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	dev := s.devices[be.ID()]
@@ -821,22 +818,26 @@ func (s *Server) takeDevice(be *blockdev.Backend, mode AccessMode, secondWriter 
 	case AccessRO:
 	case AccessRW:
 		if dev.openWriteCnt != 0 {
-			return nil, errorf(syscall.EPERM, "%s is open for writing by another session", be.Path())
+			return errorf(syscall.EPERM, "%s is open for writing by another session", be.Path())
 		}
 		dev.openWriteCnt++
 	case AccessMigration:
 		if dev.openWriteCnt >= 2 {
-			return nil, errorf(syscall.EPERM, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
+			return errorf(syscall.EPERM, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
 		}
 		if dev.openWriteCnt == 1 && !secondWriter {
 			// The kernel's server lets it: then anyone who reaches
 			// the port could write beside the device's writer.
-			return nil, errorf(syscall.EPERM, "%s is open for writing by another session, and a second writer "+
+			return errorf(syscall.EPERM, "%s is open for writing by another session, and a second writer "+
 				"(access_mode=migration) is not allowed here", be.Path())
 		}
 		dev.openWriteCnt++
 	}
-	return dev, nil
+	// Joined under s.mu: a close of the device's last other session
+	// must not take it out of s.devices while this one is on its way.
+	d.dev = dev
+	dev.sessDevs = append(dev.sessDevs, d)
+	return nil
 }
 
 // close waits for the device's IO, then releases it (rnbd_destroy_sess_dev).

@@ -1454,3 +1454,46 @@ func TestReopenLooksAtPath(t *testing.T) {
 		t.Fatalf("open once the path answers: %v", err)
 	}
 }
+
+// TestWriterWhileReaderCloses: a writer's OPEN racing the close of the
+// device's only other session (a reader) never leaves the device without
+// its writer: a second writer is refused every time. The writer used to
+// join the device only after the server's lock was released, and the
+// reader's close could drop the device in between, so that the next
+// writer found none and was let in.
+func TestWriterWhileReaderCloses(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("vol", 1<<20)
+	ra, w, w2 := r.client("reader"), r.client("writer"), r.client("second")
+	ctx := context.Background()
+	for i := 0; i < 200; i++ {
+		rd, err := ra.Map(ctx, "vol", AccessRO)
+		if err != nil {
+			t.Fatal(err)
+		}
+		closed := make(chan error, 1)
+		go func() { closed <- rd.Unmap(ctx) }()
+		wd, err := w.Map(ctx, "vol", AccessRW)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := <-closed; err != nil {
+			t.Fatal(err)
+		}
+		if d, err := w2.Map(ctx, "vol", AccessRW); !errors.Is(err, syscall.EPERM) {
+			if d != nil {
+				d.Unmap(ctx)
+			}
+			t.Fatalf("round %d: a second writer beside the first: %v, want EPERM", i, err)
+		}
+		if err := wd.Unmap(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.srv.mu.Lock()
+	left := len(r.srv.devices)
+	r.srv.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d devices left open", left)
+	}
+}
