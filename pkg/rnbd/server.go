@@ -317,8 +317,13 @@ func (s *Server) healthLoop(interval time.Duration) {
 	}
 }
 
-// checkHealth logs, for each open device, a problem that appeared or
-// went away since the last check.
+// checkHealth starts, for each open device, a check that logs a problem
+// that appeared or went away since the last one. Each check runs in a
+// goroutine of its own, on a descriptor of its own (blockdev.HealthCheck):
+// a stat on a mount that stopped answering holds neither the checks of
+// the other devices nor the close of its own. A device whose check from
+// an earlier round has not returned is not checked again; that it hangs
+// is the problem reported.
 func (s *Server) checkHealth() {
 	s.mu.Lock()
 	devs := make([]*device, 0, len(s.devices))
@@ -328,6 +333,12 @@ func (s *Server) checkHealth() {
 	s.mu.Unlock()
 	for _, dev := range devs {
 		dev.mu.Lock()
+		if since := dev.checking; !since.IsZero() {
+			dev.mu.Unlock()
+			s.noteHealth(dev, fmt.Errorf("blockdev: %s: no answer to its health check since %s (a mount that does not answer?)",
+				dev.path, since.Format(time.RFC3339)))
+			continue
+		}
 		var held *SrvSessDev
 		for _, d := range dev.sessDevs {
 			d.mu.Lock()
@@ -340,26 +351,45 @@ func (s *Server) checkHealth() {
 				break
 			}
 		}
-		dev.mu.Unlock()
 		if held == nil {
+			dev.mu.Unlock()
 			continue
 		}
-		err := held.backend.Health()
+		hc, err := held.backend.NewHealthCheck()
 		held.refs.Done()
-		msg := ""
-		if err != nil {
-			msg = err.Error()
+		if err == nil {
+			dev.checking = time.Now()
 		}
-		dev.mu.Lock()
-		changed := msg != dev.problem
-		dev.problem = msg
 		dev.mu.Unlock()
-		switch {
-		case changed && err != nil:
-			s.log.WithField("path", dev.path).WithError(err).Error("backing store changed behind the server")
-		case changed:
-			s.log.WithField("path", dev.path).Info("backing store healthy again")
+		if err != nil {
+			s.noteHealth(dev, err)
+			continue
 		}
+		go func() {
+			err := hc.Run()
+			dev.mu.Lock()
+			dev.checking = time.Time{}
+			dev.mu.Unlock()
+			s.noteHealth(dev, err)
+		}()
+	}
+}
+
+// noteHealth records a device's health check and logs a change.
+func (s *Server) noteHealth(dev *device, err error) {
+	msg := ""
+	if err != nil {
+		msg = err.Error()
+	}
+	dev.mu.Lock()
+	changed := msg != dev.problem
+	dev.problem = msg
+	dev.mu.Unlock()
+	switch {
+	case changed && err != nil:
+		s.log.WithField("path", dev.path).WithError(err).Error("backing store changed behind the server")
+	case changed:
+		s.log.WithField("path", dev.path).Info("backing store healthy again")
 	}
 }
 
@@ -383,7 +413,8 @@ type device struct {
 	mu           sync.Mutex
 	openWriteCnt int
 	sessDevs     []*SrvSessDev
-	problem      string // the last health check's finding
+	problem      string    // the last health check's finding
+	checking     time.Time // when the health check under way began
 }
 
 // SrvSession is a client session (struct rnbd_srv_session).

@@ -1497,3 +1497,51 @@ func TestWriterWhileReaderCloses(t *testing.T) {
 		t.Fatalf("%d devices left open", left)
 	}
 }
+
+// TestHealthOnHungMount: the health check of a file whose mount stopped
+// answering holds neither the checks of the other devices nor the close
+// of its own device, and says that it hangs. The check used to stat the
+// path on the health loop itself, holding an IO reference: the loop
+// stopped for every device, and the device's close waited for ever.
+func TestHealthOnHungMount(t *testing.T) {
+	lg, entries := log.Recorder()
+	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 10 * time.Millisecond})
+	under := filepath.Join(r.dir, "mnt")
+	r.file("mnt/vol", 1<<20)
+	other := r.file("other", 1<<20)
+	c := r.client("h")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	vol, err := c.Map(ctx, "mnt/vol", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Map(ctx, "other", AccessRW); err != nil {
+		t.Fatal(err)
+	}
+	testfs.HungMountAt(t, under) // the open file stays; its path now hangs
+	said := func(part string) bool {
+		for _, e := range entries() {
+			if err, _ := e.Data["error"].(error); e.Message == "backing store changed behind the server" &&
+				err != nil && strings.Contains(err.Error(), part) {
+				return true
+			}
+		}
+		return false
+	}
+	waitFor(t, "the hung check to be reported", func() bool { return said("no answer to its health check") })
+	if err := os.Remove(other); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the other device's deletion to be logged", func() bool { return said("other was deleted") })
+	done := make(chan error, 1)
+	go func() { done <- vol.Unmap(ctx) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("unmap of the device on the hung mount: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the close of the device on the hung mount waits for its health check")
+	}
+}
