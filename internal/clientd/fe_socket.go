@@ -44,7 +44,9 @@ func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
-		d.nbd.Serve(l)
+		// Only this device: a client of its socket lists and opens no
+		// other, whoever the socket is made accessible to.
+		d.nbd.ServeExport(l, n.name)
 	}()
 	return &socketFE{nbdServed: n, l: l, sock: s.sock}, nil
 }

@@ -191,6 +191,15 @@ func TestClientEndToEnd(t *testing.T) {
 	if s := cl.records("session", "list"); len(s) != 1 || s[0]["devices"] != float64(2) {
 		t.Fatalf("sessions: %v", s)
 	}
+	// Each socket serves its own device: a client of one lists and
+	// opens no other.
+	if list := run(t, time.Minute, "nbdinfo", "--list", "nbd+unix:///?socket="+sock0); !strings.Contains(list, "export=\"vol0\"") ||
+		strings.Contains(list, "vol1") {
+		t.Fatalf("nbdinfo --list on vol0's socket:\n%s", list)
+	}
+	if out, err := exec.Command("nbdinfo", "nbd+unix:///vol1?socket="+sock0).CombinedOutput(); err == nil {
+		t.Fatalf("vol1 opened through vol0's socket:\n%s", out)
+	}
 	// A missing device: a clear error and the not-found exit code.
 	if _, errOut, code := cl.ctl("map", "--sessname", "e2e", "--path", path, "--device-path", "nothere", "--dest-port", fmt.Sprint(port)); code != 3 || !strings.Contains(errOut, "\nrnbd-client: rnbd: open nothere: no such file or directory: the server has no such device\n") {
 		t.Fatalf("map of a missing device: exit %d %q", code, errOut)

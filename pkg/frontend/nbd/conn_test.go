@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -1510,4 +1511,97 @@ func (c *client) mustReadAfter(hb *holdBackend, off uint64, n uint32) []byte {
 		c.tb.Fatalf("read: errno %d, cookie %d", errno, cookie)
 	}
 	return c.readFull(int(n))
+}
+
+// TestServeExport: a listener limited to one export lists only it, opens
+// it by its name or the default name, and opens no other, by any option.
+func TestServeExport(t *testing.T) {
+	s := NewServer(Options{Log: log.Discard()})
+	for _, name := range []string{"mine", "other"} {
+		if err := s.AddExport(&Export{Name: name, Size: 1 << 20, Backend: newStore(1 << 20)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	addr := filepath.Join(t.TempDir(), "s")
+	l, err := net.Listen("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- s.ServeExport(l, "mine") }()
+	defer func() {
+		s.Close()
+		if err := <-served; err != nil {
+			t.Errorf("ServeExport: %v", err)
+		}
+	}()
+	c := dial(t, addr)
+	c.greet(flagFixedNew | flagNoZeroes)
+	reps := c.option(optList, nil)
+	if len(reps) != 2 || reps[0].typ != repServer || string(reps[0].data[4:]) != "mine" || final(reps) != repAck {
+		t.Fatalf("OPT_LIST on a socket of one export: %+v", reps)
+	}
+	for _, opt := range []uint32{optInfo, optGo} {
+		if reps := c.option(opt, goData("other", infoBlockSize)); len(reps) != 1 || reps[0].typ != repErrUnknown {
+			t.Fatalf("option %d of another export: %+v", opt, reps)
+		}
+	}
+	// The default name is this socket's export, though the server has two.
+	c.optGo("")
+	if !bytes.Equal(c.mustRead(0, 512), pattern(0, 512)) {
+		t.Fatal("wrong data")
+	}
+	c = connect(t, addr, "mine")
+	c.mustRead(0, 512)
+	c = dial(t, addr)
+	c.greet(flagFixedNew | flagNoZeroes)
+	c.sendOpt(optExportName, []byte("other"))
+	c.expectClosed()
+}
+
+// failingListener fails its first n accepts with EMFILE.
+type failingListener struct {
+	net.Listener
+	mu sync.Mutex
+	n  int
+}
+
+func (l *failingListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	fail := l.n > 0
+	l.n--
+	l.mu.Unlock()
+	if fail {
+		return nil, &net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept4", syscall.EMFILE)}
+	}
+	return l.Listener.Accept()
+}
+
+// TestAcceptRetry: an accept that fails (out of descriptors) does not end
+// the socket's service: it accepts again, and serves.
+func TestAcceptRetry(t *testing.T) {
+	s := NewServer(Options{Log: log.Discard()})
+	if err := s.AddExport(&Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	addr := filepath.Join(t.TempDir(), "s")
+	ul, err := net.Listen("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- s.ServeExport(&failingListener{Listener: ul, n: 3}, "a") }()
+	c := connect(t, addr, "a")
+	if !bytes.Equal(c.mustRead(0, 512), pattern(0, 512)) {
+		t.Fatal("wrong data")
+	}
+	s.Close()
+	select {
+	case err := <-served:
+		if err != nil {
+			t.Fatalf("Serve: %v", err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Serve did not return after Close")
+	}
 }

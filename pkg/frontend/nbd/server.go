@@ -291,8 +291,19 @@ func (s *Server) Conns(name string) int {
 	return n
 }
 
-// Serve accepts connections on l until l or the server closes.
-func (s *Server) Serve(l net.Listener) error {
+// Serve accepts connections on l until l or the server closes; they may
+// open any export.
+func (s *Server) Serve(l net.Listener) error { return s.serve(l, "") }
+
+// ServeExport is Serve for connections that see only the export name: it
+// is all they can list, and what the default name opens. A socket that
+// serves one device then opens no other, whoever can reach it.
+func (s *Server) ServeExport(l net.Listener, name string) error { return s.serve(l, name) }
+
+// acceptRetryMax bounds the wait before the accept after one that failed.
+const acceptRetryMax = time.Second
+
+func (s *Server) serve(l net.Listener, only string) error {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -302,22 +313,30 @@ func (s *Server) Serve(l net.Listener) error {
 	s.wg.Add(1)
 	s.mu.Unlock()
 	defer s.wg.Done()
+	var wait time.Duration
 	for {
 		nc, err := l.Accept()
 		if err != nil {
 			s.mu.Lock()
-			delete(s.listeners, l)
 			closed := s.closed
-			s.mu.Unlock()
 			if closed || errors.Is(err, net.ErrClosed) {
+				delete(s.listeners, l)
+				s.mu.Unlock()
 				return nil
 			}
-			return err
+			s.mu.Unlock()
+			// Out of descriptors (EMFILE, ENFILE) or memory: the
+			// socket stays, and accepts again when there is room.
+			wait = min(max(2*wait, 5*time.Millisecond), acceptRetryMax)
+			s.log.WithError(err).Warnf("nbd: accept failed; trying again in %v", wait)
+			time.Sleep(wait)
+			continue
 		}
+		wait = 0
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.ServeConn(nc)
+			s.serveConn(nc, only)
 		}()
 	}
 }
@@ -338,14 +357,18 @@ func (s *Server) enter(nc net.Conn, handshake bool) bool {
 }
 
 // ServeConn runs the handshake, then serves the connection until it ends.
-func (s *Server) ServeConn(nc net.Conn) {
+func (s *Server) ServeConn(nc net.Conn) { s.serveConn(nc, "") }
+
+// serveConn is ServeConn for a connection limited to export only, if
+// not empty.
+func (s *Server) serveConn(nc net.Conn, only string) {
 	defer nc.Close()
 	if !s.enter(nc, true) {
 		return
 	}
 	defer s.wg.Done()
 	nc.SetDeadline(time.Now().Add(handshakeTimeout))
-	e, err := s.handshake(nc)
+	e, err := s.handshake(nc, only)
 	s.mu.Lock()
 	delete(s.shaking, nc)
 	s.mu.Unlock()
@@ -401,9 +424,17 @@ func (s *Server) Close() error {
 
 var errAbort = errors.New("nbd: client aborted")
 
-func (s *Server) export(name string) *Export {
+// export is the export a client names, as seen by a connection limited
+// to export only (if not empty), or nil.
+func (s *Server) export(name, only string) *Export {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if only != "" {
+		if name != "" && name != only {
+			return nil
+		}
+		return s.exports[only]
+	}
 	if name == "" && len(s.exports) == 1 {
 		for _, e := range s.exports {
 			return e
@@ -412,8 +443,9 @@ func (s *Server) export(name string) *Export {
 	return s.exports[name]
 }
 
-// handshake is the fixed-newstyle negotiation.
-func (s *Server) handshake(nc net.Conn) (*Export, error) {
+// handshake is the fixed-newstyle negotiation, limited to export only if
+// that is not empty.
+func (s *Server) handshake(nc net.Conn, only string) (*Export, error) {
 	var b [18]byte
 	binary.BigEndian.PutUint64(b[0:], magicNBD)
 	binary.BigEndian.PutUint64(b[8:], magicOpt)
@@ -447,7 +479,7 @@ func (s *Server) handshake(nc net.Conn) (*Export, error) {
 		}
 		switch opt {
 		case optExportName:
-			e := s.export(string(data))
+			e := s.export(string(data), only)
 			if e == nil {
 				return nil, fmt.Errorf("unknown export %q", data)
 			}
@@ -472,7 +504,9 @@ func (s *Server) handshake(nc net.Conn) (*Export, error) {
 			s.mu.Lock()
 			var names []string
 			for name := range s.exports {
-				names = append(names, name)
+				if only == "" || name == only {
+					names = append(names, name)
+				}
 			}
 			s.mu.Unlock()
 			for _, name := range names {
@@ -487,7 +521,7 @@ func (s *Server) handshake(nc net.Conn) (*Export, error) {
 				return nil, err
 			}
 		case optInfo, optGo:
-			e, err := s.info(nc, opt, data)
+			e, err := s.info(nc, opt, data, only)
 			if err != nil {
 				return nil, err
 			}
@@ -505,7 +539,7 @@ func (s *Server) handshake(nc net.Conn) (*Export, error) {
 
 // info answers OPT_INFO and OPT_GO; it returns the export if the answer
 // was an ACK.
-func (s *Server) info(nc net.Conn, opt uint32, data []byte) (*Export, error) {
+func (s *Server) info(nc net.Conn, opt uint32, data []byte, only string) (*Export, error) {
 	if len(data) < 6 {
 		return nil, optReply(nc, opt, repErrInvalid, nil)
 	}
@@ -519,7 +553,7 @@ func (s *Server) info(nc net.Conn, opt uint32, data []byte) (*Export, error) {
 	if len(reqs) != int(nreq)*2 {
 		return nil, optReply(nc, opt, repErrInvalid, nil)
 	}
-	e := s.export(name)
+	e := s.export(name, only)
 	if e == nil {
 		return nil, optReply(nc, opt, repErrUnknown, nil)
 	}
