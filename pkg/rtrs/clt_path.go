@@ -553,7 +553,7 @@ func (p *CltPath) reconnectCmd() error {
 	if changed {
 		p.mu.Lock()
 		p.reconnectAttempts = 0
-		p.downSince = time.Time{} // a manual reconnect starts the clock again
+		p.downSince = time.Now() // a manual reconnect starts the clock again
 		p.mu.Unlock()
 		p.stopAndDestroyConns()
 	}

@@ -570,6 +570,19 @@ func TestCtrlLossTmo(t *testing.T) {
 	if !said {
 		t.Fatal("the give-up does not name ctrl_loss_tmo")
 	}
+	// A manual reconnect that fails starts the clock again: the path
+	// keeps trying for ctrl_loss_tmo, then gives up again.
+	start = time.Now()
+	if err := p.Reconnect(context.Background()); err == nil {
+		t.Fatal("manual reconnect over a link that is down succeeded")
+	}
+	if left, ok := p.CtrlLossIn(); !ok || left <= 0 || left > 700*time.Millisecond {
+		t.Fatalf("after a failed manual reconnect: ctrl_loss_tmo left %v %v", left, ok)
+	}
+	waitFor(t, 10*time.Second, "the path to give up again", func() bool { return p.State() == PathClosed })
+	if took := time.Since(start); took < 700*time.Millisecond {
+		t.Fatalf("gave up again after %v, before ctrl_loss_tmo", took)
+	}
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
 	if err := p.Reconnect(context.Background()); err != nil {
 		t.Fatalf("manual reconnect: %v", err)
