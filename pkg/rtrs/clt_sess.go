@@ -244,6 +244,8 @@ type CltSession struct {
 	// permitTags hands out permits lowest id first (tagpool).
 	permitTags tagpool.Pool
 	hdrMem     fabric.Memory
+	hdrFreed   atomic.Bool  // freeHdrMem ran
+	permitsOut atomic.Int64 // permits taken and not put back
 
 	// regMu guards regions and every path's registrations of them.
 	regMu   sync.Mutex
@@ -533,6 +535,9 @@ func (s *CltSession) Close() error {
 			p.Remove()
 		}
 		s.wg.Wait()
+		if s.permitsOut.Load() == 0 {
+			s.freeHdrMem()
+		}
 	})
 	return nil
 }
@@ -574,16 +579,57 @@ func (s *CltSession) GetPermit(ctx context.Context, t ConType) (*Permit, error) 
 	if err != nil {
 		return nil, err
 	}
+	if !s.permitTaken() {
+		s.permitTags.Put(id)
+		s.permitPut()
+		return nil, ErrClosed
+	}
 	p := &s.permits[id]
 	p.held.Store(true)
 	p.conType = t
 	return p, nil
 }
 
+// permitTaken counts a permit out; false if the session is closed, when
+// the permit must go back (permitPut) unused: the header memory it names
+// may be freed.
+func (s *CltSession) permitTaken() bool {
+	s.permitsOut.Add(1)
+	return !s.closed.Load()
+}
+
+// permitPut counts a permit back in; the last one back after Close frees
+// the header memory.
+func (s *CltSession) permitPut() {
+	if s.permitsOut.Add(-1) == 0 && s.closed.Load() {
+		s.freeHdrMem()
+	}
+}
+
+// freeHdrMem frees the permits' header memory once the session is closed
+// and no permit is out (the memory is mmapped on RDMA: the garbage
+// collector never takes it).
+func (s *CltSession) freeHdrMem() {
+	if s.hdrMem == nil || !s.hdrFreed.CompareAndSwap(false, true) {
+		return
+	}
+	s.regMu.Lock()
+	if len(s.regions) > 0 && s.regions[0] != nil {
+		s.regions[0] = nil
+	}
+	s.regMu.Unlock()
+	s.hdrMem.Free()
+}
+
 // TryGetPermit takes a permit if one is free.
 func (s *CltSession) TryGetPermit(t ConType) *Permit {
 	id := s.permitTags.TryGet()
 	if id < 0 {
+		return nil
+	}
+	if !s.permitTaken() {
+		s.permitTags.Put(id)
+		s.permitPut()
 		return nil
 	}
 	p := &s.permits[id]
@@ -599,6 +645,7 @@ func (s *CltSession) PutPermit(p *Permit) {
 	}
 	p.req.conf, p.req.buf = nil, nil
 	s.permitTags.Put(int(p.id))
+	s.permitPut()
 }
 
 // Buffer is registered memory a request's data must live in: reads land
@@ -625,7 +672,17 @@ func (s *CltSession) AllocBuffer(n int) (*Buffer, error) {
 	}
 	s.regMu.Lock()
 	defer s.regMu.Unlock()
-	b := &Buffer{sess: s, idx: len(s.regions), mem: mem, b: mem.Bytes()}
+	// The lowest id a freed buffer left, else a new one: the tables of
+	// every path are as long as the most buffers alive at once, not as
+	// the buffers ever allocated.
+	idx := len(s.regions)
+	for i := 1; i < len(s.regions); i++ {
+		if s.regions[i] == nil {
+			idx = i
+			break
+		}
+	}
+	b := &Buffer{sess: s, idx: idx, mem: mem, b: mem.Bytes()}
 	for _, p := range s.Paths() {
 		if err := p.registerLocked(b); err != nil {
 			for _, q := range s.Paths() {
@@ -635,7 +692,11 @@ func (s *CltSession) AllocBuffer(n int) (*Buffer, error) {
 			return nil, err
 		}
 	}
-	s.regions = append(s.regions, b)
+	if idx == len(s.regions) {
+		s.regions = append(s.regions, b)
+	} else {
+		s.regions[idx] = b
+	}
 	return b, nil
 }
 
@@ -652,6 +713,9 @@ func (b *Buffer) Free() error {
 		p.deregisterLocked(b)
 	}
 	s.regions[b.idx] = nil
+	for len(s.regions) > 1 && s.regions[len(s.regions)-1] == nil {
+		s.regions = s.regions[:len(s.regions)-1]
+	}
 	return b.mem.Free()
 }
 

@@ -2,10 +2,12 @@ package rtrs
 
 import (
 	"bytes"
+	"context"
 	"math/rand/v2"
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -161,4 +163,131 @@ func TestPlugAndBurst(t *testing.T) {
 		t.Fatal("the server has other data than written")
 	}
 	r.assertHealthy()
+}
+
+// TestBufferIDsReused: a freed buffer's id is taken by the next buffer,
+// so the session's table of regions (and each path's, copied on every
+// registration) is as long as the buffers alive at once, not as those
+// ever allocated; IO through a buffer on a reused id lands in it.
+func TestBufferIDsReused(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.7.0.1:1234")
+	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), testClientConfig(fab, pa("10.7.0.2", srvAddr.String())))
+	before := len(r.sess.regions)
+	for i := 0; i < 1000; i++ {
+		b, err := r.sess.AllocBuffer(4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := b.Free(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(r.sess.regions); n != before {
+		t.Fatalf("%d regions after 1000 buffers allocated and freed one at a time, %d before", n, before)
+	}
+	// A hole below the last buffer is filled first.
+	a, _ := r.sess.AllocBuffer(4096)
+	b, _ := r.sess.AllocBuffer(4096)
+	if err := a.Free(); err != nil {
+		t.Fatal(err)
+	}
+	c, err := r.sess.AllocBuffer(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.idx != a.idx {
+		t.Fatalf("new buffer took id %d, the freed one was %d", c.idx, a.idx)
+	}
+	if err := a.Free(); err == nil {
+		t.Fatal("a second Free of a buffer whose id was reused succeeded")
+	}
+	want := bytes.Repeat([]byte("reused"), 4096/6+1)[:4096]
+	copy(c.Bytes(), want)
+	if err := r.sess.Do(context.Background(), IOCon, Write, offsetHdr(8192), c, 0, 4096); err != nil {
+		t.Fatal(err)
+	}
+	clear(c.Bytes())
+	if err := r.sess.Do(context.Background(), IOCon, Read, offsetHdr(8192), c, 0, 4096); err != nil || !bytes.Equal(c.Bytes(), want) {
+		t.Fatalf("IO through a buffer on a reused id: %v", err)
+	}
+	b.Free()
+	c.Free()
+}
+
+// countingFabric counts the memory its AllocMemory hands out and that is
+// not freed yet.
+type countingFabric struct {
+	fabric.Fabric
+	live atomic.Int64
+}
+
+type countedMemory struct {
+	fabric.Memory
+	f    *countingFabric
+	once sync.Once
+}
+
+func (m *countedMemory) Free() error {
+	m.once.Do(func() { m.f.live.Add(-1) })
+	return m.Memory.Free()
+}
+
+func (f *countingFabric) AllocMemory(n int) (fabric.Memory, error) {
+	m, err := f.Fabric.AllocMemory(n)
+	if err != nil {
+		return nil, err
+	}
+	f.live.Add(1)
+	return &countedMemory{Memory: m, f: f}, nil
+}
+
+// TestSessionFreesMemory: a closed session leaves no memory of its own
+// behind (the permits' header memory, mmapped on RDMA, was never freed),
+// and frees it only once no permit is out: a user may still hold one
+// across Close and write its header.
+func TestSessionFreesMemory(t *testing.T) {
+	_, fab := memNet()
+	cf := &countingFabric{Fabric: fab}
+	srvAddr := ap("10.7.0.1:1234")
+	srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	for _, holdPermit := range []bool{false, true} {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		sess, err := Open(ctx, testClientConfig(cf, pa("10.7.0.2", srvAddr.String())))
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := sess.AllocBuffer(4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sess.Do(context.Background(), IOCon, Write, offsetHdr(0), b, 0, 4096); err != nil {
+			t.Fatal(err)
+		}
+		var pm *Permit
+		if holdPermit {
+			if pm, err = sess.GetPermit(context.Background(), IOCon); err != nil {
+				t.Fatal(err)
+			}
+		}
+		sess.Close()
+		if err := b.Free(); err != nil {
+			t.Fatal(err)
+		}
+		if holdPermit {
+			if n := cf.live.Load(); n != 1 {
+				t.Fatalf("a permit out across Close: %d memories live, want the header memory alone", n)
+			}
+			copy(pm.hdr, "still mine")
+			sess.PutPermit(pm)
+		}
+		if n := cf.live.Load(); n != 0 {
+			t.Fatalf("hold permit %v: %d memories left after Close", holdPermit, n)
+		}
+	}
 }
