@@ -3,6 +3,9 @@ package clientd
 import (
 	"context"
 	"sync"
+	"syscall"
+
+	"golang.org/x/sync/semaphore"
 
 	"github.com/rnbd/rnbd/internal/tagpool"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
@@ -14,6 +17,9 @@ import (
 // from a device's pool; larger requests get memory of their own.
 const slotSize = 1 << 20
 
+// maxPayload is the largest NBD request a device takes.
+const maxPayload = 32 << 20
+
 // nbdBackend serves a mapped device to the NBD server: request data lives
 // in registered transport memory, so it goes from the NBD socket to the
 // wire (and back) without another copy.
@@ -23,6 +29,11 @@ type nbdBackend struct {
 	slots []slotBuf
 	free  *tagpool.Pool // free slots, lowest first: the memory in use stays warm
 	reqs  sync.Pool     // *ioReq
+	// big bounds the bytes of the buffers of their own that requests
+	// larger than a slot hold at once: as much as the pool, at least one
+	// request of maxPayload. Without it 128 requests in flight of 32 MiB
+	// each on one connection were 4 GiB of registered memory.
+	big *semaphore.Weighted
 }
 
 func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
@@ -30,7 +41,8 @@ func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &nbdBackend{dev: dev, pool: pool, slots: make([]slotBuf, nslots), free: tagpool.New(nslots)}
+	b := &nbdBackend{dev: dev, pool: pool, slots: make([]slotBuf, nslots), free: tagpool.New(nslots),
+		big: semaphore.NewWeighted(int64(max(nslots*slotSize, maxPayload)))}
 	for i := range b.slots {
 		b.slots[i] = slotBuf{b: b, slot: i, buf: pool, off: i * slotSize}
 	}
@@ -59,6 +71,7 @@ func (s *slotBuf) Bytes() []byte { return s.data }
 func (s *slotBuf) Release() {
 	if s.slot < 0 {
 		s.buf.Free()
+		s.b.big.Release(int64(len(s.data)))
 		return
 	}
 	s.b.free.Put(s.slot)
@@ -66,8 +79,21 @@ func (s *slotBuf) Release() {
 
 func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 	if n > slotSize {
+		if n > maxPayload {
+			return nil, syscall.EINVAL // the export's MaxPayload keeps it out
+		}
+		if !b.big.TryAcquire(int64(n)) {
+			// The connection's plug may hold what frees memory.
+			if pl := nbd.PlugFrom(ctx); pl != nil {
+				pl.Unplug()
+			}
+			if err := b.big.Acquire(ctx, int64(n)); err != nil {
+				return nil, err
+			}
+		}
 		buf, err := b.dev.Session().Session().AllocBuffer(n)
 		if err != nil {
+			b.big.Release(int64(n))
 			return nil, err
 		}
 		return &slotBuf{b: b, slot: -1, buf: buf, data: buf.Bytes()[:n]}, nil
@@ -168,7 +194,7 @@ func (b *nbdBackend) export(name string) *nbd.Export {
 		MultiConn:  true,
 		MinBlock:   uint32(info.LogicalBlockSize),
 		PrefBlock:  uint32(max(info.PhysicalBlockSize, 4096)),
-		MaxPayload: 32 << 20,
+		MaxPayload: maxPayload,
 		Backend:    b,
 	}
 }
