@@ -7,8 +7,10 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/rawio"
 )
@@ -421,6 +423,39 @@ func (c *conn) Flush() {
 	c.doneWriting()
 }
 
+// stallStep is how many bytes of replies a client must read within the
+// stall timeout.
+const stallStep = 4 << 20
+
+// writeStalled writes iov, each step of up to stallStep bytes within the
+// server's stall timeout; wb is the net.Buffers a connection without a
+// descriptor writes through (it escapes: the caller's, declared once).
+func (c *conn) writeStalled(iov [][]byte, wb *net.Buffers) error {
+	var err error
+	for len(iov) > 0 && err == nil {
+		n, size := 0, 0
+		for n < len(iov) && (n == 0 || size+len(iov[n]) <= stallStep) {
+			size += len(iov[n])
+			n++
+		}
+		c.nc.SetWriteDeadline(time.Now().Add(c.s.opts.StallTimeout))
+		if c.sio != nil {
+			err = c.sio.Writev(iov[:n])
+		} else {
+			*wb = iov[:n]
+			_, err = wb.WriteTo(c.nc)
+		}
+		iov = iov[n:]
+	}
+	// Cleared: an expired deadline would fail the completers' flushes,
+	// which never wait, as well.
+	c.nc.SetWriteDeadline(time.Time{})
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		c.s.log.WithError(err).Warnf("nbd: the client read less than %d bytes of replies in %v: closing its connection", stallStep, c.s.opts.StallTimeout)
+	}
+	return err
+}
+
 // writer writes the replies no completer's burst writes, and what a
 // completer's write left. After a write error it keeps retiring requests
 // so that the reader and the backend can finish.
@@ -441,7 +476,7 @@ func (c *conn) writer() {
 		case h != nil:
 			// Writing stays ours: a completer's write left this.
 			if !broken {
-				if err := c.sio.Writev(h.rest); err != nil {
+				if err := c.writeStalled(h.rest, &wb); err != nil {
 					c.setBroken()
 				}
 			}
@@ -450,14 +485,7 @@ func (c *conn) writer() {
 		case took:
 			if !broken {
 				b.build()
-				var err error
-				if c.sio != nil {
-					err = c.sio.Writev(b.bufs)
-				} else {
-					wb = b.bufs
-					_, err = wb.WriteTo(c.nc)
-				}
-				if err != nil {
+				if err := c.writeStalled(b.bufs, &wb); err != nil {
 					c.setBroken()
 				}
 			}

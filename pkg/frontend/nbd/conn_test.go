@@ -1605,3 +1605,29 @@ func TestAcceptRetry(t *testing.T) {
 		t.Fatal("Serve did not return after Close")
 	}
 }
+
+// TestStalledReader: a client that stops reading its replies loses its
+// connection after the stall timeout, and the requests whose replies it
+// did not read are retired (their memory, which other connections to the
+// export share, comes back).
+func TestStalledReader(t *testing.T) {
+	st := newStore(64 << 20)
+	s, addr := startServer(t, Options{StallTimeout: 200 * time.Millisecond},
+		&Export{Name: "a", Size: 64 << 20, Backend: st, MaxPayload: 1 << 20})
+	c := connect(t, addr, "a")
+	for i := 0; i < 48; i++ { // 48 MiB of replies: more than the socket holds
+		c.send(uint16(CmdRead), 0, uint64(i), uint64(i)<<20, 1<<20, nil)
+	}
+	deadline := time.Now().Add(testTimeout)
+	for s.Conns("a") > 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the connection of a client that reads no reply is still open")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Another client is served.
+	d := connect(t, addr, "a")
+	if !bytes.Equal(d.mustRead(1<<20, 4096), pattern(1<<20, 4096)) {
+		t.Fatal("wrong data")
+	}
+}

@@ -206,7 +206,13 @@ func (e *Export) flags() uint16 {
 // Options configure a Server.
 type Options struct {
 	MaxInflight int // per connection, default 128
-	Log         *log.Entry
+	// StallTimeout is how long a client may take to read stallStep
+	// bytes of replies (default 60 s): one that reads less is taken for
+	// stopped and its connection closed, so that the request memory its
+	// unread replies hold — shared by every connection to the export —
+	// comes back.
+	StallTimeout time.Duration
+	Log          *log.Entry
 }
 
 // Server serves exports to NBD clients.
@@ -227,6 +233,9 @@ type Server struct {
 func NewServer(opts Options) *Server {
 	if opts.MaxInflight <= 0 {
 		opts.MaxInflight = 128
+	}
+	if opts.StallTimeout <= 0 {
+		opts.StallTimeout = 60 * time.Second
 	}
 	if opts.Log == nil {
 		opts.Log = log.L
