@@ -714,11 +714,11 @@ func (p *CltPath) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
 	}
 	s := p.sess
 	qd := int(rsp.QueueDepth)
-	if s.queueDepth != 0 && qd != s.queueDepth {
+	if was := int(s.queueDepth.Load()); was != 0 && qd != was {
 		p.mu.Lock()
 		p.reconnectAttempts = -1 // stop automatic reconnects
 		p.mu.Unlock()
-		p.lg().WithFields(log.Fields{"was": s.queueDepth, "now": qd}).
+		p.lg().WithFields(log.Fields{"was": was, "now": qd}).
 			Error("queue depth changed: disabling auto-reconnect; trigger a manual reconnect after the issue is resolved")
 		return ErrQueueDepthChanged
 	}
@@ -729,7 +729,7 @@ func (p *CltPath) connEstablished(res *pathRes, c *cltConn, priv []byte) error {
 	if err := s.initResources(qd, rsp.MaxHdrSize, rsp.MaxIOSize); err != nil {
 		return err
 	}
-	if qd != s.queueDepth {
+	if qd != int(s.queueDepth.Load()) {
 		return ErrQueueDepthChanged
 	}
 	res.queueDepth = qd

@@ -235,10 +235,11 @@ type CltSession struct {
 	evMu sync.Mutex
 
 	// Set once by the first connection of the first path, then fixed.
-	initOnce   sync.Once
-	initErr    error
-	queueDepth int
-	hdrSlot    int // bytes of header memory per permit
+	// initMu serializes initResources; a failed one (a path's server
+	// with bad limits, memory short) leaves it to the next path.
+	initMu     sync.Mutex
+	queueDepth atomic.Int32 // set once, by initResources
+	hdrSlot    int          // bytes of header memory per permit
 	maxIOSize  atomic.Uint32
 	permits    []Permit
 	// permitTags hands out permits lowest id first (tagpool).
@@ -310,46 +311,48 @@ func Open(ctx context.Context, cfg ClientConfig) (*CltSession, error) {
 }
 
 // initResources sizes the session from the first connection response:
-// permits (one per server chunk) and header memory.
+// permits (one per server chunk) and header memory. Once it succeeded it
+// does nothing more; until then each path's response may try.
 func (s *CltSession) initResources(qd int, maxHdr, maxIO uint32) error {
-	s.initOnce.Do(func() {
-		if qd < 1 || qd > MaxSessQueueDepth {
-			s.initErr = fmt.Errorf("rtrs: server queue depth %d", qd)
-			return
-		}
-		if maxHdr < RDMAReadSize+SGDescSize || maxHdr > 1<<20 {
-			s.initErr = fmt.Errorf("rtrs: server max_hdr_size %d", maxHdr)
-			return
-		}
-		s.queueDepth = qd
-		// The header room per permit is what the server allows, capped
-		// at a page as the kernel's server announces: that is plenty for
-		// any user message and keeps qd × slot small whatever it says.
-		s.hdrSlot = int(min(maxHdr, MaxHdrSize))
-		s.maxIOSize.Store(maxIO)
-		mem, err := s.cfg.Fabric.AllocMemory(qd * s.hdrSlot)
-		if err != nil {
-			s.initErr = err
-			return
-		}
-		s.hdrMem = mem
-		s.regMu.Lock()
-		// The server never writes into the header memory: it is
-		// registered for local access only.
-		s.regions = append(s.regions, &Buffer{sess: s, idx: 0, mem: mem, b: mem.Bytes(), local: true})
-		s.regMu.Unlock()
-		memBits := MemBits(uint32(qd))
-		s.permits = make([]Permit, qd)
-		for i := range s.permits {
-			p := &s.permits[i]
-			p.sess = s
-			p.id = uint16(i)
-			p.memOff = uint32(i) << memBits
-			p.hdr = s.hdrMem.Bytes()[i*s.hdrSlot : (i+1)*s.hdrSlot]
-		}
-		s.permitTags.Init(qd)
-	})
-	return s.initErr
+	s.initMu.Lock()
+	defer s.initMu.Unlock()
+	if s.queueDepth.Load() != 0 {
+		return nil
+	}
+	if qd < 1 || qd > MaxSessQueueDepth {
+		return fmt.Errorf("rtrs: server queue depth %d: %w", qd, syscall.ECONNRESET)
+	}
+	if maxHdr < RDMAReadSize+SGDescSize || maxHdr > 1<<20 {
+		return fmt.Errorf("rtrs: server max_hdr_size %d: %w", maxHdr, syscall.ECONNRESET)
+	}
+	// The header room per permit is what the server allows, capped at a
+	// page as the kernel's server announces: that is plenty for any user
+	// message and keeps qd × slot small whatever it says.
+	slot := int(min(maxHdr, MaxHdrSize))
+	mem, err := s.cfg.Fabric.AllocMemory(qd * slot)
+	if err != nil {
+		return err
+	}
+	s.hdrSlot = slot
+	s.maxIOSize.Store(maxIO)
+	s.hdrMem = mem
+	s.regMu.Lock()
+	// The server never writes into the header memory: it is registered
+	// for local access only.
+	s.regions = append(s.regions, &Buffer{sess: s, idx: 0, mem: mem, b: mem.Bytes(), local: true})
+	s.regMu.Unlock()
+	memBits := MemBits(uint32(qd))
+	s.permits = make([]Permit, qd)
+	for i := range s.permits {
+		p := &s.permits[i]
+		p.sess = s
+		p.id = uint16(i)
+		p.memOff = uint32(i) << memBits
+		p.hdr = s.hdrMem.Bytes()[i*s.hdrSlot : (i+1)*s.hdrSlot]
+	}
+	s.permitTags.Init(qd)
+	s.queueDepth.Store(int32(qd))
+	return nil
 }
 
 // Name returns the session name.
@@ -359,7 +362,7 @@ func (s *CltSession) Name() string { return s.name }
 func (s *CltSession) UUID() [16]byte { return s.uuid }
 
 // QueueDepth is the number of permits (server chunks).
-func (s *CltSession) QueueDepth() int { return s.queueDepth }
+func (s *CltSession) QueueDepth() int { return int(s.queueDepth.Load()) }
 
 // MaxIOSize is the largest data length of one request: the smallest
 // max_io_size any path's server announced.

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -289,5 +290,52 @@ func TestSessionFreesMemory(t *testing.T) {
 		if n := cf.live.Load(); n != 0 {
 			t.Fatalf("hold permit %v: %d memories left after Close", holdPermit, n)
 		}
+	}
+}
+
+// failOnceFabric fails its first AllocMemory with ENOMEM.
+type failOnceFabric struct {
+	fabric.Fabric
+	failed atomic.Bool
+}
+
+func (f *failOnceFabric) AllocMemory(n int) (fabric.Memory, error) {
+	if f.failed.CompareAndSwap(false, true) {
+		return nil, syscall.ENOMEM
+	}
+	return f.Fabric.AllocMemory(n)
+}
+
+// TestInitRetriedByNextPath: a session whose first path could not size it
+// (memory short for the permits' headers) is sized by the next path's
+// connection, not failed on every path with the first one's error.
+func TestInitRetriedByNextPath(t *testing.T) {
+	_, fab := memNet()
+	srvAddr := ap("10.7.0.1:1234")
+	srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	ff := &failOnceFabric{Fabric: fab}
+	cfg := testClientConfig(ff, pa("10.7.0.2", srvAddr.String()), pa("10.7.0.3", srvAddr.String()))
+	cfg.OpenAnyPath = true
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	sess, err := Open(ctx, cfg)
+	if err != nil {
+		t.Fatalf("open with the first path's memory short: %v", err)
+	}
+	defer sess.Close()
+	if !ff.failed.Load() || sess.QueueDepth() == 0 {
+		t.Fatalf("failed %v, queue depth %d", ff.failed.Load(), sess.QueueDepth())
+	}
+	b, err := sess.AllocBuffer(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Free()
+	if err := sess.Do(context.Background(), IOCon, Write, offsetHdr(0), b, 0, 4096); err != nil {
+		t.Fatal(err)
 	}
 }
