@@ -6,7 +6,9 @@ import (
 	"encoding/json"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -420,5 +422,45 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestSameDeviceTwoSessions: one device_path mapped through two sessions
+// (two servers may both export vol0) gives two devices, each on its own
+// socket under the same NBD name. The daemon's NBD server filed exports
+// by that name and refused the second with EEXIST.
+func TestSameDeviceTwoSessions(t *testing.T) {
+	r := newRig(t)
+	r.file("a", 1<<20)
+	d := r.start()
+	defer d.Stop()
+	ctx := context.Background()
+	m1, err := d.Map(ctx, r.mapping("s1", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := r.mapping("s2", "a")
+	m.AccessMode = "ro"
+	m2, err := d.Map(ctx, m)
+	if err != nil {
+		t.Fatalf("the same device through a second session: %v", err)
+	}
+	if m1.Device == m2.Device || m1.As == m2.As {
+		t.Fatalf("two mappings share a device or a socket: %+v %+v", m1, m2)
+	}
+	rw(t, d, m1.Device, 0, 0x5a)
+	if err := d.Unmap(ctx, m1.Device, false); err != nil {
+		t.Fatal(err)
+	}
+	// The second mapping is still served, under the shared name.
+	if _, err := exec.LookPath("nbdinfo"); err == nil {
+		sock := strings.TrimPrefix(m2.As, "socket:")
+		out, err := exec.Command("nbdinfo", "--size", "nbd+unix:///a?socket="+sock).CombinedOutput()
+		if err != nil || strings.TrimSpace(string(out)) != "1048576" {
+			t.Fatalf("nbdinfo on the second mapping's socket: %v %s", err, out)
+		}
+	}
+	if err := d.Unmap(ctx, m2.Device, false); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -34,11 +34,11 @@ type nbdFE struct {
 }
 
 func (d *Daemon) attachNBD(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
-	n, err := d.serveNBD(dev, s.DevicePath)
+	n, err := d.serveNBD(dev, s.Device, s.DevicePath)
 	if err != nil {
 		return nil, err
 	}
-	f, err := d.attachKernel(n.be.export(s.DevicePath), backendID(s.Mapping), parseKernelIndex(s.Kernel))
+	f, err := d.attachKernel(n.be.export(s.Device, s.DevicePath), backendID(s.Mapping), parseKernelIndex(s.Kernel))
 	if err != nil {
 		n.withdraw()
 		return nil, err
@@ -176,7 +176,7 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 		d.wg.Add(1)
 		go func(c net.Conn) {
 			defer d.wg.Done()
-			if err := d.nbd.ServeKernel(c, e.Name); err != nil {
+			if err := d.nbd.ServeKernel(c, e.ID); err != nil {
 				d.log.WithError(err).Warn("kernel nbd socket")
 			}
 		}(c)

@@ -19,7 +19,7 @@ type socketFE struct {
 }
 
 func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
-	n, err := d.serveNBD(dev, s.DevicePath)
+	n, err := d.serveNBD(dev, s.Device, s.DevicePath)
 	if err != nil {
 		return nil, err
 	}
@@ -46,7 +46,7 @@ func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 		defer d.wg.Done()
 		// Only this device: a client of its socket lists and opens no
 		// other, whoever the socket is made accessible to.
-		d.nbd.ServeExport(l, n.name)
+		d.nbd.ServeExport(l, n.id)
 	}()
 	return &socketFE{nbdServed: n, l: l, sock: s.sock}, nil
 }
@@ -60,7 +60,7 @@ func (f *socketFE) resized(int64) error { return nil }
 func (f *socketFE) path() string        { return f.sock }
 
 func (f *socketFE) busy() string {
-	if n := f.d.nbd.Conns(f.name); n > 0 {
+	if n := f.d.nbd.Conns(f.id); n > 0 {
 		return fmt.Sprintf("has %d NBD connection(s); close them", n)
 	}
 	return ""

@@ -71,30 +71,33 @@ func (d *Daemon) attach(s mapSpec, dev *rnbd.CltDev) (frontend, error) {
 	return d.attachSocket(dev, s)
 }
 
-// nbdServed is a device the daemon's NBD server serves, under its
-// device_path: what the socket and kernel nbd frontends share.
+// nbdServed is a device the daemon's NBD server serves (named by its
+// device_path, filed under its device name): what the socket and kernel
+// nbd frontends share.
 type nbdServed struct {
-	d    *Daemon
-	be   *nbdBackend
-	name string
+	d  *Daemon
+	be *nbdBackend
+	id string
 }
 
-// serveNBD adds dev to the daemon's NBD server as name.
-func (d *Daemon) serveNBD(dev *rnbd.CltDev, name string) (nbdServed, error) {
+// serveNBD adds dev to the daemon's NBD server under id (the mapping's
+// device name, unique in the daemon), named name (its device_path, which
+// mappings through other sessions may share).
+func (d *Daemon) serveNBD(dev *rnbd.CltDev, id, name string) (nbdServed, error) {
 	be, err := newNBDBackend(dev, d.cfg.NBDBuffers)
 	if err != nil {
 		return nbdServed{}, err
 	}
-	if err := d.nbd.AddExport(be.export(name)); err != nil {
+	if err := d.nbd.AddExport(be.export(id, name)); err != nil {
 		be.close()
 		return nbdServed{}, err
 	}
-	return nbdServed{d: d, be: be, name: name}, nil
+	return nbdServed{d: d, be: be, id: id}, nil
 }
 
 // withdraw removes the export: its connections close after their IO, then
 // its memory goes.
 func (n nbdServed) withdraw() {
-	n.d.nbd.RemoveExport(n.name)
+	n.d.nbd.RemoveExport(n.id)
 	n.be.close()
 }

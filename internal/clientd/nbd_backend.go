@@ -171,7 +171,7 @@ func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 }
 
 // export describes the device to the NBD server.
-func (b *nbdBackend) export(name string) *nbd.Export {
+func (b *nbdBackend) export(id, name string) *nbd.Export {
 	info := b.dev.Info()
 	ro := b.dev.Mode() == rnbd.AccessRO
 	// Flush and FUA as the server's cache policy says (the kernel's
@@ -180,6 +180,7 @@ func (b *nbdBackend) export(name string) *nbd.Export {
 	// "write through".
 	wc := info.CachePolicy&rnbd.CacheWriteback != 0
 	return &nbd.Export{
+		ID:          id,
 		Name:        name,
 		Description: "rnbd " + b.dev.Session().Session().Name() + "/" + b.dev.Name(),
 		Size:        b.dev.Size(),

@@ -82,7 +82,7 @@ func (s *Server) transmit(nc net.Conn, e *Export) {
 		c.free <- &Request{c: c}
 	}
 	s.mu.Lock()
-	if s.closed || s.exports[e.Name] != e {
+	if s.closed || s.exports[e.key()] != e {
 		s.mu.Unlock()
 		return
 	}

@@ -1631,3 +1631,62 @@ func TestStalledReader(t *testing.T) {
 		t.Fatal("wrong data")
 	}
 }
+
+// TestExportIDs: exports may share a name under different IDs; each
+// listener limited to one serves that one under the shared name, and a
+// listener of every export refuses the name as ambiguous.
+func TestExportIDs(t *testing.T) {
+	s := NewServer(Options{Log: log.Discard()})
+	stores := map[string]*storeBackend{"a": newStore(1 << 20), "b": newStore(1 << 20)}
+	copy(stores["b"].data, bytes.Repeat([]byte{0xbb}, 4096))
+	for id, st := range stores {
+		if err := s.AddExport(&Export{ID: id, Name: "vol", Size: 1 << 20, Backend: st}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.AddExport(&Export{ID: "a", Name: "other", Size: 1 << 20, Backend: newStore(1 << 20)}); !errors.Is(err, syscall.EEXIST) {
+		t.Fatalf("a second export of ID a: %v, want EEXIST", err)
+	}
+	dir := t.TempDir()
+	listen := func(name string, serve func(net.Listener) error) string {
+		addr := filepath.Join(dir, name)
+		l, err := net.Listen("unix", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- serve(l) }()
+		t.Cleanup(func() {
+			if err := <-done; err != nil {
+				t.Errorf("serve %s: %v", name, err)
+			}
+		})
+		return addr
+	}
+	la := listen("a", func(l net.Listener) error { return s.ServeExport(l, "a") })
+	lb := listen("b", func(l net.Listener) error { return s.ServeExport(l, "b") })
+	all := listen("all", s.Serve)
+	defer s.Close()
+	if got := connect(t, la, "vol").mustRead(0, 4096); !bytes.Equal(got, pattern(0, 4096)) {
+		t.Fatal("a's socket: not a's data")
+	}
+	cb := connect(t, lb, "vol")
+	if got := cb.mustRead(0, 4096); !bytes.Equal(got, bytes.Repeat([]byte{0xbb}, 4096)) {
+		t.Fatal("b's socket: not b's data")
+	}
+	if n := s.Conns("b"); n != 1 {
+		t.Fatalf("Conns(b) = %d", n)
+	}
+	c := dial(t, all)
+	c.greet(flagFixedNew | flagNoZeroes)
+	if reps := c.option(optGo, goData("vol")); len(reps) != 1 || reps[0].typ != repErrUnknown {
+		t.Fatalf("OPT_GO of a name two exports share, on the socket of every export: %+v", reps)
+	}
+	if err := s.RemoveExport("b"); err != nil {
+		t.Fatal(err)
+	}
+	cb.expectClosed()
+	if got := connect(t, all, "vol").mustRead(0, 4096); !bytes.Equal(got, pattern(0, 4096)) {
+		t.Fatal("the name left to one export does not open it")
+	}
+}

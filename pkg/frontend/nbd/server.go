@@ -147,7 +147,14 @@ func PlugFrom(ctx context.Context) Plug {
 
 // Export is what the server offers under a name.
 type Export struct {
-	Name        string
+	Name string
+	// ID is what the server files the export under (AddExport,
+	// RemoveExport, Conns, ServeExport, ServeKernel); Name if empty.
+	// Exports may share a Name under different IDs: clients of a
+	// listener limited to one of them (ServeExport) see only that one,
+	// and a listener of every export opens a Name only if it is one
+	// export's.
+	ID          string
 	Description string
 	Size        int64
 	ReadOnly    bool
@@ -257,19 +264,27 @@ func (s *Server) AddExport(e *Export) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.exports[e.Name] != nil {
-		return fmt.Errorf("nbd: export %q exists: %w", e.Name, syscall.EEXIST)
+	if s.exports[e.key()] != nil {
+		return fmt.Errorf("nbd: export %q exists: %w", e.key(), syscall.EEXIST)
 	}
-	s.exports[e.Name] = e
+	s.exports[e.key()] = e
 	return nil
 }
 
-// RemoveExport withdraws an export and closes its connections, waiting
-// for their requests in flight.
-func (s *Server) RemoveExport(name string) error {
+// key is the export's ID, or its Name.
+func (e *Export) key() string {
+	if e.ID != "" {
+		return e.ID
+	}
+	return e.Name
+}
+
+// RemoveExport withdraws the export id and closes its connections,
+// waiting for their requests in flight.
+func (s *Server) RemoveExport(id string) error {
 	s.mu.Lock()
-	e := s.exports[name]
-	delete(s.exports, name)
+	e := s.exports[id]
+	delete(s.exports, id)
 	var cs []*conn
 	for c := range s.conns {
 		if c.exp == e {
@@ -278,7 +293,7 @@ func (s *Server) RemoveExport(name string) error {
 	}
 	s.mu.Unlock()
 	if e == nil {
-		return fmt.Errorf("nbd: no export %q: %w", name, syscall.ENOENT)
+		return fmt.Errorf("nbd: no export %q: %w", id, syscall.ENOENT)
 	}
 	for _, c := range cs {
 		c.close()
@@ -287,13 +302,13 @@ func (s *Server) RemoveExport(name string) error {
 	return nil
 }
 
-// Conns counts the connections serving an export.
-func (s *Server) Conns(name string) int {
+// Conns counts the connections serving the export id.
+func (s *Server) Conns(id string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	n := 0
 	for c := range s.conns {
-		if c.exp != nil && c.exp.Name == name {
+		if c.exp != nil && c.exp.key() == id {
 			n++
 		}
 	}
@@ -304,10 +319,11 @@ func (s *Server) Conns(name string) int {
 // open any export.
 func (s *Server) Serve(l net.Listener) error { return s.serve(l, "") }
 
-// ServeExport is Serve for connections that see only the export name: it
-// is all they can list, and what the default name opens. A socket that
-// serves one device then opens no other, whoever can reach it.
-func (s *Server) ServeExport(l net.Listener, name string) error { return s.serve(l, name) }
+// ServeExport is Serve for connections that see only the export id: it
+// is all they can list, and what its name and the default name open. A
+// socket that serves one device then opens no other, whoever can reach
+// it.
+func (s *Server) ServeExport(l net.Listener, id string) error { return s.serve(l, id) }
 
 // acceptRetryMax bounds the wait before the accept after one that failed.
 const acceptRetryMax = time.Second
@@ -391,19 +407,19 @@ func (s *Server) serveConn(nc net.Conn, only string) {
 	s.transmit(nc, e)
 }
 
-// ServeKernel serves a connection that skips the handshake (the kernel's
-// socketpairs), until it ends.
-func (s *Server) ServeKernel(nc net.Conn, exportName string) error {
+// ServeKernel serves the export id on a connection that skips the
+// handshake (the kernel's socketpairs), until it ends.
+func (s *Server) ServeKernel(nc net.Conn, id string) error {
 	defer nc.Close()
 	if !s.enter(nc, false) {
 		return net.ErrClosed
 	}
 	defer s.wg.Done()
 	s.mu.Lock()
-	e := s.exports[exportName]
+	e := s.exports[id]
 	s.mu.Unlock()
 	if e == nil {
-		return fmt.Errorf("nbd: no export %q: %w", exportName, syscall.ENOENT)
+		return fmt.Errorf("nbd: no export %q: %w", id, syscall.ENOENT)
 	}
 	s.transmit(nc, e)
 	return nil
@@ -434,22 +450,27 @@ func (s *Server) Close() error {
 var errAbort = errors.New("nbd: client aborted")
 
 // export is the export a client names, as seen by a connection limited
-// to export only (if not empty), or nil.
+// to the export of ID only (if not empty), or nil.
 func (s *Server) export(name, only string) *Export {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if only != "" {
-		if name != "" && name != only {
+		e := s.exports[only]
+		if e == nil || name != "" && name != e.Name {
 			return nil
 		}
-		return s.exports[only]
+		return e
 	}
-	if name == "" && len(s.exports) == 1 {
-		for _, e := range s.exports {
-			return e
+	var found *Export
+	for _, e := range s.exports {
+		if name == "" && len(s.exports) == 1 || e.Name == name {
+			if found != nil {
+				return nil // two exports of that name: not this listener's to choose
+			}
+			found = e
 		}
 	}
-	return s.exports[name]
+	return found
 }
 
 // handshake is the fixed-newstyle negotiation, limited to export only if
@@ -512,9 +533,9 @@ func (s *Server) handshake(nc net.Conn, only string) (*Export, error) {
 			}
 			s.mu.Lock()
 			var names []string
-			for name := range s.exports {
-				if only == "" || name == only {
-					names = append(names, name)
+			for id, e := range s.exports {
+				if only == "" || id == only {
+					names = append(names, e.Name)
 				}
 			}
 			s.mu.Unlock()
