@@ -177,3 +177,15 @@ func (c *Conn) advance(n int) {
 		c.wbufs = c.wbufs[1:]
 	}
 }
+
+// Step is how many buffers at the head of iov, at least one, hold at most
+// max bytes together: one step of a long write that must make progress
+// within a bound (a write deadline per step).
+func Step(iov [][]byte, max int) int {
+	n, size := 0, 0
+	for n < len(iov) && (n == 0 || size+len(iov[n]) <= max) {
+		size += len(iov[n])
+		n++
+	}
+	return n
+}

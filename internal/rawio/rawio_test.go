@@ -194,3 +194,22 @@ func TestReadAfterShortRead(t *testing.T) {
 		}
 	}
 }
+
+func TestStep(t *testing.T) {
+	b := func(n int) []byte { return make([]byte, n) }
+	for _, tc := range []struct {
+		iov  [][]byte
+		max  int
+		want int
+	}{
+		{[][]byte{b(10), b(10), b(10)}, 25, 2},
+		{[][]byte{b(10), b(10), b(10)}, 30, 3},
+		{[][]byte{b(50), b(1)}, 25, 1}, // one buffer over the bound still goes
+		{[][]byte{b(0), b(0)}, 0, 2},
+		{nil, 10, 0},
+	} {
+		if got := Step(tc.iov, tc.max); got != tc.want {
+			t.Errorf("Step(%d buffers, %d) = %d, want %d", len(tc.iov), tc.max, got, tc.want)
+		}
+	}
+}

@@ -433,11 +433,7 @@ const stallStep = 4 << 20
 func (c *conn) writeStalled(iov [][]byte, wb *net.Buffers) error {
 	var err error
 	for len(iov) > 0 && err == nil {
-		n, size := 0, 0
-		for n < len(iov) && (n == 0 || size+len(iov[n]) <= stallStep) {
-			size += len(iov[n])
-			n++
-		}
+		n := rawio.Step(iov, stallStep)
 		c.nc.SetWriteDeadline(time.Now().Add(c.s.opts.StallTimeout))
 		if c.sio != nil {
 			err = c.sio.Writev(iov[:n])

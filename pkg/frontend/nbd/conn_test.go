@@ -199,13 +199,20 @@ func startServer(tb testing.TB, opts Options, exps ...*Export) (*Server, string)
 			tb.Fatal(err)
 		}
 	}
+	return s, serveOn(tb, s, s.Serve)
+}
+
+// serveOn runs serve (one of s's) on a new unix socket, and returns its
+// address; when the test ends s is closed and serve must have returned.
+func serveOn(tb testing.TB, s *Server, serve func(net.Listener) error) string {
+	tb.Helper()
 	addr := filepath.Join(tb.TempDir(), "s")
 	l, err := net.Listen("unix", addr)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	served := make(chan error, 1)
-	go func() { served <- s.Serve(l) }()
+	go func() { served <- serve(l) }()
 	tb.Cleanup(func() {
 		s.Close()
 		l.Close() // if Close came before Serve took it
@@ -218,7 +225,7 @@ func startServer(tb testing.TB, opts Options, exps ...*Export) (*Server, string)
 			tb.Errorf("Serve did not return after Close")
 		}
 	})
-	return s, addr
+	return addr
 }
 
 // ---- client ----
@@ -1522,19 +1529,7 @@ func TestServeExport(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	addr := filepath.Join(t.TempDir(), "s")
-	l, err := net.Listen("unix", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- s.ServeExport(l, "mine") }()
-	defer func() {
-		s.Close()
-		if err := <-served; err != nil {
-			t.Errorf("ServeExport: %v", err)
-		}
-	}()
+	addr := serveOn(t, s, func(l net.Listener) error { return s.ServeExport(l, "mine") })
 	c := dial(t, addr)
 	c.greet(flagFixedNew | flagNoZeroes)
 	reps := c.option(optList, nil)
@@ -1584,25 +1579,10 @@ func TestAcceptRetry(t *testing.T) {
 	if err := s.AddExport(&Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)}); err != nil {
 		t.Fatal(err)
 	}
-	addr := filepath.Join(t.TempDir(), "s")
-	ul, err := net.Listen("unix", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- s.ServeExport(&failingListener{Listener: ul, n: 3}, "a") }()
+	addr := serveOn(t, s, func(l net.Listener) error { return s.ServeExport(&failingListener{Listener: l, n: 3}, "a") })
 	c := connect(t, addr, "a")
 	if !bytes.Equal(c.mustRead(0, 512), pattern(0, 512)) {
 		t.Fatal("wrong data")
-	}
-	s.Close()
-	select {
-	case err := <-served:
-		if err != nil {
-			t.Fatalf("Serve: %v", err)
-		}
-	case <-time.After(testTimeout):
-		t.Fatal("Serve did not return after Close")
 	}
 }
 
@@ -1647,26 +1627,9 @@ func TestExportIDs(t *testing.T) {
 	if err := s.AddExport(&Export{ID: "a", Name: "other", Size: 1 << 20, Backend: newStore(1 << 20)}); !errors.Is(err, syscall.EEXIST) {
 		t.Fatalf("a second export of ID a: %v, want EEXIST", err)
 	}
-	dir := t.TempDir()
-	listen := func(name string, serve func(net.Listener) error) string {
-		addr := filepath.Join(dir, name)
-		l, err := net.Listen("unix", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- serve(l) }()
-		t.Cleanup(func() {
-			if err := <-done; err != nil {
-				t.Errorf("serve %s: %v", name, err)
-			}
-		})
-		return addr
-	}
-	la := listen("a", func(l net.Listener) error { return s.ServeExport(l, "a") })
-	lb := listen("b", func(l net.Listener) error { return s.ServeExport(l, "b") })
-	all := listen("all", s.Serve)
-	defer s.Close()
+	la := serveOn(t, s, func(l net.Listener) error { return s.ServeExport(l, "a") })
+	lb := serveOn(t, s, func(l net.Listener) error { return s.ServeExport(l, "b") })
+	all := serveOn(t, s, s.Serve)
 	if got := connect(t, la, "vol").mustRead(0, 4096); !bytes.Equal(got, pattern(0, 4096)) {
 		t.Fatal("a's socket: not a's data")
 	}

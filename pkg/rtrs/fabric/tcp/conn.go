@@ -352,11 +352,7 @@ const stallStep = 4 << 20
 func (c *conn) writeAll(iov [][]byte, b *sendBatch) error {
 	var err error
 	for len(iov) > 0 && err == nil {
-		n, size := 0, 0
-		for n < len(iov) && (n == 0 || size+len(iov[n]) <= stallStep) {
-			size += len(iov[n])
-			n++
-		}
+		n := rawio.Step(iov, stallStep)
 		c.nc.SetWriteDeadline(time.Now().Add(c.dev.fab.opts.StallTimeout))
 		err = c.writeVec(iov[:n], b)
 		iov = iov[n:]
