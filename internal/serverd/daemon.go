@@ -133,6 +133,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		// forgotten, serves.
 		NameHeld: func(name string) bool { return d.rtrs.NameHeld(name) },
 		Stat:     d.probe.stat,
+		Answers:  d.probe.answers,
 		Log:      opts.Log,
 	})
 	st, err := conf.LoadState(cfg.StateFile, &State{Version: StateVersion}, StateVersion)

@@ -56,7 +56,9 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 		}
 		out[p] = probed{err: hungPath(p, wait)}
 		if pp.pending[p] {
-			continue // still hanging from an earlier look
+			out[p] = probed{err: &os.PathError{Op: "stat", Path: p,
+				Err: fmt.Errorf("no answer: an earlier look has not returned (a mount that does not answer?): %w", syscall.ETIMEDOUT)}}
+			continue
 		}
 		if len(pp.pending) >= maxProbesPending {
 			out[p] = probed{err: &os.PathError{Op: "stat", Path: p,
@@ -91,6 +93,26 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 func (pp *pathProbe) stat(path string) (os.FileInfo, error) {
 	r := pp.look([]string{path}, probeWait)[path]
 	return r.fi, r.err
+}
+
+// openWait bounds how long an OPEN waits for its export's path to answer:
+// longer than a map's look (a slow mount still opens), shorter than our
+// client's admin timeout (30 s), so that the client hears why.
+const openWait = 10 * time.Second
+
+// answers is rnbd.ServerConfig.Answers: an error at once for a path whose
+// earlier look still hangs, after openWait for one that does not answer
+// now, and nil — the open goes on unbounded, as it would without a look —
+// when maxProbesPending looks hang already: one path's dead mount must
+// not fail the OPENs of every other export.
+func (pp *pathProbe) answers(path string) error {
+	pp.mu.Lock()
+	full := !pp.pending[path] && len(pp.pending) >= maxProbesPending
+	pp.mu.Unlock()
+	if full {
+		return nil
+	}
+	return pp.look([]string{path}, openWait)[path].err
 }
 
 // hungPath is the error of a path that did not answer a stat.

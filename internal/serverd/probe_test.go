@@ -62,4 +62,13 @@ func TestPathProbe(t *testing.T) {
 	if n > maxProbesPending {
 		t.Fatalf("%d stats pending, bound %d", n, maxProbesPending)
 	}
+	// An OPEN's look: at once for the path known to hang; and past the
+	// bound, no verdict (nil) for the others, whose OPENs go on.
+	began = time.Now()
+	if err := pp.answers(hung); !errors.Is(err, syscall.ETIMEDOUT) || time.Since(began) > time.Second {
+		t.Fatalf("an OPEN's look at the hanging path: %v after %v, want ETIMEDOUT at once", err, time.Since(began))
+	}
+	if err := pp.answers(file); err != nil {
+		t.Fatalf("an OPEN's look at a file past the bound: %v, want no verdict", err)
+	}
 }

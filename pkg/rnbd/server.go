@@ -218,14 +218,19 @@ type ServerConfig struct {
 	// ForgetSessionName asks it for a session that took the name
 	// before it shows among Sessions.
 	NameHeld func(name string) bool
-	// Stat is how the server looks at an export's path — on Map, before
-	// an OPEN opens it, and before a size poll of an open device asks
-	// the backend —: os.Stat if nil. The daemon bounds it, as a path on
-	// a mount that does not answer never returns; a bounded Stat keeps
-	// an OPEN or a size poll there from holding the client's admin
-	// message for ever (it fails with the Stat's error instead).
+	// Stat is how Map and Resize look at an export's path: os.Stat if
+	// nil. The daemon bounds it, as a path on a mount that does not
+	// answer never returns.
 	Stat func(path string) (os.FileInfo, error)
-	Log  *log.Entry
+	// Answers, if set, says before an OPEN opens an export's file — and
+	// before a size poll of an open device asks its backend — whether
+	// the export's path answers: an error wrapping ETIMEDOUT fails the
+	// OPEN with it at once, where the open would wait on a mount that
+	// does not answer, and the client's map or admin queue with it. The
+	// daemon bounds it (longer than Stat: a slow mount still opens) and
+	// answers nil where it cannot look.
+	Answers func(path string) error
+	Log     *log.Entry
 }
 
 // Server is the RNBD server: the user of an RTRS server. It is safe for
@@ -648,10 +653,8 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			// every few seconds): answer with the size the backend has
 			// now, grown or shrunk since — if its mount answers (the
 			// file renamed or removed is still the device's).
-			if d.path != "" {
-				if err := x.srv.lookAt(d.export, d.path); errors.Is(err, syscall.ETIMEDOUT) {
-					return err
-				}
+			if err := x.srv.answers(d.export, d.path); err != nil {
+				return err
 			}
 			if was, now, err := d.backend.Refresh(); err == nil && was != now {
 				x.log().WithFields(log.Fields{"device": d.name, "was": was, "now": now}).Info("device size changed")
@@ -774,7 +777,7 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		if secondWriter, err = exp.admit(x, mode, from); err != nil {
 			return nil, err
 		}
-		if err = s.lookAt(exp.Name, exp.Path); err == nil {
+		if err = s.answers(exp.Name, exp.Path); err == nil {
 			be, err = blockdev.Open(exp.Path, opts)
 		}
 	case s.cfg.DevSearchPath != "":
@@ -1068,6 +1071,20 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 func (s *Server) lookAt(name, path string) error {
 	_, err := s.statExport(name, path)
 	return err
+}
+
+// answers is cfg.Answers of an explicit export's path (path not empty):
+// an error only for a path that does not answer (ETIMEDOUT). Any other
+// finding — the file renamed or removed — is left to the open, or to the
+// backend an open device already has.
+func (s *Server) answers(name, path string) error {
+	if s.cfg.Answers == nil || path == "" {
+		return nil
+	}
+	if err := s.cfg.Answers(path); errors.Is(err, syscall.ETIMEDOUT) {
+		return fmt.Errorf("export %s: %w", name, err)
+	}
+	return nil
 }
 
 func (s *Server) statExport(name, path string) (os.FileInfo, error) {

@@ -1406,17 +1406,18 @@ func TestUnmapDuringOpen(t *testing.T) {
 
 // TestReopenLooksAtPath: an OPEN of a device the session has open (a
 // remap, our client's size poll) asks the backend for its size only if
-// the export's path answers the server's Stat: where it does not (the
-// daemon's bounded Stat gives ETIMEDOUT), the OPEN fails with that at
-// once instead of waiting on the mount. A path that is gone is no reason
+// the export's path answers (ServerConfig.Answers): where it does not
+// (the daemon's bounded look gives ETIMEDOUT), the OPEN fails with that
+// at once instead of waiting on the mount. A path that is gone is no reason
 // to fail: the file renamed or removed is still the device's.
 func TestReopenLooksAtPath(t *testing.T) {
 	var hung atomic.Bool
-	r := newSrig(t, ServerConfig{Stat: func(p string) (os.FileInfo, error) {
+	r := newSrig(t, ServerConfig{Answers: func(p string) error {
 		if hung.Load() {
-			return nil, &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
+			return &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
 		}
-		return os.Stat(p)
+		_, err := os.Stat(p)
+		return err
 	}})
 	p := r.file("exp/vol", 1<<20)
 	for name, path := range map[string]string{"vol": p, "vol2": r.file("exp/vol2", 1<<20)} {
