@@ -239,12 +239,13 @@ func (b *Backend) probe(opts Options) error {
 		if opts.Direct {
 			// O_DIRECT IO must be aligned as the file's storage
 			// wants: 4 KiB on a 4Kn disk, where 512 fails EINVAL.
-			a := dioAlign(b.f, st.Dev)
-			switch {
-			case b.lbs == 0:
-				b.lbs = max(a, 512)
-			case b.lbs < a:
-				return fmt.Errorf("logical block size %d: O_DIRECT IO on this file must be aligned to %d bytes: %w", b.lbs, a, syscall.EINVAL)
+			if a := dioAlign(b.f, st.Dev); a > max(b.lbs, 512) {
+				switch {
+				case b.lbs == 0:
+					b.lbs = a
+				default:
+					return fmt.Errorf("logical block size %d: O_DIRECT IO on this file must be aligned to %d bytes: %w", b.lbs, a, syscall.EINVAL)
+				}
 			}
 		}
 		if b.lbs == 0 {
@@ -271,22 +272,33 @@ func (b *Backend) probe(opts Options) error {
 	return nil
 }
 
-// dioAlign is the offset and length alignment O_DIRECT IO on f needs:
-// statx's STATX_DIOALIGN (Linux 6.1), else the logical block size of the
-// disk its file system lies on (fsdev, st_dev), else 0 (unknown).
+// dioAlign is the offset and length alignment O_DIRECT IO on f needs, as
+// far as the disk its file system lies on (fsdev, st_dev) makes it: the
+// smaller of statx's STATX_DIOALIGN (Linux 6.1) and that disk's logical
+// block size, either where the other is unknown, 0 where both are. A file
+// system's own larger alignment is left out: f2fs says its block size and
+// serves smaller O_DIRECT IO through the page cache, and an export that
+// served 512-byte blocks must keep serving them (a client's partition
+// table and file system are laid out in them).
 func dioAlign(f *os.File, fsdev uint64) int {
-	var stx unix.Statx_t
-	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &stx) == nil &&
-		stx.Mask&unix.STATX_DIOALIGN != 0 && stx.Dio_offset_align > 0 {
-		return int(stx.Dio_offset_align)
+	stx := 0
+	var x unix.Statx_t
+	if unix.Statx(int(f.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &x) == nil &&
+		x.Mask&unix.STATX_DIOALIGN != 0 {
+		stx = int(x.Dio_offset_align)
 	}
-	_, disk := sysfsDirs("/sys/dev/block", fsdev)
-	s, err := os.ReadFile(filepath.Join(disk, "queue", "logical_block_size"))
-	if err != nil {
-		return 0
+	disk := 0
+	_, d := sysfsDirs("/sys/dev/block", fsdev)
+	if s, err := os.ReadFile(filepath.Join(d, "queue", "logical_block_size")); err == nil {
+		disk, _ = strconv.Atoi(strings.TrimSpace(string(s)))
 	}
-	n, _ := strconv.Atoi(strings.TrimSpace(string(s)))
-	return n
+	switch {
+	case stx > 0 && disk > 0:
+		return min(stx, disk)
+	case stx > 0:
+		return stx
+	}
+	return disk
 }
 
 func validBlockSize(n int) bool { return n >= 512 && n <= 65536 && n&(n-1) == 0 }
