@@ -46,7 +46,9 @@ func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
 		defer d.wg.Done()
 		// Only this device: a client of its socket lists and opens no
 		// other, whoever the socket is made accessible to.
-		d.nbd.ServeExport(l, n.id)
+		if err := d.nbd.ServeExport(l, n.id); err != nil {
+			d.log.WithError(err).WithField("socket", s.sock).Error("the device's NBD socket accepts no more connections")
+		}
 	}()
 	return &socketFE{nbdServed: n, l: l, sock: s.sock}, nil
 }

@@ -328,7 +328,9 @@ func (s *Server) healthLoop(interval time.Duration) {
 // a stat on a mount that stopped answering holds neither the checks of
 // the other devices nor the close of its own. A device whose check from
 // an earlier round has not returned is not checked again; that it hangs
-// is the problem reported.
+// is the problem reported. Close does not wait for the checks: one may
+// wait on a dead mount for ever (it holds a descriptor and a thread, and
+// logs when it returns).
 func (s *Server) checkHealth() {
 	s.mu.Lock()
 	devs := make([]*device, 0, len(s.devices))

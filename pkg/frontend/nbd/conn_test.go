@@ -1653,3 +1653,32 @@ func TestExportIDs(t *testing.T) {
 		t.Fatal("the name left to one export does not open it")
 	}
 }
+
+// brokenListener fails every accept with EINVAL, as a socket shut down.
+type brokenListener struct{ net.Listener }
+
+func (brokenListener) Accept() (net.Conn, error) {
+	return nil, &net.OpError{Op: "accept", Net: "unix", Err: os.NewSyscallError("accept4", syscall.EINVAL)}
+}
+
+// TestAcceptBroken: an accept error that no retry cures ends Serve with
+// it, rather than a retry every second for ever.
+func TestAcceptBroken(t *testing.T) {
+	s := NewServer(Options{Log: log.Discard()})
+	defer s.Close()
+	l, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(brokenListener{l}) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, syscall.EINVAL) {
+			t.Fatalf("Serve: %v, want EINVAL", err)
+		}
+	case <-time.After(testTimeout):
+		t.Fatal("Serve retries an accept error that does not go away")
+	}
+}

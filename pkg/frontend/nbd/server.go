@@ -328,6 +328,19 @@ func (s *Server) ServeExport(l net.Listener, id string) error { return s.serve(l
 // acceptRetryMax bounds the wait before the accept after one that failed.
 const acceptRetryMax = time.Second
 
+// transientAccept reports whether an accept failed for want of a
+// resource that comes back (descriptors, memory) or for one connection
+// alone, rather than for the listener itself.
+func transientAccept(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM,
+		syscall.ECONNABORTED, syscall.EINTR, syscall.EAGAIN, syscall.EPROTO, syscall.EPERM} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
 func (s *Server) serve(l net.Listener, only string) error {
 	s.mu.Lock()
 	if s.closed {
@@ -344,10 +357,13 @@ func (s *Server) serve(l net.Listener, only string) error {
 		if err != nil {
 			s.mu.Lock()
 			closed := s.closed
-			if closed || errors.Is(err, net.ErrClosed) {
+			if closed || errors.Is(err, net.ErrClosed) || !transientAccept(err) {
 				delete(s.listeners, l)
 				s.mu.Unlock()
-				return nil
+				if closed || errors.Is(err, net.ErrClosed) {
+					return nil
+				}
+				return err
 			}
 			s.mu.Unlock()
 			// Out of descriptors (EMFILE, ENFILE) or memory: the
