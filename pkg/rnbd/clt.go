@@ -416,6 +416,7 @@ func (s *CltSession) reopenLoop() {
 	defer s.wg.Done()
 	poll := time.NewTimer(time.Hour)
 	defer poll.Stop()
+	infoDone := true // the session info since the last reconnect
 	for {
 		poll.Stop()
 		if d := time.Duration(s.sizePoll.Load()); d > 0 {
@@ -425,27 +426,64 @@ func (s *CltSession) reopenLoop() {
 		case <-s.done:
 			return
 		case <-poll.C:
+			s.reopenClosed(&infoDone)
 			s.pollSizes()
 			continue
 		case <-s.pollQ:
 			continue
 		case <-s.reopenQ:
 		}
+		infoDone = false
 		if !s.sess.Connected() {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		if err := s.sessInfo(ctx); err != nil {
 			cancel()
-			s.log.WithError(err).Warn("session info after reconnect failed; devices stay closed until the next reconnect")
+			s.log.WithError(err).Warn("session info after reconnect failed; tried again at the next size poll")
 			continue
 		}
+		infoDone = true
 		for _, d := range s.Devices() {
 			if err := d.reopen(ctx); err != nil {
-				d.log().WithError(err).Warn("reopening the device after reconnect failed")
+				d.log().WithError(err).Warn("reopening the device after reconnect failed; tried again at each size poll")
 			}
 		}
 		cancel()
+	}
+}
+
+// reopenClosed tries again, at a size poll, what the last reconnect
+// failed to do (a server whose export's mount did not answer then, say):
+// the session info unless *infoDone, then the reopen of each device still
+// closed. The kernel's client leaves such a device closed until the next
+// reconnect. A reconnect whose turn has come (reopenQ) goes first.
+func (s *CltSession) reopenClosed(infoDone *bool) {
+	if len(s.reopenQ) > 0 {
+		return
+	}
+	var closed []*CltDev
+	for _, d := range s.Devices() {
+		if d.State() == DevClosed {
+			closed = append(closed, d)
+		}
+	}
+	if !s.sess.Connected() || (*infoDone && len(closed) == 0) {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if !*infoDone {
+		if err := s.sessInfo(ctx); err != nil {
+			s.rl.Log(s.log.WithError(err), log.WarnLevel, "session info after reconnect failed again")
+			return
+		}
+		*infoDone = true
+	}
+	for _, d := range closed {
+		if err := d.reopen(ctx); err != nil {
+			s.rl.Log(d.log().WithError(err), log.WarnLevel, "reopening the device after reconnect failed again")
+		}
 	}
 }
 

@@ -470,3 +470,59 @@ func TestCltDevLogsFailedIO(t *testing.T) {
 		t.Fatalf("%d 'IO failed' entries for 30 failed writes, want 1 to the limiter's burst", n)
 	}
 }
+
+// TestCltDevReopenRetried: a device whose reopen after a reconnect failed
+// (its export's mount did not answer the server then) is reopened at a
+// later size poll, and the IO that waited for it goes; it used to stay
+// closed until the next reconnect.
+func TestCltDevReopenRetried(t *testing.T) {
+	var hung atomic.Bool
+	var refused atomic.Int32
+	r := newSrig(t, ServerConfig{Answers: func(p string) error {
+		if hung.Load() {
+			refused.Add(1)
+			return &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
+		}
+		return nil
+	}})
+	p := r.file("exp/vol", 1<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	s := r.cltSession("cs", 30*time.Second)
+	s.SetSizePoll(20 * time.Millisecond)
+	a, err := s.Map(context.Background(), "vol", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hung.Store(true)
+	for _, x := range r.rs.Sessions() {
+		x.Close()
+	}
+	waitUntil(t, "the device closed", func() bool { return a.State() == DevClosed })
+	waitUntil(t, "the session back", func() bool { return s.Session().Connected() })
+	buf, _ := s.Session().AllocBuffer(4096)
+	copy(buf.Bytes(), bytes.Repeat([]byte{0x3c}, 4096))
+	done := make(chan error, 1)
+	if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: 0, Len: 4096, Buf: buf,
+		Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+		t.Fatal(err)
+	}
+	// The reopen after the reconnect and two at size polls refused.
+	waitUntil(t, "reopens refused", func() bool { return refused.Load() >= 3 })
+	if st := a.State(); st != DevClosed {
+		t.Fatalf("state %v while the server's mount does not answer", st)
+	}
+	hung.Store(false)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the write that waited: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the device was not reopened once its mount answered")
+	}
+	if b, _ := os.ReadFile(p); !bytes.Equal(b[:4096], bytes.Repeat([]byte{0x3c}, 4096)) {
+		t.Fatal("the file does not hold the write")
+	}
+}
