@@ -417,6 +417,22 @@ func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
 	}
 	h.stillServes()
 
+	// And while it works on a read: a scribble there would reach the
+	// data the client gets back.
+	rp = newRawPath(t, h.fab, h.src, h.dst, "rotator")
+	release = h.disk.holdIO()
+	rp.send(1, 3, Read, usrOff(0), nil, 3)
+	waitFor(t, 10*time.Second, "the read at the server", func() bool { return srvInflight(h.srv) == 1 })
+	wr = fabric.SendWR{Op: fabric.OpWrite, RemoteAddr: rp.rbufs[3].Addr, RKey: rp.rbufs[3].Key, NumSGE: 1}
+	wr.SG[0].Buf = []byte("scribble")
+	rp.conns[1].qp.PostSend(&wr)
+	if !rp.dead(10 * time.Second) {
+		t.Fatal("a write to a chunk a read uses went through")
+	}
+	release()
+	waitFor(t, 10*time.Second, "the held read to finish", func() bool { return srvInflight(h.srv) == 0 })
+	h.stillServes()
+
 	// A stale key after the rotation is rejected.
 	rp = newRawPath(t, h.fab, h.src, h.dst, "rotator")
 	k0 = rp.rbufs[2].Key
