@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -98,6 +99,19 @@ type Backend struct {
 	// noZeroRange: FALLOC_FL_ZERO_RANGE failed with EOPNOTSUPP on this
 	// file; write-zeroes writes zeros.
 	noZeroRange atomic.Bool
+
+	// sizeMu orders Refresh with Cap and Uncap: a size poll must not
+	// serve the old size of a file being cut. capped (under sizeMu) is
+	// the most a cut under way (capping) serves.
+	sizeMu  sync.Mutex
+	capping bool
+	capped  int64
+	// capMu serializes the cuts; the writes in flight are counted by
+	// the generation (wgen's low bit) they began in, so that a cut
+	// waits for the writes that began before it, not for those after.
+	capMu sync.Mutex
+	wgen  atomic.Uint32
+	wcnt  [2]atomic.Int64
 
 	closeOnce sync.Once
 }
@@ -407,8 +421,11 @@ func (b *Backend) Size() int64 { return b.size.Load() }
 
 // Refresh reads the size again — a file grown or truncated, a block
 // device resized (lvextend), by the server or behind its back — and
-// serves that size from then on. It returns the size before and after.
+// serves that size from then on, at most a Cap under way. It returns the
+// size before and after.
 func (b *Backend) Refresh() (was, now int64, err error) {
+	b.sizeMu.Lock()
+	defer b.sizeMu.Unlock()
 	switch b.kind {
 	case KindFile:
 		var st unix.Stat_t
@@ -424,8 +441,59 @@ func (b *Backend) Refresh() (was, now int64, err error) {
 		now = int64(n)
 	}
 	now &^= int64(b.lbs - 1)
+	if b.capping && now > b.capped {
+		now = b.capped
+	}
 	return b.size.Swap(now), now, nil
 }
+
+// Cap prepares a cut of the file to size: from its call on, the backend
+// serves at most size bytes (writes past it fail with ENOSPC, and
+// Refresh keeps to it), and it returns when every write that began
+// before has ended, so that none lands past size once the caller cuts
+// the file — or fails with ETIMEDOUT after timeout (a write hung on its
+// storage). Uncap ends the cap, done or not.
+func (b *Backend) Cap(size int64, timeout time.Duration) error {
+	b.capMu.Lock()
+	defer b.capMu.Unlock()
+	size &^= int64(b.lbs - 1)
+	b.sizeMu.Lock()
+	b.capping, b.capped = true, size
+	if b.size.Load() > size {
+		b.size.Store(size)
+	}
+	b.sizeMu.Unlock()
+	// A write that began before the flip below counts in old: it either
+	// is counted there when we look, or checks its range after the
+	// size stored above.
+	old := (b.wgen.Add(1) - 1) & 1
+	deadline := time.Now().Add(timeout)
+	for b.wcnt[old].Load() != 0 {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("blockdev: %s: %d writes in flight did not end in %v: %w", b.path, b.wcnt[old].Load(), timeout, syscall.ETIMEDOUT)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return nil
+}
+
+// Uncap ends a Cap; the caller then Refreshes to serve the file's size.
+func (b *Backend) Uncap() {
+	b.sizeMu.Lock()
+	b.capping = false
+	b.sizeMu.Unlock()
+}
+
+// beginWrite counts a write (or discard, write-zeroes) in flight for
+// Cap, before its range is checked; endWrite, with what it returned,
+// when it is done.
+func (b *Backend) beginWrite() uint32 {
+	g := b.wgen.Load() & 1
+	b.wcnt[g].Add(1)
+	return g
+}
+
+func (b *Backend) endWrite(g uint32) { b.wcnt[g].Add(-1) }
 
 // LogicalBlockSize and PhysicalBlockSize are in bytes.
 func (b *Backend) LogicalBlockSize() int  { return b.lbs }
@@ -540,6 +608,7 @@ func (b *Backend) ReadAt(p []byte, off int64) error {
 // WriteAt writes all of p at off; with fua, or on a write-through
 // backend, the data is durable when it returns (an O_DSYNC write).
 func (b *Backend) WriteAt(p []byte, off int64, fua bool) error {
+	defer b.endWrite(b.beginWrite())
 	if err := b.check(off, int64(len(p)), true); err != nil {
 		return err
 	}
@@ -577,6 +646,7 @@ func (b *Backend) Flush() error {
 
 // Discard deallocates n bytes at off; reads of them return zeros after.
 func (b *Backend) Discard(off, n int64) error {
+	defer b.endWrite(b.beginWrite())
 	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
@@ -593,6 +663,7 @@ func (b *Backend) Discard(off, n int64) error {
 // stays allocated (FALLOC_FL_ZERO_RANGE, or zeros written); without it the
 // range may be deallocated (a hole punched) when that is supported.
 func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
+	defer b.endWrite(b.beginWrite())
 	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
@@ -642,6 +713,7 @@ func (b *Backend) writeZeros(off, n int64) error {
 
 // SecureErase is BLKSECDISCARD on a block device; files cannot.
 func (b *Backend) SecureErase(off, n int64) error {
+	defer b.endWrite(b.beginWrite())
 	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}

@@ -174,6 +174,50 @@ func TestRefresh(t *testing.T) {
 	}
 }
 
+// TestCap: a cut's cap refuses writes past it at once, outlives a
+// Refresh, and waits for the writes that began before it — not for
+// those that begin after — or gives up with ETIMEDOUT.
+func TestCap(t *testing.T) {
+	path := sparseFile(t, t.TempDir(), 8<<20)
+	b := open(t, path, Options{})
+	g := b.beginWrite() // a write in flight, checked against 8 MiB
+	done := make(chan error, 1)
+	go func() { done <- b.Cap(4<<20, 10*time.Second) }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+		}
+	}
+	waitFor("the cap", func() bool { return b.Size() == 4<<20 })
+	if err := b.WriteAt(make([]byte, 4096), 5<<20, false); !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("write past the cap: %v, want ENOSPC", err)
+	}
+	if _, now, err := b.Refresh(); err != nil || now != 4<<20 {
+		t.Fatalf("Refresh under the cap: %d %v, want %d", now, err, 4<<20)
+	}
+	later := b.beginWrite() // begins after the cap: not waited for
+	select {
+	case err := <-done:
+		t.Fatalf("Cap returned (%v) with a write from before it in flight", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	b.endWrite(g)
+	if err := <-done; err != nil {
+		t.Fatalf("Cap: %v", err)
+	}
+	if err := b.Cap(2<<20, 20*time.Millisecond); !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("Cap with a write that does not end: %v, want ETIMEDOUT", err)
+	}
+	b.endWrite(later)
+	b.Uncap()
+	if _, now, err := b.Refresh(); err != nil || now != 8<<20 {
+		t.Fatalf("Refresh after Uncap: %d %v, want %d", now, err, 8<<20)
+	}
+}
+
 func TestReadOnlyAndOptions(t *testing.T) {
 	path := sparseFile(t, os.TempDir(), 1<<20+100)
 	b := open(t, path, Options{ReadOnly: true, LogicalBlockSize: 4096, PhysicalBlockSize: 4096})

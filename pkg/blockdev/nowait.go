@@ -120,6 +120,8 @@ func (b *Backend) TryWriteAt(p []byte, off int64) (bool, error) {
 	if b.wt {
 		return true, b.WriteAt(p, off, false) // through the O_DSYNC descriptor
 	}
+	g := b.beginWrite()
+	defer b.endWrite(g)
 	if err := b.check(off, int64(len(p)), true); err != nil {
 		return true, err
 	}

@@ -1028,6 +1028,9 @@ func (s *Server) Unmap(name string, force bool) error {
 // it within their size poll (rnbd.DefaultSizePoll), the kernel's on their
 // next remap. Shrinking an export that a session has open is refused
 // (EBUSY) unless force: the part cut off may hold what they wrote. A
+// forced shrink refuses writes past the new size at once and waits for
+// those in flight before it cuts (ETIMEDOUT, nothing cut, if they do not
+// end in shrinkWait), so none grows the file again. A
 // block device cannot be resized here (EOPNOTSUPP): resize it
 // (lvextend, …) and clients learn its new size the same way.
 func (s *Server) Resize(name string, size int64, force bool) (was int64, err error) {
@@ -1056,16 +1059,42 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	if size < was && len(open) > 0 && !force {
 		return was, errorf(syscall.EBUSY, "export %s is open by %d session(s): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
 	}
+	if size < was {
+		// Writes the sessions have in flight, checked against the old
+		// size, would land past the cut and grow the file again: cap
+		// every backend at the new size and let them end first.
+		for i, d := range open {
+			err := d.backend.Cap(size, shrinkWait)
+			if err != nil {
+				uncap(open[:i+1])
+				return was, errorf(syscall.ETIMEDOUT, "export %s: %v; nothing was cut", name, err)
+			}
+		}
+	}
 	if err := os.Truncate(path, size); err != nil {
+		uncap(open)
 		return was, fmt.Errorf("export %s: %w", name, err)
 	}
 	for _, d := range open {
+		d.backend.Uncap()
 		if _, _, err := d.backend.Refresh(); err != nil {
 			s.log.WithError(err).WithFields(log.Fields{"export": name, "session": d.sess.name}).Warn("refreshing the size")
 		}
 	}
 	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": len(open)}).Info("export resized")
 	return was, nil
+}
+
+// shrinkWait bounds how long a shrink waits for the writes in flight on
+// the export's backends to end.
+const shrinkWait = 10 * time.Second
+
+// uncap ends the caps of a shrink and serves the file's size again.
+func uncap(devs []*SrvSessDev) {
+	for _, d := range devs {
+		d.backend.Uncap()
+		d.backend.Refresh()
+	}
 }
 
 // lookAt stats an export's path through cfg.Stat: an error if the path

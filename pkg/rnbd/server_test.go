@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -1097,6 +1098,59 @@ func TestParseGrant(t *testing.T) {
 	}
 	if _, err := ParseGrant("=ro"); err == nil {
 		t.Error("ParseGrant(=ro) took an empty identity")
+	}
+}
+
+// TestForcedShrinkUnderWrites: a forced shrink while a session writes
+// past the new end leaves the file at the new size — a write checked
+// against the old size and landing after the cut would grow it again —
+// and IO past the end fails from then on.
+func TestForcedShrinkUnderWrites(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 8<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	c := r.client("s")
+	c.SetSizePoll(time.Hour) // the client keeps the old size: its writes reach the server
+	x := r.dev(c, "vol", AccessRW)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var landed atomic.Int64
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				// Past 4 MiB, where the shrink cuts; the client still
+				// has the old size.
+				off := int64(4<<20 + (w*1024+i%1024)*4096%(4<<20))
+				if x.d.Do(context.Background(), OpWrite, 0, off, 4096, x.buf, w*4096) == nil {
+					landed.Add(1)
+				}
+			}
+		}()
+	}
+	defer func() { close(stop); wg.Wait() }()
+	for round := 0; round < 30; round++ {
+		for start := landed.Load(); landed.Load() < start+20; {
+			runtime.Gosched() // writes land past 4 MiB before the cut
+		}
+		if _, err := r.srv.Resize("vol", 4<<20, true); err != nil {
+			t.Fatalf("round %d: forced shrink: %v", round, err)
+		}
+		st, err := os.Stat(p)
+		if err != nil || st.Size() != 4<<20 {
+			t.Fatalf("round %d: the file has %d bytes (%v) after the shrink to %d", round, st.Size(), err, 4<<20)
+		}
+		if _, err := r.srv.Resize("vol", 8<<20, false); err != nil {
+			t.Fatalf("round %d: growing: %v", round, err)
+		}
 	}
 }
 
