@@ -106,8 +106,8 @@ type Backend struct {
 	sizeMu  sync.Mutex
 	capping bool
 	capped  int64
-	// capMu serializes the cuts; the writes in flight are counted by
-	// the generation (wgen's low bit) they began in, so that a cut
+	// capMu serializes the caps. The writes in flight are counted by
+	// the generation (wgen's low bit) they began in, so that a cap
 	// waits for the writes that began before it, not for those after.
 	capMu sync.Mutex
 	wgen  atomic.Uint32
@@ -463,14 +463,25 @@ func (b *Backend) Cap(size int64, timeout time.Duration) error {
 		b.size.Store(size)
 	}
 	b.sizeMu.Unlock()
-	// A write that began before the flip below counts in old: it either
-	// is counted there when we look, or checks its range after the
-	// size stored above.
-	old := (b.wgen.Add(1) - 1) & 1
 	deadline := time.Now().Add(timeout)
-	for b.wcnt[old].Load() != 0 {
+	cur := b.wgen.Load()
+	// First the writes of older generations that an earlier cap gave
+	// up on (they count in the counter the flip makes the new one)...
+	if err := b.drain((cur+1)&1, deadline, timeout); err != nil {
+		return err
+	}
+	// ...then those of this generation. One that began before the
+	// flip is counted in cur's when we look, or checks its range after
+	// the size stored above (beginWrite).
+	b.wgen.Store(cur + 1)
+	return b.drain(cur&1, deadline, timeout)
+}
+
+// drain waits until no write counts in generation g, or the deadline.
+func (b *Backend) drain(g uint32, deadline time.Time, timeout time.Duration) error {
+	for b.wcnt[g].Load() != 0 {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("blockdev: %s: %d writes in flight did not end in %v: %w", b.path, b.wcnt[old].Load(), timeout, syscall.ETIMEDOUT)
+			return fmt.Errorf("blockdev: %s: %d writes in flight did not end in %v: %w", b.path, b.wcnt[g].Load(), timeout, syscall.ETIMEDOUT)
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -486,11 +497,18 @@ func (b *Backend) Uncap() {
 
 // beginWrite counts a write (or discard, write-zeroes) in flight for
 // Cap, before its range is checked; endWrite, with what it returned,
-// when it is done.
+// when it is done. A write counts in the generation that is current
+// after it counted itself: one that read the generation, then waited
+// while a cap flipped it (once or more), counts again in the new one.
 func (b *Backend) beginWrite() uint32 {
-	g := b.wgen.Load() & 1
-	b.wcnt[g].Add(1)
-	return g
+	for {
+		g := b.wgen.Load()
+		b.wcnt[g&1].Add(1)
+		if b.wgen.Load() == g {
+			return g & 1
+		}
+		b.wcnt[g&1].Add(-1)
+	}
 }
 
 func (b *Backend) endWrite(g uint32) { b.wcnt[g].Add(-1) }
@@ -512,6 +530,16 @@ func (b *Backend) ID() string {
 		return fmt.Sprintf("blk:%d:%d", unix.Major(b.dev), unix.Minor(b.dev))
 	}
 	return fmt.Sprintf("file:%d:%d", b.dev, b.ino)
+}
+
+// FileID is the ID a backend of the regular file fi describes has
+// (false if fi does not say: not from stat(2)).
+func FileID(fi os.FileInfo) (string, bool) {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok || !fi.Mode().IsRegular() {
+		return "", false
+	}
+	return fmt.Sprintf("file:%d:%d", st.Dev, st.Ino), true
 }
 
 // Health reports what happened to a file backend behind the server's

@@ -251,6 +251,8 @@ type Server struct {
 	// exportOpens counts the sessions that have each explicit export
 	// open, or are opening it (Export.MaxSessions).
 	exportOpens map[string]int
+	// resizes are the resizes of files under way, by backend ID.
+	resizes map[string]resizing
 
 	// ownMu guards owners: session name → the identity it is bound to.
 	ownMu  sync.Mutex
@@ -291,6 +293,7 @@ func NewServer(cfg ServerConfig) *Server {
 		sessions:    make(map[*rtrs.SrvSession]*SrvSession),
 		devices:     make(map[string]*device),
 		exportOpens: make(map[string]int),
+		resizes:     make(map[string]resizing),
 		owners:      make(map[string]string),
 	}
 	for i := 0; i < cfg.Workers; i++ {
@@ -811,6 +814,12 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		be.Close()
 		return nil, err
 	}
+	// The size again, now that the device is joined: a resize that cut
+	// the file after the backend read its size, and ended before the
+	// join (which would have capped it), is seen here, before any IO.
+	if _, _, err := be.Refresh(); err != nil {
+		x.log().WithError(err).WithField("device", name).Warn("refreshing the size of a device opened")
+	}
 	opened = true
 	return d, nil
 }
@@ -868,6 +877,12 @@ func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
 				"(access_mode=migration) is not allowed here", be.Path())
 		}
 		dev.openWriteCnt++
+	}
+	if r, ok := s.resizes[dev.id]; ok && r.shrink {
+		// A shrink of the file is under way: this backend, opened
+		// before or after the cut, serves no more than the new size
+		// until endResize. It has no writes to wait for.
+		be.Cap(r.size, 0)
 	}
 	// Joined under s.mu: a close of the device's last other session
 	// must not take it out of s.devices while this one is on its way.
@@ -1055,46 +1070,85 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file: resize a block device with its own tools (lvextend, …), and its clients learn the new size", name)
 	}
 	was = st.Size()
-	open := s.collect(func(d *SrvSessDev) bool { return d.export == name })
-	if size < was && len(open) > 0 && !force {
+	// Who has the file open: through this export, or through any other
+	// name of the same file (the search path).
+	id, _ := blockdev.FileID(st)
+	shrink := size < was
+	s.mu.Lock()
+	if _, busy := s.resizes[id]; busy && id != "" {
+		s.mu.Unlock()
+		return was, errorf(syscall.EBUSY, "export %s: another resize of its file is under way", name)
+	}
+	open := s.openOn(id)
+	if shrink && len(open) > 0 && !force {
+		s.mu.Unlock()
 		return was, errorf(syscall.EBUSY, "export %s is open by %d session(s): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
 	}
-	if size < was {
+	if id != "" {
+		// From here a device opened on the file joins capped
+		// (takeDevice), and endResize sets it right.
+		s.resizes[id] = resizing{shrink: shrink, size: size}
+	}
+	s.mu.Unlock()
+	if shrink {
 		// Writes the sessions have in flight, checked against the old
 		// size, would land past the cut and grow the file again: cap
 		// every backend at the new size and let them end first.
-		for i, d := range open {
-			err := d.backend.Cap(size, shrinkWait)
-			if err != nil {
-				uncap(open[:i+1])
+		for _, d := range open {
+			if err := d.backend.Cap(size, shrinkWait); err != nil {
+				s.endResize(id, shrink)
 				return was, errorf(syscall.ETIMEDOUT, "export %s: %v; nothing was cut", name, err)
 			}
 		}
 	}
 	if err := os.Truncate(path, size); err != nil {
-		uncap(open)
+		s.endResize(id, shrink)
 		return was, fmt.Errorf("export %s: %w", name, err)
 	}
-	for _, d := range open {
-		d.backend.Uncap()
-		if _, _, err := d.backend.Refresh(); err != nil {
-			s.log.WithError(err).WithFields(log.Fields{"export": name, "session": d.sess.name}).Warn("refreshing the size")
-		}
-	}
-	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": len(open)}).Info("export resized")
+	n := s.endResize(id, shrink)
+	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": n}).Info("export resized")
 	return was, nil
 }
 
+// resizing is a resize of a file under way (Server.resizes).
+type resizing struct {
+	shrink bool
+	size   int64
+}
+
 // shrinkWait bounds how long a shrink waits for the writes in flight on
-// the export's backends to end.
+// the file's backends to end.
 const shrinkWait = 10 * time.Second
 
-// uncap ends the caps of a shrink and serves the file's size again.
-func uncap(devs []*SrvSessDev) {
-	for _, d := range devs {
-		d.backend.Uncap()
-		d.backend.Refresh()
+// openOn returns the session devices open on the backend id. s.mu is held.
+func (s *Server) openOn(id string) []*SrvSessDev {
+	dev := s.devices[id]
+	if dev == nil || id == "" {
+		return nil
 	}
+	dev.mu.Lock()
+	defer dev.mu.Unlock()
+	return slices.Clone(dev.sessDevs)
+}
+
+// endResize ends the resize of file id: devices opened on it from now on
+// are not capped, and every one open now (those that joined during the
+// resize too) drops its cap and serves the file's size. It returns how
+// many there are.
+func (s *Server) endResize(id string, shrink bool) int {
+	s.mu.Lock()
+	delete(s.resizes, id)
+	open := s.openOn(id)
+	s.mu.Unlock()
+	for _, d := range open {
+		if shrink {
+			d.backend.Uncap()
+		}
+		if _, _, err := d.backend.Refresh(); err != nil {
+			s.log.WithError(err).WithFields(log.Fields{"device": d.name, "session": d.sess.name}).Warn("refreshing the size")
+		}
+	}
+	return len(open)
 }
 
 // lookAt stats an export's path through cfg.Stat: an error if the path

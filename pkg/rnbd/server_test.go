@@ -1136,10 +1136,22 @@ func TestForcedShrinkUnderWrites(t *testing.T) {
 			}
 		}()
 	}
-	defer func() { close(stop); wg.Wait() }()
+	stopped := false
+	halt := func() {
+		if !stopped {
+			stopped = true
+			close(stop)
+			wg.Wait()
+		}
+	}
+	defer halt()
 	for round := 0; round < 30; round++ {
-		for start := landed.Load(); landed.Load() < start+20; {
-			runtime.Gosched() // writes land past 4 MiB before the cut
+		deadline := time.Now().Add(10 * time.Second)
+		for start := landed.Load(); landed.Load() < start+20; runtime.Gosched() {
+			// Writes land past 4 MiB before the cut.
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the writes stopped landing", round)
+			}
 		}
 		if _, err := r.srv.Resize("vol", 4<<20, true); err != nil {
 			t.Fatalf("round %d: forced shrink: %v", round, err)
@@ -1148,9 +1160,66 @@ func TestForcedShrinkUnderWrites(t *testing.T) {
 		if err != nil || st.Size() != 4<<20 {
 			t.Fatalf("round %d: the file has %d bytes (%v) after the shrink to %d", round, st.Size(), err, 4<<20)
 		}
+		if err := x.d.Do(context.Background(), OpWrite, 0, 6<<20, 4096, x.buf, 0); err == nil {
+			t.Fatalf("round %d: a write past the new end succeeded", round)
+		}
+		if round == 29 {
+			break
+		}
 		if _, err := r.srv.Resize("vol", 8<<20, false); err != nil {
 			t.Fatalf("round %d: growing: %v", round, err)
 		}
+	}
+	halt() // nothing in flight lands past the end later either
+	if st, err := os.Stat(p); err != nil || st.Size() != 4<<20 {
+		t.Fatalf("the file has %d bytes (%v) once the writes stopped, want %d", st.Size(), err, 4<<20)
+	}
+}
+
+// TestResizeSeesEveryOpen: a shrink counts the sessions that have the
+// file open through another name (the search path) as well; a device
+// opened while a shrink is under way is served the new size, and a
+// second resize of the file then is refused (EBUSY).
+func TestResizeSeesEveryOpen(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 4<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	c := r.client("s")
+	x := r.dev(c, "exp/x", AccessRO) // by the search path, not the export
+	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("shrinking a file open through the search path: %v, want EBUSY", err)
+	}
+	if st, _ := os.Stat(p); st.Size() != 4<<20 {
+		t.Fatalf("the refused shrink cut the file to %d", st.Size())
+	}
+	fi, _ := os.Stat(p)
+	id, ok := blockdev.FileID(fi)
+	r.srv.mu.Lock()
+	dev := r.srv.devices[id]
+	r.srv.resizes[id] = resizing{shrink: true, size: 1 << 20} // a shrink waiting for writes
+	r.srv.mu.Unlock()
+	if !ok || dev == nil || x.d.Size() != 4<<20 {
+		t.Fatalf("FileID %q (%v) names no open device", id, ok)
+	}
+	ct := r.client("t")
+	y := r.dev(ct, "vol", AccessRO)
+	if y.d.Size() != 1<<20 {
+		t.Fatalf("a device opened during a shrink to 1 MiB has %d bytes", y.d.Size())
+	}
+	if _, err := r.srv.Resize("vol", 2<<20, true); !errors.Is(err, syscall.EBUSY) {
+		t.Fatalf("a resize during another: %v, want EBUSY", err)
+	}
+	r.srv.endResize(id, true) // the shrink gave up: nothing was cut
+	ct.SetSizePoll(20 * time.Millisecond)
+	for deadline := time.Now().Add(10 * time.Second); y.d.Size() != 4<<20; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the device did not learn the size back: %d", y.d.Size())
+		}
+	}
+	if err := y.d.Do(context.Background(), OpRead, 0, 3<<20, 4096, y.buf, 0); err != nil {
+		t.Fatalf("a read past 1 MiB once the shrink ended: %v", err)
 	}
 }
 
