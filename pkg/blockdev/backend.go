@@ -101,11 +101,14 @@ type Backend struct {
 	noZeroRange atomic.Bool
 
 	// sizeMu orders Refresh with Cap and Uncap: a size poll must not
-	// serve the old size of a file being cut. capped (under sizeMu) is
-	// the most a cut under way (capping) serves.
-	sizeMu  sync.Mutex
-	capping bool
-	capped  int64
+	// serve the old size of a file being cut. capOwner (under sizeMu)
+	// is the cut under way (0: none), capped the most it serves;
+	// sizeSeq counts the caps and uncaps, so that a Refresh whose fstat
+	// one overtook reads again.
+	sizeMu   sync.Mutex
+	capOwner uint64
+	capped   int64
+	sizeSeq  uint64
 	// capMu serializes the caps. The writes in flight are counted by
 	// the generation (wgen's low bit) they began in, so that a cap
 	// waits for the writes that began before it, not for those after.
@@ -424,41 +427,65 @@ func (b *Backend) Size() int64 { return b.size.Load() }
 // serves that size from then on, at most a Cap under way. It returns the
 // size before and after.
 func (b *Backend) Refresh() (was, now int64, err error) {
-	b.sizeMu.Lock()
-	defer b.sizeMu.Unlock()
+	for {
+		// The size is read without the lock (fstat may wait on its
+		// file system), and served only if no cap or uncap came
+		// between: else it may be from before a cut.
+		b.sizeMu.Lock()
+		seq := b.sizeSeq
+		b.sizeMu.Unlock()
+		if now, err = b.readSize(); err != nil {
+			return 0, 0, err
+		}
+		b.sizeMu.Lock()
+		if seq != b.sizeSeq {
+			b.sizeMu.Unlock()
+			continue
+		}
+		if b.capOwner != 0 && now > b.capped {
+			now = b.capped
+		}
+		was = b.size.Swap(now)
+		b.sizeMu.Unlock()
+		return was, now, nil
+	}
+}
+
+// readSize is the size the file or device has now, in whole logical
+// blocks.
+func (b *Backend) readSize() (int64, error) {
+	var now int64
 	switch b.kind {
 	case KindFile:
 		var st unix.Stat_t
 		if err := unix.Fstat(int(b.f.Fd()), &st); err != nil {
-			return 0, 0, fmt.Errorf("blockdev: %s: %w", b.path, err)
+			return 0, fmt.Errorf("blockdev: %s: %w", b.path, err)
 		}
 		now = st.Size
 	default:
 		n, err := ioctlUint64(b.f, unix.BLKGETSIZE64)
 		if err != nil {
-			return 0, 0, fmt.Errorf("blockdev: %s: BLKGETSIZE64: %w", b.path, err)
+			return 0, fmt.Errorf("blockdev: %s: BLKGETSIZE64: %w", b.path, err)
 		}
 		now = int64(n)
 	}
-	now &^= int64(b.lbs - 1)
-	if b.capping && now > b.capped {
-		now = b.capped
-	}
-	return b.size.Swap(now), now, nil
+	return now &^ int64(b.lbs-1), nil
 }
 
-// Cap prepares a cut of the file to size: from its call on, the backend
-// serves at most size bytes (writes past it fail with ENOSPC, and
-// Refresh keeps to it), and it returns when every write that began
-// before has ended, so that none lands past size once the caller cuts
-// the file — or fails with ETIMEDOUT after timeout (a write hung on its
-// storage). Uncap ends the cap, done or not.
-func (b *Backend) Cap(size int64, timeout time.Duration) error {
+// Cap prepares a cut of the file to size for owner (not 0; a later cap
+// takes over): from its call on, the backend serves at most size bytes
+// (writes past it fail with ENOSPC, and Refresh keeps to it), and it
+// returns when every write that began before has ended, so that none
+// lands past size once the caller cuts the file — or fails with
+// ETIMEDOUT after timeout (a write hung on its storage). Uncap(owner)
+// ends the cap, done or not.
+func (b *Backend) Cap(size int64, timeout time.Duration, owner uint64) error {
 	b.capMu.Lock()
 	defer b.capMu.Unlock()
 	size &^= int64(b.lbs - 1)
 	b.sizeMu.Lock()
-	b.capping, b.capped = true, size
+	b.capOwner, b.capped = owner, size
+	b.sizeSeq++
 	if b.size.Load() > size {
 		b.size.Store(size)
 	}
@@ -488,10 +515,14 @@ func (b *Backend) drain(g uint32, deadline time.Time, timeout time.Duration) err
 	return nil
 }
 
-// Uncap ends a Cap; the caller then Refreshes to serve the file's size.
-func (b *Backend) Uncap() {
+// Uncap ends owner's Cap, if it is still the one in force; the caller
+// then Refreshes to serve the file's size.
+func (b *Backend) Uncap(owner uint64) {
 	b.sizeMu.Lock()
-	b.capping = false
+	if b.capOwner == owner {
+		b.capOwner = 0
+		b.sizeSeq++
+	}
 	b.sizeMu.Unlock()
 }
 

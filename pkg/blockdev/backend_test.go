@@ -182,7 +182,7 @@ func TestCap(t *testing.T) {
 	b := open(t, path, Options{})
 	g := b.beginWrite() // a write in flight, checked against 8 MiB
 	done := make(chan error, 1)
-	go func() { done <- b.Cap(4<<20, 10*time.Second) }()
+	go func() { done <- b.Cap(4<<20, 10*time.Second, 1) }()
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
 		for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(time.Millisecond) {
@@ -211,16 +211,21 @@ func TestCap(t *testing.T) {
 	// A write that does not end: the cap gives up, and one tried again
 	// still waits for it (it counts in a generation two flips back).
 	for i := 0; i < 3; i++ {
-		if err := b.Cap(2<<20, 20*time.Millisecond); !errors.Is(err, syscall.ETIMEDOUT) {
+		if err := b.Cap(2<<20, 20*time.Millisecond, 2); !errors.Is(err, syscall.ETIMEDOUT) {
 			t.Fatalf("Cap %d with a write that does not end: %v, want ETIMEDOUT", i, err)
 		}
-		b.Uncap()
+		b.Uncap(2)
 	}
 	b.endWrite(later)
-	if err := b.Cap(2<<20, 10*time.Second); err != nil {
+	if err := b.Cap(2<<20, 10*time.Second, 3); err != nil {
 		t.Fatalf("Cap after the write ended: %v", err)
 	}
-	b.Uncap()
+	// A cap taken over by a later one: the first's Uncap lifts nothing.
+	b.Uncap(1)
+	if _, now, err := b.Refresh(); err != nil || now != 2<<20 {
+		t.Fatalf("Refresh after the Uncap of a cap taken over: %d %v, want %d", now, err, 2<<20)
+	}
+	b.Uncap(3)
 	if _, now, err := b.Refresh(); err != nil || now != 8<<20 {
 		t.Fatalf("Refresh after Uncap: %d %v, want %d", now, err, 8<<20)
 	}

@@ -251,8 +251,10 @@ type Server struct {
 	// exportOpens counts the sessions that have each explicit export
 	// open, or are opening it (Export.MaxSessions).
 	exportOpens map[string]int
-	// resizes are the resizes of files under way, by backend ID.
-	resizes map[string]resizing
+	// resizes are the resizes of files under way, by backend ID;
+	// resizeSeq names the last one's caps.
+	resizes   map[string]resizing
+	resizeSeq uint64
 
 	// ownMu guards owners: session name → the identity it is bound to.
 	ownMu  sync.Mutex
@@ -271,6 +273,9 @@ type Server struct {
 	// afterOpen, if set, runs when a backend was opened for an OPEN,
 	// before the device joins its session (tests).
 	afterOpen func()
+	// beforeJoin, if set, runs between a backend's open for an OPEN and
+	// its join to the server's devices.
+	beforeJoin func()
 }
 
 // NewServer returns an RNBD server; pass it as the RTRS server's handler.
@@ -810,6 +815,9 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 		d.export, d.from, d.path = exp.Name, orig, exp.Path
 	}
 	d.refs.Add(1) // open
+	if h := s.beforeJoin; h != nil {
+		h()
+	}
 	if err := s.takeDevice(d, secondWriter); err != nil {
 		be.Close()
 		return nil, err
@@ -881,8 +889,9 @@ func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
 	if r, ok := s.resizes[dev.id]; ok && r.shrink {
 		// A shrink of the file is under way: this backend, opened
 		// before or after the cut, serves no more than the new size
-		// until endResize. It has no writes to wait for.
-		be.Cap(r.size, 0)
+		// until endResize. It has no writes to wait for (and nobody
+		// else has it: its locks are free).
+		be.Cap(r.size, 0, r.owner)
 	}
 	// Joined under s.mu: a close of the device's last other session
 	// must not take it out of s.devices while this one is on its way.
@@ -1069,80 +1078,112 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	if !st.Mode().IsRegular() {
 		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file: resize a block device with its own tools (lvextend, …), and its clients learn the new size", name)
 	}
+	// The file itself from here: a path renamed over meanwhile must not
+	// be cut under the sessions of the file counted below.
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		return 0, fmt.Errorf("export %s: %w", name, err)
+	}
+	defer f.Close()
+	if st, err = f.Stat(); err != nil {
+		return 0, fmt.Errorf("export %s: %w", name, err)
+	}
+	if !st.Mode().IsRegular() {
+		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file", name)
+	}
 	was = st.Size()
 	// Who has the file open: through this export, or through any other
-	// name of the same file (the search path).
-	id, _ := blockdev.FileID(st)
-	shrink := size < was
+	// name of it (the search path).
+	id, ok := blockdev.FileID(st)
+	if !ok {
+		return was, fmt.Errorf("export %s: no identity from its stat", name)
+	}
 	s.mu.Lock()
-	if _, busy := s.resizes[id]; busy && id != "" {
+	if _, busy := s.resizes[id]; busy {
 		s.mu.Unlock()
 		return was, errorf(syscall.EBUSY, "export %s: another resize of its file is under way", name)
 	}
 	open := s.openOn(id)
+	// A shrink from what the sessions are served, too: the file may
+	// have shrunk behind the server's back.
+	shrink := size < was
+	for _, d := range open {
+		shrink = shrink || d.backend.Size() > size
+	}
 	if shrink && len(open) > 0 && !force {
 		s.mu.Unlock()
-		return was, errorf(syscall.EBUSY, "export %s is open by %d session(s): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
+		return was, errorf(syscall.EBUSY, "export %s is open %d time(s) (by sessions): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
 	}
-	if id != "" {
-		// From here a device opened on the file joins capped
-		// (takeDevice), and endResize sets it right.
-		s.resizes[id] = resizing{shrink: shrink, size: size}
-	}
+	s.resizeSeq++
+	r := resizing{shrink: shrink, size: size, owner: s.resizeSeq}
+	// From here a device opened on the file joins capped (takeDevice),
+	// and endResize sets it right.
+	s.resizes[id] = r
 	s.mu.Unlock()
 	if shrink {
 		// Writes the sessions have in flight, checked against the old
 		// size, would land past the cut and grow the file again: cap
 		// every backend at the new size and let them end first.
 		for _, d := range open {
-			if err := d.backend.Cap(size, shrinkWait); err != nil {
-				s.endResize(id, shrink)
-				return was, errorf(syscall.ETIMEDOUT, "export %s: %v; nothing was cut", name, err)
+			if err := d.backend.Cap(size, shrinkWait, r.owner); err != nil {
+				s.endResize(id, r)
+				return was, errorf(syscall.EBUSY, "export %s: %v; nothing was cut", name, err)
 			}
 		}
 	}
-	if err := os.Truncate(path, size); err != nil {
-		s.endResize(id, shrink)
+	if err := f.Truncate(size); err != nil {
+		s.endResize(id, r)
 		return was, fmt.Errorf("export %s: %w", name, err)
 	}
-	n := s.endResize(id, shrink)
-	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "sessions": n}).Info("export resized")
+	n := s.endResize(id, r)
+	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "devices": n}).Info("export resized")
 	return was, nil
 }
 
-// resizing is a resize of a file under way (Server.resizes).
+// resizing is a resize of a file under way (Server.resizes); owner names
+// its caps.
 type resizing struct {
 	shrink bool
 	size   int64
+	owner  uint64
 }
 
 // shrinkWait bounds how long a shrink waits for the writes in flight on
 // the file's backends to end.
 const shrinkWait = 10 * time.Second
 
-// openOn returns the session devices open on the backend id. s.mu is held.
+// openOn returns the session devices open on the backend id, but those
+// closing. s.mu is held.
 func (s *Server) openOn(id string) []*SrvSessDev {
 	dev := s.devices[id]
-	if dev == nil || id == "" {
+	if dev == nil {
 		return nil
 	}
 	dev.mu.Lock()
 	defer dev.mu.Unlock()
-	return slices.Clone(dev.sessDevs)
+	var open []*SrvSessDev
+	for _, d := range dev.sessDevs {
+		d.mu.Lock()
+		if !d.closing {
+			open = append(open, d)
+		}
+		d.mu.Unlock()
+	}
+	return open
 }
 
-// endResize ends the resize of file id: devices opened on it from now on
-// are not capped, and every one open now (those that joined during the
-// resize too) drops its cap and serves the file's size. It returns how
-// many there are.
-func (s *Server) endResize(id string, shrink bool) int {
+// endResize ends the resize r of file id: devices opened on it from now
+// on are not capped, and every one open now (those that joined during it
+// too) drops r's cap and serves the file's size. It returns how many
+// there are.
+func (s *Server) endResize(id string, r resizing) int {
 	s.mu.Lock()
 	delete(s.resizes, id)
 	open := s.openOn(id)
 	s.mu.Unlock()
 	for _, d := range open {
-		if shrink {
-			d.backend.Uncap()
+		if r.shrink {
+			d.backend.Uncap(r.owner) // nothing, if a later shrink took over
 		}
 		if _, _, err := d.backend.Refresh(); err != nil {
 			s.log.WithError(err).WithFields(log.Fields{"device": d.name, "session": d.sess.name}).Warn("refreshing the size")

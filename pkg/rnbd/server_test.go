@@ -1198,7 +1198,8 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	id, ok := blockdev.FileID(fi)
 	r.srv.mu.Lock()
 	dev := r.srv.devices[id]
-	r.srv.resizes[id] = resizing{shrink: true, size: 1 << 20} // a shrink waiting for writes
+	shrinking := resizing{shrink: true, size: 1 << 20, owner: 99} // a shrink waiting for writes
+	r.srv.resizes[id] = shrinking
 	r.srv.mu.Unlock()
 	if !ok || dev == nil || x.d.Size() != 4<<20 {
 		t.Fatalf("FileID %q (%v) names no open device", id, ok)
@@ -1211,7 +1212,7 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	if _, err := r.srv.Resize("vol", 2<<20, true); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("a resize during another: %v, want EBUSY", err)
 	}
-	r.srv.endResize(id, true) // the shrink gave up: nothing was cut
+	r.srv.endResize(id, shrinking) // the shrink gave up: nothing was cut
 	ct.SetSizePoll(20 * time.Millisecond)
 	for deadline := time.Now().Add(10 * time.Second); y.d.Size() != 4<<20; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -1220,6 +1221,23 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	}
 	if err := y.d.Do(context.Background(), OpRead, 0, 3<<20, 4096, y.buf, 0); err != nil {
 		t.Fatalf("a read past 1 MiB once the shrink ended: %v", err)
+	}
+}
+
+// TestOpenAfterCut: a file cut behind the server's back between a
+// device's backend open and its join is served at its new size: the
+// open reads the size again once joined, where a shrink's end would no
+// longer reach it.
+func TestOpenAfterCut(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 4<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	r.srv.beforeJoin = func() { os.Truncate(p, 1<<20) }
+	x := r.dev(r.client("s"), "vol", AccessRW)
+	if x.d.Size() != 1<<20 {
+		t.Fatalf("the device is served %d bytes of a file cut to %d", x.d.Size(), 1<<20)
 	}
 }
 
