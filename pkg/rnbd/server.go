@@ -1080,7 +1080,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	}
 	// The file itself from here: a path renamed over meanwhile must not
 	// be cut under the sessions of the file counted below.
-	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	f, err := os.OpenFile(path, os.O_WRONLY|syscall.O_NONBLOCK, 0) // a FIFO put there: ENXIO, not a wait
 	if err != nil {
 		return 0, fmt.Errorf("export %s: %w", name, err)
 	}
@@ -1091,40 +1091,53 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	if !st.Mode().IsRegular() {
 		return 0, errorf(syscall.EOPNOTSUPP, "export %s is not a regular file", name)
 	}
-	was = st.Size()
 	// Who has the file open: through this export, or through any other
 	// name of it (the search path).
 	id, ok := blockdev.FileID(st)
 	if !ok {
-		return was, fmt.Errorf("export %s: no identity from its stat", name)
+		return st.Size(), fmt.Errorf("export %s: no identity from its stat", name)
 	}
 	s.mu.Lock()
 	if _, busy := s.resizes[id]; busy {
 		s.mu.Unlock()
-		return was, errorf(syscall.EBUSY, "export %s: another resize of its file is under way", name)
-	}
-	open := s.openOn(id)
-	// A shrink from what the sessions are served, too: the file may
-	// have shrunk behind the server's back.
-	shrink := size < was
-	for _, d := range open {
-		shrink = shrink || d.backend.Size() > size
-	}
-	if shrink && len(open) > 0 && !force {
-		s.mu.Unlock()
-		return was, errorf(syscall.EBUSY, "export %s is open %d time(s) (by sessions): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
+		return st.Size(), errorf(syscall.EBUSY, "export %s: another resize of its file is under way", name)
 	}
 	s.resizeSeq++
-	r := resizing{shrink: shrink, size: size, owner: s.resizeSeq}
+	r := resizing{size: size, owner: s.resizeSeq}
+	s.resizes[id] = r // the file's only resize from here
+	s.mu.Unlock()
+	// Its size now, with no other resize of it under way: the one
+	// before may have changed it since the stat above.
+	if st, err = f.Stat(); err != nil {
+		s.endResize(id, r)
+		return 0, fmt.Errorf("export %s: %w", name, err)
+	}
+	was = st.Size()
+	s.mu.Lock()
+	open, closing := s.openOn(id)
+	// Devices closing too: they wait for IO they admitted.
+	all := append(slices.Clip(open), closing...)
+	// A shrink from what the sessions are served, too: the file may
+	// have shrunk behind the server's back.
+	r.shrink = size < was
+	for _, d := range all {
+		r.shrink = r.shrink || d.backend.Size() > size
+	}
+	if r.shrink && len(open) > 0 && !force {
+		s.mu.Unlock()
+		s.endResize(id, r)
+		return was, errorf(syscall.EBUSY, "export %s is open %d time(s) (by sessions): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
+	}
 	// From here a device opened on the file joins capped (takeDevice),
 	// and endResize sets it right.
 	s.resizes[id] = r
 	s.mu.Unlock()
+	shrink := r.shrink
 	if shrink {
 		// Writes the sessions have in flight, checked against the old
 		// size, would land past the cut and grow the file again: cap
 		// every backend at the new size and let them end first.
-		for _, d := range open {
+		for _, d := range all {
 			if err := d.backend.Cap(size, shrinkWait, r.owner); err != nil {
 				s.endResize(id, r)
 				return was, errorf(syscall.EBUSY, "export %s: %v; nothing was cut", name, err)
@@ -1152,24 +1165,25 @@ type resizing struct {
 // the file's backends to end.
 const shrinkWait = 10 * time.Second
 
-// openOn returns the session devices open on the backend id, but those
-// closing. s.mu is held.
-func (s *Server) openOn(id string) []*SrvSessDev {
+// openOn returns the session devices on the backend id: those open, and
+// those closing (which wait for the IO they admitted). s.mu is held.
+func (s *Server) openOn(id string) (open, closing []*SrvSessDev) {
 	dev := s.devices[id]
 	if dev == nil {
-		return nil
+		return nil, nil
 	}
 	dev.mu.Lock()
 	defer dev.mu.Unlock()
-	var open []*SrvSessDev
 	for _, d := range dev.sessDevs {
 		d.mu.Lock()
-		if !d.closing {
+		if d.closing {
+			closing = append(closing, d)
+		} else {
 			open = append(open, d)
 		}
 		d.mu.Unlock()
 	}
-	return open
+	return open, closing
 }
 
 // endResize ends the resize r of file id: devices opened on it from now
@@ -1179,8 +1193,11 @@ func (s *Server) openOn(id string) []*SrvSessDev {
 func (s *Server) endResize(id string, r resizing) int {
 	s.mu.Lock()
 	delete(s.resizes, id)
-	open := s.openOn(id)
+	open, closing := s.openOn(id)
 	s.mu.Unlock()
+	for _, d := range closing {
+		d.backend.Uncap(r.owner)
+	}
 	for _, d := range open {
 		if r.shrink {
 			d.backend.Uncap(r.owner) // nothing, if a later shrink took over

@@ -1224,6 +1224,52 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	}
 }
 
+// TestShrinkWhileClosing: a device closing still waits for a write it
+// admitted; a shrink it does not count as open (no --force needed) still
+// caps it, so that write cannot land past the cut.
+func TestShrinkWhileClosing(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	p := r.file("exp/x", 8<<20)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		t.Fatal(err)
+	}
+	hold := make(chan struct{})
+	release := sync.OnceFunc(func() { close(hold) })
+	t.Cleanup(release) // before the server closes, should the test fail
+	var held atomic.Int32
+	r.srv.beforeIO = func() {
+		held.Add(1)
+		<-hold
+	}
+	x := r.dev(r.client("s"), "vol", AccessRW)
+	wrote := make(chan error, 1)
+	go func() { wrote <- x.d.Do(context.Background(), OpWrite, 0, 6<<20, 4096, x.buf, 0) }()
+	waitFor(t, "the write at the server", func() bool { return held.Load() == 1 })
+	closed := make(chan error, 1)
+	go func() { _, err := r.srv.ForceClose("vol", ""); closed <- err }() // rnbd-server device close
+	fi, _ := os.Stat(p)
+	id, _ := blockdev.FileID(fi)
+	waitFor(t, "the device closing", func() bool {
+		r.srv.mu.Lock()
+		defer r.srv.mu.Unlock()
+		_, closing := r.srv.openOn(id)
+		return len(closing) == 1
+	})
+	if _, err := r.srv.Resize("vol", 4<<20, false); err != nil {
+		t.Fatalf("shrinking a file whose only device is closing: %v", err)
+	}
+	release()
+	if err := <-wrote; err == nil {
+		t.Fatal("the write past the cut succeeded")
+	}
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(p); err != nil || st.Size() != 4<<20 {
+		t.Fatalf("the file has %d bytes (%v) after a shrink to %d", st.Size(), err, 4<<20)
+	}
+}
+
 // TestOpenAfterCut: a file cut behind the server's back between a
 // device's backend open and its join is served at its new size: the
 // open reads the size again once joined, where a shrink's end would no
