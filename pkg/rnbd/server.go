@@ -825,10 +825,12 @@ func (s *Server) open(x *SrvSession, name string, mode AccessMode, from netip.Ad
 	// The size again, now that the device is joined: a resize that cut
 	// the file after the backend read its size, and ended before the
 	// join (which would have capped it), is seen here, before any IO.
+	opened = true // from here d.close uncounts the export
 	if _, _, err := be.Refresh(); err != nil {
-		x.log().WithError(err).WithField("device", name).Warn("refreshing the size of a device opened")
+		// Its size from the open may be from before a cut.
+		d.close()
+		return nil, fmt.Errorf("reading the size of %s: %w", name, err)
 	}
-	opened = true
 	return d, nil
 }
 
@@ -1137,8 +1139,9 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 		// Writes the sessions have in flight, checked against the old
 		// size, would land past the cut and grow the file again: cap
 		// every backend at the new size and let them end first.
+		deadline := time.Now().Add(shrinkWait)
 		for _, d := range all {
-			if err := d.backend.Cap(size, shrinkWait, r.owner); err != nil {
+			if err := d.backend.Cap(size, time.Until(deadline), r.owner); err != nil {
 				s.endResize(id, r)
 				return was, errorf(syscall.EBUSY, "export %s: %v; nothing was cut", name, err)
 			}
@@ -1161,8 +1164,8 @@ type resizing struct {
 	owner  uint64
 }
 
-// shrinkWait bounds how long a shrink waits for the writes in flight on
-// the file's backends to end.
+// shrinkWait bounds how long a shrink waits, in all, for the writes in
+// flight on the file's backends to end.
 const shrinkWait = 10 * time.Second
 
 // openOn returns the session devices on the backend id: those open, and
