@@ -563,8 +563,8 @@ func (b *Backend) ID() string {
 	return fmt.Sprintf("file:%d:%d", b.dev, b.ino)
 }
 
-// FileID is the ID a backend of the regular file fi describes has
-// (false if fi does not say: not from stat(2)).
+// FileID is the ID (Backend.ID) a backend of the regular file fi has;
+// false if fi is not a regular file's stat(2).
 func FileID(fi os.FileInfo) (string, bool) {
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	if !ok || !fi.Mode().IsRegular() {

@@ -1052,12 +1052,13 @@ func (s *Server) Unmap(name string, force bool) error {
 // Resize sets the size of an exported file (rnbd-server resize) and
 // serves it at once to the sessions that have it open; our clients learn
 // it within their size poll (rnbd.DefaultSizePoll), the kernel's on their
-// next remap. Shrinking an export that a session has open is refused
-// (EBUSY) unless force: the part cut off may hold what they wrote. A
-// forced shrink refuses writes past the new size at once and waits for
-// those in flight before it cuts (ETIMEDOUT, nothing cut, if they do not
-// end in shrinkWait), so none grows the file again. A
-// block device cannot be resized here (EOPNOTSUPP): resize it
+// next remap. Shrinking a file that a session has open, by any name, is
+// refused (EBUSY) unless force: the part cut off may hold what they
+// wrote. A forced shrink refuses writes past the new size at once and
+// waits for those in flight before it cuts (EBUSY, nothing cut, if they
+// do not end in shrinkWait), so none grows the file again. One resize of
+// a file runs at a time (EBUSY for another). A block device cannot be
+// resized here (EOPNOTSUPP): resize it
 // (lvextend, …) and clients learn its new size the same way.
 func (s *Server) Resize(name string, size int64, force bool) (was int64, err error) {
 	s.mu.Lock()
@@ -1134,8 +1135,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	// and endResize sets it right.
 	s.resizes[id] = r
 	s.mu.Unlock()
-	shrink := r.shrink
-	if shrink {
+	if r.shrink {
 		// Writes the sessions have in flight, checked against the old
 		// size, would land past the cut and grow the file again: cap
 		// every backend at the new size and let them end first.
