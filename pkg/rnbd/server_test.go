@@ -1104,9 +1104,23 @@ func TestParseGrant(t *testing.T) {
 // TestForcedShrinkUnderWrites: a forced shrink while a session writes
 // past the new end leaves the file at the new size — a write checked
 // against the old size and landing after the cut would grow it again —
-// and IO past the end fails from then on.
+// and IO past the end fails from then on. On a disk file system the
+// writes go through the workers, on tmpfs they run inline (TryWriteAt).
 func TestForcedShrinkUnderWrites(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	for _, dir := range []string{os.TempDir(), "/dev/shm"} {
+		t.Run(filepath.Base(dir), func(t *testing.T) {
+			sp, err := os.MkdirTemp(dir, "rnbd-shrink-")
+			if err != nil {
+				t.Skip(err)
+			}
+			t.Cleanup(func() { os.RemoveAll(sp) })
+			testForcedShrinkUnderWrites(t, sp)
+		})
+	}
+}
+
+func testForcedShrinkUnderWrites(t *testing.T, dir string) {
+	r := newSrig(t, ServerConfig{DevSearchPath: dir})
 	p := r.file("exp/x", 8<<20)
 	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
 		t.Fatal(err)
