@@ -1170,9 +1170,8 @@ func testForcedShrinkUnderWrites(t *testing.T, dir string) {
 		if _, err := r.srv.Resize("vol", 4<<20, true); err != nil {
 			t.Fatalf("round %d: forced shrink: %v", round, err)
 		}
-		st, err := os.Stat(p)
-		if err != nil || st.Size() != 4<<20 {
-			t.Fatalf("round %d: the file has %d bytes (%v) after the shrink to %d", round, st.Size(), err, 4<<20)
+		if n := fileSize(t, p); n != 4<<20 {
+			t.Fatalf("round %d: the file has %d bytes after the shrink to %d", round, n, 4<<20)
 		}
 		if err := x.d.Do(context.Background(), OpWrite, 0, 6<<20, 4096, x.buf, 0); err == nil {
 			t.Fatalf("round %d: a write past the new end succeeded", round)
@@ -1185,9 +1184,19 @@ func testForcedShrinkUnderWrites(t *testing.T, dir string) {
 		}
 	}
 	halt() // nothing in flight lands past the end later either
-	if st, err := os.Stat(p); err != nil || st.Size() != 4<<20 {
-		t.Fatalf("the file has %d bytes (%v) once the writes stopped, want %d", st.Size(), err, 4<<20)
+	if n := fileSize(t, p); n != 4<<20 {
+		t.Fatalf("the file has %d bytes once the writes stopped, want %d", n, 4<<20)
 	}
+}
+
+// fileSize is the size of the file at p.
+func fileSize(t *testing.T, p string) int64 {
+	t.Helper()
+	st, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Size()
 }
 
 // TestResizeSeesEveryOpen: a shrink counts the sessions that have the
@@ -1205,8 +1214,8 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("shrinking a file open through the search path: %v, want EBUSY", err)
 	}
-	if st, _ := os.Stat(p); st.Size() != 4<<20 {
-		t.Fatalf("the refused shrink cut the file to %d", st.Size())
+	if n := fileSize(t, p); n != 4<<20 {
+		t.Fatalf("the refused shrink cut the file to %d", n)
 	}
 	fi, _ := os.Stat(p)
 	id, ok := blockdev.FileID(fi)
@@ -1279,8 +1288,8 @@ func TestShrinkWhileClosing(t *testing.T) {
 	if err := <-closed; err != nil {
 		t.Fatal(err)
 	}
-	if st, err := os.Stat(p); err != nil || st.Size() != 4<<20 {
-		t.Fatalf("the file has %d bytes (%v) after a shrink to %d", st.Size(), err, 4<<20)
+	if n := fileSize(t, p); n != 4<<20 {
+		t.Fatalf("the file has %d bytes after a shrink to %d", n, 4<<20)
 	}
 }
 
