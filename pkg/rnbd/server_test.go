@@ -104,6 +104,17 @@ func (r *srig) file(name string, size int64) string {
 	return p
 }
 
+// vol maps the export "vol" of a fresh file "exp/x" of size bytes (also
+// reachable through the search path) and returns the file's path.
+func (r *srig) vol(size int64) string {
+	r.t.Helper()
+	p := r.file("exp/x", size)
+	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
+		r.t.Fatal(err)
+	}
+	return p
+}
+
 // client dials an RNBD client session named sess to the rig's server.
 func (r *srig) client(sess string) *CltSession {
 	r.t.Helper()
@@ -1121,10 +1132,7 @@ func TestForcedShrinkUnderWrites(t *testing.T) {
 
 func testForcedShrinkUnderWrites(t *testing.T, dir string) {
 	r := newSrig(t, ServerConfig{DevSearchPath: dir})
-	p := r.file("exp/x", 8<<20)
-	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
-		t.Fatal(err)
-	}
+	p := r.vol(8 << 20)
 	c := r.client("s")
 	c.SetSizePoll(time.Hour) // the client keeps the old size: its writes reach the server
 	x := r.dev(c, "vol", AccessRW)
@@ -1205,10 +1213,7 @@ func fileSize(t *testing.T, p string) int64 {
 // second resize of the file then is refused (EBUSY).
 func TestResizeSeesEveryOpen(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
-	p := r.file("exp/x", 4<<20)
-	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
-		t.Fatal(err)
-	}
+	p := r.vol(4 << 20)
 	c := r.client("s")
 	x := r.dev(c, "exp/x", AccessRO) // by the search path, not the export
 	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
@@ -1252,10 +1257,7 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 // caps it, so that write cannot land past the cut.
 func TestShrinkWhileClosing(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
-	p := r.file("exp/x", 8<<20)
-	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
-		t.Fatal(err)
-	}
+	p := r.vol(8 << 20)
 	hold := make(chan struct{})
 	release := sync.OnceFunc(func() { close(hold) })
 	t.Cleanup(release) // before the server closes, should the test fail
@@ -1299,10 +1301,7 @@ func TestShrinkWhileClosing(t *testing.T) {
 // longer reach it.
 func TestOpenAfterCut(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
-	p := r.file("exp/x", 4<<20)
-	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
-		t.Fatal(err)
-	}
+	p := r.vol(4 << 20)
 	r.srv.beforeJoin = func() { os.Truncate(p, 1<<20) }
 	x := r.dev(r.client("s"), "vol", AccessRW)
 	if x.d.Size() != 1<<20 {
@@ -1316,10 +1315,7 @@ func TestOpenAfterCut(t *testing.T) {
 // follows the size both ways.
 func TestServerResize(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
-	p := r.file("exp/x", 1<<20)
-	if err := r.srv.Map(Export{Name: "vol", Path: p}); err != nil {
-		t.Fatal(err)
-	}
+	p := r.vol(1 << 20)
 	c := r.client("s")
 	resized := make(chan int64, 4)
 	c.OnResize(func(d *CltDev) { resized <- d.Size() })
