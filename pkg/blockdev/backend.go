@@ -96,6 +96,7 @@ type Backend struct {
 	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
 	ino   uint64
 	nw    nowaitState
+	mp    mapState
 	// noZeroRange: FALLOC_FL_ZERO_RANGE failed with EOPNOTSUPP on this
 	// file; write-zeroes writes zeros.
 	noZeroRange atomic.Bool
@@ -200,6 +201,7 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 		b.caps.WriteCache, b.caps.FUA = false, false
 	}
 	b.probeNowait(opts.Direct)
+	b.mapInit(opts.Direct)
 	if !b.ro {
 		// A second descriptor of the same file with O_DSYNC serves
 		// FUA writes. Reopened through the first, never by path, so
@@ -447,6 +449,7 @@ func (b *Backend) Refresh() (was, now int64, err error) {
 		}
 		was = b.size.Swap(now)
 		b.sizeMu.Unlock()
+		b.remap(now)
 		return was, now, nil
 	}
 }
@@ -462,6 +465,9 @@ func (b *Backend) readSize() (int64, error) {
 			return 0, fmt.Errorf("blockdev: %s: %w", b.path, err)
 		}
 		now = st.Size
+		if !dense(&st) {
+			b.holesMayCome() // grown by a truncate, say: see mapped.go
+		}
 	default:
 		n, err := ioctlUint64(b.f, unix.BLKGETSIZE64)
 		if err != nil {
@@ -712,6 +718,7 @@ func (b *Backend) Discard(off, n int64) error {
 	if !b.caps.Discard {
 		return ErrNotSupported
 	}
+	b.holesMayCome()
 	if b.kind == KindBlockDevice {
 		return b.settle(ioctlRange(b.f, unix.BLKDISCARD, off, n))
 	}
@@ -726,6 +733,7 @@ func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
 	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
+	b.holesMayCome()
 	return b.settle(b.writeZeroes(off, n, noUnmap))
 }
 
@@ -810,6 +818,7 @@ func ioctlRange(f *os.File, req uint, off, n int64) error {
 func (b *Backend) Close() error {
 	var err error
 	b.closeOnce.Do(func() {
+		b.unmap()
 		err = b.f.Close()
 		if b.fsync != nil {
 			if e := b.fsync.Close(); err == nil {

@@ -67,6 +67,7 @@ func (b *Backend) probeNowait(direct bool) {
 			case tmpfsMagic, ramfsMagic, hugetlbfsMagic:
 				b.nw.mem, b.nw.memWrites = true, true
 			}
+			b.mp.tmpfs = uint32(fs.Type) == tmpfsMagic
 		}
 	case KindBlockDevice:
 		b.nw.mem = unix.Major(b.dev) == ramdiskMajor || isZram(b.dev)
@@ -93,6 +94,9 @@ func (b *Backend) TryReadAt(p []byte, off int64) (bool, error) {
 		return true, err
 	}
 	if b.nw.mem {
+		if b.readMapped(p, off) {
+			return true, nil
+		}
 		if n, err := rawio.Pread(b.nw.fd, p, off); err == nil && n == len(p) {
 			return true, nil
 		}
@@ -124,6 +128,9 @@ func (b *Backend) TryWriteAt(p []byte, off int64) (bool, error) {
 	defer b.endWrite(g)
 	if err := b.check(off, int64(len(p)), true); err != nil {
 		return true, err
+	}
+	if b.writeMapped(p, off) {
+		return true, nil
 	}
 	if n, err := rawio.Pwrite(b.nw.fd, p, off); err == nil && n == len(p) {
 		return true, nil

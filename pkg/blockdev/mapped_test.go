@@ -1,0 +1,166 @@
+package blockdev
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"os"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// denseFile is a tmpfs file of size bytes of random data: every block
+// allocated, so its backend reads through its mapping.
+func denseFile(t *testing.T, size int64) (string, []byte) {
+	t.Helper()
+	path := sparseFile(t, "/dev/shm", 0)
+	data := make([]byte, size)
+	rand.Read(data)
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path, data
+}
+
+func blocks(t *testing.T, path string) int64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks
+}
+
+// TestMappedIO: on a dense tmpfs file inline reads and writes go through
+// the mapping, and they see what system calls wrote and the other way.
+func TestMappedIO(t *testing.T) {
+	path, data := denseFile(t, 1<<20)
+	b := open(t, path, Options{})
+	if b.mp.cur.Load() == nil || !b.mp.reads.Load() || !b.mp.writable {
+		t.Fatalf("a dense tmpfs file is not mapped for reads and writes: mapped %v reads %v writes %v",
+			b.mp.cur.Load() != nil, b.mp.reads.Load(), b.mp.writable)
+	}
+	got := make([]byte, 64<<10)
+	if done, err := b.TryReadAt(got, 128<<10); !done || err != nil || !bytes.Equal(got, data[128<<10:][:len(got)]) {
+		t.Fatalf("read of the file's data: done %v err %v equal %v", done, err, bytes.Equal(got, data[128<<10:][:len(got)]))
+	}
+	w := bytes.Repeat([]byte("mapped.."), 1024)
+	if done, err := b.TryWriteAt(w, 4096); !done || err != nil {
+		t.Fatalf("write: done %v err %v", done, err)
+	}
+	if err := b.ReadAt(got[:len(w)], 4096); err != nil || !bytes.Equal(got[:len(w)], w) {
+		t.Fatalf("a system call's read after a mapped write: err %v equal %v", err, bytes.Equal(got[:len(w)], w))
+	}
+	w2 := bytes.Repeat([]byte("syscall."), 1024)
+	if err := b.WriteAt(w2, 8192, false); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := b.TryReadAt(got[:len(w2)], 8192); !done || err != nil || !bytes.Equal(got[:len(w2)], w2) {
+		t.Fatalf("a mapped read after a system call's write: done %v err %v", done, err)
+	}
+	b.Close()
+	if b.mp.cur.Load() != nil {
+		t.Fatal("still mapped after Close")
+	}
+}
+
+// TestMappedReadsAllocateNothing: a read of a hole through a shared
+// mapping would allocate its page; so a file with holes, or one that a
+// discard may have punched, is read by system calls.
+func TestMappedReadsAllocateNothing(t *testing.T) {
+	t.Run("sparse", func(t *testing.T) {
+		path := sparseFile(t, "/dev/shm", 4<<20)
+		b := open(t, path, Options{})
+		got := make([]byte, 1<<20)
+		if done, err := b.TryReadAt(got, 1<<20); !done || err != nil || !bytes.Equal(got, make([]byte, len(got))) {
+			t.Fatalf("read of a hole: done %v err %v", done, err)
+		}
+		if n := blocks(t, path); n != 0 {
+			t.Fatalf("reading a hole allocated %d blocks", n)
+		}
+	})
+	t.Run("discard", func(t *testing.T) {
+		path, _ := denseFile(t, 4<<20)
+		b := open(t, path, Options{})
+		if err := b.Discard(1<<20, 2<<20); err != nil {
+			t.Fatal(err)
+		}
+		before := blocks(t, path)
+		got := make([]byte, 1<<20)
+		if done, err := b.TryReadAt(got, 1<<20); !done || err != nil || !bytes.Equal(got, make([]byte, len(got))) {
+			t.Fatalf("read of a discarded range: done %v err %v", done, err)
+		}
+		if after := blocks(t, path); after != before {
+			t.Fatalf("reading a discarded range allocated: %d blocks, then %d", before, after)
+		}
+	})
+	t.Run("grown", func(t *testing.T) {
+		path, _ := denseFile(t, 1<<20)
+		b := open(t, path, Options{})
+		if err := os.Truncate(path, 4<<20); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := b.Refresh(); err != nil {
+			t.Fatal(err)
+		}
+		before := blocks(t, path)
+		got := make([]byte, 1<<20)
+		if done, err := b.TryReadAt(got, 2<<20); !done || err != nil {
+			t.Fatalf("read of the grown part: done %v err %v", done, err)
+		}
+		if after := blocks(t, path); after != before {
+			t.Fatalf("reading the hole a grow left allocated: %d blocks, then %d", before, after)
+		}
+	})
+}
+
+// TestMappedGrow: a dense file grown and refreshed is mapped again, and
+// read through the new mapping.
+func TestMappedGrow(t *testing.T) {
+	path, _ := denseFile(t, 1<<20)
+	b := open(t, path, Options{})
+	more := make([]byte, 1<<20)
+	rand.Read(more)
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = f.WriteAt(more, 1<<20)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, now, err := b.Refresh(); err != nil || now != 2<<20 {
+		t.Fatalf("refresh: size %d err %v", now, err)
+	}
+	if m := b.mp.cur.Load(); m == nil || len(*m) != 2<<20 || !b.mp.reads.Load() {
+		t.Fatalf("not mapped again after the grow (reads %v)", b.mp.reads.Load())
+	}
+	got := make([]byte, 64<<10)
+	if !b.readMapped(got, 1<<20+4096) || !bytes.Equal(got, more[4096:][:len(got)]) {
+		t.Fatal("the grown part is not read through the mapping")
+	}
+}
+
+// TestMappedCutUnder: a file cut behind the backend's back faults the
+// mapping; the IO is then made by a system call, which says what is
+// wrong, and the daemon lives.
+func TestMappedCutUnder(t *testing.T) {
+	path, _ := denseFile(t, 1<<20)
+	b := open(t, path, Options{})
+	if err := os.Truncate(path, 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4096)
+	if b.readMapped(got, 512<<10) {
+		t.Fatal("a read past the cut went through the mapping")
+	}
+	if done, err := b.TryReadAt(got, 512<<10); !done || !errors.Is(err, syscall.EIO) {
+		t.Fatalf("read past the cut: done %v err %v, want EIO", done, err)
+	}
+	if b.writeMapped(got, 512<<10) {
+		t.Fatal("a write past the cut went through the mapping")
+	}
+}
