@@ -27,85 +27,144 @@ import (
 // Anything else — a fault of the mapping (the file was cut under a read,
 // its file system is full), a range past what is mapped — is made as a
 // system call after all, which reports what went wrong as before. A grow
-// (Refresh) maps the file again; the older mappings stay until Close, as
-// IO may still be copying through them.
+// (Refresh) maps the file again; the older mappings stay until the last
+// Close, as IO may still be copying through them. Every open of one file
+// (or device) in the daemon shares its mappings — one read-only, one
+// writable — so that their page tables are paid once, not per session
+// that has the file open, and a discard through one open stops the
+// mapped reads of all.
 type mapState struct {
-	tmpfs    bool // a file on tmpfs (probeNowait)
-	writable bool // writes go through the mapping
-	// reads: reads go through the mapping.
+	tmpfs    bool                    // a file on tmpfs (probeNowait)
+	writable bool                    // writes go through the mapping
+	m        atomic.Pointer[fileMap] // nil: not mapped
+}
+
+// fileMap is the mapping of one file, shared by its backends.
+type fileMap struct {
+	key  fileKey
+	refs int // under maps.mu
+	// reads: reads go through the mapping (the file has no holes).
 	reads atomic.Bool
-	cur   atomic.Pointer[[]byte]
-	mu    sync.Mutex // orders remap and unmap; under it:
+	view  [2]atomic.Pointer[[]byte] // read-only, writable
+	mu    sync.Mutex                // orders remaps; under it:
 	old   [][]byte
-	done  bool // unmapped for good (Close)
+	done  bool // unmapped by its last backend
+}
+
+type fileKey struct{ dev, ino uint64 }
+
+// maps are the files mapped in the process.
+var maps struct {
+	mu sync.Mutex
+	m  map[fileKey]*fileMap
 }
 
 // mapInit maps the backend if its IO can go through a mapping.
 func (b *Backend) mapInit(direct bool) {
+	reads := true
 	switch {
 	case direct || !b.nw.mem:
 		return
 	case b.kind == KindFile && b.mp.tmpfs:
 		b.mp.writable = !b.ro && !b.wt
 		var st unix.Stat_t
-		b.mp.reads.Store(unix.Fstat(b.nw.fd, &st) == nil && dense(&st))
-	case b.kind == KindBlockDevice:
-		b.mp.reads.Store(true)
-	default:
+		reads = unix.Fstat(b.nw.fd, &st) == nil && dense(&st)
+	case b.kind != KindBlockDevice:
 		return
 	}
+	k := fileKey{b.dev, b.ino}
+	maps.mu.Lock()
+	m := maps.m[k]
+	if m == nil {
+		if maps.m == nil {
+			maps.m = make(map[fileKey]*fileMap)
+		}
+		m = &fileMap{key: k}
+		m.reads.Store(reads)
+		maps.m[k] = m
+	} else if !reads {
+		m.reads.Store(false)
+	}
+	m.refs++
+	maps.mu.Unlock()
+	b.mp.m.Store(m)
 	b.remap(b.size.Load())
 }
 
 // dense reports whether a file has every block of its size allocated.
 func dense(st *unix.Stat_t) bool { return st.Blocks*512 >= st.Size }
 
-// remap maps size bytes of the backend if the current mapping is
+// viewOf is the index of the backend's mapping in fileMap.view.
+func (b *Backend) viewOf() int {
+	if b.mp.writable {
+		return 1
+	}
+	return 0
+}
+
+// remap maps size bytes of the backend's file if its mapping is
 // shorter; if that fails, IO past the old mapping is made by system
 // calls.
 func (b *Backend) remap(size int64) {
-	if !b.mp.writable && !b.mp.reads.Load() && b.mp.cur.Load() == nil {
-		return // never mapped: nothing would use it
-	}
-	b.mp.mu.Lock()
-	defer b.mp.mu.Unlock()
-	cur := b.mp.cur.Load()
-	if size <= 0 || int64(int(size)) != size || (cur != nil && int64(len(*cur)) >= size) {
+	m := b.mp.m.Load()
+	if m == nil {
 		return
 	}
-	if b.mp.done {
-		return // closed
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	v := &m.view[b.viewOf()]
+	cur := v.Load()
+	if m.done || size <= 0 || int64(int(size)) != size || (cur != nil && int64(len(*cur)) >= size) {
+		return
 	}
 	prot := unix.PROT_READ
 	if b.mp.writable {
 		prot |= unix.PROT_WRITE
 	}
-	m, err := unix.Mmap(b.nw.fd, 0, int(size), prot, unix.MAP_SHARED)
+	mm, err := unix.Mmap(b.nw.fd, 0, int(size), prot, unix.MAP_SHARED)
 	if err != nil {
 		return
 	}
 	if cur != nil {
-		b.mp.old = append(b.mp.old, *cur)
+		m.old = append(m.old, *cur)
 	}
-	b.mp.cur.Store(&m)
+	v.Store(&mm)
 }
 
-// unmap ends every mapping; no IO may be under way.
+// unmap lets go of the backend's mapping, which its last backend's
+// Close unmaps; no IO of the backend may be under way.
 func (b *Backend) unmap() {
-	b.mp.mu.Lock()
-	defer b.mp.mu.Unlock()
-	if cur := b.mp.cur.Swap(nil); cur != nil {
-		b.mp.old = append(b.mp.old, *cur)
+	m := b.mp.m.Swap(nil)
+	if m == nil {
+		return
 	}
-	for _, m := range b.mp.old {
-		unix.Munmap(m)
+	maps.mu.Lock()
+	m.refs--
+	last := m.refs == 0
+	if last {
+		delete(maps.m, m.key)
 	}
-	b.mp.old, b.mp.done = nil, true
+	maps.mu.Unlock()
+	if !last {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i := range m.view {
+		if cur := m.view[i].Swap(nil); cur != nil {
+			m.old = append(m.old, *cur)
+		}
+	}
+	for _, x := range m.old {
+		unix.Munmap(x)
+	}
+	m.old, m.done = nil, true
 }
 
-// mapped is the mapping's part for n bytes at off, or nil if it has none.
-func (b *Backend) mapped(off int64, n int) []byte {
-	cur := b.mp.cur.Load()
+// mapped is the backend's mapping for n bytes at off, or nil if it has
+// none.
+func (b *Backend) mapped(m *fileMap, off int64, n int) []byte {
+	cur := m.view[b.viewOf()].Load()
 	if cur == nil || off < 0 || off > int64(len(*cur))-int64(n) {
 		return nil
 	}
@@ -115,27 +174,31 @@ func (b *Backend) mapped(off int64, n int) []byte {
 // readMapped copies len(p) bytes at off from the mapping; false: not
 // made (or made in part), the caller reads by a system call.
 func (b *Backend) readMapped(p []byte, off int64) bool {
-	if !b.mp.reads.Load() {
+	m := b.mp.m.Load()
+	if m == nil || !m.reads.Load() {
 		return false
 	}
-	m := b.mapped(off, len(p))
-	return m != nil && copyFaulting(p, m)
+	x := b.mapped(m, off, len(p))
+	return x != nil && copyFaulting(p, x)
 }
 
 // writeMapped copies p into the mapping at off; false as readMapped.
 func (b *Backend) writeMapped(p []byte, off int64) bool {
-	if !b.mp.writable {
+	m := b.mp.m.Load()
+	if m == nil || !b.mp.writable {
 		return false
 	}
-	m := b.mapped(off, len(p))
-	return m != nil && copyFaulting(m, p)
+	x := b.mapped(m, off, len(p))
+	return x != nil && copyFaulting(x, p)
 }
 
 // holesMayCome: a hole may be punched in the file (a discard, a
-// write-zeroes): reads go through system calls from then on.
+// write-zeroes, a grow): reads of every open of it go through system
+// calls from then on. (A hole punched behind the server's back is not
+// seen: a read of it through the mapping allocates its page.)
 func (b *Backend) holesMayCome() {
-	if b.mp.reads.Load() && b.kind == KindFile {
-		b.mp.reads.Store(false)
+	if m := b.mp.m.Load(); m != nil && b.kind == KindFile && m.reads.Load() {
+		m.reads.Store(false)
 	}
 }
 

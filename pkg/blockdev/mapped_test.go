@@ -24,6 +24,22 @@ func denseFile(t *testing.T, size int64) (string, []byte) {
 	return path, data
 }
 
+// cur is the backend's current mapping, nil if none.
+func cur(b *Backend) []byte {
+	if m := b.mp.m.Load(); m != nil {
+		if c := m.view[b.viewOf()].Load(); c != nil {
+			return *c
+		}
+	}
+	return nil
+}
+
+// reads reports whether the backend's reads go through its mapping.
+func reads(b *Backend) bool {
+	m := b.mp.m.Load()
+	return m != nil && m.reads.Load()
+}
+
 func blocks(t *testing.T, path string) int64 {
 	t.Helper()
 	var st unix.Stat_t
@@ -38,9 +54,9 @@ func blocks(t *testing.T, path string) int64 {
 func TestMappedIO(t *testing.T) {
 	path, data := denseFile(t, 1<<20)
 	b := open(t, path, Options{})
-	if b.mp.cur.Load() == nil || !b.mp.reads.Load() || !b.mp.writable {
+	if cur(b) == nil || !reads(b) || !b.mp.writable {
 		t.Fatalf("a dense tmpfs file is not mapped for reads and writes: mapped %v reads %v writes %v",
-			b.mp.cur.Load() != nil, b.mp.reads.Load(), b.mp.writable)
+			cur(b) != nil, reads(b), b.mp.writable)
 	}
 	got := make([]byte, 64<<10)
 	if done, err := b.TryReadAt(got, 128<<10); !done || err != nil || !bytes.Equal(got, data[128<<10:][:len(got)]) {
@@ -59,10 +75,6 @@ func TestMappedIO(t *testing.T) {
 	}
 	if done, err := b.TryReadAt(got[:len(w2)], 8192); !done || err != nil || !bytes.Equal(got[:len(w2)], w2) {
 		t.Fatalf("a mapped read after a system call's write: done %v err %v", done, err)
-	}
-	b.Close()
-	if b.mp.cur.Load() != nil {
-		t.Fatal("still mapped after Close")
 	}
 }
 
@@ -135,8 +147,8 @@ func TestMappedGrow(t *testing.T) {
 	if _, now, err := b.Refresh(); err != nil || now != 2<<20 {
 		t.Fatalf("refresh: size %d err %v", now, err)
 	}
-	if m := b.mp.cur.Load(); m == nil || len(*m) != 2<<20 || !b.mp.reads.Load() {
-		t.Fatalf("not mapped again after the grow (reads %v)", b.mp.reads.Load())
+	if m := cur(b); m == nil || len(m) != 2<<20 || !reads(b) {
+		t.Fatalf("not mapped again after the grow (reads %v)", reads(b))
 	}
 	got := make([]byte, 64<<10)
 	if !b.readMapped(got, 1<<20+4096) || !bytes.Equal(got, more[4096:][:len(got)]) {
@@ -162,5 +174,63 @@ func TestMappedCutUnder(t *testing.T) {
 	}
 	if b.writeMapped(got, 512<<10) {
 		t.Fatal("a write past the cut went through the mapping")
+	}
+}
+
+// TestMappedShared: the opens of one file share its mappings (their page
+// tables are paid once); they stay while one of them is open, the last
+// Close unmaps them, and a discard through one open stops the mapped
+// reads of every open.
+func TestMappedShared(t *testing.T) {
+	path, data := denseFile(t, 4<<20)
+	a := open(t, path, Options{})
+	b := open(t, path, Options{})
+	ro := open(t, path, Options{ReadOnly: true})
+	m := a.mp.m.Load()
+	if m == nil || b.mp.m.Load() != m || ro.mp.m.Load() != m {
+		t.Fatal("three opens of one file do not share its mappings")
+	}
+	if ro.mp.writable || len(cur(ro)) == 0 || &cur(ro)[0] == &cur(a)[0] {
+		t.Fatal("the read-only open does not read through a read-only mapping of its own")
+	}
+	got := make([]byte, 4096)
+	if !ro.readMapped(got, 8192) || !bytes.Equal(got, data[8192:][:4096]) {
+		t.Fatal("the read-only open does not read the file through its mapping")
+	}
+	a.Close()
+	if !b.readMapped(got, 8192) || !bytes.Equal(got, data[8192:][:4096]) {
+		t.Fatal("the mapping went with the first of its backends")
+	}
+	// A discard through b: the read-only open reads by pread from then
+	// on, and allocates nothing reading the hole.
+	if err := b.Discard(1<<20, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	before := blocks(t, path)
+	if done, err := ro.TryReadAt(make([]byte, 1<<20), 1<<20); !done || err != nil {
+		t.Fatalf("read of the hole: done %v err %v", done, err)
+	}
+	if after := blocks(t, path); after != before {
+		t.Fatalf("the other open read the discarded range through its mapping: %d blocks, then %d", before, after)
+	}
+	b.Close()
+	ro.Close()
+	if m.view[0].Load() != nil || m.view[1].Load() != nil || !m.done {
+		t.Fatal("still mapped after the last Close")
+	}
+	maps.mu.Lock()
+	_, left := maps.m[m.key]
+	maps.mu.Unlock()
+	if left {
+		t.Fatal("a closed mapping is still registered")
+	}
+	// Opened again (the file has a hole now: written full first), it is
+	// mapped afresh.
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := open(t, path, Options{})
+	if c.mp.m.Load() == m || !c.readMapped(got, 8192) || !bytes.Equal(got, data[8192:][:4096]) {
+		t.Fatal("an open after the last Close is not mapped afresh")
 	}
 }
