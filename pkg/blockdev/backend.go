@@ -201,7 +201,6 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 		b.caps.WriteCache, b.caps.FUA = false, false
 	}
 	b.probeNowait(opts.Direct)
-	b.mapInit(opts.Direct)
 	if !b.ro {
 		// A second descriptor of the same file with O_DSYNC serves
 		// FUA writes. Reopened through the first, never by path, so
@@ -212,6 +211,7 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 			return nil, err
 		}
 	}
+	b.mapInit(opts.Direct)
 	return b, nil
 }
 
@@ -733,7 +733,9 @@ func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
 	if err := b.check(off, n, true); err != nil || n == 0 {
 		return err
 	}
-	b.holesMayCome()
+	if !noUnmap {
+		b.holesMayCome()
+	}
 	return b.settle(b.writeZeroes(off, n, noUnmap))
 }
 

@@ -1,9 +1,12 @@
 package blockdev
 
 import (
+	"fmt"
+	"math"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,7 +29,13 @@ import (
 //
 // Anything else — a fault of the mapping (the file was cut under a read,
 // its file system is full), a range past what is mapped — is made as a
-// system call after all, which reports what went wrong as before. A grow
+// system call after all, which reports what went wrong as before. (Not
+// quite for a file cut behind the server's back to a size that is not a
+// whole page, which Health reports: IO to the rest of its last page is
+// made in the page, where the system call would have grown the file or
+// failed a read.) Writes through the mapping move the file's mtime only on
+// the first write to each page. Files past maxMapped, and any in a 32-bit
+// process, are not mapped. A grow
 // (Refresh) maps the file again; the older mappings stay until the last
 // Close, as IO may still be copying through them. Every open of one file
 // (or device) in the daemon shares its mappings — one read-only, one
@@ -51,7 +60,17 @@ type fileMap struct {
 	done  bool // unmapped by its last backend
 }
 
-type fileKey struct{ dev, ino uint64 }
+// fileKey identifies a file: st_dev and st_ino, and its file handle
+// (name_to_handle_at), which holds the inode's generation — tmpfs
+// numbers its inodes in 32 bits and reuses the numbers after a wrap.
+type fileKey struct {
+	dev, ino uint64
+	handle   string
+}
+
+// maxMapped is the largest file mapped (the mapping takes address space
+// for all of it).
+const maxMapped = 1 << 40
 
 // maps are the files mapped in the process.
 var maps struct {
@@ -62,17 +81,21 @@ var maps struct {
 // mapInit maps the backend if its IO can go through a mapping.
 func (b *Backend) mapInit(direct bool) {
 	reads := true
+	k := fileKey{dev: b.dev, ino: b.ino}
 	switch {
-	case direct || !b.nw.mem:
+	case direct || !b.nw.mem || unsafe.Sizeof(uintptr(0)) < 8:
 		return
 	case b.kind == KindFile && b.mp.tmpfs:
+		h, _, err := unix.NameToHandleAt(b.nw.fd, "", unix.AT_EMPTY_PATH)
+		if err != nil {
+			return
+		}
+		k.handle = fmt.Sprintf("%d:%x", h.Type(), h.Bytes())
 		b.mp.writable = !b.ro && !b.wt
-		var st unix.Stat_t
-		reads = unix.Fstat(b.nw.fd, &st) == nil && dense(&st)
+		reads = noHoles(b.nw.fd)
 	case b.kind != KindBlockDevice:
 		return
 	}
-	k := fileKey{b.dev, b.ino}
 	maps.mu.Lock()
 	m := maps.m[k]
 	if m == nil {
@@ -91,8 +114,20 @@ func (b *Backend) mapInit(direct bool) {
 	b.remap(b.size.Load())
 }
 
-// dense reports whether a file has every block of its size allocated.
+// dense reports whether a file may have every block of its size
+// allocated: not if it has fewer blocks (blocks past its end, which
+// fallocate can leave, make it say yes wrongly; noHoles is exact).
 func dense(st *unix.Stat_t) bool { return st.Blocks*512 >= st.Size }
+
+// noHoles reports whether the file fd has no hole before its end.
+func noHoles(fd int) bool {
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || st.Size == 0 || !dense(&st) {
+		return false
+	}
+	at, err := unix.Seek(fd, 0, unix.SEEK_HOLE)
+	return err == nil && at >= st.Size
+}
 
 // viewOf is the index of the backend's mapping in fileMap.view.
 func (b *Backend) viewOf() int {
@@ -114,17 +149,27 @@ func (b *Backend) remap(size int64) {
 	defer m.mu.Unlock()
 	v := &m.view[b.viewOf()]
 	cur := v.Load()
-	if m.done || size <= 0 || int64(int(size)) != size || (cur != nil && int64(len(*cur)) >= size) {
+	if m.done || size <= 0 || size > maxMapped || size > math.MaxInt || (cur != nil && int64(len(*cur)) >= size) {
 		return
 	}
 	prot := unix.PROT_READ
 	if b.mp.writable {
 		prot |= unix.PROT_WRITE
 	}
-	mm, err := unix.Mmap(b.nw.fd, 0, int(size), prot, unix.MAP_SHARED)
+	// Through the descriptor's own reference: a Close meanwhile cannot
+	// free its number for another file to take before the mmap.
+	rc, err := b.f.SyscallConn()
 	if err != nil {
 		return
 	}
+	var mm []byte
+	if rc.Control(func(fd uintptr) {
+		mm, err = unix.Mmap(int(fd), 0, int(size), prot, unix.MAP_SHARED)
+	}) != nil || err != nil {
+		return
+	}
+	// A core dump of the daemon need not hold the export.
+	unix.Madvise(mm, unix.MADV_DONTDUMP)
 	if cur != nil {
 		m.old = append(m.old, *cur)
 	}
@@ -179,7 +224,7 @@ func (b *Backend) readMapped(p []byte, off int64) bool {
 		return false
 	}
 	x := b.mapped(m, off, len(p))
-	return x != nil && copyFaulting(p, x)
+	return x != nil && copyFaulting(p, x, x)
 }
 
 // writeMapped copies p into the mapping at off; false as readMapped.
@@ -189,7 +234,7 @@ func (b *Backend) writeMapped(p []byte, off int64) bool {
 		return false
 	}
 	x := b.mapped(m, off, len(p))
-	return x != nil && copyFaulting(x, p)
+	return x != nil && copyFaulting(x, p, x)
 }
 
 // holesMayCome: a hole may be punched in the file (a discard, a
@@ -202,14 +247,20 @@ func (b *Backend) holesMayCome() {
 	}
 }
 
-// copyFaulting copies src to dst, one of them in a mapping, and reports
-// false if the mapping faulted (SIGBUS: past the file's end, or no space
-// for a page) instead of taking the daemon down.
-func copyFaulting(dst, src []byte) (ok bool) {
+// copyFaulting copies src to dst, one of them mapped (the part of a
+// mapping that is m), and reports false if m faulted (SIGBUS: past the
+// file's end, or no space for a page) instead of taking the daemon down.
+// Any other fault is not ours to hide.
+func copyFaulting(dst, src, m []byte) (ok bool) {
 	was := debug.SetPanicOnFault(true)
 	defer func() {
 		debug.SetPanicOnFault(was)
-		if recover() != nil {
+		if r := recover(); r != nil {
+			f, isFault := r.(interface{ Addr() uintptr })
+			start := uintptr(unsafe.Pointer(unsafe.SliceData(m)))
+			if !isFault || f.Addr() < start || f.Addr()-start >= uintptr(len(m)) {
+				panic(r)
+			}
 			ok = false
 		}
 	}()

@@ -15,6 +15,7 @@ import (
 // allocated, so its backend reads through its mapping.
 func denseFile(t *testing.T, size int64) (string, []byte) {
 	t.Helper()
+	onTmpfs(t)
 	path := sparseFile(t, "/dev/shm", 0)
 	data := make([]byte, size)
 	rand.Read(data)
@@ -22,6 +23,14 @@ func denseFile(t *testing.T, size int64) (string, []byte) {
 		t.Fatal(err)
 	}
 	return path, data
+}
+
+func onTmpfs(t *testing.T) {
+	t.Helper()
+	var fs unix.Statfs_t
+	if err := unix.Statfs("/dev/shm", &fs); err != nil || uint32(fs.Type) != tmpfsMagic {
+		t.Skip("/dev/shm is not tmpfs")
+	}
 }
 
 // cur is the backend's current mapping, nil if none.
@@ -82,6 +91,7 @@ func TestMappedIO(t *testing.T) {
 // mapping would allocate its page; so a file with holes, or one that a
 // discard may have punched, is read by system calls.
 func TestMappedReadsAllocateNothing(t *testing.T) {
+	onTmpfs(t)
 	t.Run("sparse", func(t *testing.T) {
 		path := sparseFile(t, "/dev/shm", 4<<20)
 		b := open(t, path, Options{})
@@ -106,6 +116,41 @@ func TestMappedReadsAllocateNothing(t *testing.T) {
 		}
 		if after := blocks(t, path); after != before {
 			t.Fatalf("reading a discarded range allocated: %d blocks, then %d", before, after)
+		}
+	})
+	t.Run("preallocated past the end", func(t *testing.T) {
+		// As many blocks as its size, some of them past its end:
+		// the blocks say dense, the file has a hole.
+		path := sparseFile(t, "/dev/shm", 2<<20)
+		f, err := os.OpenFile(path, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if _, err := f.WriteAt(make([]byte, 1<<20), 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_KEEP_SIZE, 2<<20, 1<<20); err != nil {
+			t.Skipf("fallocate: %v", err)
+		}
+		b := open(t, path, Options{})
+		before := blocks(t, path)
+		if done, err := b.TryReadAt(make([]byte, 1<<20), 1<<20); !done || err != nil {
+			t.Fatalf("read of the hole: done %v err %v", done, err)
+		}
+		if after := blocks(t, path); after != before {
+			t.Fatalf("reading the hole allocated: %d blocks, then %d", before, after)
+		}
+	})
+	t.Run("write zeroes", func(t *testing.T) {
+		path, _ := denseFile(t, 4<<20)
+		b := open(t, path, Options{})
+		// Zeros written (tmpfs has no zero range): no hole.
+		if err := b.WriteZeroes(0, 1<<20, true); err != nil || !reads(b) {
+			t.Fatalf("write zeroes without unmap: err %v, mapped reads %v", err, reads(b))
+		}
+		if err := b.WriteZeroes(0, 1<<20, false); err != nil || reads(b) {
+			t.Fatalf("write zeroes that may unmap: err %v, mapped reads %v", err, reads(b))
 		}
 	})
 	t.Run("grown", func(t *testing.T) {
@@ -233,4 +278,33 @@ func TestMappedShared(t *testing.T) {
 	if c.mp.m.Load() == m || !c.readMapped(got, 8192) || !bytes.Equal(got, data[8192:][:4096]) {
 		t.Fatal("an open after the last Close is not mapped afresh")
 	}
+}
+
+// TestCopyFaultingHidesOnlyItsOwn: a fault of the mapping is the IO's to
+// make by a system call; any other fault still panics.
+func TestCopyFaultingHidesOnlyItsOwn(t *testing.T) {
+	path, _ := denseFile(t, 1<<20)
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, 1<<20, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	if err := f.Truncate(0); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	if copyFaulting(buf, m[8192:][:4096], m[8192:][:4096]) {
+		t.Fatal("a copy from past the end of the file succeeded")
+	}
+	defer func() {
+		if recover() == nil {
+			t.Fatal("a fault outside the mapping given was hidden")
+		}
+	}()
+	copyFaulting(buf, m[8192:][:4096], buf)
 }

@@ -1205,9 +1205,13 @@ func (s *Server) endResize(id string, r resizing) int {
 		if r.shrink {
 			d.backend.Uncap(r.owner) // nothing, if a later shrink took over
 		}
+		if !d.ref() {
+			continue // closing since: its backend is, or is about to be
+		}
 		if _, _, err := d.backend.Refresh(); err != nil {
 			s.log.WithError(err).WithFields(log.Fields{"device": d.name, "session": d.sess.name}).Warn("refreshing the size")
 		}
+		d.refs.Done()
 	}
 	return len(open)
 }
