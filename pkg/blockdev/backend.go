@@ -465,9 +465,6 @@ func (b *Backend) readSize() (int64, error) {
 			return 0, fmt.Errorf("blockdev: %s: %w", b.path, err)
 		}
 		now = st.Size
-		if !dense(&st) {
-			b.holesMayCome() // grown by a truncate, say: see mapped.go
-		}
 	default:
 		n, err := ioctlUint64(b.f, unix.BLKGETSIZE64)
 		if err != nil {
@@ -678,6 +675,9 @@ func (b *Backend) WriteAt(p []byte, off int64, fua bool) error {
 		return err
 	}
 	_, err := b.writer(fua).WriteAt(p, off)
+	if err == nil {
+		b.allocated(off, int64(len(p)))
+	}
 	return err
 }
 
@@ -718,7 +718,7 @@ func (b *Backend) Discard(off, n int64) error {
 	if !b.caps.Discard {
 		return ErrNotSupported
 	}
-	b.holesMayCome()
+	b.mayPunch(off, n)
 	if b.kind == KindBlockDevice {
 		return b.settle(ioctlRange(b.f, unix.BLKDISCARD, off, n))
 	}
@@ -734,7 +734,7 @@ func (b *Backend) WriteZeroes(off, n int64, noUnmap bool) error {
 		return err
 	}
 	if !noUnmap {
-		b.holesMayCome()
+		b.mayPunch(off, n)
 	}
 	return b.settle(b.writeZeroes(off, n, noUnmap))
 }

@@ -19,11 +19,14 @@ import (
 // file. So the inline IO of a memory backend (TryReadAt, TryWriteAt)
 // copies from and into a shared mapping of it where that is the same IO:
 //
-//   - a file on tmpfs: reads and writes. Reads only while the file has
-//     no holes: a read of a hole through read(2) allocates nothing, one
-//     through a shared mapping allocates a page for it. A file with holes
-//     at open, after a Refresh, or once a discard or write-zeroes may
-//     have punched one, is read through system calls from then on;
+//   - a file on tmpfs: reads and writes. Reads only of pages known to be
+//     there: a read of a hole through read(2) allocates nothing, one
+//     through a shared mapping allocates a page for it. The file's pages
+//     are found at open (SEEK_DATA, SEEK_HOLE), a write through the
+//     backend adds its pages, a discard or write-zeroes takes out those
+//     it may punch before it does; the rest is read through system calls.
+//     (A hole punched behind the server's back is not seen: a read of it
+//     through the mapping allocates its page, the data still zeros.)
 //   - a RAM disk (brd, zram): reads, through the device's page cache as
 //     pread's; its writes go to workers (nowait.go) and stay there.
 //
@@ -39,9 +42,9 @@ import (
 // (Refresh) maps the file again; the older mappings stay until the last
 // Close, as IO may still be copying through them. Every open of one file
 // (or device) in the daemon shares its mappings — one read-only, one
-// writable — so that their page tables are paid once, not per session
-// that has the file open, and a discard through one open stops the
-// mapped reads of all.
+// writable — and what is known of its pages, so that their page tables
+// are paid once, not per session that has the file open, and a discard
+// through one open is seen by all.
 type mapState struct {
 	tmpfs    bool                    // a file on tmpfs (probeNowait)
 	writable bool                    // writes go through the mapping
@@ -52,12 +55,13 @@ type mapState struct {
 type fileMap struct {
 	key  fileKey
 	refs int // under maps.mu
-	// reads: reads go through the mapping (the file has no holes).
-	reads atomic.Bool
-	view  [2]atomic.Pointer[[]byte] // read-only, writable
-	mu    sync.Mutex                // orders remaps; under it:
-	old   [][]byte
-	done  bool // unmapped by its last backend
+	// present is a bit per page of the file known to be allocated,
+	// for a file (nil: a device, all of it).
+	present atomic.Pointer[pageBits]
+	view    [2]atomic.Pointer[[]byte] // read-only, writable
+	mu      sync.Mutex                // orders remaps; under it:
+	old     [][]byte
+	done    bool // unmapped by its last backend
 }
 
 // fileKey identifies a file: st_dev and st_ino, and its file handle
@@ -80,7 +84,6 @@ var maps struct {
 
 // mapInit maps the backend if its IO can go through a mapping.
 func (b *Backend) mapInit(direct bool) {
-	reads := true
 	k := fileKey{dev: b.dev, ino: b.ino}
 	switch {
 	case direct || !b.nw.mem || unsafe.Sizeof(uintptr(0)) < 8:
@@ -92,7 +95,6 @@ func (b *Backend) mapInit(direct bool) {
 		}
 		k.handle = fmt.Sprintf("%d:%x", h.Type(), h.Bytes())
 		b.mp.writable = !b.ro && !b.wt
-		reads = noHoles(b.nw.fd)
 	case b.kind != KindBlockDevice:
 		return
 	}
@@ -103,10 +105,10 @@ func (b *Backend) mapInit(direct bool) {
 			maps.m = make(map[fileKey]*fileMap)
 		}
 		m = &fileMap{key: k}
-		m.reads.Store(reads)
+		if b.kind == KindFile {
+			m.present.Store(findPages(b.nw.fd, b.size.Load()))
+		}
 		maps.m[k] = m
-	} else if !reads {
-		m.reads.Store(false)
 	}
 	m.refs++
 	maps.mu.Unlock()
@@ -114,19 +116,82 @@ func (b *Backend) mapInit(direct bool) {
 	b.remap(b.size.Load())
 }
 
-// dense reports whether a file may have every block of its size
-// allocated: not if it has fewer blocks (blocks past its end, which
-// fallocate can leave, make it say yes wrongly; noHoles is exact).
-func dense(st *unix.Stat_t) bool { return st.Blocks*512 >= st.Size }
+// pageBits has a bit per page of a file.
+type pageBits []atomic.Uint64
 
-// noHoles reports whether the file fd has no hole before its end.
-func noHoles(fd int) bool {
-	var st unix.Stat_t
-	if unix.Fstat(fd, &st) != nil || st.Size == 0 || !dense(&st) {
-		return false
+// pageShift: tmpfs allocates pages of 4 KiB (or huge pages, of whole
+// ones).
+const pageShift = 12
+
+func newPageBits(size int64) *pageBits {
+	bits := make(pageBits, (size>>pageShift+1+63)/64)
+	return &bits
+}
+
+// maxExtents bounds the walk of a file's pages at open; the pages past
+// it are read through system calls until written.
+const maxExtents = 1 << 16
+
+// findPages walks the data of the file fd (SEEK_DATA, SEEK_HOLE) for
+// its pages.
+func findPages(fd int, size int64) *pageBits {
+	bits := newPageBits(size)
+	for off, n := int64(0), 0; off < size && n < maxExtents; n++ {
+		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		if err != nil || data >= size {
+			break // ENXIO: no data past off
+		}
+		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		if err != nil || hole <= data {
+			break
+		}
+		bits.set(data, min(hole, size)-data)
+		off = hole
 	}
-	at, err := unix.Seek(fd, 0, unix.SEEK_HOLE)
-	return err == nil && at >= st.Size
+	return bits
+}
+
+// set marks the pages of n bytes at off allocated: every page they
+// touch, as a write of part of a page allocates all of it.
+func (p *pageBits) set(off, n int64) {
+	if n <= 0 {
+		return
+	}
+	for pg, last := off>>pageShift, (off+n-1)>>pageShift; pg <= last && pg>>6 < int64(len(*p)); pg++ {
+		(*p)[pg>>6].Or(1 << (pg & 63))
+	}
+}
+
+// clear marks the pages that a hole punched in n bytes at off may free
+// (those it covers whole) not known to be allocated.
+func (p *pageBits) clear(off, n int64) {
+	for pg, end := (off+1<<pageShift-1)>>pageShift, (off+n)>>pageShift; pg < end && pg>>6 < int64(len(*p)); pg++ {
+		(*p)[pg>>6].And(^uint64(1 << (pg & 63)))
+	}
+}
+
+// all reports whether every page of n bytes at off is known allocated.
+func (p *pageBits) all(off, n int64) bool {
+	for pg, last := off>>pageShift, (off+n-1)>>pageShift; pg <= last; pg++ {
+		if pg>>6 >= int64(len(*p)) || (*p)[pg>>6].Load()&(1<<(pg&63)) == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// grown is p for a file of size bytes (p itself if large enough). A bit
+// set in p while it is copied may be lost: that page is then read
+// through system calls until written again.
+func (p *pageBits) grown(size int64) *pageBits {
+	q := newPageBits(size)
+	if len(*q) <= len(*p) {
+		return p
+	}
+	for i := range *p {
+		(*q)[i].Store((*p)[i].Load())
+	}
+	return q
 }
 
 // viewOf is the index of the backend's mapping in fileMap.view.
@@ -170,6 +235,9 @@ func (b *Backend) remap(size int64) {
 	}
 	// A core dump of the daemon need not hold the export.
 	unix.Madvise(mm, unix.MADV_DONTDUMP)
+	if p := m.present.Load(); p != nil {
+		m.present.Store(p.grown(size))
+	}
 	if cur != nil {
 		m.old = append(m.old, *cur)
 	}
@@ -220,7 +288,10 @@ func (b *Backend) mapped(m *fileMap, off int64, n int) []byte {
 // made (or made in part), the caller reads by a system call.
 func (b *Backend) readMapped(p []byte, off int64) bool {
 	m := b.mp.m.Load()
-	if m == nil || !m.reads.Load() {
+	if m == nil {
+		return false
+	}
+	if bits := m.present.Load(); bits != nil && !bits.all(off, int64(len(p))) {
 		return false
 	}
 	x := b.mapped(m, off, len(p))
@@ -234,16 +305,35 @@ func (b *Backend) writeMapped(p []byte, off int64) bool {
 		return false
 	}
 	x := b.mapped(m, off, len(p))
-	return x != nil && copyFaulting(x, p, x)
+	if x == nil || !copyFaulting(x, p, x) {
+		return false
+	}
+	b.allocated(off, int64(len(p)))
+	return true
 }
 
-// holesMayCome: a hole may be punched in the file (a discard, a
-// write-zeroes, a grow): reads of every open of it go through system
-// calls from then on. (A hole punched behind the server's back is not
-// seen: a read of it through the mapping allocates its page.)
-func (b *Backend) holesMayCome() {
-	if m := b.mp.m.Load(); m != nil && b.kind == KindFile && m.reads.Load() {
-		m.reads.Store(false)
+// allocated: n bytes at off were written, their pages are there.
+func (b *Backend) allocated(off, n int64) {
+	if m := b.mp.m.Load(); m != nil {
+		if bits := m.present.Load(); bits != nil {
+			bits.set(off, n)
+		}
+	}
+}
+
+// mayPunch: a hole may be punched in n bytes at off (a discard, a
+// write-zeroes); their pages are read through system calls until
+// written again. Before the punch: a read after it must not fault a
+// page back in.
+func (b *Backend) mayPunch(off, n int64) {
+	if m := b.mp.m.Load(); m != nil {
+		// Under the lock a grow copies the bits under: a bit cleared
+		// during the copy must not come back.
+		m.mu.Lock()
+		if bits := m.present.Load(); bits != nil {
+			bits.clear(off, n)
+		}
+		m.mu.Unlock()
 	}
 }
 

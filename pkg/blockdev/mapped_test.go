@@ -43,10 +43,10 @@ func cur(b *Backend) []byte {
 	return nil
 }
 
-// reads reports whether the backend's reads go through its mapping.
-func reads(b *Backend) bool {
-	m := b.mp.m.Load()
-	return m != nil && m.reads.Load()
+// mappedRead reports whether a read of n bytes at off goes through the
+// backend's mapping (and makes it).
+func mappedRead(b *Backend, off int64, n int) bool {
+	return b.readMapped(make([]byte, n), off)
 }
 
 func blocks(t *testing.T, path string) int64 {
@@ -63,9 +63,9 @@ func blocks(t *testing.T, path string) int64 {
 func TestMappedIO(t *testing.T) {
 	path, data := denseFile(t, 1<<20)
 	b := open(t, path, Options{})
-	if cur(b) == nil || !reads(b) || !b.mp.writable {
+	if cur(b) == nil || !mappedRead(b, 0, 1<<20) || !b.mp.writable {
 		t.Fatalf("a dense tmpfs file is not mapped for reads and writes: mapped %v reads %v writes %v",
-			cur(b) != nil, reads(b), b.mp.writable)
+			cur(b) != nil, mappedRead(b, 0, 1<<20), b.mp.writable)
 	}
 	got := make([]byte, 64<<10)
 	if done, err := b.TryReadAt(got, 128<<10); !done || err != nil || !bytes.Equal(got, data[128<<10:][:len(got)]) {
@@ -88,39 +88,76 @@ func TestMappedIO(t *testing.T) {
 }
 
 // TestMappedReadsAllocateNothing: a read of a hole through a shared
-// mapping would allocate its page; so a file with holes, or one that a
-// discard may have punched, is read by system calls.
+// mapping would allocate its page; so the pages of a file that are holes
+// — at open, after a discard, a grow — are read by system calls until
+// the backend writes them.
 func TestMappedReadsAllocateNothing(t *testing.T) {
 	onTmpfs(t)
+	zeros := make([]byte, 1<<20)
+	// readHole reads n bytes of a hole at off: zeros (or want), by a
+	// system call, nothing allocated.
+	readHole := func(t *testing.T, b *Backend, path string, off int64, n int, want ...byte) {
+		t.Helper()
+		if want == nil {
+			want = zeros[:n]
+		}
+		before := blocks(t, path)
+		if mappedRead(b, off, n) {
+			t.Fatalf("a hole at %d would be read through the mapping", off)
+		}
+		got := make([]byte, n)
+		if done, err := b.TryReadAt(got, off); !done || err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("read of the hole at %d: done %v err %v", off, done, err)
+		}
+		if after := blocks(t, path); after != before {
+			t.Fatalf("reading the hole at %d allocated: %d blocks, then %d", off, before, after)
+		}
+	}
 	t.Run("sparse", func(t *testing.T) {
 		path := sparseFile(t, "/dev/shm", 4<<20)
+		f, err := os.OpenFile(path, os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = f.WriteAt(bytes.Repeat([]byte{1}, 64<<10), 2<<20)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
 		b := open(t, path, Options{})
-		got := make([]byte, 1<<20)
-		if done, err := b.TryReadAt(got, 1<<20); !done || err != nil || !bytes.Equal(got, make([]byte, len(got))) {
-			t.Fatalf("read of a hole: done %v err %v", done, err)
+		readHole(t, b, path, 1<<20, 1<<20)
+		readHole(t, b, path, 2<<20-4096, 8192, append(make([]byte, 4096), bytes.Repeat([]byte{1}, 4096)...)...) // half data
+		if !mappedRead(b, 2<<20, 64<<10) {
+			t.Fatal("the data found at open is not read through the mapping")
 		}
-		if n := blocks(t, path); n != 0 {
-			t.Fatalf("reading a hole allocated %d blocks", n)
+		// Written through the backend, a hole's pages are there.
+		if done, err := b.TryWriteAt(bytes.Repeat([]byte{2}, 6000), 3<<20+100); !done || err != nil {
+			t.Fatalf("write: done %v err %v", done, err)
 		}
+		if !mappedRead(b, 3<<20, 8192) {
+			t.Fatal("the pages written are not read through the mapping")
+		}
+		readHole(t, b, path, 3<<20+8192, 4096)
 	})
 	t.Run("discard", func(t *testing.T) {
 		path, _ := denseFile(t, 4<<20)
 		b := open(t, path, Options{})
-		if err := b.Discard(1<<20, 2<<20); err != nil {
+		// Not the pages it covers only in part: they stay.
+		if err := b.Discard(1<<20+512, 2<<20); err != nil {
 			t.Fatal(err)
 		}
-		before := blocks(t, path)
-		got := make([]byte, 1<<20)
-		if done, err := b.TryReadAt(got, 1<<20); !done || err != nil || !bytes.Equal(got, make([]byte, len(got))) {
-			t.Fatalf("read of a discarded range: done %v err %v", done, err)
+		readHole(t, b, path, 1<<20+4096, 1<<20)
+		if !mappedRead(b, 1<<20, 4096) || !mappedRead(b, 3<<20, 4096) {
+			t.Fatal("the pages a discard covers in part are not read through the mapping")
 		}
-		if after := blocks(t, path); after != before {
-			t.Fatalf("reading a discarded range allocated: %d blocks, then %d", before, after)
+		if err := b.WriteAt(zeros[:4096], 2<<20, false); err != nil {
+			t.Fatal(err)
+		}
+		if !mappedRead(b, 2<<20, 4096) {
+			t.Fatal("a page written again after a discard is not read through the mapping")
 		}
 	})
 	t.Run("preallocated past the end", func(t *testing.T) {
-		// As many blocks as its size, some of them past its end:
-		// the blocks say dense, the file has a hole.
 		path := sparseFile(t, "/dev/shm", 2<<20)
 		f, err := os.OpenFile(path, os.O_RDWR, 0)
 		if err != nil {
@@ -134,24 +171,19 @@ func TestMappedReadsAllocateNothing(t *testing.T) {
 			t.Skipf("fallocate: %v", err)
 		}
 		b := open(t, path, Options{})
-		before := blocks(t, path)
-		if done, err := b.TryReadAt(make([]byte, 1<<20), 1<<20); !done || err != nil {
-			t.Fatalf("read of the hole: done %v err %v", done, err)
-		}
-		if after := blocks(t, path); after != before {
-			t.Fatalf("reading the hole allocated: %d blocks, then %d", before, after)
-		}
+		readHole(t, b, path, 1<<20, 1<<20)
 	})
 	t.Run("write zeroes", func(t *testing.T) {
 		path, _ := denseFile(t, 4<<20)
 		b := open(t, path, Options{})
 		// Zeros written (tmpfs has no zero range): no hole.
-		if err := b.WriteZeroes(0, 1<<20, true); err != nil || !reads(b) {
-			t.Fatalf("write zeroes without unmap: err %v, mapped reads %v", err, reads(b))
+		if err := b.WriteZeroes(0, 1<<20, true); err != nil || !mappedRead(b, 0, 1<<20) {
+			t.Fatalf("write zeroes without unmap: err %v, mapped read %v", err, mappedRead(b, 0, 1<<20))
 		}
-		if err := b.WriteZeroes(0, 1<<20, false); err != nil || reads(b) {
-			t.Fatalf("write zeroes that may unmap: err %v, mapped reads %v", err, reads(b))
+		if err := b.WriteZeroes(0, 1<<20, false); err != nil {
+			t.Fatal(err)
 		}
+		readHole(t, b, path, 0, 1<<20)
 	})
 	t.Run("grown", func(t *testing.T) {
 		path, _ := denseFile(t, 1<<20)
@@ -162,42 +194,35 @@ func TestMappedReadsAllocateNothing(t *testing.T) {
 		if _, _, err := b.Refresh(); err != nil {
 			t.Fatal(err)
 		}
-		before := blocks(t, path)
-		got := make([]byte, 1<<20)
-		if done, err := b.TryReadAt(got, 2<<20); !done || err != nil {
-			t.Fatalf("read of the grown part: done %v err %v", done, err)
-		}
-		if after := blocks(t, path); after != before {
-			t.Fatalf("reading the hole a grow left allocated: %d blocks, then %d", before, after)
-		}
+		readHole(t, b, path, 2<<20, 1<<20)
 	})
 }
 
-// TestMappedGrow: a dense file grown and refreshed is mapped again, and
-// read through the new mapping.
+// TestMappedGrow: a file grown and refreshed is mapped again, and what
+// the backend writes past the old end is read through the new mapping.
 func TestMappedGrow(t *testing.T) {
 	path, _ := denseFile(t, 1<<20)
 	b := open(t, path, Options{})
-	more := make([]byte, 1<<20)
-	rand.Read(more)
-	f, err := os.OpenFile(path, os.O_WRONLY, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = f.WriteAt(more, 1<<20)
-	f.Close()
-	if err != nil {
+	if err := os.Truncate(path, 2<<20); err != nil {
 		t.Fatal(err)
 	}
 	if _, now, err := b.Refresh(); err != nil || now != 2<<20 {
 		t.Fatalf("refresh: size %d err %v", now, err)
 	}
-	if m := cur(b); m == nil || len(m) != 2<<20 || !reads(b) {
-		t.Fatalf("not mapped again after the grow (reads %v)", reads(b))
+	if m := cur(b); m == nil || len(m) != 2<<20 {
+		t.Fatal("not mapped again after the grow")
 	}
-	got := make([]byte, 64<<10)
-	if !b.readMapped(got, 1<<20+4096) || !bytes.Equal(got, more[4096:][:len(got)]) {
+	more := make([]byte, 64<<10)
+	rand.Read(more)
+	if done, err := b.TryWriteAt(more, 1<<20+4096); !done || err != nil {
+		t.Fatalf("write: done %v err %v", done, err)
+	}
+	got := make([]byte, len(more))
+	if !b.readMapped(got, 1<<20+4096) || !bytes.Equal(got, more) {
 		t.Fatal("the grown part is not read through the mapping")
+	}
+	if !mappedRead(b, 0, 1<<20) {
+		t.Fatal("the pages known before the grow are forgotten")
 	}
 }
 
@@ -307,4 +332,55 @@ func TestCopyFaultingHidesOnlyItsOwn(t *testing.T) {
 		}
 	}()
 	copyFaulting(buf, m[8192:][:4096], buf)
+}
+
+// BenchmarkTryIO: the inline IO of a tmpfs export, through the mapping
+// and by system calls (mapping off), 4 KiB at random offsets.
+func BenchmarkTryIO(b *testing.B) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs("/dev/shm", &fs); err != nil || uint32(fs.Type) != tmpfsMagic {
+		b.Skip("/dev/shm is not tmpfs")
+	}
+	const size = 64 << 20
+	f, err := os.CreateTemp("/dev/shm", "bench-*.img")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer os.Remove(f.Name())
+	if _, err := f.WriteAt(make([]byte, size), 0); err != nil {
+		b.Fatal(err)
+	}
+	f.Close()
+	offs := make([]int64, 4096)
+	for i := range offs {
+		offs[i] = int64(i*7919%(size/4096)) * 4096
+	}
+	for _, mapped := range []bool{true, false} {
+		be, err := Open(f.Name(), Options{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if !mapped {
+			be.unmap()
+		}
+		buf := make([]byte, 4096)
+		name := map[bool]string{true: "mapped", false: "syscall"}[mapped]
+		b.Run(name+"/read", func(b *testing.B) {
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				if done, err := be.TryReadAt(buf, offs[i%len(offs)]); !done || err != nil {
+					b.Fatal(done, err)
+				}
+			}
+		})
+		b.Run(name+"/write", func(b *testing.B) {
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				if done, err := be.TryWriteAt(buf, offs[i%len(offs)]); !done || err != nil {
+					b.Fatal(done, err)
+				}
+			}
+		})
+		be.Close()
+	}
 }

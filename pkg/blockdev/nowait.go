@@ -133,6 +133,7 @@ func (b *Backend) TryWriteAt(p []byte, off int64) (bool, error) {
 		return true, nil
 	}
 	if n, err := rawio.Pwrite(b.nw.fd, p, off); err == nil && n == len(p) {
+		b.allocated(off, int64(len(p)))
 		return true, nil
 	}
 	return true, b.WriteAt(p, off, false)
