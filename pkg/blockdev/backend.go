@@ -447,6 +447,7 @@ func (b *Backend) Refresh() (was, now int64, err error) {
 		if b.capOwner != 0 && now > b.capped {
 			now = b.capped
 		}
+		b.resized(b.size.Load(), now) // before a grow is served
 		was = b.size.Swap(now)
 		b.sizeMu.Unlock()
 		b.remap(now)

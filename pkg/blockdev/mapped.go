@@ -22,9 +22,10 @@ import (
 //   - a file on tmpfs: reads and writes. Reads only of pages known to be
 //     there: a read of a hole through read(2) allocates nothing, one
 //     through a shared mapping allocates a page for it. The file's pages
-//     are found at open (SEEK_DATA, SEEK_HOLE), a write through the
-//     backend adds its pages, a discard or write-zeroes takes out those
-//     it may punch before it does; the rest is read through system calls.
+//     are found at open and at every grow (SEEK_DATA, SEEK_HOLE), a
+//     write through the backend adds its pages, a discard or
+//     write-zeroes takes out those it may punch before it does, a shrink
+//     those it cut; the rest is read through system calls.
 //     (A hole punched behind the server's back is not seen: a read of it
 //     through the mapping allocates its page, the data still zeros.)
 //   - a RAM disk (brd, zram): reads, through the device's page cache as
@@ -86,7 +87,7 @@ var maps struct {
 func (b *Backend) mapInit(direct bool) {
 	k := fileKey{dev: b.dev, ino: b.ino}
 	switch {
-	case direct || !b.nw.mem || unsafe.Sizeof(uintptr(0)) < 8:
+	case direct || !b.nw.mem || unsafe.Sizeof(uintptr(0)) < 8 || b.size.Load() > maxMapped:
 		return
 	case b.kind == KindFile && b.mp.tmpfs:
 		h, _, err := unix.NameToHandleAt(b.nw.fd, "", unix.AT_EMPTY_PATH)
@@ -101,14 +102,21 @@ func (b *Backend) mapInit(direct bool) {
 	maps.mu.Lock()
 	m := maps.m[k]
 	if m == nil {
-		if maps.m == nil {
-			maps.m = make(map[fileKey]*fileMap)
-		}
-		m = &fileMap{key: k}
+		// The file's pages are walked without the lock: another open
+		// of it may register it meanwhile, and is then the one used.
+		maps.mu.Unlock()
+		n := &fileMap{key: k}
 		if b.kind == KindFile {
-			m.present.Store(findPages(b.nw.fd, b.size.Load()))
+			n.present.Store(findPages(b.nw.fd, b.size.Load()))
 		}
-		maps.m[k] = m
+		maps.mu.Lock()
+		if m = maps.m[k]; m == nil {
+			if maps.m == nil {
+				maps.m = make(map[fileKey]*fileMap)
+			}
+			m = n
+			maps.m[k] = m
+		}
 	}
 	m.refs++
 	maps.mu.Unlock()
@@ -151,29 +159,63 @@ func findPages(fd int, size int64) *pageBits {
 	return bits
 }
 
+// words yields, for the pages first to last (those in p), each word of
+// p that holds some of them and the mask of theirs.
+func (p *pageBits) words(first, last int64) func(yield func(*atomic.Uint64, uint64) bool) {
+	return func(yield func(*atomic.Uint64, uint64) bool) {
+		last = min(last, int64(len(*p))*64-1)
+		for first <= last {
+			end := min(last, first|63)
+			mask := ^uint64(0) >> uint(63-(end-first)) << uint(first&63)
+			if !yield(&(*p)[first>>6], mask) {
+				return
+			}
+			first = end + 1
+		}
+	}
+}
+
 // set marks the pages of n bytes at off allocated: every page they
-// touch, as a write of part of a page allocates all of it.
+// touch, as a write of part of a page allocates all of it. (pageShift is
+// a lower bound of the page: with larger pages a write allocates more
+// than it marks, which only sends more reads to system calls.)
 func (p *pageBits) set(off, n int64) {
-	if n <= 0 {
+	if n <= 0 || off < 0 {
 		return
 	}
-	for pg, last := off>>pageShift, (off+n-1)>>pageShift; pg <= last && pg>>6 < int64(len(*p)); pg++ {
-		(*p)[pg>>6].Or(1 << (pg & 63))
+	for w, mask := range p.words(off>>pageShift, (off+n-1)>>pageShift) {
+		if w.Load()&mask != mask { // no locked write when known
+			w.Or(mask)
+		}
 	}
 }
 
 // clear marks the pages that a hole punched in n bytes at off may free
 // (those it covers whole) not known to be allocated.
 func (p *pageBits) clear(off, n int64) {
-	for pg, end := (off+1<<pageShift-1)>>pageShift, (off+n)>>pageShift; pg < end && pg>>6 < int64(len(*p)); pg++ {
-		(*p)[pg>>6].And(^uint64(1 << (pg & 63)))
+	if n <= 0 || off < 0 {
+		return
+	}
+	first, end := (off+1<<pageShift-1)>>pageShift, (off+n)>>pageShift
+	if off+n < off {
+		end = math.MaxInt64 >> pageShift
+	}
+	for w, mask := range p.words(first, end-1) {
+		w.And(^mask)
 	}
 }
 
 // all reports whether every page of n bytes at off is known allocated.
 func (p *pageBits) all(off, n int64) bool {
-	for pg, last := off>>pageShift, (off+n-1)>>pageShift; pg <= last; pg++ {
-		if pg>>6 >= int64(len(*p)) || (*p)[pg>>6].Load()&(1<<(pg&63)) == 0 {
+	if n <= 0 || off < 0 {
+		return n == 0
+	}
+	first, last := off>>pageShift, (off+n-1)>>pageShift
+	if last >= int64(len(*p))*64 {
+		return false
+	}
+	for w, mask := range p.words(first, last) {
+		if w.Load()&mask != mask {
 			return false
 		}
 	}
@@ -326,14 +368,33 @@ func (b *Backend) allocated(off, n int64) {
 // written again. Before the punch: a read after it must not fault a
 // page back in.
 func (b *Backend) mayPunch(off, n int64) {
-	if m := b.mp.m.Load(); m != nil {
+	if m := b.mp.m.Load(); m != nil && m.present.Load() != nil {
 		// Under the lock a grow copies the bits under: a bit cleared
 		// during the copy must not come back.
 		m.mu.Lock()
-		if bits := m.present.Load(); bits != nil {
-			bits.clear(off, n)
-		}
+		m.present.Load().clear(off, n)
 		m.mu.Unlock()
+	}
+}
+
+// resized: the backend's size goes from was to now (Refresh, before it
+// serves now). A shrink freed the pages past now: forgotten. A grow may
+// come after a shrink not seen (behind the server's back, or through
+// another open while this file's bits were kept): the file is walked
+// again, or, if that fails, the pages past was forgotten.
+func (b *Backend) resized(was, now int64) {
+	m := b.mp.m.Load()
+	if was == now || m == nil || m.present.Load() == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.present.Load().clear(min(was, now)&^(1<<pageShift-1), math.MaxInt64)
+	if now < was || now > maxMapped {
+		return
+	}
+	if rc, err := b.f.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) { m.present.Store(findPages(int(fd), now)) })
 	}
 }
 
