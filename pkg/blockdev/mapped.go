@@ -39,10 +39,11 @@ import (
 // made in the page, where the system call would have grown the file or
 // failed a read.) Writes through the mapping move the file's mtime only on
 // the first write to each page. Files past maxMapped, and any in a 32-bit
-// process, are not mapped. A grow
-// (Refresh) maps the file again; the older mappings stay until the last
-// Close, as IO may still be copying through them. Every open of one file
-// (or device) in the daemon shares its mappings — one read-only, one
+// process, are not mapped.
+//
+// A grow (Refresh) maps the file again; the older mappings stay until the
+// last Close, as IO may still be copying through them. Every open of one
+// file (or device) in the daemon shares its mappings — one read-only, one
 // writable — and what is known of its pages, so that their page tables
 // are paid once, not per session that has the file open, and a discard
 // through one open is seen by all.
