@@ -351,16 +351,21 @@ func (b *Backend) writeMapped(p []byte, off int64) bool {
 	if x == nil || !copyFaulting(x, p, x) {
 		return false
 	}
-	b.allocated(off, int64(len(p)))
+	m.allocated(off, int64(len(p)))
 	return true
 }
 
-// allocated: n bytes at off were written, their pages are there.
+// allocated: n bytes at off were written by a system call, their pages
+// are there.
 func (b *Backend) allocated(off, n int64) {
 	if m := b.mp.m.Load(); m != nil {
-		if bits := m.present.Load(); bits != nil {
-			bits.set(off, n)
-		}
+		m.allocated(off, n)
+	}
+}
+
+func (m *fileMap) allocated(off, n int64) {
+	if bits := m.present.Load(); bits != nil {
+		bits.set(off, n)
 	}
 }
 
