@@ -16,8 +16,8 @@ echo VMTEST-INIT
 only=$(sed -n 's/.*vmtest\.only=\([^ ]*\).*/\1/p' /proc/cmdline)
 want() { case ",${only:-all}," in *",all,"* | *",$1,"*) return 0 ;; esac; return 1; }
 pass=0 fail=0
-res() { # name PASS|FAIL detail
-	echo "RESULT $1 $2 $3"
+res() { # name PASS|FAIL detail (on one line: the host keeps only RESULT lines)
+	echo "RESULT $1 $2 $(printf '%s' "$3" | tr '\n' ' ')"
 	case $2 in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; esac
 }
 check() { # name command... : PASS if the command succeeds
@@ -35,9 +35,9 @@ scenario() { # name: ends the running scenario (its time) and starts the next
 finish() {
 	scenario ""
 	echo "--- rnbd-client log"
-	tail -15 /tmp/client.log
+	tail -30 /tmp/client.log
 	echo "--- rnbd-server log"
-	tail -5 /tmp/server.log
+	tail -20 /tmp/server.log
 	echo "$pass passed, $fail failed"
 	echo VMTEST-DONE
 	poweroff -f
@@ -372,6 +372,17 @@ if want rdma && [ $rdma_up = 1 ]; then
 	st=$(cli path list --format csv --fields dst_addr,state,reconnects 2>/dev/null | grep 10.78.0.2)
 	case $st in *,connected,0 | "") res rdma-path-cut-seen FAIL "$st" ;; *) res rdma-path-cut-seen PASS "$st" ;; esac
 	ip addr add 10.78.0.2/24 dev rxenet
+	# The address is back: the path's own reconnects bring it up again
+	# (their delay has grown to several seconds by now).
+	t0=$(cut -d' ' -f1 /proc/uptime)
+	for _ in $(seq 120); do
+		st=$(cli path list --format csv --fields dst_addr,state 2>/dev/null | grep 10.78.0.2)
+		[ "$st" = ip:10.78.0.2,connected ] && break
+		sleep 0.5
+	done
+	[ "$st" = ip:10.78.0.2,connected ] &&
+		res rdma-path-cut-reconnected PASS "in $(awk -v a="$t0" -v b="$(cut -d' ' -f1 /proc/uptime)" 'BEGIN { print b - a }')s" ||
+		res rdma-path-cut-reconnected FAIL "$st"
 	scenario rdma-nbd-fs
 	fs rdma-nbd "$dev"
 
