@@ -287,7 +287,7 @@ func (p *CltPath) run() {
 		case <-timerC:
 			timer, timerC = nil, nil
 			p.unscheduled()
-			if retry, _ := p.reconnectWork(false); retry {
+			if retry, _ := p.reconnectWork(context.Background(), false); retry {
 				schedule()
 			}
 		case c := <-p.cmds:
@@ -302,7 +302,7 @@ func (p *CltPath) run() {
 				c.reply <- nil
 			case cmdReconnect:
 				stopTimer()
-				err := p.reconnectCmd()
+				err := p.reconnectCmd(c.ctx)
 				if p.State() == PathReconnecting {
 					schedule()
 				}
@@ -338,6 +338,8 @@ func (p *CltPath) do(ctx context.Context, op pathCmdOp) error {
 	case p.cmds <- c:
 	case <-p.done:
 		return fmt.Errorf("rtrs: path removed: %w", syscall.ENODEV)
+	case <-ctx.Done():
+		return fmt.Errorf("rtrs: path busy: %w", ctx.Err())
 	}
 	return <-c.reply
 }
@@ -498,7 +500,7 @@ func (p *CltPath) nextAttemptIn(in time.Duration) {
 // reconnectWork is rtrs_clt_reconnect_work: give up once the attempts are
 // spent, else try to establish the path again. It reports whether another
 // attempt should be scheduled, and why the attempt failed.
-func (p *CltPath) reconnectWork(manual bool) (bool, error) {
+func (p *CltPath) reconnectWork(ctx context.Context, manual bool) (bool, error) {
 	if p.State() != PathReconnecting {
 		return false, nil
 	}
@@ -527,7 +529,7 @@ func (p *CltPath) reconnectWork(manual bool) (bool, error) {
 	if !p.changeStateFromTo(PathReconnecting, PathConnecting) {
 		return false, nil
 	}
-	err := p.initPath(context.Background())
+	err := p.initPath(ctx)
 	if err == nil {
 		return false, nil
 	}
@@ -544,8 +546,10 @@ func (p *CltPath) reconnectWork(manual bool) (bool, error) {
 // that one when it sees the new attempt, so the next try normally works.
 const manualBusyRetries = 5
 
-// reconnectCmd is rtrs_clt_reconnect_from_sysfs.
-func (p *CltPath) reconnectCmd() error {
+// reconnectCmd is rtrs_clt_reconnect_from_sysfs. ctx bounds the
+// attempt (the connect timeout still applies within it); a path whose
+// attempt it ended goes on reconnecting by itself.
+func (p *CltPath) reconnectCmd(ctx context.Context) error {
 	changed, old := p.changeStateGetOld(PathReconnecting)
 	if !changed && old != PathReconnecting {
 		return fmt.Errorf("rtrs: path is %v: %w", old, syscall.EBUSY)
@@ -558,13 +562,24 @@ func (p *CltPath) reconnectCmd() error {
 		p.stopAndDestroyConns()
 	}
 	for i := 0; ; i++ {
-		retry, err := p.reconnectWork(true)
+		retry, err := p.reconnectWork(ctx, true)
 		if !retry || !errors.Is(err, syscall.EBUSY) || i == manualBusyRetries {
 			break
 		}
-		time.Sleep(min(p.sess.cfg.ReconnectDelay, 100*time.Millisecond) << i)
+		t := time.NewTimer(min(p.sess.cfg.ReconnectDelay, 100*time.Millisecond) << i)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
+		if ctx.Err() != nil {
+			break
+		}
 	}
 	if p.State() != PathConnected {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("rtrs: path did not reconnect (%v): %w", err, syscall.ENOTCONN)
+		}
 		return fmt.Errorf("rtrs: path did not reconnect: %w", syscall.ENOTCONN)
 	}
 	return nil

@@ -592,3 +592,52 @@ func TestCtrlLossTmo(t *testing.T) {
 		t.Fatalf("ctrl_loss_tmo 0 is no bound, got %v", r.sess.CtrlLossTmo())
 	}
 }
+
+// TestReconnectHonoursCtx: a manual reconnect whose dial hangs on a
+// silent link ends with its ctx, not the connect timeout, and leaves the
+// path to the automatic reconnects, which connect once the link is back.
+func TestReconnectHonoursCtx(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		net := fabrictest.NewNetwork()
+		fab := net.Fabric()
+		srvAddr := ap("10.14.0.1:1234")
+		cli := netip.MustParseAddr("10.14.0.2")
+		srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer srv.Close()
+		ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+		ccfg.ConnectTimeout = time.Minute
+		sess, err := Open(context.Background(), ccfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sess.Close()
+		p := sess.Paths()[0]
+		if err := p.Disconnect(); err != nil {
+			t.Fatal(err)
+		}
+		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkBlackhole)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		start := time.Now()
+		err = p.Reconnect(ctx)
+		if !errors.Is(err, syscall.ENOTCONN) {
+			t.Fatalf("Reconnect on a silent link = %v, want ENOTCONN", err)
+		}
+		if d := time.Since(start); d != 2*time.Second {
+			t.Fatalf("Reconnect returned after %v, want its ctx's 2s", d)
+		}
+		if s := p.State(); s != PathReconnecting && s != PathConnecting {
+			t.Fatalf("path is %v after the ended attempt, want RECONNECTING", s)
+		}
+		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+		for i := 0; p.State() != PathConnected; i++ {
+			if i == 600 {
+				t.Fatalf("path is %v a minute after the link came back", p.State())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+}
