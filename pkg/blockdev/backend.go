@@ -702,11 +702,13 @@ func (b *Backend) settle(err error) error {
 	return unix.Fdatasync(int(b.f.Fd()))
 }
 
-// Flush makes every write that completed before it durable.
+// Flush makes every write that completed before it durable, and
+// stamps the file's mtime for them.
 func (b *Backend) Flush() error {
 	if b.ro {
 		return nil
 	}
+	b.stampMtime(false)
 	return unix.Fdatasync(int(b.f.Fd()))
 }
 
@@ -821,6 +823,7 @@ func ioctlRange(f *os.File, req uint, off, n int64) error {
 func (b *Backend) Close() error {
 	var err error
 	b.closeOnce.Do(func() {
+		b.stampMtime(true)
 		b.unmap()
 		err = b.f.Close()
 		if b.fsync != nil {

@@ -6,6 +6,7 @@ import (
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -37,9 +38,15 @@ import (
 // quite for a file cut behind the server's back to a size that is not a
 // whole page, which Health reports: IO to the rest of its last page is
 // made in the page, where the system call would have grown the file or
-// failed a read.) Writes through the mapping move the file's mtime only on
-// the first write to each page. Files past maxMapped, and any in a 32-bit
+// failed a read.) Writes through the mapping stamp the file's mtime a
+// little late (mtimeStamp). Files past maxMapped, and any in a 32-bit
 // process, are not mapped.
+//
+// A new mapping of a tmpfs file gets the page tables of the file's pages
+// built in the background (populate): otherwise the first write to each
+// page after an open or a grow takes a page fault, a fifth of the
+// server's CPU at 4 KiB random writes until every page has had one (see
+// docs/benchmarks.md).
 //
 // A grow (Refresh) maps the file again; the older mappings stay until the
 // last Close, as IO may still be copying through them. Every open of one
@@ -51,7 +58,25 @@ type mapState struct {
 	tmpfs    bool                    // a file on tmpfs (probeNowait)
 	writable bool                    // writes go through the mapping
 	m        atomic.Pointer[fileMap] // nil: not mapped
+	stamp    mtimeStamp
 }
+
+// mtimeStamp moves the mtime of a file written through its mapping. A
+// write moves it only when it faults its page in, and on tmpfs a page
+// read first, or populated, is mapped writable already: so the backend
+// moves the mtime itself, at most mtimeLag after a write, at a Flush
+// and at Close. Backups and anything else that goes by mtime then see
+// the file change, as with pwrite.
+type mtimeStamp struct {
+	pending atomic.Bool // a write not yet stamped
+	mu      sync.Mutex  // under it:
+	timer   *time.Timer
+	closed  bool
+}
+
+// mtimeLag is how late the mtime of a file written through its mapping
+// may be.
+const mtimeLag = time.Second
 
 // fileMap is the mapping of one file, shared by its backends.
 type fileMap struct {
@@ -61,9 +86,10 @@ type fileMap struct {
 	// for a file (nil: a device, all of it).
 	present atomic.Pointer[pageBits]
 	view    [2]atomic.Pointer[[]byte] // read-only, writable
-	mu      sync.Mutex                // orders remaps; under it:
+	mu      sync.Mutex                // orders remaps, punches, populate's steps; under it:
 	old     [][]byte
-	done    bool // unmapped by its last backend
+	done    bool           // unmapped by its last backend
+	pop     sync.WaitGroup // populate goroutines
 }
 
 // fileKey identifies a file: st_dev and st_ino, and its file handle
@@ -223,6 +249,31 @@ func (p *pageBits) all(off, n int64) bool {
 	return true
 }
 
+// runs yields the runs of pages of the bytes from off to end known
+// allocated, each as its first byte and length, clipped to off and end.
+func (p *pageBits) runs(off, end int64) func(yield func(int64, int64) bool) {
+	return func(yield func(int64, int64) bool) {
+		if off < 0 || end <= off {
+			return
+		}
+		last := min((end-1)>>pageShift, int64(len(*p))*64-1)
+		start := int64(-1)
+		for pg := off >> pageShift; pg <= last+1; pg++ {
+			set := pg <= last && (*p)[pg>>6].Load()&(1<<uint(pg&63)) != 0
+			switch {
+			case set && start < 0:
+				start = pg
+			case !set && start >= 0:
+				a, b := max(start<<pageShift, off), min(pg<<pageShift, end)
+				if !yield(a, b-a) {
+					return
+				}
+				start = -1
+			}
+		}
+	}
+}
+
 // grown is p for a file of size bytes (p itself if large enough). A bit
 // set in p while it is copied may be lost: that page is then read
 // through system calls until written again.
@@ -285,6 +336,55 @@ func (b *Backend) remap(size int64) {
 		m.old = append(m.old, *cur)
 	}
 	v.Store(&mm)
+	if m.present.Load() != nil {
+		m.pop.Add(1)
+		go m.populate(b.viewOf(), mm)
+	}
+}
+
+// populateStep is how much of a mapping populate makes at a time, under
+// m.mu: a discard waits for at most one step.
+const populateStep = 2 << 20
+
+// populating lets one populate step run at a time in the process: a
+// daemon that opens many exports at once builds their page tables on
+// one CPU, not on all of them.
+var populating sync.Mutex
+
+// populate builds the page tables of view, the mapping m.view[idx],
+// for the pages of the file known to be there, a step at a time, until
+// it is done, view is no longer the current mapping (a grow's populate
+// takes over), the file is unmapped, or the kernel refuses (before
+// Linux 5.14, or a file cut behind the server's back). Read faults
+// only: they allocate nothing, move no mtime, and on tmpfs a shared
+// writable mapping maps a page writable on a read fault as well (it
+// tracks no dirty pages), so writes then fault no more than reads. A
+// hole is never touched, as a fault would allocate it: the step holds
+// m.mu, under which mayPunch clears what it may punch, so no page is
+// faulted back after a punch.
+func (m *fileMap) populate(idx int, view []byte) {
+	defer m.pop.Done()
+	for off := int64(0); off < int64(len(view)); off += populateStep {
+		end := min(off+populateStep, int64(len(view)))
+		m.mu.Lock()
+		cur := m.view[idx].Load()
+		if m.done || cur == nil || unsafe.SliceData(*cur) != unsafe.SliceData(view) {
+			m.mu.Unlock()
+			return
+		}
+		var err error
+		populating.Lock()
+		for first, n := range m.present.Load().runs(off, end) {
+			if err = unix.Madvise(view[first:first+n], unix.MADV_POPULATE_READ); err != nil {
+				break
+			}
+		}
+		populating.Unlock()
+		m.mu.Unlock()
+		if err != nil {
+			return
+		}
+	}
 }
 
 // unmap lets go of the backend's mapping, which its last backend's
@@ -305,7 +405,6 @@ func (b *Backend) unmap() {
 		return
 	}
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	for i := range m.view {
 		if cur := m.view[i].Swap(nil); cur != nil {
 			m.old = append(m.old, *cur)
@@ -315,6 +414,8 @@ func (b *Backend) unmap() {
 		unix.Munmap(x)
 	}
 	m.old, m.done = nil, true
+	m.mu.Unlock()
+	m.pop.Wait() // each sees done at its next step
 }
 
 // mapped is the backend's mapping for n bytes at off, or nil if it has
@@ -352,7 +453,35 @@ func (b *Backend) writeMapped(p []byte, off int64) bool {
 		return false
 	}
 	m.allocated(off, int64(len(p)))
+	if s := &b.mp.stamp; !s.pending.Load() && s.pending.CompareAndSwap(false, true) {
+		s.mu.Lock()
+		if !s.closed {
+			s.timer = time.AfterFunc(mtimeLag, func() { b.stampMtime(false) })
+		}
+		s.mu.Unlock()
+	}
 	return true
+}
+
+// stampMtime sets the file's mtime (and with it its ctime) to now if a
+// write through the mapping has not been stamped; with last, at Close,
+// no write comes after.
+func (b *Backend) stampMtime(last bool) {
+	s := &b.mp.stamp
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.closed && s.pending.Swap(false) {
+		// Best effort, as the kernel's own stamp of a write is: the
+		// write is made either way.
+		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_NOW}}
+		unix.UtimesNanoAt(b.nw.fd, "", ts, unix.AT_EMPTY_PATH)
+	}
+	if last {
+		s.closed = true
+		if s.timer != nil {
+			s.timer.Stop()
+		}
+	}
 }
 
 // allocated: n bytes at off were written by a system call, their pages

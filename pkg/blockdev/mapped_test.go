@@ -6,8 +6,10 @@ import (
 	"errors"
 	"math"
 	"os"
+	"runtime"
 	"syscall"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -462,4 +464,176 @@ func TestPageBits(t *testing.T) {
 	if p.grown(10*pg) != p {
 		t.Error("bits grown to a smaller size are not the same")
 	}
+}
+
+func TestPageBitsRuns(t *testing.T) {
+	const pg = 1 << pageShift
+	p := newPageBits(200 * pg)
+	p.set(0, 2*pg)
+	p.set(63*pg, 3*pg) // across a word's end
+	p.set(199*pg, pg)  // the last page
+	type run struct{ off, n int64 }
+	collect := func(off, end int64) (rs []run) {
+		for a, n := range p.runs(off, end) {
+			rs = append(rs, run{a, n})
+		}
+		return rs
+	}
+	for _, c := range []struct {
+		off, end int64
+		want     []run
+	}{
+		{0, 200 * pg, []run{{0, 2 * pg}, {63 * pg, 3 * pg}, {199 * pg, pg}}},
+		{pg + 10, 64 * pg, []run{{pg + 10, pg - 10}, {63 * pg, pg}}}, // clipped both ends
+		{2 * pg, 63 * pg, nil},
+		{199*pg + 100, 400 * pg, []run{{199*pg + 100, pg - 100}}}, // end past the bits: the pages past them are not known
+		{5 * pg, 5 * pg, nil},
+	} {
+		got := collect(c.off, c.end)
+		if len(got) != len(c.want) {
+			t.Errorf("runs(%d, %d) = %v, want %v", c.off, c.end, got, c.want)
+			continue
+		}
+		for i := range got {
+			if got[i] != c.want[i] {
+				t.Errorf("runs(%d, %d) = %v, want %v", c.off, c.end, got, c.want)
+				break
+			}
+		}
+	}
+}
+
+// TestMappedPopulate: the mapping of a tmpfs file gets the page tables
+// of its data pages ahead of the IO, so that a write faults no page in;
+// its holes stay holes and its mtime stays.
+func TestMappedPopulate(t *testing.T) {
+	onTmpfs(t)
+	const size = 8 << 20
+	path := sparseFile(t, "/dev/shm", size)
+	data := bytes.Repeat([]byte{7}, 3<<20)
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err1 := f.WriteAt(data, 0)       // data, then a hole of 2 MiB,
+	_, err2 := f.WriteAt(data, 5<<20-1) // data to the end (its first page partly)
+	f.Close()
+	if err1 != nil || err2 != nil {
+		t.Fatal(err1, err2)
+	}
+	before := blocks(t, path)
+	b := open(t, path, Options{})
+	m := b.mp.m.Load()
+	if m == nil || !b.mp.writable {
+		t.Fatal("the file is not mapped for writes")
+	}
+	m.pop.Wait()
+	if after := blocks(t, path); after != before {
+		t.Fatalf("populate allocated the hole: %d blocks, then %d", before, after)
+	}
+	// 64 writes of a page each, through the mapping, across the data:
+	// none faults a page in.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	w := bytes.Repeat([]byte{9}, 1<<pageShift)
+	faults := func() int64 {
+		var ru unix.Rusage
+		if err := unix.Getrusage(unix.RUSAGE_THREAD, &ru); err != nil {
+			t.Fatal(err)
+		}
+		return ru.Minflt + ru.Majflt
+	}
+	b.TryWriteAt(w, 0) // the code and stack of the path, warm
+	n0 := faults()
+	for i := int64(1); i <= 64; i++ {
+		off := i * (size - 1<<pageShift) / 64 &^ (1<<pageShift - 1)
+		if off >= 3<<20 && off < 5<<20 {
+			off -= 2 << 20 // not into the hole
+		}
+		if done, err := b.TryWriteAt(w, off); !done || err != nil {
+			t.Fatalf("write at %d: done %v err %v", off, done, err)
+		}
+	}
+	// Unpopulated, most of them fault (48 of the 64 here); the race
+	// detector's shadow memory takes a few of its own.
+	if n := faults() - n0; n > 16 {
+		t.Fatalf("64 writes to populated pages took %d page faults", n)
+	}
+	// The open's discard probe moves a tmpfs file's mtime; populate,
+	// made again, must not.
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+	if err := os.Chtimes(path, past, past); err != nil {
+		t.Fatal(err)
+	}
+	m.pop.Add(1)
+	m.populate(b.viewOf(), cur(b))
+	if st, err := os.Stat(path); err != nil || !st.ModTime().Equal(past) {
+		t.Fatalf("populate moved the mtime: %v (err %v), was %v", st.ModTime(), err, past)
+	}
+}
+
+// TestMappedWritesMoveMtime: writes through the mapping move the file's
+// mtime, though they fault no page in: within mtimeLag, at a Flush and
+// at Close; reads do not.
+func TestMappedWritesMoveMtime(t *testing.T) {
+	path, _ := denseFile(t, 1<<20)
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+	setPast := func() {
+		t.Helper()
+		if err := os.Chtimes(path, past, past); err != nil {
+			t.Fatal(err)
+		}
+	}
+	moved := func() bool {
+		t.Helper()
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return !st.ModTime().Equal(past)
+	}
+	w := bytes.Repeat([]byte{5}, 4096)
+	write := func(b *Backend) {
+		t.Helper()
+		if !b.writeMapped(w, 8192) {
+			t.Fatal("the write did not go through the mapping")
+		}
+	}
+	synctest.Test(t, func(t *testing.T) {
+		b, err := Open(path, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer b.Close()
+		b.mp.m.Load().pop.Wait()
+		setPast()
+		if !mappedRead(b, 0, 1<<20) {
+			t.Fatal("the read did not go through the mapping")
+		}
+		if err := b.Flush(); err != nil || moved() {
+			t.Fatalf("a read moved the mtime (flush err %v)", err)
+		}
+		write(b)
+		time.Sleep(mtimeLag)
+		synctest.Wait()
+		if !moved() {
+			t.Fatalf("the mtime did not move within %v of a write", mtimeLag)
+		}
+		setPast()
+		write(b)
+		if err := b.Flush(); err != nil || !moved() {
+			t.Fatalf("a flush after a write left the mtime (err %v)", err)
+		}
+		setPast()
+		write(b)
+		if err := b.Close(); err != nil || !moved() {
+			t.Fatalf("a close after a write left the mtime (err %v)", err)
+		}
+		setPast()
+		time.Sleep(2 * mtimeLag)
+		synctest.Wait()
+		if moved() {
+			t.Fatal("the mtime moved after the close")
+		}
+	})
 }
