@@ -322,27 +322,35 @@ func TestConfigLimits(t *testing.T) {
 	}
 }
 
+// openSlowDial opens a session of one path from cli to srvAddr, whose
+// connect timeout (a minute) a dial on a silent link would wait out;
+// server and session close with the test.
+func openSlowDial(t *testing.T) (net *fabrictest.Network, cli netip.Addr, srvAddr netip.AddrPort, p *CltPath) {
+	t.Helper()
+	net = fabrictest.NewNetwork()
+	fab := net.Fabric()
+	srvAddr = ap("10.14.0.1:1234")
+	cli = netip.MustParseAddr("10.14.0.2")
+	srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.ConnectTimeout = time.Minute
+	sess, err := Open(context.Background(), ccfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sess.Close() })
+	return net, cli, srvAddr, sess.Paths()[0]
+}
+
 // TestRemoveWhileReconnecting: removing a path whose reconnect hangs on
 // a silent link does not wait for the connect timeout.
 func TestRemoveWhileReconnecting(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		net := fabrictest.NewNetwork()
-		fab := net.Fabric()
-		srvAddr := ap("10.14.0.1:1234")
-		cli := netip.MustParseAddr("10.14.0.2")
-		srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer srv.Close()
-		ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
-		ccfg.ConnectTimeout = time.Minute
-		sess, err := Open(context.Background(), ccfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer sess.Close()
-		p := sess.Paths()[0]
+		net, cli, srvAddr, p := openSlowDial(t)
 		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkBlackhole)
 		net.Cut(cli, srvAddr.Addr())
 		time.Sleep(time.Second) // the reconnect attempt now hangs in its dial
@@ -598,23 +606,7 @@ func TestCtrlLossTmo(t *testing.T) {
 // path to the automatic reconnects, which connect once the link is back.
 func TestReconnectHonoursCtx(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		net := fabrictest.NewNetwork()
-		fab := net.Fabric()
-		srvAddr := ap("10.14.0.1:1234")
-		cli := netip.MustParseAddr("10.14.0.2")
-		srv, err := NewServer(testServerConfig(fab, newMemDisk(1<<20), srvAddr))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer srv.Close()
-		ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
-		ccfg.ConnectTimeout = time.Minute
-		sess, err := Open(context.Background(), ccfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer sess.Close()
-		p := sess.Paths()[0]
+		net, cli, srvAddr, p := openSlowDial(t)
 		if err := p.Disconnect(); err != nil {
 			t.Fatal(err)
 		}
@@ -622,7 +614,7 @@ func TestReconnectHonoursCtx(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		start := time.Now()
-		err = p.Reconnect(ctx)
+		err := p.Reconnect(ctx)
 		if !errors.Is(err, syscall.ENOTCONN) {
 			t.Fatalf("Reconnect on a silent link = %v, want ENOTCONN", err)
 		}
