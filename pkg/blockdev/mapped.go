@@ -69,8 +69,8 @@ type mapState struct {
 // the file change, as with pwrite.
 type mtimeStamp struct {
 	pending atomic.Bool // a write not yet stamped
-	mu      sync.Mutex  // under it:
-	timer   *time.Timer
+	timer   *time.Timer // stamps; armed by the write that sets pending
+	mu      sync.Mutex  // orders the stamps with Close; under it:
 	closed  bool
 }
 
@@ -123,6 +123,10 @@ func (b *Backend) mapInit(direct bool) {
 		}
 		k.handle = fmt.Sprintf("%d:%x", h.Type(), h.Bytes())
 		b.mp.writable = !b.ro && !b.wt
+		if b.mp.writable {
+			b.mp.stamp.timer = time.AfterFunc(time.Hour, func() { b.stampMtime(false) })
+			b.mp.stamp.timer.Stop()
+		}
 	case b.kind != KindBlockDevice:
 		return
 	}
@@ -348,11 +352,12 @@ const populateStep = 2 << 20
 
 // populating lets one populate step run at a time in the process: a
 // daemon that opens many exports at once builds their page tables on
-// one CPU, not on all of them.
+// one CPU, not on all of them. Taken before the file's m.mu.
 var populating sync.Mutex
 
 // populate builds the page tables of view, the mapping m.view[idx],
-// for the pages of the file known to be there, a step at a time, until
+// for the pages of the file known to be there and in memory (a page
+// swapped out is left to IO to bring in), a step at a time, until
 // it is done, view is no longer the current mapping (a grow's populate
 // takes over), the file is unmapped, or the kernel refuses (before
 // Linux 5.14, or a file cut behind the server's back). Read faults
@@ -366,23 +371,63 @@ func (m *fileMap) populate(idx int, view []byte) {
 	defer m.pop.Done()
 	for off := int64(0); off < int64(len(view)); off += populateStep {
 		end := min(off+populateStep, int64(len(view)))
+		populating.Lock() // first: a discard waits for this file's step only
 		m.mu.Lock()
 		cur := m.view[idx].Load()
 		if m.done || cur == nil || unsafe.SliceData(*cur) != unsafe.SliceData(view) {
 			m.mu.Unlock()
+			populating.Unlock()
 			return
 		}
-		var err error
-		populating.Lock()
-		for first, n := range m.present.Load().runs(off, end) {
-			if err = unix.Madvise(view[first:first+n], unix.MADV_POPULATE_READ); err != nil {
-				break
-			}
-		}
-		populating.Unlock()
+		err := populateStep1(view, off, end, m.present.Load(), resident[:])
 		m.mu.Unlock()
+		populating.Unlock()
 		if err != nil {
 			return
+		}
+	}
+}
+
+// resident is populate's mincore vector, a byte per page of a step,
+// under populating.
+var resident [populateStep >> pageShift]byte
+
+// populateStep1 populates the pages of view from off (a step's start)
+// to end that are allocated (bits) and in memory: a tmpfs page swapped
+// out stays out until IO wants it.
+func populateStep1(view []byte, off, end int64, bits *pageBits, vec []byte) error {
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&view[off])), uintptr(end-off), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		return e
+	}
+	for a, n := range residentRuns(off, end, bits, vec) {
+		if err := unix.Madvise(view[a:a+n], unix.MADV_POPULATE_READ); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// residentRuns yields the runs of bytes from off (page-aligned) to end
+// whose pages are known allocated (bits) and in memory (vec: mincore's
+// vector from off), each as its first byte and length.
+func residentRuns(off, end int64, bits *pageBits, vec []byte) func(yield func(int64, int64) bool) {
+	return func(yield func(int64, int64) bool) {
+		in := func(a int64) bool { return vec[(a-off)>>pageShift]&1 != 0 }
+		next := func(a, limit int64) int64 { return min((a>>pageShift+1)<<pageShift, limit) }
+		for first, n := range bits.runs(off, end) {
+			for a, stop := first, first+n; a < stop; {
+				b := a
+				for b < stop && in(b) {
+					b = next(b, stop)
+				}
+				if b > a && !yield(a, b-a) {
+					return
+				}
+				for b < stop && !in(b) {
+					b = next(b, stop)
+				}
+				a = b
+			}
 		}
 	}
 }
@@ -453,12 +498,10 @@ func (b *Backend) writeMapped(p []byte, off int64) bool {
 		return false
 	}
 	m.allocated(off, int64(len(p)))
+	// One atomic load per write; the write that finds no stamp pending
+	// arms the timer, without a lock or an allocation.
 	if s := &b.mp.stamp; !s.pending.Load() && s.pending.CompareAndSwap(false, true) {
-		s.mu.Lock()
-		if !s.closed {
-			s.timer = time.AfterFunc(mtimeLag, func() { b.stampMtime(false) })
-		}
-		s.mu.Unlock()
+		s.timer.Reset(mtimeLag)
 	}
 	return true
 }
@@ -471,10 +514,11 @@ func (b *Backend) stampMtime(last bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.closed && s.pending.Swap(false) {
+		// futimens: utimensat on the descriptor itself (a NULL path).
 		// Best effort, as the kernel's own stamp of a write is: the
 		// write is made either way.
-		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_NOW}}
-		unix.UtimesNanoAt(b.nw.fd, "", ts, unix.AT_EMPTY_PATH)
+		ts := [2]unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_NOW}}
+		unix.Syscall6(unix.SYS_UTIMENSAT, uintptr(b.nw.fd), 0, uintptr(unsafe.Pointer(&ts[0])), 0, 0, 0)
 	}
 	if last {
 		s.closed = true

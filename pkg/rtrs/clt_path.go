@@ -333,13 +333,18 @@ func (p *CltPath) do(ctx context.Context, op pathCmdOp) error {
 			(*cancel)()
 		}
 	}
+	// A command whose ctx has ended is not made: the select below
+	// would pick the send or the ctx at random.
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("rtrs: path command not made: %w", err)
+	}
 	c := pathCmd{op: op, ctx: ctx, reply: make(chan error, 1)}
 	select {
 	case p.cmds <- c:
 	case <-p.done:
 		return fmt.Errorf("rtrs: path removed: %w", syscall.ENODEV)
 	case <-ctx.Done():
-		return fmt.Errorf("rtrs: path busy: %w", ctx.Err())
+		return fmt.Errorf("rtrs: path busy, command not made: %w", ctx.Err())
 	}
 	return <-c.reply
 }
@@ -375,7 +380,9 @@ func derivePathUUID(sess [16]byte, pa PathAddr) [16]byte {
 // Reconnect disconnects and reconnects the path now (paths/<p>/reconnect).
 // It returns nil if the path is connected afterwards, ENOTCONN if not, and
 // EBUSY if the path is in a state that cannot be reconnected (closing,
-// or being established). It bypasses max_reconnect_attempts.
+// or being established). It bypasses max_reconnect_attempts. ctx bounds
+// the attempt; if it ends before the path takes the command, the path
+// is left as it was and ctx's error returned.
 func (p *CltPath) Reconnect(ctx context.Context) error { return p.do(ctx, cmdReconnect) }
 
 // Disconnect closes the path's connections and keeps it CLOSED until a
@@ -550,6 +557,9 @@ const manualBusyRetries = 5
 // attempt (the connect timeout still applies within it); a path whose
 // attempt it ended goes on reconnecting by itself.
 func (p *CltPath) reconnectCmd(ctx context.Context) error {
+	if err := ctx.Err(); err != nil { // it ended while the command waited
+		return fmt.Errorf("rtrs: path reconnect not made: %w", err)
+	}
 	changed, old := p.changeStateGetOld(PathReconnecting)
 	if !changed && old != PathReconnecting {
 		return fmt.Errorf("rtrs: path is %v: %w", old, syscall.EBUSY)

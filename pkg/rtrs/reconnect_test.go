@@ -601,12 +601,24 @@ func TestCtrlLossTmo(t *testing.T) {
 	}
 }
 
-// TestReconnectHonoursCtx: a manual reconnect whose dial hangs on a
-// silent link ends with its ctx, not the connect timeout, and leaves the
-// path to the automatic reconnects, which connect once the link is back.
+// TestReconnectHonoursCtx: a manual reconnect whose ctx has ended is
+// not made; one whose dial hangs on a silent link ends with its ctx,
+// not the connect timeout, and leaves the path to the automatic
+// reconnects, which connect once the link is back.
 func TestReconnectHonoursCtx(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		net, cli, srvAddr, p := openSlowDial(t)
+		// A ctx that has ended leaves a connected path alone.
+		done, stop := context.WithCancel(context.Background())
+		stop()
+		for range 20 {
+			if err := p.Reconnect(done); !errors.Is(err, context.Canceled) {
+				t.Fatalf("Reconnect with an ended ctx = %v, want context.Canceled", err)
+			}
+			if s := p.State(); s != PathConnected {
+				t.Fatalf("path is %v after a Reconnect with an ended ctx, want CONNECTED", s)
+			}
+		}
 		if err := p.Disconnect(); err != nil {
 			t.Fatal(err)
 		}
