@@ -56,6 +56,10 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	if err := r.write(0, []byte("after")); err != nil {
 		t.Fatalf("write after the reconnect: %v", err)
 	}
+	// The path counts itself up just after it turns CONNECTED (as the
+	// kernel's rtrs_clt_path_up does): under load the write above can
+	// come between the two. What must not happen is a count of two.
+	waitFor(t, 5*time.Second, "the path counted up", func() bool { return r.sess.pathsUpCount() >= 1 })
 	if n := r.sess.pathsUpCount(); n != 1 {
 		t.Fatalf("one path connected, session counts %d", n)
 	}
