@@ -323,8 +323,11 @@ func dioAlign(f *os.File, fsdev uint64) int {
 func validBlockSize(n int) bool { return n >= 512 && n <= 65536 && n&(n-1) == 0 }
 
 // probeFile learns what the file's filesystem can do, without changing
-// the file: a hole punched past the end with KEEP_SIZE changes nothing,
-// and fails with EOPNOTSUPP where holes cannot be punched.
+// its data: a hole punched past the end with KEEP_SIZE frees nothing,
+// and fails with EOPNOTSUPP where holes cannot be punched. It does move
+// the file's mtime (ext4, tmpfs), which is left so: putting the old
+// one back could hide a write made meanwhile from a backup. tmpfs
+// punches holes (since Linux 3.5), so it is not asked.
 func (b *Backend) probeFile() {
 	b.caps = Caps{
 		MaxIOBytes:          8 << 20,
@@ -338,7 +341,9 @@ func (b *Backend) probeFile() {
 	// Zero range is not probed: past the end it allocates an unwritten
 	// extent (ext4, XFS) that stays; the first write-zeroes finds out.
 	b.caps.ZeroRange = true
-	if unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
+	var fs unix.Statfs_t
+	tmpfs := unix.Fstatfs(int(b.f.Fd()), &fs) == nil && uint32(fs.Type) == tmpfsMagic
+	if tmpfs || unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
 		b.caps.Discard = true
 		b.caps.MaxDiscardBytes = maxZeroBytes
 		b.caps.DiscardGranularity = uint32(b.pbs)

@@ -528,3 +528,28 @@ func TestHealth(t *testing.T) {
 		t.Fatalf("deleted: %v", err)
 	}
 }
+
+// TestOpenLeavesMtime: opening a tmpfs file for writes, its probes and
+// populate included, changes nothing a backup would see. (Elsewhere the
+// discard probe moves the mtime: probeFile.)
+func TestOpenLeavesMtime(t *testing.T) {
+	onTmpfs(t)
+	path := sparseFile(t, "/dev/shm", 8<<20)
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+	if err := os.Chtimes(path, past, past); err != nil {
+		t.Fatal(err)
+	}
+	b := open(t, path, Options{})
+	if !b.Caps().Discard {
+		t.Fatal("no discard on tmpfs")
+	}
+	if m := b.mp.m.Load(); m != nil {
+		m.pop.Wait()
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(path); err != nil || !st.ModTime().Equal(past) {
+		t.Fatalf("open and close moved the mtime to %v (err %v), was %v", st.ModTime(), err, past)
+	}
+}
