@@ -95,6 +95,7 @@ type Backend struct {
 	caps  Caps
 	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
 	ino   uint64
+	fs    uint32 // a file's file system (statfs f_type), 0 if unknown
 	nw    nowaitState
 	mp    mapState
 	// noZeroRange: FALLOC_FL_ZERO_RANGE failed with EOPNOTSUPP on this
@@ -276,6 +277,10 @@ func (b *Backend) probe(opts Options) error {
 		if !validBlockSize(b.lbs) || !validBlockSize(b.pbs) || b.pbs < b.lbs {
 			return fmt.Errorf("block sizes %d/%d: want powers of two from 512 to 65536, physical >= logical: %w", b.lbs, b.pbs, syscall.EINVAL)
 		}
+		var fs unix.Statfs_t
+		if unix.Fstatfs(int(b.f.Fd()), &fs) == nil {
+			b.fs = uint32(fs.Type)
+		}
 		b.probeFile()
 	case unix.S_IFBLK:
 		b.kind = KindBlockDevice
@@ -341,9 +346,7 @@ func (b *Backend) probeFile() {
 	// Zero range is not probed: past the end it allocates an unwritten
 	// extent (ext4, XFS) that stays; the first write-zeroes finds out.
 	b.caps.ZeroRange = true
-	var fs unix.Statfs_t
-	tmpfs := unix.Fstatfs(int(b.f.Fd()), &fs) == nil && uint32(fs.Type) == tmpfsMagic
-	if tmpfs || unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
+	if b.fs == tmpfsMagic || unix.Fallocate(int(b.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, b.size.Load()+1<<20, 4096) == nil {
 		b.caps.Discard = true
 		b.caps.MaxDiscardBytes = maxZeroBytes
 		b.caps.DiscardGranularity = uint32(b.pbs)

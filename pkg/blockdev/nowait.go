@@ -61,14 +61,11 @@ func (b *Backend) probeNowait(direct bool) {
 	}
 	switch b.kind {
 	case KindFile:
-		var fs unix.Statfs_t
-		if unix.Fstatfs(b.nw.fd, &fs) == nil {
-			switch uint32(fs.Type) {
-			case tmpfsMagic, ramfsMagic, hugetlbfsMagic:
-				b.nw.mem, b.nw.memWrites = true, true
-			}
-			b.mp.tmpfs = uint32(fs.Type) == tmpfsMagic
+		switch b.fs {
+		case tmpfsMagic, ramfsMagic, hugetlbfsMagic:
+			b.nw.mem, b.nw.memWrites = true, true
 		}
+		b.mp.tmpfs = b.fs == tmpfsMagic
 	case KindBlockDevice:
 		b.nw.mem = unix.Major(b.dev) == ramdiskMajor || isZram(b.dev)
 	}
