@@ -76,24 +76,7 @@ func TestHeartbeatAnyTraffic(t *testing.T) {
 // takes no time.
 func TestHeartbeatDetectsBlackhole(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		net := fabrictest.NewNetwork()
-		fab := net.Fabric()
-		srvAddr := ap("10.13.0.1:1234")
-		cli := netip.MustParseAddr("10.13.0.2")
-		scfg := testServerConfig(fab, newMemDisk(1<<20), srvAddr)
-		scfg.HBInterval, scfg.HBMissedMax = time.Second, 3
-		srv, err := NewServer(scfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
-		ccfg.HBInterval, ccfg.HBMissedMax = time.Second, 3
-		ccfg.ReconnectDelay, ccfg.ReconnectJitter = time.Second, 0
-		ccfg.ConnectTimeout = 3 * time.Second
-		sess, err := Open(context.Background(), ccfg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		net, cli, srvAddr, srv, sess := openFakeLink(t, newMemDisk(1<<20))
 		p := sess.Paths()[0]
 		time.Sleep(30 * time.Second) // heartbeats flow; nothing happens
 		if p.State() != PathConnected {
@@ -219,4 +202,30 @@ func TestHeartbeatLatencyFromOldest(t *testing.T) {
 			t.Fatalf("cur_latency %v after a stray ack, want 100ms kept", l)
 		}
 	})
+}
+
+// openFakeLink opens a server on disk and a client session of one path
+// to it over a fake link of their own, with heartbeats every second (a
+// silent peer is found in 5 s) and a reconnect a second after a failure.
+// Inside a synctest bubble it runs on the fake clock.
+func openFakeLink(t *testing.T, disk *memDisk) (net *fabrictest.Network, cli netip.Addr, srvAddr netip.AddrPort, srv *Server, sess *CltSession) {
+	t.Helper()
+	net = fabrictest.NewNetwork()
+	fab := net.Fabric()
+	srvAddr = ap("10.13.0.1:1234")
+	cli = netip.MustParseAddr("10.13.0.2")
+	scfg := testServerConfig(fab, disk, srvAddr)
+	scfg.HBInterval, scfg.HBMissedMax = time.Second, 3
+	srv, err := NewServer(scfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
+	ccfg.HBInterval, ccfg.HBMissedMax = time.Second, 3
+	ccfg.ReconnectDelay, ccfg.ReconnectJitter = time.Second, 0
+	ccfg.ConnectTimeout = 3 * time.Second
+	if sess, err = Open(context.Background(), ccfg); err != nil {
+		t.Fatal(err)
+	}
+	return net, cli, srvAddr, srv, sess
 }

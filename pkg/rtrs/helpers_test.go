@@ -25,6 +25,7 @@ type memDisk struct {
 	async bool                          // answer from another goroutine
 	hold  atomic.Pointer[chan struct{}] // if set, IO waits for it to be closed
 	ios   atomic.Int64
+	lend  *lender // if set, reads are answered with RespondFrom where they may be
 
 	evMu   sync.Mutex
 	events []SrvLinkEvent
@@ -70,6 +71,13 @@ func (d *memDisk) do(op *SrvOp, off uint64, hold chan struct{}) {
 		<-hold
 	}
 	d.mu.Lock()
+	if d.lend != nil && op.CanRespondFrom() {
+		src := append([]byte(nil), d.b[off:][:len(op.Data())]...)
+		d.mu.Unlock()
+		d.ios.Add(1)
+		d.lend.respond(op, src)
+		return
+	}
 	if op.Dir() == Write {
 		copy(d.b[off:], op.Data())
 	} else {

@@ -29,6 +29,12 @@ type srvConn struct {
 	sigIntv int
 	waiting []*SrvOp
 	closed  bool // set by takeWaiting: nothing is parked after it
+	// posted counts the work requests posted, sent those known to be
+	// out (a signaled one completed); holds are the Holds of answers
+	// sent from memory of the user's (RespondFrom), each released once
+	// sent reaches the count at its post.
+	posted, sent uint64
+	holds        []heldSend
 
 	rwr    fabric.RecvWR // scratch for reposting (receive goroutine only)
 	hbWR   [2]fabric.SendWR
@@ -79,8 +85,11 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err er
 	for last.Next != nil {
 		last = last.Next
 	}
+	held := op != nil && op.hold != nil
 	c.unsig += n
-	if c.unsig >= c.sigIntv {
+	// An answer sent from the user's memory is signaled, so that its
+	// hold is released as soon as it is out.
+	if c.unsig >= c.sigIntv || held {
 		last.Signaled = true
 		last.ID = wrRsp | uint64(c.unsig)
 		c.unsig = 0
@@ -92,7 +101,41 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err er
 		return false, err
 	}
 	c.sqAvail -= n
+	c.posted += uint64(n)
+	if held {
+		c.holds = append(c.holds, heldSend{c.posted, op.hold})
+		op.hold = nil
+	}
 	return false, nil
+}
+
+// heldSend is an answer's Hold and the posted count that sends it.
+type heldSend struct {
+	seq  uint64
+	hold Hold
+}
+
+// releaseSent releases the holds of what has been sent. sendMu is held.
+func (c *srvConn) releaseSent() {
+	k := 0
+	for k < len(c.holds) && c.holds[k].seq <= c.sent {
+		c.holds[k].hold.Release()
+		k++
+	}
+	if k > 0 {
+		n := copy(c.holds, c.holds[k:])
+		clear(c.holds[n:])
+		c.holds = c.holds[:n]
+	}
+}
+
+// releaseHolds releases every hold once the connection is closed: its
+// answers are sent or dropped, and no buffer is read any more.
+func (c *srvConn) releaseHolds() {
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	c.sent = c.posted
+	c.releaseSent()
 }
 
 // takeWaiting closes the connection for posting and returns the ops that
@@ -210,6 +253,8 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		}
 		c.sendMu.Lock()
 		c.sqAvail += int(wc.ID & wrIndexMask)
+		c.sent += wc.ID & wrIndexMask
+		c.releaseSent()
 		waiting := c.waiting
 		c.waiting = nil
 		c.sendMu.Unlock()

@@ -27,6 +27,8 @@ type SrvOp struct {
 	data  []byte
 	usr   []byte
 	rd    RDMARead
+	src   []byte // RespondFrom's data, and what holds it
+	hold  Hold
 	began time.Time // when the request was handed to the user
 	wrs   [3]fabric.SendWR
 	nwr   int // work requests of a response parked for send queue room
@@ -51,6 +53,35 @@ type opReq struct {
 
 // Dir is the request's direction.
 func (op *SrvOp) Dir() Dir { return op.dir }
+
+// Hold keeps memory that a response sends from valid until Release.
+type Hold interface {
+	// Release says the memory is no longer read. It is called once,
+	// from any goroutine, and must not block.
+	Release()
+}
+
+// CanRespondFrom says whether RespondFrom may answer this request: a
+// read whose connection can send from memory that is not registered
+// (fabric.AnySource: fabric/tcp).
+func (op *SrvOp) CanRespondFrom() bool {
+	_, ok := op.con.qp.(fabric.AnySource)
+	return ok && op.dir == Read && op.rd.SGCnt == 1
+}
+
+// RespondFrom answers a read, as Respond(nil) does, with src as its
+// data instead of the chunk: data already in memory (a mapping of the
+// file) is then sent from there, without a copy into the chunk.
+// CanRespondFrom must have said yes, and src must hold the request's
+// length. hold is released once src is no longer read: when the answer
+// has been sent, or dropped with its connection.
+func (op *SrvOp) RespondFrom(src []byte, hold Hold) {
+	if len(src) != len(op.data) {
+		panic("rtrs: RespondFrom with data of another length")
+	}
+	op.src, op.hold = src, hold
+	op.Respond(nil)
+}
 
 // Data is the request's data in the chunk: what the client wrote, or the
 // room to put the data of a read, which is sent back on Respond.
@@ -107,6 +138,9 @@ func (op *SrvOp) Respond(err error) {
 		*w = fabric.SendWR{ID: wrRsp, Op: fabric.OpWrite, NumSGE: 1,
 			RemoteAddr: op.rd.Desc.Addr, RKey: op.rd.Desc.Key}
 		w.SG[0] = fabric.SGE{Buf: op.data[:op.rd.Desc.Len], LKey: chunkMR.LKey()}
+		if op.src != nil {
+			w.SG[0].Buf = op.src[:op.rd.Desc.Len]
+		}
 		n++
 	}
 	if needInval {
@@ -168,7 +202,10 @@ var testHookResponsePosted func(*SrvOp)
 // at once.
 func (op *SrvOp) finish() {
 	p := op.path
-	op.data, op.usr = nil, nil
+	if op.hold != nil { // not posted
+		op.hold.Release()
+	}
+	op.data, op.usr, op.src, op.hold = nil, nil, nil, nil
 	for {
 		switch st := op.state.Load(); st {
 		case opWorking, opAnswering:

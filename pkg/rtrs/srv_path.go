@@ -304,6 +304,7 @@ func (p *SrvPath) closeWork() {
 			for _, op := range c.takeWaiting() {
 				op.finish()
 			}
+			c.releaseHolds()
 		}
 	}
 	p.inflight.Wait()

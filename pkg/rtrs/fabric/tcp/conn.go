@@ -191,6 +191,12 @@ func checkSendWR(w *fabric.SendWR) error {
 	return nil
 }
 
+// AnySource: a send is a writev of its buffers, wherever they are
+// (fabric.AnySource); they are read when the frame is written, not at
+// post: by the reader or the writer goroutine, which Close waits for, or
+// by a Flush of the user's.
+func (c *conn) AnySource() {}
+
 // PostRecv queues a chain of receive work requests.
 func (c *conn) PostRecv(wr *fabric.RecvWR) error {
 	c.rqMu.Lock()
