@@ -88,8 +88,11 @@ type fileMap struct {
 	view    [2]atomic.Pointer[[]byte] // read-only, writable
 	mu      sync.Mutex                // orders remaps, punches, populate's steps; under it:
 	old     [][]byte
-	done    bool           // unmapped by its last backend
+	done    bool           // closed by its last backend
 	pop     sync.WaitGroup // populate goroutines
+	// holds is 1 while a backend has the file open, plus one per
+	// ReadView not yet released; the last release unmaps.
+	holds atomic.Int64
 }
 
 // fileKey identifies a file: st_dev and st_ino, and its file handle
@@ -137,6 +140,7 @@ func (b *Backend) mapInit(direct bool) {
 		// of it may register it meanwhile, and is then the one used.
 		maps.mu.Unlock()
 		n := &fileMap{key: k}
+		n.holds.Store(1)
 		if b.kind == KindFile {
 			n.present.Store(findPages(b.nw.fd, b.size.Load()))
 		}
@@ -450,6 +454,20 @@ func (b *Backend) unmap() {
 		return
 	}
 	m.mu.Lock()
+	m.done = true
+	m.mu.Unlock()
+	m.pop.Wait() // each sees done at its next step
+	m.Release()  // the mapping goes once no ReadView holds it
+}
+
+// Release drops a hold on the mapping (ReadView's, or the backends'
+// together at their last Close); the last one unmaps it.
+func (m *fileMap) Release() {
+	if m.holds.Add(-1) != 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	for i := range m.view {
 		if cur := m.view[i].Swap(nil); cur != nil {
 			m.old = append(m.old, *cur)
@@ -458,9 +476,74 @@ func (b *Backend) unmap() {
 	for _, x := range m.old {
 		unix.Munmap(x)
 	}
-	m.old, m.done = nil, true
-	m.mu.Unlock()
-	m.pop.Wait() // each sees done at its next step
+	m.old = nil
+}
+
+// viewMin is the smallest read ReadView answers: below it, copying the
+// data out costs less than the check that sending it from the mapping
+// will not fault.
+const viewMin = 64 << 10
+
+// Releaser is what keeps a ReadView's memory valid until Release.
+type Releaser interface {
+	Release()
+}
+
+// ReadView returns the n bytes at off as the backend's mapping holds
+// them, for a caller that can send them from there without copying them
+// out (a read answered over TCP): nil if the read is not one that the
+// mapping can serve (not a memory backend, not mapped, shorter than
+// viewMin, a page not known to be allocated or not in memory: see
+// readMapped). The view stays mapped until the Releaser's Release, even
+// past the backend's Close, and must only be read: it is the file. A
+// write to the range meanwhile may show in it, as in any read that
+// overlaps a write in flight; a discard of it meanwhile may find its
+// pages faulted back in by the send (zeros, allocated).
+//
+// The pages are checked to be in memory (mincore), so a send from the
+// view does not fault: a file cut behind the server's back would make
+// the send fail, not the read, and a page swapped out would be read
+// back on the sender's goroutine.
+func (b *Backend) ReadView(off int64, n int) ([]byte, Releaser) {
+	if n < viewMin || !b.nw.mem || b.check(off, int64(n), false) != nil {
+		return nil, nil
+	}
+	m := b.mp.m.Load()
+	if m == nil {
+		return nil, nil
+	}
+	if bits := m.present.Load(); bits != nil && !bits.all(off, int64(n)) {
+		return nil, nil
+	}
+	x := b.mapped(m, off, n)
+	if x == nil || !inMemory(x) {
+		return nil, nil
+	}
+	// The backend is open (its caller's IO is in flight), so the
+	// backends' hold is there to add to.
+	m.holds.Add(1)
+	return x, m
+}
+
+// inMemory says whether every page of the mapped x is in memory.
+func inMemory(x []byte) bool {
+	var vec [256]byte
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(x)))
+	start := base &^ (1<<pageShift - 1)
+	end := base + uintptr(len(x))
+	for start < end {
+		n := min(end-start, uintptr(len(vec))<<pageShift)
+		if _, _, e := unix.RawSyscall(unix.SYS_MINCORE, start, n, uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+			return false
+		}
+		for i := uintptr(0); i < (n+1<<pageShift-1)>>pageShift; i++ {
+			if vec[i]&1 == 0 {
+				return false
+			}
+		}
+		start += n
+	}
+	return true
 }
 
 // mapped is the backend's mapping for n bytes at off, or nil if it has
