@@ -264,8 +264,9 @@ type Server struct {
 	done   chan struct{} // closed by Close: stops the health checks
 	wg     sync.WaitGroup
 
-	// inline counts IO answered on the receive path (tryInline).
-	inline atomic.Uint64
+	// inline counts IO answered on the receive path (tryInline), lent
+	// the reads among them sent from the backend's mapping.
+	inline, lent atomic.Uint64
 
 	// beforeIO, if set, runs when an IO holds its device, before the
 	// backend sees it (tests hold IO in flight with it).

@@ -911,6 +911,9 @@ func TestInlineIO(t *testing.T) {
 	if n := r.srv.inline.Load(); n != 2 {
 		t.Fatalf("%d IOs answered inline, want the write and the read", n)
 	}
+	if n := r.srv.lent.Load(); n != 1 {
+		t.Fatalf("%d reads sent from the file's mapping, want the read of 64 KiB", n)
+	}
 	if err := x.write(0, data[:4096], FFUA); err != nil {
 		t.Fatal(err)
 	}
@@ -929,6 +932,9 @@ func TestInlineIO(t *testing.T) {
 	}
 	if got, err := ro.read(8192, 4096); err != nil || !bytes.Equal(got, data[:4096]) {
 		t.Fatalf("read-only read: %v", err)
+	}
+	if got, err := ro.read(8192, len(data)); err != nil || !bytes.Equal(got, data) || r.srv.lent.Load() != 2 {
+		t.Fatalf("read-only read of 64 KiB: %v, %d sent from the mapping", err, r.srv.lent.Load())
 	}
 }
 
