@@ -494,16 +494,20 @@ type Releaser interface {
 // out (a read answered over TCP): nil if the read is not one that the
 // mapping can serve (not a memory backend, not mapped, shorter than
 // viewMin, a page not known to be allocated or not in memory: see
-// readMapped). The view stays mapped until the Releaser's Release, even
-// past the backend's Close, and must only be read: it is the file. A
+// readMapped). The view stays mapped until the Releaser's Release —
+// called once per view: it is the mapping's count — even past the
+// backend's Close, and must only be read: it is the file. A
 // write to the range meanwhile may show in it, as in any read that
 // overlaps a write in flight; a discard of it meanwhile may find its
 // pages faulted back in by the send (zeros, allocated).
 //
-// The pages are checked to be in memory (mincore), so a send from the
-// view does not fault: a file cut behind the server's back would make
-// the send fail, not the read, and a page swapped out would be read
-// back on the sender's goroutine.
+// The pages are checked to be in memory (mincore) first, so that a send
+// from the view does not fault: a fault there — the file cut behind the
+// server's back after the check, a discarded page faulted back in on a
+// full tmpfs — fails the sender's whole connection (which must be one
+// where a fault fails the send, not the process: fabric.AnySource), not
+// only the read; and a page swapped out is read back by the copy, not by
+// the sender.
 func (b *Backend) ReadView(off int64, n int) ([]byte, Releaser) {
 	if n < viewMin || !b.nw.mem || b.check(off, int64(n), false) != nil {
 		return nil, nil
@@ -522,21 +526,22 @@ func (b *Backend) ReadView(off int64, n int) ([]byte, Releaser) {
 	// The backend is open (its caller's IO is in flight), so the
 	// backends' hold is there to add to.
 	m.holds.Add(1)
-	return x, m
+	return x[:n:n], m
 }
 
 // inMemory says whether every page of the mapped x is in memory.
 func inMemory(x []byte) bool {
 	var vec [256]byte
+	ps := uintptr(unix.Getpagesize())
 	base := uintptr(unsafe.Pointer(unsafe.SliceData(x)))
-	start := base &^ (1<<pageShift - 1)
+	start := base &^ (ps - 1)
 	end := base + uintptr(len(x))
 	for start < end {
-		n := min(end-start, uintptr(len(vec))<<pageShift)
+		n := min(end-start, uintptr(len(vec))*ps)
 		if _, _, e := unix.RawSyscall(unix.SYS_MINCORE, start, n, uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
 			return false
 		}
-		for i := uintptr(0); i < (n+1<<pageShift-1)>>pageShift; i++ {
+		for i := uintptr(0); i < (n+ps-1)/ps; i++ {
 			if vec[i]&1 == 0 {
 				return false
 			}

@@ -936,6 +936,17 @@ func TestInlineIO(t *testing.T) {
 	if got, err := ro.read(8192, len(data)); err != nil || !bytes.Equal(got, data) || r.srv.lent.Load() != 2 {
 		t.Fatalf("read-only read of 64 KiB: %v, %d sent from the mapping", err, r.srv.lent.Load())
 	}
+	// Closed by both sessions, the file is mapped no more: no answer
+	// sent from its mapping kept it.
+	for _, d := range []*dio{x, ro} {
+		if err := d.d.Unmap(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "the file unmapped", func() bool {
+		maps, err := os.ReadFile("/proc/self/maps")
+		return err == nil && !bytes.Contains(maps, []byte(path))
+	})
 }
 
 // FuzzAdmit: whatever IO message and RTRS request a peer sends, the

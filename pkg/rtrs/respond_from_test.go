@@ -4,12 +4,17 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"fmt"
+	mrand "math/rand/v2"
+	"net/netip"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
 
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 // lender lends memDisk's reads to RespondFrom: each answer is sent from a
@@ -40,14 +45,24 @@ func (l *lender) respond(op *SrvOp, src []byte) {
 
 // TestRespondFrom: over TCP a read answered from memory of the server's
 // user (not the chunk) arrives whole, and every hold is released once
-// its answer is out — not before (the buffer is wiped at release).
+// its answer is out — not before (the buffer is wiped at release): on
+// the in-memory network, one read at a time, and over loopback TCP
+// (writev) with reads of every size in flight together.
 func TestRespondFrom(t *testing.T) {
-	_, fab := memNet()
-	addr := ap("10.14.0.1:1234")
+	t.Run("mem", func(t *testing.T) {
+		_, fab := memNet()
+		testRespondFrom(t, fab, ap("10.14.0.1:1234"), 1)
+	})
+	t.Run("tcp", func(t *testing.T) {
+		testRespondFrom(t, tcp.New(tcp.Options{}), loopbackListener(t), 8)
+	})
+}
+
+func testRespondFrom(t *testing.T, fab fabric.Fabric, addr netip.AddrPort, readers int) {
 	disk := newMemDisk(4 << 20)
 	disk.lend = &lender{}
-	r := newRig(t, fab, testServerConfig(fab, disk, addr), testClientConfig(fab, pa("", addr.String())))
-	data := make([]byte, 4<<20)
+	r := newRig(t, fab, testServerConfig(fab, disk, addr), testClientConfig(fab, PathAddr{Dst: addr}))
+	data := make([]byte, len(disk.b))
 	rand.Read(data)
 	for off := 0; off < len(data); off += 32 << 10 {
 		if err := r.write(uint64(off), data[off:][:32<<10]); err != nil {
@@ -57,21 +72,39 @@ func TestRespondFrom(t *testing.T) {
 	if disk.lend.lent.Load() != 0 {
 		t.Fatal("a write was answered with RespondFrom")
 	}
-	reads := 0
-	for _, n := range []int{512, 4096, 32 << 10, 48 << 10} {
-		for off := 0; off+n <= len(data); off += 509 * 1024 {
-			got, err := r.read(uint64(off), n)
+	const perReader = 100
+	errs := make(chan error, readers)
+	for g := range readers {
+		go func() {
+			buf, err := r.sess.AllocBuffer(r.sess.MaxIOSize())
 			if err != nil {
-				t.Fatal(err)
+				errs <- err
+				return
 			}
-			if !bytes.Equal(got, data[off:][:n]) {
-				t.Fatalf("read of %d bytes at %d: the data differs", n, off)
+			rnd := mrand.New(mrand.NewPCG(uint64(g), 7))
+			for range perReader {
+				n := 1 + rnd.IntN(r.sess.MaxIOSize())
+				off := rnd.IntN(len(data) - n)
+				clear(buf.Bytes()[:n])
+				if err := r.sess.Do(context.Background(), IOCon, Read, offsetHdr(uint64(off)), buf, 0, n); err != nil {
+					errs <- err
+					return
+				}
+				if !bytes.Equal(buf.Bytes()[:n], data[off:][:n]) {
+					errs <- fmt.Errorf("read of %d bytes at %d: the data differs", n, off)
+					return
+				}
 			}
-			reads++
+			errs <- nil
+		}()
+	}
+	for range readers {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
 		}
 	}
-	if got := disk.lend.lent.Load(); got != int64(reads) {
-		t.Fatalf("%d reads, %d answered with RespondFrom", reads, got)
+	if got := disk.lend.lent.Load(); got != int64(readers*perReader) {
+		t.Fatalf("%d reads, %d answered with RespondFrom", readers*perReader, got)
 	}
 	waitFor(t, 5*time.Second, "every hold released", func() bool {
 		return disk.lend.released.Load() == disk.lend.lent.Load()

@@ -86,6 +86,7 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err er
 		last = last.Next
 	}
 	held := op != nil && op.hold != nil
+	unsig := c.unsig
 	c.unsig += n
 	// An answer sent from the user's memory is signaled, so that its
 	// hold is released as soon as it is out.
@@ -98,6 +99,9 @@ func (c *srvConn) post(wr *fabric.SendWR, n int, op *SrvOp) (parked bool, err er
 		op.state.Store(opAnswering)
 	}
 	if err := c.qp.PostSend(wr); err != nil {
+		// Not posted: the counts stay those of what was, so that no
+		// completion is taken for more than it retires.
+		c.unsig, last.Signaled = unsig, false
 		return false, err
 	}
 	c.sqAvail -= n
@@ -115,17 +119,22 @@ type heldSend struct {
 	hold Hold
 }
 
-// releaseSent releases the holds of what has been sent. sendMu is held.
+// releaseSent releases the holds of what has been sent, one at a time
+// outside sendMu: the last hold of a mapping unmaps it, which is not
+// to be done with the connection's posts waiting.
 func (c *srvConn) releaseSent() {
-	k := 0
-	for k < len(c.holds) && c.holds[k].seq <= c.sent {
-		c.holds[k].hold.Release()
-		k++
-	}
-	if k > 0 {
-		n := copy(c.holds, c.holds[k:])
-		clear(c.holds[n:])
+	for {
+		c.sendMu.Lock()
+		if len(c.holds) == 0 || c.holds[0].seq > c.sent {
+			c.sendMu.Unlock()
+			return
+		}
+		h := c.holds[0].hold
+		n := copy(c.holds, c.holds[1:])
+		c.holds[n] = heldSend{}
 		c.holds = c.holds[:n]
+		c.sendMu.Unlock()
+		h.Release()
 	}
 }
 
@@ -133,8 +142,8 @@ func (c *srvConn) releaseSent() {
 // answers are sent or dropped, and no buffer is read any more.
 func (c *srvConn) releaseHolds() {
 	c.sendMu.Lock()
-	defer c.sendMu.Unlock()
 	c.sent = c.posted
+	c.sendMu.Unlock()
 	c.releaseSent()
 }
 
@@ -254,10 +263,10 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		c.sendMu.Lock()
 		c.sqAvail += int(wc.ID & wrIndexMask)
 		c.sent += wc.ID & wrIndexMask
-		c.releaseSent()
 		waiting := c.waiting
 		c.waiting = nil
 		c.sendMu.Unlock()
+		c.releaseSent()
 		for i, op := range waiting {
 			parked, err := c.post(&op.wrs[0], op.nwr, op)
 			if err != nil {

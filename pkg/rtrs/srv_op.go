@@ -63,10 +63,10 @@ type Hold interface {
 
 // CanRespondFrom says whether RespondFrom may answer this request: a
 // read whose connection can send from memory that is not registered
-// (fabric.AnySource: fabric/tcp).
+// (fabric.AnySource: fabric/tcp without TLS).
 func (op *SrvOp) CanRespondFrom() bool {
-	_, ok := op.con.qp.(fabric.AnySource)
-	return ok && op.dir == Read && op.rd.SGCnt == 1
+	a, ok := op.con.qp.(fabric.AnySource)
+	return ok && op.dir == Read && op.rd.SGCnt == 1 && a.AnySource()
 }
 
 // RespondFrom answers a read, as Respond(nil) does, with src as its

@@ -216,17 +216,19 @@ type Flusher interface {
 	Flush()
 }
 
-// AnySource is a Conn whose sends may name any memory of the process as
-// their local buffers, registered or not, with any LKey (fabric/tcp: a
-// send is a writev of them). A server can then answer a read from where
-// its data already is (a mapping of the file) instead of copying it into
-// a registered chunk first. As for every send, the buffers must stay
-// valid until the work request has completed — a send that names such
-// memory should be signaled — or, if the connection fails first, until
-// Close has returned and no Flush of the user's is running.
+// AnySource is a Conn that may say its sends can name any memory of the
+// process as their local buffers, registered or not, with any LKey, and
+// that a fault of that memory (a file mapping cut short) fails the send,
+// not the process: the kernel copies it (fabric/tcp without TLS: a send
+// is a writev of its buffers). A server can then answer a read from
+// where its data already is (a mapping of the file) instead of copying
+// it into a registered chunk first. As for every send, the buffers must
+// stay valid until the work request has completed — a send that names
+// such memory should be signaled — or, if the connection fails first,
+// until Close has returned and no Flush of the user's is running.
 type AnySource interface {
 	Conn
-	AnySource()
+	AnySource() bool
 }
 
 // BurstHandler is a Handler that a Flusher tells where each burst of

@@ -191,11 +191,15 @@ func checkSendWR(w *fabric.SendWR) error {
 	return nil
 }
 
-// AnySource: a send is a writev of its buffers, wherever they are
-// (fabric.AnySource); they are read when the frame is written, not at
-// post: by the reader or the writer goroutine, which Close waits for, or
-// by a Flush of the user's.
-func (c *conn) AnySource() {}
+// AnySource says whether the connection's sends may name any memory
+// (fabric.AnySource): without TLS, where a send is a writev of its
+// buffers, read when the frame is written (by the reader or the writer
+// goroutine, which Close waits for, or by a Flush of the user's). Not
+// with TLS: its records are gathered and sealed by Go code, where a
+// fault of a file mapping would take the process down. (Over a stream
+// without a descriptor — fabrictest's pipes — the copy is Go's too:
+// tests lend them heap memory only.)
+func (c *conn) AnySource() bool { return c.nc == c.raw }
 
 // PostRecv queues a chain of receive work requests.
 func (c *conn) PostRecv(wr *fabric.RecvWR) error {

@@ -31,6 +31,25 @@ func TestTLSContract(t *testing.T) {
 	conntest.Contract{NewPair: newTLSPair, SendByteLen: true}.Run(t)
 }
 
+// TestAnySourceNotTLS: a plain connection lends its sends' buffers to
+// writev, where a fault of a file mapping fails the send; a TLS one seals
+// them in Go code, where it would take the process down: it does not.
+func TestAnySourceNotTLS(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	cfg := ca.Config(ca.Issue(t, "node-a", "127.0.0.1", "node-a.example"))
+	for _, tc := range []struct {
+		opts Options
+		want bool
+	}{{Options{}, true}, {Options{TLS: cfg}, false}} {
+		p := conntest.NewPair(t, New(tc.opts), netip.MustParseAddrPort("127.0.0.1:0"), nil)
+		for _, c := range []fabric.Conn{p.Cli.C, p.Srv.C} {
+			if a, ok := c.(fabric.AnySource); !ok || a.AnySource() != tc.want {
+				t.Fatalf("TLS %v: AnySource %v, want %v", tc.opts.TLS != nil, ok && a.AnySource(), tc.want)
+			}
+		}
+	}
+}
+
 // tlsDial dials l with the fabric f; it returns the names the listener
 // saw if it got a request (which it rejects), or the dial's error.
 func tlsDial(t *testing.T, f *Fabric, l fabric.Listener) ([]string, error) {
