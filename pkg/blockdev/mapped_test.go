@@ -764,3 +764,43 @@ func TestInMemory(t *testing.T) {
 		t.Fatal("the pages before the one dropped are not in memory")
 	}
 }
+
+// TestReadViewAcrossGrow: a view lent before a grow, which maps the file
+// again, stays as it was through the grow and the last Close of two
+// opens of the file, until it is released.
+func TestReadViewAcrossGrow(t *testing.T) {
+	path, data := denseFile(t, 1<<20)
+	a := open(t, path, Options{})
+	b := open(t, path, Options{ReadOnly: true})
+	v, h := b.ReadView(4096, viewMin)
+	if v == nil {
+		t.Fatal("not lent")
+	}
+	if err := os.Truncate(path, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range []*Backend{a, b} {
+		if _, now, err := x.Refresh(); err != nil || now != 2<<20 {
+			t.Fatalf("refresh: size %d err %v", now, err)
+		}
+	}
+	m := b.mp.m.Load()
+	a.Close()
+	b.Close()
+	if !bytes.Equal(v, data[4096:][:viewMin]) {
+		t.Fatal("a view lent before the grow changed after it and the Close")
+	}
+	m.mu.Lock()
+	old := len(m.old)
+	m.mu.Unlock()
+	if old == 0 {
+		t.Fatal("the mapping replaced by the grow was not kept")
+	}
+	h.Release()
+	m.mu.Lock()
+	old = len(m.old)
+	m.mu.Unlock()
+	if old != 0 || m.view[0].Load() != nil || m.view[1].Load() != nil {
+		t.Fatal("still mapped after the view was released")
+	}
+}
