@@ -49,11 +49,12 @@ import (
 // docs/benchmarks.md).
 //
 // A grow (Refresh) maps the file again; the older mappings stay until the
-// last Close, as IO may still be copying through them. Every open of one
-// file (or device) in the daemon shares its mappings — one read-only, one
-// writable — and what is known of its pages, so that their page tables
-// are paid once, not per session that has the file open, and a discard
-// through one open is seen by all.
+// last Close, as IO may still be copying through them, and past it until
+// the last view lent to a sender is released (ReadView). Every open of
+// one file (or device) in the daemon shares its mappings — one
+// read-only, one writable — and what is known of its pages, so that
+// their page tables are paid once, not per session that has the file
+// open, and a discard through one open is seen by all.
 type mapState struct {
 	tmpfs    bool                    // a file on tmpfs (probeNowait)
 	writable bool                    // writes go through the mapping

@@ -263,10 +263,13 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		c.sendMu.Lock()
 		c.sqAvail += int(wc.ID & wrIndexMask)
 		c.sent += wc.ID & wrIndexMask
+		held := len(c.holds) > 0
 		waiting := c.waiting
 		c.waiting = nil
 		c.sendMu.Unlock()
-		c.releaseSent()
+		if held {
+			c.releaseSent()
+		}
 		for i, op := range waiting {
 			parked, err := c.post(&op.wrs[0], op.nwr, op)
 			if err != nil {
