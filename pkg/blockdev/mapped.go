@@ -401,8 +401,8 @@ var resident [populateStep >> pageShift]byte
 // to end that are allocated (bits) and in memory: a tmpfs page swapped
 // out stays out until IO wants it.
 func populateStep1(view []byte, off, end int64, bits *pageBits, vec []byte) error {
-	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&view[off])), uintptr(end-off), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
-		return e
+	if err := mincore(uintptr(unsafe.Pointer(&view[off])), uintptr(end-off), vec); err != nil {
+		return err
 	}
 	for a, n := range residentRuns(off, end, bits, vec) {
 		if err := unix.Madvise(view[a:a+n], unix.MADV_POPULATE_READ); err != nil {
@@ -530,6 +530,15 @@ func (b *Backend) ReadView(off int64, n int) ([]byte, Releaser) {
 	return x[:n:n], m
 }
 
+// mincore fills vec with a byte per page of the n bytes mapped at addr
+// (page-aligned), bit 0 set for a page in memory; it waits for no IO.
+func mincore(addr, n uintptr, vec []byte) error {
+	if _, _, e := unix.RawSyscall(unix.SYS_MINCORE, addr, n, uintptr(unsafe.Pointer(unsafe.SliceData(vec)))); e != 0 {
+		return e
+	}
+	return nil
+}
+
 // inMemory says whether every page of the mapped x is in memory.
 func inMemory(x []byte) bool {
 	var vec [256]byte
@@ -539,7 +548,7 @@ func inMemory(x []byte) bool {
 	end := base + uintptr(len(x))
 	for start < end {
 		n := min(end-start, uintptr(len(vec))*ps)
-		if _, _, e := unix.RawSyscall(unix.SYS_MINCORE, start, n, uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		if mincore(start, n, vec[:]) != nil {
 			return false
 		}
 		for i := uintptr(0); i < (n+ps-1)/ps; i++ {

@@ -19,6 +19,9 @@ type srvConn struct {
 	cid      int
 	qp       fabric.Conn
 	attached atomic.Bool
+	// anySource: qp may send from any memory (fabric.AnySource), asked
+	// once, not per IO.
+	anySource bool
 
 	// sendMu guards the send queue accounting: work requests are
 	// credited back when a signaled one completes, which retires every
@@ -45,6 +48,8 @@ type srvConn struct {
 // flag publishes qp to the other connections' goroutines.
 func (c *srvConn) Attached(qp fabric.Conn) {
 	c.qp = qp
+	a, ok := qp.(fabric.AnySource)
+	c.anySource = ok && a.AnySource()
 	c.attached.Store(true)
 }
 

@@ -65,8 +65,7 @@ type Hold interface {
 // read whose connection can send from memory that is not registered
 // (fabric.AnySource: fabric/tcp without TLS).
 func (op *SrvOp) CanRespondFrom() bool {
-	a, ok := op.con.qp.(fabric.AnySource)
-	return ok && op.dir == Read && op.rd.SGCnt == 1 && a.AnySource()
+	return op.con.anySource && op.dir == Read && op.rd.SGCnt == 1
 }
 
 // RespondFrom answers a read, as Respond(nil) does, with src as its
