@@ -23,10 +23,28 @@ fi
 mkdir -p "$dir"
 rm -f "$dir"/*.sock "$dir"/*.json "$dir/pids"
 
-"$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
-	--control-socket "$dir/server.sock" --state-file "$dir/server.json" --log-level warn \
-	>>"$dir/server.log" 2>&1 &
-echo $! >>"$dir/pids"
+# The server, on a random port unless PORT names one: a port another
+# program holds (an ephemeral port of some connection) is tried again
+# with another, five times at most.
+touch "$dir/server.log"
+for try in 1 2 3 4 5; do
+	logged=$(stat -c %s "$dir/server.log")
+	"$bin/rnbd-server" daemon --config /dev/null --listen "tcp://127.0.0.1:$port" \
+		--control-socket "$dir/server.sock" --state-file "$dir/server.json" --log-level warn \
+		>>"$dir/server.log" 2>&1 &
+	spid=$!
+	for _ in $(seq 100); do
+		{ [ -S "$dir/server.sock" ] || ! kill -0 $spid 2>/dev/null; } && break
+		sleep 0.1
+	done
+	if [ -z "${PORT:-}" ] && [ "$try" -lt 5 ] && ! kill -0 $spid 2>/dev/null &&
+		tail -c +$((logged + 1)) "$dir/server.log" | grep -q 'address already in use'; then
+		port=$((21000 + RANDOM % 20000))
+		continue
+	fi
+	break
+done
+echo $spid >>"$dir/pids"
 "$bin/rnbd-client" daemon --config /dev/null --control-socket "$dir/client.sock" \
 	--state-file "$dir/client.json" --socket-dir "$dir" --log-level warn \
 	>>"$dir/client.log" 2>&1 &
