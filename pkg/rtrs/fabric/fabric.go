@@ -76,6 +76,26 @@ type Memory interface {
 	Free() error
 }
 
+// Mapper is a Fabric that can allocate memory mapped for the caller
+// alone, outside the Go heap (a private anonymous mapping): its pages
+// are zero and take no room until first touched, and Free gives them
+// back to the kernel at once, not at a garbage collection. Touching it
+// after Free is a fault, so it is for memory that only connections the
+// caller closes before it frees reach: a server's chunks. fabric/rdma's
+// AllocMemory is such memory already.
+type Mapper interface {
+	Fabric
+	AllocMapped(n int) (Memory, error)
+}
+
+// ConnCoster is a Fabric that knows what one of its connections with
+// these queue sizes costs in memory at most: its queues, batches and
+// buffers. A server counts that against its memory budget.
+type ConnCoster interface {
+	Fabric
+	ConnMemory(maxSendWR, maxRecvWR int) int64
+}
+
 // Device is an HCA (or its emulation).
 type Device interface {
 	// Name is the HCA name, e.g. "mlx5_0", "rxe0", or "tcp".
@@ -136,6 +156,15 @@ type PD interface {
 	RegisterMR(buf []byte, access Access) (MR, error)
 	// Close releases the PD; its regions must be closed first.
 	Close() error
+}
+
+// WindowPD is a PD that tells beforehand whether a region registered in
+// it with AccessWindow will be a WindowMR, so that a server can size its
+// connections' send queues (binds and unbinds are work requests) before
+// it registers its chunks. A PD that is not one gives no windows.
+type WindowPD interface {
+	PD
+	Windows() bool
 }
 
 // MR is a registered memory region.

@@ -99,6 +99,10 @@ func (f *Fabric) AllocMemory(n int) (fabric.Memory, error) {
 	return &memory{b: b}, nil
 }
 
+// AllocMapped is AllocMemory, which is a private mapping already
+// (fabric.Mapper).
+func (f *Fabric) AllocMapped(n int) (fabric.Memory, error) { return f.AllocMemory(n) }
+
 // event waits for ch's next event, or ctx; ctx interrupts the channel.
 func event(ctx context.Context, ch *ibverbs.EventChannel) (ibverbs.CMEvent, error) {
 	stop := context.AfterFunc(ctx, ch.Interrupt)
@@ -223,6 +227,18 @@ func (p *pd) RegisterMR(buf []byte, access fabric.Access) (fabric.MR, error) {
 	}
 	r := &mr{pd: p, buf: buf, access: verbsAccess(access), remote: m, rkey: m.RKey(), lkey: m.LKey()}
 	return r, nil
+}
+
+// Windows says whether the device has type 1 memory windows, which
+// RegisterMR with fabric.AccessWindow then uses (fabric.WindowPD): it
+// allocates one and frees it.
+func (p *pd) Windows() bool {
+	w, err := p.p.AllocMW()
+	if err != nil {
+		return false
+	}
+	w.Close()
+	return true
 }
 
 func (p *pd) Close() error { return p.p.Close() }

@@ -91,13 +91,7 @@ func newConn(nc, raw net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn,
 	if p == nil || p.dev != dev {
 		return nil, errors.New("tcp fabric: protection domain of another device")
 	}
-	sqCap, rqCap := attr.MaxSendWR, attr.MaxRecvWR
-	if sqCap <= 0 {
-		sqCap = 64
-	}
-	if rqCap <= 0 {
-		rqCap = 64
-	}
+	sqCap, rqCap := queueCaps(attr.MaxSendWR, attr.MaxRecvWR)
 	c := &conn{
 		nc:      nc,
 		raw:     raw,
@@ -123,6 +117,19 @@ func newConn(nc, raw net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn,
 		}
 	}
 	return c, nil
+}
+
+// queueCaps are the sizes of a connection's send and receive queues for
+// the sizes asked: 64 each unless set.
+func queueCaps(maxSendWR, maxRecvWR int) (sqCap, rqCap int) {
+	sqCap, rqCap = maxSendWR, maxRecvWR
+	if sqCap <= 0 {
+		sqCap = 64
+	}
+	if rqCap <= 0 {
+		rqCap = 64
+	}
+	return sqCap, rqCap
 }
 
 func (c *conn) start() {
@@ -600,7 +607,7 @@ func (c *conn) reader() {
 	if c.sio != nil {
 		src = c.sio
 	}
-	br := bufio.NewReaderSize(&burstReader{c: c, src: src}, 128<<10)
+	br := bufio.NewReaderSize(&burstReader{c: c, src: src}, readBufSize)
 	var hdr [frameHdrSize]byte
 	var wc fabric.WC
 	for {

@@ -249,6 +249,10 @@ func (m *windowMR) Unbind(c fabric.Conn, id uint64) error {
 	return cc.post(&fabric.SendWR{ID: id, Op: opUnbind, Signaled: true}, 1)
 }
 
+// Windows says whether regions registered with fabric.AccessWindow get
+// (emulated) windows: with Options.Windows (fabric.WindowPD).
+func (p *pd) Windows() bool { return p.dev.fab.opts.Windows }
+
 func (p *pd) Close() error {
 	if n := p.regions.Load(); n != 0 {
 		return fmt.Errorf("tcp fabric: protection domain still has %d regions", n)

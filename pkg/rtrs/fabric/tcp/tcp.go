@@ -191,6 +191,61 @@ type heapMemory struct{ b []byte }
 func (m *heapMemory) Bytes() []byte { return m.b }
 func (m *heapMemory) Free() error   { return nil }
 
+// AllocMapped returns n bytes of a private anonymous mapping
+// (fabric.Mapper): zero, taking no room until touched, and unmapped by
+// Free. Page aligned, so O_DIRECT can use it.
+func (f *Fabric) AllocMapped(n int) (fabric.Memory, error) {
+	if n <= 0 {
+		return nil, errors.New("tcp fabric: memory size must be positive")
+	}
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("tcp fabric: mmap %d bytes: %w", n, err)
+	}
+	return &mappedMemory{b: b}, nil
+}
+
+type mappedMemory struct{ b []byte }
+
+func (m *mappedMemory) Bytes() []byte { return m.b }
+
+func (m *mappedMemory) Free() error {
+	if m.b == nil {
+		return nil
+	}
+	err := unix.Munmap(m.b)
+	m.b = nil
+	return err
+}
+
+// readBufSize is what a connection's reader reads the socket into.
+const readBufSize = 128 << 10
+
+// connFixed bounds what a connection holds besides its queues, batches
+// and read buffer: its two goroutines' stacks, the socket's and the
+// connection's own structures.
+const connFixed = 96 << 10
+
+// tlsConnExtra bounds what TLS adds to a connection: the records being
+// read and written, and the stage buffers of its two batches.
+const tlsConnExtra = 2*stageSize + 64<<10
+
+// ConnMemory is what one connection with these queue sizes holds at
+// most (fabric.ConnCoster): its send queue and the two batches that
+// take work requests from it (the reader's and the writer's), each with
+// a frame header and an iovec of up to 1+MaxSGE buffers per request,
+// the receive queue, the read buffer, and TLS's buffers with TLS.
+func (f *Fabric) ConnMemory(maxSendWR, maxRecvWR int) int64 {
+	sqCap, rqCap := queueCaps(maxSendWR, maxRecvWR)
+	wr := int64(unsafe.Sizeof(fabric.SendWR{}))
+	batch := int64(sqCap) * (wr + frameHdrSize + (1+fabric.MaxSGE)*int64(unsafe.Sizeof([]byte(nil))))
+	n := int64(sqCap)*wr + 2*batch + int64(rqCap)*int64(unsafe.Sizeof(fabric.RecvWR{})) + readBufSize + connFixed
+	if f.opts.TLS != nil {
+		n += tlsConnExtra
+	}
+	return n
+}
+
 type device struct {
 	fab *Fabric
 	mrs mrTable
