@@ -353,10 +353,25 @@ func (p *CltPath) do(ctx context.Context, op pathCmdOp) error {
 func (p *CltPath) connect(ctx context.Context) error { return p.do(ctx, cmdConnect) }
 
 // connectRetryBusy connects, and if the server still held the path (a
-// predecessor's: it drops that one and answers EBUSY) tries again.
+// predecessor's: it drops that one and answers EBUSY) tries again. A
+// server that takes new paths from this client more slowly than they
+// come (EAGAIN: its new_path_rate) is asked again, after 100 ms, then
+// twice as long each time up to a second, as long as ctx lasts.
 func (p *CltPath) connectRetryBusy(ctx context.Context) error {
 	err := p.connect(ctx)
 	if errors.Is(err, syscall.EBUSY) && ctx.Err() == nil {
+		err = p.Reconnect(ctx)
+	}
+	wait := 100 * time.Millisecond
+	for errors.Is(err, syscall.EAGAIN) {
+		t := time.NewTimer(wait + rand.N(wait/4))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		wait = min(2*wait, time.Second)
 		err = p.Reconnect(ctx)
 	}
 	return err
@@ -571,9 +586,13 @@ func (p *CltPath) reconnectCmd(ctx context.Context) error {
 		p.mu.Unlock()
 		p.stopAndDestroyConns()
 	}
+	var last error
 	for i := 0; ; i++ {
 		retry, err := p.reconnectWork(ctx, true)
-		if !retry || !errors.Is(err, syscall.EBUSY) || i == manualBusyRetries {
+		last = err
+		// EBUSY: the server still held the path's previous connection;
+		// EAGAIN: it takes new paths from us no faster than its rate.
+		if !retry || !(errors.Is(err, syscall.EBUSY) || errors.Is(err, syscall.EAGAIN)) || i == manualBusyRetries {
 			break
 		}
 		t := time.NewTimer(min(p.sess.cfg.ReconnectDelay, 100*time.Millisecond) << i)
@@ -589,6 +608,11 @@ func (p *CltPath) reconnectCmd(ctx context.Context) error {
 	if p.State() != PathConnected {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("rtrs: path did not reconnect (%v): %w", err, syscall.ENOTCONN)
+		}
+		if errors.Is(last, syscall.EAGAIN) {
+			// Still refused for the server's rate: the caller may
+			// ask again later (connectRetryBusy does).
+			return fmt.Errorf("rtrs: path did not reconnect: %w: %w", last, syscall.ENOTCONN)
 		}
 		return fmt.Errorf("rtrs: path did not reconnect: %w", syscall.ENOTCONN)
 	}
@@ -712,8 +736,11 @@ func rejectErr(priv []byte) error {
 	if rsp.Decode(priv) != nil || rsp.Errno == 0 {
 		return fmt.Errorf("rtrs: rejected with a malformed message: %w", syscall.ECONNRESET)
 	}
-	if rsp.Errno == syscall.EBUSY {
+	switch rsp.Errno {
+	case syscall.EBUSY:
 		return fmt.Errorf("rtrs: previous session still exists on the server, retry later: %w", rsp.Errno)
+	case syscall.EAGAIN:
+		return fmt.Errorf("rtrs: the server takes new paths from this client no faster than its new_path_rate, retry later: %w", rsp.Errno)
 	}
 	return fmt.Errorf("rtrs: rejected by server: %w", rsp.Errno)
 }

@@ -484,7 +484,7 @@ func TestHostileConnectionMemory(t *testing.T) {
 	dst := loopbackListener(t)
 	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
 	ccfg := testClientConfig(fab, pa("127.0.0.1", dst.String()))
-	good := pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1)
+	good, _ := pathFootprint(&scfg, nil, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1)
 	if chunks := int64(scfg.QueueDepth * scfg.MaxChunkSize); good <= chunks {
 		t.Fatalf("a path of %d connections counts %d bytes, no more than its chunks alone", ccfg.ConnsPerPath+1, good)
 	}
@@ -618,7 +618,7 @@ func TestHostileSessionsPerClient(t *testing.T) {
 func TestHostileClientMemoryShare(t *testing.T) {
 	var small, budget int64
 	h := newHostileRigCfg(t, func(c *ServerConfig) {
-		small = pathFootprint(c, c.QueueDepth, c.MaxChunkSize, 2) // a raw path of two connections
+		small, _ = pathFootprint(c, nil, c.QueueDepth, c.MaxChunkSize, 2) // a raw path of two connections
 		budget = 16 * small
 		c.MaxChunkMemory, c.MaxChunkMemoryPerClient = budget, 2*small
 	})

@@ -173,7 +173,7 @@ func TestServerChunkMemoryBudget(t *testing.T) {
 	a1, a2 := ap("10.82.0.1:1234"), ap("10.82.1.1:1234")
 	scfg := testServerConfig(fab, newMemDisk(1<<20), a1, a2)
 	ccfg := testClientConfig(fab, pa("10.82.0.2", a1.String()))
-	scfg.MaxChunkMemory = pathFootprint(&scfg, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1) // one path
+	scfg.MaxChunkMemory, _ = pathFootprint(&scfg, nil, scfg.QueueDepth, scfg.MaxChunkSize, ccfg.ConnsPerPath+1) // one path
 	r := newRig(t, fab, scfg, ccfg)
 	_, err := r.sess.AddPath(context.Background(), pa("10.82.1.2", a2.String()))
 	if !errors.Is(err, syscall.ENOMEM) {

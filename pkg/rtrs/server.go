@@ -87,10 +87,18 @@ type ServerConfig struct {
 	// MaxSessions bounds the sessions the server keeps.
 	MaxSessions int
 	// MaxChunkMemory bounds the memory of all paths together: each
-	// path's chunks (QueueDepth × MaxChunkSize bytes) and the buffers of
-	// the connections it asked for (ConnFootprint each): a path that
-	// would pass it is refused with ENOMEM. 0 means no bound.
+	// path's chunks (QueueDepth × MaxChunkSize bytes) and their
+	// structures, and the buffers of the connections it asked for (what
+	// its fabric says one costs): a path that would pass it is refused
+	// with ENOMEM. 0 means no bound. See srv_mem.go.
 	MaxChunkMemory int64
+	// GoMemoryLimit keeps the Go runtime's soft memory limit
+	// (runtime/debug.SetMemoryLimit) at GoHeapMargin plus the part of
+	// what the paths hold that lives on the Go heap, so that the
+	// garbage of paths that came and went is collected before the
+	// process passes MaxChunkMemory. For a process that runs one server
+	// (rnbd-server); nothing without MaxChunkMemory.
+	GoMemoryLimit bool
 	// MaxChunkMemoryPerClient bounds what the paths of one client (one
 	// identity, else one address, as MaxSessionsPerClient counts) may
 	// hold of MaxChunkMemory together: a path that would pass it is
@@ -103,6 +111,14 @@ type ServerConfig struct {
 	// holding its share of MaxChunkMemory until ConnectTimeout: more
 	// are refused with EBUSY, and the client retries. 0 means no bound.
 	MaxConnectingPerAddr int
+	// NewPathRate bounds how fast one client makes new paths, per
+	// second, after a burst of NewPathBurst: of one address, and of one
+	// identity where the fabric authenticates peers. A path past it is
+	// refused with EAGAIN and its client retries. Each new path costs
+	// the server a connection and a place in its budget until it proves
+	// itself or times out. 0 means no bound.
+	NewPathRate  float64
+	NewPathBurst int
 	// MaxSessionsPerClient bounds the sessions of one client: of one
 	// identity where the fabric authenticates peers (TLS certificates),
 	// else of one address. One more is refused with EUSERS, so a client
@@ -153,7 +169,8 @@ func DefaultMaxChunkMemoryPerClient(cfg *ServerConfig) int64 {
 	if total <= 0 {
 		return 0
 	}
-	paths := DefaultClientPaths * pathFootprint(cfg, cfg.QueueDepth, cfg.MaxChunkSize, runtime.NumCPU()+1)
+	one, _ := pathFootprint(cfg, nil, cfg.QueueDepth, cfg.MaxChunkSize, runtime.NumCPU()+1)
+	paths := DefaultClientPaths * one
 	return min(total, max(total/DefaultClientMemoryShare, paths))
 }
 
@@ -162,6 +179,14 @@ func DefaultMaxChunkMemoryPerClient(cfg *ServerConfig) int64 {
 // other and sends INFO_REQ at once, so its paths are connecting for
 // milliseconds.
 const DefaultMaxConnectingPerAddr = 8
+
+// DefaultNewPathRate and DefaultNewPathBurst: a client host (or
+// identity) may bring up 32 paths at once — 16 sessions of two paths
+// after its daemon restarted — and 8 a second after that.
+const (
+	DefaultNewPathRate  = 8
+	DefaultNewPathBurst = 32
+)
 
 // DefaultMaxSessionsPerClient: a client host has a session per server
 // (or per group of devices) it maps from; 64 of them on one server is
@@ -180,6 +205,8 @@ func DefaultServerConfig() ServerConfig {
 		MaxSessions:          1024,
 		MaxConnectingPerAddr: DefaultMaxConnectingPerAddr,
 		MaxSessionsPerClient: DefaultMaxSessionsPerClient,
+		NewPathRate:          DefaultNewPathRate,
+		NewPathBurst:         DefaultNewPathBurst,
 	}
 	c.MaxChunkMemory = DefaultMaxChunkMemory()
 	c.MaxChunkMemoryPerClient = DefaultMaxChunkMemoryPerClient(&c)
@@ -204,7 +231,8 @@ func (c *ServerConfig) validate() error {
 	if err := CheckImmBudget(uint32(c.QueueDepth), uint32(c.MaxChunkSize)); err != nil {
 		return err
 	}
-	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxChunkMemoryPerClient < 0 || c.MaxConnectingPerAddr < 0 || c.MaxSessionsPerClient < 0 {
+	if c.HBInterval <= 0 || c.HBMissedMax < 0 || c.ConnectTimeout <= 0 || c.MaxSessions < 1 || c.MaxChunkMemory < 0 || c.MaxChunkMemoryPerClient < 0 || c.MaxConnectingPerAddr < 0 || c.MaxSessionsPerClient < 0 ||
+		c.NewPathRate < 0 || c.NewPathBurst < 0 || (c.NewPathRate > 0 && c.NewPathBurst < 1) {
 		return errors.New("rtrs: bad heartbeat, timeout or session limit")
 	}
 	if c.Log == nil {
@@ -233,12 +261,21 @@ type Server struct {
 	// nameMu serializes session naming (claimName); taken before mu
 	// and any session's mu.
 	nameMu sync.Mutex
-	// chunkMem is the memory all paths' chunks take (MaxChunkMemory);
-	// clientMem that of each client's paths (MaxChunkMemoryPerClient).
-	// Both change under memMu.
+	// chunkMem is the memory all paths are counted for (MaxChunkMemory);
+	// clientMem that of each client's paths (MaxChunkMemoryPerClient),
+	// heapMem the part of chunkMem on the Go heap (GoMemoryLimit). They
+	// change under memMu.
 	memMu     sync.Mutex
 	chunkMem  atomic.Int64
 	clientMem map[string]int64
+	heapMem   int64
+	// goLimit is the runtime's memory limit before the server set its
+	// own (GoMemoryLimit), put back by Close.
+	goLimit int64
+	// pool keeps closed paths' chunk areas for new paths.
+	pool chunkPool
+	// pathRate bounds how fast each client makes paths (NewPathRate).
+	pathRate rateLimiter
 	// rejected counts refused connection requests by errno (low byte).
 	rejected [256]atomic.Uint64
 
@@ -254,6 +291,8 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, log: cfg.Log, sessions: make(map[[16]byte]*SrvSession)}
+	s.pathRate.init(cfg.NewPathRate, cfg.NewPathBurst)
+	s.startMemoryLimit()
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	eps := append([]Endpoint(nil), cfg.Endpoints...)
 	for _, a := range cfg.Listen {
@@ -352,6 +391,8 @@ func (s *Server) Close() error {
 		x.Close()
 	}
 	s.wg.Wait()
+	s.pool.close()
+	s.stopMemoryLimit()
 	return nil
 }
 
@@ -480,41 +521,6 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 	if err != nil {
 		s.rl.Log(path.lg().WithError(err), log.WarnLevel, "accepting connection failed")
 		path.close("accepting a connection failed")
-	}
-}
-
-// reserveMem counts size against MaxChunkMemory and the share of it
-// client may hold, or refuses it (ENOMEM) and counts nothing.
-func (s *Server) reserveMem(client string, size int64) error {
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	total, mine := s.chunkMem.Load()+size, s.clientMem[client]+size
-	if most := s.cfg.MaxChunkMemory; most > 0 && total > most {
-		return fmt.Errorf("its %d bytes would pass max_chunk_memory %d: %w", size, most, syscall.ENOMEM)
-	}
-	if most := s.cfg.MaxChunkMemoryPerClient; most > 0 && mine > most {
-		return fmt.Errorf("its %d bytes would pass max_chunk_memory_per_client %d of %s: %w", size, most, client, syscall.ENOMEM)
-	}
-	if s.clientMem == nil {
-		s.clientMem = make(map[string]int64)
-	}
-	s.chunkMem.Store(total)
-	s.clientMem[client] = mine
-	return nil
-}
-
-// releaseMem gives back what reserveMem counted for client.
-func (s *Server) releaseMem(client string, size int64) {
-	if size == 0 {
-		return
-	}
-	s.memMu.Lock()
-	defer s.memMu.Unlock()
-	s.chunkMem.Add(-size)
-	if n := s.clientMem[client] - size; n > 0 {
-		s.clientMem[client] = n
-	} else {
-		delete(s.clientMem, client)
 	}
 }
 

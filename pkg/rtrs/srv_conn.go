@@ -221,6 +221,13 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		typ, payload := FromImm(wc.Imm)
 		switch typ {
 		case ImmIOReq:
+			if p.State() != SrvPathConnected {
+				// No chunks yet (they come with INFO_REQ), or the
+				// path is closing. Seeing it CONNECTED (an atomic)
+				// also makes the chunks allocChunks made visible here.
+				p.rl.Log(p.lg(), log.WarnLevel, "request on a path that is not connected: dropped")
+				return
+			}
 			x := p.sess
 			msgID, off := payload>>p.memBits, payload&(1<<p.memBits-1)
 			if int(msgID) >= x.queueDepth || int(off) >= x.chunkSize {

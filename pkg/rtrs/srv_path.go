@@ -8,7 +8,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -35,10 +34,19 @@ type SrvPath struct {
 	conns     []*srvConn // set under sess.mu while connecting
 	accepting int        // under sess.mu: connections being accepted
 	pd        fabric.PD
-	chunks    fabric.Memory
-	// chunkMemSize is what the path counts against MaxChunkMemory.
-	chunkMemSize int64
-	mrs          []fabric.MR // one per chunk with always_invalidate, else one
+	// windows: always_invalidate by memory windows (the PD has them,
+	// fabric.WindowPD), known before the chunks are registered.
+	windows bool
+	// The chunks: allocated and registered once the path has proved
+	// itself (allocChunks, at INFO_REQ). chunkBuf is chunks' bytes,
+	// mapped says the pool's mapped memory.
+	chunks   fabric.Memory
+	chunkBuf []byte
+	mapped   bool
+	// memSize is what the path counts against MaxChunkMemory, memHeap
+	// the part of it on the Go heap.
+	memSize, memHeap int64
+	mrs              []fabric.MR // one per chunk with always_invalidate, else one
 	// wins (one per chunk, the same as mrs) is always_invalidate by
 	// memory windows: a chunk's window is unbound when a request arrives
 	// and the request is processed when that completes (winOff keeps its
@@ -98,26 +106,55 @@ func (p *SrvPath) changeState(to SrvPathState) bool {
 	return true
 }
 
+// allocResources is what a path needs from its first connection on: its
+// place in the budget (counted for all it may come to hold), its
+// protection domain and the buffer of INFO_REQ and INFO_RSP. The
+// chunks wait for allocChunks.
 func (p *SrvPath) allocResources() error {
 	x := p.sess
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
-	var err error
-	size := pathFootprint(cfg, qd, x.chunkSize, len(p.conns))
-	if err := x.srv.reserveMem(x.client, size); err != nil {
+	size, heap := pathFootprint(cfg, p.fab, qd, x.chunkSize, len(p.conns))
+	if err := x.srv.reserveMem(x.client, size, heap); err != nil {
 		return fmt.Errorf("a path of %d chunks and %d connections: %w", qd, len(p.conns), err)
 	}
-	p.chunkMemSize = size
+	p.memSize, p.memHeap = size, heap
+	var err error
 	if p.pd, err = p.dev.AllocPD(); err != nil {
 		return err
 	}
-	if p.chunks, err = p.fab.AllocMemory(qd * x.chunkSize); err != nil {
+	if cfg.AlwaysInvalidate && !cfg.InvalidateByRegistration {
+		wp, ok := p.pd.(fabric.WindowPD)
+		p.windows = ok && wp.Windows()
+	}
+	nmr := 1
+	if cfg.AlwaysInvalidate {
+		nmr = qd
+	}
+	if p.infoMem, err = p.fab.AllocMemory(InfoReqSize + InfoRspSize(nmr)); err != nil {
 		return err
 	}
-	chunks := p.chunks.Bytes()
+	if p.infoMR, err = p.pd.RegisterMR(p.infoMem.Bytes(), fabric.AccessLocalWrite); err != nil {
+		return err
+	}
+	return nil
+}
+
+// allocChunks allocates and registers the path's chunks (from the
+// server's pool) and their ops, once every connection is open and
+// INFO_REQ came: before that a path costs its connections only.
+func (p *SrvPath) allocChunks() error {
+	x := p.sess
+	cfg := &x.srv.cfg
+	qd := x.queueDepth
+	var err error
+	if p.chunks, p.mapped, err = x.srv.pool.get(p.fab, qd*x.chunkSize); err != nil {
+		return err
+	}
+	p.chunkBuf = p.chunks.Bytes()
 	if cfg.AlwaysInvalidate {
 		access := fabric.AccessLocalWrite | fabric.AccessRemoteWrite
-		if !cfg.InvalidateByRegistration {
+		if p.windows {
 			access |= fabric.AccessWindow
 		}
 		for i := 0; i < qd; i++ {
@@ -126,21 +163,17 @@ func (p *SrvPath) allocResources() error {
 				return err
 			}
 			p.mrs = append(p.mrs, mr)
-		}
-		for _, mr := range p.mrs {
-			if w, ok := mr.(fabric.WindowMR); ok {
+			if w, ok := mr.(fabric.WindowMR); ok && p.windows {
 				p.wins = append(p.wins, w)
+			} else if p.windows {
+				return fmt.Errorf("chunk %d got no memory window on a device that has them: %w", i, syscall.EIO)
 			}
 		}
-		switch len(p.wins) {
-		case 0:
-		case qd:
+		if p.windows {
 			p.winOff = make([]uint32, qd)
-		default:
-			return fmt.Errorf("%d of %d chunks got a memory window: %w", len(p.wins), qd, syscall.EIO)
 		}
 	} else {
-		mr, err := p.pd.RegisterMR(chunks, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
+		mr, err := p.pd.RegisterMR(p.chunkBuf, fabric.AccessLocalWrite|fabric.AccessRemoteWrite)
 		if err != nil {
 			return err
 		}
@@ -153,12 +186,6 @@ func (p *SrvPath) allocResources() error {
 	if p.rkeyMR, err = p.pd.RegisterMR(p.rkeyMem.Bytes(), fabric.AccessLocalWrite); err != nil {
 		return err
 	}
-	if p.infoMem, err = p.fab.AllocMemory(InfoReqSize + InfoRspSize(len(p.mrs))); err != nil {
-		return err
-	}
-	if p.infoMR, err = p.pd.RegisterMR(p.infoMem.Bytes(), fabric.AccessLocalWrite); err != nil {
-		return err
-	}
 	p.ops = make([]SrvOp, qd)
 	for i := range p.ops {
 		p.ops[i].path, p.ops[i].id = p, uint32(i)
@@ -166,6 +193,8 @@ func (p *SrvPath) allocResources() error {
 	return nil
 }
 
+// freeResources frees what allocResources and allocChunks made, once no
+// connection is left to touch it.
 func (p *SrvPath) freeResources() {
 	for _, mr := range p.mrs {
 		mr.Close()
@@ -176,16 +205,20 @@ func (p *SrvPath) freeResources() {
 			mr.Close()
 		}
 	}
-	for _, m := range []fabric.Memory{p.rkeyMem, p.infoMem, p.chunks} {
+	for _, m := range []fabric.Memory{p.rkeyMem, p.infoMem} {
 		if m != nil {
 			m.Free()
 		}
 	}
+	if p.chunks != nil {
+		p.sess.srv.pool.put(p.fab, p.chunks, p.mapped)
+		p.chunks, p.chunkBuf = nil, nil
+	}
 	if p.pd != nil {
 		p.pd.Close()
 	}
-	p.sess.srv.releaseMem(p.sess.client, p.chunkMemSize)
-	p.chunkMemSize = 0
+	p.sess.srv.releaseMem(p.sess.client, p.memSize, p.memHeap)
+	p.memSize, p.memHeap = 0, 0
 }
 
 // newConnLocked reserves connection cid of a path (create_con).
@@ -226,26 +259,6 @@ func connQueues(cfg *ServerConfig, qd, cid int, windows bool) (maxSend, maxRecv,
 	return maxSend, maxRecv, sqAvail
 }
 
-// ConnFootprint is what one connection with these queue sizes is
-// counted for against MaxChunkMemory: its work requests, held twice
-// (the queue, and the batch a write takes from it), an iovec per SGE and
-// header, and the read and write buffers of a stream fabric. A verbs
-// queue pair's rings live in the driver; the figure stands for them too.
-func ConnFootprint(maxSend, maxRecv int) int64 {
-	const iovec = 16
-	perSend := 2*int64(unsafe.Sizeof(fabric.SendWR{})) + (fabric.MaxSGE+1)*iovec
-	return int64(maxSend)*perSend + int64(maxRecv)*int64(unsafe.Sizeof(fabric.RecvWR{})) + 256<<10
-}
-
-// pathFootprint is what a path of cidNum connections is counted for
-// against MaxChunkMemory: its chunks and its connections.
-func pathFootprint(cfg *ServerConfig, qd, chunkSize, cidNum int) int64 {
-	windows := cfg.AlwaysInvalidate && !cfg.InvalidateByRegistration
-	s0, r0, _ := connQueues(cfg, qd, 0, windows) // the service connection
-	s1, r1, _ := connQueues(cfg, qd, 1, windows) // each IO connection
-	return int64(qd)*int64(chunkSize) + ConnFootprint(s0, r0) + int64(cidNum-1)*ConnFootprint(s1, r1)
-}
-
 // acceptCon accepts c's connection; the service connection gets a
 // receive for INFO_REQ before it is accepted.
 func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
@@ -253,7 +266,7 @@ func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 	cfg := &x.srv.cfg
 	qd := x.queueDepth
 	attr := fabric.ConnAttr{Handler: c}
-	attr.MaxSendWR, attr.MaxRecvWR, c.sqAvail = connQueues(cfg, qd, c.cid, p.wins != nil)
+	attr.MaxSendWR, attr.MaxRecvWR, c.sqAvail = connQueues(cfg, qd, c.cid, p.windows)
 	if c.cid == 0 {
 		attr.Recvs = []fabric.RecvWR{{ID: wrInfoReq, Buf: p.infoMem.Bytes()[:InfoReqSize], LKey: p.infoMR.LKey()}}
 	}
@@ -344,6 +357,10 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 		return err
 	}
 	p.logp.Store(x.logp.Load().WithField("path", p.Name()))
+	// The path has proved itself: now its chunks.
+	if err := p.allocChunks(); err != nil {
+		return fmt.Errorf("allocating the chunks: %w", err)
+	}
 	for _, cc := range conns {
 		if err := cc.postRecvs(); err != nil {
 			return err
@@ -460,9 +477,8 @@ func (p *SrvPath) sendHB() error {
 }
 
 func (p *SrvPath) chunk(id uint32) []byte {
-	b := p.chunks.Bytes()
 	cs := p.sess.chunkSize
-	return b[int(id)*cs : (int(id)+1)*cs]
+	return p.chunkBuf[int(id)*cs : (int(id)+1)*cs]
 }
 
 func (p *SrvPath) lg() *log.Entry { return p.logp.Load() }

@@ -3,6 +3,7 @@ package rtrs
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -173,6 +174,10 @@ func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, 
 		dev:        req.Device(),
 		closed:     make(chan struct{}),
 	}
+	if !s.pathRate.allow(rateKeys(client, x.Identity())...) {
+		return nil, syscall.EAGAIN, fmt.Errorf("new paths from %v or its identity come faster than %g a second (after %d at once)",
+			client, s.cfg.NewPathRate, s.cfg.NewPathBurst)
+	}
 	if !s.admitConnecting(client) {
 		return nil, syscall.EBUSY, fmt.Errorf("%d paths from %v are connecting already", s.cfg.MaxConnectingPerAddr, client)
 	}
@@ -195,6 +200,16 @@ func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, 
 	x.paths = append(x.paths, p)
 	s.wg.Add(1) // released by the close work
 	return p, 0, nil
+}
+
+// rateKeys are the buckets a new path from addr takes a token from: its
+// address's (fabric.PeerGroup), and its identity's if it has one.
+func rateKeys(addr netip.Addr, identity string) []string {
+	keys := []string{"address:" + fabric.PeerGroup(addr).String()}
+	if identity != "" {
+		keys = append(keys, "identity:"+identity)
+	}
+	return keys
 }
 
 func (x *SrvSession) removePath(p *SrvPath) {

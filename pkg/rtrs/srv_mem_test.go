@@ -1,0 +1,245 @@
+package rtrs
+
+import (
+	"context"
+	"net/netip"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+)
+
+// serverPath finds the one path of the server's session pathsUUID.
+func serverPath(t *testing.T, srv *Server, pathsUUID [16]byte) *SrvPath {
+	t.Helper()
+	var p *SrvPath
+	waitFor(t, 10*time.Second, "the server's path", func() bool {
+		for _, x := range srv.Sessions() {
+			if x.UUID() == pathsUUID {
+				if ps := x.Paths(); len(ps) == 1 {
+					p = ps[0]
+					return true
+				}
+			}
+		}
+		return false
+	})
+	return p
+}
+
+// chunksOf reads a server path's chunks as INFO_REQ's goroutine left
+// them (seeing the path CONNECTED publishes them), under its session's
+// lock, which the path's close work takes before it frees them.
+func chunksOf(p *SrvPath) []byte {
+	if p.State() != SrvPathConnected {
+		return nil
+	}
+	p.sess.mu.Lock()
+	defer p.sess.mu.Unlock()
+	return p.chunkBuf
+}
+
+// A path costs its connections until it proves itself: with every
+// connection open and no INFO_REQ it has no chunks (the path churn of
+// issue 30 allocated and registered them at the first connection), but
+// is counted for them in the budget; INFO_REQ brings them.
+func TestChunksWaitForInfoReq(t *testing.T) {
+	h := newHostileRig(t, true)
+	used0, _ := h.srv.ChunkMemory()
+	rp := newRawPathConns(t, h.fab, h.src, h.dst, 2, 2)
+	p := serverPath(t, h.srv, rp.req.PathsUUID)
+	if p.State() != SrvPathConnecting {
+		t.Fatalf("path %v before INFO_REQ", p.State())
+	}
+	if used, _ := h.srv.ChunkMemory(); used <= used0 {
+		t.Fatalf("a half-open path is counted for %d bytes, want its footprint", used-used0)
+	}
+	// Nothing writes them before INFO_REQ: what the path was made
+	// with (under its session's lock).
+	p.sess.mu.Lock()
+	chunks, mrs := p.chunks, len(p.mrs)
+	p.sess.mu.Unlock()
+	if chunks != nil || mrs != 0 {
+		t.Fatalf("a path without INFO_REQ holds chunks (%v) and %d registrations", chunks != nil, mrs)
+	}
+	if err := rp.sendInfoReq("half"); err != nil {
+		t.Fatal(err)
+	}
+	rp.wait(0, fabric.WCRecv) // INFO_RSP
+	waitFor(t, 10*time.Second, "the path CONNECTED", func() bool { return p.State() == SrvPathConnected })
+	if got, want := len(chunksOf(p)), h.srv.cfg.QueueDepth*h.srv.cfg.MaxChunkSize; got != want {
+		t.Fatalf("after INFO_REQ the path has %d bytes of chunks, want %d", got, want)
+	}
+	rp.close()
+	h.stillServes()
+	if used, _ := h.srv.ChunkMemory(); used != used0 {
+		t.Fatalf("%d bytes counted after the path went, want %d", used, used0)
+	}
+}
+
+// A closed path's chunks go back to the server's pool, and the next
+// path takes them — zeroed: one client's data never reaches another's
+// chunks.
+func TestChunkPoolReuse(t *testing.T) {
+	h := newHostileRig(t, true)
+	rp := newRawPath(t, h.fab, h.src, h.dst, "first")
+	p := serverPath(t, h.srv, rp.req.PathsUUID)
+	old := chunksOf(p)
+	if old == nil {
+		t.Fatal("a connected path without chunks")
+	}
+	// A client's data in every chunk.
+	for i := 0; i < len(old); i += 4096 {
+		copy(old[i:], "secret of the first client")
+	}
+	addr := &old[0]
+	rp.close()
+	waitFor(t, 10*time.Second, "the pool to take the chunks back", func() bool { return h.srv.pool.idle() == 1 })
+	rp2 := newRawPath(t, h.fab, h.src, h.dst, "second")
+	p2 := serverPath(t, h.srv, rp2.req.PathsUUID)
+	got := chunksOf(p2)
+	if &got[0] != addr {
+		t.Fatal("the second path did not take the first one's chunks from the pool")
+	}
+	if n := h.srv.pool.idle(); n != 0 {
+		t.Fatalf("%d areas idle in the pool after the second path took one", n)
+	}
+	for i, b := range got {
+		if b != 0 {
+			t.Fatalf("byte %d of the reused chunks is %#x: the first client's data reached the second", i, b)
+		}
+	}
+	rp2.close()
+	h.stillServes()
+}
+
+// New paths of one address come no faster than NewPathRate after a
+// burst of NewPathBurst: past it they are refused with EAGAIN (and
+// counted), while another address is not affected; the bucket refills
+// with time.
+func TestNewPathRate(t *testing.T) {
+	h := newHostileRigCfg(t, func(c *ServerConfig) { c.NewPathRate, c.NewPathBurst = 1, 3 })
+	var mu sync.Mutex
+	now := time.Now()
+	h.srv.pathRate.mu.Lock()
+	h.srv.pathRate.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	h.srv.pathRate.mu.Unlock()
+	for i := 0; i < 3; i++ {
+		if err := h.dialPath(); err != nil {
+			t.Fatalf("new path %d of a burst of 3: %v", i, err)
+		}
+	}
+	if err := h.dialPath(); rejectErrno(err) != syscall.EAGAIN {
+		t.Fatalf("a fourth new path at once: %v, want a reject with EAGAIN", err)
+	}
+	other := *h
+	other.src = netip.MustParseAddrPort("127.0.0.4:0")
+	if err := other.dialPath(); err != nil {
+		t.Fatalf("a new path from another address: %v", err)
+	}
+	mu.Lock()
+	now = now.Add(time.Second)
+	mu.Unlock()
+	if err := h.dialPath(); err != nil {
+		t.Fatalf("a new path a second later: %v", err)
+	}
+	if err := h.dialPath(); rejectErrno(err) != syscall.EAGAIN {
+		t.Fatalf("a second one in that second: %v, want EAGAIN", err)
+	}
+	if n := h.srv.Rejected()[syscall.EAGAIN]; n != 2 {
+		t.Fatalf("%d refusals counted as EAGAIN, want 2", n)
+	}
+	h.stillServes()
+}
+
+// Our client asks again when the server refuses a new path with EAGAIN
+// (its new_path_rate), until its context ends.
+func TestClientRetriesNewPathRate(t *testing.T) {
+	fab := newHostileRigCfg(t, func(c *ServerConfig) { c.NewPathRate, c.NewPathBurst = 5, 1 })
+	// The rig's own session took the one token of 127.0.0.1.
+	ccfg := testClientConfig(fab.fab, pa("127.0.0.1", fab.dst.String()))
+	ccfg.SessName = "second"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := Open(ctx, ccfg)
+	if err != nil {
+		t.Fatalf("a session refused EAGAIN at first: %v, want it to retry and connect", err)
+	}
+	s.Close()
+	if n := fab.srv.Rejected()[syscall.EAGAIN]; n == 0 {
+		t.Fatal("the second session was never refused: the test proves nothing")
+	}
+}
+
+// With GoMemoryLimit the runtime's memory limit is GoHeapMargin plus the
+// heap part of what the paths hold, follows paths as they come and go,
+// and is put back by Close.
+func TestGoMemoryLimit(t *testing.T) {
+	before := debug.SetMemoryLimit(-1)
+	h := newHostileRigCfg(t, func(c *ServerConfig) {
+		c.GoMemoryLimit = true
+		c.MaxChunkMemory = 1 << 30
+	})
+	limit := func() int64 { return debug.SetMemoryLimit(-1) }
+	h.srv.memMu.Lock()
+	heap := h.srv.heapMem
+	h.srv.memMu.Unlock()
+	if heap <= 0 || limit() != GoHeapMargin+heap {
+		t.Fatalf("limit %d with one path holding %d bytes of heap, want %d", limit(), heap, GoHeapMargin+heap)
+	}
+	rp := newRawPathConns(t, h.fab, h.src, h.dst, 3, 1)
+	_, onHeap := pathFootprint(&h.srv.cfg, h.fab, h.srv.cfg.QueueDepth, h.srv.cfg.MaxChunkSize, 3)
+	if got := limit(); got != GoHeapMargin+heap+onHeap {
+		t.Fatalf("limit %d with a second path, want %d", got, GoHeapMargin+heap+onHeap)
+	}
+	rp.close()
+	waitFor(t, 10*time.Second, "the second path's memory released", func() bool { return limit() == GoHeapMargin+heap })
+	h.sess.Close()
+	h.srv.Close()
+	if got := limit(); got != before {
+		t.Fatalf("limit %d after Close, want the %d before", got, before)
+	}
+}
+
+// The buckets of rateLimiter: a request takes a token from each key's
+// bucket or from none, they refill at the rate up to the burst, and
+// full ones are forgotten.
+func TestRateLimiter(t *testing.T) {
+	now := time.Unix(1000, 0)
+	r := rateLimiter{now: func() time.Time { return now }}
+	r.init(2, 2)
+	a, b := "address:a", "identity:x"
+	if !r.allow(a, b) || !r.allow(a, b) {
+		t.Fatal("a burst of 2 refused")
+	}
+	if r.allow(a) || r.allow("address:c", b) {
+		t.Fatal("an empty bucket let a request through")
+	}
+	if !r.allow("address:c") {
+		t.Fatal("a refusal took a token of the other key")
+	}
+	now = now.Add(500 * time.Millisecond)
+	if !r.allow(a, b) || r.allow(a, b) {
+		t.Fatal("half a second at 2/s: want one token back")
+	}
+	now = now.Add(time.Hour)
+	for i := 0; i < sweepAt; i++ {
+		r.allow("address:" + strconv.Itoa(i))
+	}
+	now = now.Add(time.Hour)
+	r.allow("address:z")
+	if n := len(r.buckets); n > 2 {
+		t.Fatalf("%d buckets left after a sweep, want the full ones gone", n)
+	}
+	var off rateLimiter
+	off.init(0, 0)
+	for i := 0; i < 100; i++ {
+		if !off.allow(a) {
+			t.Fatal("rate 0 refused")
+		}
+	}
+}
