@@ -747,3 +747,45 @@ func TestNameHeldWaitsForClaims(t *testing.T) {
 		t.Fatal("NameHeld of a name no session has")
 	}
 }
+
+// Without authentication a reconnect (another recon_cnt) replaces a
+// path only when it comes from the path's own client address: a peer
+// that learnt the UUIDs (they travel in clear) from elsewhere is refused
+// with EBUSY and the path stays (issue 30 D). From the path's address
+// the reconnect still supersedes it at once.
+func TestReconnectFromAnotherAddress(t *testing.T) {
+	h := newHostileRig(t, true)
+	x := h.srv.Sessions()[0]
+	p := x.Paths()[0]
+	reconnect := func(src netip.AddrPort) error {
+		dev, _ := h.fab.Resolve(context.Background(), src, h.dst)
+		pd, _ := dev.AllocPD()
+		req := ConnReq{Magic: Magic, Version: ProtoVer, CIDNum: uint16(len(p.conns)), ReconCnt: p.reconCnt + 1,
+			SessUUID: p.uuid, PathsUUID: x.UUID()}
+		c, _, err := dialRaw(h.fab, pd, dev, src, h.dst, req.Encode(make([]byte, ConnReqSize)))
+		if err == nil {
+			c.qp.Close()
+		}
+		return err
+	}
+	for i := 0; i < 5; i++ {
+		if err := reconnect(h.src); rejectErrno(err) != syscall.EBUSY {
+			t.Fatalf("a reconnect of the path from another address: %v, want a reject with EBUSY", err)
+		}
+	}
+	if st := p.State(); st != SrvPathConnected {
+		t.Fatalf("the path is %v after reconnects from another address, want it left CONNECTED", st)
+	}
+	h.stillServes()
+	// From the path's own address it is the client's reconnect: the
+	// old path goes at once (and this raw attempt is refused EBUSY to
+	// come back, as the kernel's server does).
+	if err := reconnect(netip.AddrPortFrom(p.ClientAddr().Addr(), 0)); rejectErrno(err) != syscall.EBUSY {
+		t.Fatalf("a reconnect from the path's address: %v, want EBUSY", err)
+	}
+	select {
+	case <-p.closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a reconnect from the path's own address did not supersede it")
+	}
+}

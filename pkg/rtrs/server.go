@@ -468,6 +468,17 @@ func (s *Server) handleConnReq(fab fabric.Fabric, req fabric.ConnRequest) {
 	if path != nil {
 		s.putSession(sess) // the path holds the session's reference
 		if path.reconCnt != msg.ReconCnt {
+			if len(peer) == 0 && req.RemoteAddr().Addr() != path.clientAddr.Addr() {
+				// Without authentication the UUIDs are no secret
+				// (they travel in clear): a reconnect may replace a
+				// path only from the path's own client address.
+				// Anyone else waits, as the client itself would if
+				// its address had changed, until the old path dies.
+				sess.mu.Unlock()
+				s.reject(req, syscall.EBUSY, "a reconnect of a path from another address than the path's: not superseding it",
+					log.Fields{"path": path.Name()})
+				return
+			}
 			// The client tore this path down and is reconnecting while
 			// we still hold the old one (its heartbeat has not noticed
 			// yet, or the attempt died half way): drop the old path now
