@@ -6,6 +6,7 @@ package main
 import (
 	"fmt"
 	"net/url"
+	"os"
 	"path/filepath"
 
 	"github.com/spf13/cobra"
@@ -69,6 +70,8 @@ func newDaemon() *cobra.Command {
 			set("max-chunk-memory", func() { cfg.MaxChunkMemory = serverd.Size(chunkMem) })
 			set("max-chunk-memory-per-client", func() { v := serverd.Size(clientMem); cfg.MaxChunkMemoryPerClient = &v })
 			set("max-sessions-per-client", func() { cfg.MaxSessionsPerClient = over.MaxSessionsPerClient })
+			set("new-path-rate", func() { cfg.NewPathRate = over.NewPathRate })
+			set("new-path-burst", func() { cfg.NewPathBurst = over.NewPathBurst })
 			set("bind-session-names", func() { cfg.BindSessionNames = over.BindSessionNames })
 			set("metrics-listen", func() { cfg.MetricsListen = over.MetricsListen })
 			set("always-invalidate", func() { cfg.AlwaysInvalidate = over.AlwaysInvalidate })
@@ -92,7 +95,9 @@ func newDaemon() *cobra.Command {
 				fmt.Fprintln(cmd.ErrOrStderr(), "rnbd-server:", w)
 			}
 			return cli.RunDaemon(func() (cli.Daemon, error) {
-				return serverd.Start(cfg, serverd.Options{})
+				// The Go runtime's memory limit follows the chunk
+				// budget, unless the operator set one (GOMEMLIMIT).
+				return serverd.Start(cfg, serverd.Options{GoMemoryLimit: os.Getenv("GOMEMLIMIT") == ""})
 			})
 		},
 	}
@@ -111,6 +116,8 @@ func newDaemon() *cobra.Command {
 	f.Var(&clientMem, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own; default a quarter of max-chunk-memory, at least 8 paths' worth)")
 	f.StringVar(&over.MetricsListen, "metrics-listen", d.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
 	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity that first takes it, kept in the state file; others are refused it")
+	f.Float64Var(&over.NewPathRate, "new-path-rate", d.NewPathRate, "new paths one client (one address, and one identity with TLS) may make a second after a burst of --new-path-burst; more are refused with EAGAIN and retried (0: no bound)")
+	f.IntVar(&over.NewPathBurst, "new-path-burst", d.NewPathBurst, "new paths one client may make at once before --new-path-rate applies")
 	f.IntVar(&over.MaxSessionsPerClient, "max-sessions-per-client", d.MaxSessionsPerClient, "sessions one client may have: one identity with TLS, else one address (0: no bound); one more is refused with EUSERS")
 	f.BoolVar(&over.AlwaysInvalidate, "always-invalidate", d.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
 	f.StringVar(&over.InvalidateBy, "invalidate-by", d.InvalidateBy, "how always_invalidate revokes a chunk's rkey on RDMA: window (memory windows bound by work requests, where the device has them) or registration")

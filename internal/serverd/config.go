@@ -51,6 +51,10 @@ type Config struct {
 	MaxChunkMemoryPerClient *Size `toml:"max_chunk_memory_per_client"`
 	// MaxSessionsPerClient bounds one client's sessions (rtrs.ServerConfig).
 	MaxSessionsPerClient int `toml:"max_sessions_per_client"`
+	// NewPathRate and NewPathBurst bound how fast one client (address,
+	// identity) makes new paths (rtrs.ServerConfig); rate 0: no bound.
+	NewPathRate  float64 `toml:"new_path_rate"`
+	NewPathBurst int     `toml:"new_path_burst"`
 	// BindSessionNames, with TLS, binds each session name to the
 	// identity that first takes it (rnbd.ServerConfig).
 	BindSessionNames bool `toml:"bind_session_names"`
@@ -94,6 +98,8 @@ func DefaultConfig() Config {
 		MaxChunkSize:         rtrs.DefaultMaxChunkSize,
 		MaxChunkMemory:       Size(rtrs.DefaultMaxChunkMemory()),
 		MaxSessionsPerClient: rtrs.DefaultMaxSessionsPerClient,
+		NewPathRate:          rtrs.DefaultNewPathRate,
+		NewPathBurst:         rtrs.DefaultNewPathBurst,
 		BindSessionNames:     true,
 		AlwaysInvalidate:     true,
 		InvalidateBy:         "window",
@@ -141,6 +147,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxSessionsPerClient < 0 {
 		return errors.New("max_sessions_per_client must not be negative (0: no bound)")
+	}
+	if c.NewPathRate < 0 || (c.NewPathRate > 0 && c.NewPathBurst < 1) {
+		return fmt.Errorf("new_path_rate %g, new_path_burst %d: want a rate of at least 0 (0: no bound) and a burst of at least 1", c.NewPathRate, c.NewPathBurst)
 	}
 	if err := c.TLS.Validate(); err != nil {
 		return err

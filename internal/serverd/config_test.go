@@ -64,6 +64,21 @@ func TestLoadConfig(t *testing.T) {
 	if err := bad.Validate(); err == nil {
 		t.Error("udp listen address accepted")
 	}
+	for _, r := range []struct {
+		rate  float64
+		burst int
+	}{{-1, 32}, {8, 0}} {
+		bad = DefaultConfig()
+		bad.NewPathRate, bad.NewPathBurst = r.rate, r.burst
+		if err := bad.Validate(); err == nil || !strings.Contains(err.Error(), "new_path_rate") {
+			t.Errorf("new_path_rate %g, new_path_burst %d: %v", r.rate, r.burst, err)
+		}
+	}
+	off := DefaultConfig()
+	off.NewPathRate, off.NewPathBurst = 0, 0
+	if err := off.Validate(); err != nil {
+		t.Errorf("new_path_rate 0 (no bound): %v", err)
+	}
 	bad = DefaultConfig()
 	bad.InvalidateBy = "magic"
 	if err := bad.Validate(); err == nil || !strings.Contains(err.Error(), "invalidate_by") {

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"net/http"
 	"net/netip"
+	"os"
 	"sort"
 	"strings"
 	"sync"
@@ -87,6 +88,10 @@ type Options struct {
 	// address is to be listened on.
 	RDMA fabric.Fabric
 	Log  *log.Entry
+	// GoMemoryLimit: the process is this daemon's, and the Go runtime's
+	// soft memory limit follows what its paths may hold
+	// (rtrs.ServerConfig.GoMemoryLimit).
+	GoMemoryLimit bool
 }
 
 // Start loads the state, opens the control socket and starts serving.
@@ -195,6 +200,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		rcfg.MaxChunkMemoryPerClient = int64(*cfg.MaxChunkMemoryPerClient)
 	}
 	rcfg.MaxSessionsPerClient = cfg.MaxSessionsPerClient
+	rcfg.NewPathRate, rcfg.NewPathBurst = cfg.NewPathRate, cfg.NewPathBurst
+	rcfg.GoMemoryLimit = opts.GoMemoryLimit
 	if d.rtrs, err = rtrs.NewServer(rcfg); err != nil {
 		d.ctl.Close()
 		d.rnbd.Close()
@@ -217,7 +224,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		bound = append(bound, l.String())
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled()}).Info("rnbd-server started")
+		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
+		"max_chunk_memory": int64(cfg.MaxChunkMemory), "go_memory_limit": goMemoryLimit(opts.GoMemoryLimit, cfg)}).Info("rnbd-server started")
 	if wild := everywhere(cfg.Listen); len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
@@ -235,6 +243,20 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 	}
 	return d, nil
+}
+
+// goMemoryLimit says how the Go runtime's memory limit is set, for the
+// start-up line.
+func goMemoryLimit(follow bool, cfg Config) string {
+	switch {
+	case os.Getenv("GOMEMLIMIT") != "":
+		return "GOMEMLIMIT=" + os.Getenv("GOMEMLIMIT")
+	case !follow:
+		return "none"
+	case cfg.MaxChunkMemory == 0:
+		return "none (max_chunk_memory 0)"
+	}
+	return fmt.Sprintf("what paths hold on the heap + %d MiB", rtrs.GoHeapMargin>>20)
 }
 
 // endpoints turns the listen addresses into the server's endpoints. An
