@@ -58,7 +58,7 @@ func makeSuitePKI(pki, repo string) error {
 		}
 	}
 	steps := [][]string{{"ca"}, server, {"client", "e2e-client"}}
-	for _, id := range hostileIdentities {
+	for _, id := range append(hostileIdentities, churnIdentity) {
 		steps = append(steps, []string{"client", id})
 	}
 	for _, args := range steps {

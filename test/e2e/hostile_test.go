@@ -417,13 +417,17 @@ func (c *stallConn) Read(b []byte) (int, error) {
 }
 
 // vmRSS is a process's resident memory in KiB (0 if unknown).
-func vmRSS(pid int) int64 {
+func vmRSS(pid int) int64 { return procStatusKB(pid, "VmRSS:") }
+
+// procStatusKB is a line of a process's /proc status in KiB (0 if
+// unknown): "VmRSS:", "VmHWM:".
+func procStatusKB(pid int, key string) int64 {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return 0
 	}
 	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+		if v, ok := strings.CutPrefix(l, key); ok {
 			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
 			return n
 		}
