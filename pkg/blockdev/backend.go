@@ -205,12 +205,15 @@ func openWith(path string, opts Options, open func(flags int) (*os.File, error))
 	if !b.ro {
 		// A second descriptor of the same file with O_DSYNC serves
 		// FUA writes. Reopened through the first, never by path, so
-		// it is the very same file.
-		b.fsync, err = os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), flags|syscall.O_DSYNC|syscall.O_CLOEXEC, 0)
+		// it is the very same file; named by the path, so that its
+		// errors name the export's file, not /proc/self/fd/N.
+		fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), flags|syscall.O_DSYNC|syscall.O_CLOEXEC, 0)
+		runtime.KeepAlive(f)
 		if err != nil {
 			f.Close()
-			return nil, err
+			return nil, &os.PathError{Op: "open", Path: path, Err: err}
 		}
+		b.fsync = os.NewFile(uintptr(fd), path)
 	}
 	b.mapInit(opts.Direct)
 	return b, nil

@@ -553,3 +553,40 @@ func TestOpenLeavesMtime(t *testing.T) {
 		t.Fatalf("open and close moved the mtime to %v (err %v), was %v", st.ModTime(), err, past)
 	}
 }
+
+// TestWriteErrorsNamePath: a write that fails on the backend names the
+// file, whichever descriptor it went through — the FUA one (O_DSYNC,
+// opened through /proc/self/fd) included, and on a write-through backend,
+// whose every write goes there. Provoked with a file system that is full.
+func TestWriteErrorsNamePath(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a small tmpfs")
+	}
+	mnt := t.TempDir()
+	if err := unix.Mount("rnbd-blockdev-test", mnt, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+	path := sparseFile(t, mnt, 16<<20) // 16 MiB on a file system of 1 MiB
+	data := bytes.Repeat([]byte{0x5a}, 2<<20)
+	for i, c := range []struct {
+		name string
+		opts Options
+		fua  bool
+	}{
+		{"plain", Options{}, false},
+		{"FUA", Options{}, true},
+		{"write-through", Options{WriteThrough: true}, false},
+	} {
+		b := open(t, path, c.opts)
+		// Each past what the one before filled.
+		off := int64(i) * 4 << 20
+		err := b.WriteAt(data, off, c.fua)
+		if !errors.Is(err, syscall.ENOSPC) {
+			t.Fatalf("%s write of 2 MiB on a full 1 MiB file system: %v, want ENOSPC", c.name, err)
+		}
+		if msg := err.Error(); !strings.Contains(msg, path) || strings.Contains(msg, "/proc/") {
+			t.Errorf("%s write: %q does not name the file %s", c.name, msg, path)
+		}
+	}
+}
