@@ -88,29 +88,37 @@ type Backend struct {
 	f     *os.File // for reads, writes, fallocate and ioctls
 	fsync *os.File // the same file opened O_DSYNC: FUA writes
 	wt    bool     // write-through: every write goes to fsync
-	size  atomic.Int64
-	lbs   int
-	pbs   int
-	ro    bool
-	caps  Caps
-	dev   uint64 // st_dev and st_ino (st_rdev for a device): identity
-	ino   uint64
-	fs    uint32 // a file's file system (statfs f_type), 0 if unknown
-	nw    nowaitState
-	mp    mapState
+	// size is the size served, what OPEN_RSP tells clients. end is
+	// where IO stops: size, or less while a file is shorter than that
+	// (cut behind the server's back: PollSize), so that IO past the
+	// file's end fails and a write there does not grow the file back.
+	// end <= size at every instant; both change under sizeMu.
+	size atomic.Int64
+	end  atomic.Int64
+	lbs  int
+	pbs  int
+	ro   bool
+	caps Caps
+	dev  uint64 // st_dev and st_ino (st_rdev for a device): identity
+	ino  uint64
+	fs   uint32 // a file's file system (statfs f_type), 0 if unknown
+	nw   nowaitState
+	mp   mapState
 	// noZeroRange: FALLOC_FL_ZERO_RANGE failed with EOPNOTSUPP on this
 	// file; write-zeroes writes zeros.
 	noZeroRange atomic.Bool
 
-	// sizeMu orders Refresh with Cap and Uncap: a size poll must not
-	// serve the old size of a file being cut. capOwner (under sizeMu)
-	// is the cut under way (0: none), capped the most it serves;
-	// sizeSeq counts the caps and uncaps, so that a Refresh whose fstat
-	// one overtook reads again.
+	// sizeMu orders Refresh and PollSize with Cap and Uncap: a size
+	// poll must not serve the old size of a file being cut. capOwner
+	// (under sizeMu) is the cut under way (0: none), capped the most it
+	// serves; sizeSeq counts the caps and uncaps, so that a Refresh
+	// whose fstat one overtook reads again. want (under sizeMu) is the
+	// size served but for a cap.
 	sizeMu   sync.Mutex
 	capOwner uint64
 	capped   int64
 	sizeSeq  uint64
+	want     int64
 	// capMu serializes the caps. The writes in flight are counted by
 	// the generation (wgen's low bit) they began in, so that a cap
 	// waits for the writes that began before it, not for those after.
@@ -124,6 +132,11 @@ type Backend struct {
 // ErrOutOfRange is returned for IO past the end of the backend; it wraps
 // EINVAL for reads and ENOSPC for writes, as NBD reports them.
 var ErrOutOfRange = errors.New("blockdev: IO past the end of the device")
+
+// ErrPastFileEnd is returned, wrapping EIO, for IO inside the size served
+// but past the end of a file that shrank behind the server's back
+// (PollSize).
+var ErrPastFileEnd = fmt.Errorf("blockdev: IO past the end of a file that shrank behind the server: %w", syscall.EIO)
 
 // ErrNotSupported is returned for an operation the backend cannot do.
 var ErrNotSupported = fmt.Errorf("blockdev: operation not supported: %w", syscall.EOPNOTSUPP)
@@ -296,6 +309,8 @@ func (b *Backend) probe(opts Options) error {
 	}
 	// The tail that is not a whole block cannot be addressed.
 	b.size.Store(b.size.Load() &^ int64(b.lbs-1))
+	b.end.Store(b.size.Load())
+	b.want = b.size.Load()
 	return nil
 }
 
@@ -435,11 +450,30 @@ func (b *Backend) Kind() Kind { return b.kind }
 // Size is the addressable size in bytes, a multiple of the logical block.
 func (b *Backend) Size() int64 { return b.size.Load() }
 
-// Refresh reads the size again — a file grown or truncated, a block
-// device resized (lvextend), by the server or behind its back — and
-// serves that size from then on, at most a Cap under way. It returns the
-// size before and after.
+// Refresh reads the size again — a file grown or cut by the server
+// itself (rnbd-server resize), a block device resized (lvextend) — and
+// serves that size from then on, at most a Cap under way, grown or
+// shrunk. It returns the size served before and after. A size poll uses
+// PollSize, which does not take a file's shrink for a resize.
 func (b *Backend) Refresh() (was, now int64, err error) {
+	return b.reread(true)
+}
+
+// PollSize reads the size again for a size poll (a client's OPEN of a
+// device it has open, the health loop): a grow is served from then on as
+// Refresh serves it, and a block device's new size whatever it is; but a
+// file found shorter than the size served — cut behind the server's
+// back: a cut of the server's own is capped first (Cap) — is not. The
+// size served stays, IO past the file's end fails with ErrPastFileEnd
+// (EIO), so that no write grows the file back, and PollSize returns a
+// *ShrinkError; until a poll finds the file back at the size served, or
+// a Refresh serves the size it has. It returns the size served before
+// and after.
+func (b *Backend) PollSize() (was, now int64, err error) {
+	return b.reread(b.kind != KindFile)
+}
+
+func (b *Backend) reread(follow bool) (was, now int64, err error) {
 	for {
 		// The size is read without the lock (fstat may wait on its
 		// file system), and served only if no cap or uncap came
@@ -447,7 +481,8 @@ func (b *Backend) Refresh() (was, now int64, err error) {
 		b.sizeMu.Lock()
 		seq := b.sizeSeq
 		b.sizeMu.Unlock()
-		if now, err = b.readSize(); err != nil {
+		has, err := b.readSize()
+		if err != nil {
 			return 0, 0, err
 		}
 		b.sizeMu.Lock()
@@ -455,15 +490,54 @@ func (b *Backend) Refresh() (was, now int64, err error) {
 			b.sizeMu.Unlock()
 			continue
 		}
-		if b.capOwner != 0 && now > b.capped {
-			now = b.capped
+		want := has
+		if !follow && has < b.want {
+			want = b.want // a shrink behind the server's back: an error, not a resize
 		}
-		b.resized(b.size.Load(), now) // before a grow is served
-		was = b.size.Swap(now)
+		was, now = b.serve(want, has)
 		b.sizeMu.Unlock()
 		b.remap(now)
+		if has < now {
+			return was, now, &ShrinkError{Path: b.path, Served: now, Size: has}
+		}
 		return was, now, nil
 	}
+}
+
+// serve sets the size served but for a cap (want), and with it the size
+// served and where IO ends, for a file that has bytes now (whole
+// logical blocks); sizeMu is held. It returns the size served before
+// and after.
+func (b *Backend) serve(want, has int64) (was, now int64) {
+	b.want = want
+	now = want
+	if b.capOwner != 0 && now > b.capped {
+		now = b.capped
+	}
+	end := min(now, has)
+	was, old := b.size.Load(), b.end.Load()
+	b.resized(old, end) // before a grow is served
+	// end <= size at every instant: whichever moves down goes first.
+	if end < old {
+		b.end.Store(end)
+		b.size.Store(now)
+	} else {
+		b.size.Store(now)
+		b.end.Store(end)
+	}
+	return was, now
+}
+
+// ShrinkError is a file found shorter than the size its clients are
+// served: cut behind the server's back (PollSize, HealthCheck).
+type ShrinkError struct {
+	Path         string
+	Served, Size int64 // bytes, Size in whole logical blocks
+}
+
+func (e *ShrinkError) Error() string {
+	return fmt.Sprintf("blockdev: %s shrank from %d to %d bytes, not by rnbd-server resize: clients keep the size they were told, "+
+		"and IO past the file's end fails with EIO until the file is grown back or resized with --force", e.Path, e.Served, e.Size)
 }
 
 // readSize is the size the file or device has now, in whole logical
@@ -489,9 +563,9 @@ func (b *Backend) readSize() (int64, error) {
 
 // Cap prepares a cut of the file to size for owner (not 0; a later cap
 // takes over): from its call on, the backend serves at most size bytes
-// (writes past it fail with ENOSPC, and Refresh keeps to it), and it
-// returns when every write that began before has ended, so that none
-// lands past size once the caller cuts the file — or fails with
+// (writes past it fail with ENOSPC, Refresh and PollSize keep to it),
+// and it returns when every write that began before has ended, so that
+// none lands past size once the caller cuts the file — or fails with
 // ETIMEDOUT after timeout (a write hung on its storage). Uncap(owner)
 // ends the cap, done or not.
 func (b *Backend) Cap(size int64, timeout time.Duration, owner uint64) error {
@@ -501,6 +575,9 @@ func (b *Backend) Cap(size int64, timeout time.Duration, owner uint64) error {
 	b.sizeMu.Lock()
 	b.capOwner, b.capped = owner, size
 	b.sizeSeq++
+	if b.end.Load() > size {
+		b.end.Store(size) // first: end <= size
+	}
 	if b.size.Load() > size {
 		b.size.Store(size)
 	}
@@ -514,7 +591,7 @@ func (b *Backend) Cap(size int64, timeout time.Duration, owner uint64) error {
 	}
 	// ...then those of this generation. One that began before the
 	// flip is counted in cur's when we look, or checks its range after
-	// the size stored above (beginWrite).
+	// the end stored above (beginWrite).
 	b.wgen.Store(cur + 1)
 	return b.drain(cur&1, deadline, timeout)
 }
@@ -531,7 +608,8 @@ func (b *Backend) drain(g uint32, deadline time.Time, timeout time.Duration) err
 }
 
 // Uncap ends owner's Cap, if it is still the one in force; the caller
-// then Refreshes to serve the file's size.
+// then Refreshes to serve the file's size (or, if nothing was cut, polls
+// it: PollSize).
 func (b *Backend) Uncap(owner uint64) {
 	b.sizeMu.Lock()
 	if b.capOwner == owner {
@@ -591,7 +669,8 @@ func FileID(fi os.FileInfo) (string, bool) {
 // Health reports what happened to a file backend behind the server's
 // back: deleted (IO then goes to an unlinked inode nobody else sees),
 // replaced (its path now names another file), or shrunk below the size
-// clients were told (reads past the end fail with EIO). nil if none; a
+// clients were told (a *ShrinkError: reads past the file's end fail with
+// EIO, and writes there too once PollSize has seen it). nil if none; a
 // block device is always healthy here. It waits as long as the file's
 // file system takes to answer: see NewHealthCheck.
 func (b *Backend) Health() error {
@@ -608,13 +687,14 @@ func (b *Backend) Health() error {
 type HealthCheck struct {
 	f    *os.File // nil: nothing to check (a block device)
 	path string
-	size int64
+	size int64 // served
+	lbs  int64
 }
 
 // NewHealthCheck prepares a Health check; the backend must stay open
 // until it returns, not while the check runs.
 func (b *Backend) NewHealthCheck() (*HealthCheck, error) {
-	h := &HealthCheck{path: b.path, size: b.size.Load()}
+	h := &HealthCheck{path: b.path, size: b.size.Load(), lbs: int64(b.lbs)}
 	if b.kind != KindFile {
 		return h, nil
 	}
@@ -645,22 +725,32 @@ func (h *HealthCheck) Run() error {
 		return fmt.Errorf("blockdev: %s was replaced by another file: IO goes to the old one", h.path)
 	}
 	if st.Size < h.size {
-		return fmt.Errorf("blockdev: %s shrank from %d to %d bytes: IO past its end fails", h.path, h.size, st.Size)
+		return &ShrinkError{Path: h.path, Served: h.size, Size: st.Size &^ (h.lbs - 1)}
 	}
 	return nil
 }
 
+// check is an IO's range check: one atomic load, of where IO ends.
 func (b *Backend) check(off, n int64, write bool) error {
-	if size := b.size.Load(); off < 0 || n < 0 || off > size || n > size-off {
-		if write {
-			return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.ENOSPC)
-		}
-		return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.EINVAL)
+	if end := b.end.Load(); off < 0 || n < 0 || off > end || n > end-off {
+		return b.outside(off, n, end, write)
 	}
 	if write && b.ro {
 		return fmt.Errorf("blockdev: %s is read-only: %w", b.path, syscall.EROFS)
 	}
 	return nil
+}
+
+// outside is the error of IO of n bytes at off past end.
+func (b *Backend) outside(off, n, end int64, write bool) error {
+	size := b.size.Load()
+	switch {
+	case off >= 0 && n >= 0 && off <= size && n <= size-off:
+		return fmt.Errorf("%w: %d bytes at %d, where %s has %d of the %d bytes served", ErrPastFileEnd, n, off, b.path, end, size)
+	case write:
+		return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.ENOSPC)
+	}
+	return fmt.Errorf("%w: %d bytes at %d of %d: %w", ErrOutOfRange, n, off, size, syscall.EINVAL)
 }
 
 // ReadAt reads exactly len(p) bytes at off.

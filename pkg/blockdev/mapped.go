@@ -36,9 +36,10 @@ import (
 // its file system is full), a range past what is mapped — is made as a
 // system call after all, which reports what went wrong as before. (Not
 // quite for a file cut behind the server's back to a size that is not a
-// whole page, which Health reports: IO to the rest of its last page is
-// made in the page, where the system call would have grown the file or
-// failed a read.) Writes through the mapping stamp the file's mtime a
+// whole page, until a size poll or the health check sees it (PollSize)
+// and IO past the file's end is refused: IO to the rest of its last page
+// is made in the page, where the system call would have grown the file
+// or failed a read.) Writes through the mapping stamp the file's mtime a
 // little late (mtimeStamp). Files past maxMapped, and any in a 32-bit
 // process, are not mapped.
 //
@@ -654,8 +655,9 @@ func (b *Backend) mayPunch(off, n int64) {
 	}
 }
 
-// resized: the backend's size goes from was to now (Refresh, before it
-// serves now). A shrink freed the pages past now: forgotten. A grow may
+// resized: where the backend's IO ends goes from was to now (Refresh,
+// PollSize, before it serves now). A shrink freed the pages past now:
+// forgotten. A grow may
 // come after a shrink not seen (behind the server's back, or through
 // another open while this file's bits were kept): the file is walked
 // again, or, if that fails, the pages past was forgotten.
