@@ -197,8 +197,10 @@ type ServerConfig struct {
 	Direct bool
 	// HealthInterval is how often the open backends are checked for
 	// what can happen behind the server's back (a file deleted,
-	// replaced or shrunk: blockdev.Health); a change is logged. Default
-	// 10 s; negative: never.
+	// replaced or shrunk: blockdev.Health); a change is logged. A
+	// file's shrink is also seen by the size polls of our clients
+	// (blockdev.PollSize), whichever comes first: IO past the file's
+	// end fails from then on. Default 10 s; negative: never.
 	HealthInterval time.Duration
 	// Workers bounds the backend IO running at once (default 128).
 	Workers int
@@ -256,6 +258,12 @@ type Server struct {
 	resizes   map[string]resizing
 	resizeSeq uint64
 
+	// shrinks counts the shrinks of backing files seen behind the
+	// server's back, by device name (the export's, or the name under
+	// the search path), under shrinkMu.
+	shrinkMu sync.Mutex
+	shrinks  map[string]uint64
+
 	// ownMu guards owners: session name → the identity it is bound to.
 	ownMu  sync.Mutex
 	owners map[string]string
@@ -300,6 +308,7 @@ func NewServer(cfg ServerConfig) *Server {
 		devices:     make(map[string]*device),
 		exportOpens: make(map[string]int),
 		resizes:     make(map[string]resizing),
+		shrinks:     make(map[string]uint64),
 		owners:      make(map[string]string),
 	}
 	for i := 0; i < cfg.Workers; i++ {
@@ -385,28 +394,112 @@ func (s *Server) checkHealth() {
 			err := hc.Run()
 			dev.mu.Lock()
 			dev.checking = time.Time{}
+			shrunk := dev.shrunk
 			dev.mu.Unlock()
+			var se *blockdev.ShrinkError
+			if errors.As(err, &se) || shrunk {
+				// The file's backends refuse IO past its end
+				// from now on, or serve it again. What they
+				// find is the later look: a shrink healed
+				// since (a resize --force) is not one.
+				if perr, ok := s.pollSizes(dev); ok && se != nil {
+					err = perr
+				}
+			}
 			s.noteHealth(dev, err)
 		}()
 	}
 }
 
+// pollSizes polls the size of every backend open on dev (PollSize) and
+// returns the first shrink one found, nil if none; ok if one answered.
+func (s *Server) pollSizes(dev *device) (shrink error, ok bool) {
+	var held []*SrvSessDev
+	dev.mu.Lock()
+	for _, d := range dev.sessDevs {
+		if d.ref() {
+			held = append(held, d)
+		}
+	}
+	dev.mu.Unlock()
+	for _, d := range held {
+		_, _, err := d.backend.PollSize()
+		d.refs.Done()
+		var se *blockdev.ShrinkError
+		switch {
+		case err == nil:
+			ok = true
+		case errors.As(err, &se):
+			ok = true
+			if shrink == nil {
+				shrink = err
+			}
+		}
+	}
+	return shrink, ok
+}
+
 // noteHealth records a device's health check and logs a change.
-func (s *Server) noteHealth(dev *device, err error) {
+func (s *Server) noteHealth(dev *device, err error) { s.note(dev, err, false) }
+
+// noteSize records what a look at a device's size found: a shrink
+// behind the server's back (a *blockdev.ShrinkError, as the health check
+// finds it), or nil, which ends a shrink recorded and nothing else (it
+// looked at the size only).
+func (s *Server) noteSize(dev *device, err error) { s.note(dev, err, true) }
+
+// note records a finding about a device's backing store and logs a
+// change, once: a shrink is counted. With sizeOnly the finding is about
+// its size only, and replaces no other problem.
+func (s *Server) note(dev *device, err error, sizeOnly bool) {
 	msg := ""
 	if err != nil {
 		msg = err.Error()
 	}
+	var se *blockdev.ShrinkError
+	shrink := errors.As(err, &se)
 	dev.mu.Lock()
+	if sizeOnly && dev.problem != "" && !dev.shrunk {
+		dev.mu.Unlock() // deleted, replaced, no answer: the health check's to say
+		return
+	}
 	changed := msg != dev.problem
-	dev.problem = msg
+	dev.problem, dev.shrunk = msg, shrink
+	var names []string
+	if changed && shrink {
+		for _, d := range dev.sessDevs {
+			if n := d.devName(); !slices.Contains(names, n) {
+				names = append(names, n)
+			}
+		}
+	}
 	dev.mu.Unlock()
+	if len(names) > 0 {
+		s.shrinkMu.Lock()
+		for _, n := range names {
+			s.shrinks[n]++
+		}
+		s.shrinkMu.Unlock()
+	}
 	switch {
 	case changed && err != nil:
 		s.log.WithField("path", dev.path).WithError(err).Error("backing store changed behind the server")
 	case changed:
 		s.log.WithField("path", dev.path).Info("backing store healthy again")
 	}
+}
+
+// BackingShrinks counts the shrinks of backing files seen behind the
+// server's back since it started, by device name: the export's, or the
+// name under the search path.
+func (s *Server) BackingShrinks() map[string]uint64 {
+	s.shrinkMu.Lock()
+	defer s.shrinkMu.Unlock()
+	out := make(map[string]uint64, len(s.shrinks))
+	for n, c := range s.shrinks {
+		out[n] = c
+	}
+	return out
 }
 
 // Close stops the workers. The RTRS server must be closed first, so that
@@ -430,6 +523,7 @@ type device struct {
 	openWriteCnt int
 	sessDevs     []*SrvSessDev
 	problem      string    // the last health check's finding
+	shrunk       bool      // problem is a shrink (blockdev.ShrinkError)
 	checking     time.Time // when the health check under way began
 }
 
@@ -662,12 +756,19 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 			defer d.refs.Done()
 			// A remap, or our client asking after the size (it does
 			// every few seconds): answer with the size the backend has
-			// now, grown or shrunk since — if its mount answers (the
-			// file renamed or removed is still the device's).
+			// now, grown since — if its mount answers (the file
+			// renamed or removed is still the device's). A file cut
+			// behind the server's back is not a resize: the size
+			// stays, the shrink is an error (logged, counted), and IO
+			// past the file's end fails.
 			if err := x.srv.answers(d.export, d.path); err != nil {
 				return err
 			}
-			if was, now, err := d.backend.Refresh(); err == nil && was != now {
+			was, now, err := d.backend.PollSize()
+			if se := (*blockdev.ShrinkError)(nil); err == nil || errors.As(err, &se) {
+				x.srv.noteSize(d.dev, err)
+			}
+			if was != now {
 				x.log().WithFields(log.Fields{"device": d.name, "was": was, "now": now}).Info("device size changed")
 			}
 			x.fillOpenRsp(d, op.Data())
@@ -1113,7 +1214,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	// Its size now, with no other resize of it under way: the one
 	// before may have changed it since the stat above.
 	if st, err = f.Stat(); err != nil {
-		s.endResize(id, r)
+		s.endResize(id, r, false)
 		return 0, fmt.Errorf("export %s: %w", name, err)
 	}
 	was = st.Size()
@@ -1129,7 +1230,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	}
 	if r.shrink && len(open) > 0 && !force {
 		s.mu.Unlock()
-		s.endResize(id, r)
+		s.endResize(id, r, false)
 		return was, errorf(syscall.EBUSY, "export %s is open %d time(s) (by sessions): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
 	}
 	// From here a device opened on the file joins capped (takeDevice),
@@ -1143,16 +1244,16 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 		deadline := time.Now().Add(shrinkWait)
 		for _, d := range all {
 			if err := d.backend.Cap(size, time.Until(deadline), r.owner); err != nil {
-				s.endResize(id, r)
+				s.endResize(id, r, false)
 				return was, errorf(syscall.EBUSY, "export %s: %v; nothing was cut", name, err)
 			}
 		}
 	}
 	if err := f.Truncate(size); err != nil {
-		s.endResize(id, r)
+		s.endResize(id, r, false)
 		return was, fmt.Errorf("export %s: %w", name, err)
 	}
-	n := s.endResize(id, r)
+	n := s.endResize(id, r, true)
 	s.log.WithFields(log.Fields{"export": name, "path": path, "was": was, "now": size, "devices": n}).Info("export resized")
 	return was, nil
 }
@@ -1192,12 +1293,15 @@ func (s *Server) openOn(id string) (open, closing []*SrvSessDev) {
 
 // endResize ends the resize r of file id: devices opened on it from now
 // on are not capped, and every one open now (those that joined during it
-// too) drops r's cap and serves the file's size. It returns how many
-// there are.
-func (s *Server) endResize(id string, r resizing) int {
+// too) drops r's cap and serves the file's size — if the file was resized
+// (done): else the size it served before, a shrink behind the server's
+// back still an error, not made a resize by a resize refused. It returns
+// how many there are.
+func (s *Server) endResize(id string, r resizing, done bool) int {
 	s.mu.Lock()
 	delete(s.resizes, id)
 	open, closing := s.openOn(id)
+	dev := s.devices[id]
 	s.mu.Unlock()
 	for _, d := range closing {
 		d.backend.Uncap(r.owner)
@@ -1209,10 +1313,19 @@ func (s *Server) endResize(id string, r resizing) int {
 		if !d.ref() {
 			continue // closing since: its backend is, or is about to be
 		}
-		if _, _, err := d.backend.Refresh(); err != nil {
+		refresh := d.backend.Refresh
+		if !done {
+			refresh = d.backend.PollSize
+		}
+		var se *blockdev.ShrinkError
+		if _, _, err := refresh(); err != nil && !errors.As(err, &se) {
 			s.log.WithError(err).WithFields(log.Fields{"device": d.name, "session": d.sess.name}).Warn("refreshing the size")
 		}
 		d.refs.Done()
+	}
+	if done && dev != nil {
+		// The size the file has is served: no shrink is left.
+		s.noteSize(dev, nil)
 	}
 	return len(open)
 }
@@ -1339,6 +1452,10 @@ type SessDevInfo struct {
 	// WriteCache is what OPEN_RSP announced: the backend has a volatile
 	// write cache that clients flush.
 	WriteCache bool
+	// BackingProblem is what the health check or a size poll last found
+	// wrong with the backing store (deleted, replaced, shrunk, no
+	// answer); empty if nothing.
+	BackingProblem string
 }
 
 // OpenDevices lists every device every session has open, by session and
@@ -1352,7 +1469,7 @@ func (s *Server) OpenDevices() []SessDevInfo {
 			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(), Reads: d.reads.Load(), Writes: d.writes.Load(),
 			Inflight: d.inflight.Load(),
 			Flushes:  d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
-			WriteCache: d.backend.Caps().WriteCache,
+			WriteCache: d.backend.Caps().WriteCache, BackingProblem: d.backingProblem(),
 		})
 	}
 	sort.Slice(out, func(i, j int) bool {
@@ -1362,6 +1479,26 @@ func (s *Server) OpenDevices() []SessDevInfo {
 		return out[i].Name < out[j].Name
 	})
 	return out
+}
+
+// backingProblem is what was last found wrong with the device's backing
+// store, "" if nothing.
+func (d *SrvSessDev) backingProblem() string {
+	if d.dev == nil {
+		return ""
+	}
+	d.dev.mu.Lock()
+	defer d.dev.mu.Unlock()
+	return d.dev.problem
+}
+
+// devName is the name of the device in metrics: its export's, or the name
+// it was opened by under the search path.
+func (d *SrvSessDev) devName() string {
+	if d.export != "" {
+		return d.export
+	}
+	return d.name
 }
 
 // Sessions lists the RNBD sessions.
