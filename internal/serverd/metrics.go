@@ -15,6 +15,7 @@ import (
 var srvDescs = struct {
 	pathReqs, pathBytes, pathInflight, pathUp, pathLat, sessions, sessPaths *prometheus.Desc
 	devBytes, devReqs, devFUA, devInflight, openDevices, exports            *prometheus.Desc
+	devProblem, shrinks                                                     *prometheus.Desc
 	chunkMem, chunkMax, refused                                             *prometheus.Desc
 }{
 	pathReqs: prometheus.NewDesc("rnbd_server_path_requests_total",
@@ -45,6 +46,13 @@ var srvDescs = struct {
 		"Requests with FUA on a device a session has open, since it opened it.", []string{"session", "device"}, nil),
 	devInflight: prometheus.NewDesc("rnbd_server_device_inflight_requests",
 		"Requests of a session on a device running on the backend now.", []string{"session", "device"}, nil),
+	devProblem: prometheus.NewDesc("rnbd_server_device_backing_problem",
+		"1 while the backing file of a device a session has open was found deleted, replaced by another, shrunk behind the server "+
+			"(not by rnbd-server resize) or not answering, by the health check or a size poll; 0 when healthy.",
+		[]string{"session", "device"}, nil),
+	shrinks: prometheus.NewDesc("rnbd_server_backing_shrinks_total",
+		"Backing files found shorter than the size their clients are served (cut behind the server, not by rnbd-server resize), "+
+			"by device; each new size found counts once.", []string{"device"}, nil),
 	openDevices: prometheus.NewDesc("rnbd_server_open_devices",
 		"Devices open by sessions (one per session and device).", nil, nil),
 	exports: prometheus.NewDesc("rnbd_server_exports",
@@ -63,7 +71,8 @@ type srvCollector struct{ d *Daemon }
 func (c srvCollector) Describe(ch chan<- *prometheus.Desc) {
 	x := srvDescs
 	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathUp, x.pathLat, x.sessions, x.sessPaths,
-		x.devBytes, x.devReqs, x.devFUA, x.devInflight, x.openDevices, x.exports, x.chunkMem, x.chunkMax, x.refused} {
+		x.devBytes, x.devReqs, x.devFUA, x.devInflight, x.devProblem, x.shrinks, x.openDevices, x.exports, x.chunkMem, x.chunkMax,
+		x.refused} {
 		ch <- d
 	}
 }
@@ -124,6 +133,14 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 		counter(x.devReqs, float64(o.WriteZeroes), o.Session, dev, "write_zeroes")
 		counter(x.devFUA, float64(o.FUAWrites), o.Session, dev)
 		gauge(x.devInflight, float64(o.Inflight), o.Session, dev)
+		problem := 0.0
+		if o.BackingProblem != "" {
+			problem = 1
+		}
+		gauge(x.devProblem, problem, o.Session, dev)
+	}
+	for dev, n := range c.d.rnbd.BackingShrinks() {
+		counter(x.shrinks, float64(n), dev)
 	}
 	gauge(x.exports, float64(len(c.d.rnbd.Exports())))
 	used, limit := c.d.rtrs.ChunkMemory()
