@@ -1777,22 +1777,33 @@ func TestHealthOnHungMount(t *testing.T) {
 // logged at error level once and counted, IO past the file's end fails
 // with EIO and does not grow the file back, what lies below it reads
 // back intact; a grow back heals it, a resize refused leaves it, and a
-// forced resize to the new size makes it the size served.
+// forced resize to the new size makes it the size served. On tmpfs the
+// IO runs inline, through the file's mapping.
 func TestShrinkBehindServer(t *testing.T) {
 	for _, c := range []struct {
 		name   string
+		dir    string
 		poll   time.Duration // the client's size poll
 		health time.Duration // the server's health loop
-	}{{"size poll", 20 * time.Millisecond, -1}, {"health loop", time.Hour, 5 * time.Millisecond}} {
+	}{
+		{"size poll", os.TempDir(), 20 * time.Millisecond, -1},
+		{"health loop", os.TempDir(), time.Hour, 5 * time.Millisecond},
+		{"size poll on tmpfs", "/dev/shm", 20 * time.Millisecond, -1},
+	} {
 		t.Run(strings.ReplaceAll(c.name, " ", "_"), func(t *testing.T) {
-			testShrinkBehindServer(t, c.poll, c.health)
+			dir, err := os.MkdirTemp(c.dir, "rnbd-shrink-")
+			if err != nil {
+				t.Skip(err)
+			}
+			t.Cleanup(func() { os.RemoveAll(dir) })
+			testShrinkBehindServer(t, dir, c.poll, c.health)
 		})
 	}
 }
 
-func testShrinkBehindServer(t *testing.T, poll, health time.Duration) {
+func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration) {
 	lg, entries := log.Recorder()
-	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: health})
+	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: health, DevSearchPath: dir})
 	p := r.vol(8 << 20)
 	c := r.client("s")
 	resized := make(chan int64, 8)
