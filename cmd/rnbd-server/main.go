@@ -104,7 +104,7 @@ func newDaemon() *cobra.Command {
 	d := serverd.DefaultConfig()
 	f := cmd.Flags()
 	f.StringVar(&configFile, "config", serverd.DefaultConfigFile, "TOML configuration file")
-	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; default both on every interface, RDMA where the machine has it)")
+	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; 0.0.0.0 is every IPv4 address, [::] every address of both families; default both transports on 0.0.0.0, RDMA where the machine has it)")
 	f.StringVar(&over.DevSearchPath, "dev-search-path", "", "resolve device names beneath this directory (may contain %SESSNAME%)")
 	f.BoolVar(&over.AllowMigration, "allow-migration", false, "let devices under dev_search_path be opened with access_mode=migration beside a writer, as the kernel's server does")
 	f.StringArrayVar(&over.SearchAllowFrom, "dev-search-path-allow-from", nil, "a network (CIDR) or address that devices under dev_search_path may be opened from (repeatable; none: any)")

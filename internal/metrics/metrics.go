@@ -11,6 +11,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -37,7 +38,7 @@ func Listen(addr string, c prometheus.Collector, lg *log.Entry) (*Server, error)
 		return nil, err
 	}
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	ln, err := net.Listen("tcp", addr)
+	ln, err := net.Listen(listenNetwork(addr), addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
 	}
@@ -55,6 +56,21 @@ func Listen(addr string, c prometheus.Collector, lg *log.Entry) (*Server, error)
 	}()
 	lg.WithField("metrics", "http://"+ln.Addr().String()+"/metrics").Info("serving metrics")
 	return s, nil
+}
+
+// listenNetwork is "tcp4" for an IPv4 address (0.0.0.0:PORT is every
+// IPv4 address and no IPv6 one, where Go's "tcp" would listen on [::]),
+// "tcp" for the rest ([::]:PORT both families, a name what it resolves
+// to).
+func listenNetwork(addr string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "tcp" // net.Listen says what is wrong with it
+	}
+	if a, err := netip.ParseAddr(host); err == nil && a.Unmap().Is4() {
+		return "tcp4"
+	}
+	return "tcp"
 }
 
 // Addr is the address the endpoint listens on.

@@ -1,10 +1,14 @@
 package metrics
 
 import (
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -69,5 +73,51 @@ func TestEmit(t *testing.T) {
 	}
 	if Label("bad\xffname") != "bad\uFFFDname" {
 		t.Fatalf("label %q", Label("bad\xffname"))
+	}
+}
+
+// TestListenIPv4Wildcard: metrics_listen = "0.0.0.0:PORT" serves IPv4
+// only (a dial to ::1 on its port is refused) and says 0.0.0.0;
+// "[::]:PORT" serves both.
+func TestListenIPv4Wildcard(t *testing.T) {
+	if l, err := net.Listen("tcp6", "[::1]:0"); err != nil {
+		t.Skip("no IPv6 loopback on this host")
+	} else {
+		l.Close()
+	}
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "rnbd_test_value", Help: "A test value."})
+	s, err := Listen("0.0.0.0:0", g, log.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	host, port, _ := net.SplitHostPort(s.Addr())
+	if host != "0.0.0.0" {
+		t.Errorf("listening on 0.0.0.0 reports %s", s.Addr())
+	}
+	get := func(addr string) error {
+		c := http.Client{Timeout: 5 * time.Second}
+		resp, err := c.Get("http://" + addr + "/metrics")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err
+	}
+	if err := get(net.JoinHostPort("127.0.0.1", port)); err != nil {
+		t.Errorf("IPv4 loopback: %v", err)
+	}
+	if err := get(net.JoinHostPort("::1", port)); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Errorf("IPv6 loopback to metrics on 0.0.0.0: %v, want ECONNREFUSED", err)
+	}
+	both, err := Listen("[::]:0", g, log.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer both.Close()
+	_, port, _ = net.SplitHostPort(both.Addr())
+	for _, a := range []string{"127.0.0.1", "::1"} {
+		if err := get(net.JoinHostPort(a, port)); err != nil {
+			t.Errorf("%s to metrics on [::]: %v", a, err)
+		}
 	}
 }

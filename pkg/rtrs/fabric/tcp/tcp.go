@@ -804,5 +804,18 @@ func (n tcpNetwork) Dial(ctx context.Context, src, dst netip.AddrPort) (net.Conn
 
 func (n tcpNetwork) Listen(addr netip.AddrPort) (net.Listener, error) {
 	lc := net.ListenConfig{Control: n.control, KeepAlive: 15 * time.Second}
-	return lc.Listen(context.Background(), "tcp", addr.String())
+	network, addr := ListenNetwork(addr)
+	return lc.Listen(context.Background(), network, addr.String())
+}
+
+// ListenNetwork is the network to listen on addr with: "tcp4" for an
+// IPv4 address (0.0.0.0 is every IPv4 address and no IPv6 one, where
+// Go's "tcp" would listen on [::], both families), "tcp" for an IPv6 one
+// ([::] both, as Go and the kernel's bindv6only=0 make it). An IPv4
+// address written as IPv6 (::ffff:a.b.c.d) is the IPv4 one.
+func ListenNetwork(addr netip.AddrPort) (string, netip.AddrPort) {
+	if a := addr.Addr().Unmap(); a.Is4() {
+		return "tcp4", netip.AddrPortFrom(a, addr.Port())
+	}
+	return "tcp", addr
 }
