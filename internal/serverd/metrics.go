@@ -63,7 +63,7 @@ var srvDescs = struct {
 		"max_chunk_memory (0: no bound).", nil, nil),
 	refused: prometheus.NewDesc("rnbd_server_refused_connections_total",
 		"Connection requests refused, by the errno answered (EUSERS: too many sessions of one client, ENOMEM: max_chunk_memory, "+
-			"EACCES: identity, EBUSY: paths connecting, ...).", []string{"reason"}, nil),
+			"EACCES: identity, or a TLS certificate naming none, EBUSY: paths connecting, ...).", []string{"reason"}, nil),
 }
 
 type srvCollector struct{ d *Daemon }

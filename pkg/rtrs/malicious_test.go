@@ -593,6 +593,31 @@ func TestSessionPeerOverTLS(t *testing.T) {
 	h.stillServes()
 }
 
+// A TLS client certificate that names no identity never reaches the
+// server's sessions (it would be counted by its address and could open
+// exports that name no identities): it is refused in the handshake with
+// EACCES, not with an RTRS reject, and counted with the server's own
+// refusals (Rejected, rnbd_server_refused_connections_total).
+func TestNamelessCertificateRefused(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	h := newHostileRigWith(t, true, newMemDisk(4<<20), tcp.Options{TLS: ca.Config(ca.Issue(t, "good", "127.0.0.1"))})
+	before := h.srv.Rejected()[syscall.EACCES]
+	fab := tcp.New(tcp.Options{TLS: ca.Config(ca.Issue(t, ""))})
+	dev, _ := fab.Resolve(context.Background(), h.src, h.dst)
+	pd, _ := dev.AllocPD()
+	req := rawConnReq(0, 2)
+	_, _, err := dialRaw(fab, pd, dev, h.src, h.dst, req.Encode(make([]byte, ConnReqSize)))
+	if !errors.Is(err, syscall.EACCES) || rejectErrno(err) != 0 {
+		t.Fatalf("a nameless certificate: %v, want EACCES from the handshake", err)
+	}
+	// The server counts it once its side of the handshake is over.
+	waitFor(t, 10*time.Second, "the refusal counted", func() bool { return h.srv.Rejected()[syscall.EACCES] == before+1 })
+	if n := len(h.srv.Sessions()); n != 1 {
+		t.Fatalf("%d sessions", n)
+	}
+	h.stillServes()
+}
+
 // One client address (or identity) may have MaxSessionsPerClient
 // sessions; one more is refused with EUSERS while other addresses are
 // not affected, and a slot comes back when a session goes.

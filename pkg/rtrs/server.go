@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -331,12 +332,30 @@ func (s *Server) Addrs() []netip.AddrPort {
 // Rejected counts the connection requests the server refused, by the
 // errno it answered with (EUSERS: too many sessions of the client,
 // ENOMEM: past the chunk memory, EACCES: identity, EBUSY: paths
-// connecting, ...), since it started.
+// connecting, ...), since it started, with those its fabrics refused
+// before handing them on (fabric.Refuser: EACCES for a TLS client
+// certificate that names no identity). A fabric shared by several
+// endpoints counts once.
 func (s *Server) Rejected() map[syscall.Errno]uint64 {
 	m := map[syscall.Errno]uint64{}
 	for i := range s.rejected {
 		if n := s.rejected[i].Load(); n > 0 {
 			m[syscall.Errno(i)] = n
+		}
+	}
+	var seen []fabric.Refuser
+	fabs := []fabric.Fabric{s.cfg.Fabric}
+	for _, e := range s.cfg.Endpoints {
+		fabs = append(fabs, e.Fabric)
+	}
+	for _, f := range fabs {
+		r, ok := f.(fabric.Refuser)
+		if !ok || slices.Contains(seen, r) {
+			continue
+		}
+		seen = append(seen, r)
+		for errno, n := range r.Refused() {
+			m[errno] += n
 		}
 	}
 	return m

@@ -35,6 +35,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"syscall"
 )
 
 // ErrNotSupported is returned (wrapped) when a fabric cannot do something on
@@ -311,6 +312,14 @@ func PeerNames(req ConnRequest) []string {
 		return a.PeerNames()
 	}
 	return nil
+}
+
+// Refuser is an optional part of a Fabric: the connections its listeners
+// refused before a connection request reached Accept (the TCP fabric's
+// TLS client certificates that name no identity), by the errno the peer
+// was answered with. The server counts them with its own refusals.
+type Refuser interface {
+	Refused() map[syscall.Errno]uint64
 }
 
 // Opcode is the operation of a send work request.

@@ -11,6 +11,7 @@ package tcp
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -18,6 +19,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -90,10 +92,21 @@ type Options struct {
 	// server's certificate names its addresses) and presents
 	// Certificates or GetClientCertificate; listening, it presents
 	// Certificates or GetCertificate and requires a client certificate
-	// that ClientCAs verifies. A peer without TLS, or with a
+	// that ClientCAs verifies and that names an identity (CertNames;
+	// AllowAnonymousClients). A peer without TLS, or with a
 	// certificate that does not verify, loses its connection in the
 	// handshake. The handshake's time counts against HandshakeTimeout.
 	TLS *tls.Config
+	// AllowAnonymousClients, with TLS, accepts a client certificate
+	// that verifies but names no identity: no subject common name, no
+	// DNS, URI or e-mail alternative name (CertNames is empty; an IP
+	// address is not a name). Such a client has no PeerNames: the
+	// server counts it by its address, as a client without TLS, and
+	// exports that grant identities are closed to it. Off (the
+	// default), such a certificate fails the handshake as one that
+	// does not verify does (the client sees EACCES); the listener logs
+	// why and Refused counts it.
+	AllowAnonymousClients bool
 	// Log receives what a listener refuses before RTRS sees it (failed
 	// TLS handshakes), rate limited; nil: log.L.
 	Log *log.Entry
@@ -108,8 +121,14 @@ const (
 // Fabric is the TCP fabric. It is safe for concurrent use.
 type Fabric struct {
 	opts Options
-	dev  *device
-	rl   log.Limiter
+	// srvTLS is opts.TLS for the listening side: with the check that a
+	// client's certificate names an identity.
+	srvTLS *tls.Config
+	dev    *device
+	rl     log.Limiter
+	// refused counts connections the listeners refused before Accept,
+	// by the errno (low byte) the peer was answered with (Refused).
+	refused [256]atomic.Uint64
 }
 
 // New returns a TCP fabric.
@@ -150,12 +169,52 @@ func New(opts Options) *Fabric {
 		c.SessionTicketsDisabled = true
 		opts.TLS = c
 	}
-	f := &Fabric{opts: opts}
+	f := &Fabric{opts: opts, srvTLS: opts.TLS}
+	if c := opts.TLS; c != nil && !opts.AllowAnonymousClients {
+		f.srvTLS = c.Clone()
+		verify := c.VerifyConnection
+		f.srvTLS.VerifyConnection = func(cs tls.ConnectionState) error {
+			if verify != nil {
+				if err := verify(cs); err != nil {
+					return err
+				}
+			}
+			// Verified by now (RequireAndVerifyClientCert).
+			if len(cs.PeerCertificates) > 0 && len(CertNames(cs.PeerCertificates[0])) == 0 {
+				return noIdentityError{cs.PeerCertificates[0]}
+			}
+			return nil
+		}
+	}
 	f.dev = &device{fab: f}
 	return f
 }
 
-var _ fabric.Fabric = (*Fabric)(nil)
+var (
+	_ fabric.Fabric  = (*Fabric)(nil)
+	_ fabric.Refuser = (*Fabric)(nil)
+)
+
+// Refused counts the connections the fabric's listeners refused before
+// a connection request reached Accept, by the errno the peer was
+// answered with: EACCES for a client certificate that names no identity
+// (Options.AllowAnonymousClients).
+func (f *Fabric) Refused() map[syscall.Errno]uint64 {
+	m := map[syscall.Errno]uint64{}
+	for i := range f.refused {
+		if n := f.refused[i].Load(); n > 0 {
+			m[syscall.Errno(i)] = n
+		}
+	}
+	return m
+}
+
+// noIdentityError refuses a client certificate that names no identity.
+type noIdentityError struct{ cert *x509.Certificate }
+
+func (e noIdentityError) Error() string {
+	return "client certificate names no identity (no CN, no SAN)"
+}
 
 func (f *Fabric) Name() string { return f.opts.Name }
 
@@ -367,7 +426,8 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 		// the client's side of the handshake is done; its verdict is
 		// an alert on the first read.
 		if nc != raw && isAuthFailure(err) {
-			return nil, nil, authError{fmt.Errorf("tcp fabric: %v refused the client's certificate: %w", p.Dst, err)}
+			return nil, nil, authError{fmt.Errorf("tcp fabric: %v refused the client's certificate "+
+				"(not of its ca, expired, or naming no identity: the server's log says which): %w", p.Dst, err)}
 		}
 		return nil, nil, fmt.Errorf("tcp fabric: handshake with %v: %w", p.Dst, err)
 	}
@@ -488,10 +548,20 @@ func (l *listener) handshake(raw net.Conn, peer netip.Prefix) {
 	}
 	var names []string
 	if cfg := l.fab.opts.TLS; cfg != nil {
-		tc := tls.Server(nc, cfg)
+		tc := tls.Server(nc, l.fab.srvTLS)
 		if err := tc.Handshake(); err != nil {
-			l.fab.rl.Log(l.fab.opts.Log.WithError(err).WithField("client", nc.RemoteAddr().String()),
-				log.WarnLevel, "rejecting connection: TLS handshake failed")
+			if ni, ok := errors.AsType[noIdentityError](err); ok {
+				// Answered as a certificate that does not verify
+				// (an alert: EACCES at the client), and counted
+				// where the server counts its refusals.
+				l.fab.refused[syscall.EACCES].Add(1)
+				l.fab.rl.Log(l.fab.opts.Log.WithFields(log.Fields{"client": nc.RemoteAddr().String(),
+					"subject": ni.cert.Subject.String(), "issuer": ni.cert.Issuer.String(), "serial": ni.cert.SerialNumber.String()}),
+					log.WarnLevel, "rejecting connection: "+ni.Error())
+			} else {
+				l.fab.rl.Log(l.fab.opts.Log.WithError(err).WithField("client", nc.RemoteAddr().String()),
+					log.WarnLevel, "rejecting connection: TLS handshake failed")
+			}
 			raw.Close()
 			return
 		}

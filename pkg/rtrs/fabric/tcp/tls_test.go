@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -250,6 +251,91 @@ func TestStalledPeer(t *testing.T) {
 		}
 		c.Close()
 		raw.Close()
+		l.Close()
+	}
+}
+
+// TestTLSNamelessClient: a client certificate that verifies but names
+// no identity (no subject common name, no DNS, URI or e-mail alternative
+// name; an IP address is not a name) is refused in the handshake, as one
+// that does not verify is: the client sees EACCES, the server logs why
+// and counts it (Refused). With AllowAnonymousClients it gets through,
+// without names. A certificate with a name still passes either way.
+func TestTLSNamelessClient(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	server := ca.Issue(t, "server", "127.0.0.1")
+	nameless := map[string]tls.Certificate{
+		"without a subject or alternative names": ca.Issue(t, ""),
+		"naming an IP address only":              ca.Issue(t, "", "10.0.0.9"),
+	}
+	for _, allow := range []bool{false, true} {
+		logs, entries := log.Recorder()
+		srv := New(Options{TLS: ca.Config(server), Log: logs, AllowAnonymousClients: allow})
+		l, err := srv.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for what, cert := range nameless {
+			names, err := tlsDial(t, New(Options{TLS: ca.Config(cert)}), l)
+			if !allow && (!errors.Is(err, syscall.EACCES) || names != nil || !strings.Contains(fmt.Sprint(err), "naming no identity")) {
+				t.Errorf("a client certificate %s: dial error %v, listener saw names %q; want EACCES in the handshake", what, err, names)
+			}
+			if allow && (err != nil || len(names) != 0) {
+				t.Errorf("allowing anonymous clients, a certificate %s: %v, names %q", what, err, names)
+			}
+		}
+		if names, err := tlsDial(t, New(Options{TLS: ca.Config(ca.Issue(t, "client-1"))}), l); err != nil || !slices.Equal(names, []string{"client-1"}) {
+			t.Errorf("allow %v: a client with a name: %v, names %q", allow, err, names)
+		}
+		waitShaken(t, l.(*listener)) // the refusals are logged by now
+		logged := 0
+		for _, e := range entries() {
+			if e.Message == "rejecting connection: client certificate names no identity (no CN, no SAN)" {
+				logged++
+				if e.Level != log.WarnLevel || e.Data["client"] == nil || e.Data["issuer"] != "CN=test ca" {
+					t.Errorf("the refusal logged as %v %v", e.Level, e.Data)
+				}
+			}
+		}
+		want, wantRefused := 0, map[syscall.Errno]uint64{}
+		if !allow {
+			want, wantRefused = len(nameless), map[syscall.Errno]uint64{syscall.EACCES: uint64(len(nameless))}
+		}
+		if logged != want {
+			t.Errorf("allow %v: %d refusals logged, want %d", allow, logged, want)
+		}
+		if got := srv.Refused(); !maps.Equal(got, wantRefused) {
+			t.Errorf("allow %v: Refused %v, want %v", allow, got, wantRefused)
+		}
+		l.Close()
+	}
+}
+
+// TestTLSNamelessServer: a server certificate that names neither the
+// address dialled (an IP alternative name) nor ServerName (a DNS one) is
+// not accepted: Go's verification refuses it, and the client sees
+// EACCES. A common name alone is no name here (Go has not matched it
+// since 1.15).
+func TestTLSNamelessServer(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	for what, cert := range map[string]tls.Certificate{
+		"without a subject or alternative names": ca.Issue(t, ""),
+		"with a common name only":                ca.Issue(t, "server"),
+		"naming another address":                 ca.Issue(t, "", "127.0.0.2"),
+	} {
+		l, err := New(Options{TLS: ca.Config(cert)}).Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, serverName := range []string{"", "server"} {
+			cfg := ca.Config(ca.Issue(t, "client-1"))
+			cfg.ServerName = serverName
+			names, err := tlsDial(t, New(Options{TLS: cfg}), l)
+			if !errors.Is(err, syscall.EACCES) || names != nil || !strings.Contains(fmt.Sprint(err), "certificate") {
+				t.Errorf("a server certificate %s, server name %q: dial error %v, listener saw %q; want EACCES", what, serverName, err, names)
+			}
+		}
+		waitShaken(t, l.(*listener))
 		l.Close()
 	}
 }
