@@ -88,6 +88,7 @@ func newDaemon() *cobra.Command {
 			set("tls-cert", func() { cfg.TLS.Cert = over.TLS.Cert })
 			set("tls-key", func() { cfg.TLS.Key = over.TLS.Key })
 			set("tls-ca", func() { cfg.TLS.CA = over.TLS.CA })
+			set("tls-allow-anonymous-clients", func() { cfg.TLS.AllowAnonymousClients = over.TLS.AllowAnonymousClients })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
@@ -133,6 +134,7 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the server presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only, client certificates required)")
 	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
 	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that clients' certificates must chain to; their names are the identities of allow_identities")
+	f.BoolVar(&over.TLS.AllowAnonymousClients, "tls-allow-anonymous-clients", false, "accept a client certificate of --tls-ca that names no identity (no CN, no DNS, URI or e-mail SAN): such a client is counted by its address and may open the exports that grant no identities (default: refused with EACCES)")
 	return cmd
 }
 

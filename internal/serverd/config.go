@@ -79,7 +79,19 @@ type Config struct {
 	// TLS, if set, makes every tcp:// listener speak TLS 1.3 only and
 	// require a client certificate of TLS.CA; the certificate's names
 	// are the client's identity (exports' allow_identities).
-	TLS conf.TLS `toml:"tls"`
+	TLS ServerTLS `toml:"tls"`
+}
+
+// ServerTLS is the server's [tls]: what both daemons have, and the
+// server's own.
+type ServerTLS struct {
+	conf.TLS
+	// AllowAnonymousClients accepts a client certificate of CA that
+	// names no identity (no common name, no DNS, URI or e-mail
+	// alternative name): such a client is counted by its address and
+	// may open the exports that grant no identities. Off, it is refused
+	// in the handshake (EACCES; tcp.Options.AllowAnonymousClients).
+	AllowAnonymousClients bool `toml:"allow_anonymous_clients"`
 }
 
 // Duration and Size are written as "5s" and "8GiB" in the file.
@@ -153,6 +165,9 @@ func (c *Config) Validate() error {
 	}
 	if err := c.TLS.Validate(); err != nil {
 		return err
+	}
+	if c.TLS.AllowAnonymousClients && !c.TLS.Enabled() {
+		return errors.New("tls: allow_anonymous_clients is set, but not cert, key and ca: it is about client certificates")
 	}
 	if _, err := conf.ParseUserTimeout(c.TCPUserTimeout); err != nil {
 		return err

@@ -108,4 +108,17 @@ func TestTLSConfig(t *testing.T) {
 	if _, err := Start(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "tls") {
 		t.Fatalf("start with missing TLS files: %v", err)
 	}
+	// The server's own key of [tls]: off unless set, and only with TLS.
+	if cfg.TLS.AllowAnonymousClients {
+		t.Fatal("allow_anonymous_clients is on by default")
+	}
+	os.WriteFile(p, []byte("[tls]\ncert = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\nallow_anonymous_clients = true\n"), 0o644)
+	if cfg, warnings, err = LoadConfig(p, true); err != nil || len(warnings) != 0 || !cfg.TLS.AllowAnonymousClients || cfg.TLS.Cert != "/x.crt" {
+		t.Fatalf("[tls] allow_anonymous_clients: %+v %v %v", cfg.TLS, warnings, err)
+	}
+	plain := DefaultConfig()
+	plain.TLS.AllowAnonymousClients = true
+	if err := plain.Validate(); err == nil || !strings.Contains(err.Error(), "allow_anonymous_clients") {
+		t.Fatalf("allow_anonymous_clients without TLS: %v", err)
+	}
 }

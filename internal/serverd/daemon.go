@@ -109,7 +109,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			return nil, err
 		}
 		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
-		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
+		opts.Fabric = tcp.New(tcp.Options{TLS: tc, AllowAnonymousClients: cfg.TLS.AllowAnonymousClients, Log: opts.Log, UserTimeout: ut})
 	}
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{}),
@@ -230,19 +230,41 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
 	}
-	if cfg.TLS.Enabled() {
-		var plain []string
-		for _, l := range bound {
-			if strings.HasPrefix(l, "rdma://") {
-				plain = append(plain, l)
-			}
-		}
-		if len(plain) > 0 {
-			d.log.WithField("listen", strings.Join(plain, ",")).Warn("TLS covers tcp:// only: on these RDMA addresses clients " +
-				"are not authenticated nor encrypted, and exports with allow_identities cannot be opened there")
+	d.warnTrust(cfg, bound)
+	return d, nil
+}
+
+// noTLSWarning is the start-up warning of a server without TLS (docs/operations.md).
+const noTLSWarning = "without TLS anyone who can reach these addresses is trusted: session names (--allow) and client " +
+	"addresses (--allow-from) are what a client claims, not credentials, and RDMA authenticates no one either; " +
+	"configure [tls] (docs/operations.md, \"TLS on the TCP fabric\")"
+
+// warnTrust says at start-up whom the listeners trust, where it is
+// anyone who reaches them: every listener without TLS, RDMA ones with
+// it, and anonymous client certificates when they are let in.
+func (d *Daemon) warnTrust(cfg Config, bound []string) {
+	var tcpL, rdmaL []string
+	for _, l := range bound {
+		if strings.HasPrefix(l, "rdma://") {
+			rdmaL = append(rdmaL, l)
+		} else {
+			tcpL = append(tcpL, l)
 		}
 	}
-	return d, nil
+	if !cfg.TLS.Enabled() {
+		if len(bound) > 0 {
+			d.log.WithField("listen", strings.Join(bound, ",")).Warn(noTLSWarning)
+		}
+		return
+	}
+	if len(rdmaL) > 0 {
+		d.log.WithField("listen", strings.Join(rdmaL, ",")).Warn("TLS covers tcp:// only: on these RDMA addresses clients " +
+			"are not authenticated nor encrypted, and exports with allow_identities cannot be opened there")
+	}
+	if cfg.TLS.AllowAnonymousClients && len(tcpL) > 0 {
+		d.log.WithField("listen", strings.Join(tcpL, ",")).Warn("tls allow_anonymous_clients: a client certificate that " +
+			"names no identity is accepted; such a client is counted by its address and may open every export that grants no identities")
+	}
 }
 
 // goMemoryLimit says how the Go runtime's memory limit is set, for the

@@ -205,3 +205,71 @@ func TestTLSEndToEnd(t *testing.T) {
 		t.Fatalf("session names after client-b took the freed one %q", got)
 	}
 }
+
+// TestTLSNamelessClient: a client certificate of the server's authority
+// that names no identity (scripts/test-ca.sh nameless: no common name,
+// no alternative names) gets no session: map exits 7 (EACCES) saying the
+// server refused the certificate, and the server logs why and counts it
+// in rnbd_server_refused_connections_total{reason="EACCES"}. With
+// --tls-allow-anonymous-clients the same client maps an export that
+// grants no identities, and what it writes reads back.
+func TestTLSNamelessClient(t *testing.T) {
+	needTools(t, "openssl", "qemu-io")
+	dir := t.TempDir()
+	pki := filepath.Join(dir, "pki")
+	for _, args := range [][]string{{"ca"}, {"server", "srv", "127.0.0.1"}, {"nameless", "anon"}} {
+		run(t, time.Minute, "bash", append([]string{"../../scripts/test-ca.sh", pki}, args...)...)
+	}
+	tlsArgs := func(name string) []string {
+		return []string{"--tls-cert", filepath.Join(pki, name+".crt"), "--tls-key", filepath.Join(pki, name+".key"),
+			"--tls-ca", filepath.Join(pki, "ca.crt")}
+	}
+	vol := filepath.Join(dir, "vol.img")
+	sparseFile(t, vol, 64<<20)
+	port := freePort(t)
+	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	srvDir := filepath.Join(dir, "srv")
+	os.MkdirAll(srvDir, 0o755)
+	srv := startServer(t, srvDir, port, append(tlsArgs("srv"), "--metrics-listen", metricsAddr)...)
+	srv.ok("map", "vol", vol)
+	refusedBefore := fetchMetrics(t, metricsAddr).sum("rnbd_server_refused_connections_total", `reason="EACCES"`)
+
+	cl := startClient(t, filepath.Join(dir, "cl"), tlsArgs("anon")...)
+	mapArgs := []string{"map", "--sessname", "anon", "--path", "ip:127.0.0.1", "--device-path", "vol",
+		"--dest-port", fmt.Sprint(port), "--access-mode", "rw"}
+	if _, errOut, code := cl.ctl(mapArgs...); code != 7 || !strings.Contains(errOut, "refused the client's certificate") ||
+		!strings.Contains(errOut, "naming no identity") {
+		t.Fatalf("map with a nameless certificate: exit %d %q, want 7 (permission)", code, errOut)
+	}
+	const why = "rejecting connection: client certificate names no identity (no CN, no SAN)"
+	waitForCond(t, 10*time.Second, "the server to log why it refused the certificate", func() bool {
+		return strings.Contains(srv.out.String(), why)
+	})
+	if got := fetchMetrics(t, metricsAddr).sum("rnbd_server_refused_connections_total", `reason="EACCES"`); got < refusedBefore+1 {
+		t.Fatalf("refused_connections_total{reason=\"EACCES\"} %v after the refusal, %v before", got, refusedBefore)
+	}
+	if sess := srv.records("session", "list"); len(sess) != 0 {
+		t.Fatalf("server sessions after the refusal: %v", sess)
+	}
+
+	srv.stop()
+	srv = startServer(t, srvDir, port, append(tlsArgs("srv"), "--tls-allow-anonymous-clients")...)
+	waitForCond(t, 10*time.Second, "the server to warn that it lets anonymous clients in", func() bool {
+		return strings.Contains(srv.out.String(), "tls allow_anonymous_clients: a client certificate that names no identity is accepted")
+	})
+	out := cl.ok(mapArgs...)
+	uri, ok := strings.CutPrefix(strings.TrimSpace(out), "rnbd0 mapped: ")
+	if !ok {
+		t.Fatalf("map output %q", out)
+	}
+	for _, c := range []string{"write -P 0x5a 0 1M", "read -P 0x5a 0 1M"} {
+		if out, err := exec.Command("qemu-io", "-f", "raw", "-c", c, uri).CombinedOutput(); err != nil || strings.Contains(string(out), "failed") {
+			t.Fatalf("qemu-io %s through the anonymous client's mapping: %v %s", c, err, out)
+		}
+	}
+	sess := srv.records("session", "list", "--fields", "all")
+	if len(sess) != 1 || sess[0]["sessname"] != "anon" || sess[0]["peer"] != "" {
+		t.Fatalf("server sessions: %v", sess)
+	}
+	cl.ok("unmap", "rnbd0")
+}
