@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The packages under systemd, as on a node: in a Debian 12 container
 # booted by systemd-nspawn (systemd as its PID 1; the CI machine's own init
-# is not systemd). Installs the first build of both packages, starts the
+# is not systemd). Installs the first build of both packages, configures
+# them as an operator would (the server's address, and the TLS files the
+# example configurations name, from scripts/test-ca.sh), starts the
 # daemons through their hardened units, exports and maps a device (an NBD
 # socket: the container has no nbd module), writes through it; upgrades to
 # the second build (both daemons restart on the new binaries, the mapping
@@ -31,7 +33,7 @@ die() {
 debs1=$(cd "$1" && pwd) debs2=$(cd "$2" && pwd)
 
 need=()
-for c in systemd-nspawn:systemd-container debootstrap:debootstrap nsenter:util-linux; do
+for c in systemd-nspawn:systemd-container debootstrap:debootstrap nsenter:util-linux openssl:openssl; do
 	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -143,12 +145,27 @@ for u in rnbd-server.service rnbd-client.service rnbd-client-wait.service; do
 done
 [ "$(ct systemctl is-active rnbd-server.service)" = inactive ] || die "a first install started the server before it was configured"
 # The operator's part: the server's storage-network address (loopback
-# here), an export in /srv/rnbd (the unit's writable export directory).
+# here), the certificates, keys and authority where the example
+# configurations' [tls] looks for them (the server's names the address
+# the client dials), an export in /srv/rnbd (the unit's writable export
+# directory).
 ct sed -i "s|^listen = .*|listen = [\"tcp://127.0.0.1:$port\"]|" /etc/rnbd/server.toml
+for args in ca "server server 127.0.0.1" "client client"; do
+	# shellcheck disable=SC2086 # the words are the arguments
+	scripts/test-ca.sh "$root/etc/rnbd/tls" $args >/dev/null || die "test-ca.sh $args"
+done
 ct mkdir -p /srv/rnbd
 ct truncate -s 64M /srv/rnbd/vol.img
 ct systemctl start rnbd-server.service rnbd-client.service || die "systemctl start"
 active rnbd-server.service rnbd-client.service
+# The example configuration runs TLS: the server says so, and does not
+# warn that it trusts whoever reaches it.
+for _ in $(seq 50); do
+	ct journalctl --no-pager -u rnbd-server.service | grep -q "rnbd-server started.*tls=true" && break
+	sleep 0.1
+done
+ct journalctl --no-pager -u rnbd-server.service | grep -q "rnbd-server started.*tls=true" || die "the packaged server does not run TLS"
+! ct journalctl --no-pager -u rnbd-server.service | grep -q "without TLS anyone" || die "the packaged server warns it runs without TLS"
 ct rnbd-server map vol /srv/rnbd/vol.img >/dev/null || die "rnbd-server map"
 out=$(ct rnbd-client map --sessname ns --path ip:127.0.0.1 --dest-port "$port" --device-path vol 2>&1) || die "rnbd-client map: $out"
 grep -qx "rnbd0 mapped: $uri" <<<"$out" || die "rnbd-client map said: $out"

@@ -5,10 +5,13 @@ import (
 	"path/filepath"
 	"reflect"
 	"testing"
+
+	"github.com/rnbd/rnbd/internal/conf"
 )
 
 // The example configuration in deploy/ is the defaults, written out: it
-// must parse without warnings and change nothing.
+// must parse without warnings and change nothing but TLS, which it uses
+// (with files under /etc/rnbd/tls), as the example server requires.
 func TestExampleConfigIsTheDefaults(t *testing.T) {
 	cfg, warnings, err := LoadConfig("../../deploy/client.toml", true)
 	if err != nil {
@@ -17,7 +20,12 @@ func TestExampleConfigIsTheDefaults(t *testing.T) {
 	if len(warnings) != 0 {
 		t.Fatalf("warnings: %v", warnings)
 	}
+	want := conf.TLS{Cert: "/etc/rnbd/tls/client.crt", Key: "/etc/rnbd/tls/client.key", CA: "/etc/rnbd/tls/ca.crt"}
+	if cfg.TLS != want {
+		t.Fatalf("deploy/client.toml has [tls] %+v, want %+v", cfg.TLS, want)
+	}
 	d := DefaultConfig()
+	cfg.TLS = d.TLS
 	if !reflect.DeepEqual(cfg, d) {
 		t.Fatalf("deploy/client.toml\n%+v\ndiffers from the defaults\n%+v", cfg, d)
 	}

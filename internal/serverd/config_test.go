@@ -10,7 +10,9 @@ import (
 
 // The example configuration in deploy/ is the defaults, written out: it
 // must parse without warnings and change nothing but where it listens,
-// which is a storage network's address, not every interface.
+// which is a storage network's address, not every interface, and TLS,
+// which it uses (with files under /etc/rnbd/tls, and no anonymous
+// clients): without it anyone who reaches the port is trusted.
 func TestExampleConfigIsTheDefaults(t *testing.T) {
 	cfg, warnings, err := LoadConfig("../../deploy/server.toml", true)
 	if err != nil {
@@ -22,8 +24,16 @@ func TestExampleConfigIsTheDefaults(t *testing.T) {
 	if len(cfg.Listen) == 0 || len(everywhere(cfg.Listen)) != 0 {
 		t.Fatalf("deploy/server.toml listens on %v, want explicit addresses only", cfg.Listen)
 	}
+	want := ServerTLS{}
+	want.Cert, want.Key, want.CA = "/etc/rnbd/tls/server.crt", "/etc/rnbd/tls/server.key", "/etc/rnbd/tls/ca.crt"
+	if cfg.TLS != want {
+		t.Fatalf("deploy/server.toml has [tls] %+v, want %+v", cfg.TLS, want)
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
 	d := DefaultConfig()
-	cfg.Listen = d.Listen
+	cfg.Listen, cfg.TLS = d.Listen, d.TLS
 	if !reflect.DeepEqual(cfg, d) {
 		t.Fatalf("deploy/server.toml\n%+v\ndiffers from the defaults\n%+v", cfg, d)
 	}
