@@ -58,12 +58,12 @@ var srvDescs = struct {
 	exports: prometheus.NewDesc("rnbd_server_exports",
 		"Explicit exports served.", nil, nil),
 	chunkMem: prometheus.NewDesc("rnbd_server_chunk_memory_bytes",
-		"Memory the paths hold against max_chunk_memory: chunks and connection buffers.", nil, nil),
+		"Memory the paths are counted for against max_chunk_memory: chunks and connection buffers.", nil, nil),
 	chunkMax: prometheus.NewDesc("rnbd_server_chunk_memory_limit_bytes",
 		"max_chunk_memory (0: no bound).", nil, nil),
 	refused: prometheus.NewDesc("rnbd_server_refused_connections_total",
 		"Connection requests refused, by the errno answered (EUSERS: too many sessions of one client, ENOMEM: max_chunk_memory, "+
-			"EACCES: identity, or a TLS certificate naming none, EBUSY: paths connecting, ...).", []string{"reason"}, nil),
+			"EACCES: identity, or a TLS certificate naming none, EBUSY: paths connecting, EAGAIN: new_path_rate, ...).", []string{"reason"}, nil),
 }
 
 type srvCollector struct{ d *Daemon }
