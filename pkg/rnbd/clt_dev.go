@@ -375,7 +375,12 @@ func (d *CltDev) Submit(ctx context.Context, r *IOReq) error {
 		}
 	}
 	if r.Op != OpFlush && r.Off+int64(r.Len) > d.Size() {
-		return syscall.EINVAL
+		// As the server answers it: ENOSPC for what writes, EINVAL
+		// for a read.
+		if r.Op == OpRead {
+			return syscall.EINVAL
+		}
+		return syscall.ENOSPC
 	}
 	r.dev = d
 	r.failed.Store(false)

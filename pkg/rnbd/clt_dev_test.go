@@ -72,6 +72,11 @@ func TestCltDevSplitAndShare(t *testing.T) {
 	if err := syncIO(a, OpRead, 0, 8<<20, 4096, buf); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("read past the end: %v, want EINVAL", err)
 	}
+	for _, op := range []Op{OpWrite, OpDiscard, OpWriteZeroes} {
+		if err := syncIO(a, op, 0, 8<<20, 4096, buf); !errors.Is(err, syscall.ENOSPC) {
+			t.Fatalf("%v past the end: %v, want ENOSPC", op, err)
+		}
+	}
 	if err := a.Resize(4 << 20); err != nil || a.Size() != 4<<20 {
 		t.Fatalf("resize: %v, size %d", err, a.Size())
 	}

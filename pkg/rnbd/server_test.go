@@ -800,19 +800,29 @@ func TestPastTheEnd(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
 	path := r.file("small", 1<<20)
 	x := r.dev(r.client("end"), "small", AccessRW)
+	read := func(off int64, n int) error { _, err := x.read(off, n); return err }
+	// Whatever writes gets ENOSPC past the end, whether it starts inside
+	// the device, at its end or beyond it (a forced shrink, or a kernel
+	// client's resize beyond the export, sends those); a read gets
+	// EINVAL. docs/server.md and docs/protocol.md say so.
 	for _, c := range []struct {
 		name string
 		err  error
+		want syscall.Errno
 	}{
-		{"write straddling", x.write(1<<20-4096, make([]byte, 8192), 0)},
-		{"write past", x.write(1<<20, make([]byte, 4096), 0)},
-		{"read straddling", func() error { _, err := x.read(1<<20-512, 1024); return err }()},
-		{"discard past", x.op(OpDiscard, 0, 1<<20, 4096)},
-		{"zeroes past", x.op(OpWriteZeroes, 0, 1<<20-512, 4096)},
-		{"sector beyond any size", x.op(OpWriteZeroes, 0, 1<<40, 512)},
+		{"write straddling", x.write(1<<20-4096, make([]byte, 8192), 0), syscall.ENOSPC},
+		{"write at the end", x.write(1<<20, make([]byte, 4096), 0), syscall.ENOSPC},
+		{"write starting past the end", x.write(1<<20+4096, make([]byte, 4096), 0), syscall.ENOSPC},
+		{"FUA write starting past the end", x.write(2<<20, make([]byte, 512), FFUA), syscall.ENOSPC},
+		{"read straddling", read(1<<20-512, 1024), syscall.EINVAL},
+		{"read starting past the end", read(1<<20+4096, 4096), syscall.EINVAL},
+		{"discard at the end", x.op(OpDiscard, 0, 1<<20, 4096), syscall.ENOSPC},
+		{"discard starting past the end", x.op(OpDiscard, 0, 1<<21, 4096), syscall.ENOSPC},
+		{"zeroes straddling", x.op(OpWriteZeroes, 0, 1<<20-512, 4096), syscall.ENOSPC},
+		{"zeroes at a sector beyond any size", x.op(OpWriteZeroes, 0, 1<<40, 512), syscall.ENOSPC},
 	} {
-		if c.err == nil {
-			t.Errorf("%s: no error", c.name)
+		if !errors.Is(c.err, c.want) {
+			t.Errorf("%s: %v, want %v", c.name, c.err, c.want)
 		}
 	}
 	if st, _ := os.Stat(path); st.Size() != 1<<20 {

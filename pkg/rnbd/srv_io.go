@@ -85,19 +85,26 @@ func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *r
 	}
 	size := uint64(d.backend.Size())
 	lbs := uint64(d.backend.LogicalBlockSize())
+	// Past the end: ENOSPC for anything that writes, as NBD reports it
+	// and as docs/server.md promises, whether the range starts inside
+	// the device or beyond it (after a forced shrink, or a kernel
+	// client's own resize beyond the export). EINVAL there made tools
+	// take an O_DIRECT write for a misaligned buffer and write again
+	// through the page cache, where the error was lost. A read past the
+	// end is EINVAL.
+	pastEnd := syscall.ENOSPC
+	if op == OpRead {
+		pastEnd = syscall.EINVAL
+	}
 	if m.Sector > size/512 {
-		return 0, 0, refuse(syscall.EINVAL, "%s at sector %d, beyond the device's %d sectors", op, m.Sector, size/512)
+		return 0, 0, refuse(pastEnd, "%s at sector %d, beyond the device's %d sectors", op, m.Sector, size/512)
 	}
 	start := m.Sector * 512
 	if start%lbs != 0 || uint64(m.Size)%lbs != 0 {
 		return 0, 0, refuse(syscall.EINVAL, "%s of %d bytes at byte %d, not aligned to the logical block size %d", op, m.Size, start, lbs)
 	}
 	if uint64(m.Size) > size-start {
-		errno := syscall.ENOSPC // as NBD reports a write past the end
-		if op == OpRead {
-			errno = syscall.EINVAL
-		}
-		return 0, 0, refuse(errno, "%s of %d bytes at byte %d runs past the end of the device (%d bytes)", op, m.Size, start, size)
+		return 0, 0, refuse(pastEnd, "%s of %d bytes at byte %d runs past the end of the device (%d bytes)", op, m.Size, start, size)
 	}
 	return int64(start), int64(m.Size), nil
 }
