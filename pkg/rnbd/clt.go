@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -309,10 +310,64 @@ func (s *CltSession) openIf(ctx context.Context, name string, mode AccessMode, c
 	if err := rsp.Decode(s.admin.Bytes()[:OpenRspSize]); err != nil {
 		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
 	}
-	if !validBlockSize(rsp.LogicalBlockSize) || !validBlockSize(rsp.PhysicalBlockSize) {
-		return OpenRsp{}, fmt.Errorf("%w: block sizes %d/%d", ErrBadOpenRsp, rsp.LogicalBlockSize, rsp.PhysicalBlockSize)
+	if err := rsp.Check(s.sess.MaxIOSize()); err != nil {
+		return OpenRsp{}, fmt.Errorf("rnbd: open %s: %w", name, err)
 	}
 	return rsp, nil
+}
+
+// Check refuses an OPEN_RSP that describes a device the client cannot
+// serve, with ErrBadOpenRsp and the field and value at fault: it is
+// checked at every OPEN (map, remap, reopen, size poll), so a device is
+// never set up, nor resized, from it. maxIO is the session's max_io_size,
+// the most one request carries. What the client uses of it, field by
+// field:
+//
+//   - logical_block_size, physical_block_size: a power of two from 512;
+//   - nsectors: the device's size; nsectors*512 must fit an int64 and be
+//     a multiple of the logical block (0 is an empty device);
+//   - max_hw_sectors: with max_io_size, the most one read or write
+//     carries: at least one logical block;
+//   - max_discard_sectors, max_write_zeroes_sectors: 0 (not supported),
+//     or at least one logical block; secure_discard only with discards;
+//   - cache_policy: its two bits (write back, FUA); others are ignored.
+//
+// max_segments, discard_granularity and discard_alignment are not used:
+// a request's data is one registered buffer, and discards are split only
+// at max_discard_sectors.
+func (m *OpenRsp) Check(maxIO int) error {
+	bad := func(field string, v uint64, why string) error {
+		return fmt.Errorf("%w: %s %d: %s", ErrBadOpenRsp, field, v, why)
+	}
+	lbs := uint64(m.LogicalBlockSize)
+	if !validBlockSize(m.LogicalBlockSize) {
+		return bad("logical_block_size", lbs, "not a power of two from 512")
+	}
+	if !validBlockSize(m.PhysicalBlockSize) {
+		return bad("physical_block_size", uint64(m.PhysicalBlockSize), "not a power of two from 512")
+	}
+	if m.NSectors > math.MaxInt64/512 {
+		return bad("nsectors", m.NSectors, "the size in bytes does not fit in 63 bits")
+	}
+	if m.NSectors*512%lbs != 0 {
+		return bad("nsectors", m.NSectors, fmt.Sprintf("not a multiple of the logical block size %d", lbs))
+	}
+	if uint64(m.MaxHWSectors)*512 < lbs {
+		return bad("max_hw_sectors", uint64(m.MaxHWSectors), fmt.Sprintf("less than one logical block of %d bytes: no read or write could be sent", lbs))
+	}
+	if uint64(maxIO) < lbs {
+		return bad("logical_block_size", lbs, fmt.Sprintf("larger than the session's max_io_size %d: no read or write could be sent", maxIO))
+	}
+	if n := uint64(m.MaxDiscardSectors); n != 0 && n*512 < lbs {
+		return bad("max_discard_sectors", n, fmt.Sprintf("less than one logical block of %d bytes", lbs))
+	}
+	if n := uint64(m.MaxWriteZeroesSectors); n != 0 && n*512 < lbs {
+		return bad("max_write_zeroes_sectors", n, fmt.Sprintf("less than one logical block of %d bytes", lbs))
+	}
+	if m.SecureDiscard != 0 && m.MaxDiscardSectors == 0 {
+		return bad("secure_discard", uint64(m.SecureDiscard), "set with max_discard_sectors 0")
+	}
+	return nil
 }
 
 // openRefused says what a server's refusal of an OPEN means: the answer

@@ -437,9 +437,11 @@ func (d *CltDev) pieceSize(op Op) int {
 		if op == OpSecureErase && info.SecureDiscard == 0 {
 			return 0
 		}
-		return int(min(uint64(info.MaxDiscardSectors)*512, 1<<30))
+		// Whole logical blocks: a piece the server would refuse as
+		// not aligned must not be cut.
+		return int(min(uint64(info.MaxDiscardSectors)*512, 1<<30)) &^ (int(info.LogicalBlockSize) - 1)
 	case OpWriteZeroes:
-		return int(min(uint64(info.MaxWriteZeroesSectors)*512, 1<<30))
+		return int(min(uint64(info.MaxWriteZeroesSectors)*512, 1<<30)) &^ (int(info.LogicalBlockSize) - 1)
 	}
 	return 1 << 30 // flush
 }
