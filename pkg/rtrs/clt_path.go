@@ -717,7 +717,7 @@ func (p *CltPath) initConns(ctx context.Context) (*pathRes, error) {
 		if err != nil {
 			var rej *fabric.RejectError
 			if errors.As(err, &rej) {
-				err = rejectErr(rej.PrivateData)
+				err = rejectErr(pa.Dst, rej.PrivateData)
 			}
 			return res, fmt.Errorf("connect cid %d: %w", cid, err)
 		}
@@ -730,11 +730,18 @@ func (p *CltPath) initConns(ctx context.Context) (*pathRes, error) {
 	return res, nil
 }
 
-// rejectErr turns a reject's conn_rsp into the errno it carries.
-func rejectErr(priv []byte) error {
+// rejectErr turns a reject's conn_rsp into the errno it carries. An RTRS
+// server, ours or the kernel's, rejects with a conn_rsp that starts with
+// the RTRS magic; a reject without it comes from something else: over
+// RDMA the CM's own when nothing listens on dst's port (its private data
+// is zeros), or a peer that is not an RTRS server.
+func rejectErr(dst netip.AddrPort, priv []byte) error {
 	var rsp ConnRsp
-	if rsp.Decode(priv) != nil || rsp.Errno == 0 {
-		return fmt.Errorf("rtrs: rejected with a malformed message: %w", syscall.ECONNRESET)
+	if rsp.Decode(priv) != nil || rsp.Magic != Magic {
+		return fmt.Errorf("rtrs: %v refused the connection: nothing listens there, or it is not an RTRS server: %w", dst, syscall.ECONNREFUSED)
+	}
+	if rsp.Errno == 0 {
+		return fmt.Errorf("rtrs: %v rejected the connection with a malformed RTRS answer (no errno): %w", dst, syscall.ECONNRESET)
 	}
 	switch rsp.Errno {
 	case syscall.EBUSY:
