@@ -871,7 +871,9 @@ func TestHostileMessages(t *testing.T) {
 		{"read sent as a write", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 4096}, 32), 4096, syscall.EINVAL},
 		{"discard with data", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpDiscard), Size: 4096}, 32), 4096, syscall.EINVAL},
 		{"unaligned read", rtrs.Read, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Size: 100}, 32), 100, syscall.EINVAL},
-		{"sector that overflows", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpDiscard), Sector: 1 << 62, Size: 512}, 32), 0, syscall.EINVAL},
+		// Past the end, however far: ENOSPC for what writes, EINVAL for a read.
+		{"sector that overflows", rtrs.Write, ioMsg(IO{DeviceID: id, RW: uint32(OpDiscard), Sector: 1 << 62, Size: 512}, 32), 0, syscall.ENOSPC},
+		{"read at a sector that overflows", rtrs.Read, ioMsg(IO{DeviceID: id, RW: uint32(OpRead), Sector: 1 << 62, Size: 512}, 32), 512, syscall.EINVAL},
 	} {
 		err := s.Do(context.Background(), rtrs.IOCon, c.dir, c.usr, buf, 0, c.n)
 		if !errors.Is(err, c.want) {
