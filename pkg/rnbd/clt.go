@@ -43,6 +43,9 @@ type CltSession struct {
 	adminMu sync.Mutex
 	admin   *rtrs.Buffer
 	ver     uint8
+	// probeBuf takes the size poll's one-block reads (the reopen
+	// goroutine's only).
+	probeBuf *rtrs.Buffer
 
 	noPathTimeout atomic.Int64
 	// fastIOFail is fast_io_fail_tmo (time.Duration): this long after
@@ -500,6 +503,9 @@ func (s *CltSession) reopenLoop() {
 		}
 		infoDone = true
 		for _, d := range s.Devices() {
+			if d.State() == DevSrvClosed {
+				continue // closed by the server's administrator: a remap reopens it
+			}
 			if err := d.reopen(ctx); err != nil {
 				d.log().WithError(err).Warn("reopening the device after reconnect failed; tried again at each size poll")
 			}
@@ -540,6 +546,28 @@ func (s *CltSession) reopenClosed(infoDone *bool) {
 			s.rl.Log(d.log().WithError(err), log.WarnLevel, "reopening the device after reconnect failed again")
 		}
 	}
+}
+
+// probe reads one logical block at sector 0 of device id: harmless on a
+// device that is open, answered ENOTCONN by a server that does not have
+// it open. Only the reopen goroutine calls it.
+func (s *CltSession) probe(ctx context.Context, id uint32, lbs int) error {
+	if s.probeBuf == nil || len(s.probeBuf.Bytes()) < lbs {
+		b, err := s.sess.AllocBuffer(max(lbs, 4096))
+		if err != nil {
+			return err
+		}
+		s.probeBuf = b
+	}
+	var usr [IOSize]byte
+	(&IO{DeviceID: id, Sector: 0, RW: uint32(OpRead), Size: uint32(lbs)}).Encode(usr[:])
+	ctx, cancel := context.WithTimeout(ctx, AdminTimeout)
+	defer cancel()
+	err := s.sess.Do(ctx, rtrs.IOCon, rtrs.Read, usr[:], s.probeBuf, 0, lbs)
+	if errors.Is(err, rtrs.ErrAbandoned) {
+		s.probeBuf = nil // the answer may still land in it
+	}
+	return err
 }
 
 // pollSizes asks the server for the size of every open device.

@@ -26,6 +26,11 @@ const (
 	DevClosed
 	// DevUnmapped: closed for good; IO fails.
 	DevUnmapped
+	// DevSrvClosed: the server closed the device (its administrator's
+	// force close: an IO or the size poll's probe was answered ENOTCONN):
+	// IO fails with ENOTCONN, the size poll and reconnects leave it
+	// alone, until a remap opens it again.
+	DevSrvClosed
 )
 
 func (s DevState) String() string {
@@ -38,6 +43,8 @@ func (s DevState) String() string {
 		return "closed"
 	case DevUnmapped:
 		return "unmapped"
+	case DevSrvClosed:
+		return "closed by server"
 	}
 	return fmt.Sprintf("DevState(%d)", int32(s))
 }
@@ -53,15 +60,15 @@ type CltDev struct {
 	// holds it shared while it checks the state and posts.
 	ioMu sync.RWMutex
 	info OpenRsp // under ioMu
+	// gen counts the opens of the device (under ioMu): an answer of
+	// ENOTCONN to IO sent under an earlier one says nothing of now.
+	gen uint32
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
 	// remoteSectors is info.NSectors, read without ioMu: Size is asked
 	// for by every request (its bounds check, and the NBD frontend's).
 	remoteSectors atomic.Uint64
-	// srvClosed: a size poll found the device closed on the server (its
-	// administrator's force close): no more polls until it is reopened.
-	srvClosed atomic.Bool
-	resizeMu  sync.Mutex // one OnResize at a time
+	resizeMu      sync.Mutex // one OnResize at a time
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
@@ -177,10 +184,10 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	}
 	old := d.info.NSectors
 	d.info = info
+	d.gen++
 	d.remoteSectors.Store(info.NSectors)
 	d.state.Store(int32(DevOpen))
 	d.ioMu.Unlock()
-	d.srvClosed.Store(false)
 	d.log().WithField("device_id", info.DeviceID).Info("device reopened")
 	d.resubmit()
 	if info.NSectors != old {
@@ -191,13 +198,42 @@ func (d *CltDev) reopen(ctx context.Context) error {
 
 // pollSize asks the server for the device's size: an OPEN of the device
 // the session has open, which the server answers with it as it is now.
+//
+// An OPEN of a device its administrator closed opens it again, and the
+// kernel's server (6.12) hands back the same device id, so its answer
+// cannot tell "still open" from "opened anew". A one-block read with the
+// device's id goes first: a server that no longer has the device open
+// answers it ENOTCONN (both servers do), and the device is then closed
+// for good here, with no OPEN. What remains is the moment between the
+// read's answer and the OPEN (docs/client.md).
 func (d *CltDev) pollSize(ctx context.Context) {
-	open := func() bool { return d.State() == DevOpen && !d.srvClosed.Load() }
-	if !open() {
+	d.ioMu.RLock()
+	st, id, gen, lbs := d.State(), d.info.DeviceID, d.gen, int(d.info.LogicalBlockSize)
+	d.ioMu.RUnlock()
+	if st != DevOpen {
 		return
 	}
+	if err := d.s.probe(ctx, id, lbs); err != nil {
+		if errors.Is(err, syscall.ENOTCONN) {
+			d.closedByServer(gen, "the size poll's read")
+			return
+		}
+		var errno syscall.Errno
+		if !errors.As(err, &errno) || errors.Is(err, rtrs.ErrNoPath) {
+			// No answer from the server: no OPEN either, this time.
+			d.s.rl.Log(d.log().WithError(err), log.DebugLevel, "the size poll's read got no answer")
+			return
+		}
+		// Any other errno (a device of size 0, a read that failed
+		// on the server): the server knows the device id.
+	}
 	// Checked again in turn with the admin messages: an Unmap's CLOSE
-	// cannot come between the check and the OPEN.
+	// cannot come between the check and the OPEN, nor a remap.
+	open := func() bool {
+		d.ioMu.RLock()
+		defer d.ioMu.RUnlock()
+		return d.State() == DevOpen && d.gen == gen
+	}
 	info, err := d.s.openIf(ctx, d.name, d.mode, open)
 	if errors.Is(err, errNotNow) {
 		return
@@ -207,8 +243,8 @@ func (d *CltDev) pollSize(ctx context.Context) {
 		return
 	}
 	d.ioMu.Lock()
-	id, old := d.info.DeviceID, d.info.NSectors
-	same := d.State() == DevOpen && info.DeviceID == id
+	old := d.info.NSectors
+	same := d.State() == DevOpen && d.gen == gen && info.DeviceID == id
 	if same {
 		d.info.NSectors = info.NSectors
 		d.remoteSectors.Store(info.NSectors)
@@ -216,29 +252,52 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	d.ioMu.Unlock()
 	if !same {
 		switch {
-		case info.DeviceID == id:
-			// Reopened meanwhile under the same id: nothing opened anew.
-		case d.State() == DevOpen:
-			// The server no longer had it open (an administrator
-			// closed it there): this opened it anew. Undo that; the
-			// device stays as the administrator left it until a
-			// remap or reconnect.
-			d.srvClosed.Store(true)
-			d.log().WithFields(log.Fields{"device_id": id, "new_id": info.DeviceID}).Warn("the server had closed the device; closing what the size poll opened")
+		case d.closedByServer(gen, "the size poll's OPEN (a new device id)"):
+			// The server no longer had it open (its administrator
+			// closed it between the read and the OPEN, and the
+			// server gave the device a new id): this opened it
+			// anew. Undo that; the device stays as the
+			// administrator left it until a remap.
 			d.closeOpened(ctx, info.DeviceID)
 		case d.State() == DevUnmapped:
 			// Unmapped while the poll asked: its CLOSE went before
 			// this OPEN, which opened the device again.
 			d.closeOpened(ctx, info.DeviceID)
 		}
-		// DevClosed: the session is reconnecting, and the reopen gets
-		// the device this opened (an OPEN of an open device).
+		// Reopened meanwhile (a remap, a reconnect): that open got
+		// the device this OPEN found.
 		return
 	}
 	if info.NSectors != old {
 		d.sizeChanged(old, info.NSectors)
 	}
 }
+
+// closedByServer closes the device for good here if it is still open
+// under open number gen: the server answered ENOTCONN to its IO or to the
+// size poll's read (how), or the poll's OPEN found it under a new id. IO
+// fails from now on, and what waited for a path fails too; no CLOSE is
+// sent (the kernel's server may have given the id to another device of
+// the session). It reports whether it closed it.
+func (d *CltDev) closedByServer(gen uint32, how string) bool {
+	d.ioMu.Lock()
+	if d.State() != DevOpen || d.gen != gen {
+		d.ioMu.Unlock()
+		return false
+	}
+	d.state.Store(int32(DevSrvClosed))
+	id := d.info.DeviceID
+	d.ioMu.Unlock()
+	d.log().WithFields(log.Fields{"device_id": id, "found_by": how}).
+		Warn("the server closed the device (its administrator's force close): its IO fails until it is remapped")
+	for _, p := range d.wait.take(time.Time{}, true) {
+		p.r.pieceDone(errSrvClosed)
+	}
+	return true
+}
+
+// errSrvClosed fails the IO of a device its server closed.
+var errSrvClosed = fmt.Errorf("rnbd: the server closed the device; remap it to open it again: %w", syscall.ENOTCONN)
 
 func (d *CltDev) closeOpened(ctx context.Context, id uint32) {
 	if err := d.s.close(ctx, d.name, id); err != nil {
@@ -357,6 +416,7 @@ type piece struct {
 	n      int
 	bufOff int
 	sess   *CltSession
+	gen    uint32 // the device's open it was sent under
 }
 
 // Submit starts r. It waits for permits when all are in use (back
@@ -471,6 +531,11 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 		s.sess.PutPermit(p)
 		d.park(r, off, n, bufOff)
 		return
+	case DevSrvClosed:
+		d.ioMu.RUnlock()
+		s.sess.PutPermit(p)
+		r.pieceDone(errSrvClosed)
+		return
 	default:
 		d.ioMu.RUnlock()
 		s.sess.PutPermit(p)
@@ -478,7 +543,7 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 		return
 	}
 	pc := &s.pieces[p.ID()]
-	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s}
+	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s, gen: d.gen}
 	var usr [IOSize]byte
 	op, flags := r.wire()
 	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(op) | flags, Size: uint32(n)}).Encode(usr[:])
@@ -508,11 +573,18 @@ func (pc *piece) Confirm(err error) { pc.ConfirmBurst(err, nil) }
 // ConfirmBurst is Confirm within transport burst b (rtrs.BurstConfirmer).
 func (pc *piece) ConfirmBurst(err error, b *rtrs.Burst) {
 	r, s := pc.r, pc.sess
-	off, n, bufOff := pc.off, pc.n, pc.bufOff
+	off, n, bufOff, gen := pc.off, pc.n, pc.bufOff, pc.gen
 	s.sess.PutPermit(pc.p)
 	if errors.Is(err, rtrs.ErrNoPath) {
 		r.dev.park(r, off, n, bufOff)
 		return
+	}
+	if errors.Is(err, syscall.ENOTCONN) {
+		// The server does not have the device open (its
+		// administrator closed it). Not on this goroutine: a
+		// completion must not wait for ioMu, which a submitter holds
+		// while it posts.
+		go r.dev.closedByServer(gen, "an IO answered ENOTCONN")
 	}
 	r.pieceDoneIn(err, b)
 }
@@ -559,9 +631,15 @@ func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
 		return
 	}
 	// The device may have been reopened between the state check and
-	// the add: its resubmission would have missed this piece.
-	if d.State() == DevOpen {
+	// the add: its resubmission would have missed this piece; or
+	// closed by its server, whose failing of what waited missed it.
+	switch d.State() {
+	case DevOpen:
 		d.resubmit()
+	case DevSrvClosed:
+		for _, p := range d.wait.take(time.Time{}, true) {
+			p.r.pieceDone(errSrvClosed)
+		}
 	}
 }
 

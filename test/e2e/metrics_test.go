@@ -130,7 +130,9 @@ func TestMetrics(t *testing.T) {
 	srvMetrics, cltMetrics := fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	srv := startServer(t, dir, port, "--metrics-listen", srvMetrics)
 	srv.ok("map", "vol", vol)
-	cl := startClient(t, dir, "--metrics-listen", cltMetrics)
+	// No size polls: each reads a block, and the reads are counted
+	// exactly below.
+	cl := startClient(t, dir, "--metrics-listen", cltMetrics, "--size-poll", "0")
 	out := cl.ok("map", "--sessname", "mx", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
 	uri, ok := strings.CutPrefix(strings.TrimSpace(out), "rnbd0 mapped: ")
 	if !ok {
