@@ -243,8 +243,8 @@ func (d *CltDev) pollSize(ctx context.Context) {
 		return
 	}
 	d.ioMu.Lock()
-	old := d.info.NSectors
-	same := d.State() == DevOpen && d.gen == gen && info.DeviceID == id
+	old, st, now := d.info.NSectors, d.State(), d.gen
+	same := st == DevOpen && now == gen && info.DeviceID == id
 	if same {
 		d.info.NSectors = info.NSectors
 		d.remoteSectors.Store(info.NSectors)
@@ -252,16 +252,19 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	d.ioMu.Unlock()
 	if !same {
 		switch {
-		case d.closedByServer(gen, "the size poll's OPEN (a new device id)"):
-			// The server no longer had it open (its administrator
-			// closed it between the read and the OPEN, and the
-			// server gave the device a new id): this opened it
-			// anew. Undo that; the device stays as the
+		case st == DevOpen && now == gen:
+			// A new id: the server no longer had the device open
+			// (its administrator closed it between the read and
+			// the OPEN, and the server gave it a new id), and this
+			// opened it anew. Undo that; the device stays as the
 			// administrator left it until a remap.
-			d.closeOpened(ctx, info.DeviceID)
-		case d.State() == DevUnmapped:
-			// Unmapped while the poll asked: its CLOSE went before
-			// this OPEN, which opened the device again.
+			if d.closedByServer(gen, "the size poll's OPEN (a new device id)") {
+				d.closeOpened(ctx, info.DeviceID)
+			}
+		case st == DevSrvClosed && now == gen, st == DevUnmapped:
+			// Closed by its server (found by its IO) or unmapped
+			// while the poll asked: this OPEN opened the device
+			// again on the server.
 			d.closeOpened(ctx, info.DeviceID)
 		}
 		// Reopened meanwhile (a remap, a reconnect): that open got
