@@ -51,24 +51,13 @@ const churnIdentity = "e2e-churn"
 // a millisecond of CPU here): 250 a second.
 func TestHostilePathChurn(t *testing.T) {
 	needTools(t, "fio")
-	dir := t.TempDir()
-	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 256<<20)
-	port := freePort(t)
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	// The kernel module's queue depth and the default budget, as the
 	// attack was measured against (the suite's own are smaller).
-	srv := startServer(t, dir, port, "--queue-depth", "512", "--max-chunk-memory", fmt.Sprint(rtrs.DefaultMaxChunkMemory()),
-		"--metrics-listen", metricsAddr)
-	srv.ok("map", "vol", vol)
-	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
-	cl := startClient(t, dir)
-	out := cl.ok("map", "--sessname", "legit", "--path", "ip:127.0.0.1", "--device-path", "vol",
-		"--dest-port", fmt.Sprint(port), "--access-mode", "rw")
-	uri, ok := strings.CutPrefix(strings.TrimSpace(out), "rnbd0 mapped: ")
-	if !ok {
-		t.Fatalf("map output %q", out)
-	}
+	m := mapVol(t, 256<<20, "legit", []string{"--queue-depth", "512", "--max-chunk-memory", fmt.Sprint(rtrs.DefaultMaxChunkMemory()),
+		"--metrics-listen", metricsAddr}, nil)
+	srv, uri := m.srv, m.uri
+	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(m.port))
 
 	const phase = 15 * time.Second
 	// The same job without the attack, then beside it.
@@ -100,11 +89,11 @@ func TestHostilePathChurn(t *testing.T) {
 	cpu := cpuTime(srv.cmd.Process.Pid) - cpu0
 	cancel()
 	wg.Wait()
-	m := fetchMetrics(t, metricsAddr)
-	refused := m.sum("rnbd_server_refused_connections_total")
+	sc := fetchMetrics(t, metricsAddr)
+	refused := sc.sum("rnbd_server_refused_connections_total")
 	t.Logf("path churn from %d addresses x %d threads, %d connection requests in %v (%.0f refused, %.0f of them EAGAIN): "+
 		"server RSS %d MiB before, peak %d MiB, %.1f s of CPU in the attack; legitimate IOPS %.0f before, %.0f during (%.0f %%)",
-		addrs, threads, sent.Load(), phase, refused, m.sum("rnbd_server_refused_connections_total", `reason="EAGAIN"`),
+		addrs, threads, sent.Load(), phase, refused, sc.sum("rnbd_server_refused_connections_total", `reason="EAGAIN"`),
 		rss0>>10, peak.Load()>>10, cpu, before, during, 100*during/before)
 	if sent.Load() < int64(rate)*int64(phase/time.Second)/2 {
 		t.Fatalf("the attack sent %d requests in %v: too few to prove anything", sent.Load(), phase)

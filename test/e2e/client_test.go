@@ -119,6 +119,34 @@ func (c *clientDaemon) records(args ...string) []map[string]any {
 
 // fioVerify writes size of random data in blocks of 4 KiB to maxBlock at
 // depth 16 through the NBD URI with fio's nbd engine, reads every block
+// mappedVol is a server exporting a sparse file as "vol" and a client
+// mapping it over one loopback path, served on an NBD socket.
+type mappedVol struct {
+	dir, vol, uri string
+	port          int
+	srv           *serverDaemon
+	cl            *clientDaemon
+}
+
+// mapVol starts a server (srvArgs added) exporting a sparse file of
+// size, and a client (cltArgs added) that maps it as session sess.
+func mapVol(t *testing.T, size int64, sess string, srvArgs, cltArgs []string) *mappedVol {
+	t.Helper()
+	m := &mappedVol{dir: t.TempDir()}
+	m.vol = filepath.Join(m.dir, "vol.img")
+	sparseFile(t, m.vol, size)
+	m.port = freePort(t)
+	m.srv = startServer(t, m.dir, m.port, srvArgs...)
+	m.srv.ok("map", "vol", m.vol)
+	m.cl = startClient(t, m.dir, cltArgs...)
+	out := m.cl.ok("map", "--sessname", sess, "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(m.port))
+	var ok bool
+	if m.uri, ok = strings.CutPrefix(strings.TrimSpace(out), "rnbd0 mapped: "); !ok {
+		t.Fatalf("map output %q", out)
+	}
+	return m
+}
+
 // back and verifies it (crc32c).
 func fioVerify(t *testing.T, uri, maxBlock, size string, within time.Duration) {
 	t.Helper()

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -16,15 +15,8 @@ import (
 // --force.
 func TestServerPushedResize(t *testing.T) {
 	needTools(t, "qemu-io", "nbdinfo")
-	dir := t.TempDir()
-	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 64<<20)
-	port := freePort(t)
-	srv := startServer(t, dir, port)
-	srv.ok("map", "vol", vol)
-	cl := startClient(t, dir, "--size-poll", "200ms")
-	cl.ok("map", "--sessname", "rs", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
-	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	m := mapVol(t, 64<<20, "rs", nil, []string{"--size-poll", "200ms"})
+	srv, cl, uri := m.srv, m.cl, m.uri
 	size := func() string { return strings.TrimSpace(run(t, time.Minute, "nbdinfo", "--size", uri)) }
 	waitSize := func(want int64) {
 		t.Helper()
@@ -68,16 +60,9 @@ func TestServerPushedResize(t *testing.T) {
 // past 16 MiB works again.
 func TestShrinkBehindServer(t *testing.T) {
 	needTools(t, "qemu-io", "nbdinfo", "truncate")
-	dir := t.TempDir()
-	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 64<<20)
-	port := freePort(t)
 	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	srv := startServer(t, dir, port, "--metrics-listen", metrics)
-	srv.ok("map", "vol", vol)
-	cl := startClient(t, dir, "--size-poll", "200ms")
-	cl.ok("map", "--sessname", "shrink", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
-	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	m := mapVol(t, 64<<20, "shrink", []string{"--metrics-listen", metrics}, []string{"--size-poll", "200ms"})
+	srv, cl, vol, uri := m.srv, m.cl, m.vol, m.uri
 	qemuIO(t, uri, "write -P 0x5a 0 1M", "write -P 0x5a 15M 1M", "write -P 0xa5 32M 1M", "flush")
 	before := fetchMetrics(t, metrics)
 	if n := before.sum("rnbd_server_backing_shrinks_total"); n != 0 {

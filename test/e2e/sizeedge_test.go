@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -30,15 +29,8 @@ func qemuIOOut(t *testing.T, uri string, cmds ...string) string {
 // data). A read there gets EINVAL; the file does not grow.
 func TestWritePastEndENOSPC(t *testing.T) {
 	needTools(t, "qemu-io")
-	dir := t.TempDir()
-	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 8<<20)
-	port := freePort(t)
-	srv := startServer(t, dir, port)
-	srv.ok("map", "vol", vol)
-	cl := startClient(t, dir, "--size-poll", "0")
-	cl.ok("map", "--sessname", "pe", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
-	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	m := mapVol(t, 8<<20, "pe", nil, []string{"--size-poll", "0"})
+	srv, vol, uri := m.srv, m.vol, m.uri
 	qemuIO(t, uri, "write -P 0x11 6M 64k", "read -P 0x11 6M 64k")
 	srv.ok("resize", "vol", "4MiB", "--force")
 	for _, c := range []struct{ cmd, want string }{
@@ -64,15 +56,8 @@ func TestWritePastEndENOSPC(t *testing.T) {
 // session, its IO fails; rnbd-client remap opens it again with its data.
 func TestServerCloseSticks(t *testing.T) {
 	needTools(t, "qemu-io")
-	dir := t.TempDir()
-	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 8<<20)
-	port := freePort(t)
-	srv := startServer(t, dir, port)
-	srv.ok("map", "vol", vol)
-	cl := startClient(t, dir, "--size-poll", "100ms")
-	cl.ok("map", "--sessname", "sc", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port))
-	uri := "nbd+unix:///vol?socket=" + filepath.Join(dir, "rnbd0.sock")
+	m := mapVol(t, 8<<20, "sc", nil, []string{"--size-poll", "100ms"})
+	srv, cl, uri := m.srv, m.cl, m.uri
 	qemuIO(t, uri, "write -P 0x5c 1M 64k")
 	state := func() string {
 		recs := cl.records("device", "list")
