@@ -42,6 +42,9 @@ func newHostileRigOn(t *testing.T, inv bool, disk *memDisk) *hostileRig {
 // newHostileRigWith is newHostileRigOn on a TCP fabric with opts.
 func newHostileRigWith(t *testing.T, inv bool, disk *memDisk, opts tcp.Options) *hostileRig {
 	opts.HandshakeTimeout = time.Second
+	if opts.Log == nil {
+		opts.Log = testLog() // the fabric's refusals, like the server's
+	}
 	fab := tcp.New(opts)
 	dst := loopbackListener(t)
 	scfg := testServerConfig(fab, disk, dst)
