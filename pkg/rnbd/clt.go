@@ -437,6 +437,7 @@ func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*Cl
 	d := &CltDev{s: s, name: name, mode: mode, info: info}
 	d.remoteSectors.Store(info.NSectors)
 	d.wait.expired = d.expired
+	d.failRL.Interval, d.failRL.Burst = 10*time.Second, 3
 	d.state.Store(int32(DevOpen))
 	s.mu.Lock()
 	s.devs = append(s.devs, d)

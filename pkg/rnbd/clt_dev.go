@@ -69,6 +69,11 @@ type CltDev struct {
 	// for by every request (its bounds check, and the NBD frontend's).
 	remoteSectors atomic.Uint64
 	resizeMu      sync.Mutex // one OnResize at a time
+	// retrying: a retryParked timer is set.
+	retrying atomic.Bool
+	// failRL limits the "IO failed" lines of the device: a few every
+	// 10 s, the next saying how many it left out.
+	failRL log.Limiter
 
 	wait     waitQueue
 	inflight sync.WaitGroup // IOReqs submitted and not done
@@ -530,9 +535,10 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 	switch d.State() {
 	case DevOpen:
 	case DevClosed, DevInit:
+		gen := d.gen
 		d.ioMu.RUnlock()
 		s.sess.PutPermit(p)
-		d.park(r, off, n, bufOff)
+		d.park(r, off, n, bufOff, gen)
 		return
 	case DevSrvClosed:
 		d.ioMu.RUnlock()
@@ -545,8 +551,9 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 		r.pieceDone(errUnmapped)
 		return
 	}
+	gen := d.gen
 	pc := &s.pieces[p.ID()]
-	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s, gen: d.gen}
+	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s, gen: gen}
 	var usr [IOSize]byte
 	op, flags := r.wire()
 	(&IO{DeviceID: d.info.DeviceID, Sector: uint64(off) / 512, RW: uint32(op) | flags, Size: uint32(n)}).Encode(usr[:])
@@ -562,7 +569,7 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 	if err != nil {
 		s.sess.PutPermit(p)
 		if errors.Is(err, rtrs.ErrNoPath) {
-			d.park(r, off, n, bufOff)
+			d.park(r, off, n, bufOff, gen)
 			return
 		}
 		r.pieceDone(err)
@@ -579,7 +586,7 @@ func (pc *piece) ConfirmBurst(err error, b *rtrs.Burst) {
 	off, n, bufOff, gen := pc.off, pc.n, pc.bufOff, pc.gen
 	s.sess.PutPermit(pc.p)
 	if errors.Is(err, rtrs.ErrNoPath) {
-		r.dev.park(r, off, n, bufOff)
+		r.dev.park(r, off, n, bufOff, gen)
 		return
 	}
 	if errors.Is(err, syscall.ENOTCONN) {
@@ -610,8 +617,8 @@ func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 		return
 	}
 	d := r.dev
-	if r.firstErr != nil {
-		d.s.rl.Log(d.log().WithFields(log.Fields{"op": r.Op, "offset": r.Off, "length": r.Len}).WithError(r.firstErr),
+	if r.firstErr != nil && !eventLogged(r.firstErr) {
+		d.failRL.Log(d.log().WithFields(log.Fields{"op": r.Op, "offset": r.Off, "length": r.Len}).WithError(r.firstErr),
 			log.ErrorLevel, "IO failed")
 	}
 	r.Burst = b
@@ -620,9 +627,10 @@ func (r *IOReq) pieceDoneIn(err error, b *rtrs.Burst) {
 	d.inflight.Done()
 }
 
-// park keeps a piece until the device is open again or no_path_timeout
-// (or fast_io_fail_tmo) passes.
-func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
+// park keeps a piece, last sent (or found the device closed) under open
+// number gen, until the device is open again or no_path_timeout (or
+// fast_io_fail_tmo) passes.
+func (d *CltDev) park(r *IOReq, off int64, n, bufOff int, gen uint32) {
 	now := time.Now()
 	deadline := d.s.ioDeadline(now)
 	if !deadline.After(now) {
@@ -636,10 +644,18 @@ func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
 	// The device may have been reopened between the state check and
 	// the add: its resubmission would have missed this piece; or
 	// closed by its server, whose failing of what waited missed it.
-	switch d.State() {
-	case DevOpen:
+	// Open under the same open, the session has no path but has not
+	// told the device yet (its last path is being torn down): sending
+	// again at once would only fail again, in a loop, until it does.
+	d.ioMu.RLock()
+	st, cur := d.State(), d.gen
+	d.ioMu.RUnlock()
+	switch {
+	case st == DevOpen && cur != gen:
 		d.resubmit()
-	case DevSrvClosed:
+	case st == DevOpen:
+		d.retryParked()
+	case st == DevSrvClosed:
 		for _, p := range d.wait.take(time.Time{}, true) {
 			p.r.pieceDone(errSrvClosed)
 		}
@@ -650,21 +666,55 @@ func (d *CltDev) park(r *IOReq, off int64, n, bufOff int) {
 func (d *CltDev) expired(ps []*parked) {
 	d.log().WithField("requests", len(ps)).Warn("no path within no_path_timeout (or fast_io_fail_tmo): failing requests")
 	for _, p := range ps {
-		p.r.pieceDone(rtrs.ErrNoPath)
+		p.r.pieceDone(errNoPathTimeout)
 	}
 }
 
-// resubmit sends the waiting pieces again, the device being open.
-func (d *CltDev) resubmit() {
+// errNoPathTimeout fails the requests that waited no_path_timeout (or
+// fast_io_fail_tmo) for a path: ErrNoPath, logged once for them all.
+var errNoPathTimeout = fmt.Errorf("rnbd: no path within no_path_timeout: %w", rtrs.ErrNoPath)
+
+// eventLogged says whether a request's error is an event of the device
+// that was logged once for all the requests it failed (expired,
+// closedByServer, Unmap), not a failure of its own.
+func eventLogged(err error) bool {
+	return errors.Is(err, errNoPathTimeout) || errors.Is(err, errSrvClosed) || errors.Is(err, errUnmapped)
+}
+
+// resubmit sends the waiting pieces again, the device being open (again).
+func (d *CltDev) resubmit() { d.resend(log.InfoLevel) }
+
+// resend sends the waiting pieces again, logging that at level.
+func (d *CltDev) resend(level log.Level) {
 	ps := d.wait.take(time.Time{}, true)
 	if len(ps) == 0 {
 		return
 	}
-	d.log().WithField("requests", len(ps)).Info("resubmitting requests that waited for the device")
+	d.log().WithField("requests", len(ps)).Log(level, "resubmitting requests that waited for the device")
 	// Not on the caller's goroutine: sending waits for permits.
 	go func() {
 		for _, p := range ps {
 			d.sendPiece(context.Background(), p.r, nil, p.off, p.n, p.bufOff)
 		}
 	}()
+}
+
+// parkedRetry is how long pieces that found no path while the device
+// is open wait before they are sent again, unless the device is
+// reopened first.
+const parkedRetry = 100 * time.Millisecond
+
+// retryParked sends the waiting pieces again after parkedRetry if the
+// device is still open then: one timer per device, however many pieces
+// park meanwhile.
+func (d *CltDev) retryParked() {
+	if d.retrying.Swap(true) {
+		return
+	}
+	time.AfterFunc(parkedRetry, func() {
+		d.retrying.Store(false)
+		if d.State() == DevOpen {
+			d.resend(log.DebugLevel)
+		}
+	})
 }

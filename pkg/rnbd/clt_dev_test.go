@@ -531,3 +531,148 @@ func TestCltDevReopenRetried(t *testing.T) {
 		t.Fatal("the file does not hold the write")
 	}
 }
+
+// When the server goes with requests in flight, the client logs each
+// event once per device — the requests that wait, then those that fail
+// at no_path_timeout — not once per retry: 8 requests in flight when the
+// server stopped used to give 418 lines of "resubmitting requests that
+// waited for the device" and 10 of "posting a request failed" in one
+// second (issue 31).
+func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 1<<20)
+	lg, entries := log.Recorder()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
+	cfg.ConnsPerPath = 2
+	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
+	cli := netip.AddrFrom4([4]byte{10, 20, 2, 99})
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(cli, 0), Dst: srvAddr}}
+	s, err := DialSession(context.Background(), cfg, 1500*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetSizePoll(0)
+	hold := make(chan struct{})
+	var held atomic.Int32
+	r.srv.beforeIO = func() {
+		if held.Add(1) <= 8 {
+			<-hold // the first 8 are in flight when the server goes
+		}
+	}
+	done := make(chan error, 8)
+	for i := 0; i < 8; i++ {
+		buf, _ := s.Session().AllocBuffer(4096)
+		if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: int64(i) * 4096, Len: 4096, Buf: buf,
+			Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitUntil(t, "8 writes at the server", func() bool { return held.Load() == 8 })
+	// The server stops: no new paths, its sessions closed (their IO is
+	// answered once the backend returns it).
+	stopped := make(chan struct{})
+	go func() {
+		r.rs.Close()
+		close(stopped)
+	}()
+	time.AfterFunc(200*time.Millisecond, func() { close(hold) })
+	for i := 0; i < 8; i++ {
+		select {
+		case err := <-done:
+			if !errors.Is(err, rtrs.ErrNoPath) {
+				t.Fatalf("a write with the server gone: %v, want ErrNoPath after no_path_timeout", err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the writes never ended")
+		}
+	}
+	<-stopped
+	count := map[string]int{}
+	for _, e := range entries() {
+		count[e.Message]++
+	}
+	for _, msg := range []string{"resubmitting requests that waited for the device", "posting a request failed",
+		"no path within no_path_timeout (or fast_io_fail_tmo): failing requests"} {
+		if n := count[msg]; n > 2 {
+			t.Errorf("%q logged %d times for one loss of the server", msg, n)
+		}
+	}
+	t.Logf("logged: %v", count)
+}
+
+// Requests that find no path while the device is still open — the
+// session's last path is being torn down and the device has not been
+// told — wait and are sent again every parkedRetry, not at once in a
+// loop: that loop wrote "resubmitting requests that waited for the
+// device" hundreds of times a second (issue 31), and spun a CPU. Once
+// the path is back and the device reopened they go, logged once.
+func TestCltDevNoResubmitLoop(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	r.file("a", 1<<20)
+	lg, entries := log.Recorder()
+	cfg := rtrs.DefaultClientConfig()
+	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
+	cfg.ConnsPerPath = 2
+	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
+	cli := netip.AddrFrom4([4]byte{10, 20, 2, 98})
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(cli, 0), Dst: srvAddr}}
+	s, err := DialSession(context.Background(), cfg, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	a, err := s.Map(context.Background(), "a", AccessRW)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetSizePoll(0)
+	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
+	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	// The moment before the session tells the device: open, no path.
+	a.ioMu.Lock()
+	a.state.Store(int32(DevOpen))
+	a.ioMu.Unlock()
+	done := make(chan error, 8)
+	for i := 0; i < 8; i++ {
+		buf, _ := s.Session().AllocBuffer(4096)
+		if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: int64(i) * 4096, Len: 4096, Buf: buf,
+			Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(time.Second) // what a loop would log meanwhile
+	resubmits := func(level log.Level) (n int) {
+		for _, e := range entries() {
+			if e.Message == "resubmitting requests that waited for the device" && e.Level == level {
+				n++
+			}
+		}
+		return n
+	}
+	if n := resubmits(log.InfoLevel); n > 0 {
+		t.Errorf("%d resubmissions logged in a second without a path, want none", n)
+	}
+	if n := resubmits(log.DebugLevel); n > int(time.Second/parkedRetry)+2 {
+		t.Errorf("%d retries in a second, want one every %v", n, parkedRetry)
+	}
+	// Now the session tells it (DISCONNECTED), as it does before any
+	// path comes back; then the path comes back and the device reopens.
+	a.disconnected()
+	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
+	for i := 0; i < 8; i++ {
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("a write across the loss: %v", err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the writes across the loss never completed")
+		}
+	}
+}

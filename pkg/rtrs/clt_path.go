@@ -29,6 +29,9 @@ type CltPath struct {
 	hb    heartbeat
 	logp  atomic.Pointer[log.Entry]
 	rl    log.Limiter
+	// postRL: posts fail together when a connection dies: one line a
+	// path every 10 s, the next saying how many it left out.
+	postRL log.Limiter
 
 	state atomic.Int32 // PathState; written under mu
 	// mu guards the state changes and the fields below.
@@ -123,6 +126,7 @@ func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
 		done:      make(chan struct{}),
 		hcaName:   "",
 	}
+	p.postRL.Interval, p.postRL.Burst = 10*time.Second, 1
 	if s.cfg.UUID != ([16]byte{}) {
 		p.uuid = derivePathUUID(s.uuid, pa)
 	} else {
@@ -1110,7 +1114,7 @@ func (p *CltPath) post(pm *Permit, pl *Plug) error {
 			return nil
 		}
 		p.stats.inflight.Add(-1)
-		p.rl.Log(p.lg().WithError(err), log.WarnLevel, "posting a request failed")
+		p.postRL.Log(p.lg().WithError(err), log.WarnLevel, "posting a request failed")
 		return err
 	}
 	return nil
