@@ -534,10 +534,11 @@ func TestCltDevReopenRetried(t *testing.T) {
 
 // When the server goes with requests in flight, the client logs each
 // event once per device — the requests that wait, then those that fail
-// at no_path_timeout — not once per retry: 8 requests in flight when the
-// server stopped used to give 418 lines of "resubmitting requests that
-// waited for the device" and 10 of "posting a request failed" in one
-// second (issue 31).
+// at no_path_timeout — not once per request or retry (issue 31: 8
+// requests in flight when the server stopped gave 418 lines of
+// "resubmitting requests that waited for the device", 10 of "posting a
+// request failed" in one second; here an "IO failed" line per request
+// followed the one that failed them all).
 func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
 	r.file("a", 1<<20)
@@ -602,6 +603,10 @@ func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 		if n := count[msg]; n > 2 {
 			t.Errorf("%q logged %d times for one loss of the server", msg, n)
 		}
+	}
+	// The requests' failure is that event's, said once for them all.
+	if n := count["IO failed"]; n != 0 {
+		t.Errorf(`"IO failed" logged %d times beside the no_path_timeout line that failed them`, n)
 	}
 	t.Logf("logged: %v", count)
 }
