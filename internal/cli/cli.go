@@ -36,7 +36,18 @@ func (g *Globals) Add(root *cobra.Command, defaultSocket string) {
 	f := root.PersistentFlags()
 	f.StringVar(&g.Socket, "socket", defaultSocket, "the daemon's control socket")
 	f.StringVarP(&g.Format, "format", "f", "table", "output format: table, json, csv or xml")
-	f.StringVar(&g.Fields, "fields", "", `fields to show: "f1,f2", "+f" to add, "-f" to remove, or "all"`)
+	f.StringVar(&g.Fields, "fields", "", `fields to show: "f1,f2", "+f" to add, "-f" to remove, or "all"; a member of an object field as field.member`)
+	// An unknown format is a usage error (exit 2), found before the
+	// command does anything.
+	root.PersistentPreRunE = func(*cobra.Command, []string) error { return g.CheckFormat() }
+}
+
+// CheckFormat refuses an unknown --format as a usage error.
+func (g *Globals) CheckFormat() error {
+	if err := output.CheckFormat(g.Format); err != nil {
+		return ctl.Errorf(ctl.CodeInvalid, "--format: %v", err)
+	}
+	return nil
 }
 
 // Client returns a client of the daemon's socket.
@@ -56,12 +67,28 @@ func (g *Globals) List(w io.Writer, path, kind string, defaults, all []string) e
 	if err := g.Call("GET", path, nil, &recs); err != nil {
 		return err
 	}
+	return g.Print(w, kind, recs, defaults, all)
+}
+
+// Print prints records of kind with the selected fields (defaults
+// unless --fields), in the selected format.
+func (g *Globals) Print(w io.Writer, kind string, recs []output.Record, defaults, all []string) error {
 	fields, err := output.Fields(g.Fields, defaults, all)
+	if err == nil {
+		err = output.CheckMembers(fields, recs)
+	}
 	if err != nil {
 		return ctl.Errorf(ctl.CodeInvalid, "%v", err)
 	}
+	if err := g.CheckFormat(); err != nil {
+		return err
+	}
 	return output.Print(w, g.Format, output.List{Kind: kind, Fields: fields, Records: recs})
 }
+
+// Table reports whether records are to be printed as the table (the
+// default), where commands that act print a sentence instead.
+func (g *Globals) Table() bool { return g.Format == "" || g.Format == "table" }
 
 // Main runs root and exits: one line on stderr and the error's exit code.
 func Main(name string, root *cobra.Command) {
