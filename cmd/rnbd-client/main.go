@@ -164,6 +164,14 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 			if err := g.Call("POST", "/v1/devices", m, &out); err != nil {
 				return err
 			}
+			if !g.Table() {
+				// The device as device show gives it.
+				var recs []output.Record
+				if err := g.Call("GET", "/v1/devices/"+url.PathEscape(out.Device), nil, &recs); err != nil {
+					return fmt.Errorf("%s mapped, but reading it back failed: %w", out.Device, err)
+				}
+				return g.Print(cmd.OutOrStdout(), "device", recs, clientd.DeviceFields, clientd.DeviceFields)
+			}
 			if out.Kernel != "" {
 				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: %s\n", out.Device, out.Kernel)
 			} else {
@@ -291,7 +299,7 @@ func newPath(g *cli.Globals) *cobra.Command {
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency, or reset them", clientd.StatsFields)
+	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency_us, or reset them", clientd.StatsFields)
 }
 
 // newWait is `rnbd-client wait`: for boot scripts and units ordered

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/serverd"
 	"github.com/rnbd/rnbd/internal/units"
 )
@@ -32,7 +33,7 @@ daemon through its control socket.`,
 	root.AddCommand(
 		newDaemon(),
 		newMap(&g), newUnmap(&g), newResize(&g),
-		newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
+		newExport(&g), newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 	)
 	root.AddCommand(cli.ManCmd(root))
 	return root
@@ -158,6 +159,14 @@ func newMap(g *cli.Globals) *cobra.Command {
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
 			}
+			if !g.Table() {
+				// The export as export show gives it.
+				var recs []output.Record
+				if err := g.Call("GET", "/v1/exports/"+url.PathEscape(args[0]), nil, &recs); err != nil {
+					return fmt.Errorf("exported %s as %s, but reading it back failed: %w", p, args[0], err)
+				}
+				return g.Print(cmd.OutOrStdout(), "export", recs, serverd.ExportFields, serverd.ExportFields)
+			}
 			fmt.Fprintf(cmd.OutOrStdout(), "exported %s as %s\n", p, args[0])
 			return nil
 		},
@@ -220,6 +229,14 @@ its new size the same way.`,
 	return cmd
 }
 
+func newExport(g *cli.Globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "export", Short: "List and show exports with their access rules (map and unmap change them)"}
+	cmd.AddCommand(g.ListCmds("export", "/v1/exports", "List exports with their access rules",
+		"Show an export: its access rules, where it comes from, why it is not served", nil,
+		[]string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through"}, serverd.ExportFields)...)
+	return cmd
+}
+
 func newDevice(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "device", Short: "List, show and close exported devices"}
 	cmd.AddCommand(g.ListCmds("device", "/v1/devices", "List exports and the devices sessions have open",
@@ -257,7 +274,7 @@ func newSession(g *cli.Globals) *cobra.Command {
 		Short: "List the session names bound to client identities (TLS): only that identity may take the name",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/session-names", "session-name", []string{"sessname", "identity"}, []string{"sessname", "identity"})
+			return g.List(cmd.OutOrStdout(), "/v1/session-names", "session-name", serverd.SessionNameFields, serverd.SessionNameFields)
 		},
 	})
 	cmd.AddCommand(&cobra.Command{
@@ -299,5 +316,5 @@ func newPath(g *cli.Globals) *cobra.Command {
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	return g.StatsCmd("Show every path's stats/rdma (rd_cnt rd_bytes wr_cnt wr_bytes) and inflight, or reset them", serverd.StatsFields)
+	return g.StatsCmd("Show every path's stats/rdma (rd_cnt, rd_bytes, wr_cnt, wr_bytes) and inflight, or reset them", serverd.StatsFields)
 }

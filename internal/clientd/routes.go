@@ -41,12 +41,13 @@ type (
 	}
 )
 
-// Field lists in the rnbd tool's names.
+// Field lists in the rnbd tool's names (docs/control-api.md, "Records",
+// has each with its JSON type).
 var (
 	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "no_path_timeout", "no_path_since", "waiting_io", "waiting_io_fails_in", "fast_io_fail_tmo", "fast_io_fail_in", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
-	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in", "ctrl_loss_in", "reconnect_delay", "max_reconnect_attempts", "ctrl_loss_tmo", "cur_latency", "direction"}
-	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency"}
+	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "mpath_policy_sysfs", "no_path_timeout_sec", "no_path_since", "waiting_io", "waiting_io_fails_in_sec", "fast_io_fail_tmo_sec", "fast_io_fail_in_sec", "max_reconnect_attempts", "reconnect_delay_sec", "ctrl_loss_tmo_sec", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
+	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in_sec", "ctrl_loss_in_sec", "reconnect_delay_sec", "max_reconnect_attempts", "ctrl_loss_tmo_sec", "cur_latency_us", "rdma", "direction"}
+	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency_us"}
 )
 
 func (d *Daemon) routes() {
@@ -177,10 +178,13 @@ func (d *Daemon) routes() {
 		})
 	}
 	h("GET /v1/stats", func(r *http.Request) (any, error) {
-		var recs []output.Record
+		recs := []output.Record{}
 		for _, rec := range d.pathRecords("", "") {
-			recs = append(recs, output.Record{"sessname": rec["sessname"], "pathname": rec["pathname"],
-				"rdma": rec["rdma"], "reconnects": rec["reconnects"], "cur_latency": rec["cur_latency"]})
+			s := output.Record{}
+			for _, f := range StatsFields {
+				s[f] = rec[f]
+			}
+			recs = append(recs, s)
 		}
 		return recs, nil
 	})
@@ -350,12 +354,26 @@ func (d *Daemon) keepSettings(name string, req SetRequest) error {
 	return nil
 }
 
-// tmoString shows a timer that can be off.
-func tmoString(t time.Duration) string {
+// seconds is a duration as records give it: a number of seconds, to
+// the millisecond.
+func seconds(t time.Duration) float64 {
+	return float64(t.Round(time.Millisecond)) / float64(time.Second)
+}
+
+// tmoSeconds is a timer that can be off: seconds, or nil (null) for off.
+func tmoSeconds(t time.Duration) any {
 	if t < 0 {
-		return "off"
+		return nil
 	}
-	return t.String()
+	return seconds(t)
+}
+
+// leftSeconds is a time left: seconds, or nil (null) for none (0).
+func leftSeconds(t time.Duration) any {
+	if t <= 0 {
+		return nil
+	}
+	return seconds(t)
 }
 
 func (d *Daemon) sessionList() []*session {
@@ -388,7 +406,7 @@ func (d *Daemon) devices(name string) []output.Record {
 	}
 	d.mu.Unlock()
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
-	var recs []output.Record
+	recs := []output.Record{}
 	// Mappings of the state file that did not come back at start: they
 	// stay until restored by a retry, or unmapped.
 	for _, m := range failed {
@@ -414,7 +432,7 @@ func (d *Daemon) devices(name string) []output.Record {
 }
 
 func (d *Daemon) sessionRecords(name string) []output.Record {
-	var recs []output.Record
+	recs := []output.Record{}
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if name != "" && rs.Name() != name {
@@ -439,47 +457,42 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		if up > 0 {
 			state = "connected"
 		}
-		noPathSince := ""
+		var noPathSince any // null while it has a path
 		if t := s.cs.NoPathSince(); !t.IsZero() {
 			noPathSince = t.UTC().Format(time.RFC3339)
 		}
-		failIn := ""
+		// fast_io_fail_tmo's time left: null when it does not run, 0
+		// once it has passed (IO fails at once).
+		var failIn any
 		switch in := s.cs.FastIOFailIn(); {
 		case in > 0:
-			failIn = in.Round(time.Millisecond).String()
+			failIn = seconds(in)
 		case in < 0:
-			failIn = "passed"
+			failIn = 0
 		}
 		waiting, waitFailIn := s.cs.Waiting()
+		pol := rs.MPPolicy()
 		recs = append(recs, output.Record{
 			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
-			"path_uu": uu.String(), "mpath_policy": rs.MPPolicy().String(), "transport": s.transport,
-			"no_path_timeout": s.cs.NoPathTimeout().String(), "no_path_since": noPathSince,
-			"waiting_io": waiting, "waiting_io_fails_in": durString(waitFailIn),
-			"fast_io_fail_tmo": tmoString(s.cs.FastIOFailTmo()), "fast_io_fail_in": failIn,
-			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
-			"reconnect_delay": rs.ReconnectDelay().String(), "rx_bytes": rx, "tx_bytes": tx,
+			"path_uu": uu.String(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
+			"no_path_timeout_sec": seconds(s.cs.NoPathTimeout()), "no_path_since": noPathSince,
+			"waiting_io": waiting, "waiting_io_fails_in_sec": leftSeconds(waitFailIn),
+			"fast_io_fail_tmo_sec": tmoSeconds(s.cs.FastIOFailTmo()), "fast_io_fail_in_sec": failIn,
+			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
+			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "rx_bytes": rx, "tx_bytes": tx,
 			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
 		})
 	}
 	return recs
 }
 
-// durString shows a time left: "" for none (0), rounded to milliseconds.
-func durString(d time.Duration) string {
-	if d <= 0 {
-		return ""
-	}
-	return d.Round(time.Millisecond).String()
-}
-
 func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 	c := p.Stats().Counters()
 	a := p.Addr()
 	attempts, next := p.ReconnectAttempts()
-	lossIn := ""
+	var lossIn any // null: up, given up, or no ctrl_loss_tmo
 	if left, ok := p.CtrlLossIn(); ok {
-		lossIn = left.Round(time.Millisecond).String()
+		lossIn = seconds(max(left, 0))
 	}
 	return output.Record{
 		"sessname": rs.Name(), "pathname": p.Name(),
@@ -487,16 +500,23 @@ func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
 		"hca_name": p.HCAName(), "hca_port": p.HCAPort(),
 		"state": p.State().SysfsString(), "rtrs_state": p.State().String(),
 		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
-		"reconnects": strings.TrimSpace(p.Stats().Reconnects()), "cur_latency": p.CurLatency().Nanoseconds(),
-		"reconnect_attempts": attempts, "next_reconnect_in": durString(next), "ctrl_loss_in": lossIn,
-		"reconnect_delay": rs.ReconnectDelay().String(), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
-		"ctrl_loss_tmo": tmoString(rs.CtrlLossTmo()),
-		"rdma":          strings.TrimSpace(p.Stats().RDMA()), "direction": "client",
+		// The kernel's stats/reconnects, "successful failed", by name.
+		"reconnects":         output.Object{{Key: "successful", Value: c.ReconnectsSuccessful}, {Key: "failed", Value: c.ReconnectsFailed}},
+		"cur_latency_us":     float64(p.CurLatency().Nanoseconds()) / 1e3,
+		"reconnect_attempts": attempts, "next_reconnect_in_sec": leftSeconds(next), "ctrl_loss_in_sec": lossIn,
+		"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
+		"ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
+		// The kernel's stats/rdma, "rd_cnt rd_bytes wr_cnt wr_bytes
+		// inflight failover_cnt", by name.
+		"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
+			{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes},
+			{Key: "inflight", Value: c.Inflight}, {Key: "failover_cnt", Value: c.FailoverCount}},
+		"direction": "client",
 	}
 }
 
 func (d *Daemon) pathRecords(session, name string) []output.Record {
-	var recs []output.Record
+	recs := []output.Record{}
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if session != "" && rs.Name() != session {

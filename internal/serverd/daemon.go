@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -543,14 +544,15 @@ type (
 		// cache announced (rnbd.Export.WriteThrough).
 		WriteThrough bool `json:"write_through" toml:"write_through"`
 	}
-	// ExportRecord is an export as GET /v1/exports lists it: where it
-	// comes from, "config" (the configuration file) or "map".
+	// ExportRecord is an export and where it comes from, "config" (the
+	// configuration file) or "map"; GET /v1/exports gives it as
+	// exportRecord makes it.
 	ExportRecord struct {
 		rnbd.Export
-		Source string `json:"source"`
+		Source string
 		// NotServed says why an export is not served (its file or
 		// device could not be opened; tried again every export_retry).
-		NotServed string `json:"not_served,omitempty"`
+		NotServed string
 	}
 	CloseRequest struct {
 		Session string `json:"session"`
@@ -580,12 +582,16 @@ type (
 	}
 )
 
-// Field lists of the records the API returns, in the rnbd tool's names.
+// Field lists of the records the API returns, in the rnbd tool's names
+// (docs/control-api.md, "Records", has each with its JSON type).
 var (
-	DeviceFields  = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "reason", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
-	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
-	StatsFields   = []string{"sessname", "pathname", "rdma", "inflights"}
+	DeviceFields = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "reason",
+		"allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "direction"}
+	ExportFields      = []string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "source", "not_served"}
+	SessionFields     = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
+	SessionNameFields = []string{"sessname", "identity"}
+	PathFields        = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
+	StatsFields       = []string{"sessname", "pathname", "rdma", "inflights"}
 )
 
 func (d *Daemon) routes() {
@@ -606,12 +612,13 @@ func (d *Daemon) routes() {
 		n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
 		return CloseResponse{Closed: n}, err
 	})
-	h("GET /v1/exports", func(r *http.Request) (any, error) {
-		var out []ExportRecord
-		for _, e := range d.rnbd.Exports() {
-			out = append(out, ExportRecord{Export: e, Source: d.source(e.Name)})
+	h("GET /v1/exports", func(r *http.Request) (any, error) { return d.exports(""), nil })
+	h("GET /v1/exports/{name}", func(r *http.Request) (any, error) {
+		rows := d.exports(r.PathValue("name"))
+		if len(rows) == 0 {
+			return nil, ctl.Errorf(ctl.CodeNotFound, "no export %s", r.PathValue("name"))
 		}
-		return append(out, d.unserved()...), nil
+		return rows, nil
 	})
 	h("POST /v1/exports", func(r *http.Request) (any, error) {
 		var req MapRequest
@@ -661,7 +668,7 @@ func (d *Daemon) routes() {
 		return nil, nil
 	})
 	h("GET /v1/session-names", func(r *http.Request) (any, error) {
-		var rows []output.Record
+		rows := []output.Record{}
 		for _, o := range d.rnbd.SessionOwners() {
 			rows = append(rows, output.Record{"sessname": o.Name, "identity": o.Identity})
 		}
@@ -773,50 +780,153 @@ func (d *Daemon) Unmap(name string, force bool) error {
 }
 
 func (d *Daemon) devices(name string) []output.Record {
-	var rows []output.Record
+	rows := []output.Record{}
 	open := map[string]bool{}
+	exports := map[string]rnbd.Export{}
+	for _, e := range d.rnbd.Exports() {
+		exports[e.Name] = e
+	}
 	for _, o := range d.rnbd.OpenDevices() {
-		devname := o.Name
-		if o.Export != "" {
-			devname = o.Export
+		devname := o.Export
+		rules := d.searchRules()
+		if e, ok := exports[o.Export]; ok {
+			rules = exportRules(e)
+		}
+		if o.Export == "" {
+			devname = o.Name
+		} else {
 			open[o.Export] = true
 		}
 		if name != "" && devname != name && o.Name != name {
 			continue
 		}
-		rows = append(rows, output.Record{
+		rows = append(rows, withRules(output.Record{
 			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
 			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
 			"state": "open", "write_cache": writeCache(o.WriteCache), "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
 			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "source": d.source(o.Export),
 			"direction": "server", "reason": "",
-		})
+		}, rules))
 	}
 	for _, e := range d.rnbd.Exports() {
 		if open[e.Name] || (name != "" && e.Name != name) {
 			continue
 		}
-		rows = append(rows, output.Record{
+		rows = append(rows, withRules(output.Record{
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
 			"state": "exported", "write_cache": d.exportCache(e), "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
 			"wzero_cnt": 0, "source": d.source(e.Name), "direction": "server", "reason": "",
-		})
+		}, exportRules(e)))
 	}
 	for _, x := range d.unserved() {
 		e := x.Export
 		if name != "" && e.Name != name {
 			continue
 		}
-		rows = append(rows, output.Record{
+		rows = append(rows, withRules(output.Record{
 			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
 			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
 			"state": "not served", "write_cache": "", "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
 			"wzero_cnt": 0, "source": x.Source, "direction": "server", "reason": x.NotServed,
-		})
+		}, exportRules(e)))
 	}
 	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })
 	return rows
+}
+
+// exports are the export records: the exports served, then those not
+// served (by name if given).
+func (d *Daemon) exports(name string) []output.Record {
+	rows := []output.Record{}
+	for _, e := range d.rnbd.Exports() {
+		if name == "" || e.Name == name {
+			rows = append(rows, exportRecord(ExportRecord{Export: e, Source: d.source(e.Name)}))
+		}
+	}
+	for _, x := range d.unserved() {
+		if name == "" || x.Name == name {
+			rows = append(rows, exportRecord(x))
+		}
+	}
+	return rows
+}
+
+// exportRecord is an export as GET /v1/exports gives it: its rules,
+// where it comes from, and why it is not served ("" if it is).
+func exportRecord(x ExportRecord) output.Record {
+	return withRules(output.Record{"name": x.Name, "path": x.Path, "read_only": x.ReadOnly,
+		"source": x.Source, "not_served": x.NotServed}, exportRules(x.Export))
+}
+
+// rules are who may open a device, as the records give them (the
+// access rules of docs/server.md).
+type rules struct {
+	allow, allowFrom []string
+	identities       output.Object
+	maxSessions      any // a number, or nil: no bound
+	migration        bool
+	writeThrough     bool
+}
+
+// withRules adds the rules' fields to a record.
+func withRules(r output.Record, x rules) output.Record {
+	r["allow"], r["allow_from"], r["allow_identities"] = x.allow, x.allowFrom, x.identities
+	r["max_sessions"], r["migration"], r["write_through"] = x.maxSessions, x.migration, x.writeThrough
+	return r
+}
+
+// exportRules are an export's rules: session names (none: any), networks
+// (none: any), identities with the most each may open it for (none:
+// any), the bound on sessions.
+func exportRules(e rnbd.Export) rules {
+	x := rules{allow: []string{}, allowFrom: []string{}, identities: grantsObject(e.AllowIdentities),
+		migration: e.Migration, writeThrough: e.WriteThrough}
+	x.allow = append(x.allow, e.Allow...)
+	for _, p := range e.AllowFrom {
+		x.allowFrom = append(x.allowFrom, p.String())
+	}
+	if e.MaxSessions > 0 {
+		x.maxSessions = e.MaxSessions
+	}
+	return x
+}
+
+// searchRules are the rules of a device opened under dev_search_path.
+func (d *Daemon) searchRules() rules {
+	from, _ := parseNetworks(d.cfg.SearchAllowFrom)    // validated
+	ids, _ := parseGrants(d.cfg.SearchAllowIdentities) // validated
+	return exportRules(rnbd.Export{AllowFrom: from, AllowIdentities: ids, Migration: d.cfg.AllowMigration})
+}
+
+// grantsObject is allow_identities as an object: each identity and the
+// most it may open the export for (of several grants of one identity
+// the widest, the one that counts).
+func grantsObject(gs []rnbd.Grant) output.Object {
+	o := output.Object{}
+	for _, g := range gs {
+		acc, _ := rnbd.ParseAccessMode(g.Access)
+		i := slices.IndexFunc(o, func(m output.Member) bool { return m.Key == g.Identity })
+		if i < 0 {
+			o = append(o, output.Member{Key: g.Identity, Value: g.Access})
+			continue
+		}
+		if was, _ := rnbd.ParseAccessMode(o[i].Value.(string)); accessRank(acc) > accessRank(was) {
+			o[i].Value = g.Access
+		}
+	}
+	return o
+}
+
+// accessRank orders access modes by what they allow: ro, rw, migration.
+func accessRank(m rnbd.AccessMode) int {
+	switch m {
+	case rnbd.AccessRO:
+		return 0
+	case rnbd.AccessRW:
+		return 1
+	}
+	return 2
 }
 
 // source says where a device comes from: "config" (an [[export]] of
@@ -867,7 +977,7 @@ func (d *Daemon) sessions(name string) []output.Record {
 	for _, o := range d.rnbd.OpenDevices() {
 		devs[o.Session]++
 	}
-	var rows []output.Record
+	rows := []output.Record{}
 	for _, x := range d.rtrs.Sessions() {
 		if name != "" && x.Name() != name {
 			continue
@@ -912,7 +1022,7 @@ func pathRecord(p *rtrs.SrvPath) output.Record {
 }
 
 func (d *Daemon) paths(name, session string) []output.Record {
-	var rows []output.Record
+	rows := []output.Record{}
 	for _, x := range d.rtrs.Sessions() {
 		if session != "" && x.Name() != session {
 			continue
@@ -957,17 +1067,27 @@ func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
 }
 
 func (d *Daemon) stats() []output.Record {
-	var rows []output.Record
-	for _, r := range d.paths("", "") {
-		p, err := d.findPath(r["pathname"].(string), r["sessname"].(string))
-		if err != nil {
-			continue
+	rows := []output.Record{}
+	for _, x := range d.rtrs.Sessions() {
+		for _, p := range x.Paths() {
+			c := p.Stats().Counters()
+			rows = append(rows, output.Record{
+				"sessname": x.Name(), "pathname": p.Name(),
+				// The kernel server's stats/rdma, "rd_cnt rd_bytes
+				// wr_cnt wr_bytes", by name.
+				"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
+					{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes}},
+				"inflights": p.Stats().Inflight(),
+			})
 		}
-		rows = append(rows, output.Record{
-			"sessname": r["sessname"], "pathname": r["pathname"],
-			"rdma": strings.TrimSpace(p.Stats().RDMA()), "inflights": p.Stats().Inflight(),
-		})
 	}
+	sort.Slice(rows, func(i, j int) bool {
+		a, b := rows[i], rows[j]
+		if a["sessname"] != b["sessname"] {
+			return a["sessname"].(string) < b["sessname"].(string)
+		}
+		return a["pathname"].(string) < b["pathname"].(string)
+	})
 	return rows
 }
 

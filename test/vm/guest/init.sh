@@ -327,8 +327,8 @@ for d in disk0 disk1 disk2 disk3 disk4; do srv map $d /tmp/$d.img >/dev/null; do
 # paths. Its byte counters include each request's user message (the
 # 32-byte RNBD IO message), as the kernel's do.
 rdma_data() {
-	cli stats --format csv --fields rdma 2>/dev/null | tail -n +2 |
-		awk -v d="$1" '{ c = (d == "rd") ? $1 : $3; b = (d == "rd") ? $2 : $4; s += b - 32 * c } END { print s + 0 }'
+	cli stats --format csv --fields rdma.rd_cnt,rdma.rd_bytes,rdma.wr_cnt,rdma.wr_bytes 2>/dev/null | tail -n +2 |
+		awk -F, -v d="$1" '{ c = (d == "rd") ? $1 : $3; b = (d == "rd") ? $2 : $4; s += b - 32 * c } END { print s + 0 }'
 }
 if want rdma && [ $rdma_up = 1 ]; then
 	scenario rdma-nbd
@@ -369,8 +369,8 @@ if want rdma && [ $rdma_up = 1 ]; then
 	scenario rdma-path-cut
 	rdma_cut() { ip addr del 10.78.0.2/24 dev rxenet; }
 	under_io rdma-path-cut "$dev" 64 rdma_cut
-	st=$(cli path list --format csv --fields dst_addr,state,reconnects 2>/dev/null | grep 10.78.0.2)
-	case $st in *,connected,0 | "") res rdma-path-cut-seen FAIL "$st" ;; *) res rdma-path-cut-seen PASS "$st" ;; esac
+	st=$(cli path list --format csv --fields dst_addr,state,reconnects.successful,reconnects.failed 2>/dev/null | grep 10.78.0.2)
+	case $st in *,connected,0,0 | "") res rdma-path-cut-seen FAIL "$st" ;; *) res rdma-path-cut-seen PASS "$st" ;; esac
 	ip addr add 10.78.0.2/24 dev rxenet
 	# The address is back: the path's own reconnects bring it up again
 	# (their delay has grown to several seconds by now).
@@ -812,8 +812,8 @@ under_io nbd-server-kill "$dev" 0 server_bounce
 scenario nbd-path-cut
 path_cut() { ip addr del 10.77.0.1/24 dev mp0; ip link set mp0 down; }
 under_io nbd-path-cut "$dev" 32 path_cut
-st=$(cli path list --format csv --fields dst_addr,state,reconnects 2>/dev/null | grep 10.77.0.1)
-case $st in *,connected,0 | "") res nbd-path-cut-seen FAIL "$st" ;; *) res nbd-path-cut-seen PASS "$st" ;; esac
+st=$(cli path list --format csv --fields dst_addr,state,reconnects.successful,reconnects.failed 2>/dev/null | grep 10.77.0.1)
+case $st in *,connected,0,0 | "") res nbd-path-cut-seen FAIL "$st" ;; *) res nbd-path-cut-seen PASS "$st" ;; esac
 ip link set mp0 up
 ip addr add 10.77.0.1/24 dev mp0
 
