@@ -84,9 +84,42 @@ func FormatAddr(a netip.Addr, gid bool) string {
 	return "ip:" + a.Unmap().WithZone("").String()
 }
 
-// String is the path's name, "src@dst", as in /sys/class/rtrs-client/<sess>/paths/.
+// String is the path's name, "src@dst", as in /sys/class/rtrs-client/<sess>/paths/;
+// while the source is not set (not given, and not connected yet: the
+// kernel prints "<invalid address family>" there) the destination alone,
+// as the path was given.
 func (p PathAddr) String() string {
+	if !p.Src.Addr().IsValid() {
+		return FormatAddr(p.Dst.Addr(), p.GID)
+	}
 	return FormatAddr(p.Src.Addr(), p.GID) + "@" + FormatAddr(p.Dst.Addr(), p.GID)
+}
+
+// sysfsName is the name the kernel's rtrs_addr_to_str gives the path,
+// "<invalid address family>" for a source not set: what path UUIDs
+// were derived from, which must not change (derivePathUUID).
+func (p PathAddr) sysfsName() string {
+	return FormatAddr(p.Src.Addr(), p.GID) + "@" + FormatAddr(p.Dst.Addr(), p.GID)
+}
+
+// MatchPathName reports whether name, as someone typed it, names the
+// path between the addresses first and second ("src@dst" of a client
+// path, "client@server" of a server's): its name ("ip:A@ip:B"), the
+// same without the "ip:" prefixes ("A@B"), or one address of the two,
+// with or without "ip:". Callers look for the exact name first.
+func MatchPathName(name string, first, second netip.Addr) bool {
+	addr := func(s string) (netip.Addr, bool) {
+		a, err := netip.ParseAddr(strings.TrimPrefix(s, "ip:"))
+		return a.Unmap().WithZone(""), err == nil
+	}
+	same := func(a, b netip.Addr) bool { return b.IsValid() && a == b.Unmap().WithZone("") }
+	if x, y, two := strings.Cut(name, "@"); two {
+		a, okA := addr(x)
+		b, okB := addr(y)
+		return okA && okB && same(a, first) && same(b, second)
+	}
+	a, ok := addr(name)
+	return ok && (same(a, first) || same(a, second))
 }
 
 // ParseListenAddr parses a TCP listen address "tcp://HOST[:PORT]" (HOST

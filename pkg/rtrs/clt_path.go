@@ -390,7 +390,7 @@ func (p *CltPath) keepTrying() { p.do(context.Background(), cmdKeepTrying) }
 func derivePathUUID(sess [16]byte, pa PathAddr) [16]byte {
 	h := sha256.New()
 	h.Write(sess[:])
-	h.Write([]byte(pa.String()))
+	h.Write([]byte(pa.sysfsName()))
 	var u [16]byte
 	copy(u[:], h.Sum(nil))
 	return u

@@ -72,9 +72,14 @@ func TestPathName(t *testing.T) {
 	if err != nil || p.String() != "ip:fe80::1@ip:fe80::2" {
 		t.Fatalf("%v %v", p, err)
 	}
+	// Without a source, the name is the destination alone (the kernel
+	// prints "<invalid address family>@..."; a log line should not).
 	p, err = ParsePathAddr("gid:fe80::2", 1)
-	if err != nil || !p.GID || !strings.HasPrefix(p.String(), "<invalid address family>@gid:fe80:0000") {
+	if err != nil || !p.GID || !strings.HasPrefix(p.String(), "gid:fe80:0000") {
 		t.Fatalf("%q %v", p, err)
+	}
+	if p, _ = ParsePathAddr("ip:10.0.0.2", 1); p.String() != "ip:10.0.0.2" {
+		t.Fatalf("a path without a source is named %q, want ip:10.0.0.2", p)
 	}
 	for _, bad := range []string{"10.0.0.1", "ip:10.0.0.1@10.0.0.2", "ip:x", "gid:1.2.3.4", "ip:1.2.3.4@gid:fe80::1"} {
 		if _, err := ParsePathAddr(bad, 1); err == nil {
