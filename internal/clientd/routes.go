@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"sort"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -137,9 +136,13 @@ func (d *Daemon) routes() {
 	})
 	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.pathRecords(r.URL.Query().Get("session"), ""), nil })
 	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
-		recs := d.pathRecords(r.URL.Query().Get("session"), r.PathValue("name"))
-		if len(recs) == 0 {
-			return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", r.PathValue("name"))
+		found, err := d.lookupPaths(r.URL.Query().Get("session"), r.PathValue("name"))
+		if err != nil {
+			return nil, err
+		}
+		recs := []output.Record{}
+		for _, x := range found {
+			recs = append(recs, pathRecord(x.rs, x.p))
 		}
 		return recs, nil
 	})
@@ -152,7 +155,13 @@ func (d *Daemon) routes() {
 		if err != nil {
 			return nil, err
 		}
-		pa, err := rtrs.ParsePathAddr(req.Path, rtrs.DefaultPort)
+		// At the session's port, as the kernel's add_path: its paths
+		// share the dest_port they were mapped with.
+		port := uint16(rtrs.DefaultPort)
+		if ps := s.cs.Session().Paths(); len(ps) > 0 {
+			port = ps[0].Addr().Dst.Port()
+		}
+		pa, err := rtrs.ParsePathAddr(req.Path, port)
 		if err != nil {
 			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
 		}
@@ -531,24 +540,41 @@ func (d *Daemon) pathRecords(session, name string) []output.Record {
 	return recs
 }
 
-func (d *Daemon) findPath(session, name string) (*rtrs.CltPath, error) {
-	var found []*rtrs.CltPath
+// sessPath is a path and its session.
+type sessPath struct {
+	rs *rtrs.CltSession
+	p  *rtrs.CltPath
+}
+
+func (x sessPath) name() string    { return x.p.Name() }
+func (x sessPath) session() string { return x.rs.Name() }
+
+// lookupPaths finds the paths a name as typed names, within session if
+// given: their name, or the same written another way
+// (rtrs.MatchPathName).
+func (d *Daemon) lookupPaths(session, name string) ([]sessPath, error) {
+	var all []sessPath
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if session != "" && rs.Name() != session {
 			continue
 		}
 		for _, p := range rs.Paths() {
-			if p.Name() == name {
-				found = append(found, p)
-			}
+			all = append(all, sessPath{rs, p})
 		}
 	}
-	switch len(found) {
-	case 0:
-		return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", name)
-	case 1:
-		return found[0], nil
+	return ctl.Lookup("path", name, all, sessPath.name, func(x sessPath) bool {
+		a := x.p.Addr()
+		return rtrs.MatchPathName(name, a.Src.Addr(), a.Dst.Addr())
+	})
+}
+
+// findPath is the one path a name as typed names (lookupPaths).
+func (d *Daemon) findPath(session, name string) (*rtrs.CltPath, error) {
+	found, err := d.lookupPaths(session, name)
+	if err != nil {
+		return nil, err
 	}
-	return nil, fmt.Errorf("path %s exists in %d sessions, name the session: %w", name, len(found), syscall.EINVAL)
+	x, err := ctl.One("path", name, found, sessPath.name, sessPath.session)
+	return x.p, err
 }

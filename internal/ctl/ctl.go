@@ -16,6 +16,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -286,4 +288,65 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		return nil
 	}
 	return json.NewDecoder(resp.Body).Decode(out)
+}
+
+// Lookup finds the objects of kind ("path") a name as typed names: those
+// whose name is it, or if none is, those near(x) accepts (the same
+// written another way). None is a not_found error that lists the names
+// there are, so that the one meant can be seen.
+func Lookup[T any](kind, name string, all []T, nameOf func(T) string, near func(T) bool) ([]T, error) {
+	var exact, others []T
+	for _, x := range all {
+		switch {
+		case nameOf(x) == name:
+			exact = append(exact, x)
+		case near(x):
+			others = append(others, x)
+		}
+	}
+	if len(exact) > 0 {
+		return exact, nil
+	}
+	if len(others) > 0 {
+		return others, nil
+	}
+	if len(all) == 0 {
+		return nil, Errorf(CodeNotFound, "no %s %s (there are none)", kind, name)
+	}
+	return nil, Errorf(CodeNotFound, "no %s %s (%ss: %s)", kind, name, kind, Names(all, nameOf))
+}
+
+// Names lists the names of objects for a message: at most 8, sorted,
+// without repeats.
+func Names[T any](xs []T, nameOf func(T) string) string {
+	seen := map[string]bool{}
+	var names []string
+	for _, x := range xs {
+		if n := nameOf(x); !seen[n] {
+			seen[n] = true
+			names = append(names, n)
+		}
+	}
+	sort.Strings(names)
+	if len(names) > 8 {
+		return strings.Join(names[:8], ", ") + fmt.Sprintf(" and %d more", len(names)-8)
+	}
+	return strings.Join(names, ", ")
+}
+
+// One is the one object of found (what Lookup found by name), or an
+// invalid_argument error that says why there is not one: a name the
+// objects of several sessions have (sessOf), or one that several
+// objects' names match.
+func One[T any](kind, name string, found []T, nameOf, sessOf func(T) string) (T, error) {
+	var zero T
+	switch {
+	case len(found) == 1:
+		return found[0], nil
+	case len(found) == 0:
+		return zero, Errorf(CodeNotFound, "no %s %s", kind, name)
+	case nameOf(found[0]) == name:
+		return zero, Errorf(CodeInvalid, "%s %s exists in %d sessions (%s), name the session", kind, name, len(found), Names(found, sessOf))
+	}
+	return zero, Errorf(CodeInvalid, "%s names %d %ss (%s): give the whole name, or the session", name, len(found), kind, Names(found, nameOf))
 }

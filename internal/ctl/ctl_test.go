@@ -137,3 +137,35 @@ func TestListenKeepsWhatIsNoSocket(t *testing.T) {
 		t.Fatalf("the directory at the path: %v", err)
 	}
 }
+
+// TestLookup: the exact name first, else the names written another way;
+// none lists the names there are; One says why several are not one.
+func TestLookup(t *testing.T) {
+	type obj struct{ sess, name string }
+	all := []obj{{"s1", "ip:a@ip:b"}, {"s2", "ip:a@ip:b"}, {"s1", "ip:c@ip:d"}}
+	nameOf := func(o obj) string { return o.name }
+	sessOf := func(o obj) string { return o.sess }
+	near := func(typed string) func(obj) bool {
+		return func(o obj) bool { return strings.Contains(o.name, typed) }
+	}
+	if got, err := Lookup("path", "ip:a@ip:b", all, nameOf, near("ip:a@ip:b")); err != nil || len(got) != 2 {
+		t.Fatalf("exact: %v %v", got, err)
+	}
+	if _, err := One("path", "ip:a@ip:b", all[:2], nameOf, sessOf); err == nil || !strings.Contains(err.Error(), "exists in 2 sessions (s1, s2), name the session") {
+		t.Errorf("a name in two sessions: %v", err)
+	}
+	got, err := Lookup("path", "c", all, nameOf, near("c"))
+	if one, err2 := One("path", "c", got, nameOf, sessOf); err != nil || err2 != nil || one != all[2] {
+		t.Errorf("near: %v %v %v", one, err, err2)
+	}
+	got, _ = Lookup("path", "ip:", all, nameOf, near("ip:"))
+	if _, err := One("path", "ip:", got, nameOf, sessOf); ExitCode(err) != 2 || !strings.Contains(err.Error(), "ip: names 3 paths (ip:a@ip:b, ip:c@ip:d)") {
+		t.Errorf("several near: %v", err)
+	}
+	if _, err := Lookup("path", "x", all, nameOf, near("x")); ExitCode(err) != 3 || err.Error() != "no path x (paths: ip:a@ip:b, ip:c@ip:d)" {
+		t.Errorf("none: %v", err)
+	}
+	if _, err := Lookup("path", "x", nil, nameOf, near("x")); ExitCode(err) != 3 || err.Error() != "no path x (there are none)" {
+		t.Errorf("none of none: %v", err)
+	}
+}

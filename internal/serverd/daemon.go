@@ -703,11 +703,15 @@ func (d *Daemon) routes() {
 	})
 	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.paths("", r.URL.Query().Get("session")), nil })
 	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
-		p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
+		found, err := d.lookupPaths(r.PathValue("name"), r.URL.Query().Get("session"))
 		if err != nil {
 			return nil, err
 		}
-		return []output.Record{pathRecord(p)}, nil
+		rows := []output.Record{}
+		for _, p := range found {
+			rows = append(rows, pathRecord(p))
+		}
+		return rows, nil
 	})
 	h("POST /v1/paths/{name}/disconnect", func(r *http.Request) (any, error) {
 		p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
@@ -1043,27 +1047,37 @@ func (d *Daemon) paths(name, session string) []output.Record {
 	return rows
 }
 
-// findPath finds a path by name, within session if given; a name that
-// several sessions share needs the session.
-func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
-	var found []*rtrs.SrvPath
+// lookupPaths finds the paths a name as typed names, within session if
+// given: their name, or the same written another way
+// (rtrs.MatchPathName), sorted by session and name.
+func (d *Daemon) lookupPaths(name, session string) ([]*rtrs.SrvPath, error) {
+	var all []*rtrs.SrvPath
 	for _, x := range d.rtrs.Sessions() {
-		if session != "" && x.Name() != session {
-			continue
-		}
-		for _, p := range x.Paths() {
-			if p.Name() == name {
-				found = append(found, p)
-			}
+		if session == "" || x.Name() == session {
+			all = append(all, x.Paths()...)
 		}
 	}
-	switch len(found) {
-	case 0:
-		return nil, ctl.Errorf(ctl.CodeNotFound, "no path %s", name)
-	case 1:
-		return found[0], nil
+	found, err := ctl.Lookup("path", name, all, (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) bool {
+		return rtrs.MatchPathName(name, p.ClientAddr().Addr(), p.ServerAddr().Addr())
+	})
+	sort.Slice(found, func(i, j int) bool {
+		a, b := found[i], found[j]
+		if a.Session().Name() != b.Session().Name() {
+			return a.Session().Name() < b.Session().Name()
+		}
+		return a.Name() < b.Name()
+	})
+	return found, err
+}
+
+// findPath is the one path a name as typed names (lookupPaths); a name
+// that several sessions' paths share needs the session.
+func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
+	found, err := d.lookupPaths(name, session)
+	if err != nil {
+		return nil, err
 	}
-	return nil, fmt.Errorf("path %s exists in %d sessions, name the session: %w", name, len(found), syscall.EINVAL)
+	return ctl.One("path", name, found, (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) string { return p.Session().Name() })
 }
 
 func (d *Daemon) stats() []output.Record {
