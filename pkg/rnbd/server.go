@@ -1231,7 +1231,7 @@ func (s *Server) Resize(name string, size int64, force bool) (was int64, err err
 	if r.shrink && len(open) > 0 && !force {
 		s.mu.Unlock()
 		s.endResize(id, r, false)
-		return was, errorf(syscall.EBUSY, "export %s is open %d time(s) (by sessions): shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), was, size)
+		return was, errorf(syscall.EBUSY, "export %s is open %d time(s), by %s: shrinking it from %d to %d bytes cuts off what they may have written; --force does it anyway", name, len(open), sessionNames(open), was, size)
 	}
 	// From here a device opened on the file joins capped (takeDevice),
 	// and endResize sets it right.
@@ -1272,6 +1272,22 @@ const shrinkWait = 10 * time.Second
 
 // openOn returns the session devices on the backend id: those open, and
 // those closing (which wait for the IO they admitted). s.mu is held.
+// sessionNames names the sessions of devs for a message: "session a",
+// "sessions a, b", each once, sorted.
+func sessionNames(devs []*SrvSessDev) string {
+	var names []string
+	for _, d := range devs {
+		if !slices.Contains(names, d.sess.name) {
+			names = append(names, d.sess.name)
+		}
+	}
+	slices.Sort(names)
+	if len(names) == 1 {
+		return "session " + names[0]
+	}
+	return "sessions " + strings.Join(names, ", ")
+}
+
 func (s *Server) openOn(id string) (open, closing []*SrvSessDev) {
 	dev := s.devices[id]
 	if dev == nil {

@@ -1245,8 +1245,8 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	p := r.vol(4 << 20)
 	c := r.client("s")
 	x := r.dev(c, "exp/x", AccessRO) // by the search path, not the export
-	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
-		t.Fatalf("shrinking a file open through the search path: %v, want EBUSY", err)
+	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) || !strings.Contains(err.Error(), "by session s:") {
+		t.Fatalf("shrinking a file open through the search path: %v, want EBUSY naming the session", err)
 	}
 	if n := fileSize(t, p); n != 4<<20 {
 		t.Fatalf("the refused shrink cut the file to %d", n)
@@ -1278,6 +1278,11 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 	}
 	if err := y.d.Do(context.Background(), OpRead, 0, 3<<20, 4096, y.buf, 0); err != nil {
 		t.Fatalf("a read past 1 MiB once the shrink ended: %v", err)
+	}
+	// Open by two sessions (one of them twice): the refusal names both.
+	r.dev(ct, "exp/x", AccessRO)
+	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) || !strings.Contains(err.Error(), "is open 3 time(s), by sessions s, t:") {
+		t.Fatalf("shrinking a file two sessions have open: %v, want EBUSY naming both", err)
 	}
 }
 
@@ -1370,8 +1375,8 @@ func TestServerResize(t *testing.T) {
 	}
 	os.Truncate(p, 6<<20) // behind the server's back: the poll's OPEN refreshes it
 	next(6 << 20)
-	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) {
-		t.Fatalf("shrinking an open export: %v, want EBUSY", err)
+	if _, err := r.srv.Resize("vol", 1<<20, false); !errors.Is(err, syscall.EBUSY) || !strings.Contains(err.Error(), "export vol is open 1 time(s), by session s:") {
+		t.Fatalf("shrinking an open export: %v, want EBUSY naming the session", err)
 	}
 	if was, err := r.srv.Resize("vol", 2<<20, true); err != nil || was != 6<<20 {
 		t.Fatalf("forced shrink: %d %v", was, err)

@@ -38,7 +38,8 @@ func TestServerPushedResize(t *testing.T) {
 	run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 127M 1M", "-c", "read -P 0x5a 127M 1M", uri)
 
 	// Shrinking what a session has open: refused, busy (exit 5), said why.
-	if _, errOut, code := srv.ctl("resize", "vol", "32MiB"); code != 5 || !strings.Contains(errOut, "--force") {
+	if _, errOut, code := srv.ctl("resize", "vol", "32MiB"); code != 5 || !strings.Contains(errOut, "--force") ||
+		!strings.Contains(errOut, "export vol is open 1 time(s), by session rs: shrinking it from 134217728 to 33554432 bytes") {
 		t.Fatalf("shrink in use: exit %d %q", code, errOut)
 	}
 	srv.ok("resize", "vol", "96MiB", "--force")
