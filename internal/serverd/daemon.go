@@ -170,6 +170,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			continue
 		}
 		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
+		d.warnReadOnly(e, looked[e.Path])
 	}
 	for _, e := range st.Exports {
 		if d.configured[e.Name] {
@@ -184,7 +185,9 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			// and the state file keeps the entry for when it returns.
 			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err)
 			d.unrestored = append(d.unrestored, e)
+			continue
 		}
+		d.warnReadOnly(e, looked[e.Path])
 	}
 	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
 		d.rnbd.Close()
@@ -453,7 +456,10 @@ func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]probed) error {
 	if err := looked[e.Path].err; errors.Is(err, syscall.ETIMEDOUT) {
 		return fmt.Errorf("export %s: %w", e.Name, err)
 	}
-	return d.rnbd.Map(e)
+	if err := d.rnbd.Map(e); err != nil {
+		return selfView.missing(e.Path, err)
+	}
+	return nil
 }
 
 // retryStopWait bounds how long Stop waits for a retry under way.
@@ -513,6 +519,7 @@ func (d *Daemon) retryNotServed() {
 			}
 			delete(d.notServed, e.Name)
 			d.log.WithFields(exportFields(e)).Info(what + " served now")
+			d.warnReadOnly(e, looked[e.Path])
 		}
 		return keep
 	}
@@ -741,6 +748,11 @@ func (d *Daemon) Map(e rnbd.Export) error {
 	// Looked at first, without the state lock: a path that does not
 	// answer fails this map, not every other map and unmap with it.
 	looked := d.probe.look([]string{e.Path}, probeWait)
+	// A read-write export no session could open read-write (the unit's
+	// sandbox) is refused here, not at every client's OPEN.
+	if err := selfView.readOnly(e, looked[e.Path]); err != nil {
+		return err
+	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	if err := d.mapLooked(e, looked); err != nil {

@@ -33,6 +33,10 @@ type pathProbe struct {
 type probed struct {
 	fi  os.FileInfo
 	err error
+	// readOnly: a regular file on a file system this process sees
+	// read-only (statfs ST_RDONLY: the file system's or the mount's),
+	// which no one can open for writing (sandbox.go).
+	readOnly bool
 }
 
 // look stats the paths, for at most wait. The result has one entry per
@@ -69,10 +73,11 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 		asked++
 		go func() {
 			fi, err := os.Stat(p)
+			ro := err == nil && fi.Mode().IsRegular() && readOnlyFS(p)
 			pp.mu.Lock()
 			delete(pp.pending, p)
 			pp.mu.Unlock()
-			done <- answer{p, probed{fi, err}} // buffered: never blocks
+			done <- answer{p, probed{fi, err, ro}} // buffered: never blocks
 		}()
 	}
 	pp.mu.Unlock()
