@@ -109,6 +109,47 @@ EOF
 	echo "$out/${name}_${version}_${arch}.deb"
 }
 
+# The daemons' data, beside their units' (maintscripts below): what the
+# configure step makes, and what purge removes (Debian policy: purge
+# removes what the package and its daemons created; remove keeps it, so
+# that a reinstall serves the same exports and mappings). Both daemons
+# keep their state in /var/lib/rnbd; each package removes its own file,
+# and the directory goes with the last. /srv/rnbd, where rnbd-server's
+# unit may write, goes only while it is empty: exported files are never
+# removed. A state_file set elsewhere is left where it is.
+#
+# data_configure NAME: shell for postinst.
+data_configure() {
+	[ "$1" = rnbd-server ] || return 0
+	cat <<'EOF'
+# The export directory the unit may write (ReadWritePaths=-/srv/rnbd),
+# 0700 as the state directory; one that is there is left as it is.
+if [ "$1" = configure ] && [ ! -e /srv/rnbd ]; then
+	install -d -m 0700 /srv/rnbd
+fi
+EOF
+}
+
+# data_purge NAME: shell for postrm's purge, after the daemon stopped.
+data_purge() {
+	local state=${1#rnbd-} other=rnbd-client
+	[ "$1" = rnbd-server ] || other=rnbd-server
+	echo "	rm -f /var/lib/rnbd/$state.json /run/rnbd/$state.sock"
+	if [ "$1" = rnbd-server ]; then
+		echo '	rmdir /srv/rnbd 2>/dev/null || true'
+	else
+		echo '	rm -rf /run/rnbd/devlinks'
+	fi
+	cat <<EOF
+	# A state save's temporary file, left by a daemon that died in it:
+	# only when the other daemon is not installed (it may be saving).
+	if [ ! -e /usr/sbin/$other ]; then
+		rm -f /var/lib/rnbd/.state-*
+	fi
+	rmdir /var/lib/rnbd /run/rnbd 2>/dev/null || true
+EOF
+}
+
 # maintscripts NAME: enable the unit on install and restart it on upgrade
 # (as debhelper's snippets do, with deb-systemd-helper/-invoke, which do
 # nothing where systemd is not running); stop it on removal, forget it
@@ -120,6 +161,7 @@ maintscripts() {
 	cat >"$root/DEBIAN/postinst" <<EOF
 #!/bin/sh
 set -e
+$(data_configure "$name")
 if [ "\$1" = configure ] || [ "\$1" = abort-upgrade ] || [ "\$1" = abort-deconfigure ] || [ "\$1" = abort-remove ]; then
 	for u in $unit; do
 		if deb-systemd-helper debian-installed \$u; then
@@ -165,6 +207,9 @@ for u in $unit; do
 		deb-systemd-helper unmask \$u >/dev/null || true
 	fi
 done
+if [ "\$1" = purge ]; then
+$(data_purge "$name")
+fi
 EOF
 	chmod 0755 "$root/DEBIAN/postinst" "$root/DEBIAN/prerm" "$root/DEBIAN/postrm"
 }

@@ -10,6 +10,14 @@
 # comes back, the data is there); reboots the container (the units start
 # at boot, rnbd-client-wait.service before remote-fs-pre.target, the
 # mapping restored); removes and purges (the daemons stop).
+# On the way: the package made /srv/rnbd (0700); the README's "Serving a
+# file" example, run as written, works under the packaged unit; a map
+# the unit's sandbox would defeat (a read-write export of a file it sees
+# read-only, a file in the host's /var/tmp it cannot see) is refused
+# naming the sandbox and the drop-in that allows it, and the drop-in
+# does; `dpkg -r` keeps the daemons' state (a reinstall serves the same
+# exports and mappings), `dpkg -P` removes it (a reinstall starts empty)
+# and leaves /srv/rnbd while it holds files.
 #
 #   scripts/test-deb-systemd.sh DEBS1 DEBS2
 #
@@ -133,6 +141,15 @@ mapped() {
 	die "the mapping did not come back: $(ct rnbd-client device list --fields all 2>&1 | tr '\n' ' ')"
 }
 
+# connected: the client's session has its path up, within 30 s.
+connected() {
+	for _ in $(seq 300); do
+		[ "$(ct rnbd-client session list --format csv --fields act_path_cnt 2>/dev/null | tail -n +2)" = 1 ] && return 0
+		sleep 0.1
+	done
+	die "the session did not reconnect: $(ct rnbd-client session list --fields all 2>&1 | tr '\n' ' ')"
+}
+
 log "boot"
 boot
 port=$((20000 + RANDOM % 20000))
@@ -154,7 +171,8 @@ for args in ca "server server 127.0.0.1" "client client"; do
 	# shellcheck disable=SC2086 # the words are the arguments
 	scripts/test-ca.sh "$root/etc/rnbd/tls" $args >/dev/null || die "test-ca.sh $args"
 done
-ct mkdir -p /srv/rnbd
+# The package made the data directory the unit may write.
+[ "$(ct stat -c %a:%U /srv/rnbd 2>&1)" = 700:root ] || die "/srv/rnbd after install: $(ct stat -c %a:%U /srv/rnbd 2>&1)"
 ct truncate -s 64M /srv/rnbd/vol.img
 ct systemctl start rnbd-server.service rnbd-client.service || die "systemctl start"
 active rnbd-server.service rnbd-client.service
@@ -171,6 +189,51 @@ out=$(ct rnbd-client map --sessname ns --path ip:127.0.0.1 --dest-port "$port" -
 grep -qx "rnbd0 mapped: $uri" <<<"$out" || die "rnbd-client map said: $out"
 io=$(ct qemu-io -f raw -c "write -P 0x5a 0 1M" "$uri" 2>&1)
 [[ $io != *failed* ]] || die "write through the mapping: $io"
+
+log "the README's example, as written"
+# The lines of README.md's "Serving a file" block, but the daemon's (the
+# unit runs it) and with the packaged binaries for bin/.
+example=$(awk '/^Serving a file:/ {f = 1; next} f && /^```sh/ {b = 1; next} b && /^```/ {exit} b' README.md |
+	grep -v ' daemon ' | sed 's|^bin/||')
+[ -n "$example" ] || die "no \"Serving a file\" example in README.md"
+grep -q "rnbd-server map " <<<"$example" || die "the README's example maps nothing: $example"
+out=$(ct bash -euo pipefail -c "$example" 2>&1) || die "the README's example under the packaged unit: $out"
+name=$(sed -n 's/^rnbd-server map \([^ ]*\) .*/\1/p' <<<"$example" | head -1)
+grep -q "\"devname\": *\"$name\"" <<<"$out" || die "the README's example does not list $name: $out"
+
+log "sandbox: what the unit cannot write or see is refused at map, naming the drop-in"
+# A file outside /srv/rnbd: read-only to the unit (ProtectSystem=strict).
+ct mkdir -p /var/lib/rnbd-images
+ct truncate -s 16M /var/lib/rnbd-images/out.img
+rc=0
+out=$(ct rnbd-server map out /var/lib/rnbd-images/out.img 2>&1) || rc=$?
+[ "$rc" = 7 ] || die "a read-write export the unit cannot write: exit $rc (want 7, permission): $out"
+for want in "read-only" "ReadWritePaths=/var/lib/rnbd-images" "systemctl edit rnbd-server.service" "--ro"; do
+	grep -qF -- "$want" <<<"$out" || die "the refusal does not say \"$want\": $out"
+done
+ct rnbd-server map out-ro /var/lib/rnbd-images/out.img --ro >/dev/null || die "a read-only export of it was refused"
+ct rnbd-server unmap out-ro >/dev/null || die "rnbd-server unmap out-ro"
+# A file in the host's /var/tmp: the unit's /var/tmp is its own (PrivateTmp).
+ct truncate -s 16M /var/tmp/disk0.img
+rc=0
+out=$(ct rnbd-server map tmp0 /var/tmp/disk0.img 2>&1) || rc=$?
+[ "$rc" = 3 ] || die "an export in the host's /var/tmp: exit $rc (want 3, not found): $out"
+for want in "no such file or directory" "PrivateTmp" "/srv/rnbd"; do
+	grep -qF -- "$want" <<<"$out" || die "the refusal does not say \"$want\": $out"
+done
+# The drop-in the refusal names allows it; a client writes to it.
+ct mkdir -p /etc/systemd/system/rnbd-server.service.d
+printf '[Service]\nReadWritePaths=/var/lib/rnbd-images\n' | ct tee /etc/systemd/system/rnbd-server.service.d/images.conf >/dev/null
+ct systemctl daemon-reload
+ct systemctl restart rnbd-server.service || die "restart with the drop-in"
+active rnbd-server.service
+out=$(ct rnbd-server map out /var/lib/rnbd-images/out.img 2>&1) || die "map with the drop-in: $out"
+connected
+out=$(ct rnbd-client map --sessname ns --path ip:127.0.0.1 --dest-port "$port" --device-path out 2>&1) || die "rnbd-client map out: $out"
+outuri=$(sed -n 's/^rnbd[0-9]* mapped: //p' <<<"$out")
+io=$(ct qemu-io -f raw -c "write -P 0x3c 0 1M" "$outuri" 2>&1)
+[[ $io != *failed* ]] || die "write through the mapping of the export outside /srv/rnbd: $io"
+mapped
 
 log "upgrade: the daemons restart on the new binaries"
 spid=$(mainpid rnbd-server.service) cpid=$(mainpid rnbd-client.service)
@@ -198,12 +261,57 @@ mapped
 io=$(ct qemu-io -f raw -c "read -P 0x5a 0 1M" "$uri" 2>&1)
 [[ $io != *failed* ]] || die "read after the reboot: $io"
 
-log "remove and purge: the daemons stop"
+log "remove: the daemons stop, their state stays"
 quiet "dpkg -r" dpkg -r rnbd-client rnbd-server
-for u in rnbd-server.service rnbd-client.service; do
-	st=$(ct systemctl is-active "$u" || true)
-	[ "$st" = inactive ] || die "$u is $st after remove"
+stopped() {
+	local u st
+	for u in rnbd-server.service rnbd-client.service; do
+		st=$(ct systemctl is-active "$u" || true)
+		[ "$st" = inactive ] || die "$u is $st after $1"
+	done
+}
+stopped remove
+for f in /var/lib/rnbd/server.json /var/lib/rnbd/client.json /srv/rnbd/vol.img; do
+	ct test -f "$f" || die "dpkg -r took $f (only purge may)"
 done
+
+log "reinstall after remove: the same exports and mappings"
+quiet "dpkg -i (reinstall)" sh -c 'dpkg -i /opt/rnbd-test/debs2/*.deb'
+ct systemctl start rnbd-server.service rnbd-client.service || die "systemctl start after the reinstall"
+active rnbd-server.service rnbd-client.service
+exports=$(ct rnbd-server device list --format csv --fields devname 2>&1) || die "rnbd-server device list: $exports"
+exports=$(tail -n +2 <<<"$exports" | sort | tr '\n' ' ')
+for e in vol out "$name"; do
+	[[ " $exports " == *" $e "* ]] || die "export $e did not come back after remove and reinstall: $exports"
+done
+mapped
+io=$(ct qemu-io -f raw -c "read -P 0x5a 0 1M" "$uri" 2>&1)
+[[ $io != *failed* ]] || die "read after remove and reinstall: $io"
+
+log "purge: the state goes, the exported files stay"
 quiet "dpkg -P" dpkg -P rnbd-client rnbd-server
+stopped purge
+left=$(ct find /var/lib/rnbd /run/rnbd 2>/dev/null | tr '\n' ' ' || true)
+[ -z "$left" ] || die "left after purge: $left"
+ct test -f /srv/rnbd/vol.img || die "purge removed an exported file"
+
+log "reinstall after purge: nothing old comes back"
+quiet "dpkg -i (after purge)" sh -c 'dpkg -i /opt/rnbd-test/debs2/*.deb'
+ct sed -i "s|^listen = .*|listen = [\"tcp://127.0.0.1:$port\"]|" /etc/rnbd/server.toml
+ct systemctl start rnbd-server.service rnbd-client.service || die "systemctl start after purge and reinstall"
+active rnbd-server.service rnbd-client.service
+out=$(ct rnbd-server device list --format csv --fields devname 2>&1) || die "rnbd-server device list: $out"
+out=$(tail -n +2 <<<"$out")
+[ -z "$out" ] || die "exports came back after purge: $out"
+out=$(ct rnbd-client device list --format csv --fields devname 2>&1) || die "rnbd-client device list: $out"
+out=$(tail -n +2 <<<"$out")
+[ -z "$out" ] || die "mappings came back after purge: $out"
+# Purge removes /srv/rnbd once it is empty.
+ct sh -c 'rm -f /srv/rnbd/*.img'
+quiet "dpkg -P" dpkg -P rnbd-client rnbd-server
+stopped purge
+for d in /srv/rnbd /var/lib/rnbd; do
+	ct test ! -e "$d" || die "$d is left after purge: $(ct ls -lA "$d" 2>&1 | tr '\n' ' ')"
+done
 stop_container
-log "installed, started, used, upgraded (restarted, mapping back), rebooted (wait unit before remote-fs-pre.target), removed and purged under systemd"
+log "installed, started, used, upgraded (restarted, mapping back), rebooted (wait unit before remote-fs-pre.target), removed (state kept) and reinstalled (state back), purged (state gone) and reinstalled (nothing back) under systemd"

@@ -2,7 +2,10 @@
 # CI's packaging check, as root on Debian: build both packages, lintian
 # (no errors), install them, systemd-analyze verify the installed units,
 # render every man page, upgrade to a newer build (a changed conffile is
-# kept), remove and purge (nothing left behind). Installs lintian and
+# kept), remove (the daemons' state kept) and purge (nothing left behind:
+# the state files the daemons would have written go too). The server's
+# package makes /srv/rnbd (0700) and its purge removes it while empty.
+# Installs lintian and
 # man-db from apt if missing. Starts no daemon on this machine (its init
 # is not systemd: the maintainer scripts find none); then
 # scripts/test-deb-systemd.sh runs the packages' whole life under systemd
@@ -28,6 +31,12 @@ fi
 for p in rnbd-server rnbd-client; do
 	! dpkg -s "$p" >/dev/null 2>&1 || die "$p is installed already: this check installs and purges it"
 done
+# The purge takes the daemons' state files, a daemon's from the tree too
+# (rnbd-server daemon --config /dev/null keeps its exports there).
+[ ! -e /var/lib/rnbd ] || die "/var/lib/rnbd exists: the purge this check makes would remove its state files; move it away first"
+# /srv/rnbd is made by the install and removed by the purge if empty; one
+# that is there already (the README's example makes it) is not checked.
+srv=; [ -e /srv/rnbd ] || srv=1
 out=$(mktemp -d /tmp/rnbd-deb.XXXXXX)
 # Whatever happens, the machine is left without the packages.
 trap 'dpkg -P rnbd-server rnbd-client >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
@@ -53,6 +62,7 @@ for p in rnbd-server rnbd-client; do
 done
 [ -f /etc/rnbd/server.toml ] && [ -f /etc/rnbd/client.toml ] || die "no configuration in /etc/rnbd"
 [ -f /lib/udev/rules.d/60-rnbd.rules ] || die "no udev rule"
+[ -z "$srv" ] || [ "$(stat -c %a:%U /srv/rnbd 2>&1)" = 700:root ] || die "/srv/rnbd after install: $(stat -c %a:%U /srv/rnbd 2>&1)"
 log "systemd-analyze verify"
 systemd-analyze verify /lib/systemd/system/rnbd-server.service /lib/systemd/system/rnbd-client.service \
 	/lib/systemd/system/rnbd-client-wait.service || die "systemd-analyze verify"
@@ -68,14 +78,22 @@ dpkg -i --force-confold "$out"/2/*.deb >/dev/null || die "dpkg -i (upgrade)"
 grep -q "changed by the operator" /etc/rnbd/client.toml || die "the changed conffile was replaced"
 
 log "remove and purge"
+# What the daemons leave in their state directory (no daemon runs here:
+# test-deb-systemd.sh has them write it): the state files, and the
+# temporary file of a save a crash interrupted.
+install -d -m 0700 /var/lib/rnbd
+echo '{"version": 1}' >/var/lib/rnbd/server.json
+echo '{"version": 1}' >/var/lib/rnbd/client.json
+: >/var/lib/rnbd/.state-123
 dpkg -r rnbd-server rnbd-client >/dev/null || die "dpkg -r"
 [ ! -e /usr/sbin/rnbd-server ] && [ ! -e /usr/sbin/rnbd-client ] || die "binaries left after remove"
 [ -f /etc/rnbd/client.toml ] || die "remove took the conffile (only purge may)"
+[ -f /var/lib/rnbd/server.json ] && [ -f /var/lib/rnbd/client.json ] || die "remove took the state (only purge may)"
 dpkg -P rnbd-server rnbd-client >/dev/null || die "dpkg -P"
-left=$(ls /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /lib/systemd/system/rnbd-*.service \
-	/etc/systemd/system/*.wants/rnbd-* 2>/dev/null || true)
+left=$(ls -d /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /lib/systemd/system/rnbd-*.service \
+	/etc/systemd/system/*.wants/rnbd-* /var/lib/rnbd ${srv:+/srv/rnbd} 2>/dev/null || true)
 [ -z "$left" ] || die "left after purge: $left"
-log "packages: lintian clean, installed, verified, upgraded, removed and purged"
+log "packages: lintian clean, installed, verified, upgraded, removed (state kept) and purged (state gone)"
 
 # The same packages under systemd, in a container that boots it.
 scripts/test-deb-systemd.sh "$out/1" "$out/2"
