@@ -78,7 +78,7 @@ stop_container() {
 	fi
 	nspid= leader=
 }
-trap 'stop_container; rm -rf "$root"' EXIT
+trap 'stop_container; rm -rf "$root" "$root.console"' EXIT
 cp -a "$cache/." "$root/"
 mkdir -p "$root/opt/rnbd-test/debs1" "$root/opt/rnbd-test/debs2"
 cp "$debs1"/*.deb "$root/opt/rnbd-test/debs1/"
