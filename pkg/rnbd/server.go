@@ -3,6 +3,7 @@ package rnbd
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -1347,10 +1348,37 @@ func (s *Server) endResize(id string, r resizing, done bool) int {
 }
 
 // lookAt stats an export's path through cfg.Stat: an error if the path
-// is gone or, with the daemon's bounded Stat, does not answer in time.
+// is gone or, with the daemon's bounded Stat, does not answer in time,
+// and for what can never be served (unservable).
 func (s *Server) lookAt(name, path string) error {
-	_, err := s.statExport(name, path)
-	return err
+	fi, err := s.statExport(name, path)
+	if err != nil || fi == nil { // (a test's Stat may say nothing)
+		return err
+	}
+	return unservable(name, path, fi.Mode())
+}
+
+// unservable refuses a path that is no regular file or block device: a
+// directory (EISDIR), a FIFO, a socket or a character device (EINVAL).
+// Such an export would be accepted and every OPEN of it fail; the
+// operator learns it at map, with the reason.
+func unservable(name, path string, mode fs.FileMode) error {
+	var what string
+	switch {
+	case mode.IsRegular(), mode&fs.ModeDevice != 0 && mode&fs.ModeCharDevice == 0:
+		return nil
+	case mode.IsDir():
+		return errorf(syscall.EISDIR, "export %s: %s is a directory: an export is a regular file or a block device", name, path)
+	case mode&fs.ModeNamedPipe != 0:
+		what = "a FIFO"
+	case mode&fs.ModeSocket != 0:
+		what = "a socket"
+	case mode&fs.ModeCharDevice != 0:
+		what = "a character device"
+	default:
+		what = "not a regular file (" + mode.Type().String() + ")"
+	}
+	return errorf(syscall.EINVAL, "export %s: %s is %s: an export is a regular file or a block device", name, path, what)
 }
 
 // answers is cfg.Answers of an explicit export's path (path not empty):

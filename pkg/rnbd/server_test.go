@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -386,6 +387,47 @@ func TestSessnameSearchPath(t *testing.T) {
 		if _, err := r.srv.searchDir(bad, "disk"); !errors.Is(err, syscall.EINVAL) {
 			t.Errorf("session %q: %v", bad, err)
 		}
+	}
+}
+
+// TestMapRefusesUnservable: a directory (EISDIR), a FIFO, a socket or a
+// character device (EINVAL) is refused at Map, saying what it is; a
+// symbolic link is judged by what it leads to.
+func TestMapRefusesUnservable(t *testing.T) {
+	r := newSrig(t, ServerConfig{})
+	dir := t.TempDir()
+	fifo, sock, link := filepath.Join(dir, "fifo"), filepath.Join(dir, "sock"), filepath.Join(dir, "link")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if err := os.Symlink(dir, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		path, is string
+		errno    syscall.Errno
+	}{
+		{dir, "a directory", syscall.EISDIR},
+		{link, "a directory", syscall.EISDIR},
+		{fifo, "a FIFO", syscall.EINVAL},
+		{sock, "a socket", syscall.EINVAL},
+		{"/dev/null", "a character device", syscall.EINVAL},
+	} {
+		err := r.srv.Map(Export{Name: "bad", Path: c.path})
+		if want := "export bad: " + c.path + " is " + c.is + ": an export is a regular file or a block device"; !errors.Is(err, c.errno) || fmt.Sprint(err) != want {
+			t.Errorf("map of %s: %v, want %q (%v)", c.path, err, want, c.errno)
+		}
+	}
+	if es := r.srv.Exports(); len(es) != 0 {
+		t.Fatalf("exports after the refusals: %v", es)
+	}
+	if err := r.srv.Map(Export{Name: "vol", Path: r.file("vol", 1<<20)}); err != nil {
+		t.Fatalf("a regular file: %v", err)
 	}
 }
 

@@ -818,6 +818,96 @@ path = %q
 	}
 }
 
+// TestMapRefusesUnservable: what can never be served — a directory, a
+// FIFO, a socket, a character device — is refused at map with the reason
+// and the class invalid_argument (exit 2), and nothing of it is left in
+// device list or the state file. The same path in an [[export]] of the
+// configuration file, or in an export of the state file (an older server
+// accepted it), is not served, said why in device list, and the other
+// exports are served; unmap takes the state file's out of it.
+func TestMapRefusesUnservable(t *testing.T) {
+	dir := t.TempDir()
+	data, fifo, sock := filepath.Join(dir, "data"), filepath.Join(dir, "fifo"), filepath.Join(dir, "sock")
+	if err := os.Mkdir(data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	vol, old := filepath.Join(dir, "vol.img"), filepath.Join(dir, "old.img")
+	sparseFile(t, vol, 1<<20)
+	sparseFile(t, old, 1<<20)
+	st := fmt.Sprintf(`{"version": 1, "exports": [{"name": "olddir", "path": %q}, {"name": "oldvol", "path": %q}]}`, data, old)
+	if err := os.WriteFile(filepath.Join(dir, "state.json"), []byte(st), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	d := startServerConf(t, dir, port, fmt.Sprintf(`
+[[export]]
+name = "cfgdir"
+path = %q
+
+[[export]]
+name = "cfgvol"
+path = %q
+`, data, vol))
+	waitForCond(t, 10*time.Second, "the start-up line", func() bool {
+		return strings.Contains(d.out.String(), "rnbd-server started")
+	})
+	if out := d.out.String(); !strings.Contains(out, "exports=2") || !strings.Contains(out, "not_served=2") {
+		t.Fatalf("start-up: want 2 exports served and 2 not:\n%s", out)
+	}
+	devs := func() map[string]map[string]any {
+		m := map[string]map[string]any{}
+		for _, r := range d.records("device", "list", "--fields", "devname,state,reason") {
+			m[r["devname"].(string)] = r
+		}
+		return m
+	}
+	got := devs()
+	for _, name := range []string{"cfgdir", "olddir"} {
+		if r := got[name]; r["state"] != "not served" || !strings.Contains(fmt.Sprint(r["reason"]), data+" is a directory: an export is a regular file or a block device") {
+			t.Errorf("%s, a directory: %v, want not served, saying why", name, r)
+		}
+	}
+	for _, name := range []string{"cfgvol", "oldvol"} {
+		if r := got[name]; r["state"] != "exported" {
+			t.Errorf("%s beside exports that cannot be served: %v, want exported", name, r)
+		}
+	}
+
+	state := func() string {
+		b, err := os.ReadFile(filepath.Join(dir, "state.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	for _, c := range []struct{ path, is string }{
+		{data, "is a directory"},
+		{fifo, "is a FIFO"},
+		{sock, "is a socket"},
+		{"/dev/null", "is a character device"},
+	} {
+		errOut := d.fails(2, "map", "bad", c.path)
+		if want := "export bad: " + c.path + " " + c.is + ": an export is a regular file or a block device"; !strings.Contains(errOut, want) {
+			t.Errorf("map of %s: %q, want %q", c.path, errOut, want)
+		}
+	}
+	if _, ok := devs()["bad"]; ok || strings.Contains(state(), `"bad"`) {
+		t.Fatalf("a refused map left its export: device list %v\nstate file %s", devs(), state())
+	}
+	d.ok("unmap", "olddir")
+	if s := state(); strings.Contains(s, "olddir") || !strings.Contains(s, "oldvol") {
+		t.Fatalf("state file after unmapping the export of a directory:\n%s", s)
+	}
+}
+
 // TestBackendErrorsLogged: an export on a file system that fills up. A
 // write past its space fails with ENOSPC at the NBD client, and both
 // daemons log it: the server which backend IO failed, the client which
