@@ -63,7 +63,8 @@ var srvDescs = struct {
 		"max_chunk_memory (0: no bound).", nil, nil),
 	refused: prometheus.NewDesc("rnbd_server_refused_connections_total",
 		"Connection requests refused, by the errno answered (EUSERS: too many sessions of one client, ENOMEM: max_chunk_memory, "+
-			"EACCES: identity, or a TLS certificate naming none, EBUSY: paths connecting, EAGAIN: new_path_rate, ...).", []string{"reason"}, nil),
+			"EACCES: an identity refused a session or its name, a client without TLS, a client certificate missing, not verified "+
+			"or naming none, EPERM: a session name in use, EBUSY: paths connecting, EAGAIN: new_path_rate, ...).", []string{"reason"}, nil),
 }
 
 type srvCollector struct{ d *Daemon }

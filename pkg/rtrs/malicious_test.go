@@ -687,7 +687,7 @@ func (d *namingDisk) ClaimSessionName(name, identity string) error {
 // TestNameClaimedPerPath: a name is claimed by every path, not only the
 // session's first: when the operator gives the name to another client
 // while a session holds it, a path that would join the old session is
-// refused too.
+// refused too, and counted among the server's refusals (Rejected).
 func TestNameClaimedPerPath(t *testing.T) {
 	fab := tcp.New(tcp.Options{})
 	a := loopbackListener(t)
@@ -719,6 +719,9 @@ func TestNameClaimedPerPath(t *testing.T) {
 	if n := d.claims.Load(); n < 2 {
 		t.Fatalf("%d claims, want one per path", n)
 	}
+	// The refusal is counted with the server's refusals, by the
+	// claimer's errno.
+	waitFor(t, 10*time.Second, "the name's refusal counted", func() bool { return srv.Rejected()[syscall.EACCES] >= 1 })
 }
 
 // gatedNaming holds the first claim of a name until released.

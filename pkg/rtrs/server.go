@@ -277,7 +277,8 @@ type Server struct {
 	pool chunkPool
 	// pathRate bounds how fast each client makes paths (NewPathRate).
 	pathRate rateLimiter
-	// rejected counts refused connection requests by errno (low byte).
+	// rejected counts refused connection requests, and paths refused
+	// their session name at INFO_REQ, by errno (low byte).
 	rejected [256]atomic.Uint64
 
 	ctx    context.Context
@@ -332,10 +333,13 @@ func (s *Server) Addrs() []netip.AddrPort {
 // Rejected counts the connection requests the server refused, by the
 // errno it answered with (EUSERS: too many sessions of the client,
 // ENOMEM: past the chunk memory, EACCES: identity, EBUSY: paths
-// connecting, ...), since it started, with those its fabrics refused
-// before handing them on (fabric.Refuser: EACCES for a TLS client
-// certificate that names no identity). A fabric shared by several
-// endpoints counts once.
+// connecting, ...), and the paths refused their session name at
+// INFO_REQ (EPERM: another session has it; the NameClaimer's errno,
+// EACCES for a name bound to another identity), since it started, with
+// those its fabrics refused before handing them on (fabric.Refuser:
+// EACCES for a client without TLS at a TLS listener, or a certificate
+// that is missing, does not verify or names no identity). A fabric
+// shared by several endpoints counts once.
 func (s *Server) Rejected() map[syscall.Errno]uint64 {
 	m := map[syscall.Errno]uint64{}
 	for i := range s.rejected {

@@ -354,6 +354,13 @@ func (p *SrvPath) processInfoReq(c *srvConn, wc *fabric.WC) error {
 		}
 	}
 	if err := x.claimName(msg.Pathname); err != nil {
+		// A refusal of the path, counted with the connection
+		// requests refused (Rejected): EPERM for a name another
+		// session has, the NameClaimer's errno (EACCES: a name bound
+		// to another identity).
+		errno := syscall.EINVAL
+		errors.As(err, &errno)
+		x.srv.rejected[errno&0xff].Add(1)
 		return err
 	}
 	p.logp.Store(x.logp.Load().WithField("path", p.Name()))

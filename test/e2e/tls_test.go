@@ -273,3 +273,128 @@ func TestTLSNamelessClient(t *testing.T) {
 	}
 	cl.ok("unmap", "rnbd0")
 }
+
+// tlsRig is a TLS server with metrics and its own authority
+// (scripts/test-ca.sh), certificates of the clients newTLSRig names, and
+// one of another authority ("stranger").
+type tlsRig struct {
+	t        *testing.T
+	dir, pki string
+	other    string // another authority's directory
+	port     int
+	metrics  string // the server's metrics_listen
+	srv      *serverDaemon
+	srvDir   string
+	vol      string
+}
+
+func newTLSRig(t *testing.T, clients ...string) *tlsRig {
+	t.Helper()
+	needTools(t, "openssl")
+	dir := t.TempDir()
+	r := &tlsRig{t: t, dir: dir, pki: filepath.Join(dir, "pki"), other: filepath.Join(dir, "other"), port: freePort(t),
+		srvDir: filepath.Join(dir, "srv"), vol: filepath.Join(dir, "vol.img")}
+	r.metrics = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	steps := [][]string{{r.pki, "ca"}, {r.pki, "server", "srv", "127.0.0.1"}, {r.other, "ca"}, {r.other, "client", "stranger"}}
+	for _, c := range clients {
+		steps = append(steps, []string{r.pki, "client", c})
+	}
+	for _, args := range steps {
+		run(t, time.Minute, "bash", append([]string{"../../scripts/test-ca.sh"}, args...)...)
+	}
+	sparseFile(t, r.vol, 64<<20)
+	os.MkdirAll(r.srvDir, 0o755)
+	r.startServer()
+	return r
+}
+
+func (r *tlsRig) startServer() {
+	r.t.Helper()
+	r.srv = startServer(r.t, r.srvDir, r.port, "--tls-cert", filepath.Join(r.pki, "srv.crt"), "--tls-key", filepath.Join(r.pki, "srv.key"),
+		"--tls-ca", filepath.Join(r.pki, "ca.crt"), "--metrics-listen", r.metrics)
+}
+
+// client starts a client daemon with args (its TLS flags).
+func (r *tlsRig) client(name string, args ...string) *clientDaemon {
+	d := filepath.Join(r.dir, name)
+	os.MkdirAll(d, 0o755)
+	return startClient(r.t, d, args...)
+}
+
+// tls are the TLS flags of a client of the rig's authority.
+func (r *tlsRig) tls(name string) []string {
+	return []string{"--tls-cert", filepath.Join(r.pki, name+".crt"), "--tls-key", filepath.Join(r.pki, name+".key"),
+		"--tls-ca", filepath.Join(r.pki, "ca.crt")}
+}
+
+func (r *tlsRig) mapArgs(sess, dev string) []string {
+	return []string{"map", "--sessname", sess, "--path", "ip:127.0.0.1", "--device-path", dev,
+		"--dest-port", fmt.Sprint(r.port), "--access-mode", "rw"}
+}
+
+// names are the server's session name bindings, "name=identity ...".
+func (r *tlsRig) names() string {
+	var b strings.Builder
+	for _, rec := range r.srv.records("session", "names") {
+		fmt.Fprintf(&b, "%s=%s ", rec["sessname"], rec["identity"])
+	}
+	return strings.TrimSpace(b.String())
+}
+
+// sessionGone waits until the server has no session sess.
+func (r *tlsRig) sessionGone(sess string) {
+	r.t.Helper()
+	waitForCond(r.t, 10*time.Second, "session "+sess+" to go from the server", func() bool {
+		for _, rec := range r.srv.records("session", "list") {
+			if rec["sessname"] == sess {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// TestTLSRefusalsCounted: rnbd_server_refused_connections_total counts,
+// as reason="EACCES", what a TLS server refuses: a client without TLS, a
+// client certificate of another authority (the client trusts the
+// server's), and a path whose identity asks for a session name bound to
+// another identity (refused at INFO_REQ). Each refusal is scraped after
+// it was provoked.
+func TestTLSRefusalsCounted(t *testing.T) {
+	r := newTLSRig(t, "client-a", "client-b")
+	r.srv.ok("map", "vol", r.vol)
+	r.srv.ok("session", "bind", "owned", "client-a")
+	refused := func() float64 {
+		return fetchMetrics(t, r.metrics).sum("rnbd_server_refused_connections_total", `reason="EACCES"`)
+	}
+	for _, c := range []struct {
+		what, sess, says string
+		args             []string
+	}{
+		{"a client without TLS", "s-plain", "requires TLS: give the client a certificate", []string{"--tls-cert="}},
+		{"a certificate of another authority", "s-stranger", "refused the client's certificate",
+			[]string{"--tls-cert", filepath.Join(r.other, "stranger.crt"), "--tls-key", filepath.Join(r.other, "stranger.key"),
+				"--tls-ca", filepath.Join(r.pki, "ca.crt")}},
+		{"an identity asking for a name bound to another", "owned", "bound to another client's identity", r.tls("client-b")},
+	} {
+		before := refused()
+		cl := r.client(c.sess, c.args...)
+		if _, errOut, code := cl.ctl(r.mapArgs(c.sess, "vol")...); code == 0 || !strings.Contains(errOut, c.says) {
+			t.Fatalf("map by %s: exit %d %q, want it refused saying %q", c.what, code, errOut, c.says)
+		}
+		waitForCond(t, 10*time.Second, "the refusal of "+c.what+" counted", func() bool { return refused() >= before+1 })
+		cl.stop()
+	}
+	if sess := r.srv.records("session", "list"); len(sess) != 0 {
+		t.Fatalf("server sessions after the refusals: %v", sess)
+	}
+	// The name's owner is not refused.
+	before := refused()
+	a := r.client("a", r.tls("client-a")...)
+	a.ok(r.mapArgs("owned", "vol")...)
+	m := fetchMetrics(t, r.metrics)
+	lintMetrics(t, "rnbd-server (after refusals)", m)
+	if got := m.sum("rnbd_server_refused_connections_total", `reason="EACCES"`); got != before {
+		t.Errorf("refused_connections_total{reason=\"EACCES\"} %v after the owner's map, %v before", got, before)
+	}
+}

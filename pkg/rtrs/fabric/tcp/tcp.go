@@ -121,8 +121,8 @@ const (
 // Fabric is the TCP fabric. It is safe for concurrent use.
 type Fabric struct {
 	opts Options
-	// srvTLS is opts.TLS for the listening side: with the check that a
-	// client's certificate names an identity.
+	// srvTLS is opts.TLS for the listening side: with the checks that a
+	// client presents a certificate and that it names an identity.
 	srvTLS *tls.Config
 	dev    *device
 	rl     log.Limiter
@@ -169,18 +169,26 @@ func New(opts Options) *Fabric {
 		c.SessionTicketsDisabled = true
 		opts.TLS = c
 	}
-	f := &Fabric{opts: opts, srvTLS: opts.TLS}
-	if c := opts.TLS; c != nil && !opts.AllowAnonymousClients {
+	f := &Fabric{opts: opts}
+	if c := opts.TLS; c != nil {
 		f.srvTLS = c.Clone()
+		// A certificate given is verified as RequireAndVerifyClientCert
+		// does; none is refused below, with an error of ours, so that
+		// the listener can tell the refusal from a peer that went away
+		// (crypto/tls says "didn't provide a certificate" in words only).
+		f.srvTLS.ClientAuth = tls.VerifyClientCertIfGiven
 		verify := c.VerifyConnection
 		f.srvTLS.VerifyConnection = func(cs tls.ConnectionState) error {
+			if len(cs.PeerCertificates) == 0 {
+				return errNoClientCert
+			}
 			if verify != nil {
 				if err := verify(cs); err != nil {
 					return err
 				}
 			}
-			// Verified by now (RequireAndVerifyClientCert).
-			if len(cs.PeerCertificates) > 0 && len(CertNames(cs.PeerCertificates[0])) == 0 {
+			// Verified by now.
+			if !opts.AllowAnonymousClients && len(CertNames(cs.PeerCertificates[0])) == 0 {
 				return noIdentityError{cs.PeerCertificates[0]}
 			}
 			return nil
@@ -197,8 +205,12 @@ var (
 
 // Refused counts the connections the fabric's listeners refused before
 // a connection request reached Accept, by the errno the peer was
-// answered with: EACCES for a client certificate that names no identity
-// (Options.AllowAnonymousClients).
+// answered with: EACCES for a client without TLS at a listener with it
+// (or with TLS at one without), and for a client certificate that is
+// missing, does not verify (another authority, expired) or names no
+// identity (Options.AllowAnonymousClients). A handshake the client broke
+// off (it did not trust the server's certificate), or that ended because
+// the peer went away or was too slow, is no refusal: it is logged only.
 func (f *Fabric) Refused() map[syscall.Errno]uint64 {
 	m := map[syscall.Errno]uint64{}
 	for i := range f.refused {
@@ -214,6 +226,18 @@ type noIdentityError struct{ cert *x509.Certificate }
 
 func (e noIdentityError) Error() string {
 	return "client certificate names no identity (no CN, no SAN)"
+}
+
+// errNoClientCert refuses a TLS client that presents no certificate.
+var errNoClientCert = errors.New("client presented no certificate")
+
+// refusedHandshake says whether a TLS handshake failed by the server's
+// own verdict on the client's certificate, rather than the client's or
+// the network's.
+func refusedHandshake(err error) bool {
+	var cv *tls.CertificateVerificationError
+	_, ni := errors.AsType[noIdentityError](err)
+	return ni || errors.Is(err, errNoClientCert) || errors.As(err, &cv)
 }
 
 func (f *Fabric) Name() string { return f.opts.Name }
@@ -541,6 +565,9 @@ func (l *listener) handshake(raw net.Conn, peer netip.Prefix) {
 		if !tlsFirst {
 			typ, why = hsNeedTLS, "no TLS from a client, but the server requires it"
 		}
+		// Counted where the server counts its refusals: the client
+		// sees EACCES either way.
+		l.fab.refused[syscall.EACCES].Add(1)
 		l.fab.rl.Log(l.fab.opts.Log.WithField("client", raw.RemoteAddr().String()), log.WarnLevel, "rejecting connection: "+why)
 		writeHandshake(raw, typ, nil)
 		raw.Close()
@@ -550,11 +577,13 @@ func (l *listener) handshake(raw net.Conn, peer netip.Prefix) {
 	if cfg := l.fab.opts.TLS; cfg != nil {
 		tc := tls.Server(nc, l.fab.srvTLS)
 		if err := tc.Handshake(); err != nil {
-			if ni, ok := errors.AsType[noIdentityError](err); ok {
-				// Answered as a certificate that does not verify
-				// (an alert: EACCES at the client), and counted
-				// where the server counts its refusals.
+			if refusedHandshake(err) {
+				// Answered with an alert (EACCES at the client),
+				// and counted where the server counts its
+				// refusals.
 				l.fab.refused[syscall.EACCES].Add(1)
+			}
+			if ni, ok := errors.AsType[noIdentityError](err); ok {
 				l.fab.rl.Log(l.fab.opts.Log.WithFields(log.Fields{"client": nc.RemoteAddr().String(),
 					"subject": ni.cert.Subject.String(), "issuer": ni.cert.Issuer.String(), "serial": ni.cert.SerialNumber.String()}),
 					log.WarnLevel, "rejecting connection: "+ni.Error())

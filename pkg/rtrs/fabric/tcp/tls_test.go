@@ -123,7 +123,8 @@ func TestTLSAuthentication(t *testing.T) {
 		}
 	}
 	// A TLS client of a server without TLS fails too.
-	plain, err := New(Options{Log: logs}).Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	plainFab := New(Options{Log: logs})
+	plain, err := plainFab.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,6 +157,22 @@ func TestTLSAuthentication(t *testing.T) {
 		ll := l.(*listener)
 		waitShaken(t, ll)
 	}
+	// The server refused three of them (no TLS, no certificate, one of
+	// another authority) and the plain server the TLS client: each is
+	// counted where the server counts its refusals. The clients that
+	// did not trust the server hung up themselves: no refusal.
+	if got, want := srv.Refused(), map[syscall.Errno]uint64{syscall.EACCES: 3}; !maps.Equal(got, want) {
+		t.Errorf("the TLS server's Refused %v, want %v", got, want)
+	}
+	if got, want := plainFab.Refused(), map[syscall.Errno]uint64{syscall.EACCES: 1}; !maps.Equal(got, want) {
+		t.Errorf("the plain server's Refused %v, want %v", got, want)
+	}
+	for _, e := range entries() {
+		if e.Message == "rejecting connection: TLS handshake failed" && strings.Contains(fmt.Sprint(e.Data["error"]), "no certificate") {
+			return
+		}
+	}
+	t.Error("the client without a certificate was not logged as such")
 }
 
 // waitShaken waits until l counts no handshake in progress.
