@@ -117,7 +117,7 @@ func newDaemon() *cobra.Command {
 	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound; default a quarter of RAM, at most 8 GiB)")
 	f.Var(&clientMem, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own; default a quarter of max-chunk-memory, at least 8 paths' worth)")
 	f.StringVar(&over.MetricsListen, "metrics-listen", d.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
-	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity that first takes it, kept in the state file; others are refused it")
+	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity whose session first opens a device with it, kept in the state file; others are refused it")
 	f.Float64Var(&over.NewPathRate, "new-path-rate", d.NewPathRate, "new paths one client (one address, and one identity with TLS) may make a second after a burst of --new-path-burst; more are refused with EAGAIN and retried (0: no bound)")
 	f.IntVar(&over.NewPathBurst, "new-path-burst", d.NewPathBurst, "new paths one client may make at once before --new-path-rate applies")
 	f.IntVar(&over.MaxSessionsPerClient, "max-sessions-per-client", d.MaxSessionsPerClient, "sessions one client may have: one identity with TLS, else one address (0: no bound); one more is refused with EUSERS")

@@ -56,7 +56,8 @@ type Config struct {
 	NewPathRate  float64 `toml:"new_path_rate"`
 	NewPathBurst int     `toml:"new_path_burst"`
 	// BindSessionNames, with TLS, binds each session name to the
-	// identity that first takes it (rnbd.ServerConfig).
+	// identity whose session first opens a device with it
+	// (rnbd.ServerConfig).
 	BindSessionNames bool `toml:"bind_session_names"`
 	AlwaysInvalidate bool `toml:"always_invalidate"`
 	// InvalidateBy is how always_invalidate revokes a chunk's rkey on

@@ -208,13 +208,14 @@ type ServerConfig struct {
 	// MaxIOSize is the transport's largest IO (the RTRS chunk minus its
 	// header room); OPEN_RSP never announces more.
 	MaxIOSize int
-	// BindSessionNames binds a session name to the client identity that
-	// first takes it and refuses it to others (srv_names.go); only
-	// meaningful where clients are authenticated (TLS).
+	// BindSessionNames binds a session name to the client identity whose
+	// session is first admitted with it (an OPEN that succeeded) and
+	// refuses it to others (srv_names.go); only meaningful where clients
+	// are authenticated (TLS).
 	BindSessionNames bool
 	// OwnersChanged, if set, is told when a session name is bound to an
 	// identity (srv_names.go), to save SessionOwners; it is called on
-	// RTRS's naming path and must not block.
+	// the path of an OPEN and must not block.
 	OwnersChanged func()
 	// NameHeld, if set, says whether a transport session has a name,
 	// once the namings under way are done (rtrs.Server.NameHeld):
@@ -809,6 +810,13 @@ func (x *SrvSession) processOpen(op *rtrs.SrvOp) error {
 		x.mu.Unlock()
 		d.close()
 		return errorf(syscall.ENOENT, "export %s was withdrawn while %s was being opened", d.export, m.DevName)
+	}
+	// The session is admitted: its name binds to its identity now, not
+	// when it connected (srv_names.go).
+	if err := x.srv.admitName(x.name, x.rtrs.Identity()); err != nil {
+		x.mu.Unlock()
+		d.close()
+		return err
 	}
 	for {
 		x.nextID++

@@ -14,14 +14,18 @@ import (
 // %SESSNAME% directory of dev_search_path, an export's Allow list, and
 // the one session the server lets have it. With authenticated clients
 // (TLS) and ServerConfig.BindSessionNames, a name taken by an identity is
-// bound to it: from then on only that identity may take it, across
-// restarts of either end (the binding is kept with the exports). So a
-// peer that connects first after a server restart cannot lock a client
-// out of its name, nor reach its %SESSNAME% directory. A client without
-// an identity (RDMA beside TLS) binds nothing and may not take a bound
-// name. An operator frees a name (ForgetSessionName) or gives it to an
-// identity in advance (BindSessionName). Without BindSessionNames the
-// bindings are kept but not enforced, and nothing new is bound.
+// bound to it once its session was admitted — it opened a device: from
+// then on only that identity may take it, across restarts of either end
+// (the binding is kept with the exports). So a peer that connects first
+// after a server restart cannot lock a client out of its name, nor reach
+// its %SESSNAME% directory. A session refused (at connect, or every OPEN
+// it sent) binds nothing: a client that was never let in leaves no
+// claim behind; while it is connected the name is its session's anyway,
+// as any session's is. A client without an identity (RDMA beside TLS)
+// binds nothing and may not take a bound name. An operator frees a name
+// (ForgetSessionName) or gives it to an identity in advance
+// (BindSessionName). Without BindSessionNames the bindings are kept but
+// not enforced, and nothing new is bound.
 
 // MaxNamesPerIdentity bounds the names one identity binds: past it, its
 // new sessions take their names unbound, as without TLS, so that one
@@ -35,10 +39,40 @@ type SessionOwner struct {
 	Identity string `json:"identity"`
 }
 
-// ClaimSessionName implements rtrs.NameClaimer: name binds to identity
-// when it is free and identity is not empty; a name bound to another
-// identity is refused with EACCES.
+// ClaimSessionName implements rtrs.NameClaimer: a name bound to another
+// identity than identity is refused with EACCES (a client without an
+// identity may take no bound name). It binds nothing: admitName does,
+// when the session opens a device.
 func (s *Server) ClaimSessionName(name, identity string) error {
+	if !s.cfg.BindSessionNames {
+		return nil
+	}
+	s.ownMu.Lock()
+	owner, bound := s.owners[name]
+	s.ownMu.Unlock()
+	if bound && owner != identity {
+		return s.refuseName(name, identity, owner)
+	}
+	return nil
+}
+
+// refuseName is the refusal of name, bound to owner, to identity.
+func (s *Server) refuseName(name, identity, owner string) error {
+	who := identity
+	if who == "" {
+		who = "a client without a certificate"
+	}
+	s.rl.Log(s.log.WithFields(log.Fields{"session": name, "peer": who, "owner": owner}), log.WarnLevel,
+		"session name refused: it belongs to another identity")
+	return fmt.Errorf("session name %q belongs to identity %q, not %s: %w", name, owner, who, syscall.EACCES)
+}
+
+// admitName binds name to identity when its session was admitted: an
+// OPEN of it succeeded. A name that is free binds (unless identity is
+// empty, or has bound MaxNamesPerIdentity names); one bound to another
+// identity meanwhile (the operator's BindSessionName, which disconnects
+// the session too) is refused with EACCES, and the OPEN with it.
+func (s *Server) admitName(name, identity string) error {
 	if !s.cfg.BindSessionNames {
 		return nil
 	}
@@ -51,13 +85,7 @@ func (s *Server) ClaimSessionName(name, identity string) error {
 	s.ownMu.Unlock()
 	switch {
 	case bound && owner != identity:
-		who := identity
-		if who == "" {
-			who = "a client without a certificate"
-		}
-		s.rl.Log(s.log.WithFields(log.Fields{"session": name, "peer": who, "owner": owner}), log.WarnLevel,
-			"session name refused: it belongs to another identity")
-		return fmt.Errorf("session name %q belongs to identity %q, not %s: %w", name, owner, who, syscall.EACCES)
+		return s.refuseName(name, identity, owner)
 	case bind:
 		s.log.WithFields(log.Fields{"session": name, "identity": identity}).Info("session name bound to its identity")
 		s.ownersChanged()

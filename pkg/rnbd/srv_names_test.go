@@ -1,15 +1,28 @@
 package rnbd
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"syscall"
 	"testing"
+
+	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
-// TestSessionNameBinding: a name binds to the first identity that takes
-// it and is refused (EACCES) to any other, and to a client without an
-// identity; a client without one binds nothing; bindings restore and
+// take is a session of identity connecting with name (the claim) and
+// being admitted (an OPEN that succeeded), as the server sees it.
+func take(s *Server, name, identity string) error {
+	if err := s.ClaimSessionName(name, identity); err != nil {
+		return err
+	}
+	return s.admitName(name, identity)
+}
+
+// TestSessionNameBinding: a name binds to the first identity admitted
+// with it and is refused (EACCES) to any other, and to a client without
+// an identity; a client without one binds nothing; bindings restore and
 // can be forgotten.
 func TestSessionNameBinding(t *testing.T) {
 	changed := 0
@@ -27,8 +40,8 @@ func TestSessionNameBinding(t *testing.T) {
 		{"plain", "client-b", nil}, // free until an identity takes it
 		{"plain", "", syscall.EACCES},
 	} {
-		if err := s.ClaimSessionName(c.name, c.id); !errors.Is(err, c.want) || (c.want == nil) != (err == nil) {
-			t.Errorf("claim %q by %q: %v, want %v", c.name, c.id, err, c.want)
+		if err := take(s, c.name, c.id); !errors.Is(err, c.want) || (c.want == nil) != (err == nil) {
+			t.Errorf("take %q by %q: %v, want %v", c.name, c.id, err, c.want)
 		}
 	}
 	if changed != 2 {
@@ -50,11 +63,11 @@ func TestSessionNameBinding(t *testing.T) {
 	if _, err := s2.ForgetSessionName("a"); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("forget twice: %v, want ENOENT", err)
 	}
-	if err := s2.ClaimSessionName("a", "client-b"); err != nil {
+	if err := take(s2, "a", "client-b"); err != nil {
 		t.Fatalf("a freed name: %v", err)
 	}
 	if got := s2.SessionOwners(); len(got) != 2 || got[0] != (SessionOwner{"a", "client-b"}) {
-		t.Fatalf("owners after forget and claim %v", got)
+		t.Fatalf("owners after forget and take %v", got)
 	}
 	// The operator gives a name to an identity, in advance or instead
 	// of another.
@@ -66,6 +79,41 @@ func TestSessionNameBinding(t *testing.T) {
 	}
 	if _, err := s2.BindSessionName("b", ""); !errors.Is(err, syscall.EINVAL) {
 		t.Fatalf("bind to no identity: %v", err)
+	}
+}
+
+// TestSessionNameBoundOnAdmission: a claim — a session connecting with
+// the name — binds nothing; the name binds when its session is admitted
+// (admitName, at its first OPEN that succeeds). A name the operator gave
+// to another identity between the claim and the admission is refused
+// then (EACCES).
+func TestSessionNameBoundOnAdmission(t *testing.T) {
+	changed := 0
+	s := NewServer(ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
+	defer s.Close()
+	if err := s.ClaimSessionName("intr", "intruder"); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.SessionOwners(); len(got) != 0 || changed != 0 {
+		t.Fatalf("a claim bound %v (OwnersChanged %d), want nothing until admitted", got, changed)
+	}
+	if err := s.ClaimSessionName("intr", "client-a"); err != nil {
+		t.Fatalf("a name claimed, never admitted, is free: %v", err)
+	}
+	if err := s.admitName("intr", "client-a"); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.SessionOwners(); len(got) != 1 || got[0] != (SessionOwner{"intr", "client-a"}) || changed != 1 {
+		t.Fatalf("owners after admission %v (OwnersChanged %d)", got, changed)
+	}
+	if err := s.ClaimSessionName("late", "client-b"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.BindSessionName("late", "client-c"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.admitName("late", "client-b"); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("admission of a name given to another meanwhile: %v, want EACCES", err)
 	}
 }
 
@@ -81,7 +129,7 @@ func TestSessionNameBindingOff(t *testing.T) {
 			t.Fatalf("claim by %q with bindings off: %v", id, err)
 		}
 	}
-	if err := s.ClaimSessionName("new", "client-b"); err != nil {
+	if err := take(s, "new", "client-b"); err != nil {
 		t.Fatal(err)
 	}
 	if got := s.SessionOwners(); len(got) != 1 || got[0] != (SessionOwner{"a", "client-a"}) {
@@ -95,14 +143,14 @@ func TestSessionNamesPerIdentity(t *testing.T) {
 	s := NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1})
 	defer s.Close()
 	for i := 0; i < MaxNamesPerIdentity+10; i++ {
-		if err := s.ClaimSessionName(fmt.Sprintf("n%d", i), "greedy"); err != nil {
+		if err := take(s, fmt.Sprintf("n%d", i), "greedy"); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if got := len(s.SessionOwners()); got != MaxNamesPerIdentity {
 		t.Fatalf("%d names bound to one identity, want %d", got, MaxNamesPerIdentity)
 	}
-	if err := s.ClaimSessionName(fmt.Sprintf("n%d", MaxNamesPerIdentity+5), "other"); err != nil {
+	if err := take(s, fmt.Sprintf("n%d", MaxNamesPerIdentity+5), "other"); err != nil {
 		t.Fatalf("an unbound name past the cap: %v", err)
 	}
 }
@@ -125,7 +173,7 @@ func TestForgetWhileConnecting(t *testing.T) {
 	}
 	held = func(name string) bool {
 		// client-b took "b" right after the binding was removed.
-		if err := s.ClaimSessionName(name, "client-b"); err != nil {
+		if err := take(s, name, "client-b"); err != nil {
 			t.Errorf("claim of a freed name: %v", err)
 		}
 		return true
@@ -140,5 +188,38 @@ func TestForgetWhileConnecting(t *testing.T) {
 	want := []SessionOwner{{"a", "client-a"}, {"b", "client-b"}}
 	if got := s.SessionOwners(); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("owners %v, want %v", got, want)
+	}
+}
+
+// TestSessionNameBoundByOpen: over TLS, a session whose every OPEN is
+// refused (an identity the export grants nothing, a device the server
+// does not have) binds no name, though it connected with one and holds
+// it while connected; the first OPEN that succeeds binds the session's
+// name to its identity.
+func TestSessionNameBoundByOpen(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	changed := make(chan struct{}, 8)
+	r := newSrigOn(t, ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed <- struct{}{} }}, nil,
+		tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
+	if err := r.srv.Map(Export{Name: "vol", Path: r.file("exp/x", 1<<20), AllowIdentities: []Grant{{"alice", "rw"}}}); err != nil {
+		t.Fatal(err)
+	}
+	as := func(cn, sess string) *CltSession {
+		return r.clientOn(r.net.FabricWith(tcp.Options{TLS: ca.Config(ca.Issue(t, cn))}), sess)
+	}
+	intruder := as("intruder", "intr")
+	if _, err := intruder.open(context.Background(), "vol", AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("an identity the export grants nothing: %v, want EACCES", err)
+	}
+	alice := as("alice", "s1")
+	if _, err := alice.open(context.Background(), "nosuch", AccessRW); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("a device the server does not have: %v, want ENOENT", err)
+	}
+	if got := r.srv.SessionOwners(); len(got) != 0 || len(changed) != 0 {
+		t.Fatalf("owners after refused OPENs: %v (OwnersChanged %d times), want none", got, len(changed))
+	}
+	r.dev(alice, "vol", AccessRW)
+	if got := r.srv.SessionOwners(); len(got) != 1 || got[0] != (SessionOwner{"s1", "alice"}) || len(changed) != 1 {
+		t.Fatalf("owners after an OPEN that succeeded: %v (OwnersChanged %d times)", got, len(changed))
 	}
 }

@@ -109,7 +109,11 @@ func TestTLSEndToEnd(t *testing.T) {
 		}
 		return true
 	})
-	srv.ok("session", "forget", "sc") // the name it bound by connecting
+	// It was refused: its session name is bound to nothing
+	// (TestTLSSessionNamesBoundOnAdmission).
+	if _, errOut, code := srv.ctl("session", "forget", "sc"); code != 3 || !strings.Contains(errOut, "not bound") {
+		t.Fatalf("forget of the refused client's session name: exit %d %q, want 3: never bound", code, errOut)
+	}
 
 	// No TLS, or another authority: no session, and the server says why.
 	for _, c := range []struct {
@@ -396,5 +400,53 @@ func TestTLSRefusalsCounted(t *testing.T) {
 	lintMetrics(t, "rnbd-server (after refusals)", m)
 	if got := m.sum("rnbd_server_refused_connections_total", `reason="EACCES"`); got != before {
 		t.Errorf("refused_connections_total{reason=\"EACCES\"} %v after the owner's map, %v before", got, before)
+	}
+}
+
+// TestTLSSessionNamesBoundOnAdmission: a session name is bound to an
+// identity only once its session was admitted — it opened a device. An
+// identity the export grants nothing, refused at OPEN, and a map of a
+// device the server does not have, leave no binding, in session names
+// or the state file; a map that succeeds binds, and the binding is kept
+// across a restart.
+func TestTLSSessionNamesBoundOnAdmission(t *testing.T) {
+	r := newTLSRig(t, "client-a", "client-c")
+	r.srv.ok("map", "vol", r.vol, "--allow-identity", "client-a")
+	state := func() string {
+		b, _ := os.ReadFile(filepath.Join(r.srvDir, "state.json"))
+		return string(b)
+	}
+
+	c := r.client("c", r.tls("client-c")...)
+	if _, errOut, code := c.ctl(r.mapArgs("intr", "vol")...); code != 7 || !strings.Contains(errOut, "permission denied") {
+		t.Fatalf("map by an identity the export grants nothing: exit %d %q", code, errOut)
+	}
+	a := r.client("a", r.tls("client-a")...)
+	if _, errOut, code := a.ctl(r.mapArgs("s-miss", "nosuch")...); code != 3 {
+		t.Fatalf("map of a device the server does not have: exit %d %q, want 3 (not found)", code, errOut)
+	}
+	r.sessionGone("intr")
+	r.sessionGone("s-miss")
+	if got := r.names(); got != "" {
+		t.Fatalf("session names after a refused client and a failed map: %q, want none", got)
+	}
+	if s := state(); strings.Contains(s, "intr") || strings.Contains(s, "s-miss") {
+		t.Fatalf("state file after a refused client and a failed map:\n%s", s)
+	}
+
+	a.ok(r.mapArgs("sa", "vol")...)
+	waitForCond(t, 10*time.Second, "the admitted session's name saved", func() bool { return strings.Contains(state(), `"sa"`) })
+	if got := r.names(); got != "sa=client-a" {
+		t.Fatalf("session names after a map that succeeded: %q, want sa=client-a", got)
+	}
+	a.ok("unmap", "rnbd0")
+	r.srv.stop()
+	r.startServer()
+	if got := r.names(); got != "sa=client-a" {
+		t.Fatalf("session names after a restart: %q", got)
+	}
+	// client-c may not take it now.
+	if _, errOut, code := c.ctl(r.mapArgs("sa", "vol")...); code == 0 || !strings.Contains(errOut, "bound to another client's identity") {
+		t.Fatalf("client-c's map through client-a's name: exit %d %q", code, errOut)
 	}
 }
