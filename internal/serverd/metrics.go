@@ -27,7 +27,8 @@ var srvDescs = struct {
 	pathInflight: prometheus.NewDesc("rnbd_server_path_inflight_requests",
 		"Requests of the path handed to RNBD and not answered yet.", []string{"session", "path"}, nil),
 	pathUp: prometheus.NewDesc("rnbd_server_path_up",
-		"1 if the path is connected.", []string{"session", "path"}, nil),
+		"1 if the path is connected; 0 also for a path of the session that went while the session stayed, "+
+			"until it connects again or the session ends.", []string{"session", "path"}, nil),
 	pathLat: prometheus.NewDesc("rnbd_server_path_request_duration_seconds",
 		"Time from a request's arrival on the path to its answer being posted: the backend's work and the wait for it "+
 			"(log2 buckets, as the client's), by direction.", []string{"session", "path", "direction"}, nil),
@@ -115,6 +116,15 @@ func (c srvCollector) Collect(ch chan<- prometheus.Metric) {
 				counts, sum := p.Stats().Latency(dir)
 				buckets, n := metrics.Log2Buckets(counts)
 				e.Histogram(x.pathLat, n, sum.Seconds(), buckets, sess, name, dir.String())
+			}
+		}
+		// A path that went while the session stayed is down, not
+		// gone: a degraded session shows it, until the path connects
+		// again or the session ends.
+		for _, l := range s.LostPaths() {
+			if !seen[l.Name] {
+				seen[l.Name] = true
+				gauge(x.pathUp, 0, sess, l.Name)
 			}
 		}
 	}

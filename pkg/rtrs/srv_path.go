@@ -321,12 +321,13 @@ func (p *SrvPath) closeWork() {
 		}
 	}
 	p.inflight.Wait()
+	lost := p.established
 	if p.established {
 		p.established = false
 		x.pathDown()
 	}
 	p.freeResources()
-	x.removePath(p)
+	x.removePath(p, lost)
 	p.changeState(SrvPathClosed)
 	close(p.closed)
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -70,6 +71,7 @@ type SrvSession struct {
 	mu      sync.Mutex
 	name    string
 	paths   []*SrvPath
+	lost    []LostPath // LostPaths
 	pathsUp int
 	refs    int // under srv.mu: one per path
 	// acceptCond (on mu) wakes a closing path waiting for connections
@@ -212,7 +214,11 @@ func rateKeys(addr netip.Addr, identity string) []string {
 	return keys
 }
 
-func (x *SrvSession) removePath(p *SrvPath) {
+// removePath takes p out of the session; lost says it had connected,
+// and it is remembered among LostPaths unless another connected path of
+// the session has its name.
+func (x *SrvSession) removePath(p *SrvPath, lost bool) {
+	name := p.Name()
 	x.mu.Lock()
 	for i, q := range x.paths {
 		if q == p {
@@ -220,8 +226,44 @@ func (x *SrvSession) removePath(p *SrvPath) {
 			break
 		}
 	}
+	for _, q := range x.paths {
+		if q.Name() == name && q.State() == SrvPathConnected {
+			lost = false // replaced already
+		}
+	}
+	if lost {
+		x.forgetLostLocked(name)
+		if len(x.lost) >= MaxPathsNum {
+			x.lost = x.lost[1:] // the oldest goes
+		}
+		x.lost = append(x.lost, LostPath{Name: name, Since: time.Now()})
+	}
 	x.mu.Unlock()
 	x.srv.putSession(x)
+}
+
+// LostPath is a path of the session that had connected and is gone,
+// while the session stays (it has other paths): the server's view of a
+// degraded session.
+type LostPath struct {
+	Name  string    // "client@server", as SrvPath.Name
+	Since time.Time // when it went
+}
+
+// LostPaths are the session's paths that connected and went while the
+// session stayed, oldest first: each until a path of its name connects
+// again or the session ends (its last path goes). The server cannot tell
+// a path its client removed on purpose from one that was lost: both
+// stay until then. At most MaxPathsNum are kept.
+func (x *SrvSession) LostPaths() []LostPath {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return append([]LostPath(nil), x.lost...)
+}
+
+// forgetLostLocked drops name from the lost paths. x.mu is held.
+func (x *SrvSession) forgetLostLocked(name string) {
+	x.lost = slices.DeleteFunc(x.lost, func(l LostPath) bool { return l.Name == name })
 }
 
 // pathUp counts an established path and reports CONNECTED for the first
@@ -232,6 +274,7 @@ func (x *SrvSession) pathUp(p *SrvPath) error {
 	x.mu.Lock()
 	x.pathsUp++
 	first := x.pathsUp == 1
+	x.forgetLostLocked(p.Name()) // back, or replaced
 	x.mu.Unlock()
 	if first {
 		if err := x.srv.cfg.Handler.LinkEvent(x, SrvLinkConnected); err != nil {

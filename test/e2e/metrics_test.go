@@ -250,3 +250,83 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 }
+
+// series are the samples of a metric whose labels contain every one of
+// match, by their labels.
+func (s scrape) series(name string, match ...string) map[string]float64 {
+	out := map[string]float64{}
+	for k, v := range s.samples {
+		rest, ok := strings.CutPrefix(k, name)
+		if !ok || (rest != "" && rest[0] != '{') {
+			continue
+		}
+		all := true
+		for _, m := range match {
+			all = all && strings.Contains(rest, m)
+		}
+		if all {
+			out[rest] = v
+		}
+	}
+	return out
+}
+
+// TestServerLostPathMetrics: a session of two paths loses one (its
+// client disconnects it). The server's scrape keeps the path that went:
+// rnbd_server_path_up 0 for it beside 1 for the other, for as long as
+// the session stays degraded; when the path connects again it is 1
+// again; when the session ends, its series go.
+func TestServerLostPathMetrics(t *testing.T) {
+	dir := t.TempDir()
+	port := freePort(t)
+	maddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	srv := startServer(t, dir, port, "--metrics-listen", maddr)
+	c := srv.client("deg", 2) // paths from 127.0.0.2 and 127.0.0.3
+	first, second := `path="ip:127.0.0.2@ip:127.0.0.1"`, `path="ip:127.0.0.3@ip:127.0.0.1"`
+	up := func() (map[string]float64, scrape) {
+		m := fetchMetrics(t, maddr)
+		return m.series("rnbd_server_path_up", `session="deg"`), m
+	}
+	is := func(ups map[string]float64, path string, want float64) bool {
+		for labels, v := range ups {
+			if strings.Contains(labels, path) {
+				return v == want
+			}
+		}
+		return false
+	}
+	if ups, _ := up(); len(ups) != 2 || !is(ups, first, 1) || !is(ups, second, 1) {
+		t.Fatalf("rnbd_server_path_up of a session of two paths: %v", ups)
+	}
+	lose := c.Session().Paths()[1]
+	if err := lose.Disconnect(); err != nil {
+		t.Fatal(err)
+	}
+	waitForCond(t, 10*time.Second, "the server to see the path go", func() bool {
+		return fetchMetrics(t, maddr).sum("rnbd_server_session_paths", `session="deg"`) == 1
+	})
+	// Scraped again: the lost path stays at 0 while the session is
+	// degraded, not only in the moment it goes.
+	for range 2 {
+		ups, m := up()
+		if len(ups) != 2 || !is(ups, first, 1) || !is(ups, second, 0) {
+			t.Fatalf("rnbd_server_path_up of a degraded session: %v, want the lost path at 0 beside the other at 1", ups)
+		}
+		lintMetrics(t, "rnbd-server (a degraded session)", m)
+		time.Sleep(100 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := lose.Reconnect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitForCond(t, 10*time.Second, "the path back at 1", func() bool {
+		ups, _ := up()
+		return len(ups) == 2 && is(ups, first, 1) && is(ups, second, 1)
+	})
+	c.Close()
+	waitForCond(t, 10*time.Second, "the ended session's series to go", func() bool {
+		ups, _ := up()
+		return len(ups) == 0
+	})
+}
