@@ -27,7 +27,8 @@ var (
 		pathInflight: prometheus.NewDesc("rnbd_client_path_inflight_requests",
 			"Requests on the path waiting for their answers.", pathLabels, nil),
 		pathFailovers: prometheus.NewDesc("rnbd_client_path_failovers_total",
-			"Requests of the path that failed over to another path (stats/rdma failover_cnt).", pathLabels, nil),
+			"Requests of the path that failed over to another path when it failed, counted on the path that failed "+
+				"(stats/rdma failover_cnt counts them, as the kernel does, on the path that took them).", pathLabels, nil),
 		pathReconnects: prometheus.NewDesc("rnbd_client_path_reconnects_total",
 			"Reconnects of the path (stats/reconnects), by result.", append(pathLabels, "result"), nil),
 		pathUp: prometheus.NewDesc("rnbd_client_path_up",
@@ -93,7 +94,7 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(x.pathBytes, float64(cn.ReadBytes), sess, name, "read")
 			counter(x.pathBytes, float64(cn.WriteBytes), sess, name, "write")
 			gauge(x.pathInflight, float64(cn.Inflight), sess, name)
-			counter(x.pathFailovers, float64(cn.FailoverCount), sess, name)
+			counter(x.pathFailovers, float64(cn.FailedOverCount), sess, name)
 			counter(x.pathReconnects, float64(max(cn.ReconnectsSuccessful, 0)), sess, name, "success")
 			counter(x.pathReconnects, float64(max(cn.ReconnectsFailed, 0)), sess, name, "failure")
 			connected := 0.0

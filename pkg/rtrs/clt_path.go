@@ -950,7 +950,7 @@ func (p *CltPath) stopAndDestroyConns() {
 		p.lg().WithField("requests", len(failed)).Info("failing over requests in flight")
 	}
 	for _, pm := range failed {
-		p.sess.failover(pm)
+		p.sess.failover(p, pm)
 	}
 	p.destroyRes(res)
 }

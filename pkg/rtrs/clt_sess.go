@@ -823,9 +823,11 @@ func (s *CltSession) submit(p *Permit, pl *Plug) (*CltPath, error) {
 	return nil, ErrNoPath
 }
 
-// failover re-issues a request whose path failed on another connected
-// path (rtrs_clt_failover_req); without one it fails with ErrNoPath.
-func (s *CltSession) failover(p *Permit) {
+// failover re-issues a request whose path, from, failed on another
+// connected path (rtrs_clt_failover_req); without one it fails with
+// ErrNoPath. It is counted on both: the path that took it (failover_cnt,
+// as the kernel counts) and the one it left (FailedOverCount).
+func (s *CltSession) failover(from *CltPath, p *Permit) {
 	if s.closed.Load() {
 		p.req.conf.Confirm(ErrClosed)
 		return
@@ -833,6 +835,7 @@ func (s *CltSession) failover(p *Permit) {
 	path, err := s.submit(p, nil)
 	if err == nil {
 		path.stats.failoverCnt.Add(1)
+		from.stats.failedOver.Add(1)
 		return
 	}
 	p.req.conf.Confirm(err)

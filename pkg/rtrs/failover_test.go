@@ -107,8 +107,12 @@ func TestFailoverInFlightMem(t *testing.T) {
 	})
 	release()
 	noErrors(t, wait())
-	if c := paths[1].Stats().Counters(); c.Inflight != 0 || c.FailoverCount != uint64(onA) {
-		t.Fatalf("surviving path: %+v, want failover_cnt %d", c, onA)
+	if c := paths[1].Stats().Counters(); c.Inflight != 0 || c.FailoverCount != uint64(onA) || c.FailedOverCount != 0 {
+		t.Fatalf("surviving path: %+v, want failover_cnt %d (the kernel counts on the path that took them), none failed over from it", c, onA)
+	}
+	// The cut path's own count: its requests that went elsewhere.
+	if c := paths[0].Stats().Counters(); c.FailedOverCount != uint64(onA) || c.FailoverCount != 0 {
+		t.Fatalf("cut path: %+v, want %d failed over from it, none to it", c, onA)
 	}
 	waitFor(t, 10*time.Second, "the cut path to reconnect", func() bool {
 		return paths[0].State() == PathConnected

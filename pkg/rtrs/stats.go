@@ -80,7 +80,12 @@ type PathStats struct {
 	rdCnt, rdBytes atomic.Uint64
 	wrCnt, wrBytes atomic.Uint64
 	inflight       atomic.Int64
-	failoverCnt    atomic.Uint64
+	// failoverCnt counts the requests failed over to this path from a
+	// failed one, as the kernel's failover_cnt does (it counts on the
+	// path that took them); failedOver counts this path's requests that
+	// went to another when it failed.
+	failoverCnt atomic.Uint64
+	failedOver  atomic.Uint64
 	// reconnSucc starts at -1: the first connection makes it 0, as
 	// rtrs_clt_init_stats arranges.
 	reconnSucc atomic.Int64
@@ -123,7 +128,7 @@ func (s *PathStats) Counters() StatsCounters {
 	return StatsCounters{
 		ReadCount: s.rdCnt.Load(), ReadBytes: s.rdBytes.Load(),
 		WriteCount: s.wrCnt.Load(), WriteBytes: s.wrBytes.Load(),
-		Inflight: s.inflight.Load(), FailoverCount: s.failoverCnt.Load(),
+		Inflight: s.inflight.Load(), FailoverCount: s.failoverCnt.Load(), FailedOverCount: s.failedOver.Load(),
 		ReconnectsSuccessful: s.reconnSucc.Load(), ReconnectsFailed: s.reconnFail.Load(),
 	}
 }
@@ -133,9 +138,14 @@ type StatsCounters struct {
 	ReadCount, ReadBytes   uint64
 	WriteCount, WriteBytes uint64
 	Inflight               int64
-	FailoverCount          uint64
-	ReconnectsSuccessful   int64
-	ReconnectsFailed       int64
+	// FailoverCount is stats/rdma's failover_cnt: requests of a failed
+	// path that this one took over (the kernel counts them here).
+	FailoverCount uint64
+	// FailedOverCount is this path's requests that failed over to
+	// another path when it failed (rnbd_client_path_failovers_total).
+	FailedOverCount      uint64
+	ReconnectsSuccessful int64
+	ReconnectsFailed     int64
 }
 
 // LatencyHist is stats/rdma_lat, the seed documentation's log2 histogram,
@@ -159,6 +169,7 @@ func (s *PathStats) ResetRDMA() {
 	s.wrCnt.Store(0)
 	s.wrBytes.Store(0)
 	s.failoverCnt.Store(0)
+	s.failedOver.Store(0)
 }
 
 // ResetReconnects clears stats/reconnects.

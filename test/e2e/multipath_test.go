@@ -295,9 +295,7 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 	// every write fio made.
 	m := r.clientMetrics(t)
 	lintMetrics(t, "rnbd-client (after a silent path loss)", m)
-	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`); f < 1 {
-		t.Errorf("rnbd_client_path_failovers_total %v after the silent loss, want some", f)
-	}
+	r.failedOverFromPath1(t, m, "the silent loss")
 	if w := m.sum("rnbd_client_device_requests_total", `op="write"`); w != float64(j.Write.IOs) {
 		t.Errorf("rnbd_client_device_requests_total{op=\"write\"} %v, fio wrote %d", w, j.Write.IOs)
 	}
@@ -326,6 +324,21 @@ func endFio(t *testing.T, fio *proc) fioJob {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}
 	return j
+}
+
+// failedOverFromPath1 checks the client's failovers after path 1 failed
+// (what): rnbd_client_path_failovers_total counted the failed path's
+// requests by its labels, and none on path 2, which took them.
+func (r *twoPaths) failedOverFromPath1(t *testing.T, m scrape, what string) {
+	t.Helper()
+	lost := fmt.Sprintf(`path="ip:%s@ip:%s"`, r.addr(1, 2), r.addr(1, 1))
+	kept := fmt.Sprintf(`path="ip:%s@ip:%s"`, r.addr(2, 2), r.addr(2, 1))
+	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`, lost); f < 1 {
+		t.Errorf("rnbd_client_path_failovers_total{%s} %v after %s, want the failed path's requests", lost, f, what)
+	}
+	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`, kept); f != 0 {
+		t.Errorf("rnbd_client_path_failovers_total{%s} %v after %s, want 0: that path did not fail", kept, f, what)
+	}
 }
 
 // clientMetrics scrapes the client daemon of a newNBDTwoPaths rig.
@@ -364,9 +377,7 @@ func TestMultipathLinkDownNBD(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	if f := m.sum("rnbd_client_path_failovers_total", `session="sl"`); f < 1 {
-		t.Errorf("rnbd_client_path_failovers_total %v after the link cut, want some", f)
-	}
+	r.failedOverFromPath1(t, m, "the link cut")
 	if n := m.sum("rnbd_client_path_reconnects_total", `result="success"`); n < 1 {
 		t.Errorf("rnbd_client_path_reconnects_total{result=\"success\"} %v, want the cut path's reconnect", n)
 	}
