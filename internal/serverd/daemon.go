@@ -223,14 +223,20 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	go d.saveOwners()
 	go d.retryLoop()
 	go func() { d.served <- d.ctl.Serve() }()
-	var bound []string
+	// What is bound, not what was asked for: an rdma:// address on
+	// every interface of a machine without RDMA is not listened on,
+	// and the warning below names the same addresses as this line.
+	var bound, wild []string
 	for _, l := range d.rtrs.Listening() {
 		bound = append(bound, l.String())
+		if l.Addr.Addr().IsUnspecified() {
+			wild = append(wild, l.String())
+		}
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
 		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
 		"max_chunk_memory": int64(cfg.MaxChunkMemory), "go_memory_limit": goMemoryLimit(opts.GoMemoryLimit, cfg)}).Info("rnbd-server started")
-	if wild := everywhere(cfg.Listen); len(wild) > 0 {
+	if len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
 			"can open the exports that allow it; set listen to the storage network's address, and allow_from or allow_identities (with tls) on exports")
 	}
@@ -315,7 +321,7 @@ func endpoints(listen []string, opts Options) ([]rtrs.Endpoint, error) {
 }
 
 // everywhere returns the listen addresses that are not one address but
-// every interface's (0.0.0.0, ::).
+// every interface's (0.0.0.0, ::) (the example configuration has none).
 func everywhere(listen []string) []string {
 	var wild []string
 	for _, s := range listen {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -905,6 +906,61 @@ path = %q
 	d.ok("unmap", "olddir")
 	if s := state(); strings.Contains(s, "olddir") || !strings.Contains(s, "oldvol") {
 		t.Fatalf("state file after unmapping the export of a directory:\n%s", s)
+	}
+}
+
+// logField is the value of key="..." in the first line of out that has
+// msg="msg" (the daemons' text log), and whether there is such a line.
+func logField(out, msg, key string) (string, bool) {
+	for _, l := range strings.Split(out, "\n") {
+		if !strings.Contains(l, `msg="`+msg) && !strings.Contains(l, "msg="+msg+" ") {
+			continue
+		}
+		_, v, ok := strings.Cut(l, " "+key+"=")
+		if !ok {
+			return "", true
+		}
+		if q, err := strconv.QuotedPrefix(v); err == nil {
+			v, _ = strconv.Unquote(q)
+			return v, true
+		}
+		v, _, _ = strings.Cut(v, " ")
+		return v, true
+	}
+	return "", false
+}
+
+// TestListenEverywhereSaysWhatItBinds: a server told to listen on every
+// interface (0.0.0.0, [::], and rdma://0.0.0.0 on a machine without
+// RDMA) names the same addresses in its start-up line and in its
+// warning: what it bound — 0.0.0.0 as IPv4 only (not a dual-stack
+// [::]), [::] as itself, and no RDMA address it does not listen on. In a
+// network namespace of the test's, with loopback only.
+func TestListenEverywhereSaysWhatItBinds(t *testing.T) {
+	requireRoot(t)
+	ns := netns(t, fmt.Sprintf("rnbd-wild-%d", os.Getpid()))
+	dir := t.TempDir()
+	srv := start(t, append([]string{"ip", "netns", "exec", ns, bin("rnbd-server"), "daemon", "--config", "/dev/null",
+		"--listen", "tcp://0.0.0.0:1234", "--listen", "tcp://[::]:1235", "--listen", "rdma://0.0.0.0:1234",
+		"--control-socket", filepath.Join(dir, "s.sock"), "--state-file", filepath.Join(dir, "s.json")}, tlsFlags("srv")...)...)
+	const warning = "listening on every interface"
+	waitForCond(t, 10*time.Second, "the start-up line and the warning", func() bool {
+		_, ok := logField(srv.out.String(), warning, "listen")
+		return ok
+	})
+	srv.cmd.Process.Signal(syscall.SIGTERM)
+	if err := srv.wait(t, 20*time.Second); err != nil {
+		t.Fatalf("server exit: %v\n%s", err, srv.out.String())
+	}
+	out := srv.out.String()
+	started, _ := logField(out, "rnbd-server started", "listen")
+	warned, _ := logField(out, warning, "listen")
+	want := "tcp://0.0.0.0:1234,tcp://[::]:1235"
+	if !strings.Contains(out, "not listening: this machine cannot") {
+		want += ",rdma://0.0.0.0:1234" // a machine that does RDMA
+	}
+	if started != want || warned != started {
+		t.Fatalf("start-up line listen=%q, warning listen=%q, want both %q:\n%s", started, warned, want, out)
 	}
 }
 
