@@ -160,9 +160,12 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 				}
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
-			var out clientd.Mapping
+			var out clientd.MapResponse
 			if err := g.Call("POST", "/v1/devices", m, &out); err != nil {
 				return err
+			}
+			if out.Note != "" {
+				fmt.Fprintf(cmd.ErrOrStderr(), "%s: %s\n", out.Device, out.Note)
 			}
 			if !g.Table() {
 				// The device as device show gives it.
@@ -190,7 +193,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
 	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+clientd.SettingKeys+" (repeatable; as session set, and kept across restarts)")
-	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir")
+	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir (and map says so)")
 	return cmd
 }
 

@@ -256,9 +256,23 @@ func (d *Daemon) saveState() error {
 // Map maps a device and serves it; the mapping is saved before it
 // answers.
 func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
+	out, _, err := d.mapNoted(ctx, m)
+	return out, err
+}
+
+// MapResponse is the answer of POST /v1/devices: the mapping made and
+// Note, what the operator should know of how it is served (a socket
+// where the request implied /dev/nbdN); empty when nothing.
+type MapResponse struct {
+	Mapping
+	Note string `json:"note,omitempty"`
+}
+
+// mapNoted is Map, with the note of MapResponse, which it also logs.
+func (d *Daemon) mapNoted(ctx context.Context, m Mapping) (Mapping, string, error) {
 	spec, err := normalize(m)
 	if err != nil {
-		return m, err
+		return m, "", err
 	}
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
@@ -266,13 +280,13 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 	for _, x := range d.maps {
 		if x.SessName == spec.SessName && x.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
-			return m, ctl.Errorf(ctl.CodeExists, "%s is already mapped through session %s as %s", spec.DevicePath, spec.SessName, x.Device)
+			return m, "", ctl.Errorf(ctl.CodeExists, "%s is already mapped through session %s as %s", spec.DevicePath, spec.SessName, x.Device)
 		}
 	}
 	for _, f := range d.failed {
 		if f.SessName == spec.SessName && f.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
-			return m, ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start (%s): unmap %s, then map it again",
+			return m, "", ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start (%s): unmap %s, then map it again",
 				spec.DevicePath, spec.SessName, f.Device, f.state(), f.Device)
 		}
 	}
@@ -280,13 +294,16 @@ func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
 	d.mu.Unlock()
 	mp, err := d.mapLocked(ctx, spec, false)
 	if err != nil {
-		return spec.Mapping, err
+		return spec.Mapping, "", err
 	}
 	if err := d.saveState(); err != nil {
 		d.unmapLocked(ctx, mp.Device, true)
-		return mp.Mapping, fmt.Errorf("saving the state file: %w", err)
+		return mp.Mapping, "", fmt.Errorf("saving the state file: %w", err)
 	}
-	return mp.Mapping, nil
+	if spec.note != "" {
+		d.log.WithFields(log.Fields{"device": mp.Device, "socket": strings.TrimPrefix(mp.As, "socket:")}).Warn(spec.note)
+	}
+	return mp.Mapping, spec.note, nil
 }
 
 func (d *Daemon) nextDeviceLocked() string {

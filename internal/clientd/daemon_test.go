@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -392,6 +393,44 @@ func TestNormalize(t *testing.T) {
 	s.named("rnbd7", "/run/rnbd")
 	if s.Device != "rnbd7" || s.sock != "/run/rnbd/rnbd7.sock" || s.As != "socket:/run/rnbd/rnbd7.sock" {
 		t.Fatalf("named %+v", s)
+	}
+}
+
+// TestNormalizeFrontends: without --as a mapping is /dev/nbdN where the
+// nbd driver is loaded, else a socket — and then map says so (the note);
+// --as nbd and --as ublk without their driver are refused, suggesting
+// only what this kernel has.
+func TestNormalizeFrontends(t *testing.T) {
+	defer func(n, u func() bool) { haveNBD, haveUblk = n, u }(haveNBD, haveUblk)
+	m := Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d"}
+	as := func(a string) Mapping { c := m; c.As = a; return c }
+	for _, c := range []struct {
+		nbd, ublk bool
+		as        string
+		fe        feKind
+		note, err string // substrings; "" none
+	}{
+		{nbd: true, as: "", fe: feNBD},
+		{nbd: false, as: "", fe: feSocket, note: "this kernel has no nbd driver (modprobe nbd), so the device is served on an NBD socket, not as /dev/nbdN"},
+		{nbd: false, as: "socket", fe: feSocket},
+		{nbd: false, as: "socket:/run/x.sock", fe: feSocket},
+		{nbd: false, as: "nbd", err: "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead"},
+		{nbd: true, ublk: false, as: "ublk", err: "no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead"},
+		{nbd: false, ublk: false, as: "ublk", err: "no ublk driver (modprobe ublk_drv), nor the nbd driver for --as nbd (modprobe nbd); map with --as socket:PATH instead"},
+		{nbd: false, ublk: true, as: "ublk", fe: feUblk},
+	} {
+		haveNBD, haveUblk = func() bool { return c.nbd }, func() bool { return c.ublk }
+		s, err := normalize(as(c.as))
+		what := fmt.Sprintf("nbd %v ublk %v --as %q", c.nbd, c.ublk, c.as)
+		if c.err != "" {
+			if ctl.Classify(err) != ctl.CodeNotSupported || !strings.Contains(fmt.Sprint(err), c.err) {
+				t.Errorf("%s: %v, want not_supported saying %q", what, err, c.err)
+			}
+			continue
+		}
+		if err != nil || s.fe != c.fe || (c.note == "") != (s.note == "") || !strings.Contains(s.note, c.note) {
+			t.Errorf("%s: fe %v note %q err %v, want fe %v note %q", what, s.fe, s.note, err, c.fe, c.note)
+		}
 	}
 }
 

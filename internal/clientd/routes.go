@@ -56,7 +56,11 @@ func (d *Daemon) routes() {
 		if err := ctl.Decode(r, &m); err != nil {
 			return nil, err
 		}
-		return d.Map(r.Context(), m)
+		out, note, err := d.mapNoted(r.Context(), m)
+		if err != nil {
+			return nil, err
+		}
+		return MapResponse{Mapping: out, Note: note}, nil
 	})
 	h("GET /v1/devices", func(r *http.Request) (any, error) { return d.devices(""), nil })
 	h("GET /v1/devices/{name}", func(r *http.Request) (any, error) {

@@ -57,7 +57,18 @@ type mapSpec struct {
 	// sock is a socket mapping's path; empty until the device is named
 	// when it goes in socket_dir.
 	sock string
+	// note is what map says beside its answer: how the device is
+	// served when that is not what the request implied (a socket where
+	// /dev/nbdN is the default).
+	note string
 }
+
+// haveNBD and haveUblk say whether this kernel has the drivers of the
+// kernel frontends (tests replace them).
+var (
+	haveNBD  = kernelHasNBD
+	haveUblk = kernelHasUblk
+)
 
 // ParseMapString parses the kernel's map_device line: "sessname=s1
 // path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw
@@ -165,19 +176,29 @@ func normalize(m Mapping) (mapSpec, error) {
 		return s, ctl.Errorf(ctl.CodeInvalid, "transport %q: want auto, tcp or rdma", s.Transport)
 	}
 	switch {
-	case s.As == "" && kernelHasNBD():
+	case s.As == "" && haveNBD():
 		s.As, s.fe = "nbd", feNBD
-	case s.As == "" || s.As == "socket":
+	case s.As == "":
+		// Said, not done quietly: the operator asked for nothing
+		// and gets no /dev/nbdN.
+		s.fe = feSocket
+		s.note = "this kernel has no nbd driver (modprobe nbd), so the device is served on an NBD socket, not as /dev/nbdN " +
+			"(once the module is loaded, unmap and map again for /dev/nbdN; --as socket:PATH chooses the socket)"
+	case s.As == "socket":
 		// A socket in socket_dir, named when the device is.
 		s.As, s.fe = "", feSocket
 	case s.As == "nbd":
-		if !kernelHasNBD() {
+		if !haveNBD() {
 			return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no nbd driver (modprobe nbd); map with --as socket:PATH instead")
 		}
 		s.fe = feNBD
 	case s.As == "ublk":
-		if !kernelHasUblk() {
-			return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
+		if !haveUblk() {
+			if haveNBD() {
+				return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv); map with --as nbd or --as socket:PATH instead")
+			}
+			return s, ctl.Errorf(ctl.CodeNotSupported, "this kernel has no ublk driver (modprobe ublk_drv), nor the nbd driver "+
+				"for --as nbd (modprobe nbd); map with --as socket:PATH instead")
 		}
 		s.fe = feUblk
 	case strings.HasPrefix(s.As, "socket:") && len(s.As) > len("socket:"):

@@ -395,3 +395,53 @@ func qemuIO(t *testing.T, uri string, cmds ...string) {
 		t.Fatalf("qemu-io %v on %s: %v\n%s", cmds, uri, err, out)
 	}
 }
+
+// TestMapSaysHowServed: on a kernel without the nbd driver, map without
+// --as serves the device on an NBD socket and says so — on stderr beside
+// the URI on stdout, and in the daemon's log — instead of doing it
+// quietly; --as ublk without the ublk driver is refused (exit 8,
+// not_supported) suggesting only what this kernel has: not --as nbd
+// where the nbd driver is missing too. The parts a kernel with the
+// drivers cannot show are skipped, not faked: the test loads or unloads
+// no module.
+func TestMapSaysHowServed(t *testing.T) {
+	_, nbdErr := os.Stat("/sys/module/nbd")
+	_, ublkErr := os.Stat("/dev/ublk-control")
+	if nbdErr == nil && ublkErr == nil {
+		t.Skip("this kernel has the nbd and the ublk drivers: nothing to say")
+	}
+	dir := t.TempDir()
+	vol := filepath.Join(dir, "vol.img")
+	sparseFile(t, vol, 16<<20)
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol", vol)
+	cl := startClient(t, dir)
+	mapArgs := []string{"map", "--sessname", "s1", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port)}
+	if ublkErr != nil {
+		_, errOut, code := cl.ctl(append(mapArgs, "--as", "ublk")...)
+		want := "map with --as nbd or --as socket:PATH instead"
+		if nbdErr != nil {
+			want = "this kernel has no ublk driver (modprobe ublk_drv), nor the nbd driver for --as nbd (modprobe nbd); map with --as socket:PATH instead"
+		}
+		if code != 8 || !strings.Contains(errOut, want) {
+			t.Errorf("map --as ublk without the ublk driver (nbd driver: %v): exit %d %q, want 8 saying %q", nbdErr == nil, code, errOut, want)
+		}
+	}
+	if nbdErr == nil {
+		t.Log("this kernel has the nbd driver: map without --as would make a /dev/nbdN, not tried here")
+		return
+	}
+	out, errOut, code := cl.ctl(mapArgs...)
+	sock := filepath.Join(dir, "rnbd0.sock")
+	const says = "this kernel has no nbd driver (modprobe nbd), so the device is served on an NBD socket, not as /dev/nbdN"
+	if code != 0 || strings.TrimSpace(out) != "rnbd0 mapped: nbd+unix:///vol?socket="+sock || !strings.Contains(errOut, "rnbd0: "+says) {
+		t.Fatalf("map without --as and without the nbd driver: exit %d, stdout %q, stderr %q; want the socket's URI, and stderr saying %q",
+			code, out, errOut, says)
+	}
+	waitForCond(t, 10*time.Second, "the daemon to log it", func() bool {
+		l, ok := logField(cl.out.String(), "this kernel has no nbd driver", "socket")
+		return ok && l == sock
+	})
+	qemuIO(t, "nbd+unix:///vol?socket="+sock, "write -P 0x3c 0 64k", "read -P 0x3c 0 64k")
+}
