@@ -349,8 +349,9 @@ func (r *twoPaths) clientMetrics(t *testing.T) scrape {
 
 // TestMultipathLinkDownNBD: the real daemons in the two namespaces, fio
 // writing and verifying through the NBD socket while one link is cut
-// (carrier down) for 3 s and comes back: no IO fails, none waits long,
-// requests fail over at once, and the cut path reconnects.
+// (the client's end taken down) for 3 s and comes back: no IO fails,
+// none waits more than a moment — the client fails the path as its link
+// goes down — requests fail over at once, and the cut path reconnects.
 func TestMultipathLinkDownNBD(t *testing.T) {
 	needTools(t, "fio", "curl")
 	r, csock, uri := newNBDTwoPaths(t, "e2l", 206, "--set", "mpath_policy=round-robin", "--set", "reconnect_delay=200ms")
@@ -362,8 +363,11 @@ func TestMultipathLinkDownNBD(t *testing.T) {
 	sh(t, "ip", "-n", r.cliNS, "link", "set", "c1", "up")
 	t.Log("link c1 up")
 	j := endFio(t, fio)
-	if j.Write.Clat.Max > 2e9 {
-		t.Errorf("a write waited %.2f s across the link cut, want at most 2 s", j.Write.Clat.Max/1e9)
+	// The client sees its link go down and fails the path at once
+	// (milliseconds); TCP alone would hold its IO for TCP_USER_TIMEOUT
+	// (1 s, 1.2-1.4 s measured). Loose for a noisy machine.
+	if j.Write.Clat.Max > 0.5e9 {
+		t.Errorf("a write waited %.2f s across the link cut, want at most 0.5 s", j.Write.Clat.Max/1e9)
 	}
 	var m scrape
 	deadline := time.Now().Add(30 * time.Second)

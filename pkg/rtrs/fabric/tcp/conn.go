@@ -77,6 +77,11 @@ type conn struct {
 	rqHead int
 	rqLen  int
 
+	// watchIdx and watchName are the interface the fabric's linkWatch
+	// watches for the connection (0: none); set under its mu.
+	watchIdx  int
+	watchName string
+
 	closed     atomic.Bool   // no more posts; goroutines stopping
 	userClosed atomic.Bool   // Close was called: do not report Disconnected
 	closeCh    chan struct{} // closed by fail
@@ -266,6 +271,7 @@ func (c *conn) fail(err error) {
 		c.rqMu.Lock()
 		c.rqCond.Broadcast()
 		c.rqMu.Unlock()
+		c.dev.fab.links.remove(c)
 		if !c.userClosed.Load() {
 			c.h.Disconnected(err)
 		}

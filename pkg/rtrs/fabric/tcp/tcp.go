@@ -129,6 +129,8 @@ type Fabric struct {
 	// refused counts connections the listeners refused before Accept,
 	// by the errno (low byte) the peer was answered with (Refused).
 	refused [256]atomic.Uint64
+	// links fails dialled connections whose interface goes down.
+	links linkWatch
 }
 
 // New returns a TCP fabric.
@@ -170,6 +172,7 @@ func New(opts Options) *Fabric {
 		opts.TLS = c
 	}
 	f := &Fabric{opts: opts}
+	f.links.log = opts.Log
 	if c := opts.TLS; c != nil {
 		f.srvTLS = c.Clone()
 		// A certificate given is verified as RequireAndVerifyClientCert
@@ -478,6 +481,9 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 		return nil, nil, err
 	}
 	c.start()
+	if _, host := d.fab.opts.Network.(tcpNetwork); host {
+		d.fab.links.add(c)
+	}
 	return c, priv, nil
 }
 
