@@ -31,6 +31,10 @@ func newRoot() *cobra.Command {
 	g.Add(root, clientd.DefaultControlSocket)
 	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
 		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g))
+	root.AddCommand(cli.ConfigCmd("rnbd-client", clientd.DefaultConfigFile, func(path string, mustExist bool) error {
+		_, err := clientd.CheckConfig(path, mustExist)
+		return err
+	}))
 	root.AddCommand(cli.ManCmd(root))
 	return root
 }
@@ -45,9 +49,9 @@ func newDaemon() *cobra.Command {
 		Short: "Run the client daemon (flags override the configuration file)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			cfg, warnings, err := clientd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			cfg, err := clientd.LoadConfig(configFile, cmd.Flags().Changed("config"))
 			if err != nil {
-				return err
+				return cli.ConfigError(err)
 			}
 			f := cmd.Flags()
 			set := func(name string, apply func()) {
@@ -84,8 +88,8 @@ func newDaemon() *cobra.Command {
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
-			for _, w := range warnings {
-				fmt.Fprintln(cmd.ErrOrStderr(), "rnbd-client:", w)
+			if err := cfg.Validate(); err != nil {
+				return cli.ConfigError(err)
 			}
 			return cli.RunDaemon(func() (cli.Daemon, error) {
 				return clientd.Start(cfg, clientd.Options{})

@@ -35,6 +35,10 @@ daemon through its control socket.`,
 		newMap(&g), newUnmap(&g), newResize(&g),
 		newExport(&g), newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 	)
+	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) error {
+		_, err := serverd.CheckConfig(path, mustExist)
+		return err
+	}))
 	root.AddCommand(cli.ManCmd(root))
 	return root
 }
@@ -51,9 +55,9 @@ func newDaemon() *cobra.Command {
 		Short: "Run the server daemon (flags override the configuration file)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			cfg, warnings, err := serverd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			cfg, err := serverd.LoadConfig(configFile, cmd.Flags().Changed("config"))
 			if err != nil {
-				return err
+				return cli.ConfigError(err)
 			}
 			f := cmd.Flags()
 			set := func(name string, apply func()) {
@@ -93,8 +97,8 @@ func newDaemon() *cobra.Command {
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
-			for _, w := range warnings {
-				fmt.Fprintln(cmd.ErrOrStderr(), "rnbd-server:", w)
+			if err := cfg.Validate(); err != nil {
+				return cli.ConfigError(err)
 			}
 			return cli.RunDaemon(func() (cli.Daemon, error) {
 				// The Go runtime's memory limit follows the chunk

@@ -13,6 +13,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/pprof"
+	"strings"
 	"syscall"
 	"time"
 
@@ -98,7 +99,11 @@ func Main(name string, root *cobra.Command) {
 	if err == nil {
 		os.Exit(0)
 	}
-	fmt.Fprintf(os.Stderr, "%s: %v\n", name, err)
+	// One line per problem (a configuration's unknown keys), each
+	// saying whose it is.
+	for _, l := range strings.Split(err.Error(), "\n") {
+		fmt.Fprintf(os.Stderr, "%s: %s\n", name, l)
+	}
 	code := ctl.ExitCode(err)
 	var ce *ctl.Error
 	if !errors.As(err, &ce) && code == 1 && isUsage(err) {

@@ -94,11 +94,29 @@ func DefaultConfig() Config {
 	}
 }
 
-// LoadConfig reads path over the defaults (see conf.LoadTOML).
-func LoadConfig(path string, mustExist bool) (Config, []string, error) {
+// LoadConfig reads path over the defaults (see conf.LoadTOML): unknown
+// keys are errors, and a [tls] table makes TLS required.
+func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	warnings, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	return cfg, warnings, err
+	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
+	cfg.TLS.Configured = meta.Defined("tls")
+	return cfg, err
+}
+
+// CheckConfig reads path as LoadConfig does, validates it and loads the
+// TLS files it names, starting nothing: `rnbd-client config check`.
+func CheckConfig(path string, mustExist bool) (Config, error) {
+	cfg, err := LoadConfig(path, mustExist)
+	if err != nil {
+		return cfg, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("config %s: %w", path, err)
+	}
+	if _, err := cfg.TLS.Config(); err != nil {
+		return cfg, fmt.Errorf("config %s: %w", path, err)
+	}
+	return cfg, nil
 }
 
 // Validate checks the configuration before anything starts.

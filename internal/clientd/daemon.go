@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -135,6 +136,10 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	if opts.Log == nil {
 		opts.Log = log.L
+	}
+	if opts.Fabric != nil && cfg.TLS.Enabled() {
+		// A fabric of the caller's would drop the TLS configured.
+		return nil, errors.New("tls: configured, but the caller gave its own TCP fabric")
 	}
 	if opts.Fabric == nil {
 		tc, err := cfg.TLS.Config()

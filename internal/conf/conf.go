@@ -1,5 +1,5 @@
 // Package conf is what both daemons' configuration and state files
-// share: TOML loading with warnings for unknown keys, durations and sizes
+// share: TOML loading that refuses unknown keys, durations and sizes
 // as people write them, and atomic file replacement.
 package conf
 
@@ -50,26 +50,42 @@ func (v *Size) UnmarshalTOML(x any) error {
 	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
 }
 
+// Meta is what LoadTOML saw of a file beyond its values.
+type Meta struct {
+	// Found: the file exists (a missing default file is no error).
+	Found bool
+	md    toml.MetaData
+}
+
+// Defined reports whether the file has key (a table: "tls").
+func (m Meta) Defined(key ...string) bool { return m.Found && m.md.IsDefined(key...) }
+
 // LoadTOML decodes path over v (which holds the defaults and a Version
-// field at most version). A missing file is fine unless mustExist;
-// unknown keys come back as warnings, so an older daemon reads a newer
-// file's known part.
-func LoadTOML(path string, mustExist bool, v any, version func() int, newest int) ([]string, error) {
-	md, err := toml.DecodeFile(path, v)
+// field at most newest). A missing file is fine unless mustExist. A key
+// or table v has no field for is an error naming it, its line and the
+// nearest known name ("did you mean listen?"): a typo must not leave a
+// setting at its default (a server listening everywhere, without
+// TLS). A file of a newer version than newest is refused as such, so a
+// newer file's keys are not what an older daemon complains about.
+func LoadTOML(path string, mustExist bool, v any, version func() int, newest int) (Meta, error) {
+	data, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) && !mustExist {
-		return nil, nil
+		return Meta{}, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("config %s: %w", path, err)
+		return Meta{}, fmt.Errorf("config %s: %w", path, err)
+	}
+	md, err := toml.Decode(string(data), v)
+	if err != nil {
+		return Meta{}, fmt.Errorf("config %s: %w", path, err)
 	}
 	if n := version(); n > newest {
-		return nil, fmt.Errorf("config %s: version %d is newer than this daemon understands (%d)", path, n, newest)
+		return Meta{}, fmt.Errorf("config %s: version %d is newer than this daemon understands (%d)", path, n, newest)
 	}
-	var warnings []string
-	for _, k := range md.Undecoded() {
-		warnings = append(warnings, fmt.Sprintf("config %s: unknown key %q ignored", path, k.String()))
+	if err := unknownKeys(path, data, md, v); err != nil {
+		return Meta{}, err
 	}
-	return warnings, nil
+	return Meta{Found: true, md: md}, nil
 }
 
 // WriteFileAtomic replaces path with data so that a crash leaves either

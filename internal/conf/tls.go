@@ -6,13 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"time"
 )
 
 // TLS is a daemon's TLS on the TCP fabric: its certificate and key and
 // the authority its peers' certificates must chain to, as PEM files.
-// Either all three are set or none.
+// Either all three are set or none; where the configuration file has a
+// [tls] table (Configured), all three.
 type TLS struct {
 	Cert string `toml:"cert"`
 	Key  string `toml:"key"`
@@ -21,15 +23,32 @@ type TLS struct {
 	// against; empty: the address it dials (the certificate then names
 	// the server's addresses as IP subject alternative names).
 	ServerName string `toml:"server_name"`
+	// Configured: the configuration file has a [tls] table. The daemon
+	// then runs with TLS or not at all: a table left empty, or emptied
+	// by flags, is an error, not plaintext.
+	Configured bool `toml:"-"`
 }
 
 // Enabled reports whether TLS is configured.
-func (t TLS) Enabled() bool { return t.Cert != "" || t.Key != "" || t.CA != "" }
+func (t TLS) Enabled() bool { return t.Configured || t.Cert != "" || t.Key != "" || t.CA != "" }
 
 // Validate checks that the settings are whole.
 func (t TLS) Validate() error {
-	if t.Enabled() && (t.Cert == "" || t.Key == "" || t.CA == "") {
-		return errors.New("tls: cert, key and ca must be set together")
+	if !t.Enabled() {
+		return nil
+	}
+	var missing []string
+	for _, f := range []struct{ name, v string }{{"cert", t.Cert}, {"key", t.Key}, {"ca", t.CA}} {
+		if f.v == "" {
+			missing = append(missing, f.name)
+		}
+	}
+	switch {
+	case len(missing) == 3:
+		return errors.New("tls: the configuration has [tls] but sets none of cert, key and ca: " +
+			"the daemon does not run without the TLS it is configured with (to run without TLS, delete the [tls] table)")
+	case len(missing) > 0:
+		return fmt.Errorf("tls: cert, key and ca must be set together (%s not set)", strings.Join(missing, " and "))
 	}
 	return nil
 }

@@ -128,12 +128,30 @@ func DefaultConfig() Config {
 }
 
 // LoadConfig reads path over the defaults. A missing file is fine when
-// mustExist is false (the default path); unknown keys are returned as
-// warnings, not errors, so an older daemon reads a newer file's known part.
-func LoadConfig(path string, mustExist bool) (Config, []string, error) {
+// mustExist is false (the default path). A key or table the daemon does
+// not know is an error naming its line (conf.LoadTOML); a [tls] table
+// makes TLS required (conf.TLS.Configured).
+func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	warnings, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	return cfg, warnings, err
+	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
+	cfg.TLS.Configured = meta.Defined("tls")
+	return cfg, err
+}
+
+// CheckConfig reads path as LoadConfig does, validates it and loads the
+// TLS files it names, starting nothing: `rnbd-server config check`.
+func CheckConfig(path string, mustExist bool) (Config, error) {
+	cfg, err := LoadConfig(path, mustExist)
+	if err != nil {
+		return cfg, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("config %s: %w", path, err)
+	}
+	if _, err := cfg.TLS.Config(); err != nil {
+		return cfg, fmt.Errorf("config %s: %w", path, err)
+	}
+	return cfg, nil
 }
 
 // Validate checks the configuration before anything starts.
@@ -166,6 +184,9 @@ func (c *Config) Validate() error {
 	}
 	if err := c.TLS.Validate(); err != nil {
 		return err
+	}
+	if c.TLS.ServerName != "" {
+		return errors.New("tls: server_name is a client's setting (the name it checks a server's certificate against); a server's names are in its certificate")
 	}
 	if c.TLS.AllowAnonymousClients && !c.TLS.Enabled() {
 		return errors.New("tls: allow_anonymous_clients is set, but not cert, key and ca: it is about client certificates")

@@ -6,26 +6,26 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
 
 // The example configuration in deploy/ is the defaults, written out: it
-// must parse without warnings and change nothing but where it listens,
+// must parse (every key known) and change nothing but where it listens,
 // which is a storage network's address, not every interface, and TLS,
 // which it uses (with files under /etc/rnbd/tls, and no anonymous
 // clients): without it anyone who reaches the port is trusted.
 func TestExampleConfigIsTheDefaults(t *testing.T) {
-	cfg, warnings, err := LoadConfig("../../deploy/server.toml", true)
+	cfg, err := LoadConfig("../../deploy/server.toml", true)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if len(warnings) != 0 {
-		t.Fatalf("warnings: %v", warnings)
 	}
 	if len(cfg.Listen) == 0 || len(everywhere(cfg.Listen)) != 0 {
 		t.Fatalf("deploy/server.toml listens on %v, want explicit addresses only", cfg.Listen)
 	}
 	want := ServerTLS{}
 	want.Cert, want.Key, want.CA = "/etc/rnbd/tls/server.crt", "/etc/rnbd/tls/server.key", "/etc/rnbd/tls/ca.crt"
+	want.Configured = true
 	if cfg.TLS != want {
 		t.Fatalf("deploy/server.toml has [tls] %+v, want %+v", cfg.TLS, want)
 	}
@@ -48,25 +48,22 @@ func TestLoadConfig(t *testing.T) {
 		}
 		return p
 	}
-	cfg, warnings, err := LoadConfig(write("max_chunk_memory = 1048576\nfuture_key = 1\n"), true)
+	cfg, err := LoadConfig(write("max_chunk_memory = 1048576\n"), true)
 	if err != nil || cfg.MaxChunkMemory != 1<<20 {
 		t.Fatalf("integer size: %v %v", cfg.MaxChunkMemory, err)
 	}
-	if len(warnings) != 1 || !strings.Contains(warnings[0], "future_key") {
-		t.Fatalf("unknown key warnings: %v", warnings)
-	}
-	if cfg, _, err = LoadConfig(write(`max_chunk_memory = "2GiB"`), true); err != nil || cfg.MaxChunkMemory != 2<<30 {
+	if cfg, err = LoadConfig(write(`max_chunk_memory = "2GiB"`), true); err != nil || cfg.MaxChunkMemory != 2<<30 {
 		t.Fatalf("string size: %v %v", cfg.MaxChunkMemory, err)
 	}
 	for _, bad := range []string{`max_chunk_memory = "lots"`, `max_chunk_memory = -1`, `version = 2`, `queue_depth = "x"`} {
-		if _, _, err := LoadConfig(write(bad), true); err == nil {
+		if _, err := LoadConfig(write(bad), true); err == nil {
 			t.Errorf("%s: accepted", bad)
 		}
 	}
-	if _, _, err := LoadConfig(filepath.Join(dir, "missing.toml"), true); err == nil {
+	if _, err := LoadConfig(filepath.Join(dir, "missing.toml"), true); err == nil {
 		t.Error("a missing file named explicitly was accepted")
 	}
-	if cfg, _, err := LoadConfig(filepath.Join(dir, "missing.toml"), false); err != nil || !reflect.DeepEqual(cfg, DefaultConfig()) {
+	if cfg, err := LoadConfig(filepath.Join(dir, "missing.toml"), false); err != nil || !reflect.DeepEqual(cfg, DefaultConfig()) {
 		t.Errorf("missing default file: %v", err)
 	}
 	bad := DefaultConfig()
@@ -106,9 +103,9 @@ func TestEverywhere(t *testing.T) {
 func TestTLSConfig(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "c.toml")
 	os.WriteFile(p, []byte("[tls]\ncert = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\n"), 0o644)
-	cfg, warnings, err := LoadConfig(p, true)
-	if err != nil || len(warnings) != 0 || cfg.TLS.Cert != "/x.crt" || cfg.TLS.Key != "/x.key" || cfg.TLS.CA != "/ca.crt" {
-		t.Fatalf("[tls]: %+v %v %v", cfg.TLS, warnings, err)
+	cfg, err := LoadConfig(p, true)
+	if err != nil || !cfg.TLS.Configured || cfg.TLS.Cert != "/x.crt" || cfg.TLS.Key != "/x.key" || cfg.TLS.CA != "/ca.crt" {
+		t.Fatalf("[tls]: %+v %v", cfg.TLS, err)
 	}
 	cfg.TLS.Key = ""
 	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "cert, key and ca") {
@@ -123,12 +120,81 @@ func TestTLSConfig(t *testing.T) {
 		t.Fatal("allow_anonymous_clients is on by default")
 	}
 	os.WriteFile(p, []byte("[tls]\ncert = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\nallow_anonymous_clients = true\n"), 0o644)
-	if cfg, warnings, err = LoadConfig(p, true); err != nil || len(warnings) != 0 || !cfg.TLS.AllowAnonymousClients || cfg.TLS.Cert != "/x.crt" {
-		t.Fatalf("[tls] allow_anonymous_clients: %+v %v %v", cfg.TLS, warnings, err)
+	if cfg, err = LoadConfig(p, true); err != nil || !cfg.TLS.AllowAnonymousClients || cfg.TLS.Cert != "/x.crt" {
+		t.Fatalf("[tls] allow_anonymous_clients: %+v %v", cfg.TLS, err)
 	}
 	plain := DefaultConfig()
 	plain.TLS.AllowAnonymousClients = true
 	if err := plain.Validate(); err == nil || !strings.Contains(err.Error(), "allow_anonymous_clients") {
 		t.Fatalf("allow_anonymous_clients without TLS: %v", err)
+	}
+}
+
+// TestTLSNeverDropped: a server whose configuration has [tls] runs with
+// TLS or not at all. Each way the table could come to nothing is an
+// error: a misspelt table or key, a table without its files, one
+// emptied by flags, a partial one, files that do not load, a fabric
+// that would not carry it.
+func TestTLSNeverDropped(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "c.toml")
+	load := func(text string) (Config, error) {
+		t.Helper()
+		if err := os.WriteFile(p, []byte("listen = [\"tcp://127.0.0.1:1\"]\n"+text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return LoadConfig(p, true)
+	}
+	const files = "cert = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\n"
+	for _, c := range []struct{ name, text, want string }{
+		{"a misspelt table", "[tsl]\n" + files, `c.toml:2: unknown table [tsl] (did you mean [tls]?)`},
+		{"a misspelt key", "[tls]\ncertificate = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\n", `c.toml:3: unknown key "certificate" in [tls]`},
+		{"the keys above the table", files + "[tls]\n", `c.toml:2: unknown key "cert" (did you mean [tls] cert?)`},
+	} {
+		if _, err := load(c.text); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.want)
+		}
+	}
+	for _, c := range []struct{ name, text, want string }{
+		{"an empty table", "[tls]\n", "sets none of cert, key and ca"},
+		{"only the server's own key", "[tls]\nallow_anonymous_clients = false\n", "sets none of cert, key and ca"},
+		{"empty strings", "[tls]\ncert = \"\"\nkey = \"\"\nca = \"\"\n", "sets none of cert, key and ca"},
+		{"an empty inline table", "tls = {}\n", "sets none of cert, key and ca"},
+		{"no ca", "[tls]\ncert = \"/x.crt\"\nkey = \"/x.key\"\n", "(ca not set)"},
+		{"the client's key", "[tls]\n" + files + "server_name = \"s\"\n", "server_name is a client's setting"},
+	} {
+		cfg, err := load(c.text)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.want)
+		}
+		if _, err := Start(cfg, Options{}); err == nil {
+			t.Errorf("%s: started", c.name)
+		}
+	}
+	// Flags that empty what the file set (rnbd-server daemon
+	// --tls-cert= --tls-key= --tls-ca=) leave TLS configured: refused.
+	cfg, err := load("[tls]\n" + files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.TLS.Cert, cfg.TLS.Key, cfg.TLS.CA = "", "", ""
+	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "does not run without the TLS") {
+		t.Errorf("[tls] emptied by flags: %v", err)
+	}
+	// Files that do not load stop the start, before anything listens.
+	cfg, _ = load("[tls]\n" + files)
+	cfg.ControlSocket, cfg.StateFile = filepath.Join(dir, "ctl.sock"), filepath.Join(dir, "state.json")
+	if _, err := Start(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "tls: ca: open /ca.crt") {
+		t.Errorf("missing TLS files: %v", err)
+	}
+	if _, err := os.Stat(cfg.ControlSocket); err == nil {
+		t.Error("the control socket was made by a start that failed on TLS")
+	}
+	// A fabric of the caller's would not carry it.
+	if _, err := Start(cfg, Options{Fabric: fabrictest.NewNetwork().Fabric()}); err == nil || !strings.Contains(err.Error(), "tls") {
+		t.Errorf("TLS configured with a caller's fabric: %v", err)
 	}
 }

@@ -54,3 +54,20 @@ func TestUnits(t *testing.T) {
 		}
 	}
 }
+
+// TestUnitsCheckConfig: each daemon's unit checks the configuration
+// file its daemon reads before starting it (rnbd-server config check).
+func TestUnitsCheckConfig(t *testing.T) {
+	for _, d := range []string{"server", "client"} {
+		b, err := os.ReadFile("../../deploy/rnbd-" + d + ".service")
+		if err != nil {
+			t.Fatal(err)
+		}
+		conf := "/etc/rnbd/" + d + ".toml"
+		pre := "\nExecStartPre=/usr/sbin/rnbd-" + d + " config check " + conf + "\n"
+		start := "\nExecStart=/usr/sbin/rnbd-" + d + " daemon --config " + conf + "\n"
+		if i, j := strings.Index(string(b), pre), strings.Index(string(b), start); i < 0 || j < 0 {
+			t.Errorf("rnbd-%s.service: want %q and %q", d, strings.TrimSpace(pre), strings.TrimSpace(start))
+		}
+	}
+}
