@@ -130,7 +130,7 @@ func newDaemon() *cobra.Command {
 
 func newMap(g *cli.Globals) *cobra.Command {
 	var m clientd.Mapping
-	var port uint16
+	port := cli.Port(rtrs.DefaultPort)
 	var sets []string
 	cmd := &cobra.Command{
 		Use:   `map [--sessname S --path P... --device-path D | "sessname=S path=P device_path=D ..."]`,
@@ -152,7 +152,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 				merge(&m, line)
 			}
 			if cmd.Flags().Changed("dest-port") {
-				m.DestPort = port
+				m.DestPort = uint16(port)
 			}
 			for _, kv := range sets {
 				k, v, ok := strings.Cut(kv, "=")
@@ -194,7 +194,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringArrayVar(&m.Paths, "path", nil, "path [ip:SRC@]ip:DST (repeat for multipath)")
 	f.StringVar(&m.DevicePath, "device-path", "", "the device's name on the server")
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
-	f.Uint16Var(&port, "dest-port", rtrs.DefaultPort, "server port")
+	f.Var(&port, "dest-port", "server port, 1 to 65535")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
 	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+clientd.SettingKeys+" (repeatable; as session set, and kept across restarts)")
 	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir (and map says so)")

@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"regexp"
 	"runtime"
 	"runtime/pprof"
 	"strings"
@@ -95,6 +96,7 @@ func (g *Globals) Table() bool { return g.Format == "" || g.Format == "table" }
 func Main(name string, root *cobra.Command) {
 	root.SilenceUsage = true
 	root.SilenceErrors = true
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return flagError(err) })
 	err := root.Execute()
 	if err == nil {
 		os.Exit(0)
@@ -110,6 +112,25 @@ func Main(name string, root *cobra.Command) {
 		code = 2
 	}
 	os.Exit(code)
+}
+
+// strconvError is strconv's part of a flag's error: `invalid argument
+// "x" for "--queue-depth" flag: strconv.ParseInt: parsing "x": invalid
+// syntax`.
+var strconvError = regexp.MustCompile(`strconv\.Parse\w+: parsing "(?:[^"\\]|\\.)*": (invalid syntax|value out of range)`)
+
+// flagError says a flag's bad number in plain words.
+func flagError(err error) error {
+	msg := strconvError.ReplaceAllStringFunc(err.Error(), func(m string) string {
+		if strings.HasSuffix(m, "out of range") {
+			return "out of range"
+		}
+		return "not a number"
+	})
+	if msg == err.Error() {
+		return err
+	}
+	return errors.New(msg)
 }
 
 // isUsage reports a cobra argument or flag error.

@@ -3,6 +3,7 @@ package cli
 import (
 	"fmt"
 	"net/url"
+	"strconv"
 
 	"github.com/spf13/cobra"
 )
@@ -122,3 +123,20 @@ func (g *Globals) StatsCmd(short string, fields []string) *cobra.Command {
 	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
 	return cmd
 }
+
+// Port is a flag's TCP port, 1 to 65535: a number outside says so
+// rather than with strconv's words.
+type Port uint16
+
+func (p *Port) String() string { return strconv.Itoa(int(*p)) }
+
+func (p *Port) Set(s string) error {
+	n, err := strconv.ParseUint(s, 10, 64)
+	if err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("want a port number from 1 to 65535")
+	}
+	*p = Port(n)
+	return nil
+}
+
+func (p *Port) Type() string { return "port" }

@@ -92,7 +92,7 @@ func ParseMapString(s string) (Mapping, error) {
 		case "dest_port":
 			p, err := strconv.ParseUint(v, 10, 16)
 			if err != nil || p == 0 {
-				return m, ctl.Errorf(ctl.CodeInvalid, "map: dest_port %q", v)
+				return m, ctl.Errorf(ctl.CodeInvalid, "map: dest_port %s: want a port number from 1 to 65535", v)
 			}
 			m.DestPort = uint16(p)
 		case "nr_poll_queues":
