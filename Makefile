@@ -12,8 +12,10 @@ all: build
 deps:
 	@scripts/deps.sh
 
+# The binaries say their version, from git (scripts/version.sh;
+# rnbd-server --version).
 build: deps
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -ldflags "$$(scripts/version.sh)" -o $(BIN)/ ./cmd/...
 
 # Man pages (section 8, one per command, from the cobra commands) and
 # bash completions into bin/man and bin/completion.

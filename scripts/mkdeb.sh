@@ -3,9 +3,11 @@
 #   scripts/mkdeb.sh [OUTDIR]        (default build/deb)
 # Binaries in /usr/sbin, units in /lib/systemd/system, /etc/rnbd/*.toml as
 # conffiles, modules-load.d, man pages and bash completions generated from
-# the commands, the docs. The version comes from git: the newest tag, or
-# 0.0 and the commit's date and hash (0.0~git20261125.4951b1b-1);
-# RNBD_DEB_VERSION overrides it. Needs dpkg-dev (dpkg-shlibdeps).
+# the commands, the docs. The version comes from git (scripts/version.sh):
+# the newest tag, or 0.0 and the commit's date and hash
+# (0.0~git20261125.4951b1b-1); RNBD_DEB_VERSION overrides it. The
+# binaries and the man pages say the same. Needs dpkg-dev
+# (dpkg-shlibdeps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -13,20 +15,16 @@ out=${1:-build/deb}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
-if [ -n "${RNBD_DEB_VERSION:-}" ]; then
-	version=$RNBD_DEB_VERSION
-elif tag=$(git describe --tags --abbrev=0 2>/dev/null); then
-	version="${tag#v}+git$(git log -1 --format=%cd --date=format:%Y%m%d).$(git rev-parse --short HEAD)-1"
-else
-	version="0.0~git$(git log -1 --format=%cd --date=format:%Y%m%d).$(git rev-parse --short HEAD)-1"
-fi
+version=${RNBD_DEB_VERSION:-$(scripts/version.sh -v)-1}
 arch=$(dpkg --print-architecture)
 maint="rnbd developers <rnbd@example.org>"
 date=$(git log -1 --format=%cD)
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w" -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+# The binaries say the package's version (rnbd-server --version).
+CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w $(RNBD_VERSION=$version scripts/version.sh)" \
+	-o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
 # The man pages carry the commit's date, not the build's.
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}
 "$work/bin/rnbd-server" man "$work/man"

@@ -53,6 +53,8 @@ DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-r
 for p in rnbd-server rnbd-client; do
 	[ -x /usr/sbin/$p ] || die "/usr/sbin/$p"
 	/usr/sbin/$p --help >/dev/null || die "$p --help"
+	v=$(/usr/sbin/$p --version | head -1)
+	[ "$v" = "$p 0.0~test1-1" ] || die "$p --version says \"$v\", not the package's version 0.0~test1-1"
 	[ -f /lib/systemd/system/$p.service ] || die "no unit $p.service"
 	[ -f /usr/share/bash-completion/completions/$p ] || die "no completion for $p"
 	man -l /usr/share/man/man8/$p.8.gz 2>/dev/null | grep -q "^NAME" || die "man -l $p.8"
@@ -75,6 +77,7 @@ log "upgrade"
 echo "# changed by the operator" >>/etc/rnbd/client.toml
 dpkg -i --force-confold "$out"/2/*.deb >/dev/null || die "dpkg -i (upgrade)"
 [ "$(dpkg-query -W -f '${Version}' rnbd-client)" = 0.0~test2-1 ] || die "not upgraded"
+[ "$(/usr/sbin/rnbd-client version -f json | sed -n 's/^  "version": "\(.*\)",$/\1/p')" = 0.0~test2-1 ] || die "the upgraded binary does not say 0.0~test2-1"
 grep -q "changed by the operator" /etc/rnbd/client.toml || die "the changed conffile was replaced"
 
 log "remove and purge"

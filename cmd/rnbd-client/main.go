@@ -35,6 +35,7 @@ func newRoot() *cobra.Command {
 		_, err := clientd.CheckConfig(path, mustExist)
 		return err
 	}))
+	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root))
 	return root
 }

@@ -39,6 +39,7 @@ daemon through its control socket.`,
 		_, err := serverd.CheckConfig(path, mustExist)
 		return err
 	}))
+	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root))
 	return root
 }

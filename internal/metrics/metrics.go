@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/internal/version"
 )
 
 // Server is a metrics endpoint: GET /metrics.
@@ -37,7 +38,7 @@ func Listen(addr string, c prometheus.Collector, lg *log.Entry) (*Server, error)
 	if err := reg.Register(c); err != nil {
 		return nil, err
 	}
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), BuildInfo())
 	ln, err := net.Listen(listenNetwork(addr), addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
@@ -56,6 +57,18 @@ func Listen(addr string, c prometheus.Collector, lg *log.Entry) (*Server, error)
 	}()
 	lg.WithField("metrics", "http://"+ln.Addr().String()+"/metrics").Info("serving metrics")
 	return s, nil
+}
+
+// BuildInfo is rnbd_build_info: 1, labelled with the daemon's version,
+// revision (-dirty for a tree with changes) and Go version, as
+// `version` says them.
+func BuildInfo() prometheus.Collector {
+	v := version.Get()
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name:        "rnbd_build_info",
+		Help:        "The daemon's build: 1, labelled with its version, the commit it was built from and its Go version.",
+		ConstLabels: prometheus.Labels{"version": Label(v.Version), "revision": Label(v.RevisionLabel()), "goversion": v.GoVersion},
+	}, func() float64 { return 1 })
 }
 
 // listenNetwork is "tcp4" for an IPv4 address (0.0.0.0:PORT is every

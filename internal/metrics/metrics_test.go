@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -40,7 +41,8 @@ func TestListen(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if !strings.Contains(string(b), "rnbd_test_value 42") || !strings.Contains(string(b), "go_goroutines") {
+	if !strings.Contains(string(b), "rnbd_test_value 42") || !strings.Contains(string(b), "go_goroutines") ||
+		!strings.Contains(string(b), `rnbd_build_info{goversion="`+runtime.Version()+`",revision="unknown",version="devel"} 1`) {
 		t.Fatalf("metrics:\n%s", b)
 	}
 	resp, err = http.Post("http://"+s.Addr()+"/metrics", "text/plain", nil)

@@ -25,8 +25,17 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "go env GOMOD:", err)
 		os.Exit(1)
 	}
-	build := exec.Command("go", "build", "-o", dir+"/", "./cmd/...")
-	build.Dir = filepath.Dir(strings.TrimSpace(string(root)))
+	// Stamped as the Makefile stamps them (TestVersion).
+	repo := filepath.Dir(strings.TrimSpace(string(root)))
+	stamp := exec.Command("scripts/version.sh")
+	stamp.Dir = repo
+	ldflags, err := stamp.Output()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "scripts/version.sh:", err)
+		os.Exit(1)
+	}
+	build := exec.Command("go", "build", "-ldflags", strings.TrimSpace(string(ldflags)), "-o", dir+"/", "./cmd/...")
+	build.Dir = repo
 	if out, err := build.CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "building the binaries: %v\n%s", err, out)
 		os.Exit(1)
