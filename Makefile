@@ -17,8 +17,9 @@ deps:
 build: deps
 	$(GO) build -ldflags "$$(scripts/version.sh)" -o $(BIN)/ ./cmd/...
 
-# Man pages (section 8, one per command, from the cobra commands) and
-# bash completions into bin/man and bin/completion.
+# Man pages (section 8, one per command, from the cobra commands; section
+# 5, the configuration files, from ConfigKeys) and bash completions into
+# bin/man and bin/completion.
 man: build
 	$(BIN)/rnbd-server man $(BIN)/man
 	$(BIN)/rnbd-client man $(BIN)/man

@@ -49,7 +49,8 @@ pkg() {
 	long=$(cat)
 	doc=$root/usr/share/doc/$name
 	install -d "$root/DEBIAN" "$root/usr/sbin" "$root/lib/systemd/system" "$root/etc/rnbd" \
-		"$root/usr/lib/modules-load.d" "$root/usr/share/man/man8" "$root/usr/share/bash-completion/completions" "$doc"
+		"$root/usr/lib/modules-load.d" "$root/usr/share/man/man5" "$root/usr/share/man/man8" \
+		"$root/usr/share/bash-completion/completions" "$doc"
 	install -m 0755 "$work/bin/$name" "$root/usr/sbin/"
 	install -m 0644 "deploy/$name".service "deploy/$name"-*.service "$root/lib/systemd/system/" 2>/dev/null ||
 		install -m 0644 "deploy/$name.service" "$root/lib/systemd/system/"
@@ -58,6 +59,7 @@ pkg() {
 	for m in "$work/man/$name".8 "$work/man/$name"-*.8; do
 		gzip -9n <"$m" >"$root/usr/share/man/man8/$(basename "$m").gz"
 	done
+	gzip -9n <"$work/man/$name.toml.5" >"$root/usr/share/man/man5/$name.toml.5.gz"
 	"$work/bin/$name" completion bash >"$root/usr/share/bash-completion/completions/$name"
 	if [ "$name" = rnbd-client ]; then
 		install -d "$root/lib/udev/rules.d"

@@ -58,6 +58,8 @@ for p in rnbd-server rnbd-client; do
 	[ -f /lib/systemd/system/$p.service ] || die "no unit $p.service"
 	[ -f /usr/share/bash-completion/completions/$p ] || die "no completion for $p"
 	man -l /usr/share/man/man8/$p.8.gz 2>/dev/null | grep -q "^NAME" || die "man -l $p.8"
+	man -l /usr/share/man/man8/$p.8.gz 2>/dev/null | tail -1 | grep -q "^rnbd 0.0~test1-1 " || die "$p.8 does not carry the package's version"
+	man -l /usr/share/man/man5/$p.toml.5.gz 2>/dev/null | grep -q "^KEYS" || die "man -l $p.toml.5"
 	for m in /usr/share/man/man8/$p-*.8.gz; do
 		man -l "$m" >/dev/null 2>&1 || die "man -l $m"
 	done

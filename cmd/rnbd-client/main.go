@@ -27,6 +27,10 @@ func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:   "rnbd-client",
 		Short: "Map remote RNBD devices and serve them as NBD devices",
+		Example: `  rnbd-client daemon --config /etc/rnbd/client.toml
+  rnbd-client map --sessname host7 --path ip:10.0.0.5 --path ip:10.0.1.5 --device-path vol1 --as nbd
+  rnbd-client device list
+  rnbd-client unmap rnbd0`,
 	}
 	g.Add(root, clientd.DefaultControlSocket)
 	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
@@ -36,7 +40,7 @@ func newRoot() *cobra.Command {
 		return err
 	}))
 	g.AddVersion(root)
-	root.AddCommand(cli.ManCmd(root))
+	root.AddCommand(cli.ManCmd(root, man))
 	return root
 }
 
@@ -48,7 +52,9 @@ func newDaemon() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the client daemon (flags override the configuration file)",
-		Args:  cobra.NoArgs,
+		Example: `  rnbd-client daemon                          # /etc/rnbd/client.toml if it exists
+  rnbd-client daemon --config /dev/null --socket-dir /run/rnbd`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cfg, err := clientd.LoadConfig(configFile, cmd.Flags().Changed("config"))
 			if err != nil {
@@ -103,7 +109,10 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&over.ControlSocket, "control-socket", d.ControlSocket, "control socket path")
 	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the mappings are kept")
 	f.StringVar(&over.SocketDir, "socket-dir", d.SocketDir, "where NBD sockets of mappings without --as go")
-	f.IntVar(&over.ConnsPerPath, "conns-per-path", d.ConnsPerPath, "IO connections per path")
+	// Its default depends on the host: the help and the man page say
+	// the rule, not this machine's number.
+	f.IntVar(&over.ConnsPerPath, "conns-per-path", 0, "IO connections per path")
+	f.Lookup("conns-per-path").DefValue = "the number of CPUs"
 	f.TextVar(&over.MPPolicy, "mpath-policy", d.MPPolicy, "round-robin, min-inflight or min-latency")
 	f.IntVar(&over.MaxReconnectAttempts, "max-reconnect-attempts", d.MaxReconnectAttempts, "-1 forever, 0 never, or N")
 	f.DurationVar(&over.NoPathTimeout.Duration, "no-path-timeout", d.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
@@ -143,6 +152,10 @@ flags or as its one-line string:
   rnbd-client map "sessname=s1 path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw"
 
 A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
+		Example: `  rnbd-client map --sessname host7 --path ip:10.0.0.5 --device-path vol1          # an NBD socket, or /dev/nbdN
+  rnbd-client map --sessname host7 --path ip:10.0.0.5 --path ip:10.0.1.5 --device-path vol1 --as ublk
+  rnbd-client map "sessname=host7 path=ip:10.0.0.5 device_path=vol1 access_mode=ro" --as socket:/run/rnbd/vol1.sock
+  rnbd-client map --sessname host7 --path ip:10.0.0.5 --device-path vol1 --set no_path_timeout=30s`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 1 {
@@ -267,7 +280,9 @@ func newSession(g *cli.Globals) *cobra.Command {
 	}), &cobra.Command{
 		Use:   "set NAME KEY=VALUE...",
 		Short: "Set " + clientd.SettingKeys + " of a session (kept across restarts)",
-		Args:  cobra.MinimumNArgs(2),
+		Example: `  rnbd-client session set host7 mpath_policy=round-robin
+  rnbd-client session set host7 no_path_timeout=30s fast_io_fail_tmo=10s`,
+		Args: cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var req clientd.SetRequest
 			for _, kv := range args[1:] {
@@ -316,8 +331,9 @@ func newStats(g *cli.Globals) *cobra.Command {
 func newWait(g *cli.Globals) *cobra.Command {
 	var timeout time.Duration
 	cmd := &cobra.Command{
-		Use:   "wait",
-		Short: "Wait until the daemon answers and every mapping is open on its server (exit 0), or say which is not",
+		Use:     "wait",
+		Short:   "Wait until the daemon answers and every mapping is open on its server (exit 0), or say which is not",
+		Example: `  rnbd-client wait --timeout 90s`,
 		Long: `Wait until the daemon answers and every mapping is open on its server.
 
 Mappings come back from the state file when the daemon starts. One whose

@@ -28,6 +28,10 @@ func newRoot() *cobra.Command {
 
 Run "rnbd-server daemon" to serve; the other commands control the running
 daemon through its control socket.`,
+		Example: `  rnbd-server daemon --config /etc/rnbd/server.toml
+  rnbd-server map vol1 /dev/vg0/vol1 --allow-identity host7
+  rnbd-server device list --format json
+  rnbd-server session list --fields all`,
 	}
 	g.Add(root, serverd.DefaultControlSocket)
 	root.AddCommand(
@@ -40,7 +44,7 @@ daemon through its control socket.`,
 		return err
 	}))
 	g.AddVersion(root)
-	root.AddCommand(cli.ManCmd(root))
+	root.AddCommand(cli.ManCmd(root, man))
 	return root
 }
 
@@ -54,7 +58,10 @@ func newDaemon() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the server daemon (flags override the configuration file)",
-		Args:  cobra.NoArgs,
+		Example: `  rnbd-server daemon                          # /etc/rnbd/server.toml if it exists
+  rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1
+  rnbd-server daemon --listen tcp://10.0.0.1 --listen tcp://10.0.1.1 --dev-search-path /srv/rnbd`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cfg, err := serverd.LoadConfig(configFile, cmd.Flags().Changed("config"))
 			if err != nil {
@@ -118,9 +125,12 @@ func newDaemon() *cobra.Command {
 	f.StringArrayVar(&over.SearchAllowIdentities, "dev-search-path-allow-identity", nil, "a client identity (TLS certificate name) that may open devices under dev_search_path, NAME or NAME=ro|rw|migration (repeatable; none: any client)")
 	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
 	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
-	chunkMem = units.Size(d.MaxChunkMemory)
-	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound; default a quarter of RAM, at most 8 GiB)")
-	f.Var(&clientMem, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own; default a quarter of max-chunk-memory, at least 8 paths' worth)")
+	// Its default depends on the host: the help and the man page say
+	// the rule, not this machine's number.
+	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound)")
+	f.Lookup("max-chunk-memory").DefValue = "a quarter of RAM, at most 8GiB"
+	f.Var(&clientMem, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own)")
+	f.Lookup("max-chunk-memory-per-client").DefValue = "a quarter of max-chunk-memory, at least 8 paths' worth"
 	f.StringVar(&over.MetricsListen, "metrics-listen", d.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
 	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity whose session first opens a device with it, kept in the state file; others are refused it")
 	f.Float64Var(&over.NewPathRate, "new-path-rate", d.NewPathRate, "new paths one client (one address, and one identity with TLS) may make a second after a burst of --new-path-burst; more are refused with EAGAIN and retried (0: no bound)")
@@ -153,7 +163,10 @@ func newMap(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
 		Short: "Export PATH (a file or block device) under NAME",
-		Args:  cobra.ExactArgs(2),
+		Example: `  truncate -s 1G /srv/rnbd/disk0.img && rnbd-server map disk0 /srv/rnbd/disk0.img
+  rnbd-server map vol1 /dev/vg0/vol1 --allow-identity host7 --allow-identity backup=ro
+  rnbd-server map vol2 /dev/vg0/vol2 --allow host7 --allow-from 10.0.0.0/24 --max-sessions 1`,
+		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			p, err := filepath.Abs(args[1])
 			if err != nil {
@@ -191,7 +204,9 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "unmap NAME",
 		Short: "Withdraw an export (refused while open unless --force)",
-		Args:  cobra.ExactArgs(1),
+		Example: `  rnbd-server unmap vol1
+  rnbd-server unmap vol1 --force   # its sessions' IO then fails with ENOTCONN`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			path := "/v1/exports/" + url.PathEscape(args[0])
 			if force {
@@ -211,8 +226,9 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 func newResize(g *cli.Globals) *cobra.Command {
 	var force bool
 	cmd := &cobra.Command{
-		Use:   "resize NAME SIZE",
-		Short: "Set an exported file's size (e.g. 20GiB); clients with it open learn it within seconds",
+		Use:     "resize NAME SIZE",
+		Short:   "Set an exported file's size (e.g. 20GiB); clients with it open learn it within seconds",
+		Example: `  rnbd-server resize disk0 20GiB`,
 		Long: `Set an exported file's size (e.g. 20GiB, a multiple of 512 bytes). rnbd
 clients that have it open learn the new size within their size poll (5 s)
 and apply it to their devices; the kernel's rnbd client learns it when it

@@ -59,6 +59,37 @@ var exitCodes = map[Code]int{
 	CodeNotSupported: 8,
 }
 
+// exitMeanings say what each exit code means, for the man pages' EXIT
+// STATUS (docs/control-api.md has the same classes, with more).
+var exitMeanings = map[Code]string{
+	CodeInternal:     "a bug or an unexpected I/O error",
+	CodeInvalid:      "a bad name, path, flag or request; command-line usage; a configuration file that is wrong",
+	CodeNotFound:     "no such export, device, session or path; a file that does not exist",
+	CodeExists:       "an export or mapping of that name exists",
+	CodeBusy:         "in use: an export or device a session or client has open, a name bound to a session",
+	CodeUnavailable:  "the daemon is not running, or a peer did not answer in time",
+	CodePermission:   "the control socket is not yours, a file cannot be read, or the server refused (an identity, session name, network or access mode an export does not allow)",
+	CodeNotSupported: "the operation is not implemented for this object",
+}
+
+// ExitStatus is one exit code of the command lines: the code, its class
+// and what it means.
+type ExitStatus struct {
+	Exit    int
+	Class   Code
+	Meaning string
+}
+
+// ExitStatuses are every exit code but 0, in order.
+func ExitStatuses() []ExitStatus {
+	var out []ExitStatus
+	for c, n := range exitCodes {
+		out = append(out, ExitStatus{Exit: n, Class: c, Meaning: exitMeanings[c]})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Exit < out[j].Exit })
+	return out
+}
+
 // Error is an error with a class, as it crosses the socket.
 type Error struct {
 	Code    Code   `json:"code"`

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -167,5 +169,29 @@ func TestLookup(t *testing.T) {
 	}
 	if _, err := Lookup("path", "x", nil, nameOf, near("x")); ExitCode(err) != 3 || err.Error() != "no path x (there are none)" {
 		t.Errorf("none of none: %v", err)
+	}
+}
+
+// TestExitCodesDocumented: docs/control-api.md's table of classes says
+// the exit codes the command lines use, and each has a meaning for the
+// man pages' EXIT STATUS.
+func TestExitCodesDocumented(t *testing.T) {
+	b, err := os.ReadFile("../../docs/control-api.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := regexp.MustCompile("(?m)^\\| `([a-z_]+)` \\| (\\d+) \\| (\\d+) \\|")
+	docs := map[Code]string{}
+	for _, m := range row.FindAllStringSubmatch(string(b), -1) {
+		docs[Code(m[1])] = m[3]
+	}
+	st := ExitStatuses()
+	if len(st) != len(exitCodes) || len(docs) != len(exitCodes) {
+		t.Fatalf("%d classes, %d exit statuses, %d in the docs", len(exitCodes), len(st), len(docs))
+	}
+	for i, s := range st {
+		if docs[s.Class] != strconv.Itoa(s.Exit) || s.Meaning == "" || (i > 0 && st[i-1].Exit >= s.Exit) {
+			t.Errorf("%s: exit %d (docs: %s), meaning %q", s.Class, s.Exit, docs[s.Class], s.Meaning)
+		}
 	}
 }
