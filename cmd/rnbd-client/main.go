@@ -134,6 +134,10 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the client presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only); its names are the client's identity on servers")
 	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
 	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that servers' certificates must chain to")
+	cli.CompleteFlag(cmd, "log-level", cli.CompleteFrom("error", "warn", "info", "debug"))
+	cli.CompleteFlag(cmd, "log-format", cli.CompleteFrom("text", "json"))
+	cli.CompleteFlag(cmd, "mpath-policy", cli.CompleteFrom(clientd.SettingValues["mpath_policy"]...))
+	cli.CompleteFlag(cmd, "config", cli.CompleteFiles("toml"))
 	f.StringVar(&over.TLS.ServerName, "tls-server-name", "", "name to check servers' certificates against (default: the address dialed, an IP subject alternative name)")
 	return cmd
 }
@@ -211,7 +215,24 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.Var(&port, "dest-port", "server port, 1 to 65535")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
 	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+clientd.SettingKeys+" (repeatable; as session set, and kept across restarts)")
+	cli.CompleteFlag(cmd, "sessname", g.CompleteNames("sessname", "/v1/sessions"))
+	cli.CompleteFlag(cmd, "access-mode", cli.CompleteFrom("ro", "rw", "migration"))
+	cli.CompleteFlag(cmd, "transport", cli.CompleteFrom("auto", "tcp", "rdma"))
+	cli.CompleteFlag(cmd, "set", cli.CompleteSettings(clientd.SettingNames, clientd.SettingValues))
+	cmd.ValidArgsFunction = cli.CompleteFrom() // the map string is free text
 	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir (and map says so)")
+	cli.CompleteFlag(cmd, "as", func(_ *cobra.Command, _ []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+		if strings.HasPrefix(toComplete, "socket:") {
+			return nil, cobra.ShellCompDirectiveDefault // a path after it
+		}
+		var out []string
+		for _, w := range []string{"nbd", "ublk", "socket:"} {
+			if strings.HasPrefix(w, toComplete) {
+				out = append(out, w)
+			}
+		}
+		return out, cobra.ShellCompDirectiveNoFileComp | cobra.ShellCompDirectiveNoSpace
+	})
 	return cmd
 }
 
@@ -234,7 +255,7 @@ func merge(m *clientd.Mapping, line clientd.Mapping) {
 }
 
 func devCmd(g *cli.Globals, use, short, op string, body func() any, done string) *cobra.Command {
-	return g.Command(cli.Action{Use: use, Short: short, Args: 1,
+	return g.Command(cli.Action{Use: use, Short: short, Args: 1, Complete: g.CompleteNames("devname", "/v1/devices"),
 		Path: cli.Under("/v1/devices", "/"+op),
 		Body: func([]string) any { return body() },
 		Done: func(args []string) string { return args[0] + " " + done },
@@ -255,7 +276,7 @@ func newRemap(g *cli.Globals) *cobra.Command {
 }
 
 func newResize(g *cli.Globals) *cobra.Command {
-	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2,
+	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2, Complete: g.CompleteNames("devname", "/v1/devices", ""),
 		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections)",
 		Path:  cli.Under("/v1/devices", "/resize"),
 		Body:  func(args []string) any { return clientd.ResizeRequest{Size: args[1]} },
@@ -275,14 +296,21 @@ func newSession(g *cli.Globals) *cobra.Command {
 	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List sessions", "Show a session with every field", nil,
 		[]string{"sessname", "state", "path_uu", "mpath_policy", "tx_bytes", "rx_bytes", "devices"}, clientd.SessionFields)...)
 	cmd.AddCommand(g.Command(cli.Action{Use: "reconnect NAME", Short: "Reconnect every path of a session", Args: 1,
-		Path: cli.Under("/v1/sessions", "/reconnect"),
-		Done: func(args []string) string { return args[0] + " reconnected" },
+		Complete: g.CompleteNames("sessname", "/v1/sessions"),
+		Path:     cli.Under("/v1/sessions", "/reconnect"),
+		Done:     func(args []string) string { return args[0] + " reconnected" },
 	}), &cobra.Command{
 		Use:   "set NAME KEY=VALUE...",
 		Short: "Set " + clientd.SettingKeys + " of a session (kept across restarts)",
 		Example: `  rnbd-client session set host7 mpath_policy=round-robin
   rnbd-client session set host7 no_path_timeout=30s fast_io_fail_tmo=10s`,
 		Args: cobra.MinimumNArgs(2),
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+			if len(args) == 0 {
+				return g.CompleteNames("sessname", "/v1/sessions")(cmd, args, toComplete)
+			}
+			return cli.CompleteSettings(clientd.SettingNames, clientd.SettingValues)(cmd, args, toComplete)
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var req clientd.SetRequest
 			for _, kv := range args[1:] {
@@ -314,9 +342,10 @@ func newPath(g *cli.Globals) *cobra.Command {
 		},
 		func(func() string) []*cobra.Command {
 			return []*cobra.Command{g.Command(cli.Action{Use: "add SESSION PATH", Short: "Add a path ([ip:SRC@]ip:DST) to a session and connect it", Args: 2,
-				Path: cli.Under("/v1/sessions", "/paths"),
-				Body: func(args []string) any { return clientd.PathRequest{Path: args[1]} },
-				Done: func(args []string) string { return "path " + args[1] + " added to " + args[0] },
+				Complete: g.CompleteNames("sessname", "/v1/sessions", ""),
+				Path:     cli.Under("/v1/sessions", "/paths"),
+				Body:     func(args []string) any { return clientd.PathRequest{Path: args[1]} },
+				Done:     func(args []string) string { return "path " + args[1] + " added to " + args[0] },
 			})}
 		})
 }

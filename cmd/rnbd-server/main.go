@@ -150,6 +150,10 @@ func newDaemon() *cobra.Command {
 	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the server presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only, client certificates required)")
 	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
 	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that clients' certificates must chain to; their names are the identities of allow_identities")
+	cli.CompleteFlag(cmd, "log-level", cli.CompleteFrom("error", "warn", "info", "debug"))
+	cli.CompleteFlag(cmd, "log-format", cli.CompleteFrom("text", "json"))
+	cli.CompleteFlag(cmd, "invalidate-by", cli.CompleteFrom("window", "registration"))
+	cli.CompleteFlag(cmd, "config", cli.CompleteFiles("toml"))
 	f.BoolVar(&over.TLS.AllowAnonymousClients, "tls-allow-anonymous-clients", false, "accept a client certificate of --tls-ca that names no identity (no CN, no DNS, URI or e-mail SAN): such a client is counted by its address and may open the exports that grant no identities (default: refused with EACCES)")
 	return cmd
 }
@@ -189,6 +193,13 @@ func newMap(g *cli.Globals) *cobra.Command {
 			return nil
 		},
 	}
+	// NAME is new; PATH is a file or device.
+	cmd.ValidArgsFunction = func(_ *cobra.Command, args []string, _ string) ([]string, cobra.ShellCompDirective) {
+		if len(args) == 1 {
+			return nil, cobra.ShellCompDirectiveDefault
+		}
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
 	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
 	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
 	cmd.Flags().StringArrayVar(&from, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
@@ -196,6 +207,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 	cmd.Flags().IntVar(&maxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
 	cmd.Flags().BoolVar(&migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
 	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
+	cli.CompleteFlag(cmd, "allow", g.CompleteNames("sessname", "/v1/sessions"))
 	return cmd
 }
 
@@ -220,6 +232,7 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "close it for every session that has it open (their IO then fails with ENOTCONN)")
+	cmd.ValidArgsFunction = g.CompleteNames("name", "/v1/exports")
 	return cmd
 }
 
@@ -247,6 +260,7 @@ its new size the same way.`,
 		},
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "shrink it even though sessions have it open (what lies past the new end is lost to them)")
+	cmd.ValidArgsFunction = g.CompleteNames("name", "/v1/exports", "")
 	return cmd
 }
 
@@ -278,6 +292,8 @@ func newDevice(g *cli.Globals) *cobra.Command {
 		},
 	}
 	closeCmd.Flags().StringVar(&session, "session", "", "only for this session")
+	closeCmd.ValidArgsFunction = g.CompleteNames("devname", "/v1/devices")
+	cli.CompleteFlag(closeCmd, "session", g.CompleteNames("sessname", "/v1/sessions"))
 	cmd.AddCommand(closeCmd)
 	return cmd
 }
@@ -287,21 +303,23 @@ func newSession(g *cli.Globals) *cobra.Command {
 	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List client sessions", "Show a session", nil,
 		[]string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}, serverd.SessionFields)...)
 	cmd.AddCommand(g.Command(cli.Action{Use: "disconnect NAME", Short: "Disconnect every path of a session (its devices close)", Args: 1,
-		Path: cli.Under("/v1/sessions", "/disconnect"),
-		Done: func(args []string) string { return "disconnecting " + args[0] },
+		Path:     cli.Under("/v1/sessions", "/disconnect"),
+		Done:     func(args []string) string { return "disconnecting " + args[0] },
+		Complete: g.CompleteNames("sessname", "/v1/sessions"),
 	}))
-	cmd.AddCommand(&cobra.Command{
+	cmd.AddCommand(cli.Fields(&cobra.Command{
 		Use:   "names",
 		Short: "List the session names bound to client identities (TLS): only that identity may take the name",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return g.List(cmd.OutOrStdout(), "/v1/session-names", "session-name", serverd.SessionNameFields, serverd.SessionNameFields)
 		},
-	})
+	}, []string{"sessname", "identity"}))
 	cmd.AddCommand(&cobra.Command{
-		Use:   "bind NAME IDENTITY",
-		Short: "Give a session name to a client identity (TLS), in advance or instead of another; a session that has it under another identity is disconnected",
-		Args:  cobra.ExactArgs(2),
+		Use:               "bind NAME IDENTITY",
+		ValidArgsFunction: g.CompleteNames("sessname", "/v1/session-names", ""),
+		Short:             "Give a session name to a client identity (TLS), in advance or instead of another; a session that has it under another identity is disconnected",
+		Args:              cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var resp serverd.BindResponse
 			if err := g.Call("PUT", "/v1/session-names/"+url.PathEscape(args[0]), serverd.BindRequest{Identity: args[1]}, &resp); err != nil {
@@ -316,9 +334,10 @@ func newSession(g *cli.Globals) *cobra.Command {
 		},
 	})
 	cmd.AddCommand(&cobra.Command{
-		Use:   "forget NAME",
-		Short: "Free a session name bound to an identity (not while a session has it): the next identity to take it binds it",
-		Args:  cobra.ExactArgs(1),
+		Use:               "forget NAME",
+		ValidArgsFunction: g.CompleteNames("sessname", "/v1/session-names"),
+		Short:             "Free a session name bound to an identity (not while a session has it): the next identity to take it binds it",
+		Args:              cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := g.Call("DELETE", "/v1/session-names/"+url.PathEscape(args[0]), nil, nil); err != nil {
 				return err

@@ -42,6 +42,8 @@ func (g *Globals) Add(root *cobra.Command, defaultSocket string) {
 	// An unknown format is a usage error (exit 2), found before the
 	// command does anything.
 	root.PersistentPreRunE = func(*cobra.Command, []string) error { return g.CheckFormat() }
+	CompleteFlag(root, "format", CompleteFrom(output.Formats...))
+	CompleteFlag(root, "fields", completeFields)
 }
 
 // CheckFormat refuses an unknown --format as a usage error.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/url"
 	"strconv"
+	"strings"
 
 	"github.com/spf13/cobra"
 )
@@ -15,22 +16,29 @@ func (g *Globals) ListCmds(kind, path, listShort, showShort string, query func()
 	if query == nil {
 		query = func() string { return "" }
 	}
-	return []*cobra.Command{{
+	return []*cobra.Command{Fields(&cobra.Command{
 		Use:   "list",
 		Short: listShort,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return g.List(cmd.OutOrStdout(), path+query(), kind, defaults, all)
 		},
-	}, {
+	}, all), Fields(&cobra.Command{
 		Use:   "show NAME",
 		Short: showShort,
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return g.List(cmd.OutOrStdout(), path+"/"+url.PathEscape(args[0])+query(), kind, all, all)
 		},
-	}}
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+			return g.CompleteNames(nameFields[kind], path+query())(cmd, args, toComplete)
+		},
+	}, all)}
 }
+
+// nameFields are the record fields that name an object of each kind:
+// what "show NAME" and the other commands of one object complete.
+var nameFields = map[string]string{"device": "devname", "session": "sessname", "path": "pathname", "export": "name", "session-name": "sessname"}
 
 // Action is a control command that POSTs to one object and says what it
 // did: "POST Path(args) Body(args)", then Done(args) on a line.
@@ -40,14 +48,17 @@ type Action struct {
 	Path       func(args []string) string
 	Body       func(args []string) any // nil: no body
 	Done       func(args []string) string
+	// Complete completes the arguments (nil: none).
+	Complete Completion
 }
 
 // Command makes the cobra command of a.
 func (g *Globals) Command(a Action) *cobra.Command {
 	return &cobra.Command{
-		Use:   a.Use,
-		Short: a.Short,
-		Args:  cobra.ExactArgs(a.Args),
+		Use:               a.Use,
+		Short:             a.Short,
+		Args:              cobra.ExactArgs(a.Args),
+		ValidArgsFunction: a.Complete,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var body any
 			if a.Body != nil {
@@ -92,8 +103,12 @@ func (g *Globals) PathCmd(short, showWhat string, defaults, all []string, ops []
 			Use: op.Name + " PATH", Short: op.Short, Args: 1,
 			Path: func(args []string) string { return "/v1/paths/" + url.PathEscape(args[0]) + "/" + op.Name + q() },
 			Done: func(args []string) string { return fmt.Sprintf(op.Done, args[0]) },
+			Complete: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+				return g.CompleteNames("pathname", "/v1/paths"+q())(cmd, args, toComplete)
+			},
 		}))
 	}
+	CompleteFlag(cmd, "session", g.CompleteNames("sessname", "/v1/sessions"))
 	return cmd
 }
 
@@ -106,9 +121,10 @@ type PathOp struct{ Name, Short, Done string }
 func (g *Globals) StatsCmd(short string, fields []string) *cobra.Command {
 	var reset bool
 	cmd := &cobra.Command{
-		Use:   "stats",
-		Short: short,
-		Args:  cobra.NoArgs,
+		Annotations: map[string]string{fieldsAnnotation: strings.Join(fields, ",")},
+		Use:         "stats",
+		Short:       short,
+		Args:        cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if reset {
 				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {

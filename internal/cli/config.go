@@ -38,6 +38,12 @@ is no error (the daemon then runs on its defaults). The packaged unit runs
 it before the daemon (ExecStartPre).`,
 		Example: "  " + daemon + " config check " + defaultFile,
 		Args:    cobra.MaximumNArgs(1),
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+			if len(args) > 0 {
+				return nil, cobra.ShellCompDirectiveNoFileComp
+			}
+			return CompleteFiles("toml")(cmd, args, toComplete)
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			path, explicit := defaultFile, len(args) == 1
 			if explicit {

@@ -109,6 +109,17 @@ func ParseMapString(s string) (Mapping, error) {
 // SettingKeys are the session settings Parse takes.
 const SettingKeys = "mpath_policy, max_reconnect_attempts, reconnect_delay, ctrl_loss_tmo, no_path_timeout or fast_io_fail_tmo"
 
+// SettingNames are SettingKeys one by one, and SettingValues the words
+// some of them take (for completion).
+var (
+	SettingNames  = []string{"mpath_policy", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "no_path_timeout", "fast_io_fail_tmo"}
+	SettingValues = map[string][]string{
+		"mpath_policy":     {"round-robin", "min-inflight", "min-latency"},
+		"ctrl_loss_tmo":    {"off"},
+		"fast_io_fail_tmo": {"off"},
+	}
+)
+
 // Parse sets the session setting k to v (session set KEY=VALUE, and the
 // map string's session keys); values are checked by the daemon.
 func (req *SetRequest) Parse(k, v string) error {

@@ -3,7 +3,9 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -86,6 +88,86 @@ func TestVersion(t *testing.T) {
 		}
 		if !strings.Contains(string(s.text), "# TYPE rnbd_build_info gauge") {
 			t.Errorf("%s: rnbd_build_info is not a gauge", who)
+		}
+	}
+}
+
+// complete runs a binary's shell completion (what the completion
+// scripts run) for args, the last being the word completed: the words
+// offered and the directive line.
+func complete(t *testing.T, name, socket string, args ...string) ([]string, string) {
+	t.Helper()
+	start := time.Now()
+	stdout, stderr, code := runCode(t, 10*time.Second, bin(name), append([]string{"__complete", "--socket", socket}, args...)...)
+	if code != 0 || strings.Contains(stderr, "rror") {
+		t.Fatalf("%s __complete %v: exit %d\n%s%s", name, args, code, stdout, stderr)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("%s __complete %v took %v", name, args, d)
+	}
+	lines := strings.Split(strings.TrimSpace(stdout), "\n")
+	return lines[:len(lines)-1], lines[len(lines)-1]
+}
+
+// TestCompletion: completion offers what the running daemons have —
+// export, device, session and path names — asked over the control
+// socket, and the words a setting or flag takes; with no daemon, or one
+// that does not answer, it offers nothing within a second or so, and
+// says nothing.
+func TestCompletion(t *testing.T) {
+	m := mapVol(t, 64<<20, "s-complete", nil, nil)
+	srv, cl := m.srv.sock, m.cl.sock
+	pathname := strings.TrimSpace(m.cl.ok("path", "list", "--fields", "pathname", "--format", "csv"))
+	pathname = strings.TrimSpace(strings.TrimPrefix(pathname, "pathname"))
+	srvPath := strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(m.srv.ok("path", "list", "--fields", "pathname", "--format", "csv")), "pathname"))
+	for _, c := range []struct {
+		bin, sock string
+		args      []string
+		want      []string
+	}{
+		{"rnbd-server", srv, []string{"unmap", ""}, []string{"vol"}},
+		{"rnbd-server", srv, []string{"resize", "v"}, []string{"vol"}},
+		{"rnbd-server", srv, []string{"device", "show", ""}, []string{"vol"}},
+		{"rnbd-server", srv, []string{"session", "disconnect", ""}, []string{"s-complete"}},
+		{"rnbd-server", srv, []string{"path", "show", ""}, []string{srvPath}},
+		{"rnbd-server", srv, []string{"path", "show", "--session", "s-"}, []string{"s-complete"}},
+		{"rnbd-client", cl, []string{"unmap", ""}, []string{"rnbd0"}},
+		{"rnbd-client", cl, []string{"device", "show", "r"}, []string{"rnbd0"}},
+		{"rnbd-client", cl, []string{"session", "set", ""}, []string{"s-complete"}},
+		{"rnbd-client", cl, []string{"session", "set", "s-complete", "no_"}, []string{"no_path_timeout="}},
+		{"rnbd-client", cl, []string{"session", "set", "s-complete", "mpath_policy=min"}, []string{"mpath_policy=min-inflight", "mpath_policy=min-latency"}},
+		{"rnbd-client", cl, []string{"path", "reconnect", ""}, []string{pathname}},
+		{"rnbd-client", cl, []string{"map", "--sessname", ""}, []string{"s-complete"}},
+		{"rnbd-client", cl, []string{"map", "--as", ""}, []string{"nbd", "ublk", "socket:"}},
+		{"rnbd-client", cl, []string{"device", "list", "--format", ""}, []string{"table", "json", "csv", "xml"}},
+		{"rnbd-client", cl, []string{"device", "list", "--fields", "devname,si"}, []string{"devname,size"}},
+	} {
+		got, dir := complete(t, c.bin, c.sock, c.args...)
+		if strings.Join(got, " ") != strings.Join(c.want, " ") || !strings.HasPrefix(dir, ":") {
+			t.Errorf("%s %s: %q %s, want %q", c.bin, strings.Join(c.args, " "), got, dir, c.want)
+		}
+	}
+	// No daemon; a daemon that accepts and never answers.
+	dir := t.TempDir()
+	mute, err := net.Listen("unix", filepath.Join(dir, "mute.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mute.Close()
+	go func() {
+		for {
+			c, err := mute.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	for _, sock := range []string{filepath.Join(dir, "none.sock"), filepath.Join(dir, "mute.sock")} {
+		for _, args := range [][]string{{"unmap", ""}, {"session", "set", ""}, {"path", "show", ""}} {
+			if got, d := complete(t, "rnbd-client", sock, args...); len(got) != 0 || d != ":4" {
+				t.Errorf("rnbd-client %s with %s: %q %s, want nothing (:4)", strings.Join(args, " "), sock, got, d)
+			}
 		}
 	}
 }
