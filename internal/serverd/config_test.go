@@ -170,7 +170,10 @@ func TestTLSNeverDropped(t *testing.T) {
 		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v, want %q", c.name, err, c.want)
 		}
-		if _, err := Start(cfg, Options{}); err == nil {
+		// Should it start after all, it does in the test's directory.
+		cfg.ControlSocket, cfg.StateFile = filepath.Join(dir, "ctl.sock"), filepath.Join(dir, "state.json")
+		if d, err := Start(cfg, Options{}); err == nil {
+			d.Stop()
 			t.Errorf("%s: started", c.name)
 		}
 	}
@@ -194,7 +197,10 @@ func TestTLSNeverDropped(t *testing.T) {
 		t.Error("the control socket was made by a start that failed on TLS")
 	}
 	// A fabric of the caller's would not carry it.
-	if _, err := Start(cfg, Options{Fabric: fabrictest.NewNetwork().Fabric()}); err == nil || !strings.Contains(err.Error(), "tls") {
+	if d, err := Start(cfg, Options{Fabric: fabrictest.NewNetwork().Fabric()}); err == nil || !strings.Contains(err.Error(), "tls") {
+		if err == nil {
+			d.Stop()
+		}
 		t.Errorf("TLS configured with a caller's fabric: %v", err)
 	}
 }
