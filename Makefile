@@ -54,8 +54,8 @@ vet:
 # The quick start's second command. As root it also runs the privileged
 # tests (network namespaces); otherwise they skip and say why.
 test: deps vet
-	RNBD_REQUIRE_PROMTOOL=$$([ "$$(id -u)" = 0 ] && echo 1) $(GO) test -race -count=1 -timeout 30m ./...
-	RNBD_E2E_TLS=1 $(GO) test -count=1 -timeout 30m ./test/e2e
+	RNBD_REQUIRE_PROMTOOL=$$([ "$$(id -u)" = 0 ] && echo 1) $(GO) test -race -count=1 -parallel 3 -timeout 30m ./...
+	RNBD_E2E_TLS=1 $(GO) test -count=1 -parallel 3 -timeout 30m ./test/e2e
 
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from

@@ -43,6 +43,9 @@ var hostileIdentities = []string{"e2e-many", "e2e-stall", "e2e-half"}
 // in the middle of it, the server refuses or drops every hostile peer
 // by its bounds, and its memory stays within its chunk budget.
 func TestHostileBesideVerify(t *testing.T) {
+	// Mostly waiting (timeouts, a loss window) at a bounded load: runs
+	// beside the suite's other long waiters (docs/testing.md).
+	t.Parallel()
 	needTools(t, "fio")
 	dir := t.TempDir()
 	vol := filepath.Join(dir, "vol.img")

@@ -151,6 +151,9 @@ func (r *twoPaths) stop(t *testing.T) {
 // frozen host). The IO on that path fails over within 2 s (TCP's user
 // timeout), none fails, and the path comes back after the address does.
 func TestMultipathSilentLoss(t *testing.T) {
+	// Mostly waiting (timeouts, a loss window) at a bounded load: runs
+	// beside the suite's other long waiters (docs/testing.md).
+	t.Parallel()
 	r := newTwoPaths(t, "e2s", 202)
 	load := r.load(t, 24*time.Second, "--reconnect-delay", "200ms", "--reconnect-max-delay", "1s")
 	time.Sleep(3 * time.Second)
@@ -264,6 +267,9 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 // address on one path disappears for 40 s. No IO fails, every block
 // verifies, and none waits more than 2 s.
 func TestMultipathSilentLossNBD(t *testing.T) {
+	// Mostly waiting (timeouts, a loss window) at a bounded load: runs
+	// beside the suite's other long waiters (docs/testing.md).
+	t.Parallel()
 	needTools(t, "fio")
 	r, csock, uri := newNBDTwoPaths(t, "e2f", 203, "--set", "mpath_policy=round-robin")
 	fio := start(t, "fio", "--name=silent", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
