@@ -105,7 +105,6 @@ type CMID struct {
 	n  node
 	id *C.struct_rdma_cm_id
 	ch *EventChannel
-	qp *QP
 }
 
 // CreateID makes an ID whose events come to the channel.
@@ -241,7 +240,6 @@ func (x *CMID) CreateQP(pd *PD, cq *CQ, caps QPCaps) (*QP, error) {
 		swr: (*C.struct_rnbd_send_wr)(C.calloc(MaxChain, C.sizeof_struct_rnbd_send_wr)),
 		rwr: (*C.struct_rnbd_recv_wr)(C.calloc(MaxChain, C.sizeof_struct_rnbd_recv_wr))}
 	qp.n.init("QP", &x.n, qp)
-	x.qp = qp
 	return qp, nil
 }
 
