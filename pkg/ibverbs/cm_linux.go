@@ -18,7 +18,10 @@ import (
 )
 
 // EventChannel is an rdma_cm event channel: the events of its IDs,
-// waited on in Go's poller.
+// waited on in Go's poller. One goroutine calls Next; CreateID may be
+// called beside it (the IDs are under mu), and Interrupt from any
+// goroutine wakes Next. Close must come after the other calls have
+// returned, but for a Next, which it interrupts.
 type EventChannel struct {
 	n  node
 	ch *C.struct_rdma_event_channel
@@ -100,7 +103,11 @@ func (c *EventChannel) Close() error {
 	return nil
 }
 
-// CMID is an rdma_cm ID: one connection or a listener.
+// CMID is an rdma_cm ID: one connection or a listener. This package does
+// not serialize the calls on one ID: the caller makes them in sequence
+// (resolve, route, connect or accept, disconnect, as rdma_cm wants
+// them), and Migrate and Close must not race with any other, as they
+// change the ID's channel. Close is idempotent.
 type CMID struct {
 	n  node
 	id *C.struct_rdma_cm_id

@@ -119,6 +119,8 @@ func Devices() ([]string, error) {
 // Context is an opened device (struct ibv_context). One opened by
 // OpenDevice is ours and Close closes it; one an rdma_cm ID runs on
 // belongs to librdmacm, and its Close only closes what was made on it.
+// It is safe for concurrent use, but for Close, which must come after
+// the calls that make objects on it have returned.
 type Context struct {
 	n     node
 	c     *C.struct_ibv_context
@@ -198,7 +200,9 @@ func (x *Context) Close() error {
 	return errnoErr("ibv_close_device", -int(C.ibv_close_device(x.c)))
 }
 
-// PD is a protection domain.
+// PD is a protection domain. It is safe for concurrent use, but for
+// Close, which must come after the calls that register on it (RegMR,
+// AllocMW) have returned.
 type PD struct {
 	n  node
 	pd *C.struct_ibv_pd
@@ -229,7 +233,9 @@ func (p *PD) Close() error {
 	return errnoErr("ibv_dealloc_pd", -int(C.ibv_dealloc_pd(p.pd)))
 }
 
-// MR is a registered memory region.
+// MR is a registered memory region. It is safe for concurrent use: its
+// keys and address do not change, and Close is idempotent; it must not be
+// used once closed.
 type MR struct {
 	n   node
 	mr  *C.struct_ibv_mr
@@ -266,7 +272,9 @@ func (m *MR) Close() error {
 }
 
 // MW is a memory window (type 1: bound with QP.BindMW, any QP of the PD
-// may use it).
+// may use it). RKey reads the key the last QP.BindMW set, so it must
+// not be called while a QP.BindMW of the window runs on another
+// goroutine; Close may be called from any goroutine.
 type MW struct {
 	n  node
 	mw *C.struct_ibv_mw
@@ -361,7 +369,9 @@ func (p *pollable) close() {
 }
 
 // CompChannel is a completion channel: its CQs' events, waited on in
-// Go's poller.
+// Go's poller. One goroutine calls Wait (the waiter's state is the
+// channel's); Interrupt and Close may be called from any other, and wake
+// it.
 type CompChannel struct {
 	n  node
 	ch *C.struct_ibv_comp_channel
@@ -428,7 +438,9 @@ func (c *CompChannel) Close() error {
 	return errnoErr("ibv_destroy_comp_channel", -int(C.ibv_destroy_comp_channel(c.ch)))
 }
 
-// CQ is a completion queue. One goroutine polls it.
+// CQ is a completion queue. One goroutine polls it (Poll, ReqNotify;
+// Poll's buffer is the CQ's): it is not safe for concurrent use, and
+// Close must come after that goroutine has stopped polling.
 type CQ struct {
 	n      node
 	cq     *C.struct_ibv_cq
@@ -501,7 +513,8 @@ func (q *CQ) Close() error {
 }
 
 // QP is a reliable-connection queue pair, made on an rdma_cm ID.
-// PostSend and PostRecv are safe for concurrent use.
+// PostSend, BindMW (under sendMu) and PostRecv (under recvMu) are safe
+// for concurrent use, also with Close, after which they return ErrClosed.
 type QP struct {
 	n  node
 	qp *C.struct_ibv_qp

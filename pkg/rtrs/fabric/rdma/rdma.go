@@ -17,6 +17,21 @@
 // Reregister registers it again under a new rkey. Local access goes
 // through a second, local-only registration that never changes, the way
 // the kernel uses its PD's local DMA key.
+//
+// Every object is safe for concurrent use, as package fabric's contract
+// wants. Lock order (outermost first):
+//
+//	conn.closeOnce (Close: it waits for the connection's goroutines)
+//	conn.heldMu
+//	  ibverbs.QP's send lock (postHeld posts under heldMu)
+//	mr.mu
+//	  ibverbs' node and tracker locks (registrations are made and
+//	  dropped under mu)
+//
+// conn.heldMu and mr.mu are never held together, and no handler is
+// called under either: the poll loop ends a burst (BurstEnd) before it
+// takes heldMu, and a connection fails (Handler.Disconnected) with no
+// lock held.
 package rdma
 
 import (

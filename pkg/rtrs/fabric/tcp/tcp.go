@@ -6,6 +6,26 @@
 //
 // The wire format (connection handshake and work-request frames) is ours;
 // docs/protocol.md describes it. The RTRS messages inside are the kernel's.
+//
+// Every object is safe for concurrent use, as package fabric's contract
+// wants. Lock order (outermost first; a sync.Once counts, as Do holds it
+// while its function runs):
+//
+//	conn.failOnce (fail)
+//	  conn.sqMu
+//	  conn.rqMu
+//	  linkWatch.mu (the connection stops being watched)
+//	listener.closeOnce (Close)
+//	  listener.perAddrMu
+//	connReq.once (Accept)
+//	  conn.rqMu (newConn posts the first receives)
+//
+// No two mutexes are held at once: conn.sqMu, conn.rqMu, linkWatch.mu,
+// listener.perAddrMu and mrTable.mu are each let go before another is
+// taken (popRecv lets rqMu go to flush, which takes sqMu; linkWatch
+// fails its connections after it lets mu go). No handler is called under
+// a mutex; Handler.Disconnected runs inside conn.failOnce, and
+// Handler.Attached inside connReq.once.
 package tcp
 
 import (
