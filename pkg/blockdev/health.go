@@ -28,7 +28,8 @@ func (b *Backend) Health() error {
 
 // HealthCheck is Health on a descriptor of its own: once made, it needs
 // the backend no more, so it can be left waiting on a mount that does not
-// answer while the backend is closed.
+// answer while the backend is closed. It is for one Run, by one
+// goroutine: Run closes its descriptor.
 type HealthCheck struct {
 	f    *os.File // nil: nothing to check (a block device)
 	path string

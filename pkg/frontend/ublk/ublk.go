@@ -18,6 +18,17 @@
 // holds its IO and requeues what the server had not completed; the next
 // server takes it over with Recover and the held IO runs there. Nothing
 // fails in between, however long it takes.
+//
+// Lock order (outermost first; a sync.Once counts, as Do holds it while
+// its function runs):
+//
+//	Device.stopOnce (Stop, Detach: teardown)
+//	  Device.ctrlMu (control commands)
+//	  queue.mu (stopping the queues)
+//
+// Device.ctrlMu and queue.mu are never held together, and nothing else is
+// taken under either: ctrlMu is held for one control command on the
+// control ring, queue.mu for a queue's completions and its eventfd.
 package ublk
 
 import (
@@ -244,7 +255,9 @@ func buildParams(o *Options) params {
 	return p
 }
 
-// Device is a running ublk device.
+// Device is a running ublk device. It is safe for concurrent use: its
+// accessors read what New or Recover set, control commands are serialized
+// (ctrlMu), and Stop and Detach tear down once between them.
 type Device struct {
 	opts     Options
 	be       Backend
