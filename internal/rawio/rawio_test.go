@@ -8,10 +8,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func tcpPair(t *testing.T) (a, b net.Conn) {
@@ -38,6 +42,69 @@ func tcpPair(t *testing.T) (a, b net.Conn) {
 	return a, b
 }
 
+// waitFor polls cond until it holds; the test fails if it does not
+// within 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited 10 s for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// parked reports whether a goroutine with fn on its stack is parked in
+// the network poller, waiting for its socket (IO wait).
+func parked(fn string) bool {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, " [IO wait") && strings.Contains(g, fn) {
+			return true
+		}
+	}
+	return false
+}
+
+// queued is how many bytes c has received and not yet read (SIOCINQ).
+func queued(t *testing.T, c net.Conn) int {
+	t.Helper()
+	rc, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	rc.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// pollerRound returns once the network poller has run after it was
+// called: a goroutine parked in the poller on the connection pair x, y
+// is woken, which only the poller does, and the poller takes every
+// readiness the kernel had queued by then, not only that one.
+func pollerRound(t *testing.T, x, y net.Conn) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		pollerRoundRead(y)
+	}()
+	waitFor(t, "the poller round's reader to wait in the poller", func() bool { return parked("rawio.pollerRoundRead(") })
+	if _, err := x.Write([]byte{0}); err != nil {
+		t.Fatal(err)
+	}
+	<-done
+}
+
+func pollerRoundRead(y net.Conn) {
+	var b [1]byte
+	y.Read(b[:])
+}
+
 // Writev of more than the socket buffers hold waits for room (the reader
 // is slow to start), splits across more buffers than one writev takes,
 // and every byte arrives in order.
@@ -58,16 +125,16 @@ func TestConnWritevLargeAndManyBuffers(t *testing.T) {
 		want = append(want, p...)
 		bufs = append(bufs, p)
 	}
-	got := make(chan []byte, 1)
-	go func() {
-		time.Sleep(50 * time.Millisecond) // let the writer fill the socket and wait
-		buf, _ := io.ReadAll(io.LimitReader(r, int64(len(want))))
-		got <- buf
-	}()
-	if err := w.Writev(bufs); err != nil {
+	done := make(chan error, 1)
+	go func() { done <- w.Writev(bufs) }()
+	// The writer fills the socket and waits for room (or, where the
+	// socket's buffers take it all, is done) before the reader starts.
+	waitFor(t, "the writer to wait for room", func() bool { return len(done) > 0 || parked("rawio.(*Conn).Writev(") })
+	g, _ := io.ReadAll(io.LimitReader(r, int64(len(want))))
+	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if g := <-got; !bytes.Equal(g, want) {
+	if !bytes.Equal(g, want) {
 		t.Fatalf("read %d bytes, want %d equal ones", len(g), len(want))
 	}
 	if err := w.Writev([][]byte{nil, {}}); err != nil {
@@ -100,7 +167,7 @@ func TestConnReadEOFAndClose(t *testing.T) {
 		defer wg.Done()
 		_, rerr = rd.Read(buf)
 	}()
-	time.Sleep(20 * time.Millisecond)
+	waitFor(t, "the reader to wait in the poller", func() bool { return parked("rawio.(*Conn).Read(") })
 	d.Close()
 	wg.Wait()
 	if !errors.Is(rerr, net.ErrClosed) {
@@ -179,15 +246,17 @@ func TestFileCalls(t *testing.T) {
 // a hang found by measuring exactly that change.)
 func TestReadAfterShortRead(t *testing.T) {
 	a, b := tcpPair(t)
+	x, y := tcpPair(t)
 	r := New(b)
 	buf := make([]byte, 64)
 	for i := range 3 {
 		if _, err := a.Write([]byte{byte(i)}); err != nil {
 			t.Fatal(err)
 		}
-		// Idle, so that the poller takes the socket's wake-up for
-		// the byte before Read is called.
-		time.Sleep(20 * time.Millisecond)
+		// The byte is there, and the poller takes the socket's
+		// wake-up for it before Read is called.
+		waitFor(t, "the byte to arrive", func() bool { return queued(t, b) > 0 })
+		pollerRound(t, x, y)
 		b.SetReadDeadline(time.Now().Add(5 * time.Second))
 		if n, err := r.Read(buf); err != nil || n != 1 || buf[0] != byte(i) {
 			t.Fatalf("read %d: %d bytes %v, %v", i, n, buf[:n], err)

@@ -108,7 +108,8 @@ type Options struct {
 	CQEntries uint32
 }
 
-// Ring is one io_uring instance.
+// Ring is one io_uring instance. It is not safe for concurrent use (see
+// the package doc): one goroutine prepares, submits and reaps.
 type Ring struct {
 	fd       int
 	sqeSize  uintptr

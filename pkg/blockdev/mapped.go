@@ -1,3 +1,9 @@
+// IO through a shared mapping of the file or device, and what it needs:
+// the process's table of mappings, the bits of the pages known to be
+// there, population of the page tables, remaps at a grow, views lent to
+// senders (ReadView) and the mtime of writes made through the mapping.
+// It is one concern, long as it is: every part serves the mapping.
+
 package blockdev
 
 import (

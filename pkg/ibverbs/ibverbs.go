@@ -14,6 +14,25 @@
 // Errors carry the errno of the failed call and match it with errors.Is.
 // A build without cgo, or on a machine without RDMA devices, returns
 // errors wrapping ErrNotSupported.
+//
+// Each type says whether it is safe for concurrent use. Common to all:
+// Close is idempotent, and the Close of a parent must not race with
+// making a child on it (a child made after its parent closed its
+// children is left open).
+//
+// Lock order (outermost first; nothing else is taken under a lock not
+// listed as outer here):
+//
+//	EventChannel.mu (Next registering an accepted ID)
+//	  live (the leak tracker, ibverbs.go)
+//	  node.mu (the channel's own: the ID joins its children)
+//	QP.sendMu (QP.Close)
+//	  QP.recvMu
+//
+// node.mu, live, cmContexts, pollable.mu and CompChannel.mu are each
+// taken alone otherwise: closing an object's children (node.begin,
+// closeChildren) lets go of its node.mu first, and node.init and
+// node.end take live and the parent's node.mu one after the other.
 package ibverbs
 
 import (

@@ -28,6 +28,12 @@
 //     goroutine wrote the work request: its reader at the end of a burst,
 //     or its writer; fabric/rdma uses one goroutine per connection for
 //     both, from its completion queue). Handlers must not block.
+//   - Every method of a Fabric, Device, PD, MR, Conn, Listener and
+//     ConnRequest may be called from any goroutine, also at once
+//     (fabric/tcp and fabric/rdma say how in their package docs), with
+//     the limits stated where they apply: Conn.Close not from a Handler,
+//     and exactly one of ConnRequest's Accept or Reject (a second call
+//     answers nothing).
 package fabric
 
 import (

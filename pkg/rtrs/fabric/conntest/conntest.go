@@ -17,7 +17,10 @@ import (
 
 // Recorder is a fabric.Handler for tests of a fabric: it keeps the
 // connection it is attached to, queues every completion, and reports the
-// connection's end. C, WCs and Dead are its state.
+// connection's end. C, WCs and Dead are its state. It may be used from
+// the fabric's goroutines and the test's at once: C is set by Attached,
+// which comes before every other call and before Dial or Accept return;
+// WCs and Dead are channels, N a counter.
 type Recorder struct {
 	C    fabric.Conn
 	WCs  chan fabric.WC
@@ -68,7 +71,8 @@ func (r *Recorder) Ended(t testing.TB) error {
 }
 
 // Pair is a client and a server connection of one fabric, each in its
-// own PD with a 64 KiB registered region.
+// own PD with a 64 KiB registered region. Its fields are set by NewPair
+// and only read after, so it may be shared between goroutines.
 type Pair struct {
 	Fab        fabric.Fabric
 	Dev        fabric.Device // the client's, resolved from src
