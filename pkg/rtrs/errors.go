@@ -6,13 +6,21 @@ import (
 	"syscall"
 )
 
-// Errors of the package, of both sides (the kernel keeps what both use in
-// rtrs-pri.h). Errors from the peer arrive as syscall.Errno.
+// The package's errors: first those both sides use (the kernel keeps
+// what both use in rtrs-pri.h), then the client's. Errors from the peer
+// arrive as syscall.Errno.
 
-// Errors of the client side. Errors from the server arrive as syscall.Errno.
+// Errors of both sides.
 var (
-	// ErrClosed is returned after CltSession.Close.
+	// ErrClosed is returned after CltSession.Close, and for an answer
+	// posted on a server connection that is closing.
 	ErrClosed = errors.New("rtrs: session closed")
+	// errPathDown: the path has no connection to post on.
+	errPathDown = errors.New("rtrs: path not connected")
+)
+
+// Errors of the client side.
+var (
 	// ErrNoPath fails a request when no path is connected. It matches
 	// ECONNABORTED, the kernel's error in that case.
 	ErrNoPath = fmt.Errorf("rtrs: no connected path: %w", syscall.ECONNABORTED)
@@ -23,8 +31,6 @@ var (
 	// server's queue depth changed; the path then waits for a manual
 	// reconnect, as the kernel does.
 	ErrQueueDepthChanged = fmt.Errorf("rtrs: server queue depth changed: %w", syscall.ECONNRESET)
-
-	errPathDown = errors.New("rtrs: path not connected")
 	// errInfoUnanswered: the path's connections went down while it
 	// waited for INFO_RSP. INFO_REQ has no error answer: a server that
 	// refuses the session's name closes the path.

@@ -1,8 +1,7 @@
 package rtrs
 
-// Work request ids, of both sides: what a completion is for.
-
-// Work request ids: the kind in the top byte, an index below.
+// Work request ids, of both sides (a completion carries its request's
+// id back): the kind in the top byte, an index below.
 const (
 	wrKindShift        = 56
 	wrIndexMask        = 1<<wrKindShift - 1
