@@ -403,10 +403,7 @@ func (s *Server) doneConnecting(addr netip.Addr) {
 	}
 }
 
-// getOrCreateSession finds the session of uuid, or makes it for the first
-// connection of a path. A connection joins a session only if its fabric
-// authenticated the same peer identity as the session's first (EACCES
-// otherwise): knowing a session's UUID is no credential.
+// first is the first of names, or "".
 func first(names []string) string {
 	if len(names) == 0 {
 		return ""
@@ -428,6 +425,10 @@ func clientKey(peer []string, req fabric.ConnRequest) string {
 	return "address:" + g.String()
 }
 
+// getOrCreateSession finds the session of uuid, or makes it for the first
+// connection of a path. A connection joins a session only if its fabric
+// authenticated the same peer identity as the session's first (EACCES
+// otherwise): knowing a session's UUID is no credential.
 func (s *Server) getOrCreateSession(uuid [16]byte, firstConn bool, peer []string, client string) (*SrvSession, syscall.Errno) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
