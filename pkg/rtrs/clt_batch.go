@@ -7,15 +7,14 @@ import (
 // Batching on the client: a Plug holds the requests a goroutine posts in
 // a burst until Unplug, and a Burst tells a BurstConfirmer which
 // completions came from one read, so what they leave to do goes out once
-// at its end. Why, and how the layers above use it: docs/rtrs.md,
-// "Batching".
+// at its end. Why, how the layers above carry them, and what it gains:
+// docs/rtrs.md, "Batching" (the one place that says it).
 
 // Plug holds the requests one goroutine sends in a burst until it calls
-// Unplug, so that the burst goes out in as few system calls as the
-// fabric allows (blk_start_plug / blk_finish_plug). Its owner must Unplug
-// before it waits for anything, the completion of its own requests
-// included (a permit, request memory, more requests to read). A Plug is
-// not safe for concurrent use; the zero value is ready.
+// Unplug (blk_start_plug / blk_finish_plug; docs/rtrs.md, "Batching").
+// Its owner must Unplug before it waits for anything, the completion of
+// its own requests included (a permit, request memory, more requests to
+// read). A Plug is not safe for concurrent use; the zero value is ready.
 type Plug struct {
 	held []fabric.Flusher // connections holding this plug's requests
 }
@@ -45,17 +44,17 @@ func (pl *Plug) hold(con fabric.Conn, wr *fabric.SendWR) {
 }
 
 // BurstConfirmer is a Confirmer that is also told the burst its
-// completion belongs to: what the outcome leaves to do (a reply to send)
-// it may defer to the burst's end. b is nil outside a burst.
+// completion belongs to, so that it may defer work to the burst's end
+// (docs/rtrs.md, "Batching"). b is nil outside a burst.
 type BurstConfirmer interface {
 	Confirmer
 	ConfirmBurst(err error, b *Burst)
 }
 
 // Burst is the run of completions a connection delivers from what it read
-// at once (fabric/tcp). What they defer is flushed once at its end, before
-// the connection waits for more: e.g. the replies of many requests go out
-// in one write. It is used only by the connection's completion goroutine.
+// at once (fabric.BurstHandler). What they defer is flushed once at its
+// end, before the connection waits for more (docs/rtrs.md, "Batching").
+// It is used only by the connection's completion goroutine.
 type Burst struct {
 	deferred []interface{ Flush() }
 }

@@ -33,7 +33,7 @@ type cltConn struct {
 	hbMsg fabric.SendWR
 
 	// burst: the completions of one read, when the fabric ends them
-	// with BurstEnd (bursts).
+	// with BurstEnd (bursts); docs/rtrs.md, "Batching".
 	burst  Burst
 	bursts bool
 }

@@ -34,7 +34,7 @@ func (s *CltSession) Request(dir Dir, p *Permit, conf Confirmer, usr []byte, buf
 }
 
 // RequestPlugged is Request, the request held in pl (if not nil) until
-// pl.Unplug.
+// pl.Unplug (docs/rtrs.md, "Batching").
 func (s *CltSession) RequestPlugged(pl *Plug, dir Dir, p *Permit, conf Confirmer, usr []byte, buf *Buffer, off, n int) error {
 	if s.closed.Load() {
 		return ErrClosed
