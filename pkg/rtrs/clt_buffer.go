@@ -10,7 +10,8 @@ import (
 // and their registration with each path's current connection attempt.
 
 // Buffer is registered memory a request's data must live in: reads land
-// in it, writes are sent from it. Bytes stays valid until Free.
+// in it, writes are sent from it. Bytes stays valid until Free. Its
+// methods are safe for concurrent use; its bytes are the user's to share.
 type Buffer struct {
 	sess  *CltSession
 	idx   int

@@ -25,7 +25,8 @@ import (
 // CltPath is one src@dst path of a client session (struct rtrs_clt_path):
 // a service connection (cid 0) and ConnsPerPath IO connections. Its
 // lifecycle (connect, error recovery, reconnect, close) runs in one
-// goroutine; IO is posted by the callers' goroutines.
+// goroutine; IO is posted by the callers' goroutines. It is safe for
+// concurrent use.
 type CltPath struct {
 	sess  *CltSession
 	uuid  [16]byte

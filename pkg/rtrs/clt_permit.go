@@ -25,7 +25,8 @@ const (
 )
 
 // Permit is one server chunk, held by one request at a time, and the
-// header memory that goes with it (struct rtrs_permit).
+// header memory that goes with it (struct rtrs_permit). It belongs to the
+// goroutine that took it until PutPermit; ID may be read by anyone.
 type Permit struct {
 	sess    *CltSession
 	id      uint16
