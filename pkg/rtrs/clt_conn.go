@@ -123,6 +123,9 @@ func (c *cltConn) postHB(imm uint32) error {
 	return c.qp.PostSend(wr)
 }
 
+// fail is a failure of the connection: it is logged, at a level that
+// depends on what the path is doing, and the path recovers
+// (errorRecovery). srvConn.fail is the server's.
 func (c *cltConn) fail(msg string, err error) {
 	p := c.path
 	e := p.lg().WithFields(log.Fields{"cid": c.cid}).WithError(err)
