@@ -12,22 +12,6 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
-// Work request ids: the kind in the top byte, an index below.
-const (
-	wrKindShift        = 56
-	wrIndexMask        = 1<<wrKindShift - 1
-	wrIO        uint64 = 1 << wrKindShift // client request, index = permit
-	wrInfoReq   uint64 = 2 << wrKindShift
-	wrInfoRsp   uint64 = 3 << wrKindShift
-	wrIU        uint64 = 4 << wrKindShift // receive into an IU, index = IU
-	wrEmpty     uint64 = 5 << wrKindShift // empty receive
-	wrHB        uint64 = 6 << wrKindShift
-	wrRsp       uint64 = 7 << wrKindShift // server response, index = msg id
-	wrUnbind    uint64 = 8 << wrKindShift // server: a chunk's window unbound, index = msg id
-)
-
-func wrKind(id uint64) uint64 { return id &^ wrIndexMask }
-
 // cltConn is one connection of a client path (struct rtrs_clt_con) and the
 // handler of its completions.
 type cltConn struct {
@@ -49,7 +33,7 @@ type cltConn struct {
 	hbMsg fabric.SendWR
 
 	// burst: the completions of one read, when the fabric ends them
-	// with BurstEnd (bursts).
+	// with BurstEnd (bursts); docs/rtrs.md, "Batching".
 	burst  Burst
 	bursts bool
 }
@@ -139,6 +123,9 @@ func (c *cltConn) postHB(imm uint32) error {
 	return c.qp.PostSend(wr)
 }
 
+// fail is a failure of the connection: it is logged, at a level that
+// depends on what the path is doing, and the path recovers
+// (errorRecovery). srvConn.fail is the server's.
 func (c *cltConn) fail(msg string, err error) {
 	p := c.path
 	e := p.lg().WithFields(log.Fields{"cid": c.cid}).WithError(err)

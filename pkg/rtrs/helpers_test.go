@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"net/netip"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -219,6 +221,24 @@ func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// waitBlocked waits until a goroutine is blocked (its state, as a
+// traceback shows it: "select", "sync.Mutex.Lock", ...) with fn on its
+// stack: a test that must act only once a goroutine waits (the wait is
+// what it tests) waits for that, not for a while.
+func waitBlocked(t testing.TB, d time.Duration, fn, state string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	waitFor(t, d, fn+" blocked in "+state, func() bool {
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			head, _, _ := strings.Cut(g, "\n")
+			if strings.Contains(head, " ["+state) && strings.Contains(g, fn+"(") {
+				return true
+			}
+		}
+		return false
+	})
 }
 
 func memNet() (*fabrictest.Network, *tcp.Fabric) {

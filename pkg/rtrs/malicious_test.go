@@ -765,7 +765,8 @@ func TestNameHeldWaitsForClaims(t *testing.T) {
 	<-d.claiming
 	held := make(chan bool, 1)
 	go func() { held <- srv.NameHeld("testsess") }()
-	time.Sleep(50 * time.Millisecond) // NameHeld would answer now if it did not wait
+	// NameHeld would answer now if it did not wait for the claim.
+	waitBlocked(t, 10*time.Second, "rtrs.(*Server).NameHeld", "sync.Mutex.Lock")
 	close(d.release)
 	if !<-held {
 		t.Fatal("NameHeld missed the session whose path was taking the name")

@@ -381,7 +381,7 @@ func TestGetPermitWakesOnClose(t *testing.T) {
 		_, err := r.sess.GetPermit(context.Background(), IOCon)
 		got <- err
 	}()
-	time.Sleep(20 * time.Millisecond)
+	waitBlocked(t, 10*time.Second, "rtrs.(*CltSession).GetPermit", "select")
 	r.sess.Close()
 	select {
 	case err := <-got:

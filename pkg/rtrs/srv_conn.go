@@ -174,7 +174,10 @@ func (c *srvConn) postHB(imm uint32) error {
 	return err
 }
 
-func (c *srvConn) violation(msg string, err error) {
+// fail is a failure of the connection, or a violation of the protocol by
+// the client: it is logged and the whole path closes (cltConn.fail is the
+// client's).
+func (c *srvConn) fail(msg string, err error) {
 	p := c.path
 	e := p.lg().WithField("cid", c.cid)
 	if err != nil {
@@ -199,23 +202,23 @@ func (c *srvConn) Disconnected(err error) {
 func (c *srvConn) Completion(wc *fabric.WC) {
 	p := c.path
 	if wc.Status != fabric.WCSuccess {
-		c.violation("work request failed", fmt.Errorf("status %d", wc.Status))
+		c.fail("work request failed", fmt.Errorf("status %d", wc.Status))
 		return
 	}
 	switch wc.Opcode {
 	case fabric.WCRecv:
 		if wrKind(wc.ID) != wrInfoReq {
-			c.violation("unexpected send from the client", nil)
+			c.fail("unexpected send from the client", nil)
 			return
 		}
 		if err := p.processInfoReq(c, wc); err != nil {
-			c.violation("path info request refused", err)
+			c.fail("path info request refused", err)
 		}
 	case fabric.WCRecvRDMAWithImm:
 		p.hb.alive()
 		c.rwr = fabric.RecvWR{ID: wrEmpty}
 		if err := c.qp.PostRecv(&c.rwr); err != nil {
-			c.violation("posting a receive failed", err)
+			c.fail("posting a receive failed", err)
 			return
 		}
 		typ, payload := FromImm(wc.Imm)
@@ -231,7 +234,7 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 			x := p.sess
 			msgID, off := payload>>p.memBits, payload&(1<<p.memBits-1)
 			if int(msgID) >= x.queueDepth || int(off) >= x.chunkSize {
-				c.violation("request with a wrong msg_id or offset", fmt.Errorf("msg_id %d off %d", msgID, off))
+				c.fail("request with a wrong msg_id or offset", fmt.Errorf("msg_id %d off %d", msgID, off))
 				return
 			}
 			if p.wins != nil {
@@ -239,22 +242,22 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 				// gone (the kernel waits for its LOCAL_INV).
 				p.winOff[msgID] = off
 				if err := p.wins[msgID].Unbind(c.qp, wrUnbind|uint64(msgID)); err != nil {
-					c.violation("unbinding a chunk's window failed", err)
+					c.fail("unbinding a chunk's window failed", err)
 				}
 				return
 			}
 			if p.sess.srv.cfg.AlwaysInvalidate {
 				if err := p.mrs[msgID].Invalidate(); err != nil {
-					c.violation("invalidating a chunk failed", err)
+					c.fail("invalidating a chunk failed", err)
 					return
 				}
 			}
 			if err := p.processIOReq(c, msgID, off); err != nil {
-				c.violation("malformed request", err)
+				c.fail("malformed request", err)
 			}
 		case ImmHBMsg:
 			if err := c.postHB(ImmHBAck); err != nil {
-				c.violation("sending heartbeat ack failed", err)
+				c.fail("sending heartbeat ack failed", err)
 			}
 		case ImmHBAck:
 		default:
@@ -266,7 +269,7 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 			return
 		}
 		if err := p.processIOReq(c, msgID, p.winOff[msgID]); err != nil {
-			c.violation("malformed request", err)
+			c.fail("malformed request", err)
 		}
 	case fabric.WCSend, fabric.WCWrite:
 		if wrKind(wc.ID) != wrRsp {
@@ -285,7 +288,7 @@ func (c *srvConn) Completion(wc *fabric.WC) {
 		for i, op := range waiting {
 			parked, err := c.post(&op.wrs[0], op.nwr, op)
 			if err != nil {
-				c.violation("posting a response failed", err)
+				c.fail("posting a response failed", err)
 				for _, op := range waiting[i:] {
 					op.finish()
 				}

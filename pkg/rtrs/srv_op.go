@@ -12,6 +12,9 @@ import (
 )
 
 // SrvOp is one request handed to the server's user (struct rtrs_srv_op).
+// It belongs to the handler from HandleIO until its Respond (or
+// RespondFrom), which may come from any goroutine, once; it is not to be
+// used after.
 type SrvOp struct {
 	path *SrvPath
 	con  *srvConn

@@ -14,6 +14,7 @@ import (
 )
 
 // SrvPath is one path of a session on the server (struct rtrs_srv_path).
+// It is safe for concurrent use.
 type SrvPath struct {
 	sess       *SrvSession
 	uuid       [16]byte
@@ -63,7 +64,6 @@ type SrvPath struct {
 
 	established bool
 	inflight    sync.WaitGroup // IOs handed to the user
-	closeOnce   sync.Once
 	closed      chan struct{}
 }
 

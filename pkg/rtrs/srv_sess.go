@@ -49,7 +49,7 @@ func (x *SrvSession) claimName(name string) error {
 }
 
 // SrvSession is a client session as the server sees it (struct
-// rtrs_srv_sess): its paths.
+// rtrs_srv_sess): its paths. It is safe for concurrent use.
 //
 // Unlike the kernel, each path has chunks of its own rather than sharing
 // the session's. The protocol allows it (a client keeps the chunk

@@ -188,6 +188,7 @@ func (s *PathStats) ResetAll() {
 
 // SrvPathStats are a server path's counters: stats/rdma in the newest
 // kernels' four-value format, plus the in-flight count the older format had.
+// All methods are safe for concurrent use.
 type SrvPathStats struct {
 	rdCnt, rdBytes atomic.Uint64
 	wrCnt, wrBytes atomic.Uint64
