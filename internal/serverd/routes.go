@@ -54,140 +54,196 @@ var (
 	StatsFields       = []string{"sessname", "pathname", "rdma", "inflights"}
 )
 
+// routes are the control API's endpoints (docs/control-api.md), one
+// method each.
 func (d *Daemon) routes() {
-	h := d.ctl.Handle
-	h("GET /v1/devices", func(r *http.Request) (any, error) { return d.devices(""), nil })
-	h("GET /v1/devices/{name}", func(r *http.Request) (any, error) {
-		rows := d.devices(r.PathValue("name"))
-		if len(rows) == 0 {
-			return nil, ctl.Errorf(ctl.CodeNotFound, "no device %s", r.PathValue("name"))
-		}
-		return rows, nil
-	})
-	h("POST /v1/devices/{name}/close", func(r *http.Request) (any, error) {
-		var req CloseRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
-		return CloseResponse{Closed: n}, err
-	})
-	h("GET /v1/exports", func(r *http.Request) (any, error) { return d.exports(""), nil })
-	h("GET /v1/exports/{name}", func(r *http.Request) (any, error) {
-		rows := d.exports(r.PathValue("name"))
-		if len(rows) == 0 {
-			return nil, ctl.Errorf(ctl.CodeNotFound, "no export %s", r.PathValue("name"))
-		}
-		return rows, nil
-	})
-	h("POST /v1/exports", func(r *http.Request) (any, error) {
-		var req MapRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		e, err := req.Export()
-		if err != nil {
-			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
-		}
-		return nil, d.Map(e)
-	})
-	h("POST /v1/exports/{name}/resize", func(r *http.Request) (any, error) {
-		var req ResizeRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		n, err := units.ParseSize(req.Size)
-		if err != nil {
-			return nil, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
-		}
-		was, err := d.rnbd.Resize(r.PathValue("name"), n, req.Force)
-		if err != nil {
-			return nil, err
-		}
-		return ResizeResponse{Was: was, Now: n}, nil
-	})
-	h("DELETE /v1/exports/{name}", func(r *http.Request) (any, error) {
-		return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
-	})
-	h("GET /v1/sessions", func(r *http.Request) (any, error) { return d.sessions(""), nil })
-	h("GET /v1/sessions/{name}", func(r *http.Request) (any, error) {
-		rows := d.sessions(r.PathValue("name"))
-		if len(rows) == 0 {
-			return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
-		}
-		return rows, nil
-	})
-	h("POST /v1/sessions/{name}/disconnect", func(r *http.Request) (any, error) {
-		x := d.findSession(r.PathValue("name"))
-		if x == nil {
-			return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
-		}
-		for _, p := range x.Paths() {
-			p.Disconnect()
-		}
-		return nil, nil
-	})
-	h("GET /v1/session-names", func(r *http.Request) (any, error) {
-		rows := []output.Record{}
-		for _, o := range d.rnbd.SessionOwners() {
-			rows = append(rows, output.Record{"sessname": o.Name, "identity": o.Identity})
-		}
-		return rows, nil
-	})
-	h("PUT /v1/session-names/{name}", func(r *http.Request) (any, error) {
-		var req BindRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		d.stateMu.Lock()
-		defer d.stateMu.Unlock()
-		n, err := d.rnbd.BindSessionName(r.PathValue("name"), req.Identity)
-		if err != nil {
-			return nil, err
-		}
-		if err := d.saveState(); err != nil {
-			return nil, fmt.Errorf("name bound, but saving the state file failed: %w", err)
-		}
-		return BindResponse{Disconnected: n}, nil
-	})
-	h("DELETE /v1/session-names/{name}", func(r *http.Request) (any, error) {
-		d.stateMu.Lock()
-		defer d.stateMu.Unlock()
-		if _, err := d.rnbd.ForgetSessionName(r.PathValue("name")); err != nil {
-			return nil, err
-		}
-		if err := d.saveState(); err != nil {
-			return nil, fmt.Errorf("name freed, but saving the state file failed: %w", err)
-		}
-		return nil, nil
-	})
-	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.paths("", r.URL.Query().Get("session")), nil })
-	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
-		found, err := d.lookupPaths(r.PathValue("name"), r.URL.Query().Get("session"))
-		if err != nil {
-			return nil, err
-		}
-		rows := []output.Record{}
-		for _, p := range found {
-			rows = append(rows, pathRecord(p))
-		}
-		return rows, nil
-	})
-	h("POST /v1/paths/{name}/disconnect", func(r *http.Request) (any, error) {
-		p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
-		if err != nil {
-			return nil, err
-		}
+	for _, rt := range []struct {
+		pattern string
+		h       ctl.Handler
+	}{
+		{"GET /v1/devices", d.listDevices},
+		{"GET /v1/devices/{name}", d.showDevice},
+		{"POST /v1/devices/{name}/close", d.closeDevice},
+		{"GET /v1/exports", d.listExports},
+		{"GET /v1/exports/{name}", d.showExport},
+		{"POST /v1/exports", d.mapExport},
+		{"POST /v1/exports/{name}/resize", d.resizeExport},
+		{"DELETE /v1/exports/{name}", d.unmapExport},
+		{"GET /v1/sessions", d.listSessions},
+		{"GET /v1/sessions/{name}", d.showSession},
+		{"POST /v1/sessions/{name}/disconnect", d.disconnectSession},
+		{"GET /v1/session-names", d.listSessionNames},
+		{"PUT /v1/session-names/{name}", d.bindSessionName},
+		{"DELETE /v1/session-names/{name}", d.forgetSessionName},
+		{"GET /v1/paths", d.listPaths},
+		{"GET /v1/paths/{name}", d.showPath},
+		{"POST /v1/paths/{name}/disconnect", d.disconnectPath},
+		{"GET /v1/stats", d.showStats},
+		{"POST /v1/stats/reset", d.resetStats},
+	} {
+		d.ctl.Handle(rt.pattern, rt.h)
+	}
+}
+
+func (d *Daemon) listDevices(r *http.Request) (any, error) {
+	return d.devices(""), nil
+}
+
+func (d *Daemon) showDevice(r *http.Request) (any, error) {
+	rows := d.devices(r.PathValue("name"))
+	if len(rows) == 0 {
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no device %s", r.PathValue("name"))
+	}
+	return rows, nil
+}
+
+func (d *Daemon) closeDevice(r *http.Request) (any, error) {
+	var req CloseRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
+	return CloseResponse{Closed: n}, err
+}
+
+func (d *Daemon) listExports(r *http.Request) (any, error) {
+	return d.exports(""), nil
+}
+
+func (d *Daemon) showExport(r *http.Request) (any, error) {
+	rows := d.exports(r.PathValue("name"))
+	if len(rows) == 0 {
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no export %s", r.PathValue("name"))
+	}
+	return rows, nil
+}
+
+func (d *Daemon) mapExport(r *http.Request) (any, error) {
+	var req MapRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	e, err := req.Export()
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	return nil, d.Map(e)
+}
+
+func (d *Daemon) resizeExport(r *http.Request) (any, error) {
+	var req ResizeRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	n, err := units.ParseSize(req.Size)
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
+	}
+	was, err := d.rnbd.Resize(r.PathValue("name"), n, req.Force)
+	if err != nil {
+		return nil, err
+	}
+	return ResizeResponse{Was: was, Now: n}, nil
+}
+
+func (d *Daemon) unmapExport(r *http.Request) (any, error) {
+	return nil, d.Unmap(r.PathValue("name"), r.URL.Query().Get("force") == "true")
+}
+
+func (d *Daemon) listSessions(r *http.Request) (any, error) {
+	return d.sessions(""), nil
+}
+
+func (d *Daemon) showSession(r *http.Request) (any, error) {
+	rows := d.sessions(r.PathValue("name"))
+	if len(rows) == 0 {
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
+	}
+	return rows, nil
+}
+
+func (d *Daemon) disconnectSession(r *http.Request) (any, error) {
+	x := d.findSession(r.PathValue("name"))
+	if x == nil {
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
+	}
+	for _, p := range x.Paths() {
 		p.Disconnect()
-		return nil, nil
-	})
-	h("GET /v1/stats", func(r *http.Request) (any, error) { return d.stats(), nil })
-	h("POST /v1/stats/reset", func(r *http.Request) (any, error) {
-		for _, x := range d.rtrs.Sessions() {
-			for _, p := range x.Paths() {
-				p.Stats().Reset()
-			}
+	}
+	return nil, nil
+}
+
+func (d *Daemon) listSessionNames(r *http.Request) (any, error) {
+	rows := []output.Record{}
+	for _, o := range d.rnbd.SessionOwners() {
+		rows = append(rows, output.Record{"sessname": o.Name, "identity": o.Identity})
+	}
+	return rows, nil
+}
+
+func (d *Daemon) bindSessionName(r *http.Request) (any, error) {
+	var req BindRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	n, err := d.rnbd.BindSessionName(r.PathValue("name"), req.Identity)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.saveState(); err != nil {
+		return nil, fmt.Errorf("name bound, but saving the state file failed: %w", err)
+	}
+	return BindResponse{Disconnected: n}, nil
+}
+
+func (d *Daemon) forgetSessionName(r *http.Request) (any, error) {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if _, err := d.rnbd.ForgetSessionName(r.PathValue("name")); err != nil {
+		return nil, err
+	}
+	if err := d.saveState(); err != nil {
+		return nil, fmt.Errorf("name freed, but saving the state file failed: %w", err)
+	}
+	return nil, nil
+}
+
+func (d *Daemon) listPaths(r *http.Request) (any, error) {
+	return d.paths("", r.URL.Query().Get("session")), nil
+}
+
+func (d *Daemon) showPath(r *http.Request) (any, error) {
+	found, err := d.lookupPaths(r.PathValue("name"), r.URL.Query().Get("session"))
+	if err != nil {
+		return nil, err
+	}
+	rows := []output.Record{}
+	for _, p := range found {
+		rows = append(rows, pathRecord(p))
+	}
+	return rows, nil
+}
+
+func (d *Daemon) disconnectPath(r *http.Request) (any, error) {
+	p, err := d.findPath(r.PathValue("name"), r.URL.Query().Get("session"))
+	if err != nil {
+		return nil, err
+	}
+	p.Disconnect()
+	return nil, nil
+}
+
+func (d *Daemon) showStats(r *http.Request) (any, error) {
+	return d.stats(), nil
+}
+
+func (d *Daemon) resetStats(r *http.Request) (any, error) {
+	for _, x := range d.rtrs.Sessions() {
+		for _, p := range x.Paths() {
+			p.Stats().Reset()
 		}
-		return nil, nil
-	})
+	}
+	return nil, nil
 }
