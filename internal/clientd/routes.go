@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"sort"
-	"strings"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -507,24 +506,10 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		if name != "" && rs.Name() != name {
 			continue
 		}
-		var up int
-		var uu strings.Builder
-		var rx, tx uint64
-		var inflight int64
-		paths := rs.Paths()
-		for _, p := range paths {
+		var sum output.PathSum
+		for _, p := range rs.Paths() {
 			c := p.Stats().Counters()
-			rx, tx, inflight = rx+c.ReadBytes, tx+c.WriteBytes, inflight+c.Inflight
-			if p.State() == rtrs.PathConnected {
-				up++
-				uu.WriteByte('U')
-			} else {
-				uu.WriteByte('_')
-			}
-		}
-		state := "disconnected"
-		if up > 0 {
-			state = "connected"
+			sum.Add(p.State() == rtrs.PathConnected, c.ReadBytes, c.WriteBytes, c.Inflight)
 		}
 		var noPathSince any // null while it has a path
 		if t := s.cs.NoPathSince(); !t.IsZero() {
@@ -541,16 +526,14 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		}
 		waiting, waitFailIn := s.cs.Waiting()
 		pol := rs.MPPolicy()
-		recs = append(recs, output.Record{
-			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
-			"path_uu": uu.String(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
+		recs = append(recs, sum.Fields(output.Record{
+			"sessname": rs.Name(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
 			"no_path_timeout_sec": seconds(s.cs.NoPathTimeout()), "no_path_since": noPathSince,
 			"waiting_io": waiting, "waiting_io_fails_in_sec": leftSeconds(waitFailIn),
 			"fast_io_fail_tmo_sec": tmoSeconds(s.cs.FastIOFailTmo()), "fast_io_fail_in_sec": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
-			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "rx_bytes": rx, "tx_bytes": tx,
-			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
-		})
+			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "devices": len(s.cs.Devices()), "direction": "client",
+		}))
 	}
 	return recs
 }

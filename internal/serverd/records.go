@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"slices"
 	"sort"
-	"strings"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
@@ -218,30 +217,14 @@ func (d *Daemon) sessions(name string) []output.Record {
 		if name != "" && x.Name() != name {
 			continue
 		}
-		var up int
-		var uu strings.Builder
-		var rx, tx uint64
-		var inflight int64
-		paths := x.Paths()
-		for _, p := range paths {
+		var sum output.PathSum
+		for _, p := range x.Paths() {
 			c := p.Stats().Counters()
-			rx, tx, inflight = rx+c.WriteBytes, tx+c.ReadBytes, inflight+c.Inflight
-			if p.State() == rtrs.SrvPathConnected {
-				up++
-				uu.WriteByte('U')
-			} else {
-				uu.WriteByte('_')
-			}
+			sum.Add(p.State() == rtrs.SrvPathConnected, c.WriteBytes, c.ReadBytes, c.Inflight)
 		}
-		state := "disconnected"
-		if up > 0 {
-			state = "connected"
-		}
-		rows = append(rows, output.Record{
-			"sessname": x.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
-			"path_uu": uu.String(), "rx_bytes": rx, "tx_bytes": tx, "inflights": inflight,
-			"devices": devs[x.Name()], "peer": x.Identity(), "direction": "server",
-		})
+		rows = append(rows, sum.Fields(output.Record{
+			"sessname": x.Name(), "devices": devs[x.Name()], "peer": x.Identity(), "direction": "server",
+		}))
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i]["sessname"].(string) < rows[j]["sessname"].(string) })
 	return rows
@@ -259,47 +242,41 @@ func pathRecord(p *rtrs.SrvPath) output.Record {
 
 func (d *Daemon) paths(name, session string) []output.Record {
 	rows := []output.Record{}
-	for _, x := range d.rtrs.Sessions() {
-		if session != "" && x.Name() != session {
-			continue
-		}
-		for _, p := range x.Paths() {
-			if name == "" || p.Name() == name {
-				rows = append(rows, pathRecord(p))
-			}
+	for _, p := range d.sessionPaths(session) {
+		if name == "" || p.Name() == name {
+			rows = append(rows, pathRecord(p))
 		}
 	}
-	sort.Slice(rows, func(i, j int) bool {
-		a, b := rows[i], rows[j]
-		if a["sessname"] != b["sessname"] {
-			return a["sessname"].(string) < b["sessname"].(string)
-		}
-		return a["pathname"].(string) < b["pathname"].(string)
-	})
 	return rows
 }
 
-// lookupPaths finds the paths a name as typed names, within session if
-// given: their name, or the same written another way
-// (rtrs.MatchPathName), sorted by session and name.
-func (d *Daemon) lookupPaths(name, session string) ([]*rtrs.SrvPath, error) {
+// sessionPaths are the paths of every session, or of session if given,
+// sorted by session and name: the one walk of sessions and paths that
+// the path and stats records, and the lookup of a path by name, make.
+func (d *Daemon) sessionPaths(session string) []*rtrs.SrvPath {
 	var all []*rtrs.SrvPath
 	for _, x := range d.rtrs.Sessions() {
 		if session == "" || x.Name() == session {
 			all = append(all, x.Paths()...)
 		}
 	}
-	found, err := ctl.Lookup("path", name, all, (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) bool {
-		return rtrs.MatchPathName(name, p.ClientAddr().Addr(), p.ServerAddr().Addr())
-	})
-	sort.Slice(found, func(i, j int) bool {
-		a, b := found[i], found[j]
+	sort.Slice(all, func(i, j int) bool {
+		a, b := all[i], all[j]
 		if a.Session().Name() != b.Session().Name() {
 			return a.Session().Name() < b.Session().Name()
 		}
 		return a.Name() < b.Name()
 	})
-	return found, err
+	return all
+}
+
+// lookupPaths finds the paths a name as typed names, within session if
+// given: their name, or the same written another way
+// (rtrs.MatchPathName), sorted by session and name.
+func (d *Daemon) lookupPaths(name, session string) ([]*rtrs.SrvPath, error) {
+	return ctl.Lookup("path", name, d.sessionPaths(session), (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) bool {
+		return rtrs.MatchPathName(name, p.ClientAddr().Addr(), p.ServerAddr().Addr())
+	})
 }
 
 // findPath is the one path a name as typed names (lookupPaths); a name
@@ -314,25 +291,16 @@ func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
 
 func (d *Daemon) stats() []output.Record {
 	rows := []output.Record{}
-	for _, x := range d.rtrs.Sessions() {
-		for _, p := range x.Paths() {
-			c := p.Stats().Counters()
-			rows = append(rows, output.Record{
-				"sessname": x.Name(), "pathname": p.Name(),
-				// The kernel server's stats/rdma, "rd_cnt rd_bytes
-				// wr_cnt wr_bytes", by name.
-				"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
-					{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes}},
-				"inflights": p.Stats().Inflight(),
-			})
-		}
+	for _, p := range d.sessionPaths("") {
+		c := p.Stats().Counters()
+		rows = append(rows, output.Record{
+			"sessname": p.Session().Name(), "pathname": p.Name(),
+			// The kernel server's stats/rdma, "rd_cnt rd_bytes
+			// wr_cnt wr_bytes", by name.
+			"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
+				{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes}},
+			"inflights": p.Stats().Inflight(),
+		})
 	}
-	sort.Slice(rows, func(i, j int) bool {
-		a, b := rows[i], rows[j]
-		if a["sessname"] != b["sessname"] {
-			return a["sessname"].(string) < b["sessname"].(string)
-		}
-		return a["pathname"].(string) < b["pathname"].(string)
-	})
 	return rows
 }
