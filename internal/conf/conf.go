@@ -1,6 +1,6 @@
 // Package conf is what both daemons' configuration and state files
-// share: TOML loading that refuses unknown keys, durations and sizes
-// as people write them, and atomic file replacement.
+// share: TOML loading that refuses unknown keys, durations as people
+// write them (sizes are units.Size), and atomic file replacement.
 package conf
 
 import (
@@ -13,8 +13,6 @@ import (
 	"time"
 
 	"github.com/BurntSushi/toml"
-
-	"github.com/rnbd/rnbd/internal/units"
 )
 
 // Duration is a time.Duration written as "5s" in a file.
@@ -30,25 +28,6 @@ func (d *Duration) UnmarshalText(b []byte) error {
 }
 
 func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
-
-// Size is a byte count written as 8589934592 or "8GiB" in a file.
-type Size int64
-
-func (v *Size) UnmarshalTOML(x any) error {
-	switch t := x.(type) {
-	case int64:
-		if t < 0 {
-			return fmt.Errorf("negative size %d", t)
-		}
-		*v = Size(t)
-		return nil
-	case string:
-		n, err := units.ParseSize(t)
-		*v = Size(n)
-		return err
-	}
-	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
-}
 
 // Meta is what LoadTOML saw of a file beyond its values.
 type Meta struct {

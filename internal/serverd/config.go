@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -98,7 +99,7 @@ type ServerTLS struct {
 // Duration and Size are written as "5s" and "8GiB" in the file.
 type (
 	Duration = conf.Duration
-	Size     = conf.Size
+	Size     = units.Size
 )
 
 // DefaultConfig returns the defaults: the kernel module's where it has
