@@ -98,8 +98,7 @@ func DefaultConfig() Config {
 // keys are errors, and a [tls] table makes TLS required.
 func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	cfg.TLS.Configured = meta.Defined("tls")
+	err := conf.LoadConfig(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion, &cfg.TLS)
 	return cfg, err
 }
 
@@ -110,13 +109,7 @@ func CheckConfig(path string, mustExist bool) (Config, error) {
 	if err != nil {
 		return cfg, err
 	}
-	if err := cfg.Validate(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	if _, err := cfg.TLS.Config(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	return cfg, nil
+	return cfg, conf.Check(path, cfg.Validate, cfg.TLS)
 }
 
 // Validate checks the configuration before anything starts.

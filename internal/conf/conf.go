@@ -67,6 +67,28 @@ func LoadTOML(path string, mustExist bool, v any, version func() int, newest int
 	return Meta{Found: true, md: md}, nil
 }
 
+// LoadConfig reads a daemon's configuration file at path over cfg (its
+// defaults) as LoadTOML does; a [tls] table makes TLS required: t, cfg's
+// TLS, is Configured.
+func LoadConfig(path string, mustExist bool, cfg any, version func() int, newest int, t *TLS) error {
+	meta, err := LoadTOML(path, mustExist, cfg, version, newest)
+	t.Configured = meta.Defined("tls")
+	return err
+}
+
+// Check is the rest of a daemon's `config check` once the file at path
+// is loaded: the configuration valid (validate), and the TLS files it
+// names (t) loaded, starting nothing.
+func Check(path string, validate func() error, t TLS) error {
+	if err := validate(); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	if _, err := t.Config(); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	return nil
+}
+
 // WriteFileAtomic replaces path with data so that a crash leaves either
 // the old or the new content: a temporary file, synced, renamed over the
 // old one, and the directory synced.

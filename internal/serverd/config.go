@@ -134,8 +134,7 @@ func DefaultConfig() Config {
 // makes TLS required (conf.TLS.Configured).
 func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	cfg.TLS.Configured = meta.Defined("tls")
+	err := conf.LoadConfig(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion, &cfg.TLS.TLS)
 	return cfg, err
 }
 
@@ -146,13 +145,7 @@ func CheckConfig(path string, mustExist bool) (Config, error) {
 	if err != nil {
 		return cfg, err
 	}
-	if err := cfg.Validate(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	if _, err := cfg.TLS.Config(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	return cfg, nil
+	return cfg, conf.Check(path, cfg.Validate, cfg.TLS.TLS)
 }
 
 // Validate checks the configuration before anything starts.

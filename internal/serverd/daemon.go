@@ -3,7 +3,6 @@
 package serverd
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -88,18 +87,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	if opts.Log == nil {
 		opts.Log = log.L
 	}
-	if opts.Fabric != nil && cfg.TLS.Enabled() {
-		// A fabric of the caller's would drop the TLS configured.
-		return nil, errors.New("tls: configured, but the caller gave its own TCP fabric")
+	f, err := cfg.TLS.Fabric(opts.Fabric, cfg.TCPUserTimeout, tcp.Options{AllowAnonymousClients: cfg.TLS.AllowAnonymousClients, Log: opts.Log})
+	if err != nil {
+		return nil, err
 	}
-	if opts.Fabric == nil {
-		tc, err := cfg.TLS.Config()
-		if err != nil {
-			return nil, err
-		}
-		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
-		opts.Fabric = tcp.New(tcp.Options{TLS: tc, AllowAnonymousClients: cfg.TLS.AllowAnonymousClients, Log: opts.Log, UserTimeout: ut})
-	}
+	opts.Fabric = f
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{}),
 		stopRetry: make(chan struct{}), retryDone: make(chan struct{})}
