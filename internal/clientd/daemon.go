@@ -51,7 +51,10 @@ func (s *session) uuid() string {
 	return hex.EncodeToString(u[:])
 }
 
-// Daemon is a running rnbd-client.
+// Daemon is a running rnbd-client. It is safe for concurrent use: the
+// control API's requests, metrics scrapes, the retries of restores and
+// the resizes that sessions report run at once, and Stop may be called
+// more than once.
 type Daemon struct {
 	stopOnce sync.Once
 	stopErr  error // of the first Stop

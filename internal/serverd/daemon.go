@@ -21,7 +21,9 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
-// Daemon is a running rnbd-server.
+// Daemon is a running rnbd-server. It is safe for concurrent use: the
+// control API's requests, metrics scrapes, saveOwners and retryLoop run
+// at once, and Stop may be called more than once.
 type Daemon struct {
 	stopOnce sync.Once
 	stopErr  error // of the first Stop
