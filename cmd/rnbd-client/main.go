@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
@@ -45,10 +46,7 @@ func newRoot() *cobra.Command {
 }
 
 func newDaemon() *cobra.Command {
-	var (
-		configFile string
-		over       clientd.Config
-	)
+	var configFile string
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the client daemon (flags override the configuration file)",
@@ -56,42 +54,10 @@ func newDaemon() *cobra.Command {
   rnbd-client daemon --config /dev/null --socket-dir /run/rnbd`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			cfg, err := clientd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			cfg, err := cli.DaemonConfig(cmd, clientd.LoadConfig, bindDaemonFlags)
 			if err != nil {
-				return cli.ConfigError(err)
+				return err
 			}
-			f := cmd.Flags()
-			set := func(name string, apply func()) {
-				if f.Changed(name) {
-					apply()
-				}
-			}
-			set("control-socket", func() { cfg.ControlSocket = over.ControlSocket })
-			set("state-file", func() { cfg.StateFile = over.StateFile })
-			set("socket-dir", func() { cfg.SocketDir = over.SocketDir })
-			set("conns-per-path", func() { cfg.ConnsPerPath = over.ConnsPerPath })
-			set("mpath-policy", func() { cfg.MPPolicy = over.MPPolicy })
-			set("max-reconnect-attempts", func() { cfg.MaxReconnectAttempts = over.MaxReconnectAttempts })
-			set("no-path-timeout", func() { cfg.NoPathTimeout = over.NoPathTimeout })
-			set("fast-io-fail-tmo", func() { cfg.FastIOFailTmo = over.FastIOFailTmo })
-			set("ctrl-loss-tmo", func() { cfg.CtrlLossTmo = over.CtrlLossTmo })
-			set("metrics-listen", func() { cfg.MetricsListen = over.MetricsListen })
-			set("dev-links-dir", func() { cfg.DevLinksDir = over.DevLinksDir })
-			set("reconnect-delay", func() { cfg.ReconnectDelay = over.ReconnectDelay })
-			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
-			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
-			set("tcp-user-timeout", func() { cfg.TCPUserTimeout = over.TCPUserTimeout })
-			set("ublk-queue-depth", func() { cfg.UblkQueueDepth = over.UblkQueueDepth })
-			set("ublk-max-io-kb", func() { cfg.UblkMaxIOKB = over.UblkMaxIOKB })
-			set("nbd-buffers", func() { cfg.NBDBuffers = over.NBDBuffers })
-			set("nbd-io-timeout", func() { cfg.NBDIOTimeout = over.NBDIOTimeout })
-			set("size-poll", func() { cfg.SizePoll = over.SizePoll })
-			set("log-level", func() { cfg.LogLevel = over.LogLevel })
-			set("log-format", func() { cfg.LogFormat = over.LogFormat })
-			set("tls-cert", func() { cfg.TLS.Cert = over.TLS.Cert })
-			set("tls-key", func() { cfg.TLS.Key = over.TLS.Key })
-			set("tls-ca", func() { cfg.TLS.CA = over.TLS.CA })
-			set("tls-server-name", func() { cfg.TLS.ServerName = over.TLS.ServerName })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
@@ -103,43 +69,49 @@ func newDaemon() *cobra.Command {
 			})
 		},
 	}
-	d := clientd.DefaultConfig()
 	f := cmd.Flags()
 	f.StringVar(&configFile, "config", clientd.DefaultConfigFile, "TOML configuration file")
-	f.StringVar(&over.ControlSocket, "control-socket", d.ControlSocket, "control socket path")
-	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the mappings are kept")
-	f.StringVar(&over.SocketDir, "socket-dir", d.SocketDir, "where NBD sockets of mappings without --as go")
-	// Its default depends on the host: the help and the man page say
-	// the rule, not this machine's number.
-	f.IntVar(&over.ConnsPerPath, "conns-per-path", 0, "IO connections per path")
-	f.Lookup("conns-per-path").DefValue = "the number of CPUs"
-	f.TextVar(&over.MPPolicy, "mpath-policy", d.MPPolicy, "round-robin, min-inflight or min-latency")
-	f.IntVar(&over.MaxReconnectAttempts, "max-reconnect-attempts", d.MaxReconnectAttempts, "-1 forever, 0 never, or N")
-	f.DurationVar(&over.NoPathTimeout.Duration, "no-path-timeout", d.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
-	f.StringVar(&over.DevLinksDir, "dev-links-dir", d.DevLinksDir, "where kernel devices get stable names, DIR/SESSNAME/DEVICE_PATH (empty: none)")
-	f.StringVar(&over.MetricsListen, "metrics-listen", d.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
-	f.DurationVar(&over.ReconnectDelay.Duration, "reconnect-delay", d.ReconnectDelay.Duration, "wait before a path's first reconnect attempt, doubled after each failed one up to 30 s (or itself if longer); 100ms to 1h")
-	f.StringVar(&over.CtrlLossTmo, "ctrl-loss-tmo", d.CtrlLossTmo, "a path down this long stops reconnecting, whatever max_reconnect_attempts allows (off: no bound)")
-	f.StringVar(&over.FastIOFailTmo, "fast-io-fail-tmo", d.FastIOFailTmo, "after this long without a path, IO waiting for one fails and new IO fails at once (off: IO waits no_path_timeout)")
-	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
-	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
-	f.StringVar(&over.TCPUserTimeout, "tcp-user-timeout", d.TCPUserTimeout, "how long data sent on a tcp:// path may stay unacknowledged before the connection is killed and its IO fails over (TCP_USER_TIMEOUT), or off; raise it on networks with long round trips or heavy loss")
-	f.DurationVar(&over.SizePoll.Duration, "size-poll", d.SizePoll.Duration, "how often sessions ask servers for their devices' sizes, which reach the devices (0: never; remap does)")
-	f.DurationVar(&over.NBDIOTimeout.Duration, "nbd-io-timeout", 0, "the kernel nbd driver's request timeout (0: longer than IO can wait in the daemon: no_path_timeout + failure detection + 10s)")
-	f.IntVar(&over.UblkQueueDepth, "ublk-queue-depth", d.UblkQueueDepth, "requests in flight per ublk queue (one queue per CPU; each takes ublk_max_io_kb of registered memory)")
-	f.IntVar(&over.UblkMaxIOKB, "ublk-max-io-kb", d.UblkMaxIOKB, "largest IO a ublk device takes in one request, KiB (4 to 1024; larger IO is split by the block layer)")
-	f.IntVar(&over.NBDBuffers, "nbd-buffers", d.NBDBuffers, "NBD requests of up to 1 MiB in flight per device served over NBD (each takes 1 MiB of registered memory)")
-	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
-	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
-	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the client presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only); its names are the client's identity on servers")
-	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
-	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that servers' certificates must chain to")
+	over := clientd.DefaultConfig()
+	bindDaemonFlags(f, &over)
 	cli.CompleteFlag(cmd, "log-level", cli.CompleteFrom("error", "warn", "info", "debug"))
 	cli.CompleteFlag(cmd, "log-format", cli.CompleteFrom("text", "json"))
 	cli.CompleteFlag(cmd, "mpath-policy", cli.CompleteFrom(clientd.SettingValues["mpath_policy"]...))
 	cli.CompleteFlag(cmd, "config", cli.CompleteFiles("toml"))
-	f.StringVar(&over.TLS.ServerName, "tls-server-name", "", "name to check servers' certificates against (default: the address dialed, an IP subject alternative name)")
 	return cmd
+}
+
+// bindDaemonFlags binds daemon's flags to c's fields, each defaulting to
+// its field's value (cli.DaemonConfig).
+func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
+	f.StringVar(&c.ControlSocket, "control-socket", c.ControlSocket, "control socket path")
+	f.StringVar(&c.StateFile, "state-file", c.StateFile, "where the mappings are kept")
+	f.StringVar(&c.SocketDir, "socket-dir", c.SocketDir, "where NBD sockets of mappings without --as go")
+	// Its default depends on the host: the help and the man page say
+	// the rule, not this machine's number.
+	f.IntVar(&c.ConnsPerPath, "conns-per-path", c.ConnsPerPath, "IO connections per path")
+	f.Lookup("conns-per-path").DefValue = "the number of CPUs"
+	f.TextVar(&c.MPPolicy, "mpath-policy", c.MPPolicy, "round-robin, min-inflight or min-latency")
+	f.IntVar(&c.MaxReconnectAttempts, "max-reconnect-attempts", c.MaxReconnectAttempts, "-1 forever, 0 never, or N")
+	f.DurationVar(&c.NoPathTimeout.Duration, "no-path-timeout", c.NoPathTimeout.Duration, "how long IO waits when no path is connected (0: fail at once)")
+	f.StringVar(&c.DevLinksDir, "dev-links-dir", c.DevLinksDir, "where kernel devices get stable names, DIR/SESSNAME/DEVICE_PATH (empty: none)")
+	f.StringVar(&c.MetricsListen, "metrics-listen", c.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
+	f.DurationVar(&c.ReconnectDelay.Duration, "reconnect-delay", c.ReconnectDelay.Duration, "wait before a path's first reconnect attempt, doubled after each failed one up to 30 s (or itself if longer); 100ms to 1h")
+	f.StringVar(&c.CtrlLossTmo, "ctrl-loss-tmo", c.CtrlLossTmo, "a path down this long stops reconnecting, whatever max_reconnect_attempts allows (off: no bound)")
+	f.StringVar(&c.FastIOFailTmo, "fast-io-fail-tmo", c.FastIOFailTmo, "after this long without a path, IO waiting for one fails and new IO fails at once (off: IO waits no_path_timeout)")
+	f.DurationVar(&c.HBInterval.Duration, "hb-interval", c.HBInterval.Duration, "heartbeat interval")
+	f.IntVar(&c.HBMissedMax, "hb-missed-max", c.HBMissedMax, "heartbeats missed before a path is dead")
+	f.StringVar(&c.TCPUserTimeout, "tcp-user-timeout", c.TCPUserTimeout, "how long data sent on a tcp:// path may stay unacknowledged before the connection is killed and its IO fails over (TCP_USER_TIMEOUT), or off; raise it on networks with long round trips or heavy loss")
+	f.DurationVar(&c.SizePoll.Duration, "size-poll", c.SizePoll.Duration, "how often sessions ask servers for their devices' sizes, which reach the devices (0: never; remap does)")
+	f.DurationVar(&c.NBDIOTimeout.Duration, "nbd-io-timeout", c.NBDIOTimeout.Duration, "the kernel nbd driver's request timeout (0: longer than IO can wait in the daemon: no_path_timeout + failure detection + 10s)")
+	f.IntVar(&c.UblkQueueDepth, "ublk-queue-depth", c.UblkQueueDepth, "requests in flight per ublk queue (one queue per CPU; each takes ublk_max_io_kb of registered memory)")
+	f.IntVar(&c.UblkMaxIOKB, "ublk-max-io-kb", c.UblkMaxIOKB, "largest IO a ublk device takes in one request, KiB (4 to 1024; larger IO is split by the block layer)")
+	f.IntVar(&c.NBDBuffers, "nbd-buffers", c.NBDBuffers, "NBD requests of up to 1 MiB in flight per device served over NBD (each takes 1 MiB of registered memory)")
+	f.StringVar(&c.LogLevel, "log-level", c.LogLevel, "error, warn, info or debug")
+	f.StringVar(&c.LogFormat, "log-format", c.LogFormat, "text or json")
+	f.StringVar(&c.TLS.Cert, "tls-cert", c.TLS.Cert, "PEM certificate the client presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only); its names are the client's identity on servers")
+	f.StringVar(&c.TLS.Key, "tls-key", c.TLS.Key, "PEM private key of --tls-cert")
+	f.StringVar(&c.TLS.CA, "tls-ca", c.TLS.CA, "PEM authority that servers' certificates must chain to")
+	f.StringVar(&c.TLS.ServerName, "tls-server-name", c.TLS.ServerName, "name to check servers' certificates against (default: the address dialed, an IP subject alternative name)")
 }
 
 func newMap(g *cli.Globals) *cobra.Command {

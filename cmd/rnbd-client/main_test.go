@@ -6,10 +6,12 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
 )
 
@@ -106,4 +108,31 @@ func daemonFlags(c *cobra.Command) []string {
 		}
 	})
 	return out
+}
+
+// TestDaemonFlagsOverFile: the flags given are set over the
+// configuration file; the others leave the file's values.
+func TestDaemonFlagsOverFile(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "client.toml")
+	if err := os.WriteFile(file, []byte("mpath_policy = \"min-latency\"\nnbd_buffers = 7\nhb_interval = \"2s\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	daemon, _, err := newRoot().Find([]string{"daemon"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := daemon.ParseFlags([]string{"--config", file, "--hb-interval", "3s", "--mpath-policy", "round-robin", "--tls-server-name", "srv"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := cli.DaemonConfig(daemon, clientd.LoadConfig, bindDaemonFlags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.NBDBuffers != 7 || cfg.HBInterval.Duration != 3*time.Second || cfg.MPPolicy.Name() != "round-robin" || cfg.TLS.ServerName != "srv" {
+		t.Errorf("nbd_buffers %d (the file's 7), hb_interval %v (the flag's 3s), mpath_policy %s (the flag's round-robin), tls server_name %q",
+			cfg.NBDBuffers, cfg.HBInterval, cfg.MPPolicy.Name(), cfg.TLS.ServerName)
+	}
+	if d := clientd.DefaultConfig(); cfg.ConnsPerPath != d.ConnsPerPath {
+		t.Errorf("conns_per_path %d, want the default %d", cfg.ConnsPerPath, d.ConnsPerPath)
+	}
 }

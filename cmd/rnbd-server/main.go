@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/output"
@@ -49,12 +50,7 @@ daemon through its control socket.`,
 }
 
 func newDaemon() *cobra.Command {
-	var (
-		configFile string
-		over       serverd.Config
-		chunkMem   units.Size
-		clientMem  units.Size
-	)
+	var configFile string
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the server daemon (flags override the configuration file)",
@@ -63,45 +59,10 @@ func newDaemon() *cobra.Command {
   rnbd-server daemon --listen tcp://10.0.0.1 --listen tcp://10.0.1.1 --dev-search-path /srv/rnbd`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			cfg, err := serverd.LoadConfig(configFile, cmd.Flags().Changed("config"))
+			cfg, err := cli.DaemonConfig(cmd, serverd.LoadConfig, bindDaemonFlags)
 			if err != nil {
-				return cli.ConfigError(err)
+				return err
 			}
-			f := cmd.Flags()
-			set := func(name string, apply func()) {
-				if f.Changed(name) {
-					apply()
-				}
-			}
-			set("listen", func() { cfg.Listen = over.Listen })
-			set("dev-search-path", func() { cfg.DevSearchPath = over.DevSearchPath })
-			set("allow-migration", func() { cfg.AllowMigration = over.AllowMigration })
-			set("dev-search-path-allow-from", func() { cfg.SearchAllowFrom = over.SearchAllowFrom })
-			set("dev-search-path-allow-identity", func() { cfg.SearchAllowIdentities = over.SearchAllowIdentities })
-			set("queue-depth", func() { cfg.QueueDepth = over.QueueDepth })
-			set("chunk-size", func() { cfg.MaxChunkSize = over.MaxChunkSize })
-			set("max-chunk-memory", func() { cfg.MaxChunkMemory = serverd.Size(chunkMem) })
-			set("max-chunk-memory-per-client", func() { v := serverd.Size(clientMem); cfg.MaxChunkMemoryPerClient = &v })
-			set("max-sessions-per-client", func() { cfg.MaxSessionsPerClient = over.MaxSessionsPerClient })
-			set("new-path-rate", func() { cfg.NewPathRate = over.NewPathRate })
-			set("new-path-burst", func() { cfg.NewPathBurst = over.NewPathBurst })
-			set("bind-session-names", func() { cfg.BindSessionNames = over.BindSessionNames })
-			set("metrics-listen", func() { cfg.MetricsListen = over.MetricsListen })
-			set("always-invalidate", func() { cfg.AlwaysInvalidate = over.AlwaysInvalidate })
-			set("invalidate-by", func() { cfg.InvalidateBy = over.InvalidateBy })
-			set("direct-io", func() { cfg.DirectIO = over.DirectIO })
-			set("hb-interval", func() { cfg.HBInterval = over.HBInterval })
-			set("hb-missed-max", func() { cfg.HBMissedMax = over.HBMissedMax })
-			set("export-retry", func() { cfg.ExportRetry = over.ExportRetry })
-			set("tcp-user-timeout", func() { cfg.TCPUserTimeout = over.TCPUserTimeout })
-			set("control-socket", func() { cfg.ControlSocket = over.ControlSocket })
-			set("state-file", func() { cfg.StateFile = over.StateFile })
-			set("log-level", func() { cfg.LogLevel = over.LogLevel })
-			set("log-format", func() { cfg.LogFormat = over.LogFormat })
-			set("tls-cert", func() { cfg.TLS.Cert = over.TLS.Cert })
-			set("tls-key", func() { cfg.TLS.Key = over.TLS.Key })
-			set("tls-ca", func() { cfg.TLS.CA = over.TLS.CA })
-			set("tls-allow-anonymous-clients", func() { cfg.TLS.AllowAnonymousClients = over.TLS.AllowAnonymousClients })
 			if err := cli.SetupLog(cfg.LogLevel, cfg.LogFormat); err != nil {
 				return err
 			}
@@ -115,48 +76,75 @@ func newDaemon() *cobra.Command {
 			})
 		},
 	}
-	d := serverd.DefaultConfig()
 	f := cmd.Flags()
 	f.StringVar(&configFile, "config", serverd.DefaultConfigFile, "TOML configuration file")
-	f.StringArrayVar(&over.Listen, "listen", d.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; 0.0.0.0 is every IPv4 address, [::] every address of both families; default both transports on 0.0.0.0, RDMA where the machine has it)")
-	f.StringVar(&over.DevSearchPath, "dev-search-path", "", "resolve device names beneath this directory (may contain %SESSNAME%)")
-	f.BoolVar(&over.AllowMigration, "allow-migration", false, "let devices under dev_search_path be opened with access_mode=migration beside a writer, as the kernel's server does")
-	f.StringArrayVar(&over.SearchAllowFrom, "dev-search-path-allow-from", nil, "a network (CIDR) or address that devices under dev_search_path may be opened from (repeatable; none: any)")
-	f.StringArrayVar(&over.SearchAllowIdentities, "dev-search-path-allow-identity", nil, "a client identity (TLS certificate name) that may open devices under dev_search_path, NAME or NAME=ro|rw|migration (repeatable; none: any client)")
-	f.IntVar(&over.QueueDepth, "queue-depth", d.QueueDepth, "chunks per path: requests in flight per client session")
-	f.IntVar(&over.MaxChunkSize, "chunk-size", d.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
-	// Its default depends on the host: the help and the man page say
-	// the rule, not this machine's number.
-	f.Var(&chunkMem, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound)")
-	f.Lookup("max-chunk-memory").DefValue = "a quarter of RAM, at most 8GiB"
-	f.Var(&clientMem, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own)")
-	f.Lookup("max-chunk-memory-per-client").DefValue = "a quarter of max-chunk-memory, at least 8 paths' worth"
-	f.StringVar(&over.MetricsListen, "metrics-listen", d.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
-	f.BoolVar(&over.BindSessionNames, "bind-session-names", d.BindSessionNames, "with TLS, a session name belongs to the client identity whose session first opens a device with it, kept in the state file; others are refused it")
-	f.Float64Var(&over.NewPathRate, "new-path-rate", d.NewPathRate, "new paths one client (one address, and one identity with TLS) may make a second after a burst of --new-path-burst; more are refused with EAGAIN and retried (0: no bound)")
-	f.IntVar(&over.NewPathBurst, "new-path-burst", d.NewPathBurst, "new paths one client may make at once before --new-path-rate applies")
-	f.IntVar(&over.MaxSessionsPerClient, "max-sessions-per-client", d.MaxSessionsPerClient, "sessions one client may have: one identity with TLS, else one address (0: no bound); one more is refused with EUSERS")
-	f.BoolVar(&over.AlwaysInvalidate, "always-invalidate", d.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
-	f.StringVar(&over.InvalidateBy, "invalidate-by", d.InvalidateBy, "how always_invalidate revokes a chunk's rkey on RDMA: window (memory windows bound by work requests, where the device has them) or registration")
-	f.BoolVar(&over.DirectIO, "direct-io", false, "open backends with O_DIRECT")
-	f.DurationVar(&over.HBInterval.Duration, "hb-interval", d.HBInterval.Duration, "heartbeat interval")
-	f.DurationVar(&over.ExportRetry.Duration, "export-retry", d.ExportRetry.Duration, "how often an export that could not be served is tried again")
-	f.IntVar(&over.HBMissedMax, "hb-missed-max", d.HBMissedMax, "heartbeats missed before a path is dead")
-	f.StringVar(&over.TCPUserTimeout, "tcp-user-timeout", d.TCPUserTimeout, "how long data sent on a tcp:// path may stay unacknowledged before the connection is killed (TCP_USER_TIMEOUT), or off; raise it on networks with long round trips or heavy loss")
-	f.StringVar(&over.ControlSocket, "control-socket", d.ControlSocket, "control socket path")
-	f.StringVar(&over.StateFile, "state-file", d.StateFile, "where the explicit exports are kept")
-	f.StringVar(&over.LogLevel, "log-level", d.LogLevel, "error, warn, info or debug")
-	f.StringVar(&over.LogFormat, "log-format", d.LogFormat, "text or json")
-	f.StringVar(&over.TLS.Cert, "tls-cert", "", "PEM certificate the server presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only, client certificates required)")
-	f.StringVar(&over.TLS.Key, "tls-key", "", "PEM private key of --tls-cert")
-	f.StringVar(&over.TLS.CA, "tls-ca", "", "PEM authority that clients' certificates must chain to; their names are the identities of allow_identities")
+	over := serverd.DefaultConfig()
+	bindDaemonFlags(f, &over)
 	cli.CompleteFlag(cmd, "log-level", cli.CompleteFrom("error", "warn", "info", "debug"))
 	cli.CompleteFlag(cmd, "log-format", cli.CompleteFrom("text", "json"))
 	cli.CompleteFlag(cmd, "invalidate-by", cli.CompleteFrom("window", "registration"))
 	cli.CompleteFlag(cmd, "config", cli.CompleteFiles("toml"))
-	f.BoolVar(&over.TLS.AllowAnonymousClients, "tls-allow-anonymous-clients", false, "accept a client certificate of --tls-ca that names no identity (no CN, no DNS, URI or e-mail SAN): such a client is counted by its address and may open the exports that grant no identities (default: refused with EACCES)")
 	return cmd
 }
+
+// bindDaemonFlags binds daemon's flags to c's fields, each defaulting to
+// its field's value (cli.DaemonConfig).
+func bindDaemonFlags(f *pflag.FlagSet, c *serverd.Config) {
+	f.StringArrayVar(&c.Listen, "listen", c.Listen, "address to listen on, tcp://HOST[:PORT] or rdma://HOST[:PORT] (repeatable; 0.0.0.0 is every IPv4 address, [::] every address of both families; default both transports on 0.0.0.0, RDMA where the machine has it)")
+	f.StringVar(&c.DevSearchPath, "dev-search-path", c.DevSearchPath, "resolve device names beneath this directory (may contain %SESSNAME%)")
+	f.BoolVar(&c.AllowMigration, "allow-migration", c.AllowMigration, "let devices under dev_search_path be opened with access_mode=migration beside a writer, as the kernel's server does")
+	f.StringArrayVar(&c.SearchAllowFrom, "dev-search-path-allow-from", c.SearchAllowFrom, "a network (CIDR) or address that devices under dev_search_path may be opened from (repeatable; none: any)")
+	f.StringArrayVar(&c.SearchAllowIdentities, "dev-search-path-allow-identity", c.SearchAllowIdentities, "a client identity (TLS certificate name) that may open devices under dev_search_path, NAME or NAME=ro|rw|migration (repeatable; none: any client)")
+	f.IntVar(&c.QueueDepth, "queue-depth", c.QueueDepth, "chunks per path: requests in flight per client session")
+	f.IntVar(&c.MaxChunkSize, "chunk-size", c.MaxChunkSize, "bytes per chunk, a power of two (the largest IO is 4 KiB less)")
+	// Its default depends on the host: the help and the man page say
+	// the rule, not this machine's number.
+	f.Var(&c.MaxChunkMemory, "max-chunk-memory", "memory all paths may take together, chunks and connection buffers; a path past it is refused (0: no bound)")
+	f.Lookup("max-chunk-memory").DefValue = "a quarter of RAM, at most 8GiB"
+	f.Var(optSize{&c.MaxChunkMemoryPerClient}, "max-chunk-memory-per-client", "what one client (one identity with TLS, else one address) may hold of max-chunk-memory; a path past it is refused (0: no bound of its own)")
+	f.Lookup("max-chunk-memory-per-client").DefValue = "a quarter of max-chunk-memory, at least 8 paths' worth"
+	f.StringVar(&c.MetricsListen, "metrics-listen", c.MetricsListen, "HOST:PORT to serve Prometheus metrics on at /metrics (a loopback or management address; empty: none)")
+	f.BoolVar(&c.BindSessionNames, "bind-session-names", c.BindSessionNames, "with TLS, a session name belongs to the client identity whose session first opens a device with it, kept in the state file; others are refused it")
+	f.Float64Var(&c.NewPathRate, "new-path-rate", c.NewPathRate, "new paths one client (one address, and one identity with TLS) may make a second after a burst of --new-path-burst; more are refused with EAGAIN and retried (0: no bound)")
+	f.IntVar(&c.NewPathBurst, "new-path-burst", c.NewPathBurst, "new paths one client may make at once before --new-path-rate applies")
+	f.IntVar(&c.MaxSessionsPerClient, "max-sessions-per-client", c.MaxSessionsPerClient, "sessions one client may have: one identity with TLS, else one address (0: no bound); one more is refused with EUSERS")
+	f.BoolVar(&c.AlwaysInvalidate, "always-invalidate", c.AlwaysInvalidate, "rotate each chunk's rkey after every IO")
+	f.StringVar(&c.InvalidateBy, "invalidate-by", c.InvalidateBy, "how always_invalidate revokes a chunk's rkey on RDMA: window (memory windows bound by work requests, where the device has them) or registration")
+	f.BoolVar(&c.DirectIO, "direct-io", c.DirectIO, "open backends with O_DIRECT")
+	f.DurationVar(&c.HBInterval.Duration, "hb-interval", c.HBInterval.Duration, "heartbeat interval")
+	f.DurationVar(&c.ExportRetry.Duration, "export-retry", c.ExportRetry.Duration, "how often an export that could not be served is tried again")
+	f.IntVar(&c.HBMissedMax, "hb-missed-max", c.HBMissedMax, "heartbeats missed before a path is dead")
+	f.StringVar(&c.TCPUserTimeout, "tcp-user-timeout", c.TCPUserTimeout, "how long data sent on a tcp:// path may stay unacknowledged before the connection is killed (TCP_USER_TIMEOUT), or off; raise it on networks with long round trips or heavy loss")
+	f.StringVar(&c.ControlSocket, "control-socket", c.ControlSocket, "control socket path")
+	f.StringVar(&c.StateFile, "state-file", c.StateFile, "where the explicit exports are kept")
+	f.StringVar(&c.LogLevel, "log-level", c.LogLevel, "error, warn, info or debug")
+	f.StringVar(&c.LogFormat, "log-format", c.LogFormat, "text or json")
+	f.StringVar(&c.TLS.Cert, "tls-cert", c.TLS.Cert, "PEM certificate the server presents on tcp:// (with --tls-key and --tls-ca: TLS 1.3 only, client certificates required)")
+	f.StringVar(&c.TLS.Key, "tls-key", c.TLS.Key, "PEM private key of --tls-cert")
+	f.StringVar(&c.TLS.CA, "tls-ca", c.TLS.CA, "PEM authority that clients' certificates must chain to; their names are the identities of allow_identities")
+	f.BoolVar(&c.TLS.AllowAnonymousClients, "tls-allow-anonymous-clients", c.TLS.AllowAnonymousClients, "accept a client certificate of --tls-ca that names no identity (no CN, no DNS, URI or e-mail SAN): such a client is counted by its address and may open the exports that grant no identities (default: refused with EACCES)")
+}
+
+// optSize is a flag of a size that is unset (nil) until given.
+type optSize struct{ p **units.Size }
+
+func (o optSize) String() string {
+	if *o.p == nil {
+		return "0"
+	}
+	return (*o.p).String()
+}
+
+func (o optSize) Set(s string) error {
+	v := new(units.Size)
+	if err := v.Set(s); err != nil {
+		return err
+	}
+	*o.p = v
+	return nil
+}
+
+func (o optSize) Type() string { return "size" }
 
 func newMap(g *cli.Globals) *cobra.Command {
 	var (

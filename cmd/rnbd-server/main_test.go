@@ -7,10 +7,12 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/serverd"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -117,4 +119,36 @@ func daemonFlags(c *cobra.Command) []string {
 		}
 	})
 	return out
+}
+
+// TestDaemonFlagsOverFile: the flags given are set over the
+// configuration file; the others leave the file's values.
+func TestDaemonFlagsOverFile(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "server.toml")
+	if err := os.WriteFile(file, []byte("listen = [\"tcp://127.0.0.1:7\"]\nmax_chunk_memory = \"1GiB\"\nhb_interval = \"2s\"\nnew_path_rate = 5.5\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	daemon, _, err := newRoot().Find([]string{"daemon"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := daemon.ParseFlags([]string{"--config", file, "--hb-interval", "3s", "--max-chunk-memory-per-client", "1MiB",
+		"--dev-search-path-allow-from", "10.0.0.0/8", "--dev-search-path-allow-from", "10.1.0.0/16", "--tls-allow-anonymous-clients"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := cli.DaemonConfig(daemon, serverd.LoadConfig, bindDaemonFlags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(cfg.Listen, ",") != "tcp://127.0.0.1:7" || cfg.MaxChunkMemory != 1<<30 || cfg.NewPathRate != 5.5 {
+		t.Errorf("the file's values: listen %v, max_chunk_memory %d, new_path_rate %g", cfg.Listen, cfg.MaxChunkMemory, cfg.NewPathRate)
+	}
+	if cfg.HBInterval.Duration != 3*time.Second || cfg.MaxChunkMemoryPerClient == nil || *cfg.MaxChunkMemoryPerClient != 1<<20 ||
+		strings.Join(cfg.SearchAllowFrom, ",") != "10.0.0.0/8,10.1.0.0/16" || !cfg.TLS.AllowAnonymousClients {
+		t.Errorf("the flags' values: hb_interval %v, max_chunk_memory_per_client %v, dev_search_path_allow_from %v, allow_anonymous_clients %v",
+			cfg.HBInterval, cfg.MaxChunkMemoryPerClient, cfg.SearchAllowFrom, cfg.TLS.AllowAnonymousClients)
+	}
+	if d := serverd.DefaultConfig(); cfg.QueueDepth != d.QueueDepth {
+		t.Errorf("queue_depth %d, want the default %d", cfg.QueueDepth, d.QueueDepth)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 )
@@ -61,4 +62,36 @@ it before the daemon (ExecStartPre).`,
 		},
 	})
 	return cmd
+}
+
+// DaemonConfig is the configuration "daemon" runs with: the file of its
+// --config (load reads it over the defaults; one not given may be
+// missing), under the flags given on the command line. bind binds every
+// flag of the daemon to a field of a configuration, defaulting to the
+// field's value: the command binds them over the defaults (its help),
+// and here they are bound again over the file's configuration, and each
+// flag given is set again there. A new flag is thus one line, in bind.
+func DaemonConfig[C any](cmd *cobra.Command, load func(path string, mustExist bool) (C, error), bind func(*pflag.FlagSet, *C)) (C, error) {
+	path, _ := cmd.Flags().GetString("config")
+	cfg, err := load(path, cmd.Flags().Changed("config"))
+	if err != nil {
+		return cfg, ConfigError(err)
+	}
+	over := pflag.NewFlagSet(cmd.Name(), pflag.ContinueOnError)
+	bind(over, &cfg)
+	cmd.Flags().Visit(func(f *pflag.Flag) {
+		to := over.Lookup(f.Name)
+		if to == nil || err != nil {
+			return // --config, or a global flag
+		}
+		if from, ok := f.Value.(pflag.SliceValue); ok {
+			err = to.Value.(pflag.SliceValue).Replace(from.GetSlice())
+		} else {
+			err = to.Value.Set(f.Value.String())
+		}
+		if err != nil {
+			err = fmt.Errorf("--%s: %w", f.Name, err)
+		}
+	})
+	return cfg, err
 }

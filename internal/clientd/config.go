@@ -2,6 +2,18 @@
 // sessions and the devices mapped through them, serves each device to
 // NBD clients, keeps the mappings in a state file, and answers the
 // control API on a unix socket.
+//
+// The files read top-down: routes.go (the control API), daemon.go (Start,
+// Stop, map and unmap), spec.go (a mapping as given, checked), then the
+// frontends a device is offered through (frontend.go, fe_*.go).
+//
+// Locks, in the order they are taken:
+//
+//	Daemon.mapMu     map, unmap, resize and the state file, one at a time
+//	Daemon.mu        the sessions and mappings; held only to read or
+//	                 change them (and rnbd's session locks under it)
+//	Daemon.rdmaMu    the RDMA fabric, made on first use; never with mu
+//	ublkBackend.mu   a ublk device's queues; held over no call
 package clientd
 
 import (
@@ -98,8 +110,7 @@ func DefaultConfig() Config {
 // keys are errors, and a [tls] table makes TLS required.
 func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	cfg.TLS.Configured = meta.Defined("tls")
+	err := conf.LoadConfig(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion, &cfg.TLS)
 	return cfg, err
 }
 
@@ -110,13 +121,7 @@ func CheckConfig(path string, mustExist bool) (Config, error) {
 	if err != nil {
 		return cfg, err
 	}
-	if err := cfg.Validate(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	if _, err := cfg.TLS.Config(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	return cfg, nil
+	return cfg, conf.Check(path, cfg.Validate, cfg.TLS)
 }
 
 // Validate checks the configuration before anything starts.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -52,7 +51,10 @@ func (s *session) uuid() string {
 	return hex.EncodeToString(u[:])
 }
 
-// Daemon is a running rnbd-client.
+// Daemon is a running rnbd-client. It is safe for concurrent use: the
+// control API's requests, metrics scrapes, the retries of restores and
+// the resizes that sessions report run at once, and Stop may be called
+// more than once.
 type Daemon struct {
 	stopOnce sync.Once
 	stopErr  error // of the first Stop
@@ -137,18 +139,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	if opts.Log == nil {
 		opts.Log = log.L
 	}
-	if opts.Fabric != nil && cfg.TLS.Enabled() {
-		// A fabric of the caller's would drop the TLS configured.
-		return nil, errors.New("tls: configured, but the caller gave its own TCP fabric")
+	f, err := cfg.TLS.Fabric(opts.Fabric, cfg.TCPUserTimeout, tcp.Options{Log: opts.Log})
+	if err != nil {
+		return nil, err
 	}
-	if opts.Fabric == nil {
-		tc, err := cfg.TLS.Config()
-		if err != nil {
-			return nil, err
-		}
-		ut, _ := conf.ParseUserTimeout(cfg.TCPUserTimeout) // validated
-		opts.Fabric = tcp.New(tcp.Options{TLS: tc, Log: opts.Log, UserTimeout: ut})
-	}
+	opts.Fabric = f
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
 		sessions: map[string]*session{}, maps: map[string]*mapped{},
 		nbd: nbd.NewServer(nbd.Options{Log: opts.Log}), sysBlock: "/sys/block"}

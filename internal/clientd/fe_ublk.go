@@ -3,10 +3,12 @@ package clientd
 import (
 	"context"
 	"errors"
+	"fmt"
 	"hash/fnv"
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/log"
@@ -120,7 +122,9 @@ func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) 
 			r.Flags |= rnbd.FNoUnmap
 		}
 	default:
-		r.complete(&r.IOReq, ctl.Errorf(ctl.CodeNotSupported, "ublk %v", ur.Op))
+		// The kernel gets the errno of the error (EIO without one):
+		// EOPNOTSUPP, an op this device does not do.
+		r.complete(&r.IOReq, fmt.Errorf("ublk %v: %w", ur.Op, syscall.EOPNOTSUPP))
 		return
 	}
 	if ur.FUA {

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"sort"
-	"strings"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -49,168 +48,224 @@ var (
 	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency_us"}
 )
 
+// routes are the control API's endpoints (docs/control-api.md), one
+// method each.
 func (d *Daemon) routes() {
-	h := d.ctl.Handle
-	h("POST /v1/devices", func(r *http.Request) (any, error) {
-		var m Mapping
-		if err := ctl.Decode(r, &m); err != nil {
-			return nil, err
-		}
-		out, note, err := d.mapNoted(r.Context(), m)
-		if err != nil {
-			return nil, err
-		}
-		return MapResponse{Mapping: out, Note: note}, nil
-	})
-	h("GET /v1/devices", func(r *http.Request) (any, error) { return d.devices(""), nil })
-	h("GET /v1/devices/{name}", func(r *http.Request) (any, error) {
-		if _, err := d.find(r.PathValue("name")); err != nil {
-			return nil, err
-		}
-		return d.devices(r.PathValue("name")), nil
-	})
-	h("POST /v1/devices/{name}/unmap", func(r *http.Request) (any, error) {
-		var req UnmapRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		return nil, d.Unmap(r.Context(), r.PathValue("name"), req.Force)
-	})
-	h("POST /v1/devices/{name}/remap", func(r *http.Request) (any, error) {
-		m, err := d.find(r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		return nil, m.dev.Remap(r.Context())
-	})
-	h("POST /v1/devices/{name}/resize", func(r *http.Request) (any, error) {
-		var req ResizeRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		m, err := d.find(r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		n, err := units.ParseSize(req.Size)
-		if err != nil {
-			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
-		}
-		if err := m.dev.Resize(n); err != nil {
-			return nil, err
-		}
-		return nil, d.resized(m.dev)
-	})
-	h("GET /v1/sessions", func(r *http.Request) (any, error) { return d.sessionRecords(""), nil })
-	h("GET /v1/sessions/{name}", func(r *http.Request) (any, error) {
-		if _, err := d.findSession(r.PathValue("name")); err != nil {
-			return nil, err
-		}
-		return d.sessionRecords(r.PathValue("name")), nil
-	})
-	h("POST /v1/sessions/{name}/set", func(r *http.Request) (any, error) {
-		var req SetRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		s, err := d.findSession(r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		if err := req.check(); err != nil {
-			return nil, err // nothing applied
-		}
-		if err := s.set(req); err != nil {
-			return nil, err
-		}
-		return nil, d.keepSettings(r.PathValue("name"), req)
-	})
-	h("POST /v1/sessions/{name}/reconnect", func(r *http.Request) (any, error) {
-		s, err := d.findSession(r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		var errs []error
-		for _, p := range s.cs.Session().Paths() {
-			if err := p.Reconnect(r.Context()); err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", p.Name(), err))
-			}
-		}
-		return nil, errors.Join(errs...)
-	})
-	h("GET /v1/paths", func(r *http.Request) (any, error) { return d.pathRecords(r.URL.Query().Get("session"), ""), nil })
-	h("GET /v1/paths/{name}", func(r *http.Request) (any, error) {
-		found, err := d.lookupPaths(r.URL.Query().Get("session"), r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		recs := []output.Record{}
-		for _, x := range found {
-			recs = append(recs, pathRecord(x.rs, x.p))
-		}
-		return recs, nil
-	})
-	h("POST /v1/sessions/{name}/paths", func(r *http.Request) (any, error) {
-		var req PathRequest
-		if err := ctl.Decode(r, &req); err != nil {
-			return nil, err
-		}
-		s, err := d.findSession(r.PathValue("name"))
-		if err != nil {
-			return nil, err
-		}
-		// At the session's port, as the kernel's add_path: its paths
-		// share the dest_port they were mapped with.
-		port := uint16(rtrs.DefaultPort)
-		if ps := s.cs.Session().Paths(); len(ps) > 0 {
-			port = ps[0].Addr().Dst.Port()
-		}
-		pa, err := rtrs.ParsePathAddr(req.Path, port)
-		if err != nil {
-			return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
-		}
-		p, err := s.cs.Session().AddPath(r.Context(), pa)
-		if err != nil {
-			return nil, err
-		}
-		return []output.Record{pathRecord(s.cs.Session(), p)}, nil
-	})
-	for _, op := range []string{"remove", "reconnect", "disconnect"} {
-		h("POST /v1/paths/{name}/"+op, func(r *http.Request) (any, error) {
-			p, err := d.findPath(r.URL.Query().Get("session"), r.PathValue("name"))
-			if err != nil {
-				return nil, err
-			}
-			switch op {
-			case "remove":
-				return nil, p.Remove()
-			case "reconnect":
-				return nil, p.Reconnect(r.Context())
-			}
-			return nil, p.Disconnect()
-		})
+	for _, rt := range []struct {
+		pattern string
+		h       ctl.Handler
+	}{
+		{"POST /v1/devices", d.mapDevice},
+		{"GET /v1/devices", d.listDevices},
+		{"GET /v1/devices/{name}", d.showDevice},
+		{"POST /v1/devices/{name}/unmap", d.unmapDevice},
+		{"POST /v1/devices/{name}/remap", d.remapDevice},
+		{"POST /v1/devices/{name}/resize", d.resizeDevice},
+		{"GET /v1/sessions", d.listSessions},
+		{"GET /v1/sessions/{name}", d.showSession},
+		{"POST /v1/sessions/{name}/set", d.setSession},
+		{"POST /v1/sessions/{name}/reconnect", d.reconnectSession},
+		{"GET /v1/paths", d.listPaths},
+		{"GET /v1/paths/{name}", d.showPath},
+		{"POST /v1/sessions/{name}/paths", d.addPath},
+		{"POST /v1/paths/{name}/remove", d.removePath},
+		{"POST /v1/paths/{name}/reconnect", d.reconnectPath},
+		{"POST /v1/paths/{name}/disconnect", d.disconnectPath},
+		{"GET /v1/stats", d.showStats},
+		{"POST /v1/stats/reset", d.resetStats},
+	} {
+		d.ctl.Handle(rt.pattern, rt.h)
 	}
-	h("GET /v1/stats", func(r *http.Request) (any, error) {
-		recs := []output.Record{}
-		for _, rec := range d.pathRecords("", "") {
-			s := output.Record{}
-			for _, f := range StatsFields {
-				s[f] = rec[f]
-			}
-			recs = append(recs, s)
+}
+
+func (d *Daemon) mapDevice(r *http.Request) (any, error) {
+	var m Mapping
+	if err := ctl.Decode(r, &m); err != nil {
+		return nil, err
+	}
+	out, note, err := d.mapNoted(r.Context(), m)
+	if err != nil {
+		return nil, err
+	}
+	return MapResponse{Mapping: out, Note: note}, nil
+}
+
+func (d *Daemon) listDevices(r *http.Request) (any, error) {
+	return d.devices(""), nil
+}
+
+func (d *Daemon) showDevice(r *http.Request) (any, error) {
+	if _, err := d.find(r.PathValue("name")); err != nil {
+		return nil, err
+	}
+	return d.devices(r.PathValue("name")), nil
+}
+
+func (d *Daemon) unmapDevice(r *http.Request) (any, error) {
+	var req UnmapRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	return nil, d.Unmap(r.Context(), r.PathValue("name"), req.Force)
+}
+
+func (d *Daemon) remapDevice(r *http.Request) (any, error) {
+	m, err := d.find(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	return nil, m.dev.Remap(r.Context())
+}
+
+func (d *Daemon) resizeDevice(r *http.Request) (any, error) {
+	var req ResizeRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	m, err := d.find(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	n, err := units.ParseSize(req.Size)
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	if err := m.dev.Resize(n); err != nil {
+		return nil, err
+	}
+	return nil, d.resized(m.dev)
+}
+
+func (d *Daemon) listSessions(r *http.Request) (any, error) {
+	return d.sessionRecords(""), nil
+}
+
+func (d *Daemon) showSession(r *http.Request) (any, error) {
+	if _, err := d.findSession(r.PathValue("name")); err != nil {
+		return nil, err
+	}
+	return d.sessionRecords(r.PathValue("name")), nil
+}
+
+func (d *Daemon) setSession(r *http.Request) (any, error) {
+	var req SetRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	s, err := d.findSession(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	if err := req.check(); err != nil {
+		return nil, err // nothing applied
+	}
+	if err := s.set(req); err != nil {
+		return nil, err
+	}
+	return nil, d.keepSettings(r.PathValue("name"), req)
+}
+
+func (d *Daemon) reconnectSession(r *http.Request) (any, error) {
+	s, err := d.findSession(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	for _, p := range s.cs.Session().Paths() {
+		if err := p.Reconnect(r.Context()); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", p.Name(), err))
 		}
-		return recs, nil
-	})
-	h("POST /v1/stats/reset", func(r *http.Request) (any, error) {
-		for _, s := range d.sessionList() {
-			for _, p := range s.cs.Session().Paths() {
-				p.Stats().ResetRDMA()
-				p.Stats().ResetReconnects()
-				p.Stats().ResetLatency()
-			}
+	}
+	return nil, errors.Join(errs...)
+}
+
+func (d *Daemon) listPaths(r *http.Request) (any, error) {
+	return d.pathRecords(r.URL.Query().Get("session"), ""), nil
+}
+
+func (d *Daemon) showPath(r *http.Request) (any, error) {
+	found, err := d.lookupPaths(r.URL.Query().Get("session"), r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	recs := []output.Record{}
+	for _, x := range found {
+		recs = append(recs, pathRecord(x.rs, x.p))
+	}
+	return recs, nil
+}
+
+func (d *Daemon) addPath(r *http.Request) (any, error) {
+	var req PathRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	s, err := d.findSession(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
+	// At the session's port, as the kernel's add_path: its paths
+	// share the dest_port they were mapped with.
+	port := uint16(rtrs.DefaultPort)
+	if ps := s.cs.Session().Paths(); len(ps) > 0 {
+		port = ps[0].Addr().Dst.Port()
+	}
+	pa, err := rtrs.ParsePathAddr(req.Path, port)
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	p, err := s.cs.Session().AddPath(r.Context(), pa)
+	if err != nil {
+		return nil, err
+	}
+	return []output.Record{pathRecord(s.cs.Session(), p)}, nil
+}
+
+func (d *Daemon) removePath(r *http.Request) (any, error) {
+	p, err := d.pathOf(r)
+	if err != nil {
+		return nil, err
+	}
+	return nil, p.Remove()
+}
+
+func (d *Daemon) reconnectPath(r *http.Request) (any, error) {
+	p, err := d.pathOf(r)
+	if err != nil {
+		return nil, err
+	}
+	return nil, p.Reconnect(r.Context())
+}
+
+func (d *Daemon) disconnectPath(r *http.Request) (any, error) {
+	p, err := d.pathOf(r)
+	if err != nil {
+		return nil, err
+	}
+	return nil, p.Disconnect()
+}
+
+func (d *Daemon) showStats(r *http.Request) (any, error) {
+	recs := []output.Record{}
+	for _, rec := range d.pathRecords("", "") {
+		s := output.Record{}
+		for _, f := range StatsFields {
+			s[f] = rec[f]
 		}
-		return nil, nil
-	})
+		recs = append(recs, s)
+	}
+	return recs, nil
+}
+
+func (d *Daemon) resetStats(r *http.Request) (any, error) {
+	for _, s := range d.sessionList() {
+		for _, p := range s.cs.Session().Paths() {
+			p.Stats().ResetRDMA()
+			p.Stats().ResetReconnects()
+			p.Stats().ResetLatency()
+		}
+	}
+	return nil, nil
 }
 
 func (s *session) set(req SetRequest) error {
@@ -451,24 +506,10 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		if name != "" && rs.Name() != name {
 			continue
 		}
-		var up int
-		var uu strings.Builder
-		var rx, tx uint64
-		var inflight int64
-		paths := rs.Paths()
-		for _, p := range paths {
+		var sum output.PathSum
+		for _, p := range rs.Paths() {
 			c := p.Stats().Counters()
-			rx, tx, inflight = rx+c.ReadBytes, tx+c.WriteBytes, inflight+c.Inflight
-			if p.State() == rtrs.PathConnected {
-				up++
-				uu.WriteByte('U')
-			} else {
-				uu.WriteByte('_')
-			}
-		}
-		state := "disconnected"
-		if up > 0 {
-			state = "connected"
+			sum.Add(p.State() == rtrs.PathConnected, c.ReadBytes, c.WriteBytes, c.Inflight)
 		}
 		var noPathSince any // null while it has a path
 		if t := s.cs.NoPathSince(); !t.IsZero() {
@@ -485,16 +526,14 @@ func (d *Daemon) sessionRecords(name string) []output.Record {
 		}
 		waiting, waitFailIn := s.cs.Waiting()
 		pol := rs.MPPolicy()
-		recs = append(recs, output.Record{
-			"sessname": rs.Name(), "path_cnt": len(paths), "act_path_cnt": up, "state": state,
-			"path_uu": uu.String(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
+		recs = append(recs, sum.Fields(output.Record{
+			"sessname": rs.Name(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
 			"no_path_timeout_sec": seconds(s.cs.NoPathTimeout()), "no_path_since": noPathSince,
 			"waiting_io": waiting, "waiting_io_fails_in_sec": leftSeconds(waitFailIn),
 			"fast_io_fail_tmo_sec": tmoSeconds(s.cs.FastIOFailTmo()), "fast_io_fail_in_sec": failIn,
 			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
-			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "rx_bytes": rx, "tx_bytes": tx,
-			"inflights": inflight, "devices": len(s.cs.Devices()), "direction": "client",
-		})
+			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "devices": len(s.cs.Devices()), "direction": "client",
+		}))
 	}
 	return recs
 }
@@ -571,6 +610,12 @@ func (d *Daemon) lookupPaths(session, name string) ([]sessPath, error) {
 		a := x.p.Addr()
 		return rtrs.MatchPathName(name, a.Src.Addr(), a.Dst.Addr())
 	})
+}
+
+// pathOf is the path a request names: {name}, within ?session= if given
+// (findPath).
+func (d *Daemon) pathOf(r *http.Request) (*rtrs.CltPath, error) {
+	return d.findPath(r.URL.Query().Get("session"), r.PathValue("name"))
 }
 
 // findPath is the one path a name as typed names (lookupPaths).

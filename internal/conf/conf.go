@@ -1,6 +1,6 @@
 // Package conf is what both daemons' configuration and state files
-// share: TOML loading that refuses unknown keys, durations and sizes
-// as people write them, and atomic file replacement.
+// share: TOML loading that refuses unknown keys, durations as people
+// write them (sizes are units.Size), and atomic file replacement.
 package conf
 
 import (
@@ -13,8 +13,6 @@ import (
 	"time"
 
 	"github.com/BurntSushi/toml"
-
-	"github.com/rnbd/rnbd/internal/units"
 )
 
 // Duration is a time.Duration written as "5s" in a file.
@@ -30,25 +28,6 @@ func (d *Duration) UnmarshalText(b []byte) error {
 }
 
 func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
-
-// Size is a byte count written as 8589934592 or "8GiB" in a file.
-type Size int64
-
-func (v *Size) UnmarshalTOML(x any) error {
-	switch t := x.(type) {
-	case int64:
-		if t < 0 {
-			return fmt.Errorf("negative size %d", t)
-		}
-		*v = Size(t)
-		return nil
-	case string:
-		n, err := units.ParseSize(t)
-		*v = Size(n)
-		return err
-	}
-	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
-}
 
 // Meta is what LoadTOML saw of a file beyond its values.
 type Meta struct {
@@ -86,6 +65,28 @@ func LoadTOML(path string, mustExist bool, v any, version func() int, newest int
 		return Meta{}, err
 	}
 	return Meta{Found: true, md: md}, nil
+}
+
+// LoadConfig reads a daemon's configuration file at path over cfg (its
+// defaults) as LoadTOML does; a [tls] table makes TLS required: t, cfg's
+// TLS, is Configured.
+func LoadConfig(path string, mustExist bool, cfg any, version func() int, newest int, t *TLS) error {
+	meta, err := LoadTOML(path, mustExist, cfg, version, newest)
+	t.Configured = meta.Defined("tls")
+	return err
+}
+
+// Check is the rest of a daemon's `config check` once the file at path
+// is loaded: the configuration valid (validate), and the TLS files it
+// names (t) loaded, starting nothing.
+func Check(path string, validate func() error, t TLS) error {
+	if err := validate(); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	if _, err := t.Config(); err != nil {
+		return fmt.Errorf("config %s: %w", path, err)
+	}
+	return nil
 }
 
 // WriteFileAtomic replaces path with data so that a crash leaves either

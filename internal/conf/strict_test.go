@@ -6,15 +6,17 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rnbd/rnbd/internal/units"
 )
 
 // testConfig has the shapes the daemons' configurations have: keys,
 // a table with an embedded struct, an array of tables, a value type.
 type testConfig struct {
-	Version  int      `toml:"version"`
-	Listen   []string `toml:"listen"`
-	Interval Duration `toml:"hb_interval"`
-	Memory   Size     `toml:"max_chunk_memory"`
+	Version  int        `toml:"version"`
+	Listen   []string   `toml:"listen"`
+	Interval Duration   `toml:"hb_interval"`
+	Memory   units.Size `toml:"max_chunk_memory"`
 	TLS      struct {
 		TLS
 		Anonymous bool `toml:"allow_anonymous_clients"`

@@ -9,6 +9,9 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 // TLS is a daemon's TLS on the TCP fabric: its certificate and key and
@@ -88,6 +91,26 @@ func (t TLS) Config() (*tls.Config, error) {
 			return kp.get()
 		},
 	}, nil
+}
+
+// Fabric is a daemon's TCP fabric: given, the caller's own (tests),
+// which must not stand in for the TLS configured (it would drop it);
+// else one made with this TLS and userTimeout (tcp_user_timeout,
+// validated), o holding the rest of its options.
+func (t TLS) Fabric(given fabric.Fabric, userTimeout string, o tcp.Options) (fabric.Fabric, error) {
+	if given != nil && t.Enabled() {
+		return nil, errors.New("tls: configured, but the caller gave its own TCP fabric")
+	}
+	if given != nil {
+		return given, nil
+	}
+	tc, err := t.Config()
+	if err != nil {
+		return nil, err
+	}
+	o.TLS = tc
+	o.UserTimeout, _ = ParseUserTimeout(userTimeout) // validated
+	return tcp.New(o), nil
 }
 
 // keyPair is a certificate and key loaded from files, loaded again when

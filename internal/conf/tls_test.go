@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 func TestTLS(t *testing.T) {
@@ -63,5 +64,20 @@ func TestTLS(t *testing.T) {
 	os.Remove(filepath.Join(dir, "node.crt"))
 	if n := got(); n != "node-2" {
 		t.Fatalf("certificate gone: %q, want the last one kept", n)
+	}
+}
+
+// TestFabricKeepsTLS: a caller's own fabric is used where no TLS is
+// configured, and refused where it is (it would drop it).
+func TestFabricKeepsTLS(t *testing.T) {
+	own := tcp.New(tcp.Options{})
+	if f, err := (TLS{}).Fabric(own, "off", tcp.Options{}); err != nil || f != own {
+		t.Fatalf("without TLS: %v, %v; want the caller's", f, err)
+	}
+	if _, err := (TLS{Configured: true, Cert: "c", Key: "k", CA: "a"}).Fabric(own, "off", tcp.Options{}); err == nil {
+		t.Fatal("with TLS configured, the caller's fabric was taken")
+	}
+	if f, err := (TLS{}).Fabric(nil, "5s", tcp.Options{}); err != nil || f == nil {
+		t.Fatalf("made without TLS: %v, %v", f, err)
 	}
 }

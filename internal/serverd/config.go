@@ -1,6 +1,22 @@
 // Package serverd is the rnbd-server daemon: it runs the RTRS server and
 // the RNBD server on top, keeps the explicit exports in a state file, and
 // answers the control API on a unix socket.
+//
+// The files read top-down: routes.go (the control API), daemon.go (Start
+// and Stop), state.go (the state file, the retries of exports not
+// served), export.go (map and unmap), records.go (what the API lists).
+//
+// Locks, in the order they are taken:
+//
+//	Daemon.stateMu   the exports, the state file and its saving; held over
+//	                 rnbd.Server's Map and Unmap and the save after them
+//	rnbd.Server's, rtrs.Server's own
+//	pathProbe.mu     the stats pending; held over no call
+//
+// rnbd.Server calls back into the daemon (Stat, Answers, NameHeld,
+// OwnersChanged), under stateMu when a map is why: none of them takes
+// stateMu (OwnersChanged only wakes saveOwners, which takes it in its own
+// goroutine).
 package serverd
 
 import (
@@ -10,6 +26,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
@@ -98,7 +115,7 @@ type ServerTLS struct {
 // Duration and Size are written as "5s" and "8GiB" in the file.
 type (
 	Duration = conf.Duration
-	Size     = conf.Size
+	Size     = units.Size
 )
 
 // DefaultConfig returns the defaults: the kernel module's where it has
@@ -133,8 +150,7 @@ func DefaultConfig() Config {
 // makes TLS required (conf.TLS.Configured).
 func LoadConfig(path string, mustExist bool) (Config, error) {
 	cfg := DefaultConfig()
-	meta, err := conf.LoadTOML(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion)
-	cfg.TLS.Configured = meta.Defined("tls")
+	err := conf.LoadConfig(path, mustExist, &cfg, func() int { return cfg.Version }, ConfigVersion, &cfg.TLS.TLS)
 	return cfg, err
 }
 
@@ -145,13 +161,7 @@ func CheckConfig(path string, mustExist bool) (Config, error) {
 	if err != nil {
 		return cfg, err
 	}
-	if err := cfg.Validate(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	if _, err := cfg.TLS.Config(); err != nil {
-		return cfg, fmt.Errorf("config %s: %w", path, err)
-	}
-	return cfg, nil
+	return cfg, conf.Check(path, cfg.Validate, cfg.TLS.TLS)
 }
 
 // Validate checks the configuration before anything starts.

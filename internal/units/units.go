@@ -49,7 +49,8 @@ func FormatSize(n int64) string {
 	return strconv.FormatInt(n, 10)
 }
 
-// Size is a flag value holding a size.
+// Size is a byte count: a flag value (--max-chunk-memory 8GiB), and a
+// configuration file's value written as 8589934592 or "8GiB".
 type Size int64
 
 func (v *Size) String() string { return FormatSize(int64(*v)) }
@@ -61,4 +62,22 @@ func (v *Size) Set(s string) error {
 	}
 	*v = Size(n)
 	return nil
+}
+
+// UnmarshalTOML reads a size from a configuration file: a number of
+// bytes, or a string as ParseSize takes it.
+func (v *Size) UnmarshalTOML(x any) error {
+	switch t := x.(type) {
+	case int64:
+		if t < 0 {
+			return fmt.Errorf("negative size %d", t)
+		}
+		*v = Size(t)
+		return nil
+	case string:
+		n, err := ParseSize(t)
+		*v = Size(n)
+		return err
+	}
+	return fmt.Errorf("size %v: want a number of bytes or a string like \"8GiB\"", x)
 }

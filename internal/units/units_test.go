@@ -19,3 +19,18 @@ func TestParseSize(t *testing.T) {
 		t.Error("FormatSize")
 	}
 }
+
+// TestSizeUnmarshalTOML: a configuration file's size, as bytes or as a
+// string; a negative one or another type is refused.
+func TestSizeUnmarshalTOML(t *testing.T) {
+	for _, c := range []struct {
+		in   any
+		want Size
+		ok   bool
+	}{{int64(4096), 4096, true}, {"8GiB", 8 << 30, true}, {int64(-1), 0, false}, {"8 apples", 0, false}, {1.5, 0, false}} {
+		var v Size
+		if err := v.UnmarshalTOML(c.in); (err == nil) != c.ok || (c.ok && v != c.want) {
+			t.Errorf("UnmarshalTOML(%v) = %d, %v", c.in, v, err)
+		}
+	}
+}

@@ -1,0 +1,171 @@
+// Exports: map and unmap, and an export as map and the configuration
+// file's [[export]] give it, parsed.
+
+package serverd
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"syscall"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+)
+
+// Requests of the control API: an export.
+type (
+	// MapRequest is an export as map gives it, and as an [[export]]
+	// table of the configuration file does.
+	MapRequest struct {
+		Name     string   `json:"name" toml:"name"`
+		Path     string   `json:"path" toml:"path"`
+		ReadOnly bool     `json:"read_only" toml:"read_only"`
+		Allow    []string `json:"allow" toml:"allow"`
+		// AllowFrom: the networks (CIDR) an OPEN may come from; empty,
+		// any (rnbd.Export.AllowFrom).
+		AllowFrom []string `json:"allow_from,omitempty" toml:"allow_from"`
+		// AllowIdentities: NAME or NAME=ro|rw|migration, the client
+		// certificate names that may open it (rnbd.Export.AllowIdentities).
+		AllowIdentities []string `json:"allow_identities,omitempty" toml:"allow_identities"`
+		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
+		Migration bool `json:"migration,omitempty" toml:"migration"`
+		// MaxSessions: sessions that may have it open at once; 0 no
+		// bound (rnbd.Export.MaxSessions).
+		MaxSessions int `json:"max_sessions,omitempty" toml:"max_sessions"`
+		// WriteThrough: every write durable on completion, no write
+		// cache announced (rnbd.Export.WriteThrough).
+		WriteThrough bool `json:"write_through" toml:"write_through"`
+	}
+	// ExportRecord is an export and where it comes from, "config" (the
+	// configuration file) or "map"; GET /v1/exports gives it as
+	// exportRecord makes it.
+	ExportRecord struct {
+		rnbd.Export
+		Source string
+		// NotServed says why an export is not served (its file or
+		// device could not be opened; tried again every export_retry).
+		NotServed string
+	}
+)
+
+// Map adds an export and saves the state; if saving fails the export is
+// withdrawn again, so the daemon never serves what a restart would lose.
+func (d *Daemon) Map(e rnbd.Export) error {
+	if d.configured[e.Name] { // set at start, never changed
+		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
+	}
+	// Looked at first, without the state lock: a path that does not
+	// answer fails this map, not every other map and unmap with it.
+	looked := d.probe.look([]string{e.Path}, probeWait)
+	// A read-write export no session could open read-write (the unit's
+	// sandbox) is refused here, not at every client's OPEN.
+	if err := selfView.readOnly(e, looked[e.Path]); err != nil {
+		return err
+	}
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if err := d.mapLooked(e, looked); err != nil {
+		return err
+	}
+	if err := d.saveState(); err != nil {
+		d.rnbd.Unmap(e.Name, true)
+		return fmt.Errorf("saving the state file: %w", err)
+	}
+	d.dropUnrestored(e.Name) // served now, as given
+	d.log.WithFields(exportFields(e)).WithField("write_cache", d.exportCache(e)).Info("export mapped")
+	return nil
+}
+
+// exportFields are the log fields of an export.
+func exportFields(e rnbd.Export) log.Fields {
+	return log.Fields{"export": e.Name, "path": e.Path, "read_only": e.ReadOnly, "allow": e.Allow,
+		"allow_from": e.AllowFrom, "allow_identities": e.AllowIdentities, "migration": e.Migration, "max_sessions": e.MaxSessions,
+		"write_through": e.WriteThrough}
+}
+
+// mapLooked maps e, unless its path did not answer when looked at (Map
+// looks again, bounded the same way).
+func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]probed) error {
+	if err := looked[e.Path].err; errors.Is(err, syscall.ETIMEDOUT) {
+		return fmt.Errorf("export %s: %w", e.Name, err)
+	}
+	if err := d.rnbd.Map(e); err != nil {
+		return selfView.missing(e.Path, err)
+	}
+	return nil
+}
+
+// Unmap withdraws an export and saves the state.
+func (d *Daemon) Unmap(name string, force bool) error {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if d.configured[name] {
+		return fmt.Errorf("export %s is one of the configuration file's: remove it there and restart: %w", name, syscall.EPERM)
+	}
+	if err := d.rnbd.Unmap(name, force); err != nil {
+		if !errors.Is(err, syscall.ENOENT) || !d.dropUnrestored(name) {
+			return err
+		}
+		// An export of the state file that is not served: unmapping
+		// removes it from the file.
+	}
+	if err := d.saveState(); err != nil {
+		return fmt.Errorf("export withdrawn, but saving the state file failed: %w", err)
+	}
+	d.log.WithFields(log.Fields{"export": name, "force": force}).Info("export unmapped")
+	return nil
+}
+
+// Export is the export r describes, its networks and grants parsed.
+func (r MapRequest) Export() (rnbd.Export, error) {
+	from, err := parseNetworks(r.AllowFrom)
+	if err != nil {
+		return rnbd.Export{}, err
+	}
+	grants, err := parseGrants(r.AllowIdentities)
+	if err != nil {
+		return rnbd.Export{}, err
+	}
+	return rnbd.Export{Name: r.Name, Path: r.Path, ReadOnly: r.ReadOnly, Allow: r.Allow, AllowFrom: from,
+		AllowIdentities: grants, Migration: r.Migration, MaxSessions: r.MaxSessions, WriteThrough: r.WriteThrough}, nil
+}
+
+// parseNetworks reads allow_from: CIDR prefixes or addresses.
+func parseNetworks(ss []string) ([]netip.Prefix, error) {
+	var from []netip.Prefix
+	for _, s := range ss {
+		p, err := parseNetwork(s)
+		if err != nil {
+			return nil, fmt.Errorf("allow_from %q: %v", s, err)
+		}
+		from = append(from, p)
+	}
+	return from, nil
+}
+
+// parseGrants reads allow_identities: NAME or NAME=ro|rw|migration.
+func parseGrants(ss []string) ([]rnbd.Grant, error) {
+	var grants []rnbd.Grant
+	for _, s := range ss {
+		g, err := rnbd.ParseGrant(s)
+		if err != nil {
+			return nil, fmt.Errorf("allow_identities: %v", err)
+		}
+		grants = append(grants, g)
+	}
+	return grants, nil
+}
+
+// parseNetwork reads a CIDR prefix, or a bare address as a prefix of
+// its whole length.
+func parseNetwork(s string) (netip.Prefix, error) {
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return p.Masked(), nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, errors.New("want an address or a network like 10.0.0.0/24")
+	}
+	return netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()), nil
+}
