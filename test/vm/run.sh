@@ -16,7 +16,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, rdma, interop; comma-separated; default all)
+#                  ublk, gonbd, rdma, interop; comma-separated; default all)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
 #                  default test/vm/kmods.sh builds them from Debian's
@@ -145,7 +145,7 @@ trap '[ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -r
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
-CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck
+CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
 CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/rdmahostile

@@ -8,6 +8,11 @@
 //	                   network hop, the shape of the rnbd path, built from C
 //	rnbd/unix          rnbd-client's NBD socket → RTRS/TCP on 127.0.0.1 →
 //	                   rnbd-server
+//	gonbd/unix         go-nbd's server (github.com/pojntfx/go-nbd, the
+//	                   NBD library the project was asked to use) with its
+//	                   file backend, on a unix socket (tools/gonbd serve):
+//	                   one request at a time per connection, READ and
+//	                   WRITE only (gonbd/tcp: the same on 127.0.0.1)
 //
 // all on one file of random data in /dev/shm, in one run, each workload
 // REPS times (peers interleaved per repetition, so that drift in the
@@ -279,7 +284,7 @@ type peer struct {
 
 const export = "bench"
 
-var defaultPeers = []string{"nbdkit-file/unix", "nbdkit-file/tcp", "nbdkit-relay/unix", "rnbd/unix"}
+var defaultPeers = []string{"nbdkit-file/unix", "nbdkit-file/tcp", "nbdkit-relay/unix", "rnbd/unix", "gonbd/unix"}
 
 // newPeer describes the peer named name ("kind/transport"); img and dir
 // may be empty to only check the name.
@@ -302,6 +307,26 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			{role: "server", args: []string{"nbdkit", "-f", "-e", export, "-i", "127.0.0.1", "-p", port, "file", "file=" + img}},
 			{role: "client", args: []string{"nbdkit", "-f", "-e", export, "-U", sock, "nbd", "hostname=127.0.0.1", "port=" + port, "export=" + export}},
 		}
+	case "gonbd/unix", "gonbd/tcp":
+		// Built once per run, beside the peers' directories.
+		bin := filepath.Join(filepath.Dir(dir), "gonbd")
+		if img != "" {
+			if _, err := os.Stat(bin); err != nil {
+				cmd := exec.Command("go", "build", "-o", bin, "./tools/gonbd")
+				cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+				if out, err := cmd.CombinedOutput(); err != nil {
+					return nil, fmt.Errorf("go build ./tools/gonbd: %v\n%s", err, out)
+				}
+			}
+		}
+		listen := "unix:" + sock
+		p.uri = unixURI
+		if name == "gonbd/tcp" {
+			port := freePort()
+			listen = fmt.Sprintf("tcp:127.0.0.1:%d", port)
+			p.uri = fmt.Sprintf("nbd://127.0.0.1:%d/%s", port, export)
+		}
+		p.daemons = []*daemon{{role: "server", args: []string{bin, "serve", "-file", img, "-listen", listen, "-name", export}}}
 	case "rnbd/unix", "rnbd-base/unix", "rnbd-tls/unix":
 		port := strconv.Itoa(freePort())
 		p.uri = unixURI
@@ -353,7 +378,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 				"--dest-port", port, "--device-path", export, "--as", "socket:"+sock)
 		}
 	default:
-		return nil, fmt.Errorf("unknown peer %q (have %s, rnbd-base/unix, rnbd-tls/unix)", name, strings.Join(defaultPeers, ", "))
+		return nil, fmt.Errorf("unknown peer %q (have %s, gonbd/tcp, rnbd-base/unix, rnbd-tls/unix)", name, strings.Join(defaultPeers, ", "))
 	}
 	return p, nil
 }

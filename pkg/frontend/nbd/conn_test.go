@@ -399,7 +399,7 @@ func (c *client) optGo(name string) {
 func connect(tb testing.TB, addr, name string) *client {
 	tb.Helper()
 	c := dial(tb, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	c.optGo(name)
 	return c
 }
@@ -470,7 +470,7 @@ func TestHandshakeList(t *testing.T) {
 		&Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)},
 		&Export{Name: "bb", Size: 1 << 20, Backend: newStore(1 << 20)})
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	reps := c.option(optList, nil)
 	if final(reps) != repAck {
 		t.Fatalf("OPT_LIST ended with %#x", final(reps))
@@ -516,7 +516,7 @@ func TestHandshakeInfo(t *testing.T) {
 			e.Name, e.Description, e.Size, e.Backend = tc.name, "the "+tc.name+" export", 3<<20, newStore(3<<20)
 			_, addr := startServer(t, Options{}, &e)
 			c := dial(t, addr)
-			c.greet(flagFixedNew | flagNoZeroes)
+			c.greet(cflagFixedNew | cflagNoZeroes)
 			check := func(what string, reps []optRep) map[uint16][]byte {
 				t.Helper()
 				if final(reps) != repAck {
@@ -557,7 +557,7 @@ func TestHandshakeUnknownExport(t *testing.T) {
 	_, addr := startServer(t, Options{}, &Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)},
 		&Export{Name: "b", Size: 1 << 20, Backend: newStore(1 << 20)})
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	for _, opt := range []uint32{optInfo, optGo} {
 		if reps := c.option(opt, goData("nope", infoBlockSize)); len(reps) != 1 || reps[0].typ != repErrUnknown {
 			t.Fatalf("option %d of an unknown export: %+v", opt, reps)
@@ -571,7 +571,7 @@ func TestHandshakeUnknownExport(t *testing.T) {
 	c.mustRead(0, 512)
 
 	c = dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	c.sendOpt(optExportName, []byte("nope"))
 	c.expectClosed()
 }
@@ -579,7 +579,7 @@ func TestHandshakeUnknownExport(t *testing.T) {
 func TestHandshakeBadOptions(t *testing.T) {
 	_, addr := startServer(t, Options{}, &Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)})
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	for _, tc := range []struct {
 		name string
 		opt  uint32
@@ -604,7 +604,7 @@ func TestHandshakeBadOptions(t *testing.T) {
 func TestHandshakeAbort(t *testing.T) {
 	_, addr := startServer(t, Options{}, &Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)})
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	if reps := c.option(optAbort, nil); len(reps) != 1 || reps[0].typ != repAck || len(reps[0].data) != 0 {
 		t.Fatalf("OPT_ABORT: %+v", reps)
 	}
@@ -616,9 +616,9 @@ func TestHandshakeExportName(t *testing.T) {
 		t.Run(fmt.Sprint("noZeroes=", noZeroes), func(t *testing.T) {
 			_, addr := startServer(t, Options{}, &Export{Name: "a", Size: 1 << 20, ReadOnly: true, Backend: newStore(1 << 20)})
 			c := dial(t, addr)
-			cflags := uint32(flagFixedNew)
+			cflags := cflagFixedNew
 			if noZeroes {
-				cflags |= flagNoZeroes
+				cflags |= cflagNoZeroes
 			}
 			c.greet(cflags)
 			c.sendOpt(optExportName, []byte("a"))
@@ -652,9 +652,9 @@ func TestHandshakeHostile(t *testing.T) {
 		send   []byte
 	}{
 		{"client-flags", 1 << 7, nil},
-		{"option-magic", flagFixedNew, optHdr(0x1122334455667788, optGo, 0)},
-		{"option-length", flagFixedNew, optHdr(magicOpt, optGo, maxOptionLen+1)},
-		{"option-length-huge", flagFixedNew, optHdr(magicOpt, optList, 0xffffffff)},
+		{"option-magic", cflagFixedNew, optHdr(0x1122334455667788, optGo, 0)},
+		{"option-length", cflagFixedNew, optHdr(magicOpt, optGo, maxOptionLen+1)},
+		{"option-length-huge", cflagFixedNew, optHdr(magicOpt, optList, 0xffffffff)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := dial(t, addr)
@@ -672,7 +672,7 @@ func TestHandshakeHostile(t *testing.T) {
 func TestHandshakeTooManyOptions(t *testing.T) {
 	_, addr := startServer(t, Options{}, &Export{Name: "a", Size: 1 << 20, Backend: newStore(1 << 20)})
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	for i := 0; i < maxOptions; i++ {
 		if reps := c.option(0x999, nil); final(reps) != repErrUnsup {
 			t.Fatalf("option %d: %+v", i, reps)
@@ -1211,7 +1211,7 @@ func TestRemoveExport(t *testing.T) {
 		t.Fatalf("RemoveExport again: %v", err)
 	}
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	if reps := c.option(optGo, goData("a")); final(reps) != repErrUnknown {
 		t.Fatalf("OPT_GO of a removed export: %#x", final(reps))
 	}
@@ -1531,7 +1531,7 @@ func TestServeExport(t *testing.T) {
 	}
 	addr := serveOn(t, s, func(l net.Listener) error { return s.ServeExport(l, "mine") })
 	c := dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	reps := c.option(optList, nil)
 	if len(reps) != 2 || reps[0].typ != repServer || string(reps[0].data[4:]) != "mine" || final(reps) != repAck {
 		t.Fatalf("OPT_LIST on a socket of one export: %+v", reps)
@@ -1549,7 +1549,7 @@ func TestServeExport(t *testing.T) {
 	c = connect(t, addr, "mine")
 	c.mustRead(0, 512)
 	c = dial(t, addr)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	c.sendOpt(optExportName, []byte("other"))
 	c.expectClosed()
 }
@@ -1641,7 +1641,7 @@ func TestExportIDs(t *testing.T) {
 		t.Fatalf("Conns(b) = %d", n)
 	}
 	c := dial(t, all)
-	c.greet(flagFixedNew | flagNoZeroes)
+	c.greet(cflagFixedNew | cflagNoZeroes)
 	if reps := c.option(optGo, goData("vol")); len(reps) != 1 || reps[0].typ != repErrUnknown {
 		t.Fatalf("OPT_GO of a name two exports share, on the socket of every export: %+v", reps)
 	}

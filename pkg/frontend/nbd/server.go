@@ -18,46 +18,64 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pojntfx/go-nbd/pkg/protocol"
+
 	"github.com/rnbd/rnbd/internal/log"
 )
 
-// Protocol constants (doc/proto.md of the NBD project).
+// Protocol constants (doc/proto.md of the NBD project). go-nbd's
+// pkg/protocol has the magics, the options and replies of the newstyle
+// negotiation, the transmission flags HAS_FLAGS and CAN_MULTI_CONN and the
+// commands READ, WRITE and DISC: those are its values. What it lacks is
+// here: NO_ZEROES, EXPORT_NAME, ERR_INVALID, the transmission flags and
+// command flags of FLUSH, FUA, TRIM and WRITE_ZEROES, and the commands
+// FLUSH, TRIM and WRITE_ZEROES (Cmd below).
 const (
-	magicNBD        = 0x4e42444d41474943 // "NBDMAGIC"
-	magicOpt        = 0x49484156454f5054 // "IHAVEOPT"
-	magicOptReply   = 0x3e889045565a9
-	magicRequest    = 0x25609513
-	magicReply      = 0x67446698
-	flagFixedNew    = 1 << 0
-	flagNoZeroes    = 1 << 1
-	optExportName   = 1
-	optAbort        = 2
-	optList         = 3
-	optInfo         = 6
-	optGo           = 7
-	repAck          = 1
-	repServer       = 2
-	repInfo         = 3
-	repErrUnsup     = 1<<31 + 1
-	repErrInvalid   = 1<<31 + 3
-	repErrUnknown   = 1<<31 + 6
-	infoExport      = 0
-	infoName        = 1
-	infoDescription = 2
-	infoBlockSize   = 3
+	magicNBD        = protocol.NEGOTIATION_MAGIC_OLDSTYLE // "NBDMAGIC"
+	magicOpt        = protocol.NEGOTIATION_MAGIC_OPTION   // "IHAVEOPT"
+	magicOptReply   = protocol.NEGOTIATION_MAGIC_REPLY
+	magicRequest    = protocol.TRANSMISSION_MAGIC_REQUEST
+	magicReply      = protocol.TRANSMISSION_MAGIC_REPLY
+	flagFixedNew    = protocol.NEGOTIATION_HANDSHAKE_FLAG_FIXED_NEWSTYLE
+	optAbort        = protocol.NEGOTIATION_ID_OPTION_ABORT
+	optList         = protocol.NEGOTIATION_ID_OPTION_LIST
+	optInfo         = protocol.NEGOTIATION_ID_OPTION_INFO
+	optGo           = protocol.NEGOTIATION_ID_OPTION_GO
+	repAck          = protocol.NEGOTIATION_TYPE_REPLY_ACK
+	repServer       = protocol.NEGOTIATION_TYPE_REPLY_SERVER
+	repInfo         = protocol.NEGOTIATION_TYPE_REPLY_INFO
+	repErrUnsup     = protocol.NEGOTIATION_TYPE_REPLY_ERR_UNSUPPORTED
+	repErrUnknown   = protocol.NEGOTIATION_TYPE_REPLY_ERR_UNKNOWN
+	infoExport      = protocol.NEGOTIATION_TYPE_INFO_EXPORT
+	infoName        = protocol.NEGOTIATION_TYPE_INFO_NAME
+	infoDescription = protocol.NEGOTIATION_TYPE_INFO_DESCRIPTION
+	infoBlockSize   = protocol.NEGOTIATION_TYPE_INFO_BLOCKSIZE
+	tflagHasFlags   = protocol.NEGOTIATION_REPLY_FLAGS_HAS_FLAGS
+	tflagCanMulti   = protocol.NEGOTIATION_REPLY_FLAGS_CAN_MULTI_CONN
+	cmdDisc         = protocol.TRANSMISSION_TYPE_REQUEST_DISC
 
-	tflagHasFlags    = 1 << 0
-	tflagReadOnly    = 1 << 1
-	tflagSendFlush   = 1 << 2
-	tflagSendFUA     = 1 << 3
-	tflagSendTrim    = 1 << 5
-	tflagSendZeroes  = 1 << 6
-	tflagCanMulti    = 1 << 8
-	cmdDisc          = 2
-	cmdFlagFUA       = 1 << 0
-	cmdFlagNoHole    = 1 << 1
-	requestSize      = 28
-	replySize        = 16
+	flagNoZeroes    = 1 << 1
+	cflagFixedNew   = uint32(flagFixedNew) // the client's flags: the same bits, 32 wide
+	cflagNoZeroes   = uint32(flagNoZeroes)
+	optExportName   = 1
+	repErrInvalid   = 1<<31 + 3
+	tflagReadOnly   = 1 << 1
+	tflagSendFlush  = 1 << 2
+	tflagSendFUA    = 1 << 3
+	tflagSendTrim   = 1 << 5
+	tflagSendZeroes = 1 << 6
+	cmdFlagFUA      = 1 << 0
+	cmdFlagNoHole   = 1 << 1
+
+	// requestSize and replySize are the wire sizes of go-nbd's
+	// TransmissionRequestHeader and TransmissionReplyHeader, which the
+	// reader and the writer lay out by hand at the same offsets (magic,
+	// flags, type, cookie, offset, length; magic, error, cookie):
+	// encoding/binary on a struct would cost its reflection on every
+	// request. A test holds the two to the same bytes.
+	requestSize = 28
+	replySize   = 16
+
 	maxOptionLen     = 64 << 10
 	maxOptions       = 64
 	handshakeTimeout = 30 * time.Second
@@ -67,8 +85,8 @@ const (
 type Cmd uint16
 
 const (
-	CmdRead        Cmd = 0
-	CmdWrite       Cmd = 1
+	CmdRead        Cmd = Cmd(protocol.TRANSMISSION_TYPE_REQUEST_READ)
+	CmdWrite       Cmd = Cmd(protocol.TRANSMISSION_TYPE_REQUEST_WRITE)
 	CmdFlush       Cmd = 3
 	CmdTrim        Cmd = 4
 	CmdWriteZeroes Cmd = 6
@@ -490,32 +508,30 @@ func (s *Server) export(name, only string) *Export {
 }
 
 // handshake is the fixed-newstyle negotiation, limited to export only if
-// that is not empty.
+// that is not empty. Its headers are go-nbd's structs, through
+// encoding/binary: once per connection, not per request.
 func (s *Server) handshake(nc net.Conn, only string) (*Export, error) {
-	var b [18]byte
-	binary.BigEndian.PutUint64(b[0:], magicNBD)
-	binary.BigEndian.PutUint64(b[8:], magicOpt)
-	binary.BigEndian.PutUint16(b[16:], flagFixedNew|flagNoZeroes)
-	if _, err := nc.Write(b[:]); err != nil {
+	if err := binary.Write(nc, binary.BigEndian, protocol.NegotiationNewstyleHeader{
+		OldstyleMagic: magicNBD, OptionMagic: magicOpt, HandshakeFlags: flagFixedNew | flagNoZeroes}); err != nil {
 		return nil, err
 	}
-	if _, err := io.ReadFull(nc, b[:4]); err != nil {
+	var cflags uint32
+	if err := binary.Read(nc, binary.BigEndian, &cflags); err != nil {
 		return nil, err
 	}
-	cflags := binary.BigEndian.Uint32(b[:4])
-	if cflags&^uint32(flagFixedNew|flagNoZeroes) != 0 {
+	if cflags&^(cflagFixedNew|cflagNoZeroes) != 0 {
 		return nil, fmt.Errorf("unknown client flags %#x", cflags)
 	}
-	noZeroes := cflags&flagNoZeroes != 0
+	noZeroes := cflags&cflagNoZeroes != 0
 	for i := 0; i < maxOptions; i++ {
-		var h [16]byte
-		if _, err := io.ReadFull(nc, h[:]); err != nil {
+		var h protocol.NegotiationOptionHeader
+		if err := binary.Read(nc, binary.BigEndian, &h); err != nil {
 			return nil, err
 		}
-		if binary.BigEndian.Uint64(h[0:]) != magicOpt {
+		if h.OptionMagic != magicOpt {
 			return nil, errors.New("bad option magic")
 		}
-		opt, n := binary.BigEndian.Uint32(h[8:]), binary.BigEndian.Uint32(h[12:])
+		opt, n := h.ID, h.Length
 		if n > maxOptionLen {
 			return nil, fmt.Errorf("option %d of %d bytes", opt, n)
 		}
@@ -603,18 +619,14 @@ func (s *Server) info(nc net.Conn, opt uint32, data []byte, only string) (*Expor
 	if e == nil {
 		return nil, optReply(nc, opt, repErrUnknown, nil)
 	}
-	var p [18]byte
-	binary.BigEndian.PutUint16(p[0:], infoExport)
-	binary.BigEndian.PutUint64(p[2:], uint64(e.size()))
-	binary.BigEndian.PutUint16(p[10:], e.flags())
-	if err := optReply(nc, opt, repInfo, p[:12]); err != nil {
+	p, _ := binary.Append(nil, binary.BigEndian, protocol.NegotiationReplyInfo{
+		Type: infoExport, Size: uint64(e.size()), TransmissionFlags: e.flags()})
+	if err := optReply(nc, opt, repInfo, p); err != nil {
 		return nil, err
 	}
-	binary.BigEndian.PutUint16(p[0:], infoBlockSize)
-	binary.BigEndian.PutUint32(p[2:], e.MinBlock)
-	binary.BigEndian.PutUint32(p[6:], e.PrefBlock)
-	binary.BigEndian.PutUint32(p[10:], e.MaxPayload)
-	if err := optReply(nc, opt, repInfo, p[:14]); err != nil {
+	p, _ = binary.Append(p[:0], binary.BigEndian, protocol.NegotiationReplyBlockSize{
+		Type: infoBlockSize, MinimumBlockSize: e.MinBlock, PreferredBlockSize: e.PrefBlock, MaximumBlockSize: e.MaxPayload})
+	if err := optReply(nc, opt, repInfo, p); err != nil {
 		return nil, err
 	}
 	for i := 0; i < int(nreq); i++ {
@@ -628,9 +640,9 @@ func (s *Server) info(nc net.Conn, opt uint32, data []byte, only string) (*Expor
 		default:
 			continue
 		}
-		q := make([]byte, 2+len(text))
-		binary.BigEndian.PutUint16(q, typ)
-		copy(q[2:], text)
+		// NAME and DESCRIPTION: the same header, then the text.
+		q, _ := binary.Append(make([]byte, 0, 2+len(text)), binary.BigEndian, protocol.NegotiationReplyNameHeader{Type: typ})
+		q = append(q, text...)
 		if err := optReply(nc, opt, repInfo, q); err != nil {
 			return nil, err
 		}
@@ -638,13 +650,12 @@ func (s *Server) info(nc net.Conn, opt uint32, data []byte, only string) (*Expor
 	return e, optReply(nc, opt, repAck, nil)
 }
 
+// optReply writes an option's reply: go-nbd's header, then data, in one
+// write.
 func optReply(w io.Writer, opt, typ uint32, data []byte) error {
-	b := make([]byte, 20+len(data))
-	binary.BigEndian.PutUint64(b[0:], magicOptReply)
-	binary.BigEndian.PutUint32(b[8:], opt)
-	binary.BigEndian.PutUint32(b[12:], typ)
-	binary.BigEndian.PutUint32(b[16:], uint32(len(data)))
-	copy(b[20:], data)
+	b, _ := binary.Append(make([]byte, 0, 20+len(data)), binary.BigEndian, protocol.NegotiationReplyHeader{
+		ReplyMagic: magicOptReply, ID: opt, Type: typ, Length: uint32(len(data))})
+	b = append(b, data...)
 	_, err := w.Write(b)
 	return err
 }

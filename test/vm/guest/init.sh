@@ -311,7 +311,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
 	grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 fi
-want nbd || want ublk || [ $rdma_up = 1 ] || finish
+want nbd || want ublk || want gonbd || [ $rdma_up = 1 ] || finish
 
 cd /tmp
 dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
@@ -751,6 +751,65 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	done
 	eval "inv=\$med_kr_4k reg=\$med_kr_reg_4k noinv=\$med_kr_noinv_4k"
 	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server (medians): on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
+fi
+
+# go-nbd's client (github.com/pojntfx/go-nbd v0.3.2, through tools/gonbd
+# attach), a client we did not write, on rnbd-client's NBD socket: it
+# negotiates (NBD_OPT_GO), attaches a free /dev/nbdN with the ioctls
+# (NBD_SET_SOCK on one connection, NBD_DO_IT), and the kernel's requests
+# reach our server through it. The data reads back and is in the backing
+# file, the mapping is busy while attached, fio verifies, and SIGINT
+# disconnects (NBD_DISCONNECT) with exit 0.
+if want gonbd; then
+	scenario gonbd-client
+	truncate -s 64M /tmp/gonbd.img
+	srv map gonbd /tmp/gonbd.img >/dev/null
+	out=$(cli map --sessname gn --path ip:127.0.0.1 --device-path gonbd --as socket:/tmp/gonbd.sock 2>&1)
+	gname=$(echo "$out" | awk '/mapped:/ {print $1}')
+	gdev=""
+	for i in $(seq 0 15); do
+		[ -b /dev/nbd$i ] && [ "$(cat /sys/block/nbd$i/size)" = 0 ] && [ ! -e /sys/block/nbd$i/pid ] && gdev=/dev/nbd$i && break
+	done
+	if [ ! -S /tmp/gonbd.sock ] || [ -z "$gdev" ]; then
+		res gonbd-attach FAIL "socket: $out; free nbd device: ${gdev:-none}"
+	else
+		/bin/gonbd attach -connect unix:/tmp/gonbd.sock -export gonbd -device $gdev >/tmp/gonbd.log 2>&1 &
+		gpid=$!
+		for _ in $(seq 100); do [ "$(cat /sys/block/${gdev#/dev/}/size)" != 0 ] && break; sleep 0.1; done
+		size=$(/usr/sbin/blockdev --getsize64 $gdev)
+		if [ "$size" = "$(stat -c %s /tmp/gonbd.img)" ]; then
+			res gonbd-attach PASS "$gdev, $size bytes"
+			dd if=/tmp/pat of=$gdev bs=1M seek=8 oflag=direct 2>/dev/null
+			dd if=$gdev of=/tmp/gback bs=1M skip=8 count=16 iflag=direct 2>/dev/null
+			check gonbd-direct-io cmp /tmp/pat /tmp/gback
+			dd if=/tmp/gonbd.img of=/tmp/gfile bs=1M skip=8 count=16 2>/dev/null
+			check gonbd-on-backend cmp /tmp/pat /tmp/gfile
+			# Served by our socket: the mapping has go-nbd's connection.
+			out=$(cli unmap "$gname" 2>&1) && res gonbd-busy FAIL "unmapped under go-nbd's connection" ||
+				{ case $out in *"NBD connection"*) res gonbd-busy PASS "$out" ;; *) res gonbd-busy FAIL "$out" ;; esac; }
+			check gonbd-fio-verify fio --name=v --filename="$gdev" --direct=1 --ioengine=libaio --rw=randwrite \
+				--bsrange=4k-64k --size=32M --iodepth=16 --verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0
+			throughput gonbd "$gdev"
+		else
+			res gonbd-attach FAIL "$gdev: $size bytes; $(tail -3 /tmp/gonbd.log)"
+		fi
+		kill -INT $gpid
+		# Exited: gone, or a zombie (busybox kill -0 succeeds on zombies).
+		for _ in $(seq 100); do grep -q ') Z' /proc/$gpid/stat 2>/dev/null || [ ! -e /proc/$gpid ] && break; sleep 0.1; done
+		if grep -q ') Z' /proc/$gpid/stat 2>/dev/null || [ ! -e /proc/$gpid ]; then
+			wait $gpid
+			rc=$?
+			[ $rc = 0 ] && [ "$(cat /sys/block/${gdev#/dev/}/size)" = 0 ] && res gonbd-disconnect PASS "" ||
+				res gonbd-disconnect FAIL "exit $rc, $(cat /sys/block/${gdev#/dev/}/size) sectors left"
+		else
+			kill -9 $gpid
+			res gonbd-disconnect FAIL "still running 10 s after SIGINT"
+		fi
+		grep -v '^$' /tmp/gonbd.log | sed 's/^/NOTE gonbd: /'
+	fi
+	check gonbd-unmap cli unmap "$gname"
+	srv unmap gonbd >/dev/null 2>&1
+	rm -f /tmp/gonbd.img
 fi
 want nbd || want ublk || finish
 
