@@ -109,6 +109,79 @@ func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *r
 	return int64(start), int64(m.Size), nil
 }
 
+// HandleIO takes a request from RTRS, on the connection's receive path.
+// A read or write that cannot block (blockdev's TryReadAt/TryWriteAt) runs
+// right here: that costs a memory copy, where a hand-off to a worker costs
+// a goroutine switch. Everything else runs on the workers: closing waits
+// for IO and backend IO may block.
+func (s *Server) HandleIO(op *rtrs.SrvOp) error {
+	if s.closed.Load() {
+		return syscall.ESHUTDOWN
+	}
+	typ, err := MsgType(op.Usr()) // serve refuses what is short
+	if err == nil && typ == MsgIO && s.tryInline(op) {
+		return nil
+	}
+	if err == nil && typ == MsgOpen {
+		// An OPEN opens a file, which on a mount that stopped
+		// answering never returns: not on a worker, which the IO of
+		// every session needs. (In flight at once: a session's
+		// queue depth, as for any request.)
+		s.serveApart(op)
+		return nil
+	}
+	select {
+	case s.ios <- op:
+	default:
+		// Every worker busy and the queue full: do not stall the
+		// connection's receive path.
+		s.serveApart(op)
+	}
+	return nil
+}
+
+// serveApart serves op on a goroutine of its own.
+func (s *Server) serveApart(op *rtrs.SrvOp) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.serve(op)
+	}()
+}
+
+func (s *Server) worker() {
+	defer s.wg.Done()
+	for op := range s.ios {
+		s.serve(op)
+	}
+}
+
+func (s *Server) serve(op *rtrs.SrvOp) {
+	x, _ := op.Session().Priv().(*SrvSession)
+	if x == nil {
+		s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
+		op.Respond(syscall.ENOTCONN)
+		return
+	}
+	typ, err := MsgType(op.Usr())
+	if err != nil {
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message of %d bytes has no RNBD header", len(op.Usr()))))
+		return
+	}
+	switch typ {
+	case MsgIO:
+		op.Respond(x.processIO(op))
+	case MsgOpen:
+		op.Respond(x.processOpen(op))
+	case MsgSessInfo:
+		op.Respond(x.processSessInfo(op))
+	case MsgClose:
+		op.Respond(x.processClose(op))
+	default:
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message type %d is not one a client sends", typ)))
+	}
+}
+
 // tryInline answers a plain read or write whose backend IO cannot block,
 // and reports whether it did. Anything else, including every request
 // that is refused or fails, is left to a worker, which logs it. op is
