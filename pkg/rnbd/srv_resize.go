@@ -135,8 +135,6 @@ type resizing struct {
 // flight on the file's backends to end.
 const shrinkWait = 10 * time.Second
 
-// openOn returns the session devices on the backend id: those open, and
-// those closing (which wait for the IO they admitted). s.mu is held.
 // sessionNames names the sessions of devs for a message: "session a",
 // "sessions a, b", each once, sorted.
 func sessionNames(devs []*SrvSessDev) string {
@@ -153,6 +151,8 @@ func sessionNames(devs []*SrvSessDev) string {
 	return "sessions " + strings.Join(names, ", ")
 }
 
+// openOn returns the session devices on the backend id: those open, and
+// those closing (which wait for the IO they admitted). s.mu is held.
 func (s *Server) openOn(id string) (open, closing []*SrvSessDev) {
 	dev := s.devices[id]
 	if dev == nil {
