@@ -108,7 +108,7 @@ type Server struct {
 	cfg ServerConfig
 	log *log.Entry
 	rl  log.Limiter
-	ios chan *rtrs.SrvOp
+	ios chan srvReq
 
 	// mu guards exports, sessions and devices. Lock order: Session.mu,
 	// then Server.mu, then device.mu; never take a Session.mu while
@@ -168,7 +168,7 @@ func NewServer(cfg ServerConfig) *Server {
 	s := &Server{
 		cfg:         cfg,
 		log:         cfg.Log,
-		ios:         make(chan *rtrs.SrvOp, 4096),
+		ios:         make(chan srvReq, 4096),
 		done:        make(chan struct{}),
 		exports:     make(map[string]*Export),
 		sessions:    make(map[*rtrs.SrvSession]*SrvSession),
