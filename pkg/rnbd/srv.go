@@ -87,9 +87,10 @@ type ServerConfig struct {
 	// ForgetSessionName asks it for a session that took the name
 	// before it shows among Sessions.
 	NameHeld func(name string) bool
-	// Stat is how Map and Resize look at an export's path: os.Stat if
+	// Stat is how Resize and Map look at an export's path: os.Stat if
 	// nil. The daemon bounds it, as a path on a mount that does not
-	// answer never returns.
+	// answer never returns (and maps with MapStat, which takes the look
+	// it made).
 	Stat func(path string) (os.FileInfo, error)
 	// Answers, if set, says before an OPEN opens an export's file — and
 	// before a size poll of an open device asks its backend — whether

@@ -153,8 +153,30 @@ func (e *Export) allows(sess string) bool {
 	return false
 }
 
-// Map adds an explicit export. Paths are checked when a session opens them.
+// Map adds an explicit export. Its path is looked at (ServerConfig.Stat):
+// one that is gone, or can never be served (unservable), is refused.
+// Paths are checked again when a session opens them.
 func (s *Server) Map(e Export) error {
+	if err := e.check(); err != nil {
+		return err
+	}
+	fi, err := s.stat(e.Path)
+	return s.add(e, fi, err)
+}
+
+// MapStat is Map with the look at e.Path made by the caller: fi and
+// statErr are what a stat of it gave. The daemon looks once, bounded (a
+// stat on a mount that does not answer never returns), before it takes
+// its own locks, and maps with what it found.
+func (s *Server) MapStat(e Export, fi os.FileInfo, statErr error) error {
+	if err := e.check(); err != nil {
+		return err
+	}
+	return s.add(e, fi, statErr)
+}
+
+// check refuses an export Map cannot take, whatever its path is.
+func (e *Export) check() error {
 	if e.Name == "" || len(e.Name) >= nameMax || strings.IndexByte(e.Name, 0) >= 0 {
 		return errorf(syscall.EINVAL, "export name %q: want 1..254 bytes without NUL", e.Name)
 	}
@@ -164,15 +186,20 @@ func (s *Server) Map(e Export) error {
 	if e.MaxSessions < 0 {
 		return errorf(syscall.EINVAL, "export %s: max_sessions %d", e.Name, e.MaxSessions)
 	}
-	e.AllowIdentities = slices.Clone(e.AllowIdentities)
 	for _, g := range e.AllowIdentities {
 		if _, err := ParseAccessMode(g.Access); err != nil || g.Identity == "" {
 			return errorf(syscall.EINVAL, "export %s: allow_identities entry %q: want an identity and ro, rw or migration", e.Name, g.String())
 		}
 	}
-	if err := s.lookAt(e.Name, e.Path); err != nil {
+	return nil
+}
+
+// add adds e (checked) with what a stat of its path gave.
+func (s *Server) add(e Export, fi os.FileInfo, statErr error) error {
+	if err := lookAt(e.Name, e.Path, fi, statErr); err != nil {
 		return err
 	}
+	e.AllowIdentities = slices.Clone(e.AllowIdentities)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.exports[e.Name]; ok {
@@ -217,13 +244,15 @@ func (s *Server) Unmap(name string, force bool) error {
 	return nil
 }
 
-// lookAt stats an export's path through cfg.Stat: an error if the path
-// is gone or, with the daemon's bounded Stat, does not answer in time,
-// and for what can never be served (unservable).
-func (s *Server) lookAt(name, path string) error {
-	fi, err := s.statExport(name, path)
-	if err != nil || fi == nil { // (a test's Stat may say nothing)
-		return err
+// lookAt judges what a stat of an export's path gave (fi, err): an
+// error if the path is gone or, with the daemon's bounded look, did not
+// answer in time, and for what can never be served (unservable).
+func lookAt(name, path string, fi os.FileInfo, err error) error {
+	if err != nil {
+		return fmt.Errorf("export %s: %w", name, err)
+	}
+	if fi == nil { // (a test's Stat may say nothing)
+		return nil
 	}
 	return unservable(name, path, fi.Mode())
 }
@@ -251,12 +280,17 @@ func unservable(name, path string, mode fs.FileMode) error {
 	return errorf(syscall.EINVAL, "export %s: %s is %s: an export is a regular file or a block device", name, path, what)
 }
 
-func (s *Server) statExport(name, path string) (os.FileInfo, error) {
-	stat := s.cfg.Stat
-	if stat == nil {
-		stat = os.Stat
+// stat is cfg.Stat, or os.Stat if none is set.
+func (s *Server) stat(path string) (os.FileInfo, error) {
+	if s.cfg.Stat == nil {
+		return os.Stat(path)
 	}
-	fi, err := stat(path)
+	return s.cfg.Stat(path)
+}
+
+// statExport is stat of export name's path, its error saying which.
+func (s *Server) statExport(name, path string) (os.FileInfo, error) {
+	fi, err := s.stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("export %s: %w", name, err)
 	}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -55,6 +56,42 @@ func TestMapRefusesUnservable(t *testing.T) {
 	}
 	if err := r.srv.Map(Export{Name: "vol", Path: r.file("vol", 1<<20)}); err != nil {
 		t.Fatalf("a regular file: %v", err)
+	}
+}
+
+// TestMapStat: MapStat maps with the look at the path its caller made and
+// looks at nothing itself (ServerConfig.Stat, os.Stat): a stat that
+// failed is refused with its error, as Map refuses it, and what the stat
+// found is judged, whatever the path is now.
+func TestMapStat(t *testing.T) {
+	r := newSrig(t, ServerConfig{Stat: func(p string) (os.FileInfo, error) {
+		t.Errorf("MapStat looked at %s", p)
+		return os.Stat(p)
+	}})
+	p := r.file("vol", 1<<20)
+	dirInfo, err := os.Stat(r.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, gone := os.Stat(filepath.Join(r.dir, "gone"))
+	if err := r.srv.MapStat(Export{Name: "gone", Path: p}, nil, gone); !errors.Is(err, syscall.ENOENT) || err.Error() != "export gone: "+gone.Error() {
+		t.Errorf("a stat that failed: %v", err)
+	}
+	if err := r.srv.MapStat(Export{Name: "dir", Path: p}, dirInfo, nil); !errors.Is(err, syscall.EISDIR) {
+		t.Errorf("a stat that found a directory: %v, want EISDIR", err)
+	}
+	if err := r.srv.MapStat(Export{Name: "rel", Path: "vol"}, dirInfo, nil); !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), "must be absolute") {
+		t.Errorf("a relative path: %v, want the path refused before the stat is judged", err)
+	}
+	fi, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.srv.MapStat(Export{Name: "vol", Path: p}, fi, nil); err != nil {
+		t.Fatal(err)
+	}
+	if es := r.srv.Exports(); len(es) != 1 || es[0].Name != "vol" {
+		t.Fatalf("exports: %v", es)
 	}
 }
 
