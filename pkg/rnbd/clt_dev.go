@@ -50,6 +50,9 @@ func (s DevState) String() string {
 }
 
 // CltDev is a device mapped through a client session (struct rnbd_clt_dev).
+// It is safe for concurrent use: any number of goroutines Submit at once
+// (the frontends' queues), beside Remap, Resize and Unmap; its id and
+// state change under ioMu, its counters and sizes are atomic.
 type CltDev struct {
 	s    *CltSession
 	name string
@@ -371,6 +374,11 @@ var errUnmapped = fmt.Errorf("rnbd: device unmapped: %w", syscall.ENODEV)
 
 // IOReq is one block request on a mapped device: it is split into pieces
 // the transport carries, each on a permit of its own.
+//
+// It is not for concurrent use: from Submit until its Done is called it
+// belongs to the device, and its submitter neither changes nor submits
+// it meanwhile; once Done is called it may be submitted again (the
+// client daemon's frontends reuse theirs).
 type IOReq struct {
 	Op     Op
 	Flags  uint32 // FFUA, FPreflush, FNoUnmap, FSync

@@ -104,16 +104,19 @@ type ServerConfig struct {
 }
 
 // Server is the RNBD server: the user of an RTRS server. It is safe for
-// concurrent use.
+// concurrent use: RTRS calls HandleIO and LinkEvent from its connections'
+// goroutines, the administrator's calls (Map, Resize, ForceClose, ...)
+// come from others; its state is under the locks doc.go lists.
 type Server struct {
 	cfg ServerConfig
 	log *log.Entry
 	rl  log.Limiter
 	ios chan srvReq
 
-	// mu guards exports, sessions and devices. Lock order: Session.mu,
-	// then Server.mu, then device.mu; never take a Session.mu while
-	// holding Server.mu (snapshot the sessions instead).
+	// mu guards exports, sessions and devices. Lock order (doc.go):
+	// SrvSession.mu, then Server.mu, then device.mu; never take a
+	// SrvSession.mu while holding Server.mu (snapshot the sessions
+	// instead).
 	mu       sync.Mutex
 	exports  map[string]*Export
 	sessions map[*rtrs.SrvSession]*SrvSession
@@ -218,7 +221,9 @@ type device struct {
 	checking     time.Time // when the health check under way began
 }
 
-// SrvSession is a client session (struct rnbd_srv_session).
+// SrvSession is a client session (struct rnbd_srv_session). It is safe
+// for concurrent use: its name and transport session are fixed, its
+// version is atomic, and its devices are under mu.
 type SrvSession struct {
 	srv  *Server
 	rtrs *rtrs.SrvSession
@@ -236,6 +241,9 @@ type SrvSession struct {
 func (x *SrvSession) Name() string { return x.name }
 
 // SrvSessDev is a device opened by a session (struct rnbd_srv_sess_dev).
+// It is safe for concurrent use: what it holds is fixed before it joins
+// its session, but for its counters (atomic), its references and its
+// closing (under mu). Its IO runs concurrently, each holding a reference.
 type SrvSessDev struct {
 	sess     *SrvSession
 	dev      *device
