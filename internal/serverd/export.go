@@ -84,13 +84,14 @@ func exportFields(e rnbd.Export) log.Fields {
 		"write_through": e.WriteThrough}
 }
 
-// mapLooked maps e, unless its path did not answer when looked at (Map
-// looks again, bounded the same way).
+// mapLooked maps e with what the look at its path found, unless the
+// path did not answer.
 func (d *Daemon) mapLooked(e rnbd.Export, looked map[string]probed) error {
-	if err := looked[e.Path].err; errors.Is(err, syscall.ETIMEDOUT) {
+	l := looked[e.Path]
+	if err := l.err; errors.Is(err, syscall.ETIMEDOUT) {
 		return fmt.Errorf("export %s: %w", e.Name, err)
 	}
-	if err := d.rnbd.Map(e); err != nil {
+	if err := d.rnbd.MapStat(e, l.fi, l.err); err != nil {
 		return selfView.missing(e.Path, err)
 	}
 	return nil

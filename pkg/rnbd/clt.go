@@ -34,6 +34,10 @@ const DefaultSizePoll = 5 * time.Second
 // every path of a session forgets its devices, so after a reconnect every
 // device is opened again — possibly under another id — before the
 // requests that waited go out, re-encoded with the new id.
+//
+// It is safe for concurrent use: its settings are atomic, its devices
+// under mu, and its admin messages (SESS_INFO, OPEN, CLOSE) go one at a
+// time under adminMu, whoever sends them.
 type CltSession struct {
 	sess *rtrs.CltSession
 	log  *log.Entry

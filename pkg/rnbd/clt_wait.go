@@ -1,9 +1,18 @@
 package rnbd
 
 import (
+	"context"
+	"fmt"
 	"sync"
 	"time"
+
+	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/rtrs"
 )
+
+// The client's IO that waits for its device: the pieces parked while the
+// session has no path or the device is being reopened, sent again once it
+// is open, or failed when no_path_timeout passes.
 
 // parked is a piece of a block request waiting for its device.
 type parked struct {
@@ -112,4 +121,89 @@ func (q *waitQueue) fail(err error) {
 	for _, p := range q.take(time.Time{}, true) {
 		p.r.pieceDone(err)
 	}
+}
+
+// park keeps a piece, last sent (or found the device closed) under open
+// number gen, until the device is open again or no_path_timeout (or
+// fast_io_fail_tmo) passes.
+func (d *CltDev) park(r *IOReq, off int64, n, bufOff int, gen uint32) {
+	now := time.Now()
+	deadline := d.s.ioDeadline(now)
+	if !deadline.After(now) {
+		r.pieceDone(rtrs.ErrNoPath)
+		return
+	}
+	if !d.wait.add(&parked{r: r, off: off, n: n, bufOff: bufOff, deadline: deadline}) {
+		r.pieceDone(errUnmapped)
+		return
+	}
+	// The device may have been reopened between the state check and
+	// the add: its resubmission would have missed this piece; or
+	// closed by its server, whose failing of what waited missed it.
+	// Open under the same open, the session has no path but has not
+	// told the device yet (its last path is being torn down): sending
+	// again at once would only fail again, in a loop, until it does.
+	d.ioMu.RLock()
+	st, cur := d.State(), d.gen
+	d.ioMu.RUnlock()
+	switch {
+	case st == DevOpen && cur != gen:
+		d.resubmit()
+	case st == DevOpen:
+		d.retryParked()
+	case st == DevSrvClosed:
+		for _, p := range d.wait.take(time.Time{}, true) {
+			p.r.pieceDone(errSrvClosed)
+		}
+	}
+}
+
+// expired fails the pieces whose no_path_timeout passed.
+func (d *CltDev) expired(ps []*parked) {
+	d.log().WithField("requests", len(ps)).Warn("no path within no_path_timeout (or fast_io_fail_tmo): failing requests")
+	for _, p := range ps {
+		p.r.pieceDone(errNoPathTimeout)
+	}
+}
+
+// errNoPathTimeout fails the requests that waited no_path_timeout (or
+// fast_io_fail_tmo) for a path: ErrNoPath, logged once for them all.
+var errNoPathTimeout = fmt.Errorf("rnbd: no path within no_path_timeout: %w", rtrs.ErrNoPath)
+
+// resubmit sends the waiting pieces again, the device being open (again).
+func (d *CltDev) resubmit() { d.resend(log.InfoLevel) }
+
+// resend sends the waiting pieces again, logging that at level.
+func (d *CltDev) resend(level log.Level) {
+	ps := d.wait.take(time.Time{}, true)
+	if len(ps) == 0 {
+		return
+	}
+	d.log().WithField("requests", len(ps)).Log(level, "resubmitting requests that waited for the device")
+	// Not on the caller's goroutine: sending waits for permits.
+	go func() {
+		for _, p := range ps {
+			d.sendPiece(context.Background(), p.r, nil, p.off, p.n, p.bufOff)
+		}
+	}()
+}
+
+// parkedRetry is how long pieces that found no path while the device
+// is open wait before they are sent again, unless the device is
+// reopened first.
+const parkedRetry = 100 * time.Millisecond
+
+// retryParked sends the waiting pieces again after parkedRetry if the
+// device is still open then: one timer per device, however many pieces
+// park meanwhile.
+func (d *CltDev) retryParked() {
+	if d.retrying.Swap(true) {
+		return
+	}
+	time.AfterFunc(parkedRetry, func() {
+		d.retrying.Store(false)
+		if d.State() == DevOpen {
+			d.resend(log.DebugLevel)
+		}
+	})
 }

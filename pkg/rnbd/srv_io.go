@@ -109,23 +109,106 @@ func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *r
 	return int64(start), int64(m.Size), nil
 }
 
+// HandleIO takes a request from RTRS, on the connection's receive path.
+// A read or write that cannot block (blockdev's TryReadAt/TryWriteAt) runs
+// right here: that costs a memory copy, where a hand-off to a worker costs
+// a goroutine switch. Everything else runs on the workers: closing waits
+// for IO and backend IO may block.
+func (s *Server) HandleIO(op *rtrs.SrvOp) error {
+	if s.closed.Load() {
+		return syscall.ESHUTDOWN
+	}
+	q := srvReq{op: op}
+	typ, err := MsgType(op.Usr()) // serve refuses what is short
+	if err == nil && typ == MsgIO && s.tryInline(&q) {
+		return nil
+	}
+	if err == nil && typ == MsgOpen {
+		// An OPEN opens a file, which on a mount that stopped
+		// answering never returns: not on a worker, which the IO of
+		// every session needs. (In flight at once: a session's
+		// queue depth, as for any request.)
+		s.serveApart(q)
+		return nil
+	}
+	select {
+	case s.ios <- q:
+	default:
+		// Every worker busy and the queue full: do not stall the
+		// connection's receive path.
+		s.serveApart(q)
+	}
+	return nil
+}
+
+// srvReq is a request on its way to a worker. An IO carries what the
+// receive path found of it (tryInline): its message decoded and its
+// device, so that the worker neither decodes nor looks it up again. The
+// device comes without a reference (the worker takes one, and refuses
+// the IO if it closed meanwhile): a reference held while the IO waits
+// for a worker would let a CLOSE on a worker wait for IO queued behind
+// it.
+type srvReq struct {
+	op *rtrs.SrvOp
+	d  *SrvSessDev // the IO's device; nil: not found (or not an IO)
+	m  IO          // the IO message, decoded if d is set
+}
+
+// serveApart serves q on a goroutine of its own.
+func (s *Server) serveApart(q srvReq) {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.serve(&q)
+	}()
+}
+
+func (s *Server) worker() {
+	defer s.wg.Done()
+	for q := range s.ios {
+		s.serve(&q)
+	}
+}
+
+func (s *Server) serve(q *srvReq) {
+	op := q.op
+	x, _ := op.Session().Priv().(*SrvSession)
+	if x == nil {
+		s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
+		op.Respond(syscall.ENOTCONN)
+		return
+	}
+	typ, err := MsgType(op.Usr())
+	if err != nil {
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message of %d bytes has no RNBD header", len(op.Usr()))))
+		return
+	}
+	switch typ {
+	case MsgIO:
+		op.Respond(x.processIO(q))
+	case MsgOpen:
+		op.Respond(x.processOpen(op))
+	case MsgSessInfo:
+		op.Respond(x.processSessInfo(op))
+	case MsgClose:
+		op.Respond(x.processClose(op))
+	default:
+		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message type %d is not one a client sends", typ)))
+	}
+}
+
 // tryInline answers a plain read or write whose backend IO cannot block,
 // and reports whether it did. Anything else, including every request
-// that is refused or fails, is left to a worker, which logs it. op is
-// an RNBD_MSG_IO (HandleIO looked).
-func (s *Server) tryInline(op *rtrs.SrvOp) bool {
-	if s.beforeIO != nil {
-		return false
-	}
+// that is refused or fails, is left to a worker, which logs it; q then
+// carries the message decoded and its device, if found. q.op is an
+// RNBD_MSG_IO (HandleIO looked).
+func (s *Server) tryInline(q *srvReq) bool {
+	op, m := q.op, &q.m
 	x, _ := op.Session().Priv().(*SrvSession)
 	if x == nil {
 		return false
 	}
-	var m IO
 	if m.Decode(op.Usr()) != nil {
-		return false
-	}
-	if rw := m.RW &^ FSync; rw != uint32(OpRead) && rw != uint32(OpWrite) {
 		return false
 	}
 	d := x.get(m.DeviceID)
@@ -133,7 +216,14 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 		return false
 	}
 	defer d.refs.Done()
-	off, n, r := d.admit(&m, op.Dir(), len(op.Data()))
+	q.d = d
+	if s.beforeIO != nil {
+		return false
+	}
+	if rw := m.RW &^ FSync; rw != uint32(OpRead) && rw != uint32(OpWrite) {
+		return false
+	}
+	off, n, r := d.admit(m, op.Dir(), len(op.Data()))
 	if r != nil || n == 0 {
 		return false
 	}
@@ -141,7 +231,7 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 		// A large read of a memory backend over TCP is sent from the
 		// mapping of the file, not copied into the chunk first.
 		if src, h := d.backend.ReadView(off, len(op.Data())); src != nil {
-			d.count(&m, n)
+			d.count(m, n)
 			s.inline.Add(1)
 			s.lent.Add(1)
 			op.RespondFrom(src, h)
@@ -160,38 +250,45 @@ func (s *Server) tryInline(op *rtrs.SrvOp) bool {
 	if !done || err != nil {
 		return false // the worker does it again and reports the error
 	}
-	d.count(&m, n)
+	d.count(m, n)
 	s.inline.Add(1)
 	op.Respond(nil)
 	return true
 }
 
 // processIO runs one IO on the backend, straight from or into the chunk.
-func (x *SrvSession) processIO(op *rtrs.SrvOp) error {
-	var m IO
-	if err := m.Decode(op.Usr()); err != nil {
-		return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed IO message: %v", err))
-	}
-	d := x.get(m.DeviceID)
+// An IO whose device the receive path found (q.d) is not decoded nor
+// looked up again; it is admitted again, as the device's size may have
+// changed while it waited for a worker (a resize).
+func (x *SrvSession) processIO(q *srvReq) error {
+	op, m, d := q.op, &q.m, q.d
 	if d == nil {
-		return x.refuse(ioFields(op, &m, ""), refuse(syscall.ENOTCONN, "IO for a device that is not open"))
+		if err := m.Decode(op.Usr()); err != nil {
+			return x.refuse(msgFields(op), refuse(syscall.EINVAL, "malformed IO message: %v", err))
+		}
+		d = x.get(m.DeviceID)
+	} else if !d.ref() {
+		d = nil // closed since
+	}
+	if d == nil {
+		return x.refuse(ioFields(op, m, ""), refuse(syscall.ENOTCONN, "IO for a device that is not open"))
 	}
 	defer d.refs.Done()
 	if h := x.srv.beforeIO; h != nil {
 		h()
 	}
-	off, n, r := d.admit(&m, op.Dir(), len(op.Data()))
+	off, n, r := d.admit(m, op.Dir(), len(op.Data()))
 	if r != nil {
-		return x.refuse(ioFields(op, &m, d.name), r)
+		return x.refuse(ioFields(op, m, d.name), r)
 	}
 	d.inflight.Add(1)
-	err := d.run(&m, op.Data(), off, n)
+	err := d.run(m, op.Data(), off, n)
 	d.inflight.Add(-1)
 	if err != nil {
-		x.srv.rl.Log(x.log().WithFields(ioFields(op, &m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
+		x.srv.rl.Log(x.log().WithFields(ioFields(op, m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
 		return err
 	}
-	d.count(&m, n)
+	d.count(m, n)
 	return nil
 }
 
