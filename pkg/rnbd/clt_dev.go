@@ -63,9 +63,10 @@ type CltDev struct {
 	// holds it shared while it checks the state and posts.
 	ioMu sync.RWMutex
 	info OpenRsp // under ioMu
-	// gen counts the opens of the device (under ioMu): an answer of
+	// gen counts the opens of the device (changed under ioMu, read
+	// without it where a completion must not wait for ioMu): an answer of
 	// ENOTCONN to IO sent under an earlier one says nothing of now.
-	gen uint32
+	gen atomic.Uint32
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
 	// remoteSectors is info.NSectors, read without ioMu: Size is asked
@@ -192,7 +193,7 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	}
 	old := d.info.NSectors
 	d.info = info
-	d.gen++
+	d.gen.Add(1)
 	d.remoteSectors.Store(info.NSectors)
 	d.state.Store(int32(DevOpen))
 	d.ioMu.Unlock()
@@ -216,7 +217,7 @@ func (d *CltDev) reopen(ctx context.Context) error {
 // read's answer and the OPEN (docs/client.md).
 func (d *CltDev) pollSize(ctx context.Context) {
 	d.ioMu.RLock()
-	st, id, gen, lbs := d.State(), d.info.DeviceID, d.gen, int(d.info.LogicalBlockSize)
+	st, id, gen, lbs := d.State(), d.info.DeviceID, d.gen.Load(), int(d.info.LogicalBlockSize)
 	d.ioMu.RUnlock()
 	if st != DevOpen {
 		return
@@ -240,7 +241,7 @@ func (d *CltDev) pollSize(ctx context.Context) {
 	open := func() bool {
 		d.ioMu.RLock()
 		defer d.ioMu.RUnlock()
-		return d.State() == DevOpen && d.gen == gen
+		return d.State() == DevOpen && d.gen.Load() == gen
 	}
 	info, err := d.s.openIf(ctx, d.name, d.mode, open)
 	if errors.Is(err, errNotNow) {
@@ -251,7 +252,7 @@ func (d *CltDev) pollSize(ctx context.Context) {
 		return
 	}
 	d.ioMu.Lock()
-	old, st, now := d.info.NSectors, d.State(), d.gen
+	old, st, now := d.info.NSectors, d.State(), d.gen.Load()
 	same := st == DevOpen && now == gen && info.DeviceID == id
 	if same {
 		d.info.NSectors = info.NSectors
@@ -292,7 +293,7 @@ func (d *CltDev) pollSize(ctx context.Context) {
 // the session). It reports whether it closed it.
 func (d *CltDev) closedByServer(gen uint32, how string) bool {
 	d.ioMu.Lock()
-	if d.State() != DevOpen || d.gen != gen {
+	if d.State() != DevOpen || d.gen.Load() != gen {
 		d.ioMu.Unlock()
 		return false
 	}
@@ -350,6 +351,10 @@ func (d *CltDev) Remap(ctx context.Context) error {
 
 // Unmap closes the device on the server and removes it from the session
 // (rnbd_clt_unmap_device). IO in flight is waited for; IO after fails.
+// The caller stops its own submitters first (the client daemon removes
+// the frontend): a Submit racing Unmap may find the device still mapped
+// and add to the in-flight count Unmap waits on, which sync.WaitGroup
+// does not allow.
 func (d *CltDev) Unmap(ctx context.Context) error {
 	s := d.s
 	s.mu.Lock()
@@ -543,7 +548,7 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 	switch d.State() {
 	case DevOpen:
 	case DevClosed, DevInit:
-		gen := d.gen
+		gen := d.gen.Load()
 		d.ioMu.RUnlock()
 		s.sess.PutPermit(p)
 		d.park(r, off, n, bufOff, gen)
@@ -559,7 +564,7 @@ func (d *CltDev) sendPiece(ctx context.Context, r *IOReq, pl *rtrs.Plug, off int
 		r.pieceDone(errUnmapped)
 		return
 	}
-	gen := d.gen
+	gen := d.gen.Load()
 	pc := &s.pieces[p.ID()]
 	*pc = piece{r: r, p: p, off: off, n: n, bufOff: bufOff, sess: s, gen: gen}
 	var usr [IOSize]byte

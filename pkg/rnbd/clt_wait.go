@@ -143,9 +143,11 @@ func (d *CltDev) park(r *IOReq, off int64, n, bufOff int, gen uint32) {
 	// Open under the same open, the session has no path but has not
 	// told the device yet (its last path is being torn down): sending
 	// again at once would only fail again, in a loop, until it does.
-	d.ioMu.RLock()
-	st, cur := d.State(), d.gen
-	d.ioMu.RUnlock()
+	// Not under ioMu: park runs on completions too (ConfirmBurst),
+	// which must not wait for it. The state first: a reopen counts gen
+	// before it stores DevOpen.
+	st := d.State()
+	cur := d.gen.Load()
 	switch {
 	case st == DevOpen && cur != gen:
 		d.resubmit()
