@@ -20,8 +20,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rnbd/rnbd/internal/demo"
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/units"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )

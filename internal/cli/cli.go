@@ -21,9 +21,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/sdnotify"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Globals are the flags every control command takes.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -18,7 +19,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -193,7 +194,7 @@ func TestMapShareUnmap(t *testing.T) {
 	if n := len(d.sessionList()); n != 0 {
 		t.Fatalf("%d sessions with no device", n)
 	}
-	waitFor(t, "the server to drop the session", func() bool { return len(r.rs.Sessions()) == 0 })
+	kit.WaitFor(t, 10*time.Second, "the server to drop the session", func() bool { return len(r.rs.Sessions()) == 0 })
 	if st := r.savedState(); len(st.Mappings) != 0 {
 		t.Fatalf("state after unmapping all %+v", st)
 	}
@@ -294,7 +295,7 @@ func TestRestart(t *testing.T) {
 	if err := d.Stop(); err != nil { // a second Stop does nothing
 		t.Fatal(err)
 	}
-	waitFor(t, "the server to drop the sessions", func() bool { return len(r.rs.Sessions()) == 0 })
+	kit.WaitFor(t, 10*time.Second, "the server to drop the sessions", func() bool { return len(r.rs.Sessions()) == 0 })
 
 	d = r.start()
 	recs := d.devices("")
@@ -350,7 +351,7 @@ func TestRestart(t *testing.T) {
 		t.Fatalf("map beside a failed mapping: %+v %v", c, err)
 	}
 	// With its server back, the retry restores rnbd0: its data is there.
-	waitFor(t, "rnbd0 to be restored by a retry", func() bool {
+	kit.WaitFor(t, 10*time.Second, "rnbd0 to be restored by a retry", func() bool {
 		recs := d.devices("rnbd0")
 		return len(recs) == 1 && recs[0]["state"] != StateRestoring
 	})
@@ -450,17 +451,6 @@ func TestParseMapString(t *testing.T) {
 		if _, err := ParseMapString(line); ctl.Classify(err) != code {
 			t.Errorf("%q: %v, want %s", line, err, code)
 		}
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 

@@ -11,8 +11,8 @@ import (
 	"syscall"
 
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/frontend/ublk"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )

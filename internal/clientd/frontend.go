@@ -3,7 +3,7 @@ package clientd
 import (
 	"fmt"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 

@@ -7,10 +7,10 @@ import (
 
 	"golang.org/x/sync/semaphore"
 
-	"github.com/rnbd/rnbd/internal/tagpool"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/tagpool"
 )
 
 // slotSize is the request memory one NBD request up to that size takes

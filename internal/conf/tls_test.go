@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 func TestTLS(t *testing.T) {

@@ -19,8 +19,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/internal/version"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Server is a metrics endpoint: GET /metrics.

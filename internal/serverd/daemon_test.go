@@ -2,13 +2,14 @@ package serverd
 
 import (
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // A daemon stops once: a second Stop returns the first's result, and
@@ -55,7 +56,7 @@ func trustConfig(t *testing.T, pki *ServerTLS) Config {
 // message.
 func startLogged(t *testing.T, cfg Config) (*Daemon, map[string][]*log.Entry) {
 	t.Helper()
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	d, err := Start(cfg, Options{Log: lg})
 	if err != nil {
 		t.Fatal(err)

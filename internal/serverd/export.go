@@ -9,7 +9,7 @@ import (
 	"net/netip"
 	"syscall"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/testfs"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // TestPathProbe: a path that answers gives its FileInfo or its error at

@@ -13,8 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // sparseFile makes an empty sparse file of size bytes in dir.

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/rawio"
+	"github.com/rnbd/rnbd/pkg/internal/rawio"
 )
 
 // Non-blocking IO. A server that receives requests on a connection wants
@@ -30,7 +30,7 @@ import (
 // wait for writeback throttling — a RAM block device's too, whose writes
 // go through its page cache and its dirty page limits.
 //
-// What cannot block is also made as a raw system call (internal/rawio):
+// What cannot block is also made as a raw system call (pkg/internal/rawio):
 // the runtime then does not treat the connection's goroutine as blocked
 // in the kernel and hand its P to another thread.
 

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"os"
 	"sync/atomic"
@@ -11,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
@@ -115,7 +116,7 @@ func TestCltDevReopenAfterReconnect(t *testing.T) {
 	for _, x := range r.rs.Sessions() {
 		x.Close()
 	}
-	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	kit.WaitFor(t, 20*time.Second, "device closed", func() bool { return a.State() == DevClosed })
 	wbuf, _ := s.Session().AllocBuffer(4096)
 	copy(wbuf.Bytes(), bytes.Repeat([]byte{0x5A}, 4096))
 	done := make(chan error, 1)
@@ -168,10 +169,10 @@ func TestCltDevInflightWaitsForPath(t *testing.T) {
 		Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the write at the server", func() bool { return held.Load() == 1 })
+	kit.WaitFor(t, 20*time.Second, "the write at the server", func() bool { return held.Load() == 1 })
 	cli := s.Session().Paths()[0].Addr().Src.Addr()
 	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	kit.WaitFor(t, 20*time.Second, "device closed", func() bool { return a.State() == DevClosed })
 	select {
 	case err := <-done:
 		t.Fatalf("the write ended without a path: %v", err)
@@ -215,7 +216,7 @@ func lostDevice(t *testing.T, noPath time.Duration) (*CltSession, *CltDev, *rtrs
 	for _, x := range r.rs.Sessions() {
 		x.Close()
 	}
-	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	kit.WaitFor(t, 20*time.Second, "device closed", func() bool { return a.State() == DevClosed })
 	buf, err := s.Session().AllocBuffer(4096)
 	if err != nil {
 		t.Fatal(err)
@@ -279,17 +280,6 @@ func TestCltDevFastIOFail(t *testing.T) {
 	start = time.Now()
 	if err := syncIO(a, OpRead, 0, 0, 4096, buf); !errors.Is(err, rtrs.ErrNoPath) || time.Since(start) > time.Second {
 		t.Fatalf("IO after fast_io_fail_tmo: %v after %v, want ErrNoPath at once", err, time.Since(start))
-	}
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -413,7 +403,7 @@ func TestCltMapAbandoned(t *testing.T) {
 	}
 	close(h.release)
 	<-h.answered
-	waitUntil(t, "the late answer", func() bool {
+	kit.WaitFor(t, 20*time.Second, "the late answer", func() bool {
 		return c.Session().Paths()[0].Stats().Counters().Inflight == 0
 	})
 	d, err := c.Map(context.Background(), "b", AccessRW)
@@ -440,7 +430,7 @@ func (h failIO) HandleIO(op *rtrs.SrvOp) error {
 func TestCltDevLogsFailedIO(t *testing.T) {
 	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { return failIO{s} })
 	r.file("a", 1<<20)
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "s", r.fab, lg
 	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 20, 3, 1}), 0), Dst: srvAddr}}
@@ -504,8 +494,8 @@ func TestCltDevReopenRetried(t *testing.T) {
 	for _, x := range r.rs.Sessions() {
 		x.Close()
 	}
-	waitUntil(t, "the device closed", func() bool { return a.State() == DevClosed })
-	waitUntil(t, "the session back", func() bool { return s.Session().Connected() })
+	kit.WaitFor(t, 20*time.Second, "the device closed", func() bool { return a.State() == DevClosed })
+	kit.WaitFor(t, 20*time.Second, "the session back", func() bool { return s.Session().Connected() })
 	buf, _ := s.Session().AllocBuffer(4096)
 	copy(buf.Bytes(), bytes.Repeat([]byte{0x3c}, 4096))
 	done := make(chan error, 1)
@@ -514,7 +504,7 @@ func TestCltDevReopenRetried(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The reopen after the reconnect and two at size polls refused.
-	waitUntil(t, "reopens refused", func() bool { return refused.Load() >= 3 })
+	kit.WaitFor(t, 20*time.Second, "reopens refused", func() bool { return refused.Load() >= 3 })
 	if st := a.State(); st != DevClosed {
 		t.Fatalf("state %v while the server's mount does not answer", st)
 	}
@@ -542,7 +532,7 @@ func TestCltDevReopenRetried(t *testing.T) {
 func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
 	r.file("a", 1<<20)
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
 	cfg.ConnsPerPath = 2
@@ -574,7 +564,7 @@ func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitUntil(t, "8 writes at the server", func() bool { return held.Load() == 8 })
+	kit.WaitFor(t, 20*time.Second, "8 writes at the server", func() bool { return held.Load() == 8 })
 	// The server stops: no new paths, its sessions closed (their IO is
 	// answered once the backend returns it).
 	stopped := make(chan struct{})
@@ -620,7 +610,7 @@ func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 func TestCltDevNoResubmitLoop(t *testing.T) {
 	r := newSrig(t, ServerConfig{})
 	r.file("a", 1<<20)
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	cfg := rtrs.DefaultClientConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
 	cfg.ConnsPerPath = 2
@@ -638,7 +628,7 @@ func TestCltDevNoResubmitLoop(t *testing.T) {
 	}
 	s.SetSizePoll(0)
 	r.net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitUntil(t, "device closed", func() bool { return a.State() == DevClosed })
+	kit.WaitFor(t, 20*time.Second, "device closed", func() bool { return a.State() == DevClosed })
 	// The moment before the session tells the device: open, no path.
 	a.ioMu.Lock()
 	a.state.Store(int32(DevOpen))

@@ -3,6 +3,7 @@ package rnbd
 import (
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"math"
 	"strings"
 	"sync/atomic"
@@ -123,7 +124,7 @@ func TestCltSizePollRefusesUnusableOpenRsp(t *testing.T) {
 	bad.NSectors = math.MaxUint64
 	h.forge.Store(&bad)
 	c.SetSizePoll(10 * time.Millisecond)
-	waitUntil(t, "polls answered", func() bool { return h.forged.Load() >= 3 })
+	kit.WaitFor(t, 20*time.Second, "polls answered", func() bool { return h.forged.Load() >= 3 })
 	c.SetSizePoll(0)
 	if d.Size() != 1<<20 || d.State() != DevOpen {
 		t.Fatalf("after polls answered with nsectors 2^64-1: size %d, state %v", d.Size(), d.State())
@@ -144,7 +145,7 @@ func TestCltSizePollRefusesUnusableOpenRsp(t *testing.T) {
 // and a read, a write and (where announced) a discard and a
 // write-zeroes of one block each fit in one request.
 func FuzzOpenRspCheck(f *testing.F) {
-	g, err := goldenBytes("open_rsp")
+	g, err := kit.GoldenHex("open_rsp")
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -101,7 +102,7 @@ func pausePolls(c *CltSession, h *countMsgs) {
 // and its data is there.
 func stillClosed(t *testing.T, r *srig, h *countMsgs, d *CltDev, buf *rtrs.Buffer) {
 	t.Helper()
-	waitUntil(t, "the device closed by its server", func() bool { return d.State() == DevSrvClosed })
+	kit.WaitFor(t, 20*time.Second, "the device closed by its server", func() bool { return d.State() == DevSrvClosed })
 	opens := h.opens.Load()
 	time.Sleep(200 * time.Millisecond) // ten size polls
 	if n := h.opens.Load() - opens; n != 0 || d.State() != DevSrvClosed || len(r.srv.OpenDevices()) != 0 {
@@ -158,7 +159,7 @@ func TestCltDevServerCloseFoundByIO(t *testing.T) {
 	if err := syncIO(d, OpWrite, 0, 4096, 4096, buf); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("write after the server's close: %v, want ENOTCONN", err)
 	}
-	waitUntil(t, "the device closed by its server", func() bool { return d.State() == DevSrvClosed })
+	kit.WaitFor(t, 20*time.Second, "the device closed by its server", func() bool { return d.State() == DevSrvClosed })
 	// Another device of the session gets the freed id.
 	b, err := c.Map(context.Background(), "b", AccessRW)
 	if err != nil {
@@ -171,7 +172,7 @@ func TestCltDevServerCloseFoundByIO(t *testing.T) {
 	for _, x := range r.rs.Sessions() {
 		x.Close()
 	}
-	waitUntil(t, "b reopened after the reconnect", func() bool { return b.State() == DevOpen && c.Session().Connected() })
+	kit.WaitFor(t, 20*time.Second, "b reopened after the reconnect", func() bool { return b.State() == DevOpen && c.Session().Connected() })
 	time.Sleep(50 * time.Millisecond)
 	if d.State() != DevSrvClosed {
 		t.Fatalf("a after the reconnect: %v", d.State())

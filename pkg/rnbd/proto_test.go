@@ -2,40 +2,13 @@ package rnbd
 
 import (
 	"bytes"
-	"encoding/hex"
-	"os"
-	"path/filepath"
+	"github.com/rnbd/rnbd/test/kit"
 	"strings"
 	"testing"
 )
 
-func golden(t *testing.T, name string) []byte {
-	t.Helper()
-	b, err := goldenBytes(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
-// goldenBytes reads testdata/golden/name.hex: hex bytes, '#' comments.
-func goldenBytes(name string) ([]byte, error) {
-	raw, err := os.ReadFile(filepath.Join("testdata", "golden", name+".hex"))
-	if err != nil {
-		return nil, err
-	}
-	var b strings.Builder
-	for _, line := range strings.Split(string(raw), "\n") {
-		if i := strings.IndexByte(line, '#'); i >= 0 {
-			line = line[:i]
-		}
-		b.WriteString(strings.Join(strings.Fields(line), ""))
-	}
-	return hex.DecodeString(b.String())
-}
-
 func seed(f *testing.F, name string) {
-	b, err := goldenBytes(name)
+	b, err := kit.GoldenHex(name)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -46,7 +19,7 @@ func TestGolden(t *testing.T) {
 	buf := make([]byte, 512)
 	check := func(name string, got []byte) {
 		t.Helper()
-		if want := golden(t, name); !bytes.Equal(got, want) {
+		if want := kit.Golden(t, name); !bytes.Equal(got, want) {
 			t.Errorf("%s:\n got %x\nwant %x", name, got, want)
 		}
 	}
@@ -61,19 +34,19 @@ func TestGolden(t *testing.T) {
 	check("io", io.Encode(buf))
 
 	var o Open
-	if err := o.Decode(golden(t, "open")); err != nil || o.DevName != "vol1" || o.AccessMode != AccessRW {
+	if err := o.Decode(kit.Golden(t, "open")); err != nil || o.DevName != "vol1" || o.AccessMode != AccessRW {
 		t.Fatalf("open decode %+v %v", o, err)
 	}
 	var r OpenRsp
-	if err := r.Decode(golden(t, "open_rsp")); err != nil || r != rsp {
+	if err := r.Decode(kit.Golden(t, "open_rsp")); err != nil || r != rsp {
 		t.Fatalf("open_rsp decode %+v %v", r, err)
 	}
 	var m IO
-	if err := m.Decode(golden(t, "io")); err != nil || m != io || m.Op() != OpWrite || m.Flags() != FFUA {
+	if err := m.Decode(kit.Golden(t, "io")); err != nil || m != io || m.Op() != OpWrite || m.Flags() != FFUA {
 		t.Fatalf("io decode %+v %v", m, err)
 	}
 	// A peer without prio sends 24 bytes.
-	if err := m.Decode(golden(t, "io")[:24]); err != nil || m.Prio != 0 || m.Size != 4096 {
+	if err := m.Decode(kit.Golden(t, "io")[:24]); err != nil || m.Prio != 0 || m.Size != 4096 {
 		t.Fatalf("24-byte io %+v %v", m, err)
 	}
 }

@@ -9,8 +9,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/netip"
 	"os"
@@ -13,9 +14,10 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
-	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // TestMapRefusesUnservable: a directory (EISDIR), a FIFO, a socket or a
@@ -317,7 +319,7 @@ func TestExportMaxSessions(t *testing.T) {
 	if err := b.close(context.Background(), "two", rb.DeviceID); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "b's open to close", func() bool {
+	kit.WaitFor(t, 10*time.Second, "b's open to close", func() bool {
 		_, err := open(c)
 		return err == nil
 	})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,15 +12,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // A backing file deleted, replaced or shrunk behind the server's back is
 // logged once, and its recovery too.
 func TestBackingStoreHealth(t *testing.T) {
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 5 * time.Millisecond})
 	p := r.file("a", 1<<20)
 	c := r.client("h")
@@ -39,15 +40,15 @@ func TestBackingStoreHealth(t *testing.T) {
 	if err := os.Truncate(p, 1<<19); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the shrink to be logged", func() bool { return said("backing store changed behind the server", "shrank from 1048576 to 524288") })
+	kit.WaitFor(t, 10*time.Second, "the shrink to be logged", func() bool { return said("backing store changed behind the server", "shrank from 1048576 to 524288") })
 	if err := os.Truncate(p, 1<<20); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the recovery to be logged", func() bool { return said("backing store healthy again", "") })
+	kit.WaitFor(t, 10*time.Second, "the recovery to be logged", func() bool { return said("backing store healthy again", "") })
 	if err := os.Remove(p); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the deletion to be logged", func() bool { return said("backing store changed behind the server", "was deleted") })
+	kit.WaitFor(t, 10*time.Second, "the deletion to be logged", func() bool { return said("backing store changed behind the server", "was deleted") })
 	n := 0
 	for _, e := range entries() {
 		if e.Message == "backing store changed behind the server" {
@@ -65,7 +66,7 @@ func TestBackingStoreHealth(t *testing.T) {
 // path on the health loop itself, holding an IO reference: the loop
 // stopped for every device, and the device's close waited for ever.
 func TestHealthOnHungMount(t *testing.T) {
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 10 * time.Millisecond})
 	under := filepath.Join(r.dir, "mnt")
 	r.file("mnt/vol", 1<<20)
@@ -90,11 +91,11 @@ func TestHealthOnHungMount(t *testing.T) {
 		}
 		return false
 	}
-	waitFor(t, "the hung check to be reported", func() bool { return said("no answer to its health check") })
+	kit.WaitFor(t, 10*time.Second, "the hung check to be reported", func() bool { return said("no answer to its health check") })
 	if err := os.Remove(other); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the other device's deletion to be logged", func() bool { return said("other was deleted") })
+	kit.WaitFor(t, 10*time.Second, "the other device's deletion to be logged", func() bool { return said("other was deleted") })
 	done := make(chan error, 1)
 	go func() { done <- vol.Unmap(ctx) }()
 	select {
@@ -139,7 +140,7 @@ func TestShrinkBehindServer(t *testing.T) {
 }
 
 func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration) {
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: health, DevSearchPath: dir})
 	p := r.vol(8 << 20)
 	c := r.client("s")
@@ -174,7 +175,7 @@ func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration
 	if err := os.Truncate(p, 2<<20); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the shrink to be logged", func() bool { return shrinkLogged("shrank from 8388608 to 2097152") })
+	kit.WaitFor(t, 10*time.Second, "the shrink to be logged", func() bool { return shrinkLogged("shrank from 8388608 to 2097152") })
 	if n := r.srv.BackingShrinks()["vol"]; n != 1 {
 		t.Fatalf("%d shrinks counted for vol, want 1", n)
 	}
@@ -220,8 +221,8 @@ func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration
 	if err := os.Truncate(p, 8<<20); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the recovery to be logged", func() bool { return logged("backing store healthy again") == 1 })
-	waitFor(t, "a write past the old cut", func() bool { return x.write(6<<20, high, 0) == nil })
+	kit.WaitFor(t, 10*time.Second, "the recovery to be logged", func() bool { return logged("backing store healthy again") == 1 })
+	kit.WaitFor(t, 10*time.Second, "a write past the old cut", func() bool { return x.write(6<<20, high, 0) == nil })
 	if got, err := x.read(6<<20, len(high)); err != nil || !bytes.Equal(got, high) {
 		t.Fatalf("read back past the old cut: %v", err)
 	}
@@ -233,7 +234,7 @@ func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration
 	if err := os.Truncate(p, 2<<20); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the second shrink to be counted", func() bool { return r.srv.BackingShrinks()["vol"] == 2 })
+	kit.WaitFor(t, 10*time.Second, "the second shrink to be counted", func() bool { return r.srv.BackingShrinks()["vol"] == 2 })
 	if _, err := r.srv.Resize("vol", 2<<20, false); !errors.Is(err, syscall.EBUSY) {
 		t.Fatalf("resize to the size cut, without force: %v, want EBUSY", err)
 	}
@@ -251,7 +252,7 @@ func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration
 	if _, err := r.srv.Resize("vol", 2<<20, true); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "healthy again after the forced resize", func() bool { return logged("backing store healthy again") == 2 })
+	kit.WaitFor(t, 10*time.Second, "healthy again after the forced resize", func() bool { return logged("backing store healthy again") == 2 })
 	if rsp, err := c.open(context.Background(), "vol", AccessRW); err != nil || rsp.NSectors != (2<<20)/512 {
 		t.Fatalf("a size poll after the forced resize: %v, %d sectors, want %d", err, rsp.NSectors, (2<<20)/512)
 	}

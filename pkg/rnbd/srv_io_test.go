@@ -4,16 +4,18 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // TestIOSemantics checks flush, FUA, preflush, discard and write-zeroes
@@ -133,7 +135,7 @@ func TestWriteThroughExport(t *testing.T) {
 // sends its flushes at sector (u64)-1 as RTRS reads without data; a server
 // that refused them left a kernel client without fsync.
 func TestKernelClientMessages(t *testing.T) {
-	rec, logged := log.Recorder()
+	rec, logged := kit.LogRecorder()
 	r := newSrig(t, ServerConfig{Log: rec})
 	path := r.file("kdisk", 1<<20)
 	c := r.client("kclt")
@@ -176,12 +178,12 @@ func TestKernelClientMessages(t *testing.T) {
 	}
 
 	want := fill(16*512, 4096, 0x3c)
-	if err := send(golden(t, "kclt_read"), rtrs.Read, 4096); err != nil || !bytes.Equal(buf.Bytes()[:4096], want) {
+	if err := send(kit.Golden(t, "kclt_read"), rtrs.Read, 4096); err != nil || !bytes.Equal(buf.Bytes()[:4096], want) {
 		t.Fatalf("read: %v", err)
 	}
 	want = bytes.Repeat([]byte("journal!"), 512)
 	copy(buf.Bytes(), want)
-	if err := send(golden(t, "kclt_write_fua"), rtrs.Write, 4096); err != nil || !bytes.Equal(fileAt(24*512, 4096), want) {
+	if err := send(kit.Golden(t, "kclt_write_fua"), rtrs.Write, 4096); err != nil || !bytes.Equal(fileAt(24*512, 4096), want) {
 		t.Fatalf("FUA write: %v", err)
 	}
 	flushes := []struct {
@@ -194,7 +196,7 @@ func TestKernelClientMessages(t *testing.T) {
 		{"kclt_write_preflush_empty", rtrs.Write},
 	}
 	for _, fl := range flushes {
-		if err := send(golden(t, fl.name), fl.dir, 0); err != nil {
+		if err := send(kit.Golden(t, fl.name), fl.dir, 0); err != nil {
 			t.Fatalf("%s: %v", fl.name, err)
 		}
 	}
@@ -204,18 +206,18 @@ func TestKernelClientMessages(t *testing.T) {
 	const end = 1<<20 - 64<<10
 	zeros := make([]byte, 64<<10)
 	fill(end-64<<10, 128<<10, 0xee)
-	if err := send(golden(t, "kclt_discard_end"), rtrs.Write, 0); err != nil {
+	if err := send(kit.Golden(t, "kclt_discard_end"), rtrs.Write, 0); err != nil {
 		t.Fatalf("discard: %v", err)
 	}
 	if !bytes.Equal(fileAt(end, 64<<10), zeros) || !testfs.IsHole(t, path, end) || fileAt(end-1, 1)[0] != 0xee {
 		t.Fatal("the discard did not punch exactly the last 64 KiB")
 	}
 	fill(end, 64<<10, 0xee)
-	if err := send(golden(t, "kclt_write_zeroes_end"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
+	if err := send(kit.Golden(t, "kclt_write_zeroes_end"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
 		t.Fatalf("write zeroes: %v", err)
 	}
 	fill(end, 64<<10, 0xee)
-	if err := send(golden(t, "kclt22_write_zeroes_nounmap"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
+	if err := send(kit.Golden(t, "kclt22_write_zeroes_nounmap"), rtrs.Write, 0); err != nil || !bytes.Equal(fileAt(end, 64<<10), zeros) {
 		t.Fatalf("write zeroes with NOUNMAP: %v", err)
 	}
 	if testfs.IsHole(t, path, end) {
@@ -233,7 +235,7 @@ func TestKernelClientMessages(t *testing.T) {
 	// What no kernel sends is refused, with the errno and a log line
 	// that says why.
 	patch := func(name string, rw uint32, sector uint64) []byte {
-		b := golden(t, name)
+		b := kit.Golden(t, name)
 		le.PutUint32(b[16:], rw)
 		if sector != 0 {
 			le.PutUint64(b[8:], sector)
@@ -248,11 +250,11 @@ func TestKernelClientMessages(t *testing.T) {
 		want syscall.Errno
 		why  string
 	}{
-		{"flush with data", golden(t, "kclt_flush"), rtrs.Write, 512, syscall.EINVAL, "carries none"},
+		{"flush with data", kit.Golden(t, "kclt_flush"), rtrs.Write, 512, syscall.EINVAL, "carries none"},
 		{"flush with an unknown flag", patch("kclt_flush", 0x302|1<<16, 0), rtrs.Read, 0, syscall.EINVAL, "unknown flags 0x10000"},
 		{"FUA read", patch("kclt_read", 0x300, 0), rtrs.Read, 4096, syscall.EINVAL, "READ with flags FUA"},
 		{"NOUNMAP on a write", patch("kclt_write_fua", 0x801, 0), rtrs.Write, 4096, syscall.EINVAL, "WRITE with flags NOUNMAP"},
-		{"read as an RTRS write", golden(t, "kclt_read"), rtrs.Write, 4096, syscall.EINVAL, "READ as an RTRS write"},
+		{"read as an RTRS write", kit.Golden(t, "kclt_read"), rtrs.Write, 4096, syscall.EINVAL, "READ as an RTRS write"},
 		{"discard straddling the end", patch("kclt_discard_end", 3, 1984), rtrs.Write, 0, syscall.ENOSPC, "runs past the end"},
 		{"read beyond the device", patch("kclt_read", 0x100, 1<<40), rtrs.Read, 4096, syscall.EINVAL, "beyond the device"},
 	} {
@@ -279,10 +281,10 @@ func TestKernelClientMessages(t *testing.T) {
 		t.Fatalf("device id %d", ro.d.Info().DeviceID)
 	}
 	rs := ro.d.s.Session()
-	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Read, golden(t, "kclt_flush"), nil, 0, 0); err != nil {
+	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Read, kit.Golden(t, "kclt_flush"), nil, 0, 0); err != nil {
 		t.Fatalf("flush on a read-only open: %v", err)
 	}
-	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Write, golden(t, "kclt_discard_end"), nil, 0, 0); !errors.Is(err, syscall.EROFS) {
+	if err := rs.Do(context.Background(), rtrs.IOCon, rtrs.Write, kit.Golden(t, "kclt_discard_end"), nil, 0, 0); !errors.Is(err, syscall.EROFS) {
 		t.Fatalf("discard on a read-only open: %v, want EROFS", err)
 	}
 }
@@ -448,7 +450,7 @@ func TestInlineIO(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, "the file unmapped", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the file unmapped", func() bool {
 		maps, err := os.ReadFile("/proc/self/maps")
 		return err == nil && !bytes.Contains(maps, []byte(path))
 	})
@@ -460,7 +462,7 @@ func TestInlineIO(t *testing.T) {
 func FuzzAdmit(f *testing.F) {
 	for _, n := range []string{"kclt_read", "kclt_write_fua", "kclt_flush", "kclt21_flush", "kclt_write_preflush_empty",
 		"kclt_discard_end", "kclt_write_zeroes_end", "kclt22_write_zeroes_nounmap", "io"} {
-		b, err := goldenBytes(n)
+		b, err := kit.GoldenHex(n)
 		if err != nil {
 			f.Fatal(err)
 		}

@@ -5,7 +5,7 @@ import (
 	"sort"
 	"syscall"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Session names bound to identities.

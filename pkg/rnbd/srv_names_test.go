@@ -7,8 +7,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // take is a session of identity connecting with name (the claim) and

@@ -8,8 +8,8 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 

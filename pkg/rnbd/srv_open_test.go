@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,8 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/testfs"
 	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 func TestSessInfoVersion(t *testing.T) {
@@ -73,7 +74,7 @@ func TestAccessModes(t *testing.T) {
 	// When the writer's session goes away its devices close and the
 	// device takes a writer again.
 	a.Session().Close()
-	waitFor(t, "a's device to close", func() bool { return len(r.srv.OpenDevices()) == 3 })
+	kit.WaitFor(t, 10*time.Second, "a's device to close", func() bool { return len(r.srv.OpenDevices()) == 3 })
 	if err := open(d, AccessRW); !errors.Is(err, syscall.EPERM) {
 		// d has "shared" open read-only already: same name, same device.
 		if err != nil {
@@ -166,7 +167,7 @@ func TestCloseWaitsForIO(t *testing.T) {
 			errs[i] = x.op(OpFlush, 0, 0, 0)
 		}()
 	}
-	waitFor(t, "IO at the server", func() bool { return held.Load() == 4 })
+	kit.WaitFor(t, 10*time.Second, "IO at the server", func() bool { return held.Load() == 4 })
 	closed := make(chan error, 1)
 	go func() { closed <- x.d.Unmap(context.Background()) }()
 	select {

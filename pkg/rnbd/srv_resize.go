@@ -9,8 +9,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Resize of an exported file (rnbd-server resize), served at once to the

@@ -3,6 +3,7 @@ package rnbd
 import (
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -178,12 +179,12 @@ func TestShrinkWhileClosing(t *testing.T) {
 	x := r.dev(r.client("s"), "vol", AccessRW)
 	wrote := make(chan error, 1)
 	go func() { wrote <- x.d.Do(context.Background(), OpWrite, 0, 6<<20, 4096, x.buf, 0) }()
-	waitFor(t, "the write at the server", func() bool { return held.Load() == 1 })
+	kit.WaitFor(t, 10*time.Second, "the write at the server", func() bool { return held.Load() == 1 })
 	closed := make(chan error, 1)
 	go func() { _, err := r.srv.ForceClose("vol", ""); closed <- err }() // rnbd-server device close
 	fi, _ := os.Stat(p)
 	id, _ := blockdev.FileID(fi)
-	waitFor(t, "the device closing", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the device closing", func() bool {
 		r.srv.mu.Lock()
 		defer r.srv.mu.Unlock()
 		_, closing := r.srv.openOn(id)
@@ -279,7 +280,7 @@ func TestServerResize(t *testing.T) {
 	if n, err := r.srv.ForceClose("vol", "s"); err != nil || n != 1 {
 		t.Fatalf("force close: %d %v", n, err)
 	}
-	waitFor(t, "a poll to find it closed", func() bool { return x.d.State() == DevSrvClosed })
+	kit.WaitFor(t, 10*time.Second, "a poll to find it closed", func() bool { return x.d.State() == DevSrvClosed })
 	time.Sleep(100 * time.Millisecond) // five more polls
 	if n := len(r.srv.OpenDevices()); n != 0 {
 		t.Fatalf("%d devices open after the polls", n)

@@ -10,11 +10,10 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
-	"time"
 
 	"go.uber.org/goleak"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
@@ -241,16 +240,5 @@ func TestOpenIOClose(t *testing.T) {
 	}
 	if n := len(r.srv.OpenDevices()); n != 0 {
 		t.Fatalf("%d devices open after close", n)
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }

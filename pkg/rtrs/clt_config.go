@@ -7,7 +7,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 

@@ -8,7 +8,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/tagpool"
+	"github.com/rnbd/rnbd/pkg/tagpool"
 )
 
 // Permits of a client session (struct rtrs_permit): one per server chunk,

@@ -9,7 +9,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Reconnecting a client path (rtrs_clt_reconnect_work and the sysfs

@@ -8,9 +8,9 @@ import (
 	"sync/atomic"
 	"syscall"
 
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/tagpool"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/pkg/tagpool"
 )
 
 // CltSession is a client session: a name, a paths UUID, and the paths to one

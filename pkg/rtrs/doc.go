@@ -76,7 +76,7 @@
 // heartbeat.sentMu. SrvSession.acceptCond waits on SrvSession.mu.
 //
 // Below all of them: the locks of package fabric's connections, of
-// internal/tagpool (permits) and of internal/log's limiters, none of which
+// pkg/tagpool (permits) and of pkg/log's limiters, none of which
 // calls back into this package while held. The fabric contract this
 // relies on: PostSend and PostRecv never call a Handler (fabric/tcp
 // queues and wakes its writer), so CltPath.post holds submitMu (shared)

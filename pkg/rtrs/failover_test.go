@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"sync"
 	"syscall"
@@ -92,7 +93,7 @@ func TestFailoverInFlightMem(t *testing.T) {
 	ccfg.MPPolicy = MPRoundRobin
 	r := newRig(t, fab, scfg, ccfg)
 	wait, data := r.inflight(32, 4096)
-	waitFor(t, 10*time.Second, "requests at the server", func() bool {
+	kit.WaitFor(t, 10*time.Second, "requests at the server", func() bool {
 		return srvInflight(r.srv) == 32
 	})
 	paths := r.sess.Paths()
@@ -102,7 +103,7 @@ func TestFailoverInFlightMem(t *testing.T) {
 	}
 	net.Cut(netip.MustParseAddr("10.2.0.2"), srvAddr.Addr())
 	// The dead path's requests reach the server again on the other path.
-	waitFor(t, 10*time.Second, "failed-over requests at the server", func() bool {
+	kit.WaitFor(t, 10*time.Second, "failed-over requests at the server", func() bool {
 		return paths[1].Stats().Counters().FailoverCount == uint64(onA)
 	})
 	release()
@@ -114,7 +115,7 @@ func TestFailoverInFlightMem(t *testing.T) {
 	if c := paths[0].Stats().Counters(); c.FailedOverCount != uint64(onA) || c.FailoverCount != 0 {
 		t.Fatalf("cut path: %+v, want %d failed over from it, none to it", c, onA)
 	}
-	waitFor(t, 10*time.Second, "the cut path to reconnect", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the cut path to reconnect", func() bool {
 		return paths[0].State() == PathConnected
 	})
 	if c := paths[0].Stats().Counters(); c.ReconnectsSuccessful != 1 || c.Inflight != 0 {
@@ -146,7 +147,7 @@ func TestFailoverInFlightTCP(t *testing.T) {
 	ccfg.MPPolicy = MPRoundRobin
 	r := newRig(t, fab, scfg, ccfg)
 	wait, data := r.inflight(32, 8192)
-	waitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 32 })
+	kit.WaitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 32 })
 	paths := r.sess.Paths()
 	onA := paths[0].Stats().Counters().Inflight
 	var victim *SrvPath
@@ -156,12 +157,12 @@ func TestFailoverInFlightTCP(t *testing.T) {
 		}
 	}
 	victim.Disconnect()
-	waitFor(t, 10*time.Second, "failed-over requests", func() bool {
+	kit.WaitFor(t, 10*time.Second, "failed-over requests", func() bool {
 		return paths[1].Stats().Counters().FailoverCount == uint64(onA)
 	})
 	release()
 	noErrors(t, wait())
-	waitFor(t, 10*time.Second, "the path to reconnect", func() bool { return paths[0].State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return paths[0].State() == PathConnected })
 	r.verify(data)
 }
 
@@ -174,7 +175,7 @@ func TestNoPathFailFast(t *testing.T) {
 	ccfg := testClientConfig(fab, pa("10.3.0.2", srvAddr.String()))
 	r := newRig(t, fab, testServerConfig(fab, disk, srvAddr), ccfg)
 	net.SetLink(netip.MustParseAddr("10.3.0.2"), srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "the path to go down", func() bool { return !r.sess.Connected() })
+	kit.WaitFor(t, 10*time.Second, "the path to go down", func() bool { return !r.sess.Connected() })
 	err := r.write(0, []byte("x"))
 	if !errors.Is(err, ErrNoPath) || !errors.Is(err, syscall.ECONNABORTED) {
 		t.Fatalf("write without a path: %v, want ECONNABORTED", err)
@@ -200,7 +201,7 @@ func TestNoPathInflight(t *testing.T) {
 	}
 	r := newRig(t, fab, testServerConfig(fab, disk, srvAddr), ccfg)
 	wait, _ := r.inflight(8, 4096)
-	waitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 8 })
+	kit.WaitFor(t, 10*time.Second, "requests at the server", func() bool { return srvInflight(r.srv) == 8 })
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
 	for i, err := range wait() {
 		if !errors.Is(err, ErrNoPath) {
@@ -209,7 +210,7 @@ func TestNoPathInflight(t *testing.T) {
 	}
 	release() // the server's answers go nowhere: the path is gone
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
-	waitFor(t, 10*time.Second, "the path to come back", func() bool { return r.sess.Connected() })
+	kit.WaitFor(t, 10*time.Second, "the path to come back", func() bool { return r.sess.Connected() })
 	data := bytes.Repeat([]byte{9}, 4096)
 	if err := r.write(0, data); err != nil {
 		t.Fatalf("write after the reconnect: %v", err)
@@ -224,7 +225,7 @@ func TestNoPathInflight(t *testing.T) {
 		defer evMu.Unlock()
 		return fmt.Sprint(events)
 	}
-	waitFor(t, 10*time.Second, "RECONNECTED", func() bool { return len(eventsNow()) > len("[DISCONNECTED]") })
+	kit.WaitFor(t, 10*time.Second, "RECONNECTED", func() bool { return len(eventsNow()) > len("[DISCONNECTED]") })
 	if got := eventsNow(); got != "[DISCONNECTED RECONNECTED]" {
 		t.Fatalf("link events %v", got)
 	}
@@ -244,17 +245,17 @@ func TestServerRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.srv.Close()
-	waitFor(t, 10*time.Second, "both paths to go down", func() bool { return !r.sess.Connected() })
+	kit.WaitFor(t, 10*time.Second, "both paths to go down", func() bool { return !r.sess.Connected() })
 	srv2, err := NewServer(scfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer srv2.Close()
-	waitFor(t, 10*time.Second, "a path back", func() bool { return r.sess.Connected() })
+	kit.WaitFor(t, 10*time.Second, "a path back", func() bool { return r.sess.Connected() })
 	if err := r.write(4096, []byte("during")); err != nil {
 		t.Fatalf("write after the restart: %v", err)
 	}
-	waitFor(t, 10*time.Second, "both paths back", func() bool {
+	kit.WaitFor(t, 10*time.Second, "both paths back", func() bool {
 		for _, p := range r.sess.Paths() {
 			if p.State() != PathConnected {
 				return false

@@ -2,6 +2,7 @@ package rtrs
 
 import (
 	"context"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"sync/atomic"
 	"testing"
@@ -120,7 +121,7 @@ func TestHeartbeatLatency(t *testing.T) {
 	ccfg.HBInterval = 20 * time.Millisecond
 	r := newRig(t, fab, scfg, ccfg)
 	p := r.sess.Paths()[0]
-	waitFor(t, 10*time.Second, "a heartbeat round trip", func() bool { return p.CurLatency() > 0 })
+	kit.WaitFor(t, 10*time.Second, "a heartbeat round trip", func() bool { return p.CurLatency() > 0 })
 	if l := p.CurLatency(); l > time.Second {
 		t.Fatalf("cur_latency %v on loopback", l)
 	}

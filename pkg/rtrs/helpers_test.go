@@ -5,15 +5,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"net/netip"
-	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
@@ -209,36 +207,6 @@ func (r *rig) assertHealthy() {
 			r.t.Fatalf("path %s is %v", p.Name(), p.State())
 		}
 	}
-}
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// waitBlocked waits until a goroutine is blocked (its state, as a
-// traceback shows it: "select", "sync.Mutex.Lock", ...) with fn on its
-// stack: a test that must act only once a goroutine waits (the wait is
-// what it tests) waits for that, not for a while.
-func waitBlocked(t testing.TB, d time.Duration, fn, state string) {
-	t.Helper()
-	buf := make([]byte, 1<<20)
-	waitFor(t, d, fn+" blocked in "+state, func() bool {
-		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
-			head, _, _ := strings.Cut(g, "\n")
-			if strings.Contains(head, " ["+state) && strings.Contains(g, fn+"(") {
-				return true
-			}
-		}
-		return false
-	})
 }
 
 func memNet() (*fabrictest.Network, *tcp.Fabric) {

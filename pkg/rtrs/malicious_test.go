@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/netip"
 	"slices"
@@ -16,9 +17,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // hostileRig is a server with a well-behaved session on it; attacks come
@@ -93,7 +94,7 @@ func (h *hostileRig) stillServesWith(n int) {
 	if err != nil || !bytes.Equal(got, d) {
 		h.t.Fatalf("good session read after the attack: %v", err)
 	}
-	waitFor(h.t, 10*time.Second, "the attacker's session to go", func() bool { return len(h.srv.Sessions()) == n })
+	kit.WaitFor(h.t, 10*time.Second, "the attacker's session to go", func() bool { return len(h.srv.Sessions()) == n })
 	h.assertHealthy()
 }
 
@@ -291,7 +292,7 @@ func TestHostileSessions(t *testing.T) {
 		if err := rp.writeImm(1, 5, rp.rbufs[5].Key, img, 5, off); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 10*time.Second, "the request at the server", func() bool { return srvInflight(h.srv) == 1 })
+		kit.WaitFor(t, 10*time.Second, "the request at the server", func() bool { return srvInflight(h.srv) == 1 })
 		// Asking again for a chunk the server still works on.
 		if err := rp.writeImm(1, 6, rp.rbufs[6].Key, nil, 5, off); err != nil {
 			t.Fatal(err)
@@ -334,7 +335,7 @@ func TestChunkReusedBeforePostReturns(t *testing.T) {
 			op = &x.Paths()[0].ops[5]
 		}
 	}
-	waitFor(t, 10*time.Second, "the reuse to be held back", func() bool { return op.state.Load() == opPending })
+	kit.WaitFor(t, 10*time.Second, "the reuse to be held back", func() bool { return op.state.Load() == opPending })
 	unblock()
 	if e := rp.await(1, 5); e != 0 {
 		t.Fatalf("read on the reused chunk: errno %v", e)
@@ -406,7 +407,7 @@ func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
 	if err := rp.writeImm(1, 1, rp.rbufs[1].Key, img, 1, off); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the request at the server", func() bool { return srvInflight(h.srv) == 1 })
+	kit.WaitFor(t, 10*time.Second, "the request at the server", func() bool { return srvInflight(h.srv) == 1 })
 	wr := fabric.SendWR{Op: fabric.OpWrite, RemoteAddr: rp.rbufs[1].Addr, RKey: rp.rbufs[1].Key, NumSGE: 1}
 	wr.SG[0].Buf = []byte("scribble")
 	rp.conns[1].qp.PostSend(&wr)
@@ -414,7 +415,7 @@ func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
 		t.Fatal("a write to a chunk in use went through")
 	}
 	release()
-	waitFor(t, 10*time.Second, "the held request to finish", func() bool { return string(h.disk.bytes(0, 3)) != "one" })
+	kit.WaitFor(t, 10*time.Second, "the held request to finish", func() bool { return string(h.disk.bytes(0, 3)) != "one" })
 	if got := h.disk.bytes(0, 3); string(got) != "two" {
 		t.Fatalf("the request saw %q: the scribble reached the chunk", got)
 	}
@@ -425,7 +426,7 @@ func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
 	rp = newRawPath(t, h.fab, h.src, h.dst, "rotator")
 	release = h.disk.holdIO()
 	rp.send(1, 3, Read, usrOff(0), nil, 3)
-	waitFor(t, 10*time.Second, "the read at the server", func() bool { return srvInflight(h.srv) == 1 })
+	kit.WaitFor(t, 10*time.Second, "the read at the server", func() bool { return srvInflight(h.srv) == 1 })
 	wr = fabric.SendWR{Op: fabric.OpWrite, RemoteAddr: rp.rbufs[3].Addr, RKey: rp.rbufs[3].Key, NumSGE: 1}
 	wr.SG[0].Buf = []byte("scribble")
 	rp.conns[1].qp.PostSend(&wr)
@@ -433,7 +434,7 @@ func testAlwaysInvalidate(t *testing.T, opts tcp.Options) {
 		t.Fatal("a write to a chunk a read uses went through")
 	}
 	release()
-	waitFor(t, 10*time.Second, "the held read to finish", func() bool { return srvInflight(h.srv) == 0 })
+	kit.WaitFor(t, 10*time.Second, "the held read to finish", func() bool { return srvInflight(h.srv) == 0 })
 	h.stillServes()
 
 	// A stale key after the rotation is rejected.
@@ -511,7 +512,7 @@ func TestHostileConnectionMemory(t *testing.T) {
 	rp.wait(0, fabric.WCRecv)
 	rp.close()
 	h.stillServes()
-	waitFor(t, 10*time.Second, "the budget to be whole again", func() bool { return h.srv.chunkMem.Load() == good })
+	kit.WaitFor(t, 10*time.Second, "the budget to be whole again", func() bool { return h.srv.chunkMem.Load() == good })
 }
 
 // A client address may have DefaultMaxConnectingPerAddr paths connecting
@@ -537,7 +538,7 @@ func TestHostileHalfOpenPaths(t *testing.T) {
 	}
 	rp.wait(0, fabric.WCRecv)
 	half[0].close()
-	waitFor(t, 10*time.Second, "a slot to come back", func() bool {
+	kit.WaitFor(t, 10*time.Second, "a slot to come back", func() bool {
 		h.srv.connectingMu.Lock()
 		defer h.srv.connectingMu.Unlock()
 		return h.srv.connecting[fabric.PeerGroup(h.src.Addr())] < DefaultMaxConnectingPerAddr
@@ -587,7 +588,7 @@ func TestSessionPeerOverTLS(t *testing.T) {
 	// The server drops the abandoned path by itself; until then another
 	// path from the same addresses is refused with EEXIST, as the
 	// kernel's server refuses it.
-	waitFor(t, 10*time.Second, "the abandoned path dropped", func() bool { return len(sess[0].Paths()) == 1 })
+	kit.WaitFor(t, 10*time.Second, "the abandoned path dropped", func() bool { return len(sess[0].Paths()) == 1 })
 	// A renewed certificate of the same identity, with other alternative
 	// names, too.
 	if err := join(ca.Issue(t, "good", "good.example")); err != nil {
@@ -614,7 +615,7 @@ func TestNamelessCertificateRefused(t *testing.T) {
 		t.Fatalf("a nameless certificate: %v, want EACCES from the handshake", err)
 	}
 	// The server counts it once its side of the handshake is over.
-	waitFor(t, 10*time.Second, "the refusal counted", func() bool { return h.srv.Rejected()[syscall.EACCES] == before+1 })
+	kit.WaitFor(t, 10*time.Second, "the refusal counted", func() bool { return h.srv.Rejected()[syscall.EACCES] == before+1 })
 	if n := len(h.srv.Sessions()); n != 1 {
 		t.Fatalf("%d sessions", n)
 	}
@@ -634,7 +635,7 @@ func TestHostileSessionsPerClient(t *testing.T) {
 	other := netip.MustParseAddrPort("127.0.0.4:0")
 	newRawPathConns(t, h.fab, other, h.dst, 2, 1) // another address has its own
 	first.close()
-	waitFor(t, 10*time.Second, "the closed session to go", func() bool { return len(h.srv.Sessions()) == 3 })
+	kit.WaitFor(t, 10*time.Second, "the closed session to go", func() bool { return len(h.srv.Sessions()) == 3 })
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	h.stillServesWith(4)
 }
@@ -660,7 +661,7 @@ func TestHostileClientMemoryShare(t *testing.T) {
 	}
 	newRawPathConns(t, h.fab, netip.MustParseAddrPort("127.0.0.4:0"), h.dst, 2, 1) // another client has its own share
 	first.close()
-	waitFor(t, 10*time.Second, "the closed path's share to come back", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the closed path's share to come back", func() bool {
 		h.srv.memMu.Lock()
 		defer h.srv.memMu.Unlock()
 		return h.srv.clientMem["address:127.0.0.3"] == small
@@ -721,7 +722,7 @@ func TestNameClaimedPerPath(t *testing.T) {
 	}
 	// The refusal is counted with the server's refusals, by the
 	// claimer's errno.
-	waitFor(t, 10*time.Second, "the name's refusal counted", func() bool { return srv.Rejected()[syscall.EACCES] >= 1 })
+	kit.WaitFor(t, 10*time.Second, "the name's refusal counted", func() bool { return srv.Rejected()[syscall.EACCES] >= 1 })
 }
 
 // gatedNaming holds the first claim of a name until released.
@@ -766,7 +767,7 @@ func TestNameHeldWaitsForClaims(t *testing.T) {
 	held := make(chan bool, 1)
 	go func() { held <- srv.NameHeld("testsess") }()
 	// NameHeld would answer now if it did not wait for the claim.
-	waitBlocked(t, 10*time.Second, "rtrs.(*Server).NameHeld", "sync.Mutex.Lock")
+	kit.WaitBlocked(t, 10*time.Second, "rtrs.(*Server).NameHeld", "sync.Mutex.Lock")
 	close(d.release)
 	if !<-held {
 		t.Fatal("NameHeld missed the session whose path was taking the name")

@@ -2,35 +2,12 @@ package rtrs
 
 import (
 	"bytes"
-	"encoding/hex"
-	"os"
-	"path/filepath"
+	"github.com/rnbd/rnbd/test/kit"
 	"reflect"
 	"strings"
 	"syscall"
 	"testing"
 )
-
-// golden reads testdata/golden/name.hex: hex bytes, '#' comments.
-func golden(t *testing.T, name string) []byte {
-	t.Helper()
-	raw, err := os.ReadFile(filepath.Join("testdata", "golden", name+".hex"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b strings.Builder
-	for _, line := range strings.Split(string(raw), "\n") {
-		if i := strings.IndexByte(line, '#'); i >= 0 {
-			line = line[:i]
-		}
-		b.WriteString(strings.Join(strings.Fields(line), ""))
-	}
-	out, err := hex.DecodeString(b.String())
-	if err != nil {
-		t.Fatalf("%s: %v", name, err)
-	}
-	return out
-}
 
 func seq(from byte) (u [16]byte) {
 	for i := range u {
@@ -40,7 +17,7 @@ func seq(from byte) (u [16]byte) {
 }
 
 func TestGoldenConnReq(t *testing.T) {
-	want := golden(t, "conn_req")
+	want := kit.Golden(t, "conn_req")
 	m := ConnReq{Magic: Magic, Version: ProtoVer, CID: 3, CIDNum: 5, ReconCnt: 7,
 		SessUUID: seq(0), PathsUUID: seq(0x10), FirstConn: true}
 	if got := m.Encode(make([]byte, 64)); !bytes.Equal(got, want) {
@@ -60,7 +37,7 @@ func TestGoldenConnReq(t *testing.T) {
 }
 
 func TestGoldenConnRsp(t *testing.T) {
-	want := golden(t, "conn_rsp_kernel")
+	want := kit.Golden(t, "conn_rsp_kernel")
 	m := ConnRsp{Magic: Magic, Version: ProtoVer, QueueDepth: 512, MaxIOSize: 126976, MaxHdrSize: 4096, Flags: MsgNewRkeyF}
 	if got := m.Encode(make([]byte, ConnRspSize)); !bytes.Equal(got, want) {
 		t.Fatalf("encode:\n got %x\nwant %x", got, want)
@@ -70,7 +47,7 @@ func TestGoldenConnRsp(t *testing.T) {
 	if err := d.Decode(append(want, make([]byte, 140)...)); err != nil || d != m {
 		t.Fatalf("decode: %+v, %v", d, err)
 	}
-	rej := golden(t, "conn_rsp_reject")
+	rej := kit.Golden(t, "conn_rsp_reject")
 	r := ConnRsp{Magic: Magic, Version: ProtoVer, Errno: syscall.ECONNRESET}
 	if got := r.Encode(make([]byte, ConnRspSize)); !bytes.Equal(got, rej) {
 		t.Fatalf("encode reject:\n got %x\nwant %x", got, rej)
@@ -81,7 +58,7 @@ func TestGoldenConnRsp(t *testing.T) {
 }
 
 func TestGoldenInfo(t *testing.T) {
-	want := golden(t, "info_req")
+	want := kit.Golden(t, "info_req")
 	req := InfoReq{Pathname: "sess1"}
 	if got := req.Encode(make([]byte, InfoReqSize)); !bytes.Equal(got, want) {
 		t.Fatalf("info_req encode:\n got %x\nwant %x", got, want)
@@ -90,7 +67,7 @@ func TestGoldenInfo(t *testing.T) {
 	if err := dreq.Decode(want); err != nil || dreq != req {
 		t.Fatalf("info_req decode: %+v %v", dreq, err)
 	}
-	want = golden(t, "info_rsp")
+	want = kit.Golden(t, "info_rsp")
 	rsp := InfoRsp{Desc: []SGDesc{{0x1000, 0x44332211, 128 << 10}, {0x8000000000010000, 1, 128 << 10}}}
 	if got := rsp.Encode(make([]byte, InfoRspSize(2))); !bytes.Equal(got, want) {
 		t.Fatalf("info_rsp encode:\n got %x\nwant %x", got, want)
@@ -102,7 +79,7 @@ func TestGoldenInfo(t *testing.T) {
 }
 
 func TestGoldenIOMessages(t *testing.T) {
-	want := golden(t, "rkey_rsp")
+	want := kit.Golden(t, "rkey_rsp")
 	rk := RkeyRsp{BufID: 511, RKey: 0xdeadbeef}
 	if got := rk.Encode(make([]byte, 8)); !bytes.Equal(got, want) {
 		t.Fatalf("rkey_rsp:\n got %x\nwant %x", got, want)
@@ -111,7 +88,7 @@ func TestGoldenIOMessages(t *testing.T) {
 	if err := drk.Decode(want); err != nil || drk != rk {
 		t.Fatalf("rkey_rsp decode: %+v %v", drk, err)
 	}
-	want = golden(t, "rdma_read")
+	want = kit.Golden(t, "rdma_read")
 	rd := RDMARead{UsrLen: 32, Flags: MsgNeedInvalF, SGCnt: 1, Desc: SGDesc{0x10000000, 0x12345678, 4096}}
 	if got := rd.Encode(make([]byte, 32)); !bytes.Equal(got, want) {
 		t.Fatalf("rdma_read:\n got %x\nwant %x", got, want)
@@ -120,7 +97,7 @@ func TestGoldenIOMessages(t *testing.T) {
 	if err := drd.Decode(want); err != nil || drd != rd {
 		t.Fatalf("rdma_read decode: %+v %v", drd, err)
 	}
-	want = golden(t, "rdma_read_nodata")
+	want = kit.Golden(t, "rdma_read_nodata")
 	rd = RDMARead{UsrLen: 32}
 	if got := rd.Encode(make([]byte, 32)); !bytes.Equal(got, want) {
 		t.Fatalf("rdma_read_nodata:\n got %x\nwant %x", got, want)
@@ -128,7 +105,7 @@ func TestGoldenIOMessages(t *testing.T) {
 	if err := drd.Decode(want); err != nil || drd != rd {
 		t.Fatalf("rdma_read_nodata decode: %+v %v", drd, err)
 	}
-	want = golden(t, "rdma_write")
+	want = kit.Golden(t, "rdma_write")
 	wr := RDMAWrite{UsrLen: 32}
 	if got := wr.Encode(make([]byte, 4)); !bytes.Equal(got, want) {
 		t.Fatalf("rdma_write:\n got %x\nwant %x", got, want)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"runtime"
 	"syscall"
 	"testing"
@@ -30,7 +31,7 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	p := r.sess.Paths()[0]
 	release := r.disk.holdIO()
 	wait, _ := r.inflight(1, 4096)
-	waitFor(t, 5*time.Second, "request in flight", func() bool { return counters(p).Inflight == 1 })
+	kit.WaitFor(t, 5*time.Second, "request in flight", func() bool { return counters(p).Inflight == 1 })
 	// What errorRecovery does before the path's goroutine sees recoverCh.
 	if !p.changeStateFromTo(PathConnected, PathReconnecting) {
 		t.Fatal("path was not connected")
@@ -42,7 +43,7 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	if err != nil && !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("Reconnect: %v", err)
 	}
-	waitFor(t, 10*time.Second, "path reconnected", func() bool { return p.State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "path reconnected", func() bool { return p.State() == PathConnected })
 	done := make(chan []error, 1)
 	go func() { done <- wait() }()
 	select {
@@ -59,7 +60,7 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	// The path counts itself up just after it turns CONNECTED (as the
 	// kernel's rtrs_clt_path_up does): under load the write above can
 	// come between the two. What must not happen is a count of two.
-	waitFor(t, 5*time.Second, "the path counted up", func() bool { return r.sess.pathsUpCount() >= 1 })
+	kit.WaitFor(t, 5*time.Second, "the path counted up", func() bool { return r.sess.pathsUpCount() >= 1 })
 	if n := r.sess.pathsUpCount(); n != 1 {
 		t.Fatalf("one path connected, session counts %d", n)
 	}
@@ -81,7 +82,7 @@ func TestReconnectRacingErrorRecovery(t *testing.T) {
 			runtime.Gosched()
 		}
 		p.Reconnect(context.Background()) // EBUSY or ENOTCONN are fine here
-		waitFor(t, 10*time.Second, "path connected and counted once", func() bool {
+		kit.WaitFor(t, 10*time.Second, "path connected and counted once", func() bool {
 			return p.State() == PathConnected && r.sess.pathsUpCount() == 1
 		})
 	}
@@ -193,7 +194,7 @@ func TestServerChunkMemoryBudget(t *testing.T) {
 	if err := p.Disconnect(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "server path gone", func() bool { return len(r.srv.Sessions()) == 0 })
+	kit.WaitFor(t, 10*time.Second, "server path gone", func() bool { return len(r.srv.Sessions()) == 0 })
 	if err := p.Reconnect(context.Background()); err != nil {
 		t.Fatalf("reconnect after the memory was released: %v", err)
 	}

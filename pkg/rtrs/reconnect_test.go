@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"strings"
 	"syscall"
@@ -11,7 +12,7 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/fabrictest"
 )
 
@@ -25,12 +26,12 @@ func TestReconnectLimit(t *testing.T) {
 	cli := netip.MustParseAddr("10.7.0.2")
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	ccfg.MaxReconnectAttempts = 2
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	ccfg.Log = lg
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
 	if c := counters(p); c.ReconnectsFailed != 2 || c.ReconnectsSuccessful != 0 {
 		t.Fatalf("reconnects %d/%d, want 0 successful, 2 failed", c.ReconnectsSuccessful, c.ReconnectsFailed)
 	}
@@ -73,7 +74,7 @@ func TestReconnectDisabled(t *testing.T) {
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.Cut(cli, srvAddr.Addr())
-	waitFor(t, 10*time.Second, "the path to close", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to close", func() bool { return p.State() == PathClosed })
 	if c := counters(p); c.ReconnectsFailed != 0 {
 		t.Fatalf("%d reconnect attempts with the limit at 0", c.ReconnectsFailed)
 	}
@@ -90,21 +91,21 @@ func TestReconnectForever(t *testing.T) {
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "failed attempts", func() bool { return counters(p).ReconnectsFailed >= 5 })
+	kit.WaitFor(t, 10*time.Second, "failed attempts", func() bool { return counters(p).ReconnectsFailed >= 5 })
 	// What path show prints: the attempts so far, and the time to the
 	// next (at most the 20 ms delay and its jitter).
-	waitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
+	kit.WaitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
 		n, next := p.ReconnectAttempts()
 		return n >= 5 && next > 0 && next <= ccfg.ReconnectMaxDelay+ccfg.ReconnectJitter
 	})
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
-	waitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == PathConnected })
 	if n, next := p.ReconnectAttempts(); n != 0 || next != 0 {
 		t.Fatalf("connected again: %d attempts, next in %v; want 0, none", n, next)
 	}
 	// A manual reconnect while it keeps failing reports ENOTCONN.
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == PathReconnecting })
+	kit.WaitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == PathReconnecting })
 	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("reconnect over a dead link: %v, want ENOTCONN", err)
 	}
@@ -134,7 +135,7 @@ func TestSetReconnectDelay(t *testing.T) {
 	}
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
+	kit.WaitFor(t, 10*time.Second, "an attempt scheduled", func() bool {
 		_, next := p.ReconnectAttempts()
 		return next > 0
 	})
@@ -144,7 +145,7 @@ func TestSetReconnectDelay(t *testing.T) {
 	}
 	// The first attempt fails; the next wait is d again: neither
 	// doubled past it nor cut to ReconnectMaxDelay.
-	waitFor(t, 10*time.Second, "a failed attempt", func() bool {
+	kit.WaitFor(t, 10*time.Second, "a failed attempt", func() bool {
 		n, next := p.ReconnectAttempts()
 		return n == 1 && next > 0
 	})
@@ -243,7 +244,7 @@ func TestRemoveLastPathThenAdd(t *testing.T) {
 	if err := r.sess.Paths()[0].Remove(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the server to drop the session", func() bool { return len(r.srv.Sessions()) == 0 })
+	kit.WaitFor(t, 10*time.Second, "the server to drop the session", func() bool { return len(r.srv.Sessions()) == 0 })
 	if _, err := r.sess.AddPath(context.Background(), pa("10.11.0.2", srvAddr.String())); err != nil {
 		t.Fatalf("add_path after removing all: %v", err)
 	}
@@ -270,7 +271,7 @@ func TestQueueDepthChanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
 	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("manual reconnect to the wrong queue depth: %v", err)
 	}
@@ -381,7 +382,7 @@ func TestGetPermitWakesOnClose(t *testing.T) {
 		_, err := r.sess.GetPermit(context.Background(), IOCon)
 		got <- err
 	}()
-	waitBlocked(t, 10*time.Second, "rtrs.(*CltSession).GetPermit", "select")
+	kit.WaitBlocked(t, 10*time.Second, "rtrs.(*CltSession).GetPermit", "select")
 	r.sess.Close()
 	select {
 	case err := <-got:
@@ -422,7 +423,7 @@ func TestRestartedClientReclaimsSession(t *testing.T) {
 	// closes what it still can: the server keeps the session by that path.
 	n.Crash(netip.MustParseAddr("10.7.0.3"))
 	r.sess.Close()
-	waitFor(t, 10*time.Second, "the server to see the first path go", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to see the first path go", func() bool {
 		ss := r.srv.Sessions()
 		return len(ss) == 1 && len(ss[0].Paths()) == 1
 	})
@@ -451,7 +452,7 @@ func TestRestartedClientReclaimsSession(t *testing.T) {
 	}
 	// The refused fresh session goes when its path's close work is
 	// done, which may still be running.
-	waitFor(t, 10*time.Second, "the old session alone, with two paths", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the old session alone, with two paths", func() bool {
 		ss := r.srv.Sessions()
 		return len(ss) == 1 && ss[0].UUID() == ccfg.UUID && len(ss[0].Paths()) == 2
 	})
@@ -494,7 +495,7 @@ func TestOpenAnyPath(t *testing.T) {
 		t.Fatalf("the path whose link is down is %v", st)
 	}
 	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkUp)
-	waitFor(t, 10*time.Second, "the first path to come up", func() bool { return s.Paths()[0].State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "the first path to come up", func() bool { return s.Paths()[0].State() == PathConnected })
 	// Both links down at Open: nothing to open.
 	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkDown)
 	n.SetLink(netip.MustParseAddr("10.8.0.3"), srvAddr.Addr(), fabrictest.LinkDown)
@@ -514,7 +515,7 @@ func TestCloseIsNotAnError(t *testing.T) {
 	srvAddr := ap("10.9.0.1:1234")
 	ccfg := testClientConfig(fab, pa("10.9.0.2", srvAddr.String()))
 	ccfg.ConnsPerPath = 3
-	rec, logged := log.Recorder()
+	rec, logged := kit.LogRecorder()
 	ccfg.Log = rec
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	if err := r.write(0, []byte("data")); err != nil {
@@ -532,7 +533,7 @@ func TestCloseIsNotAnError(t *testing.T) {
 	// the server to hang up on the others.
 	testHookConnClosed = func(i int) {
 		if i == 0 {
-			waitFor(t, 10*time.Second, "the server to close the other connections", lost)
+			kit.WaitFor(t, 10*time.Second, "the server to close the other connections", lost)
 		}
 	}
 	t.Cleanup(func() { testHookConnClosed = nil })
@@ -556,7 +557,7 @@ func TestCtrlLossTmo(t *testing.T) {
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	ccfg.MaxReconnectAttempts = -1
 	ccfg.CtrlLossTmo = 700 * time.Millisecond
-	lg, entries := log.Recorder()
+	lg, entries := kit.LogRecorder()
 	ccfg.Log = lg
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	if r.sess.CtrlLossTmo() != 700*time.Millisecond {
@@ -565,7 +566,7 @@ func TestCtrlLossTmo(t *testing.T) {
 	p := r.sess.Paths()[0]
 	start := time.Now()
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	waitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
 	if took := time.Since(start); took < 700*time.Millisecond {
 		t.Fatalf("gave up after %v, before ctrl_loss_tmo", took)
 	}
@@ -590,7 +591,7 @@ func TestCtrlLossTmo(t *testing.T) {
 	if left, ok := p.CtrlLossIn(); !ok || left <= 0 || left > 700*time.Millisecond {
 		t.Fatalf("after a failed manual reconnect: ctrl_loss_tmo left %v %v", left, ok)
 	}
-	waitFor(t, 10*time.Second, "the path to give up again", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up again", func() bool { return p.State() == PathClosed })
 	if took := time.Since(start); took < 700*time.Millisecond {
 		t.Fatalf("gave up again after %v, before ctrl_loss_tmo", took)
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	mrand "math/rand/v2"
 	"net/netip"
 	"sync/atomic"
@@ -106,7 +107,7 @@ func testRespondFrom(t *testing.T, fab fabric.Fabric, addr netip.AddrPort, reade
 	if got := disk.lend.lent.Load(); got != int64(readers*perReader) {
 		t.Fatalf("%d reads, %d answered with RespondFrom", readers*perReader, got)
 	}
-	waitFor(t, 5*time.Second, "every hold released", func() bool {
+	kit.WaitFor(t, 5*time.Second, "every hold released", func() bool {
 		return disk.lend.released.Load() == disk.lend.lent.Load()
 	})
 	r.assertHealthy()

@@ -2,6 +2,7 @@ package rtrs
 
 import (
 	"context"
+	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"runtime/debug"
 	"strconv"
@@ -17,7 +18,7 @@ import (
 func serverPath(t *testing.T, srv *Server, pathsUUID [16]byte) *SrvPath {
 	t.Helper()
 	var p *SrvPath
-	waitFor(t, 10*time.Second, "the server's path", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server's path", func() bool {
 		for _, x := range srv.Sessions() {
 			if x.UUID() == pathsUUID {
 				if ps := x.Paths(); len(ps) == 1 {
@@ -70,7 +71,7 @@ func TestChunksWaitForInfoReq(t *testing.T) {
 		t.Fatal(err)
 	}
 	rp.wait(0, fabric.WCRecv) // INFO_RSP
-	waitFor(t, 10*time.Second, "the path CONNECTED", func() bool { return p.State() == SrvPathConnected })
+	kit.WaitFor(t, 10*time.Second, "the path CONNECTED", func() bool { return p.State() == SrvPathConnected })
 	if got, want := len(chunksOf(p)), h.srv.cfg.QueueDepth*h.srv.cfg.MaxChunkSize; got != want {
 		t.Fatalf("after INFO_REQ the path has %d bytes of chunks, want %d", got, want)
 	}
@@ -98,7 +99,7 @@ func TestChunkPoolReuse(t *testing.T) {
 	}
 	addr := &old[0]
 	rp.close()
-	waitFor(t, 10*time.Second, "the pool to take the chunks back", func() bool { return h.srv.pool.idle() == 1 })
+	kit.WaitFor(t, 10*time.Second, "the pool to take the chunks back", func() bool { return h.srv.pool.idle() == 1 })
 	rp2 := newRawPath(t, h.fab, h.src, h.dst, "second")
 	p2 := serverPath(t, h.srv, rp2.req.PathsUUID)
 	got := chunksOf(p2)
@@ -197,7 +198,7 @@ func TestGoMemoryLimit(t *testing.T) {
 		t.Fatalf("limit %d with a second path, want %d", got, GoHeapMargin+heap+onHeap)
 	}
 	rp.close()
-	waitFor(t, 10*time.Second, "the second path's memory released", func() bool { return limit() == GoHeapMargin+heap })
+	kit.WaitFor(t, 10*time.Second, "the second path's memory released", func() bool { return limit() == GoHeapMargin+heap })
 	h.sess.Close()
 	h.srv.Close()
 	if got := limit(); got != before {

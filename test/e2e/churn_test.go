@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/netip"
 	"os"
@@ -294,7 +295,7 @@ func TestHostileHalfOpenBudget(t *testing.T) {
 				c.Close()
 			}
 		}
-		waitForCond(t, 30*time.Second, "the server to drop the half-open paths", func() bool {
+		kit.WaitFor(t, 30*time.Second, "the server to drop the half-open paths", func() bool {
 			return fetchMetrics(t, metricsAddr).sum("rnbd_server_chunk_memory_bytes") == 0
 		})
 	}

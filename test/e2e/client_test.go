@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -134,7 +135,7 @@ func mapVol(t *testing.T, size int64, sess string, srvArgs, cltArgs []string) *m
 	t.Helper()
 	m := &mappedVol{dir: t.TempDir()}
 	m.vol = filepath.Join(m.dir, "vol.img")
-	sparseFile(t, m.vol, size)
+	kit.SparseFile(t, m.vol, size)
 	m.port = freePort(t)
 	m.srv = startServer(t, m.dir, m.port, srvArgs...)
 	m.srv.ok("map", "vol", m.vol)
@@ -197,7 +198,7 @@ func TestClientEndToEnd(t *testing.T) {
 	dir := t.TempDir()
 	const size = 1 << 30
 	for _, n := range []string{"vol0", "vol1"} {
-		sparseFile(t, filepath.Join(dir, n+".img"), size)
+		kit.SparseFile(t, filepath.Join(dir, n+".img"), size)
 	}
 	port := freePort(t)
 	srv := startServer(t, dir, port)
@@ -238,7 +239,7 @@ func TestClientEndToEnd(t *testing.T) {
 		t.Fatalf("map of an export fenced to another network: exit %d %q", code, errOut)
 	}
 	// The server's log names what refused it.
-	waitForCond(t, 10*time.Second, "the server to log the refused open", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log the refused open", func() bool {
 		return strings.Contains(srv.out.String(), "export fenced does not allow clients at 127.0.0.1")
 	})
 	// A kernel device where the kernel has no nbd: said so, exit 8.
@@ -344,7 +345,7 @@ func TestClientEndToEnd(t *testing.T) {
 func TestClientWait(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "w.img")
-	sparseFile(t, img, 8<<20)
+	kit.SparseFile(t, img, 8<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "w", img)
@@ -372,7 +373,7 @@ func TestClientWait(t *testing.T) {
 	if out := cl.ok("wait", "--timeout", "60s"); strings.TrimSpace(out) != "1 device(s) open" {
 		t.Fatalf("wait once the server is back: %q", out)
 	}
-	waitForCond(t, 10*time.Second, "the client to log the restore", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the client to log the restore", func() bool {
 		return strings.Contains(cl.out.String(), "mapping restored")
 	})
 	qemuIO(t, uri, "read -P 0x3c 0 64k")
@@ -412,7 +413,7 @@ func TestMapSaysHowServed(t *testing.T) {
 	}
 	dir := t.TempDir()
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 16<<20)
+	kit.SparseFile(t, vol, 16<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol", vol)
@@ -439,7 +440,7 @@ func TestMapSaysHowServed(t *testing.T) {
 		t.Fatalf("map without --as and without the nbd driver: exit %d, stdout %q, stderr %q; want the socket's URI, and stderr saying %q",
 			code, out, errOut, says)
 	}
-	waitForCond(t, 10*time.Second, "the daemon to log it", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the daemon to log it", func() bool {
 		l, ok := logField(cl.out.String(), "this kernel has no nbd driver", "socket")
 		return ok && l == sock
 	})

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // runCode runs a command to its end within timeout: its stdout, stderr

@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/netip"
 	"os"
@@ -19,7 +20,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -49,8 +50,8 @@ func TestHostileBesideVerify(t *testing.T) {
 	needTools(t, "fio")
 	dir := t.TempDir()
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 256<<20)
-	sparseFile(t, vol+".2", 64<<20)
+	kit.SparseFile(t, vol, 256<<20)
+	kit.SparseFile(t, vol+".2", 64<<20)
 	port := freePort(t)
 	const budget = 384 << 20
 	// The budget is small so that the test can fill it; each client's
@@ -258,7 +259,7 @@ func TestHostileBesideVerify(t *testing.T) {
 	// It drops the stalled reader when its writes to it time out.
 	var stalledFor time.Duration
 	if stall != nil {
-		waitForCond(t, 40*time.Second, "the server to drop the stalled reader", func() bool {
+		kit.WaitFor(t, 40*time.Second, "the server to drop the stalled reader", func() bool {
 			for _, s := range srv.records("session", "list") {
 				if s["sessname"] == "stall" {
 					return false
@@ -360,18 +361,6 @@ func hostileSession(t *testing.T, sessname, src string, dst netip.AddrPort, iden
 	s.SetSizePoll(0)
 	t.Cleanup(func() { s.Close() })
 	return s, nil
-}
-
-// waitForCond polls cond until it holds, failing the test after d.
-func waitForCond(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
 }
 
 // stallNet dials TCP; once stalled, its connections' reads block until

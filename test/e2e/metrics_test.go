@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"io"
 	"net/http"
 	"os"
@@ -125,7 +126,7 @@ func TestMetrics(t *testing.T) {
 	needTools(t, "fio")
 	dir := t.TempDir()
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 64<<20)
+	kit.SparseFile(t, vol, 64<<20)
 	port := freePort(t)
 	srvMetrics, cltMetrics := fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	srv := startServer(t, dir, port, "--metrics-listen", srvMetrics)
@@ -302,7 +303,7 @@ func TestServerLostPathMetrics(t *testing.T) {
 	if err := lose.Disconnect(); err != nil {
 		t.Fatal(err)
 	}
-	waitForCond(t, 10*time.Second, "the server to see the path go", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to see the path go", func() bool {
 		return fetchMetrics(t, maddr).sum("rnbd_server_session_paths", `session="deg"`) == 1
 	})
 	// Scraped again: the lost path stays at 0 while the session is
@@ -320,12 +321,12 @@ func TestServerLostPathMetrics(t *testing.T) {
 	if err := lose.Reconnect(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitForCond(t, 10*time.Second, "the path back at 1", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the path back at 1", func() bool {
 		ups, _ := up()
 		return len(ups) == 2 && is(ups, first, 1) && is(ups, second, 1)
 	})
 	c.Close()
-	waitForCond(t, 10*time.Second, "the ended session's series to go", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the ended session's series to go", func() bool {
 		ups, _ := up()
 		return len(ups) == 0
 	})

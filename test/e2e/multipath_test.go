@@ -3,6 +3,7 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -235,7 +236,7 @@ func newNBDTwoPaths(t *testing.T, tag string, net int, mapArgs ...string) (*twoP
 	r := newNamespaces(t, tag, net)
 	dir := t.TempDir()
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 256<<20)
+	kit.SparseFile(t, vol, 256<<20)
 	ssock, csock := filepath.Join(dir, "s.sock"), filepath.Join(dir, "c.sock")
 	r.srvArgs = []string{"ip", "netns", "exec", r.srvNS, bin("rnbd-server"), "daemon", "--config", "/dev/null",
 		"--listen", "tcp://" + r.addr(1, 1) + ":1234", "--listen", "tcp://" + r.addr(2, 1) + ":1234",
@@ -293,7 +294,7 @@ func TestMultipathSilentLossNBD(t *testing.T) {
 		t.Errorf("fio verified nothing (no reads)")
 	}
 	// The path whose address came back reconnects by itself.
-	waitForCond(t, 30*time.Second, "the lost path to reconnect", func() bool {
+	kit.WaitFor(t, 30*time.Second, "the lost path to reconnect", func() bool {
 		return r.clientMetrics(t).sum("rnbd_client_session_connected_paths", `session="sl"`) == 2
 	})
 	paths := run(t, time.Minute, bin("rnbd-client"), "--socket", csock, "stats", "--format", "csv", "--fields", "pathname,rdma")

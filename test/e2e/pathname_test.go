@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -15,7 +16,7 @@ import (
 // matches none lists the paths there are (exit 3).
 func TestPathNamesAsTyped(t *testing.T) {
 	dir := t.TempDir()
-	sparseFile(t, filepath.Join(dir, "vol.img"), 16<<20)
+	kit.SparseFile(t, filepath.Join(dir, "vol.img"), 16<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol", filepath.Join(dir, "vol.img"))
@@ -46,7 +47,7 @@ func TestPathNamesAsTyped(t *testing.T) {
 	}
 	// A second path to the same server: its address alone names both.
 	cl.ok("path", "add", "pn", "ip:127.0.0.3@ip:127.0.0.1")
-	waitForCond(t, 10*time.Second, "the server to have both paths", func() bool { return len(srv.records("path", "list")) == 2 })
+	kit.WaitFor(t, 10*time.Second, "the server to have both paths", func() bool { return len(srv.records("path", "list")) == 2 })
 	for _, d := range daemons {
 		if recs := d.records("path", "show", "127.0.0.1"); len(recs) != 2 {
 			t.Errorf("%s path show 127.0.0.1 of two paths to it: %v, want both", d.name, recs)
@@ -68,7 +69,7 @@ func TestPathNamesAsTyped(t *testing.T) {
 // fails, and is tried again, naming the path.
 func TestPathWithoutSourceNamed(t *testing.T) {
 	dir := t.TempDir()
-	sparseFile(t, filepath.Join(dir, "vol.img"), 16<<20)
+	kit.SparseFile(t, filepath.Join(dir, "vol.img"), 16<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol", filepath.Join(dir, "vol.img"))
@@ -77,7 +78,7 @@ func TestPathWithoutSourceNamed(t *testing.T) {
 	srv.stop()
 	cl.stop()
 	cl = startClient(t, dir)
-	waitForCond(t, 20*time.Second, "the restore to fail and be tried again", func() bool {
+	kit.WaitFor(t, 20*time.Second, "the restore to fail and be tried again", func() bool {
 		return strings.Contains(cl.out.String(), "restoring mapping failed again")
 	})
 	logs := cl.out.String()

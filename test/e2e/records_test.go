@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/http"
 	"os"
@@ -198,7 +199,7 @@ func newRecordsRig(t *testing.T) *recordsRig {
 	t.Helper()
 	r := &recordsRig{dir: t.TempDir(), port: freePort(t)}
 	for _, f := range []string{"vol.img", "rules.img", "vol2.img"} {
-		sparseFile(t, filepath.Join(r.dir, f), 16<<20)
+		kit.SparseFile(t, filepath.Join(r.dir, f), 16<<20)
 	}
 	r.srv = startServerConf(t, r.dir, r.port, fmt.Sprintf("[[export]]\nname = \"gone\"\npath = %q\n", filepath.Join(r.dir, "missing.img")))
 	r.srv.ok("map", "vol", filepath.Join(r.dir, "vol.img"))

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"os/exec"
 	"strings"
@@ -80,7 +81,7 @@ func TestShrinkBehindServer(t *testing.T) {
 		}
 		return false
 	}
-	waitForCond(t, 20*time.Second, "the server to log the shrink at error level", shrinkLogged)
+	kit.WaitFor(t, 20*time.Second, "the server to log the shrink at error level", shrinkLogged)
 	after := fetchMetrics(t, metrics)
 	if n := after.sum("rnbd_server_backing_shrinks_total", `device="vol"`); n != 1 {
 		t.Errorf("rnbd_server_backing_shrinks_total{device=\"vol\"} %v, want 1", n)
@@ -114,7 +115,7 @@ func TestShrinkBehindServer(t *testing.T) {
 	if st, err := os.Stat(vol); err != nil || st.Size() != 16<<20 {
 		t.Fatalf("the file after a write past its end: %v %v, want it left at 16 MiB", st.Size(), err)
 	}
-	waitForCond(t, 10*time.Second, "the server to log the write refused", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log the write refused", func() bool {
 		return strings.Contains(srv.out.String(), "IO past the end of a file that shrank behind the server")
 	})
 	// Below 16 MiB: intact.
@@ -123,7 +124,7 @@ func TestShrinkBehindServer(t *testing.T) {
 	// Grown back: healthy, IO past 16 MiB works again (what was there is
 	// gone with the cut: zeros).
 	run(t, time.Minute, "truncate", "-s", "64M", vol)
-	waitForCond(t, 20*time.Second, "the server to log the recovery", func() bool {
+	kit.WaitFor(t, 20*time.Second, "the server to log the recovery", func() bool {
 		return strings.Contains(srv.out.String(), "backing store healthy again")
 	})
 	qemuIO(t, uri, "read -P 0 32M 1M", "write -P 0x22 32M 1M", "read -P 0x22 32M 1M", "read -P 0x5a 0 1M")

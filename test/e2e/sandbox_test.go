@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -60,11 +61,11 @@ func TestMapReadOnlyFileSystem(t *testing.T) {
 	if err := os.Mkdir(data, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	sparseFile(t, filepath.Join(data, "vol.img"), 16<<20)
+	kit.SparseFile(t, filepath.Join(data, "vol.img"), 16<<20)
 	view := filepath.Join(dir, "view")
 	roMount(t, data, view, true, nil)
 	frozen := filepath.Join(dir, "frozen")
-	roMount(t, "rnbd-e2e", frozen, false, func(d string) { sparseFile(t, filepath.Join(d, "vol.img"), 1<<20) })
+	roMount(t, "rnbd-e2e", frozen, false, func(d string) { kit.SparseFile(t, filepath.Join(d, "vol.img"), 1<<20) })
 
 	port := freePort(t)
 	srv := startServer(t, dir, port)
@@ -107,12 +108,12 @@ func TestMapReadOnlyFileSystem(t *testing.T) {
 	if err := os.Mkdir(later, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	sparseFile(t, filepath.Join(later, "vol.img"), 1<<20)
+	kit.SparseFile(t, filepath.Join(later, "vol.img"), 1<<20)
 	srv.ok("map", "later", filepath.Join(later, "vol.img"))
 	srv.stop()
 	roMount(t, later, later, true, nil)
 	srv = startServer(t, dir, port)
-	waitForCond(t, 10*time.Second, "the warning about the read-only export", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the warning about the read-only export", func() bool {
 		return strings.Contains(srv.out.String(), "export served, but no session can open it read-write")
 	})
 	served := false

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -21,11 +22,11 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/testfs"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // lockedBuffer collects a process's output while the test reads it.
@@ -264,18 +265,6 @@ func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	return c
 }
 
-func sparseFile(t *testing.T, path string, size int64) {
-	t.Helper()
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // randPool is random bytes that writes take their data from.
 var randPool = func() []byte {
 	b := make([]byte, 4<<20)
@@ -370,7 +359,7 @@ func TestServerEndToEnd(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "disk0.img")
 	const size = 256 << 20
-	sparseFile(t, img, size)
+	kit.SparseFile(t, img, size)
 	port := freePort(t)
 	d := startServer(t, dir, port)
 
@@ -532,7 +521,7 @@ func TestServerEndToEnd(t *testing.T) {
 
 	// unmap --force withdraws an export a session has open.
 	img1 := filepath.Join(dir, "disk1.img")
-	sparseFile(t, img1, 16<<20)
+	kit.SparseFile(t, img1, 16<<20)
 	d.ok("map", "disk1", img1, "--ro", "--allow", "e2e-sess")
 	if _, err := c.Map(context.Background(), "disk1", rnbd.AccessRW); !errors.Is(err, syscall.EPERM) {
 		t.Fatalf("rw open of a read-only export: %v, want EPERM", err)
@@ -595,7 +584,7 @@ func TestServerHostileClients(t *testing.T) {
 	dir := t.TempDir()
 	search := filepath.Join(dir, "devs", "%SESSNAME%")
 	os.MkdirAll(filepath.Join(dir, "devs", "good"), 0o755)
-	sparseFile(t, filepath.Join(dir, "devs", "good", "d0"), 1<<20)
+	kit.SparseFile(t, filepath.Join(dir, "devs", "good", "d0"), 1<<20)
 	secret := filepath.Join(dir, "secret")
 	if err := os.WriteFile(secret, bytes.Repeat([]byte("S"), 4096), 0o600); err != nil {
 		t.Fatal(err)
@@ -672,8 +661,8 @@ func TestServerHostileClients(t *testing.T) {
 func TestUnrestoredExportKept(t *testing.T) {
 	dir := t.TempDir()
 	late, other := filepath.Join(dir, "late.img"), filepath.Join(dir, "other.img")
-	sparseFile(t, late, 1<<20)
-	sparseFile(t, other, 1<<20)
+	kit.SparseFile(t, late, 1<<20)
+	kit.SparseFile(t, other, 1<<20)
 	port := freePort(t)
 	d := startServer(t, dir, port)
 	d.ok("map", "late", late)
@@ -682,7 +671,7 @@ func TestUnrestoredExportKept(t *testing.T) {
 		t.Fatal(err)
 	}
 	d = startServer(t, dir, port)
-	waitForCond(t, 10*time.Second, "the server to say it could not restore the export", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to say it could not restore the export", func() bool {
 		return strings.Contains(d.out.String(), "restoring export failed")
 	})
 	d.ok("map", "other", other)
@@ -720,7 +709,7 @@ func TestConfigExports(t *testing.T) {
 	vol, old, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "old.img"), filepath.Join(dir, "other.img")
 	late := filepath.Join(dir, "late.img")
 	for _, f := range []string{vol, old, other, filepath.Join(search, "found")} {
-		sparseFile(t, f, 16<<20)
+		kit.SparseFile(t, f, 16<<20)
 	}
 	port := freePort(t)
 	d := startServer(t, dir, port)
@@ -746,7 +735,7 @@ name = "late"
 path = %q
 `, search, vol, other, late), "--listen", fmt.Sprintf("tcp://127.0.0.1:%d", port), "--listen", fmt.Sprintf("tcp://127.0.0.2:%d", port))
 	// It serves on both addresses it was given, and says so.
-	waitForCond(t, 10*time.Second, "the server to log where it listens", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log where it listens", func() bool {
 		return strings.Contains(d.out.String(), fmt.Sprintf("listen=\"tcp://127.0.0.1:%d,tcp://127.0.0.2:%d\"", port, port)) &&
 			strings.Contains(d.out.String(), "exports=2") && strings.Contains(d.out.String(), "not_served=1")
 	})
@@ -761,8 +750,8 @@ path = %q
 	if r := lateState(); r["state"] != "not served" || !strings.Contains(fmt.Sprint(r["reason"]), "no such file") {
 		t.Fatalf("an export whose file is missing: %v", r)
 	}
-	sparseFile(t, late, 1<<20)
-	waitForCond(t, 10*time.Second, "the late export to be served once its file is there", func() bool {
+	kit.SparseFile(t, late, 1<<20)
+	kit.WaitFor(t, 10*time.Second, "the late export to be served once its file is there", func() bool {
 		return strings.Contains(d.out.String(), "export of the configuration file served now") && lateState()["state"] == "exported"
 	})
 	if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.2:%d", port)); err != nil {
@@ -770,7 +759,7 @@ path = %q
 	} else {
 		c.Close()
 	}
-	waitForCond(t, 10*time.Second, "the server to say the configuration shadows the state's vol2", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to say the configuration shadows the state's vol2", func() bool {
 		return strings.Contains(d.out.String(), "export of the state file not served: the configuration file has one of that name")
 	})
 	src := map[string]any{}
@@ -841,8 +830,8 @@ func TestMapRefusesUnservable(t *testing.T) {
 	}
 	defer l.Close()
 	vol, old := filepath.Join(dir, "vol.img"), filepath.Join(dir, "old.img")
-	sparseFile(t, vol, 1<<20)
-	sparseFile(t, old, 1<<20)
+	kit.SparseFile(t, vol, 1<<20)
+	kit.SparseFile(t, old, 1<<20)
 	st := fmt.Sprintf(`{"version": 1, "exports": [{"name": "olddir", "path": %q}, {"name": "oldvol", "path": %q}]}`, data, old)
 	if err := os.WriteFile(filepath.Join(dir, "state.json"), []byte(st), 0o600); err != nil {
 		t.Fatal(err)
@@ -857,7 +846,7 @@ path = %q
 name = "cfgvol"
 path = %q
 `, data, vol))
-	waitForCond(t, 10*time.Second, "the start-up line", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the start-up line", func() bool {
 		return strings.Contains(d.out.String(), "rnbd-server started")
 	})
 	if out := d.out.String(); !strings.Contains(out, "exports=2") || !strings.Contains(out, "not_served=2") {
@@ -944,7 +933,7 @@ func TestListenEverywhereSaysWhatItBinds(t *testing.T) {
 		"--listen", "tcp://0.0.0.0:1234", "--listen", "tcp://[::]:1235", "--listen", "rdma://0.0.0.0:1234",
 		"--control-socket", filepath.Join(dir, "s.sock"), "--state-file", filepath.Join(dir, "s.json")}, tlsFlags("srv")...)...)
 	const warning = "listening on every interface"
-	waitForCond(t, 10*time.Second, "the start-up line and the warning", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the start-up line and the warning", func() bool {
 		_, ok := logField(srv.out.String(), warning, "listen")
 		return ok
 	})
@@ -981,7 +970,7 @@ func TestBackendErrorsLogged(t *testing.T) {
 	}
 	t.Cleanup(func() { exec.Command("umount", "-l", small).Run() })
 	vol := filepath.Join(small, "vol.img")
-	sparseFile(t, vol, 16<<20) // sparse: 16 MiB on a 1 MiB file system
+	kit.SparseFile(t, vol, 16<<20) // sparse: 16 MiB on a 1 MiB file system
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol", vol)
@@ -999,7 +988,7 @@ func TestBackendErrorsLogged(t *testing.T) {
 		who, says string
 		out       *lockedBuffer
 	}{{"server", "IO failed on the backend", srv.out}, {"client", "IO failed", cl.out}} {
-		waitForCond(t, 10*time.Second, "the "+l.who+" to log the failed write", func() bool {
+		kit.WaitFor(t, 10*time.Second, "the "+l.who+" to log the failed write", func() bool {
 			s := l.out.String()
 			return strings.Contains(s, l.says) && strings.Contains(s, "no space left on device")
 		})
@@ -1016,8 +1005,8 @@ func TestHungExportPath(t *testing.T) {
 	mnt := testfs.HungMount(t)
 	dir := t.TempDir()
 	vol, other := filepath.Join(dir, "vol.img"), filepath.Join(dir, "other.img")
-	sparseFile(t, vol, 1<<20)
-	sparseFile(t, other, 1<<20)
+	kit.SparseFile(t, vol, 1<<20)
+	kit.SparseFile(t, other, 1<<20)
 	port := freePort(t)
 	began := time.Now()
 	d := startServerConf(t, dir, port, fmt.Sprintf(`export_retry = "200ms"
@@ -1091,8 +1080,8 @@ func TestExportMountHangs(t *testing.T) {
 		t.Fatal(err)
 	}
 	vol, keep := filepath.Join(under, "vol.img"), filepath.Join(dir, "keep.img")
-	sparseFile(t, vol, 1<<20)
-	sparseFile(t, keep, 1<<20)
+	kit.SparseFile(t, vol, 1<<20)
+	kit.SparseFile(t, keep, 1<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "vol", vol)
@@ -1128,7 +1117,7 @@ func TestExportMountHangs(t *testing.T) {
 	within("a resize", 3*time.Second, "rnbd-server", "resize", "vol", "2MiB", "--socket", srv.sock)
 	uri := "nbd+unix:///keep?socket=" + keepSock
 	qemuIO(t, uri, "write -P 0x5a 0 64k", "read -P 0x5a 0 64k", "flush")
-	waitForCond(t, 10*time.Second, "the server to log the refused open", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log the refused open", func() bool {
 		return strings.Contains(srv.out.String(), "no answer in")
 	})
 }

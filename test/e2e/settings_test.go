@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -12,8 +13,8 @@ import (
 // shown by session show, and come back after a restart of the client.
 func TestSessionSettingsKept(t *testing.T) {
 	dir := t.TempDir()
-	sparseFile(t, filepath.Join(dir, "a.img"), 8<<20)
-	sparseFile(t, filepath.Join(dir, "b.img"), 8<<20)
+	kit.SparseFile(t, filepath.Join(dir, "a.img"), 8<<20)
+	kit.SparseFile(t, filepath.Join(dir, "b.img"), 8<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port)
 	srv.ok("map", "a", filepath.Join(dir, "a.img"))

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -38,7 +39,7 @@ func TestTLSEndToEnd(t *testing.T) {
 			"--tls-ca", filepath.Join(d, "ca.crt")}
 	}
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 256<<20)
+	kit.SparseFile(t, vol, 256<<20)
 	port := freePort(t)
 	srv := startServer(t, dir, port, tlsArgs(pki, "srv")...)
 	srv.ok("map", "vol", vol, "--allow-identity", "client-a", "--allow-identity", "client-b=ro")
@@ -97,11 +98,11 @@ func TestTLSEndToEnd(t *testing.T) {
 		!strings.Contains(errOut, "permission denied: the export grants this client's identity (its TLS certificate) no access") {
 		t.Fatalf("map by an identity granted nothing: exit %d %q", code, errOut)
 	}
-	waitForCond(t, 10*time.Second, "the server to log the refusal", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log the refusal", func() bool {
 		return strings.Contains(srv.out.String(), "export vol does not allow client client-c")
 	})
 	c.stop()
-	waitForCond(t, 10*time.Second, "the refused client's session to go", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the refused client's session to go", func() bool {
 		for _, r := range srv.records("session", "list") {
 			if r["sessname"] == "sc" {
 				return false
@@ -132,7 +133,7 @@ func TestTLSEndToEnd(t *testing.T) {
 	// The server's side of a failed handshake may end a little after the
 	// client's.
 	for _, says := range []string{"no TLS from a client, but the server requires it", "TLS handshake failed"} {
-		waitForCond(t, 10*time.Second, "the server to log "+says, func() bool { return strings.Contains(srv.out.String(), says) })
+		kit.WaitFor(t, 10*time.Second, "the server to log "+says, func() bool { return strings.Contains(srv.out.String(), says) })
 	}
 	if sess := srv.records("session", "list"); len(sess) != 2 {
 		t.Fatalf("server sessions after the refused clients: %v", sess)
@@ -162,7 +163,7 @@ func TestTLSEndToEnd(t *testing.T) {
 	if _, errOut, code := b.ctl(mapArgs("sa", "ro")...); code == 0 || !strings.Contains(errOut, "when it refuses a session name in use, or bound to another client's identity") {
 		t.Fatalf("client-b's map through client-a's session name: exit %d %q", code, errOut)
 	}
-	waitForCond(t, 10*time.Second, "the server to log why it refused the name", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log why it refused the name", func() bool {
 		return strings.Contains(srv.out.String(), "session name refused: it belongs to another identity")
 	})
 	a = startClient(t, filepath.Join(dir, "a"), tlsArgs(pki, "client-a")...) // restores its mapping in "sa"
@@ -229,7 +230,7 @@ func TestTLSNamelessClient(t *testing.T) {
 			"--tls-ca", filepath.Join(pki, "ca.crt")}
 	}
 	vol := filepath.Join(dir, "vol.img")
-	sparseFile(t, vol, 64<<20)
+	kit.SparseFile(t, vol, 64<<20)
 	port := freePort(t)
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	srvDir := filepath.Join(dir, "srv")
@@ -246,7 +247,7 @@ func TestTLSNamelessClient(t *testing.T) {
 		t.Fatalf("map with a nameless certificate: exit %d %q, want 7 (permission)", code, errOut)
 	}
 	const why = "rejecting connection: client certificate names no identity (no CN, no SAN)"
-	waitForCond(t, 10*time.Second, "the server to log why it refused the certificate", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to log why it refused the certificate", func() bool {
 		return strings.Contains(srv.out.String(), why)
 	})
 	if got := fetchMetrics(t, metricsAddr).sum("rnbd_server_refused_connections_total", `reason="EACCES"`); got < refusedBefore+1 {
@@ -258,7 +259,7 @@ func TestTLSNamelessClient(t *testing.T) {
 
 	srv.stop()
 	srv = startServer(t, srvDir, port, append(tlsArgs("srv"), "--tls-allow-anonymous-clients")...)
-	waitForCond(t, 10*time.Second, "the server to warn that it lets anonymous clients in", func() bool {
+	kit.WaitFor(t, 10*time.Second, "the server to warn that it lets anonymous clients in", func() bool {
 		return strings.Contains(srv.out.String(), "tls allow_anonymous_clients: a client certificate that names no identity is accepted")
 	})
 	out := cl.ok(mapArgs...)
@@ -306,7 +307,7 @@ func newTLSRig(t *testing.T, clients ...string) *tlsRig {
 	for _, args := range steps {
 		run(t, time.Minute, "bash", append([]string{"../../scripts/test-ca.sh"}, args...)...)
 	}
-	sparseFile(t, r.vol, 64<<20)
+	kit.SparseFile(t, r.vol, 64<<20)
 	os.MkdirAll(r.srvDir, 0o755)
 	r.startServer()
 	return r
@@ -348,7 +349,7 @@ func (r *tlsRig) names() string {
 // sessionGone waits until the server has no session sess.
 func (r *tlsRig) sessionGone(sess string) {
 	r.t.Helper()
-	waitForCond(r.t, 10*time.Second, "session "+sess+" to go from the server", func() bool {
+	kit.WaitFor(r.t, 10*time.Second, "session "+sess+" to go from the server", func() bool {
 		for _, rec := range r.srv.records("session", "list") {
 			if rec["sessname"] == sess {
 				return false
@@ -386,7 +387,7 @@ func TestTLSRefusalsCounted(t *testing.T) {
 		if _, errOut, code := cl.ctl(r.mapArgs(c.sess, "vol")...); code == 0 || !strings.Contains(errOut, c.says) {
 			t.Fatalf("map by %s: exit %d %q, want it refused saying %q", c.what, code, errOut, c.says)
 		}
-		waitForCond(t, 10*time.Second, "the refusal of "+c.what+" counted", func() bool { return refused() >= before+1 })
+		kit.WaitFor(t, 10*time.Second, "the refusal of "+c.what+" counted", func() bool { return refused() >= before+1 })
 		cl.stop()
 	}
 	if sess := r.srv.records("session", "list"); len(sess) != 0 {
@@ -435,7 +436,7 @@ func TestTLSSessionNamesBoundOnAdmission(t *testing.T) {
 	}
 
 	a.ok(r.mapArgs("sa", "vol")...)
-	waitForCond(t, 10*time.Second, "the admitted session's name saved", func() bool { return strings.Contains(state(), `"sa"`) })
+	kit.WaitFor(t, 10*time.Second, "the admitted session's name saved", func() bool { return strings.Contains(state(), `"sa"`) })
 	if got := r.names(); got != "sa=client-a" {
 		t.Fatalf("session names after a map that succeeded: %q, want sa=client-a", got)
 	}

@@ -12,8 +12,8 @@ import (
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
-	"github.com/rnbd/rnbd/internal/log"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // memBackend serves reads of zeroes and takes writes (the test sends

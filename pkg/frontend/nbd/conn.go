@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/rawio"
+	"github.com/rnbd/rnbd/pkg/internal/rawio"
 )
 
 // conn is one connection in transmission.

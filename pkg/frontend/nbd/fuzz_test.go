@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 type memBuf struct{ b []byte }

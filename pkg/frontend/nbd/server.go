@@ -20,7 +20,7 @@ import (
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Protocol constants (doc/proto.md of the NBD project). go-nbd's

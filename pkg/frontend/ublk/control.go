@@ -15,7 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/uring"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk/internal/uring"
 )
 
 // Scratch layout.

@@ -12,7 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/uring"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk/internal/uring"
 )
 
 // wakeTag is the user_data of the eventfd READ; tags are below 4096.

@@ -8,7 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/uring"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk/internal/uring"
 )
 
 // newWakeQueue is a queue with only its eventfd and ring, the eventfd READ

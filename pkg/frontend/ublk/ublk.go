@@ -43,7 +43,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/uring"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk/internal/uring"
 )
 
 // ErrNoUblk means the kernel offers no ublk: /dev/ublk-control is missing

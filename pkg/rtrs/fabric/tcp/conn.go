@@ -8,7 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/rnbd/rnbd/internal/rawio"
+	"github.com/rnbd/rnbd/pkg/internal/rawio"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 

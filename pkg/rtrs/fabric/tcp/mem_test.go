@@ -7,8 +7,8 @@ import (
 	"testing"
 	"unsafe"
 
-	"github.com/rnbd/rnbd/internal/testca"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // ConnMemory is what a connection really holds, not less (a server

@@ -12,7 +12,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/rawio"
+	"github.com/rnbd/rnbd/pkg/internal/rawio"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 

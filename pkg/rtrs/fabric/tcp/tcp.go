@@ -39,7 +39,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/rnbd/rnbd/internal/log"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 

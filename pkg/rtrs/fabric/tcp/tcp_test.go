@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"io"
 	"net"
 	"net/netip"
@@ -345,7 +346,7 @@ func TestHandshakeSlotsPerAddress(t *testing.T) {
 	for i := 0; i < 4; i++ {
 		flood = append(flood, from("127.0.0.3"))
 	}
-	waitFor(t, "the idle handshakes to be counted", func() bool { return counted("127.0.0.3") == 4 })
+	kit.WaitFor(t, 10*time.Second, "the idle handshakes to be counted", func() bool { return counted("127.0.0.3") == 4 })
 	c := from("127.0.0.3")
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
@@ -355,7 +356,7 @@ func TestHandshakeSlotsPerAddress(t *testing.T) {
 	for i := 0; i < 4; i++ {
 		flood5 = append(flood5, from("127.0.0.5"))
 	}
-	waitFor(t, "the second flood to be counted", func() bool { return counted("127.0.0.5") == 4 })
+	kit.WaitFor(t, 10*time.Second, "the second flood to be counted", func() bool { return counted("127.0.0.5") == 4 })
 	// Another address still gets through: every slot is taken, and the
 	// oldest of a flood's gives way.
 	dev, err := fab.Resolve(context.Background(), netip.MustParseAddrPort("127.0.0.4:0"), l.Addr())
@@ -391,17 +392,6 @@ func TestHandshakeSlotsPerAddress(t *testing.T) {
 	gave[0].SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := gave[0].Read(make([]byte, 1)); err != io.EOF {
 		t.Fatalf("the oldest idle connection of the flood that gave way: read %v, want EOF (closed)", err)
-	}
-}
-
-// waitFor polls cond until it holds, for up to 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(10 * time.Second); !cond(); {
-		if time.Now().After(end) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"github.com/rnbd/rnbd/test/kit"
 	"maps"
 	"net"
 	"net/netip"
@@ -15,10 +16,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/log"
-	"github.com/rnbd/rnbd/internal/testca"
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
+	"github.com/rnbd/rnbd/test/testca"
 )
 
 // The fabric's contract holds unchanged inside TLS, and the accepting
@@ -87,7 +88,7 @@ func tlsDial(t *testing.T, f *Fabric, l fabric.Listener) ([]string, error) {
 func TestTLSAuthentication(t *testing.T) {
 	ca, other := testca.New(t, "test ca"), testca.New(t, "another ca")
 	server := ca.Issue(t, "server", "127.0.0.1")
-	logs, entries := log.Recorder()
+	logs, entries := kit.LogRecorder()
 	srv := New(Options{TLS: ca.Config(server), Log: logs})
 	l, err := srv.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
@@ -286,7 +287,7 @@ func TestTLSNamelessClient(t *testing.T) {
 		"naming an IP address only":              ca.Issue(t, "", "10.0.0.9"),
 	}
 	for _, allow := range []bool{false, true} {
-		logs, entries := log.Recorder()
+		logs, entries := kit.LogRecorder()
 		srv := New(Options{TLS: ca.Config(server), Log: logs, AllowAnonymousClients: allow})
 		l, err := srv.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 		if err != nil {

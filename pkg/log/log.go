@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
-	logtest "github.com/sirupsen/logrus/hooks/test"
 )
 
 // Entry and Fields are logrus's; call sites never import logrus.
@@ -116,13 +115,4 @@ func (l *Limiter) Log(e *Entry, level Level, msg string) {
 		e = e.WithField("suppressed", s)
 	}
 	e.Log(level, msg)
-}
-
-// Recorder returns an entry that logs nothing but keeps every entry
-// logged through it, and a function returning them; for tests that assert
-// what a component logs.
-func Recorder() (*Entry, func() []*Entry) {
-	l, hook := logtest.NewNullLogger()
-	l.SetLevel(DebugLevel)
-	return logrus.NewEntry(l), hook.AllEntries
 }

@@ -3,13 +3,12 @@ package rawio
 import (
 	"bytes"
 	"errors"
+	"github.com/rnbd/rnbd/test/kit"
 	"io"
 	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -42,31 +41,6 @@ func tcpPair(t *testing.T) (a, b net.Conn) {
 	return a, b
 }
 
-// waitFor polls cond until it holds; the test fails if it does not
-// within 10 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("waited 10 s for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
-// parked reports whether a goroutine with fn on its stack is parked in
-// the network poller, waiting for its socket (IO wait).
-func parked(fn string) bool {
-	buf := make([]byte, 1<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, " [IO wait") && strings.Contains(g, fn) {
-			return true
-		}
-	}
-	return false
-}
-
 // queued is how many bytes c has received and not yet read (SIOCINQ).
 func queued(t *testing.T, c net.Conn) int {
 	t.Helper()
@@ -93,7 +67,7 @@ func pollerRound(t *testing.T, x, y net.Conn) {
 		defer close(done)
 		pollerRoundRead(y)
 	}()
-	waitFor(t, "the poller round's reader to wait in the poller", func() bool { return parked("rawio.pollerRoundRead(") })
+	kit.WaitFor(t, 10*time.Second, "the poller round's reader to wait in the poller", func() bool { return kit.Blocked("rawio.pollerRoundRead(", "IO wait") })
 	if _, err := x.Write([]byte{0}); err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +103,7 @@ func TestConnWritevLargeAndManyBuffers(t *testing.T) {
 	go func() { done <- w.Writev(bufs) }()
 	// The writer fills the socket and waits for room (or, where the
 	// socket's buffers take it all, is done) before the reader starts.
-	waitFor(t, "the writer to wait for room", func() bool { return len(done) > 0 || parked("rawio.(*Conn).Writev(") })
+	kit.WaitFor(t, 10*time.Second, "the writer to wait for room", func() bool { return len(done) > 0 || kit.Blocked("rawio.(*Conn).Writev(", "IO wait") })
 	g, _ := io.ReadAll(io.LimitReader(r, int64(len(want))))
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -167,7 +141,7 @@ func TestConnReadEOFAndClose(t *testing.T) {
 		defer wg.Done()
 		_, rerr = rd.Read(buf)
 	}()
-	waitFor(t, "the reader to wait in the poller", func() bool { return parked("rawio.(*Conn).Read(") })
+	kit.WaitFor(t, 10*time.Second, "the reader to wait in the poller", func() bool { return kit.Blocked("rawio.(*Conn).Read(", "IO wait") })
 	d.Close()
 	wg.Wait()
 	if !errors.Is(rerr, net.ErrClosed) {
@@ -255,7 +229,7 @@ func TestReadAfterShortRead(t *testing.T) {
 		}
 		// The byte is there, and the poller takes the socket's
 		// wake-up for it before Read is called.
-		waitFor(t, "the byte to arrive", func() bool { return queued(t, b) > 0 })
+		kit.WaitFor(t, 10*time.Second, "the byte to arrive", func() bool { return queued(t, b) > 0 })
 		pollerRound(t, x, y)
 		b.SetReadDeadline(time.Now().Add(5 * time.Second))
 		if n, err := r.Read(buf); err != nil || n != 1 || buf[0] != byte(i) {
