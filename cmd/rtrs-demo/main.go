@@ -81,7 +81,7 @@ func newServerCommand() *cobra.Command {
 			}
 			backend := demo.NewBackend(int(size))
 
-			cfg := rtrs.DefaultServerConfig()
+			cfg := rtrs.DefaultSrvConfig()
 			cfg.Fabric, cfg.Handler, cfg.Listen = tcp.New(tcp.Options{}), backend, addrs
 			cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate = qd, chunk, inv
 			cfg.HBInterval, cfg.HBMissedMax = hb, hbMissed
@@ -164,7 +164,7 @@ func newLoadCommand() *cobra.Command {
 		Short: "Open a session over the given paths and run a verified read/write load",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			cfg := rtrs.DefaultClientConfig()
+			cfg := rtrs.DefaultCltConfig()
 			cfg.SessName, cfg.Fabric = sessname, tcp.New(tcp.Options{})
 			for _, s := range paths {
 				p, err := rtrs.ParsePathAddr(s, port)
@@ -185,7 +185,7 @@ func newLoadCommand() *cobra.Command {
 			cfg.ReconnectDelay, cfg.ReconnectMaxDelay, cfg.ConnectTimeout = reconDelay, reconMax, connTimeout
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
-			sess, err := rtrs.Open(ctx, cfg)
+			sess, err := rtrs.DialSession(ctx, cfg)
 			if err != nil {
 				return err
 			}

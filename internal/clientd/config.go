@@ -80,7 +80,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
-	d := rtrs.DefaultClientConfig()
+	d := rtrs.DefaultCltConfig()
 	return Config{
 		Version:              ConfigVersion,
 		ControlSocket:        DefaultControlSocket,

@@ -537,7 +537,7 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 	if err != nil {
 		return nil, false, err
 	}
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = m.SessName, fab, d.log
 	cfg.ConnsPerPath = d.cfg.ConnsPerPath
 	cfg.MPPolicy = d.cfg.MPPolicy

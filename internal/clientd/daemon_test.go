@@ -57,8 +57,8 @@ func newRig(t *testing.T) *rig {
 }
 
 func (r *rig) startServer() {
-	r.srv = rnbd.NewServer(rnbd.ServerConfig{DevSearchPath: r.dir, Log: log.Discard()})
-	scfg := rtrs.DefaultServerConfig()
+	r.srv = rnbd.NewServer(rnbd.SrvConfig{DevSearchPath: r.dir, Log: log.Discard()})
+	scfg := rtrs.DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{r.addr}, log.Discard()
 	scfg.QueueDepth = 64
 	rs, err := rtrs.NewServer(scfg)
@@ -170,7 +170,7 @@ func TestMapShareUnmap(t *testing.T) {
 	}
 	rw(t, d, "rnbd0", 0, 0xa1)
 	rw(t, d, "rnbd1", 1<<20, 0xb2)
-	recs := d.devices("")
+	recs := d.deviceRecords("")
 	if len(recs) != 2 || recs[0]["devpath"] != sock || recs[0]["io_mode"] != "nbd-socket" ||
 		recs[0]["size"] != int64(1<<20) || recs[1]["size"] != int64(2<<20) || recs[0]["state"] != "open" {
 		t.Fatalf("device records %v", recs)
@@ -253,7 +253,7 @@ func TestMapRefusals(t *testing.T) {
 			t.Errorf("%s: %v (%s), want %s", name, err, ctl.Classify(err), c.code)
 		}
 	}
-	if n := len(d.devices("")); n != 1 {
+	if n := len(d.deviceRecords("")); n != 1 {
 		t.Fatalf("%d devices after the refusals", n)
 	}
 	// A failed map leaves no session behind.
@@ -298,7 +298,7 @@ func TestRestart(t *testing.T) {
 	kit.WaitFor(t, 10*time.Second, "the server to drop the sessions", func() bool { return len(r.rs.Sessions()) == 0 })
 
 	d = r.start()
-	recs := d.devices("")
+	recs := d.deviceRecords("")
 	if len(recs) != 2 || recs[0]["devname"] != "rnbd0" || recs[1]["devname"] != "rnbd1" ||
 		recs[1]["access_mode"] != "ro" || recs[1]["socket"] != filepath.Join(r.cfg.SocketDir, "b.sock") {
 		t.Fatalf("devices after the restart %v", recs)
@@ -317,12 +317,12 @@ func TestRestart(t *testing.T) {
 	r.stopServer()
 	d = r.start()
 	defer func() { d.Stop() }()
-	for _, r := range d.devices("") {
+	for _, r := range d.deviceRecords("") {
 		if r["state"] != StateRestoring {
 			t.Fatalf("device restored without a server: %v", r)
 		}
 	}
-	if n := len(d.devices("")); n != 2 {
+	if n := len(d.deviceRecords("")); n != 2 {
 		t.Fatalf("device list shows %d mappings not restored, want 2", n)
 	}
 	if st := r.savedState(); len(st.Mappings) != 2 {
@@ -352,7 +352,7 @@ func TestRestart(t *testing.T) {
 	}
 	// With its server back, the retry restores rnbd0: its data is there.
 	kit.WaitFor(t, 10*time.Second, "rnbd0 to be restored by a retry", func() bool {
-		recs := d.devices("rnbd0")
+		recs := d.deviceRecords("rnbd0")
 		return len(recs) == 1 && recs[0]["state"] != StateRestoring
 	})
 	rw(t, d, "rnbd0", 8192, 0x5d)
@@ -371,7 +371,7 @@ func TestRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	d = r.start()
-	if recs := d.devices("rnbd0"); len(recs) != 1 || recs[0]["state"] != StateNotRestored {
+	if recs := d.deviceRecords("rnbd0"); len(recs) != 1 || recs[0]["state"] != StateNotRestored {
 		t.Fatalf("an invalid entry: %v", recs)
 	}
 }

@@ -98,13 +98,13 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 			counter(x.pathReconnects, float64(max(cn.ReconnectsSuccessful, 0)), sess, name, "success")
 			counter(x.pathReconnects, float64(max(cn.ReconnectsFailed, 0)), sess, name, "failure")
 			connected := 0.0
-			if p.State() == rtrs.PathConnected {
+			if p.State() == rtrs.CltPathConnected {
 				connected = 1
 				up++
 			}
 			gauge(x.pathUp, connected, sess, name)
 			now := p.State()
-			for st := rtrs.PathConnecting; st <= rtrs.PathDead; st++ {
+			for st := rtrs.CltPathConnecting; st <= rtrs.CltPathDead; st++ {
 				v := 0.0
 				if st == now {
 					v = 1

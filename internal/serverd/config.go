@@ -50,7 +50,7 @@ type Config struct {
 	AllowMigration bool     `toml:"allow_migration"`
 	// SearchAllowFrom and SearchAllowIdentities are who may open the
 	// devices under DevSearchPath, as an export's allow_from and
-	// allow_identities (rnbd.ServerConfig).
+	// allow_identities (rnbd.SrvConfig).
 	SearchAllowFrom       []string `toml:"dev_search_path_allow_from"`
 	SearchAllowIdentities []string `toml:"dev_search_path_allow_identities"`
 	// Exports are the exports of the configuration file ([[export]]
@@ -64,17 +64,17 @@ type Config struct {
 	MaxChunkSize   int      `toml:"max_chunk_size"`
 	MaxChunkMemory Size     `toml:"max_chunk_memory"`
 	// MaxChunkMemoryPerClient bounds what one client may hold of it
-	// (rtrs.ServerConfig); unset, rtrs.DefaultMaxChunkMemoryPerClient.
+	// (rtrs.SrvConfig); unset, rtrs.DefaultMaxChunkMemoryPerClient.
 	MaxChunkMemoryPerClient *Size `toml:"max_chunk_memory_per_client"`
-	// MaxSessionsPerClient bounds one client's sessions (rtrs.ServerConfig).
+	// MaxSessionsPerClient bounds one client's sessions (rtrs.SrvConfig).
 	MaxSessionsPerClient int `toml:"max_sessions_per_client"`
 	// NewPathRate and NewPathBurst bound how fast one client (address,
-	// identity) makes new paths (rtrs.ServerConfig); rate 0: no bound.
+	// identity) makes new paths (rtrs.SrvConfig); rate 0: no bound.
 	NewPathRate  float64 `toml:"new_path_rate"`
 	NewPathBurst int     `toml:"new_path_burst"`
 	// BindSessionNames, with TLS, binds each session name to the
 	// identity whose session first opens a device with it
-	// (rnbd.ServerConfig).
+	// (rnbd.SrvConfig).
 	BindSessionNames bool `toml:"bind_session_names"`
 	AlwaysInvalidate bool `toml:"always_invalidate"`
 	// InvalidateBy is how always_invalidate revokes a chunk's rkey on

@@ -76,7 +76,7 @@ type Options struct {
 	Log  *log.Entry
 	// GoMemoryLimit: the process is this daemon's, and the Go runtime's
 	// soft memory limit follows what its paths may hold
-	// (rtrs.ServerConfig.GoMemoryLimit).
+	// (rtrs.SrvConfig.GoMemoryLimit).
 	GoMemoryLimit bool
 }
 
@@ -103,7 +103,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	searchFrom, _ := parseNetworks(cfg.SearchAllowFrom)    // validated
 	searchIDs, _ := parseGrants(cfg.SearchAllowIdentities) // validated
-	d.rnbd = rnbd.NewServer(rnbd.ServerConfig{
+	d.rnbd = rnbd.NewServer(rnbd.SrvConfig{
 		DevSearchPath:         cfg.DevSearchPath,
 		AllowMigration:        cfg.AllowMigration,
 		SearchAllowFrom:       searchFrom,
@@ -175,7 +175,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		d.rnbd.Close()
 		return nil, err
 	}
-	rcfg := rtrs.DefaultServerConfig()
+	rcfg := rtrs.DefaultSrvConfig()
 	rcfg.Fabric, rcfg.Handler, rcfg.Endpoints, rcfg.Log = opts.Fabric, d.rnbd, eps, opts.Log
 	rcfg.QueueDepth, rcfg.MaxChunkSize, rcfg.AlwaysInvalidate = cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate
 	rcfg.InvalidateByRegistration = cfg.InvalidateBy == "registration"

@@ -105,7 +105,7 @@ func (pp *pathProbe) stat(path string) (os.FileInfo, error) {
 // client's admin timeout (30 s), so that the client hears why.
 const openWait = 10 * time.Second
 
-// answers is rnbd.ServerConfig.Answers: an error at once for a path whose
+// answers is rnbd.SrvConfig.Answers: an error at once for a path whose
 // earlier look still hangs, after openWait for one that does not answer
 // now, and nil — the open goes on unbounded, as it would without a look —
 // when maxProbesPending looks hang already: one path's dead mount must

@@ -14,7 +14,7 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
-func (d *Daemon) devices(name string) []output.Record {
+func (d *Daemon) deviceRecords(name string) []output.Record {
 	rows := []output.Record{}
 	open := map[string]bool{}
 	exports := map[string]rnbd.Export{}
@@ -70,9 +70,9 @@ func (d *Daemon) devices(name string) []output.Record {
 	return rows
 }
 
-// exports are the export records: the exports served, then those not
+// exportRecords are the export records: the exports served, then those not
 // served (by name if given).
-func (d *Daemon) exports(name string) []output.Record {
+func (d *Daemon) exportRecords(name string) []output.Record {
 	rows := []output.Record{}
 	for _, e := range d.rnbd.Exports() {
 		if name == "" || e.Name == name {
@@ -207,7 +207,7 @@ func (d *Daemon) findSession(name string) *rtrs.SrvSession {
 	return nil
 }
 
-func (d *Daemon) sessions(name string) []output.Record {
+func (d *Daemon) sessionRecords(name string) []output.Record {
 	devs := map[string]int{}
 	for _, o := range d.rnbd.OpenDevices() {
 		devs[o.Session]++
@@ -240,7 +240,7 @@ func pathRecord(p *rtrs.SrvPath) output.Record {
 	}
 }
 
-func (d *Daemon) paths(name, session string) []output.Record {
+func (d *Daemon) pathRecords(name, session string) []output.Record {
 	rows := []output.Record{}
 	for _, p := range d.sessionPaths(session) {
 		if name == "" || p.Name() == name {
@@ -289,7 +289,7 @@ func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
 	return ctl.One("path", name, found, (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) string { return p.Session().Name() })
 }
 
-func (d *Daemon) stats() []output.Record {
+func (d *Daemon) statRecords() []output.Record {
 	rows := []output.Record{}
 	for _, p := range d.sessionPaths("") {
 		c := p.Stats().Counters()

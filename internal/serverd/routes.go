@@ -86,11 +86,11 @@ func (d *Daemon) routes() {
 }
 
 func (d *Daemon) listDevices(r *http.Request) (any, error) {
-	return d.devices(""), nil
+	return d.deviceRecords(""), nil
 }
 
 func (d *Daemon) showDevice(r *http.Request) (any, error) {
-	rows := d.devices(r.PathValue("name"))
+	rows := d.deviceRecords(r.PathValue("name"))
 	if len(rows) == 0 {
 		return nil, ctl.Errorf(ctl.CodeNotFound, "no device %s", r.PathValue("name"))
 	}
@@ -107,11 +107,11 @@ func (d *Daemon) closeDevice(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) listExports(r *http.Request) (any, error) {
-	return d.exports(""), nil
+	return d.exportRecords(""), nil
 }
 
 func (d *Daemon) showExport(r *http.Request) (any, error) {
-	rows := d.exports(r.PathValue("name"))
+	rows := d.exportRecords(r.PathValue("name"))
 	if len(rows) == 0 {
 		return nil, ctl.Errorf(ctl.CodeNotFound, "no export %s", r.PathValue("name"))
 	}
@@ -151,11 +151,11 @@ func (d *Daemon) unmapExport(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) listSessions(r *http.Request) (any, error) {
-	return d.sessions(""), nil
+	return d.sessionRecords(""), nil
 }
 
 func (d *Daemon) showSession(r *http.Request) (any, error) {
-	rows := d.sessions(r.PathValue("name"))
+	rows := d.sessionRecords(r.PathValue("name"))
 	if len(rows) == 0 {
 		return nil, ctl.Errorf(ctl.CodeNotFound, "no session %s", r.PathValue("name"))
 	}
@@ -211,7 +211,7 @@ func (d *Daemon) forgetSessionName(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) listPaths(r *http.Request) (any, error) {
-	return d.paths("", r.URL.Query().Get("session")), nil
+	return d.pathRecords("", r.URL.Query().Get("session")), nil
 }
 
 func (d *Daemon) showPath(r *http.Request) (any, error) {
@@ -236,7 +236,7 @@ func (d *Daemon) disconnectPath(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) showStats(r *http.Request) (any, error) {
-	return d.stats(), nil
+	return d.statRecords(), nil
 }
 
 func (d *Daemon) resetStats(r *http.Request) (any, error) {

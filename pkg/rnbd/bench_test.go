@@ -41,16 +41,16 @@ func benchCltDev(b *testing.B, op Op, qd int) {
 	dst := l.Addr().(*net.TCPAddr).AddrPort()
 	l.Close()
 	fab := tcp.New(tcp.Options{})
-	srv := NewServer(ServerConfig{DevSearchPath: dir, Log: log.Discard()})
+	srv := NewServer(SrvConfig{DevSearchPath: dir, Log: log.Discard()})
 	defer srv.Close()
-	scfg := rtrs.DefaultServerConfig()
+	scfg := rtrs.DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = fab, srv, []netip.AddrPort{dst}, log.Discard()
 	rs, err := rtrs.NewServer(scfg)
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer rs.Close()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "bench", fab, log.Discard()
 	cfg.ConnsPerPath = 2
 	cfg.Paths = []rtrs.PathAddr{{Dst: dst}}

@@ -78,7 +78,7 @@ type CltSession struct {
 // (SESS_INFO). noPathTimeout is how long a block request waits for its
 // device when no path is connected (0 fails it at once, as the kernel
 // does). cfg.LinkEvent is the session's own.
-func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.Duration) (*CltSession, error) {
+func DialSession(ctx context.Context, cfg rtrs.CltConfig, noPathTimeout time.Duration) (*CltSession, error) {
 	if noPathTimeout < 0 {
 		return nil, fmt.Errorf("rnbd: negative no_path_timeout: %w", syscall.EINVAL)
 	}
@@ -91,7 +91,7 @@ func DialSession(ctx context.Context, cfg rtrs.ClientConfig, noPathTimeout time.
 	}
 	s.log = cfg.Log.WithField("session", cfg.SessName)
 	cfg.LinkEvent = s.linkEvent
-	sess, err := rtrs.Open(ctx, cfg)
+	sess, err := rtrs.DialSession(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -453,7 +453,7 @@ func (s *CltSession) Map(ctx context.Context, name string, mode AccessMode) (*Cl
 // the network. On DISCONNECTED every device stops sending (after the
 // submissions under way, which only post); on RECONNECTED the reopen
 // goroutine takes over.
-func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
+func (s *CltSession) linkEvent(ev rtrs.CltLinkEvent) {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -461,7 +461,7 @@ func (s *CltSession) linkEvent(ev rtrs.ClientLinkEvent) {
 	}
 	devs := append([]*CltDev(nil), s.devs...)
 	s.mu.Unlock()
-	if ev == rtrs.LinkDisconnected {
+	if ev == rtrs.CltLinkDisconnected {
 		s.noPathSince.CompareAndSwap(0, time.Now().UnixNano())
 		for _, d := range devs {
 			d.disconnected()

@@ -20,7 +20,7 @@ import (
 // cltSession dials an RNBD client session to the rig's server.
 func (r *srig) cltSession(name string, noPath time.Duration) *CltSession {
 	r.t.Helper()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = name, r.fab, log.Discard()
 	cfg.ConnsPerPath = 2
 	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
@@ -42,7 +42,7 @@ func syncIO(d *CltDev, op Op, flags uint32, off int64, n int, buf *rtrs.Buffer) 
 // A request larger than one transport message is split and reassembled;
 // two devices share one session.
 func TestCltDevSplitAndShare(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 8<<20)
 	r.file("b", 8<<20)
 	s := r.cltSession("cs", 0)
@@ -99,7 +99,7 @@ func TestCltDevSplitAndShare(t *testing.T) {
 // issued meanwhile waits, the devices are reopened after the reconnect and
 // the IO completes against the right device.
 func TestCltDevReopenAfterReconnect(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 8<<20)
 	s := r.cltSession("cs", 30*time.Second)
 	a, err := s.Map(context.Background(), "a", AccessRW)
@@ -148,7 +148,7 @@ func TestCltDevReopenAfterReconnect(t *testing.T) {
 // not lost and does not fail), and completes once the path is back and the
 // device reopened; what it wrote is there.
 func TestCltDevInflightWaitsForPath(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	path := r.file("a", 1<<20)
 	hold := make(chan struct{})
 	var held atomic.Int32
@@ -205,7 +205,7 @@ func TestCltDevInflightWaitsForPath(t *testing.T) {
 // lostDevice maps a device through a session with noPath, then takes
 // every path away for good (no reconnects).
 func lostDevice(t *testing.T, noPath time.Duration) (*CltSession, *CltDev, *rtrs.Buffer) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 1<<20)
 	s := r.cltSession("cs", noPath)
 	a, err := s.Map(context.Background(), "a", AccessRO)
@@ -287,7 +287,7 @@ func TestCltDevFastIOFail(t *testing.T) {
 // FUA discard with EIO, and warn): a FUA discard or write-zeroes is sent
 // without it and followed by a flush, before the request completes.
 func TestCltDevFUAOnlyOnWrites(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("f", 1<<20)
 	s := r.cltSession("fua", 0)
 	d, err := s.Map(context.Background(), "f", AccessRW)
@@ -314,7 +314,7 @@ func TestCltDevFUAOnlyOnWrites(t *testing.T) {
 // waits for a permit, or the held requests would never free one. Then
 // the data reads back.
 func TestCltDevPlugged(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	path := r.file("a", 4<<20)
 	s := r.cltSession("cs", 0)
 	a, err := s.Map(context.Background(), "a", AccessRW)
@@ -381,7 +381,7 @@ func (h *holdFirstOpen) HandleIO(op *rtrs.SrvOp) error {
 // of the session gets its own device.
 func TestCltMapAbandoned(t *testing.T) {
 	h := &holdFirstOpen{release: make(chan struct{}), answered: make(chan struct{})}
-	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { h.Server = s; return h })
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { h.Server = s; return h })
 	r.file("a", 1<<20)
 	r.file("b", 2<<20)
 	c := r.cltSession("s", 0)
@@ -428,10 +428,10 @@ func (h failIO) HandleIO(op *rtrs.SrvOp) error {
 // An IO the server fails reaches the caller with the server's errno and
 // is logged by the client, once per IO and rate-limited.
 func TestCltDevLogsFailedIO(t *testing.T) {
-	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { return failIO{s} })
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { return failIO{s} })
 	r.file("a", 1<<20)
 	lg, entries := kit.LogRecorder()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "s", r.fab, lg
 	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 20, 3, 1}), 0), Dst: srvAddr}}
 	c, err := DialSession(context.Background(), cfg, 0)
@@ -473,7 +473,7 @@ func TestCltDevLogsFailedIO(t *testing.T) {
 func TestCltDevReopenRetried(t *testing.T) {
 	var hung atomic.Bool
 	var refused atomic.Int32
-	r := newSrig(t, ServerConfig{Answers: func(p string) error {
+	r := newSrig(t, SrvConfig{Answers: func(p string) error {
 		if hung.Load() {
 			refused.Add(1)
 			return &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
@@ -530,10 +530,10 @@ func TestCltDevReopenRetried(t *testing.T) {
 // request failed" in one second; here an "IO failed" line per request
 // followed the one that failed them all).
 func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 1<<20)
 	lg, entries := kit.LogRecorder()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
 	cfg.ConnsPerPath = 2
 	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
@@ -608,10 +608,10 @@ func TestCltDevNoLogFloodWhenServerGoes(t *testing.T) {
 // device" hundreds of times a second (issue 31), and spun a CPU. Once
 // the path is back and the device reopened they go, logged once.
 func TestCltDevNoResubmitLoop(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 1<<20)
 	lg, entries := kit.LogRecorder()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "cs", r.fab, lg
 	cfg.ConnsPerPath = 2
 	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond

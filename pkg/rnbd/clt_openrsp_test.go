@@ -48,7 +48,7 @@ func goodOpenRsp() OpenRsp {
 // after which every IO failed with EOPNOTSUPP.
 func TestCltRefusesUnusableOpenRsp(t *testing.T) {
 	h := &forgedOpenRsp{}
-	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { h.Server = s; return h })
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { h.Server = s; return h })
 	c := r.cltSession("s", 0)
 	for _, tc := range []struct {
 		name   string
@@ -111,7 +111,7 @@ func TestCltRefusesUnusableOpenRsp(t *testing.T) {
 // device keeps its size and goes on serving IO.
 func TestCltSizePollRefusesUnusableOpenRsp(t *testing.T) {
 	h := &forgedOpenRsp{}
-	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { h.Server = s; return h })
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { h.Server = s; return h })
 	r.file("a", 1<<20)
 	c := r.cltSession("s", 0)
 	d, err := c.Map(context.Background(), "a", AccessRW)

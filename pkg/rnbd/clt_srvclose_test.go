@@ -64,7 +64,7 @@ func kernelForceClose(t *testing.T, r *srig, name, sess string) {
 // a session that polls sizes every 20 ms.
 func serverClosedRig(t *testing.T) (*srig, *countMsgs, *CltSession, *CltDev, *rtrs.Buffer) {
 	h := &countMsgs{}
-	r := newSrigWith(t, ServerConfig{}, func(s *Server) rtrs.ServerHandler { h.Server = s; return h })
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { h.Server = s; return h })
 	r.file("a", 1<<20)
 	r.file("b", 1<<20)
 	c := r.cltSession("s", 30*time.Second)

@@ -22,7 +22,7 @@ import (
 // no_path_timeout.
 func ExampleDialSession() {
 	ctx := context.Background()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName = "client1@server1"
 	cfg.Fabric = tcp.New(tcp.Options{})
 	p, err := rtrs.ParsePathAddr("ip:10.0.0.2@ip:10.0.0.1", rtrs.DefaultPort)
@@ -81,13 +81,13 @@ func ExampleCltDev_Submit() {
 // must be closed first. It serves an explicit export, and every file
 // beneath /srv/rnbd by its name there.
 func ExampleNewServer() {
-	srv := rnbd.NewServer(rnbd.ServerConfig{DevSearchPath: "/srv/rnbd"})
+	srv := rnbd.NewServer(rnbd.SrvConfig{DevSearchPath: "/srv/rnbd"})
 	defer srv.Close()
 	if err := srv.Map(rnbd.Export{Name: "vol", Path: "/var/lib/images/vol.img"}); err != nil {
 		fmt.Println(err)
 		return
 	}
-	cfg := rtrs.DefaultServerConfig()
+	cfg := rtrs.DefaultSrvConfig()
 	cfg.Fabric, cfg.Handler = tcp.New(tcp.Options{}), srv
 	cfg.Listen = []netip.AddrPort{netip.AddrPortFrom(netip.IPv4Unspecified(), rtrs.DefaultPort)}
 	rs, err := rtrs.NewServer(cfg)
@@ -117,13 +117,13 @@ func Example() {
 	defer cancel()
 	fab := tcp.New(tcp.Options{})
 
-	srv := rnbd.NewServer(rnbd.ServerConfig{Log: log.Discard()})
+	srv := rnbd.NewServer(rnbd.SrvConfig{Log: log.Discard()})
 	defer srv.Close()
 	if err := srv.Map(rnbd.Export{Name: "vol", Path: img}); err != nil {
 		fmt.Println(err)
 		return
 	}
-	scfg := rtrs.DefaultServerConfig()
+	scfg := rtrs.DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Log = fab, srv, log.Discard()
 	scfg.Listen = []netip.AddrPort{netip.MustParseAddrPort("127.0.0.1:0")}
 	rs, err := rtrs.NewServer(scfg)
@@ -133,7 +133,7 @@ func Example() {
 	}
 	defer rs.Close()
 
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = "example", fab, log.Discard()
 	cfg.ConnsPerPath = 1
 	cfg.Paths = []rtrs.PathAddr{{Dst: rs.Addrs()[0]}}

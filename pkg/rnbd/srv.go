@@ -39,8 +39,8 @@ func errorf(errno syscall.Errno, format string, args ...any) error {
 	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
 }
 
-// ServerConfig configures the RNBD server.
-type ServerConfig struct {
+// SrvConfig configures the RNBD server.
+type SrvConfig struct {
 	// DevSearchPath resolves device names that are not explicit exports,
 	// as the kernel's dev_search_path: the name is opened beneath it. It
 	// may contain %SESSNAME%, which selects a directory per session (the
@@ -108,7 +108,7 @@ type ServerConfig struct {
 // goroutines, the administrator's calls (Map, Resize, ForceClose, ...)
 // come from others; its state is under the locks doc.go lists.
 type Server struct {
-	cfg ServerConfig
+	cfg SrvConfig
 	log *log.Entry
 	rl  log.Limiter
 	ios chan srvReq
@@ -159,7 +159,7 @@ type Server struct {
 }
 
 // NewServer returns an RNBD server; pass it as the RTRS server's handler.
-func NewServer(cfg ServerConfig) *Server {
+func NewServer(cfg SrvConfig) *Server {
 	if cfg.Workers <= 0 {
 		cfg.Workers = 128
 	}

@@ -153,7 +153,7 @@ func (e *Export) allows(sess string) bool {
 	return false
 }
 
-// Map adds an explicit export. Its path is looked at (ServerConfig.Stat):
+// Map adds an explicit export. Its path is looked at (SrvConfig.Stat):
 // one that is gone, or can never be served (unservable), is refused.
 // Paths are checked again when a session opens them.
 func (s *Server) Map(e Export) error {

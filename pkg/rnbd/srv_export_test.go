@@ -24,7 +24,7 @@ import (
 // character device (EINVAL) is refused at Map, saying what it is; a
 // symbolic link is judged by what it leads to.
 func TestMapRefusesUnservable(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	dir := t.TempDir()
 	fifo, sock, link := filepath.Join(dir, "fifo"), filepath.Join(dir, "sock"), filepath.Join(dir, "link")
 	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
@@ -62,11 +62,11 @@ func TestMapRefusesUnservable(t *testing.T) {
 }
 
 // TestMapStat: MapStat maps with the look at the path its caller made and
-// looks at nothing itself (ServerConfig.Stat, os.Stat): a stat that
+// looks at nothing itself (SrvConfig.Stat, os.Stat): a stat that
 // failed is refused with its error, as Map refuses it, and what the stat
 // found is judged, whatever the path is now.
 func TestMapStat(t *testing.T) {
-	r := newSrig(t, ServerConfig{Stat: func(p string) (os.FileInfo, error) {
+	r := newSrig(t, SrvConfig{Stat: func(p string) (os.FileInfo, error) {
 		t.Errorf("MapStat looked at %s", p)
 		return os.Stat(p)
 	}})
@@ -98,7 +98,7 @@ func TestMapStat(t *testing.T) {
 }
 
 func TestExports(t *testing.T) {
-	r := newSrig(t, ServerConfig{DevSearchPath: ""})
+	r := newSrig(t, SrvConfig{DevSearchPath: ""})
 	r.srv.cfg.DevSearchPath = "" // explicit exports only
 	other := t.TempDir()
 	p := filepath.Join(other, "img")
@@ -163,7 +163,7 @@ func TestExports(t *testing.T) {
 // export's allow_from against the address of the path an OPEN arrives
 // on.
 func TestMigrationAndNetworks(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("found", 1<<20)
 	exp, exp2 := r.file("exp/x", 1<<20), r.file("exp/y", 1<<20)
 	open := func(cl *CltSession, name string, mode AccessMode) error {
@@ -216,7 +216,7 @@ func TestMigrationAndNetworks(t *testing.T) {
 // certificate, whatever session name it chose.
 func TestExportIdentities(t *testing.T) {
 	ca := testca.New(t, "test ca")
-	r := newSrigOn(t, ServerConfig{}, nil, tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
+	r := newSrigOn(t, SrvConfig{}, nil, tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
 	p := r.file("exp/x", 1<<20)
 	grants := []Grant{{"alice", "rw"}, {"bob", "ro"}, {"carol.example", "migration"}}
 	if err := r.srv.Map(Export{Name: "acl", Path: p, AllowIdentities: grants}); err != nil {
@@ -261,7 +261,7 @@ func TestExportIdentities(t *testing.T) {
 
 	// Without TLS no client has an identity: such an export opens to
 	// none.
-	plain := newSrig(t, ServerConfig{})
+	plain := newSrig(t, SrvConfig{})
 	if err := plain.srv.Map(Export{Name: "acl", Path: plain.file("exp/y", 1<<20), AllowIdentities: grants}); err != nil {
 		t.Fatal(err)
 	}
@@ -291,7 +291,7 @@ func TestParseGrant(t *testing.T) {
 // once; a session that closes it makes room, and a refused OPEN leaves
 // nothing counted.
 func TestExportMaxSessions(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.file("exp/x", 1<<20)
 	if err := r.srv.Map(Export{Name: "two", Path: p, MaxSessions: 2}); err != nil {
 		t.Fatal(err)
@@ -333,7 +333,7 @@ func TestSearchPathRules(t *testing.T) {
 		_, err := cl.open(context.Background(), name, mode)
 		return err
 	}
-	r := newSrig(t, ServerConfig{SearchAllowFrom: []netip.Prefix{netip.MustParsePrefix("10.20.1.0/24")}})
+	r := newSrig(t, SrvConfig{SearchAllowFrom: []netip.Prefix{netip.MustParsePrefix("10.20.1.0/24")}})
 	r.file("found", 1<<20)
 	if err := open(r.client("a"), "found", AccessRW); err != nil { // a path from 10.20.1.x
 		t.Fatalf("an OPEN from inside dev_search_path_allow_from: %v", err)
@@ -343,7 +343,7 @@ func TestSearchPathRules(t *testing.T) {
 	}
 
 	ca := testca.New(t, "test ca")
-	r = newSrigOn(t, ServerConfig{SearchAllowIdentities: []Grant{{"alice", "rw"}, {"bob", "ro"}}}, nil,
+	r = newSrigOn(t, SrvConfig{SearchAllowIdentities: []Grant{{"alice", "rw"}, {"bob", "ro"}}}, nil,
 		tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
 	r.file("found", 1<<20)
 	as := func(cn, sess string) *CltSession {

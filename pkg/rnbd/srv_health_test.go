@@ -21,7 +21,7 @@ import (
 // logged once, and its recovery too.
 func TestBackingStoreHealth(t *testing.T) {
 	lg, entries := kit.LogRecorder()
-	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 5 * time.Millisecond})
+	r := newSrig(t, SrvConfig{Log: lg, HealthInterval: 5 * time.Millisecond})
 	p := r.file("a", 1<<20)
 	c := r.client("h")
 	if _, err := c.open(context.Background(), "a", AccessRW); err != nil {
@@ -67,7 +67,7 @@ func TestBackingStoreHealth(t *testing.T) {
 // stopped for every device, and the device's close waited for ever.
 func TestHealthOnHungMount(t *testing.T) {
 	lg, entries := kit.LogRecorder()
-	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: 10 * time.Millisecond})
+	r := newSrig(t, SrvConfig{Log: lg, HealthInterval: 10 * time.Millisecond})
 	under := filepath.Join(r.dir, "mnt")
 	r.file("mnt/vol", 1<<20)
 	other := r.file("other", 1<<20)
@@ -141,7 +141,7 @@ func TestShrinkBehindServer(t *testing.T) {
 
 func testShrinkBehindServer(t *testing.T, dir string, poll, health time.Duration) {
 	lg, entries := kit.LogRecorder()
-	r := newSrig(t, ServerConfig{Log: lg, HealthInterval: health, DevSearchPath: dir})
+	r := newSrig(t, SrvConfig{Log: lg, HealthInterval: health, DevSearchPath: dir})
 	p := r.vol(8 << 20)
 	c := r.client("s")
 	resized := make(chan int64, 8)

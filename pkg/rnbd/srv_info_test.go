@@ -8,7 +8,7 @@ import (
 )
 
 func TestForceClose(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("a", 1<<20)
 	r.file("b", 1<<20)
 	c := r.client("fc")

@@ -25,7 +25,7 @@ func TestIOSemantics(t *testing.T) {
 		t.Run(filepath.Base(dir), func(t *testing.T) {
 			sp, _ := os.MkdirTemp(dir, "rnbd-sem-")
 			defer os.RemoveAll(sp)
-			r := newSrig(t, ServerConfig{DevSearchPath: sp})
+			r := newSrig(t, SrvConfig{DevSearchPath: sp})
 			path := r.file("f", 8<<20)
 			x := r.dev(r.client("sem"), "f", AccessRW)
 			data := bytes.Repeat([]byte{0x5a}, 64<<10)
@@ -90,7 +90,7 @@ func TestIOSemantics(t *testing.T) {
 // cache (so a kernel client never flushes it) and its writes, FUA or not,
 // go through the O_DSYNC descriptor; flushes are still served.
 func TestWriteThroughExport(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.file("wt.img", 1<<20)
 	for _, e := range []Export{{Name: "wt", Path: p, WriteThrough: true}, {Name: "wb", Path: p}} {
 		if err := r.srv.Map(e); err != nil {
@@ -136,7 +136,7 @@ func TestWriteThroughExport(t *testing.T) {
 // that refused them left a kernel client without fsync.
 func TestKernelClientMessages(t *testing.T) {
 	rec, logged := kit.LogRecorder()
-	r := newSrig(t, ServerConfig{Log: rec})
+	r := newSrig(t, SrvConfig{Log: rec})
 	path := r.file("kdisk", 1<<20)
 	c := r.client("kclt")
 	x := r.dev(c, "kdisk", AccessRW)
@@ -292,7 +292,7 @@ func TestKernelClientMessages(t *testing.T) {
 // TestPastTheEnd: IO beyond the device fails whole and the file does not
 // grow.
 func TestPastTheEnd(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	path := r.file("small", 1<<20)
 	x := r.dev(r.client("end"), "small", AccessRW)
 	read := func(off int64, n int) error { _, err := x.read(off, n); return err }
@@ -328,7 +328,7 @@ func TestPastTheEnd(t *testing.T) {
 // TestHostileMessages: malformed RNBD messages get an errno and never
 // crash the server or disturb a well-behaved device.
 func TestHostileMessages(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("good", 1<<20)
 	c := r.client("h")
 	good := r.dev(c, "good", AccessRW)
@@ -401,7 +401,7 @@ func TestInlineIO(t *testing.T) {
 		t.Skip(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	r := newSrig(t, ServerConfig{DevSearchPath: dir})
+	r := newSrig(t, SrvConfig{DevSearchPath: dir})
 	path := r.file("mem", 1<<20)
 	c := r.client("inline")
 	x := r.dev(c, "mem", AccessRW)

@@ -13,7 +13,7 @@ import (
 // A client chooses its session name, and the name selects things: the
 // %SESSNAME% directory of dev_search_path, an export's Allow list, and
 // the one session the server lets have it. With authenticated clients
-// (TLS) and ServerConfig.BindSessionNames, a name taken by an identity is
+// (TLS) and SrvConfig.BindSessionNames, a name taken by an identity is
 // bound to it once its session was admitted — it opened a device: from
 // then on only that identity may take it, across restarts of either end
 // (the binding is kept with the exports). So a peer that connects first

@@ -26,7 +26,7 @@ func take(s *Server, name, identity string) error {
 // can be forgotten.
 func TestSessionNameBinding(t *testing.T) {
 	changed := 0
-	s := NewServer(ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
+	s := NewServer(SrvConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
 	defer s.Close()
 	for _, c := range []struct {
 		name, id string
@@ -51,7 +51,7 @@ func TestSessionNameBinding(t *testing.T) {
 	if len(got) != 2 || got[0] != (SessionOwner{"a", "client-a"}) || got[1] != (SessionOwner{"plain", "client-b"}) {
 		t.Fatalf("owners %v", got)
 	}
-	s2 := NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1})
+	s2 := NewServer(SrvConfig{BindSessionNames: true, HealthInterval: -1})
 	defer s2.Close()
 	s2.SetSessionOwners(append(got, SessionOwner{"", "x"}, SessionOwner{"y", ""}))
 	if err := s2.ClaimSessionName("a", "client-b"); !errors.Is(err, syscall.EACCES) {
@@ -89,7 +89,7 @@ func TestSessionNameBinding(t *testing.T) {
 // then (EACCES).
 func TestSessionNameBoundOnAdmission(t *testing.T) {
 	changed := 0
-	s := NewServer(ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
+	s := NewServer(SrvConfig{BindSessionNames: true, OwnersChanged: func() { changed++ }, HealthInterval: -1})
 	defer s.Close()
 	if err := s.ClaimSessionName("intr", "intruder"); err != nil {
 		t.Fatal(err)
@@ -121,7 +121,7 @@ func TestSessionNameBoundOnAdmission(t *testing.T) {
 // bind_session_names off) restored bindings are kept but not enforced,
 // and nothing new binds.
 func TestSessionNameBindingOff(t *testing.T) {
-	s := NewServer(ServerConfig{HealthInterval: -1})
+	s := NewServer(SrvConfig{HealthInterval: -1})
 	defer s.Close()
 	s.SetSessionOwners([]SessionOwner{{"a", "client-a"}})
 	for _, id := range []string{"", "client-b"} {
@@ -140,7 +140,7 @@ func TestSessionNameBindingOff(t *testing.T) {
 // TestSessionNamesPerIdentity: one identity binds at most
 // MaxNamesPerIdentity names; past it its sessions take names unbound.
 func TestSessionNamesPerIdentity(t *testing.T) {
-	s := NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1})
+	s := NewServer(SrvConfig{BindSessionNames: true, HealthInterval: -1})
 	defer s.Close()
 	for i := 0; i < MaxNamesPerIdentity+10; i++ {
 		if err := take(s, fmt.Sprintf("n%d", i), "greedy"); err != nil {
@@ -162,7 +162,7 @@ func TestSessionNamesPerIdentity(t *testing.T) {
 func TestForgetWhileConnecting(t *testing.T) {
 	var s *Server
 	var held func(string) bool
-	s = NewServer(ServerConfig{BindSessionNames: true, HealthInterval: -1,
+	s = NewServer(SrvConfig{BindSessionNames: true, HealthInterval: -1,
 		NameHeld: func(name string) bool { return held(name) }})
 	defer s.Close()
 	s.SetSessionOwners([]SessionOwner{{"a", "client-a"}, {"b", "client-a"}, {"c", "client-a"}})
@@ -199,7 +199,7 @@ func TestForgetWhileConnecting(t *testing.T) {
 func TestSessionNameBoundByOpen(t *testing.T) {
 	ca := testca.New(t, "test ca")
 	changed := make(chan struct{}, 8)
-	r := newSrigOn(t, ServerConfig{BindSessionNames: true, OwnersChanged: func() { changed <- struct{}{} }}, nil,
+	r := newSrigOn(t, SrvConfig{BindSessionNames: true, OwnersChanged: func() { changed <- struct{}{} }}, nil,
 		tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
 	if err := r.srv.Map(Export{Name: "vol", Path: r.file("exp/x", 1<<20), AllowIdentities: []Grant{{"alice", "rw"}}}); err != nil {
 		t.Fatal(err)

@@ -20,7 +20,7 @@ import (
 )
 
 func TestSessInfoVersion(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	c := r.client("v")
 	for _, c2 := range []struct{ ask, want uint8 }{{1, 1}, {2, 2}, {9, 2}} {
 		var usr [SessInfoSize]byte
@@ -36,7 +36,7 @@ func TestSessInfoVersion(t *testing.T) {
 }
 
 func TestAccessModes(t *testing.T) {
-	r := newSrig(t, ServerConfig{AllowMigration: true})
+	r := newSrig(t, SrvConfig{AllowMigration: true})
 	r.file("shared", 1<<20)
 	a, b, c := r.client("a"), r.client("b"), r.client("c")
 	open := func(cl *CltSession, mode AccessMode) error {
@@ -92,7 +92,7 @@ func TestPathTraversal(t *testing.T) {
 	dir := filepath.Join(root, "exports")
 	os.MkdirAll(dir, 0o755)
 	os.WriteFile(filepath.Join(root, "secret"), make([]byte, 4096), 0o600)
-	r := newSrig(t, ServerConfig{DevSearchPath: dir})
+	r := newSrig(t, SrvConfig{DevSearchPath: dir})
 	os.Symlink(filepath.Join(root, "secret"), filepath.Join(dir, "link-out"))
 	os.Symlink("../secret", filepath.Join(dir, "rel-out"))
 	r.file("ok", 1<<20)
@@ -122,7 +122,7 @@ func TestPathTraversal(t *testing.T) {
 
 func TestSessnameSearchPath(t *testing.T) {
 	root := t.TempDir()
-	r := newSrig(t, ServerConfig{DevSearchPath: filepath.Join(root, "%SESSNAME%", "ignored")})
+	r := newSrig(t, SrvConfig{DevSearchPath: filepath.Join(root, "%SESSNAME%", "ignored")})
 	os.MkdirAll(filepath.Join(root, "alice"), 0o755)
 	os.MkdirAll(filepath.Join(root, "bob"), 0o755)
 	os.WriteFile(filepath.Join(root, "alice", "disk"), make([]byte, 1<<20), 0o600)
@@ -148,7 +148,7 @@ func TestSessnameSearchPath(t *testing.T) {
 // TestCloseWaitsForIO: CLOSE returns only after the device's IO in flight
 // has answered, and that IO succeeds.
 func TestCloseWaitsForIO(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("slow", 1<<20)
 	hold := make(chan struct{})
 	var held atomic.Int32
@@ -194,7 +194,7 @@ func TestCloseWaitsForIO(t *testing.T) {
 // behind it.
 func TestOpenOnHungMount(t *testing.T) {
 	var mnt string
-	r := newSrig(t, ServerConfig{Workers: 1, Stat: func(p string) (os.FileInfo, error) {
+	r := newSrig(t, SrvConfig{Workers: 1, Stat: func(p string) (os.FileInfo, error) {
 		if mnt != "" && strings.HasPrefix(p, mnt) {
 			return nil, nil // exported while the mount answered
 		}
@@ -265,7 +265,7 @@ func TestOpenOnHungMount(t *testing.T) {
 // not left open behind the unmap: the OPEN fails with ENOENT, nothing
 // stays open, and the export's max_sessions count is released.
 func TestUnmapDuringOpen(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.file("exp/x", 1<<20)
 	if err := r.srv.Map(Export{Name: "vol", Path: p, MaxSessions: 1}); err != nil {
 		t.Fatal(err)
@@ -303,13 +303,13 @@ func TestUnmapDuringOpen(t *testing.T) {
 
 // TestReopenLooksAtPath: an OPEN of a device the session has open (a
 // remap, our client's size poll) asks the backend for its size only if
-// the export's path answers (ServerConfig.Answers): where it does not
+// the export's path answers (SrvConfig.Answers): where it does not
 // (the daemon's bounded look gives ETIMEDOUT), the OPEN fails with that
 // at once instead of waiting on the mount. A path that is gone is no reason
 // to fail: the file renamed or removed is still the device's.
 func TestReopenLooksAtPath(t *testing.T) {
 	var hung atomic.Bool
-	r := newSrig(t, ServerConfig{Answers: func(p string) error {
+	r := newSrig(t, SrvConfig{Answers: func(p string) error {
 		if hung.Load() {
 			return &os.PathError{Op: "stat", Path: p, Err: syscall.ETIMEDOUT}
 		}
@@ -360,7 +360,7 @@ func TestReopenLooksAtPath(t *testing.T) {
 // reader's close could drop the device in between, so that the next
 // writer found none and was let in.
 func TestWriterWhileReaderCloses(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	r.file("vol", 1<<20)
 	ra, w, w2 := r.client("reader"), r.client("writer"), r.client("second")
 	ctx := context.Background()

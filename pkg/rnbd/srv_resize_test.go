@@ -36,7 +36,7 @@ func TestForcedShrinkUnderWrites(t *testing.T) {
 }
 
 func testForcedShrinkUnderWrites(t *testing.T, dir string) {
-	r := newSrig(t, ServerConfig{DevSearchPath: dir})
+	r := newSrig(t, SrvConfig{DevSearchPath: dir})
 	p := r.vol(8 << 20)
 	c := r.client("s")
 	c.SetSizePoll(time.Hour) // the client keeps the old size: its writes reach the server
@@ -117,7 +117,7 @@ func fileSize(t *testing.T, p string) int64 {
 // opened while a shrink is under way is served the new size, and a
 // second resize of the file then is refused (EBUSY).
 func TestResizeSeesEveryOpen(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.vol(4 << 20)
 	c := r.client("s")
 	x := r.dev(c, "exp/x", AccessRO) // by the search path, not the export
@@ -166,7 +166,7 @@ func TestResizeSeesEveryOpen(t *testing.T) {
 // admitted; a shrink it does not count as open (no --force needed) still
 // caps it, so that write cannot land past the cut.
 func TestShrinkWhileClosing(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.vol(8 << 20)
 	hold := make(chan struct{})
 	release := sync.OnceFunc(func() { close(hold) })
@@ -210,7 +210,7 @@ func TestShrinkWhileClosing(t *testing.T) {
 // open reads the size again once joined, where a shrink's end would no
 // longer reach it.
 func TestOpenAfterCut(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.vol(4 << 20)
 	r.srv.beforeJoin = func() { os.Truncate(p, 1<<20) }
 	x := r.dev(r.client("s"), "vol", AccessRW)
@@ -224,7 +224,7 @@ func TestOpenAfterCut(t *testing.T) {
 // server's back. Shrinking what a session has open needs force; IO
 // follows the size both ways.
 func TestServerResize(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	p := r.vol(1 << 20)
 	c := r.client("s")
 	resized := make(chan int64, 4)

@@ -36,21 +36,21 @@ type srig struct {
 	next atomic.Int32
 }
 
-func newSrig(t *testing.T, cfg ServerConfig) *srig {
+func newSrig(t *testing.T, cfg SrvConfig) *srig {
 	t.Helper()
 	return newSrigWith(t, cfg, nil)
 }
 
 // newSrigWith is newSrig with wrap, if not nil, between RTRS and the
 // RNBD server.
-func newSrigWith(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHandler) *srig {
+func newSrigWith(t *testing.T, cfg SrvConfig, wrap func(*Server) rtrs.SrvHandler) *srig {
 	t.Helper()
 	return newSrigOn(t, cfg, wrap, tcp.Options{})
 }
 
 // newSrigOn is newSrigWith on an in-memory fabric with opts (TLS), which
 // the server and r.client use.
-func newSrigOn(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHandler, opts tcp.Options) *srig {
+func newSrigOn(t *testing.T, cfg SrvConfig, wrap func(*Server) rtrs.SrvHandler, opts tcp.Options) *srig {
 	t.Helper()
 	r := &srig{t: t, net: fabrictest.NewNetwork()}
 	r.fab = r.net.FabricWith(opts)
@@ -64,7 +64,7 @@ func newSrigOn(t *testing.T, cfg ServerConfig, wrap func(*Server) rtrs.ServerHan
 		cfg.Log = log.Discard()
 	}
 	r.srv = NewServer(cfg)
-	scfg := rtrs.DefaultServerConfig()
+	scfg := rtrs.DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{srvAddr}, log.Discard()
 	if wrap != nil {
 		scfg.Handler = wrap(r.srv)
@@ -115,7 +115,7 @@ func (r *srig) client(sess string) *CltSession {
 // clientOn is client on the fabric fab (of the rig's network).
 func (r *srig) clientOn(fab fabric.Fabric, sess string) *CltSession {
 	r.t.Helper()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = sess, fab, log.Discard()
 	cfg.ConnsPerPath = 2
 	src := netip.AddrFrom4([4]byte{10, 20, 1, byte(r.next.Add(1))})
@@ -198,7 +198,7 @@ func (x *dio) op(op Op, flags uint32, off int64, n int) error {
 }
 
 func TestOpenIOClose(t *testing.T) {
-	r := newSrig(t, ServerConfig{})
+	r := newSrig(t, SrvConfig{})
 	path := r.file("vol1", 4<<20)
 	c := r.client("client1")
 	if c.Version() != ProtoVerMajor {

@@ -45,7 +45,7 @@ func BenchmarkIO(b *testing.B) {
 func benchIO(b *testing.B, dir Dir, qd, size int, inv bool) {
 	fab := tcp.New(tcp.Options{})
 	dst := loopbackListener(b)
-	scfg := DefaultServerConfig()
+	scfg := DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = fab, nullDisk{}, []netip.AddrPort{dst}, testLog()
 	scfg.AlwaysInvalidate = inv
 	srv, err := NewServer(scfg)
@@ -55,7 +55,7 @@ func benchIO(b *testing.B, dir Dir, qd, size int, inv bool) {
 	defer srv.Close()
 	ccfg := testClientConfig(fab, PathAddr{Dst: dst})
 	ccfg.ConnsPerPath = 2
-	sess, err := Open(context.Background(), ccfg)
+	sess, err := DialSession(context.Background(), ccfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -113,14 +113,14 @@ func TestIOAllocs(t *testing.T) {
 		for _, dir := range []Dir{Read, Write} {
 			fab := tcp.New(tcp.Options{})
 			dst := loopbackListener(t)
-			scfg := DefaultServerConfig()
+			scfg := DefaultSrvConfig()
 			scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = fab, nullDisk{}, []netip.AddrPort{dst}, testLog()
 			scfg.AlwaysInvalidate = inv
 			srv, err := NewServer(scfg)
 			if err != nil {
 				t.Fatal(err)
 			}
-			sess, err := Open(context.Background(), testClientConfig(fab, PathAddr{Dst: dst}))
+			sess, err := DialSession(context.Background(), testClientConfig(fab, PathAddr{Dst: dst}))
 			if err != nil {
 				t.Fatal(err)
 			}

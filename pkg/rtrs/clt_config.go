@@ -11,17 +11,17 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
-// Configuration of a client session: what Open takes (ClientConfig), and
+// Configuration of a client session: what DialSession takes (CltConfig), and
 // the settings that may change while it runs (the kernel's sysfs files:
 // mpath_policy, max_reconnect_attempts, ...).
 
-// ClientConfig configures a client session. Start from DefaultClientConfig:
+// CltConfig configures a client session. Start from DefaultCltConfig:
 // zero values are taken literally.
-type ClientConfig struct {
+type CltConfig struct {
 	// SessName names the session on the server: 1..254 bytes, no '/'
 	// or '.'.
 	SessName string
-	// Paths are connected, in order, by Open.
+	// Paths are connected, in order, by DialSession.
 	Paths []PathAddr
 	// Fabric carries the connections.
 	Fabric fabric.Fabric
@@ -55,21 +55,21 @@ type ClientConfig struct {
 	// the session name is not "taken" by what the dead client left there.
 	UUID [16]byte
 	// OpenAnyPath makes Open succeed once one path is connected; the
-	// others keep trying in the background, as after a failure. Open
+	// others keep trying in the background, as after a failure. DialSession
 	// otherwise needs every path, as the kernel's rtrs_clt_open does.
 	OpenAnyPath bool
 	// LinkEvent, if set, is told when the last path goes down and when a
 	// path comes back. Calls are serialized; it must not call back into
 	// the session's path controls.
-	LinkEvent func(ClientLinkEvent)
+	LinkEvent func(CltLinkEvent)
 	// Log receives the session's messages.
 	Log *log.Entry
 }
 
-// DefaultClientConfig returns the defaults: the kernel's where it has
+// DefaultCltConfig returns the defaults: the kernel's where it has
 // them.
-func DefaultClientConfig() ClientConfig {
-	return ClientConfig{
+func DefaultCltConfig() CltConfig {
+	return CltConfig{
 		ConnsPerPath:         runtime.NumCPU(),
 		MPPolicy:             MPMinInflight,
 		MaxReconnectAttempts: -1,
@@ -82,7 +82,7 @@ func DefaultClientConfig() ClientConfig {
 	}
 }
 
-func (c *ClientConfig) validate() error {
+func (c *CltConfig) validate() error {
 	if err := ValidSessName(c.SessName); err != nil {
 		return err
 	}

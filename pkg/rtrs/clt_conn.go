@@ -130,12 +130,12 @@ func (c *cltConn) fail(msg string, err error) {
 	p := c.path
 	e := p.lg().WithFields(log.Fields{"cid": c.cid}).WithError(err)
 	switch st := p.State(); {
-	case st == PathClosing || st == PathClosed || st == PathDead || p.curRes() != c.res:
+	case st == CltPathClosing || st == CltPathClosed || st == CltPathDead || p.curRes() != c.res:
 		// We are closing and the peer closed the rest (the kernel's
 		// server closes a whole path when one connection goes), or it
 		// is a stale attempt's connection: nothing is lost.
 		e.Debug(msg + " while the path closes")
-	case st == PathReconnecting || st == PathConnectingErr:
+	case st == CltPathReconnecting || st == CltPathConnectingErr:
 		// Another connection of the path failed first and said so.
 		e.Debug(msg + " while the path recovers")
 	case errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET):

@@ -32,13 +32,13 @@ func (p *CltPath) initPath(ctx context.Context) error {
 		err = p.sendPathInfo(ctx, res)
 	}
 	if err != nil {
-		p.changeStateFromTo(PathConnecting, PathConnectingErr)
+		p.changeStateFromTo(CltPathConnecting, CltPathConnectingErr)
 		if res != nil {
 			p.destroyRes(res)
 		}
 		return err
 	}
-	if !p.changeStateFromTo(PathConnecting, PathConnected) {
+	if !p.changeStateFromTo(CltPathConnecting, CltPathConnected) {
 		p.destroyRes(res)
 		return fmt.Errorf("rtrs: path failed while connecting: %w", syscall.ECONNRESET)
 	}

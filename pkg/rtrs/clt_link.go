@@ -3,19 +3,19 @@ package rtrs
 // Link events of a client session (enum rtrs_clt_link_ev): the count of
 // connected paths, and DISCONNECTED / RECONNECTED when it reaches 0 / 1.
 
-// ClientLinkEvent is what a session tells its user about its paths as a
+// CltLinkEvent is what a session tells its user about its paths as a
 // whole (enum rtrs_clt_link_ev).
-type ClientLinkEvent int
+type CltLinkEvent int
 
 const (
-	// LinkReconnected: a path came up after all were down.
-	LinkReconnected ClientLinkEvent = iota
-	// LinkDisconnected: the last connected path went down.
-	LinkDisconnected
+	// CltLinkReconnected: a path came up after all were down.
+	CltLinkReconnected CltLinkEvent = iota
+	// CltLinkDisconnected: the last connected path went down.
+	CltLinkDisconnected
 )
 
-func (e ClientLinkEvent) String() string {
-	if e == LinkReconnected {
+func (e CltLinkEvent) String() string {
+	if e == CltLinkReconnected {
 		return "RECONNECTED"
 	}
 	return "DISCONNECTED"
@@ -24,16 +24,16 @@ func (e ClientLinkEvent) String() string {
 // pathUp counts a path that became connected and reports RECONNECTED when
 // it is the first after all were down (rtrs_clt_path_up).
 func (s *CltSession) pathUp() {
-	s.pathEvent(+1, 1, LinkReconnected)
+	s.pathEvent(+1, 1, CltLinkReconnected)
 }
 
 // pathDown reports DISCONNECTED when the last connected path went down.
-func (s *CltSession) pathDown() { s.pathEvent(-1, 0, LinkDisconnected) }
+func (s *CltSession) pathDown() { s.pathEvent(-1, 0, CltLinkDisconnected) }
 
 // pathEvent counts a path going up or down and reports ev when the count
 // reaches at. evMu is held across the count and the report, so the user
 // sees DISCONNECTED and RECONNECTED in the order the paths changed.
-func (s *CltSession) pathEvent(delta, at int, ev ClientLinkEvent) {
+func (s *CltSession) pathEvent(delta, at int, ev CltLinkEvent) {
 	s.evMu.Lock()
 	defer s.evMu.Unlock()
 	s.mu.Lock()

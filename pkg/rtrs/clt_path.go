@@ -30,7 +30,7 @@ import (
 type CltPath struct {
 	sess  *CltSession
 	uuid  [16]byte
-	stats *PathStats
+	stats *CltPathStats
 	hb    heartbeat
 	logp  atomic.Pointer[log.Entry]
 	rl    log.Limiter
@@ -38,7 +38,7 @@ type CltPath struct {
 	// path every 10 s, the next saying how many it left out.
 	postRL log.Limiter
 
-	state atomic.Int32 // PathState; written under mu
+	state atomic.Int32 // CltPathState; written under mu
 	// mu guards the state changes and the fields below.
 	mu                sync.Mutex
 	addr              PathAddr
@@ -143,7 +143,7 @@ func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
 	var rc [2]byte
 	crand.Read(rc[:])
 	p.reconCnt = uint16(rc[0]) | uint16(rc[1])<<8
-	p.state.Store(int32(PathConnecting))
+	p.state.Store(int32(CltPathConnecting))
 	p.logp.Store(s.log.WithField("path", pa.String()))
 	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {
 		p.lg().Error("heartbeat: peer silent for too long")
@@ -159,7 +159,7 @@ func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
 const probePeriod = 200 * time.Millisecond
 
 // State returns the path's state.
-func (p *CltPath) State() PathState { return PathState(p.state.Load()) }
+func (p *CltPath) State() CltPathState { return CltPathState(p.state.Load()) }
 
 // Name is the path's "src@dst" name.
 func (p *CltPath) Name() string {
@@ -193,15 +193,15 @@ func (p *CltPath) HCAPort() int {
 func (p *CltPath) UUID() [16]byte { return p.uuid }
 
 // Stats returns the path's counters.
-func (p *CltPath) Stats() *PathStats { return p.stats }
+func (p *CltPath) Stats() *CltPathStats { return p.stats }
 
 // CurLatency is the last heartbeat round trip (cur_latency).
 func (p *CltPath) CurLatency() time.Duration { return p.hb.latency() }
 
 // changeStateLocked applies the kernel's transition table; every state
 // change goes through here.
-func (p *CltPath) changeStateLocked(to PathState) bool {
-	from := PathState(p.state.Load())
+func (p *CltPath) changeStateLocked(to CltPathState) bool {
+	from := CltPathState(p.state.Load())
 	if !pathTransitionAllowed(from, to) {
 		return false
 	}
@@ -211,19 +211,19 @@ func (p *CltPath) changeStateLocked(to PathState) bool {
 	return true
 }
 
-func (p *CltPath) changeStateFromTo(from, to PathState) bool {
+func (p *CltPath) changeStateFromTo(from, to CltPathState) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if PathState(p.state.Load()) != from {
+	if CltPathState(p.state.Load()) != from {
 		return false
 	}
 	return p.changeStateLocked(to)
 }
 
-func (p *CltPath) changeStateGetOld(to PathState) (bool, PathState) {
+func (p *CltPath) changeStateGetOld(to CltPathState) (bool, CltPathState) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	old := PathState(p.state.Load())
+	old := CltPathState(p.state.Load())
 	return p.changeStateLocked(to), old
 }
 
@@ -234,14 +234,14 @@ func (p *CltPath) errorRecovery(res *pathRes) {
 	if res != nil && p.curRes() != res {
 		return // a stale attempt's connection
 	}
-	if p.changeStateFromTo(PathConnected, PathReconnecting) {
+	if p.changeStateFromTo(CltPathConnected, CltPathReconnecting) {
 		select {
 		case p.recoverCh <- struct{}{}:
 		default:
 		}
 		return
 	}
-	if p.changeStateFromTo(PathConnecting, PathConnectingErr) && res != nil {
+	if p.changeStateFromTo(CltPathConnecting, CltPathConnectingErr) && res != nil {
 		err := errInfoUnanswered
 		if !res.infoSent.Load() {
 			err = fmt.Errorf("rtrs: the path went down while it was being established: %w", syscall.ECONNRESET)
@@ -287,7 +287,7 @@ func (p *CltPath) run() {
 	for {
 		select {
 		case <-p.recoverCh:
-			if p.State() != PathReconnecting {
+			if p.State() != CltPathReconnecting {
 				continue
 			}
 			p.wentDown()
@@ -304,7 +304,7 @@ func (p *CltPath) run() {
 			case cmdConnect:
 				c.reply <- p.initPath(c.ctx)
 			case cmdKeepTrying:
-				if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
+				if p.changeStateFromTo(CltPathConnectingErr, CltPathReconnecting) {
 					p.wentDown()
 					schedule()
 				}
@@ -312,7 +312,7 @@ func (p *CltPath) run() {
 			case cmdReconnect:
 				stopTimer()
 				err := p.reconnectCmd(c.ctx)
-				if p.State() == PathReconnecting {
+				if p.State() == CltPathReconnecting {
 					schedule()
 				}
 				c.reply <- err
@@ -324,7 +324,7 @@ func (p *CltPath) run() {
 				stopTimer()
 				for {
 					p.closeConns()
-					if ok, old := p.changeStateGetOld(PathDead); ok || old == PathDead {
+					if ok, old := p.changeStateGetOld(CltPathDead); ok || old == CltPathDead {
 						break
 					}
 				}

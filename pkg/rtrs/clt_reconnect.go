@@ -65,7 +65,7 @@ func (p *CltPath) lossLeft() (time.Duration, bool) {
 // ctrl_loss_tmo.
 func (p *CltPath) CtrlLossIn() (left time.Duration, ok bool) {
 	switch p.State() {
-	case PathConnected, PathClosed, PathDead:
+	case CltPathConnected, CltPathClosed, CltPathDead:
 		return 0, false
 	}
 	p.mu.Lock()
@@ -126,7 +126,7 @@ func (p *CltPath) nextAttemptIn(in time.Duration) {
 // spent, else try to establish the path again. It reports whether another
 // attempt should be scheduled, and why the attempt failed.
 func (p *CltPath) reconnectWork(ctx context.Context, manual bool) (bool, error) {
-	if p.State() != PathReconnecting {
+	if p.State() != CltPathReconnecting {
 		return false, nil
 	}
 	max := p.sess.MaxReconnectAttempts()
@@ -151,14 +151,14 @@ func (p *CltPath) reconnectWork(ctx context.Context, manual bool) (bool, error) 
 	// this attempt and now (an error on a connection of the previous
 	// attempt): whatever is left of it goes before a new one starts.
 	p.stopAndDestroyConns()
-	if !p.changeStateFromTo(PathReconnecting, PathConnecting) {
+	if !p.changeStateFromTo(CltPathReconnecting, CltPathConnecting) {
 		return false, nil
 	}
 	err := p.initPath(ctx)
 	if err == nil {
 		return false, nil
 	}
-	if p.changeStateFromTo(PathConnectingErr, PathReconnecting) {
+	if p.changeStateFromTo(CltPathConnectingErr, CltPathReconnecting) {
 		p.stats.reconnFail.Add(1)
 		p.lg().WithError(err).Warn("reconnect failed")
 		return true, err
@@ -178,8 +178,8 @@ func (p *CltPath) reconnectCmd(ctx context.Context) error {
 	if err := ctx.Err(); err != nil { // it ended while the command waited
 		return fmt.Errorf("rtrs: path reconnect not made: %w", err)
 	}
-	changed, old := p.changeStateGetOld(PathReconnecting)
-	if !changed && old != PathReconnecting {
+	changed, old := p.changeStateGetOld(CltPathReconnecting)
+	if !changed && old != CltPathReconnecting {
 		return fmt.Errorf("rtrs: path is %v: %w", old, syscall.EBUSY)
 	}
 	if changed {
@@ -208,7 +208,7 @@ func (p *CltPath) reconnectCmd(ctx context.Context) error {
 			break
 		}
 	}
-	if p.State() != PathConnected {
+	if p.State() != CltPathConnected {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("rtrs: path did not reconnect (%v): %w", err, syscall.ENOTCONN)
 		}

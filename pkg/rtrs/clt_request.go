@@ -94,7 +94,7 @@ func (s *CltSession) submit(p *Permit, pl *Plug) (*CltPath, error) {
 func (p *CltPath) post(pm *Permit, pl *Plug) error {
 	p.submitMu.RLock()
 	defer p.submitMu.RUnlock()
-	if p.State() != PathConnected {
+	if p.State() != CltPathConnected {
 		return errPathDown
 	}
 	res := p.res

@@ -16,7 +16,7 @@ import (
 // CltSession is a client session: a name, a paths UUID, and the paths to one
 // server. It is safe for concurrent use.
 type CltSession struct {
-	cfg  ClientConfig
+	cfg  CltConfig
 	name string
 	uuid [16]byte
 	log  *log.Entry
@@ -61,10 +61,10 @@ type CltSession struct {
 	wg        sync.WaitGroup
 }
 
-// Open establishes a session with every path of cfg, one after another,
+// DialSession establishes a session with every path of cfg, one after another,
 // and returns when all are connected (rtrs_clt_open). If any path fails,
 // the session is closed and the error returned.
-func Open(ctx context.Context, cfg ClientConfig) (*CltSession, error) {
+func DialSession(ctx context.Context, cfg CltConfig) (*CltSession, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
@@ -138,7 +138,7 @@ func (s *CltSession) Paths() []*CltPath {
 // Connected reports whether at least one path is connected.
 func (s *CltSession) Connected() bool {
 	for _, p := range *s.pathsSnap.Load() {
-		if p.State() == PathConnected {
+		if p.State() == CltPathConnected {
 			return true
 		}
 	}

@@ -10,9 +10,9 @@ import (
 
 // closeConns is rtrs_clt_close_conns with wait: CLOSING, tear down, CLOSED.
 func (p *CltPath) closeConns() {
-	if ok, _ := p.changeStateGetOld(PathClosing); ok {
+	if ok, _ := p.changeStateGetOld(CltPathClosing); ok {
 		p.stopAndDestroyConns()
-		p.changeStateFromTo(PathClosing, PathClosed)
+		p.changeStateFromTo(CltPathClosing, CltPathClosed)
 	}
 }
 

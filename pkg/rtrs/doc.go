@@ -38,7 +38,7 @@
 //
 // Client:
 //
-//	CltSession.evMu (pathEvent; the user's ClientConfig.LinkEvent runs under it)
+//	CltSession.evMu (pathEvent; the user's CltConfig.LinkEvent runs under it)
 //	  CltSession.mu
 //	CltSession.initMu (initResources)
 //	  CltSession.regMu
@@ -85,8 +85,8 @@
 // package held (Plug.Unplug, Burst's end); Conn.Close waits for the
 // handlers, so it too is called with none held.
 //
-// User callbacks: Confirmer.Confirm and ServerHandler.HandleIO run with
-// no lock of this package held. ClientConfig.LinkEvent, ServerHandler's
+// User callbacks: Confirmer.Confirm and SrvHandler.HandleIO run with
+// no lock of this package held. CltConfig.LinkEvent, SrvHandler's
 // LinkEvent and NameClaimer.ClaimSessionName run under the locks named
 // above: they may read the session (Name, Paths) but must not call what
 // takes their own lock again (the client's path controls, Server.NameHeld
@@ -95,7 +95,7 @@
 // # Concurrency
 //
 // CltSession, CltPath, Server, SrvSession and SrvPath are safe for
-// concurrent use, and so are PathStats and SrvPathStats (each counter is
+// concurrent use, and so are CltPathStats and SrvPathStats (each counter is
 // atomic; a Counters snapshot is not taken at one instant). A Permit
 // belongs to the goroutine that took it until PutPermit, a SrvOp to the
 // handler from HandleIO until its Respond; a Buffer's methods may be

@@ -18,12 +18,12 @@ type confirmer chan error
 
 func (c confirmer) Confirm(err error) { c <- err }
 
-// Open a session of one path over TCP, send one write, and wait for its
+// Dial a session of one path over TCP, send one write, and wait for its
 // answer.
 func Example() {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName = "client1@server1"
 	cfg.Fabric = tcp.New(tcp.Options{})
 	p, err := rtrs.ParsePathAddr("ip:10.0.0.2@ip:10.0.0.1", rtrs.DefaultPort)
@@ -31,7 +31,7 @@ func Example() {
 		log.Fatal(err)
 	}
 	cfg.Paths = []rtrs.PathAddr{p}
-	sess, err := rtrs.Open(ctx, cfg) // every path connected (cfg.OpenAnyPath: one)
+	sess, err := rtrs.DialSession(ctx, cfg) // every path connected (cfg.OpenAnyPath: one)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -66,8 +66,8 @@ func Example() {
 
 // Open waits for every path of cfg; with OpenAnyPath it returns once
 // one is connected and the others keep trying.
-func ExampleOpen() {
-	cfg := rtrs.DefaultClientConfig()
+func ExampleDialSession() {
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName = "client1@server1"
 	cfg.Fabric = tcp.New(tcp.Options{})
 	for _, s := range []string{"ip:10.0.0.2@ip:10.0.0.1", "ip:10.0.1.2@ip:10.0.1.1"} {
@@ -78,7 +78,7 @@ func ExampleOpen() {
 		cfg.Paths = append(cfg.Paths, p)
 	}
 	cfg.OpenAnyPath = true
-	sess, err := rtrs.Open(context.Background(), cfg)
+	sess, err := rtrs.DialSession(context.Background(), cfg)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -91,7 +91,7 @@ func ExampleOpen() {
 // GetPermit waits for a free permit (a server chunk) until ctx ends or
 // the session closes; TryGetPermit does not wait.
 func ExampleCltSession_GetPermit() {
-	var sess *rtrs.CltSession // from rtrs.Open
+	var sess *rtrs.CltSession // from rtrs.DialSession
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	permit, err := sess.GetPermit(ctx, rtrs.IOCon)
@@ -105,7 +105,7 @@ func ExampleCltSession_GetPermit() {
 // Request sends a read: the server writes n bytes of answer into
 // buf[off:] before it confirms.
 func ExampleCltSession_Request() {
-	var sess *rtrs.CltSession // from rtrs.Open
+	var sess *rtrs.CltSession // from rtrs.DialSession
 	buf, err := sess.AllocBuffer(4096)
 	if err != nil {
 		log.Fatal(err)

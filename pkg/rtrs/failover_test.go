@@ -116,7 +116,7 @@ func TestFailoverInFlightMem(t *testing.T) {
 		t.Fatalf("cut path: %+v, want %d failed over from it, none to it", c, onA)
 	}
 	kit.WaitFor(t, 10*time.Second, "the cut path to reconnect", func() bool {
-		return paths[0].State() == PathConnected
+		return paths[0].State() == CltPathConnected
 	})
 	if c := paths[0].Stats().Counters(); c.ReconnectsSuccessful != 1 || c.Inflight != 0 {
 		t.Fatalf("reconnected path: %+v", c)
@@ -162,7 +162,7 @@ func TestFailoverInFlightTCP(t *testing.T) {
 	})
 	release()
 	noErrors(t, wait())
-	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return paths[0].State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return paths[0].State() == CltPathConnected })
 	r.verify(data)
 }
 
@@ -193,8 +193,8 @@ func TestNoPathInflight(t *testing.T) {
 	cli := netip.MustParseAddr("10.4.0.2")
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	var evMu sync.Mutex
-	var events []ClientLinkEvent
-	ccfg.LinkEvent = func(ev ClientLinkEvent) {
+	var events []CltLinkEvent
+	ccfg.LinkEvent = func(ev CltLinkEvent) {
 		evMu.Lock()
 		events = append(events, ev)
 		evMu.Unlock()
@@ -257,7 +257,7 @@ func TestServerRestart(t *testing.T) {
 	}
 	kit.WaitFor(t, 10*time.Second, "both paths back", func() bool {
 		for _, p := range r.sess.Paths() {
-			if p.State() != PathConnected {
+			if p.State() != CltPathConnected {
 				return false
 			}
 		}

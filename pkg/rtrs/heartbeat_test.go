@@ -80,12 +80,12 @@ func TestHeartbeatDetectsBlackhole(t *testing.T) {
 		net, cli, srvAddr, srv, sess := openFakeLink(t, newMemDisk(1<<20))
 		p := sess.Paths()[0]
 		time.Sleep(30 * time.Second) // heartbeats flow; nothing happens
-		if p.State() != PathConnected {
+		if p.State() != CltPathConnected {
 			t.Fatalf("idle path is %v", p.State())
 		}
 		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkBlackhole)
 		start := time.Now()
-		for p.State() == PathConnected {
+		for p.State() == CltPathConnected {
 			time.Sleep(100 * time.Millisecond)
 		}
 		if d := time.Since(start); d < 4*time.Second || d > 6*time.Second {
@@ -102,7 +102,7 @@ func TestHeartbeatDetectsBlackhole(t *testing.T) {
 			t.Fatal("no failed reconnect while blackholed")
 		}
 		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
-		for p.State() != PathConnected {
+		for p.State() != CltPathConnected {
 			time.Sleep(100 * time.Millisecond)
 		}
 		sess.Close()
@@ -225,7 +225,7 @@ func openFakeLink(t *testing.T, disk *memDisk) (net *fabrictest.Network, cli net
 	ccfg.HBInterval, ccfg.HBMissedMax = time.Second, 3
 	ccfg.ReconnectDelay, ccfg.ReconnectJitter = time.Second, 0
 	ccfg.ConnectTimeout = 3 * time.Second
-	if sess, err = Open(context.Background(), ccfg); err != nil {
+	if sess, err = DialSession(context.Background(), ccfg); err != nil {
 		t.Fatal(err)
 	}
 	return net, cli, srvAddr, srv, sess

@@ -94,8 +94,8 @@ func (d *memDisk) bytes(off, n int) []byte {
 	return append([]byte(nil), d.b[off:off+n]...)
 }
 
-func testServerConfig(fab fabric.Fabric, h ServerHandler, addrs ...netip.AddrPort) ServerConfig {
-	cfg := DefaultServerConfig()
+func testServerConfig(fab fabric.Fabric, h SrvHandler, addrs ...netip.AddrPort) SrvConfig {
+	cfg := DefaultSrvConfig()
 	cfg.Fabric = fab
 	cfg.Handler = h
 	cfg.Listen = addrs
@@ -105,8 +105,8 @@ func testServerConfig(fab fabric.Fabric, h ServerHandler, addrs ...netip.AddrPor
 	return cfg
 }
 
-func testClientConfig(fab fabric.Fabric, paths ...PathAddr) ClientConfig {
-	cfg := DefaultClientConfig()
+func testClientConfig(fab fabric.Fabric, paths ...PathAddr) CltConfig {
+	cfg := DefaultCltConfig()
 	cfg.SessName = "testsess"
 	cfg.Fabric = fab
 	cfg.Paths = paths
@@ -147,7 +147,7 @@ type rig struct {
 	ibuf *Buffer // for inflight
 }
 
-func newRig(t testing.TB, fab fabric.Fabric, scfg ServerConfig, ccfg ClientConfig) *rig {
+func newRig(t testing.TB, fab fabric.Fabric, scfg SrvConfig, ccfg CltConfig) *rig {
 	t.Helper()
 	r := &rig{t: t, disk: scfg.Handler.(*memDisk)}
 	var err error
@@ -158,7 +158,7 @@ func newRig(t testing.TB, fab fabric.Fabric, scfg ServerConfig, ccfg ClientConfi
 	t.Cleanup(func() { r.srv.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	r.sess, err = Open(ctx, ccfg)
+	r.sess, err = DialSession(ctx, ccfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +203,7 @@ func (r *rig) assertHealthy() {
 			r.t.Fatalf("path %s: failover %d, reconnects %d/%d, inflight %d; want all 0",
 				p.Name(), c.FailoverCount, c.ReconnectsSuccessful, c.ReconnectsFailed, c.Inflight)
 		}
-		if p.State() != PathConnected {
+		if p.State() != CltPathConnected {
 			r.t.Fatalf("path %s is %v", p.Name(), p.State())
 		}
 	}

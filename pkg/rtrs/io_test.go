@@ -258,7 +258,7 @@ func TestSessionFreesMemory(t *testing.T) {
 	defer srv.Close()
 	for _, holdPermit := range []bool{false, true} {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		sess, err := Open(ctx, testClientConfig(cf, pa("10.7.0.2", srvAddr.String())))
+		sess, err := DialSession(ctx, testClientConfig(cf, pa("10.7.0.2", srvAddr.String())))
 		cancel()
 		if err != nil {
 			t.Fatal(err)
@@ -322,7 +322,7 @@ func TestInitRetriedByNextPath(t *testing.T) {
 	cfg.OpenAnyPath = true
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	sess, err := Open(ctx, cfg)
+	sess, err := DialSession(ctx, cfg)
 	if err != nil {
 		t.Fatalf("open with the first path's memory short: %v", err)
 	}

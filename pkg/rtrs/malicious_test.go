@@ -57,7 +57,7 @@ func newHostileRigWith(t *testing.T, inv bool, disk *memDisk, opts tcp.Options) 
 
 // newHostileRigCfg is a hostile rig on a plain TCP fabric whose server
 // configuration set adjusts.
-func newHostileRigCfg(t *testing.T, set func(*ServerConfig)) *hostileRig {
+func newHostileRigCfg(t *testing.T, set func(*SrvConfig)) *hostileRig {
 	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second})
 	dst := loopbackListener(t)
 	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
@@ -133,7 +133,7 @@ func TestHostileConnectionRequests(t *testing.T) {
 func TestHostilePaths(t *testing.T) {
 	for _, inv := range []bool{true, false} {
 		h := newHostileRig(t, inv)
-		chunk := DefaultServerConfig().MaxChunkSize
+		chunk := DefaultSrvConfig().MaxChunkSize
 		chunk = 64 << 10
 		for _, c := range []struct {
 			name   string
@@ -626,7 +626,7 @@ func TestNamelessCertificateRefused(t *testing.T) {
 // sessions; one more is refused with EUSERS while other addresses are
 // not affected, and a slot comes back when a session goes.
 func TestHostileSessionsPerClient(t *testing.T) {
-	h := newHostileRigCfg(t, func(c *ServerConfig) { c.MaxSessionsPerClient = 2 })
+	h := newHostileRigCfg(t, func(c *SrvConfig) { c.MaxSessionsPerClient = 2 })
 	first := newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	newRawPathConns(t, h.fab, h.src, h.dst, 2, 1)
 	if err := h.dialPath(); rejectErrno(err) != syscall.EUSERS {
@@ -646,7 +646,7 @@ func TestHostileSessionsPerClient(t *testing.T) {
 // back when a path goes.
 func TestHostileClientMemoryShare(t *testing.T) {
 	var small, budget int64
-	h := newHostileRigCfg(t, func(c *ServerConfig) {
+	h := newHostileRigCfg(t, func(c *SrvConfig) {
 		small, _ = pathFootprint(c, nil, c.QueueDepth, c.MaxChunkSize, 2) // a raw path of two connections
 		budget = 16 * small
 		c.MaxChunkMemory, c.MaxChunkMemoryPerClient = budget, 2*small
@@ -703,7 +703,7 @@ func TestNameClaimedPerPath(t *testing.T) {
 	defer srv.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	sess, err := Open(ctx, testClientConfig(fab, PathAddr{Dst: a}))
+	sess, err := DialSession(ctx, testClientConfig(fab, PathAddr{Dst: a}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -760,7 +760,7 @@ func TestNameHeldWaitsForClaims(t *testing.T) {
 	var sess *CltSession
 	go func() {
 		var err error
-		sess, err = Open(ctx, testClientConfig(fab, PathAddr{Dst: a}))
+		sess, err = DialSession(ctx, testClientConfig(fab, PathAddr{Dst: a}))
 		opened <- err
 	}()
 	<-d.claiming

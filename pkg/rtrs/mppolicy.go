@@ -121,7 +121,7 @@ func (it *pathIter) next() *CltPath {
 func (it *pathIter) pick(cost func(*CltPath) int64) *CltPath {
 	best, bestCost := -1, int64(math.MaxInt64)
 	for i, p := range it.paths {
-		if it.tried[i/64]&(1<<(i%64)) != 0 || p.State() != PathConnected {
+		if it.tried[i/64]&(1<<(i%64)) != 0 || p.State() != CltPathConnected {
 			continue
 		}
 		if c := cost(p); c < bestCost {

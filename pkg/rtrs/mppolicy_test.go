@@ -8,7 +8,7 @@ import (
 
 // fakePaths builds paths without goroutines: only state, inflight and
 // latency matter to the iterator.
-func fakePaths(states []PathState, inflight []int64, latency []time.Duration) []*CltPath {
+func fakePaths(states []CltPathState, inflight []int64, latency []time.Duration) []*CltPath {
 	var ps []*CltPath
 	for i, st := range states {
 		p := &CltPath{stats: newPathStats()}
@@ -50,7 +50,7 @@ func TestPolicyMinInflight(t *testing.T) {
 	s := &CltSession{}
 	s.policy.Store(int32(MPMinInflight))
 	paths := fakePaths(
-		[]PathState{PathConnected, PathConnected, PathReconnecting, PathConnected},
+		[]CltPathState{CltPathConnected, CltPathConnected, CltPathReconnecting, CltPathConnected},
 		[]int64{5, 2, 0, 9},
 		[]time.Duration{1, 1, 1, 1})
 	// Least inflight first, the disconnected path never, then stop.
@@ -68,7 +68,7 @@ func TestPolicyMinLatency(t *testing.T) {
 	s := &CltSession{}
 	s.policy.Store(int32(MPMinLatency))
 	paths := fakePaths(
-		[]PathState{PathConnected, PathConnected, PathConnected, PathClosed},
+		[]CltPathState{CltPathConnected, CltPathConnected, CltPathConnected, CltPathClosed},
 		[]int64{0, 0, 100, 0},
 		[]time.Duration{300 * time.Microsecond, 900 * time.Microsecond, 50 * time.Microsecond, time.Microsecond})
 	if got := order(s, paths); !equalInts(got, []int{2, 0, 1}) {
@@ -80,7 +80,7 @@ func TestPolicyRoundRobin(t *testing.T) {
 	s := &CltSession{}
 	s.policy.Store(int32(MPRoundRobin))
 	paths := fakePaths(
-		[]PathState{PathConnected, PathConnected, PathConnected},
+		[]CltPathState{CltPathConnected, CltPathConnected, CltPathConnected},
 		[]int64{0, 0, 0}, []time.Duration{0, 0, 0})
 	// Each request starts one further, and tries every path once.
 	firsts := map[int]int{}

@@ -33,7 +33,7 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	wait, _ := r.inflight(1, 4096)
 	kit.WaitFor(t, 5*time.Second, "request in flight", func() bool { return counters(p).Inflight == 1 })
 	// What errorRecovery does before the path's goroutine sees recoverCh.
-	if !p.changeStateFromTo(PathConnected, PathReconnecting) {
+	if !p.changeStateFromTo(CltPathConnected, CltPathReconnecting) {
 		t.Fatal("path was not connected")
 	}
 	// The server still holds the old path (its IO is held), so this
@@ -43,7 +43,7 @@ func TestReconnectInRecoveryWindow(t *testing.T) {
 	if err != nil && !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("Reconnect: %v", err)
 	}
-	kit.WaitFor(t, 10*time.Second, "path reconnected", func() bool { return p.State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "path reconnected", func() bool { return p.State() == CltPathConnected })
 	done := make(chan []error, 1)
 	go func() { done <- wait() }()
 	select {
@@ -83,7 +83,7 @@ func TestReconnectRacingErrorRecovery(t *testing.T) {
 		}
 		p.Reconnect(context.Background()) // EBUSY or ENOTCONN are fine here
 		kit.WaitFor(t, 10*time.Second, "path connected and counted once", func() bool {
-			return p.State() == PathConnected && r.sess.pathsUpCount() == 1
+			return p.State() == CltPathConnected && r.sess.pathsUpCount() == 1
 		})
 	}
 	if _, err := r.read(0, 4096); err != nil {
@@ -102,7 +102,7 @@ func TestCloseRacingAddPath(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		sess, err := Open(context.Background(), testClientConfig(fab, pa(fmt.Sprintf("10.79.%d.2", i), a1.String())))
+		sess, err := DialSession(context.Background(), testClientConfig(fab, pa(fmt.Sprintf("10.79.%d.2", i), a1.String())))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -145,7 +145,7 @@ func TestServerCloseRacingConnect(t *testing.T) {
 		ccfg.ConnsPerPath = 1
 		opened := make(chan *CltSession, 1)
 		go func() {
-			s, _ := Open(context.Background(), ccfg)
+			s, _ := DialSession(context.Background(), ccfg)
 			opened <- s
 		}()
 		for j := 0; j < i; j++ {
@@ -186,7 +186,7 @@ func TestServerChunkMemoryBudget(t *testing.T) {
 	// Another session's path is refused the same way.
 	other := testClientConfig(fab, pa("10.82.1.2", a2.String()))
 	other.SessName = "other"
-	if _, err := Open(context.Background(), other); !errors.Is(err, syscall.ENOMEM) {
+	if _, err := DialSession(context.Background(), other); !errors.Is(err, syscall.ENOMEM) {
 		t.Fatalf("second session over the budget: %v, want ENOMEM", err)
 	}
 	// Releasing the first path's memory lets a new one in.

@@ -31,7 +31,7 @@ func TestReconnectLimit(t *testing.T) {
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == CltPathClosed })
 	if c := counters(p); c.ReconnectsFailed != 2 || c.ReconnectsSuccessful != 0 {
 		t.Fatalf("reconnects %d/%d, want 0 successful, 2 failed", c.ReconnectsSuccessful, c.ReconnectsFailed)
 	}
@@ -50,13 +50,13 @@ func TestReconnectLimit(t *testing.T) {
 	}
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
 	time.Sleep(300 * time.Millisecond) // longer than the reconnect delays
-	if p.State() != PathClosed {
+	if p.State() != CltPathClosed {
 		t.Fatalf("path is %v after giving up, want CLOSED", p.State())
 	}
 	if err := p.Reconnect(context.Background()); err != nil {
 		t.Fatalf("manual reconnect: %v", err)
 	}
-	if p.State() != PathConnected || counters(p).ReconnectsSuccessful != 1 {
+	if p.State() != CltPathConnected || counters(p).ReconnectsSuccessful != 1 {
 		t.Fatalf("after manual reconnect: %v %+v", p.State(), counters(p))
 	}
 	if err := r.write(0, []byte("ok")); err != nil {
@@ -74,7 +74,7 @@ func TestReconnectDisabled(t *testing.T) {
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), ccfg)
 	p := r.sess.Paths()[0]
 	net.Cut(cli, srvAddr.Addr())
-	kit.WaitFor(t, 10*time.Second, "the path to close", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to close", func() bool { return p.State() == CltPathClosed })
 	if c := counters(p); c.ReconnectsFailed != 0 {
 		t.Fatalf("%d reconnect attempts with the limit at 0", c.ReconnectsFailed)
 	}
@@ -99,13 +99,13 @@ func TestReconnectForever(t *testing.T) {
 		return n >= 5 && next > 0 && next <= ccfg.ReconnectMaxDelay+ccfg.ReconnectJitter
 	})
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
-	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == PathConnected })
+	kit.WaitFor(t, 10*time.Second, "the path to reconnect", func() bool { return p.State() == CltPathConnected })
 	if n, next := p.ReconnectAttempts(); n != 0 || next != 0 {
 		t.Fatalf("connected again: %d attempts, next in %v; want 0, none", n, next)
 	}
 	// A manual reconnect while it keeps failing reports ENOTCONN.
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	kit.WaitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == PathReconnecting })
+	kit.WaitFor(t, 10*time.Second, "reconnecting", func() bool { return p.State() == CltPathReconnecting })
 	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("reconnect over a dead link: %v, want ENOTCONN", err)
 	}
@@ -175,7 +175,7 @@ func TestPathControls(t *testing.T) {
 			}
 		}
 	}
-	if err := a.Disconnect(); err != nil || a.State() != PathClosed {
+	if err := a.Disconnect(); err != nil || a.State() != CltPathClosed {
 		t.Fatalf("disconnect: %v, state %v", err, a.State())
 	}
 	if err := a.Disconnect(); err != nil {
@@ -187,14 +187,14 @@ func TestPathControls(t *testing.T) {
 		t.Fatal("IO went to a disconnected path")
 	}
 	time.Sleep(200 * time.Millisecond)
-	if a.State() != PathClosed {
+	if a.State() != CltPathClosed {
 		t.Fatalf("a disconnected path reconnected by itself: %v", a.State())
 	}
-	if err := a.Reconnect(context.Background()); err != nil || a.State() != PathConnected {
+	if err := a.Reconnect(context.Background()); err != nil || a.State() != CltPathConnected {
 		t.Fatalf("reconnect: %v, state %v", err, a.State())
 	}
 	// Reconnecting a connected path tears it down and connects again.
-	if err := b.Reconnect(context.Background()); err != nil || b.State() != PathConnected {
+	if err := b.Reconnect(context.Background()); err != nil || b.State() != CltPathConnected {
 		t.Fatalf("reconnect of a connected path: %v, state %v", err, b.State())
 	}
 	io(10)
@@ -204,7 +204,7 @@ func TestPathControls(t *testing.T) {
 	if ps := r.sess.Paths(); len(ps) != 1 || ps[0] != b {
 		t.Fatalf("paths after remove: %v", ps)
 	}
-	if a.State() != PathDead {
+	if a.State() != CltPathDead {
 		t.Fatalf("removed path is %v, want DEAD", a.State())
 	}
 	if err := a.Reconnect(context.Background()); !errors.Is(err, syscall.ENODEV) {
@@ -212,7 +212,7 @@ func TestPathControls(t *testing.T) {
 	}
 	io(10)
 	c, err := r.sess.AddPath(context.Background(), pa("10.10.0.4", srvAddr.String()))
-	if err != nil || c.State() != PathConnected || len(r.sess.Paths()) != 2 {
+	if err != nil || c.State() != CltPathConnected || len(r.sess.Paths()) != 2 {
 		t.Fatalf("add_path: %v", err)
 	}
 	// add_path to an address nobody listens on fails and leaves no path.
@@ -271,7 +271,7 @@ func TestQueueDepthChanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == CltPathClosed })
 	if err := p.Reconnect(context.Background()); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("manual reconnect to the wrong queue depth: %v", err)
 	}
@@ -302,23 +302,23 @@ func TestConfigLimits(t *testing.T) {
 			t.Errorf("max_reconnect_attempts %d: %v", n, err)
 		}
 	}
-	cfg := DefaultClientConfig()
+	cfg := DefaultCltConfig()
 	cfg.SessName, cfg.Paths = "x", []PathAddr{{Dst: ap("1.2.3.4:1")}}
 	cfg.Fabric = fabrictest.NewNetwork().Fabric()
-	for name, mut := range map[string]func(*ClientConfig){
-		"bad name":      func(c *ClientConfig) { c.SessName = "a.b" },
-		"no paths":      func(c *ClientConfig) { c.Paths = nil },
-		"no fabric":     func(c *ClientConfig) { c.Fabric = nil },
-		"zero conns":    func(c *ClientConfig) { c.ConnsPerPath = 0 },
-		"bad policy":    func(c *ClientConfig) { c.MPPolicy = 9 },
-		"bad attempts":  func(c *ClientConfig) { c.MaxReconnectAttempts = -3 },
-		"zero hb":       func(c *ClientConfig) { c.HBInterval = 0 },
-		"negative wait": func(c *ClientConfig) { c.ReconnectDelay = -1 },
+	for name, mut := range map[string]func(*CltConfig){
+		"bad name":      func(c *CltConfig) { c.SessName = "a.b" },
+		"no paths":      func(c *CltConfig) { c.Paths = nil },
+		"no fabric":     func(c *CltConfig) { c.Fabric = nil },
+		"zero conns":    func(c *CltConfig) { c.ConnsPerPath = 0 },
+		"bad policy":    func(c *CltConfig) { c.MPPolicy = 9 },
+		"bad attempts":  func(c *CltConfig) { c.MaxReconnectAttempts = -3 },
+		"zero hb":       func(c *CltConfig) { c.HBInterval = 0 },
+		"negative wait": func(c *CltConfig) { c.ReconnectDelay = -1 },
 	} {
 		c := cfg
 		mut(&c)
-		if _, err := Open(context.Background(), c); err == nil {
-			t.Errorf("%s: Open succeeded", name)
+		if _, err := DialSession(context.Background(), c); err == nil {
+			t.Errorf("%s: DialSession succeeded", name)
 		}
 	}
 }
@@ -339,7 +339,7 @@ func openSlowDial(t *testing.T) (net *fabrictest.Network, cli netip.Addr, srvAdd
 	t.Cleanup(func() { srv.Close() })
 	ccfg := testClientConfig(fab, pa(cli.String(), srvAddr.String()))
 	ccfg.ConnectTimeout = time.Minute
-	sess, err := Open(context.Background(), ccfg)
+	sess, err := DialSession(context.Background(), ccfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -356,7 +356,7 @@ func TestRemoveWhileReconnecting(t *testing.T) {
 		net.Cut(cli, srvAddr.Addr())
 		time.Sleep(time.Second) // the reconnect attempt now hangs in its dial
 		synctest.Wait()
-		if p.State() != PathConnecting {
+		if p.State() != CltPathConnecting {
 			t.Fatalf("path is %v, want CONNECTING (a reconnect in progress)", p.State())
 		}
 		start := time.Now()
@@ -432,12 +432,12 @@ func TestRestartedClientReclaimsSession(t *testing.T) {
 	defer cancel()
 	fresh := ccfg
 	fresh.UUID = [16]byte{}
-	if s, err := Open(ctx, fresh); err == nil {
+	if s, err := DialSession(ctx, fresh); err == nil {
 		s.Close()
 		t.Fatal("a new session took the name of one that lingers on the server")
 	}
 
-	s2, err := Open(ctx, ccfg)
+	s2, err := DialSession(ctx, ccfg)
 	if err != nil {
 		t.Fatalf("restarted client with the same UUID: %v", err)
 	}
@@ -446,7 +446,7 @@ func TestRestartedClientReclaimsSession(t *testing.T) {
 		if !oldPaths[p.UUID()] {
 			t.Errorf("path %s has a new UUID", p.Name())
 		}
-		if p.State() != PathConnected {
+		if p.State() != CltPathConnected {
 			t.Errorf("path %s is %v", p.Name(), p.State())
 		}
 	}
@@ -481,25 +481,25 @@ func TestOpenAnyPath(t *testing.T) {
 	ccfg := testClientConfig(fab, pa("10.8.0.2", srvAddr.String()), pa("10.8.0.3", srvAddr.String()))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if s, err := Open(ctx, ccfg); err == nil {
+	if s, err := DialSession(ctx, ccfg); err == nil {
 		s.Close()
 		t.Fatal("Open with a path down succeeded without OpenAnyPath")
 	}
 	ccfg.OpenAnyPath = true
-	s, err := Open(ctx, ccfg)
+	s, err := DialSession(ctx, ccfg)
 	if err != nil {
 		t.Fatalf("OpenAnyPath with one path down: %v", err)
 	}
 	defer s.Close()
-	if st := s.Paths()[0].State(); st == PathConnected {
+	if st := s.Paths()[0].State(); st == CltPathConnected {
 		t.Fatalf("the path whose link is down is %v", st)
 	}
 	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkUp)
-	kit.WaitFor(t, 10*time.Second, "the first path to come up", func() bool { return s.Paths()[0].State() == PathConnected })
-	// Both links down at Open: nothing to open.
+	kit.WaitFor(t, 10*time.Second, "the first path to come up", func() bool { return s.Paths()[0].State() == CltPathConnected })
+	// Both links down at DialSession: nothing to open.
 	n.SetLink(down, srvAddr.Addr(), fabrictest.LinkDown)
 	n.SetLink(netip.MustParseAddr("10.8.0.3"), srvAddr.Addr(), fabrictest.LinkDown)
-	if s3, err := Open(ctx, ccfg); err == nil {
+	if s3, err := DialSession(ctx, ccfg); err == nil {
 		s3.Close()
 		t.Fatal("OpenAnyPath with every path down succeeded")
 	}
@@ -566,7 +566,7 @@ func TestCtrlLossTmo(t *testing.T) {
 	p := r.sess.Paths()[0]
 	start := time.Now()
 	net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkDown)
-	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up", func() bool { return p.State() == CltPathClosed })
 	if took := time.Since(start); took < 700*time.Millisecond {
 		t.Fatalf("gave up after %v, before ctrl_loss_tmo", took)
 	}
@@ -591,7 +591,7 @@ func TestCtrlLossTmo(t *testing.T) {
 	if left, ok := p.CtrlLossIn(); !ok || left <= 0 || left > 700*time.Millisecond {
 		t.Fatalf("after a failed manual reconnect: ctrl_loss_tmo left %v %v", left, ok)
 	}
-	kit.WaitFor(t, 10*time.Second, "the path to give up again", func() bool { return p.State() == PathClosed })
+	kit.WaitFor(t, 10*time.Second, "the path to give up again", func() bool { return p.State() == CltPathClosed })
 	if took := time.Since(start); took < 700*time.Millisecond {
 		t.Fatalf("gave up again after %v, before ctrl_loss_tmo", took)
 	}
@@ -619,7 +619,7 @@ func TestReconnectHonoursCtx(t *testing.T) {
 			if err := p.Reconnect(done); !errors.Is(err, context.Canceled) {
 				t.Fatalf("Reconnect with an ended ctx = %v, want context.Canceled", err)
 			}
-			if s := p.State(); s != PathConnected {
+			if s := p.State(); s != CltPathConnected {
 				t.Fatalf("path is %v after a Reconnect with an ended ctx, want CONNECTED", s)
 			}
 		}
@@ -637,11 +637,11 @@ func TestReconnectHonoursCtx(t *testing.T) {
 		if d := time.Since(start); d != 2*time.Second {
 			t.Fatalf("Reconnect returned after %v, want its ctx's 2s", d)
 		}
-		if s := p.State(); s != PathReconnecting && s != PathConnecting {
+		if s := p.State(); s != CltPathReconnecting && s != CltPathConnecting {
 			t.Fatalf("path is %v after the ended attempt, want RECONNECTING", s)
 		}
 		net.SetLink(cli, srvAddr.Addr(), fabrictest.LinkUp)
-		for i := 0; p.State() != PathConnected; i++ {
+		for i := 0; p.State() != CltPathConnected; i++ {
 			if i == 600 {
 				t.Fatalf("path is %v a minute after the link came back", p.State())
 			}

@@ -44,7 +44,7 @@ func TestRejectErr(t *testing.T) {
 	}
 }
 
-// The same through a whole Open over the TCP fabric, against a peer that
+// The same through a whole DialSession over the TCP fabric, against a peer that
 // rejects every connection with zeros, as the CM does.
 func TestOpenRejectedByNonRTRSPeer(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -73,7 +73,7 @@ func TestOpenRejectedByNonRTRSPeer(t *testing.T) {
 	cfg := testClientConfig(tcp.New(tcp.Options{}), PathAddr{Dst: dst})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	s, err := Open(ctx, cfg)
+	s, err := DialSession(ctx, cfg)
 	if err == nil {
 		s.Close()
 		t.Fatal("a session with a peer that rejects everything")

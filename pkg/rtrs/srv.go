@@ -37,8 +37,8 @@ func (e SrvLinkEvent) String() string {
 	return "DISCONNECTED"
 }
 
-// ServerHandler is the server's user (rtrs_srv_ops): RNBD.
-type ServerHandler interface {
+// SrvHandler is the server's user (rtrs_srv_ops): RNBD.
+type SrvHandler interface {
 	// LinkEvent reports a session's first path up (an error refuses the
 	// path) and its last path down. Calls for a session are serialized.
 	LinkEvent(sess *SrvSession, ev SrvLinkEvent) error
@@ -48,7 +48,7 @@ type ServerHandler interface {
 	HandleIO(op *SrvOp) error
 }
 
-// NameClaimer is an optional part of a ServerHandler: which client may
+// NameClaimer is an optional part of a SrvHandler: which client may
 // take a session name. ClaimSessionName is called for every path that
 // brings the name (a session's first, and each that joins it), with the
 // identity the fabric authenticated for the session ("" without one),
@@ -63,7 +63,7 @@ type NameClaimer interface {
 // groups them into sessions by paths UUID, owns each path's chunks and
 // hands every IO to its handler. It is safe for concurrent use.
 type Server struct {
-	cfg       ServerConfig
+	cfg       SrvConfig
 	log       *log.Entry
 	rl        log.Limiter
 	listeners []fabric.Listener
@@ -105,7 +105,7 @@ type Server struct {
 }
 
 // NewServer listens on every address of cfg and starts accepting.
-func NewServer(cfg ServerConfig) (*Server, error) {
+func NewServer(cfg SrvConfig) (*Server, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}

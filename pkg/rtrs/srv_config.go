@@ -13,12 +13,12 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
 
-// Configuration of a server: ServerConfig, its endpoints, and the
+// Configuration of a server: SrvConfig, its endpoints, and the
 // defaults (the kernel module's where it has them; the bounds on what
 // clients may make the server hold are this server's own).
 
-// ServerConfig configures a Server. Start from DefaultServerConfig.
-type ServerConfig struct {
+// SrvConfig configures a Server. Start from DefaultSrvConfig.
+type SrvConfig struct {
 	// Fabric carries the paths accepted on the Listen addresses.
 	Fabric fabric.Fabric
 	// Listen are the addresses to accept paths on.
@@ -84,7 +84,7 @@ type ServerConfig struct {
 	// cannot take every session, or the chunk memory, from the others.
 	// 0 means no bound.
 	MaxSessionsPerClient int
-	Handler              ServerHandler
+	Handler              SrvHandler
 	Log                  *log.Entry
 }
 
@@ -123,7 +123,7 @@ const DefaultClientPaths = 8
 // but at least DefaultClientPaths paths of cfg's chunks with a
 // connection per CPU and the service one, and at most all of it. On a
 // machine whose budget holds few paths there is no share to keep.
-func DefaultMaxChunkMemoryPerClient(cfg *ServerConfig) int64 {
+func DefaultMaxChunkMemoryPerClient(cfg *SrvConfig) int64 {
 	total := cfg.MaxChunkMemory
 	if total <= 0 {
 		return 0
@@ -152,9 +152,9 @@ const (
 // more than any legitimate one makes.
 const DefaultMaxSessionsPerClient = 64
 
-// DefaultServerConfig returns the kernel module's defaults.
-func DefaultServerConfig() ServerConfig {
-	c := ServerConfig{
+// DefaultSrvConfig returns the kernel module's defaults.
+func DefaultSrvConfig() SrvConfig {
+	c := SrvConfig{
 		QueueDepth:           DefaultQueueDepth,
 		MaxChunkSize:         DefaultMaxChunkSize,
 		AlwaysInvalidate:     true,
@@ -172,7 +172,7 @@ func DefaultServerConfig() ServerConfig {
 	return c
 }
 
-func (c *ServerConfig) validate() error {
+func (c *SrvConfig) validate() error {
 	if c.Handler == nil || (c.Fabric == nil && len(c.Listen) > 0) || (len(c.Listen) == 0 && len(c.Endpoints) == 0 && c.Fabric == nil) {
 		return errors.New("rtrs: server needs a fabric and a handler")
 	}

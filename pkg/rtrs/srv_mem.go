@@ -29,13 +29,13 @@ import (
 //     pages given back to the kernel, not to the garbage collector.
 //   - What does live on the Go heap (connections' queues and buffers, the
 //     per-chunk structures) becomes garbage when its path closes. With
-//     ServerConfig.GoMemoryLimit the server keeps the runtime's soft
+//     SrvConfig.GoMemoryLimit the server keeps the runtime's soft
 //     memory limit at GoHeapMargin plus the heap part of what the paths
 //     hold, so that the collector frees that garbage before the process
 //     passes its budget.
 
 // GoHeapMargin is what the Go heap may hold beyond what the paths are
-// counted for, with ServerConfig.GoMemoryLimit: the daemon's own
+// counted for, with SrvConfig.GoMemoryLimit: the daemon's own
 // structures, goroutine stacks, log and control buffers, connections in
 // their handshake. The process's memory stays within MaxChunkMemory plus
 // this margin (and the runtime's own few MiB).
@@ -68,7 +68,7 @@ func connMemory(fab fabric.Fabric, maxSend, maxRecv int) int64 {
 // pathFootprint is what a path of cidNum connections on fab (nil: the
 // configuration's fabric) is counted for against MaxChunkMemory: its
 // chunks and their structures, and its connections.
-func pathFootprint(cfg *ServerConfig, fab fabric.Fabric, qd, chunkSize, cidNum int) (total, heap int64) {
+func pathFootprint(cfg *SrvConfig, fab fabric.Fabric, qd, chunkSize, cidNum int) (total, heap int64) {
 	if fab == nil {
 		fab = cfg.Fabric
 	}
@@ -125,7 +125,7 @@ func (s *Server) releaseMem(client string, size, heap int64) {
 
 // setMemoryLimitLocked sets the runtime's soft memory limit to
 // GoHeapMargin plus what the paths may hold on the heap
-// (ServerConfig.GoMemoryLimit). memMu is held: the last change wins.
+// (SrvConfig.GoMemoryLimit). memMu is held: the last change wins.
 func (s *Server) setMemoryLimitLocked() {
 	if s.cfg.GoMemoryLimit && s.cfg.MaxChunkMemory > 0 {
 		debug.SetMemoryLimit(GoHeapMargin + s.heapMem)

@@ -123,7 +123,7 @@ func TestChunkPoolReuse(t *testing.T) {
 // counted), while another address is not affected; the bucket refills
 // with time.
 func TestNewPathRate(t *testing.T) {
-	h := newHostileRigCfg(t, func(c *ServerConfig) { c.NewPathRate, c.NewPathBurst = 1, 3 })
+	h := newHostileRigCfg(t, func(c *SrvConfig) { c.NewPathRate, c.NewPathBurst = 1, 3 })
 	var mu sync.Mutex
 	now := time.Now()
 	h.srv.pathRate.mu.Lock()
@@ -160,13 +160,13 @@ func TestNewPathRate(t *testing.T) {
 // Our client asks again when the server refuses a new path with EAGAIN
 // (its new_path_rate), until its context ends.
 func TestClientRetriesNewPathRate(t *testing.T) {
-	fab := newHostileRigCfg(t, func(c *ServerConfig) { c.NewPathRate, c.NewPathBurst = 5, 1 })
+	fab := newHostileRigCfg(t, func(c *SrvConfig) { c.NewPathRate, c.NewPathBurst = 5, 1 })
 	// The rig's own session took the one token of 127.0.0.1.
 	ccfg := testClientConfig(fab.fab, pa("127.0.0.1", fab.dst.String()))
 	ccfg.SessName = "second"
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	s, err := Open(ctx, ccfg)
+	s, err := DialSession(ctx, ccfg)
 	if err != nil {
 		t.Fatalf("a session refused EAGAIN at first: %v, want it to retry and connect", err)
 	}
@@ -181,7 +181,7 @@ func TestClientRetriesNewPathRate(t *testing.T) {
 // and is put back by Close.
 func TestGoMemoryLimit(t *testing.T) {
 	before := debug.SetMemoryLimit(-1)
-	h := newHostileRigCfg(t, func(c *ServerConfig) {
+	h := newHostileRigCfg(t, func(c *SrvConfig) {
 		c.GoMemoryLimit = true
 		c.MaxChunkMemory = 1 << 30
 	})

@@ -231,7 +231,7 @@ func (p *SrvPath) newConnLocked(cid int) *srvConn {
 
 // connQueues sizes connection cid's send and receive queues, and the
 // part of the send queue post counts (sqAvail).
-func connQueues(cfg *ServerConfig, qd, cid int, windows bool) (maxSend, maxRecv, sqAvail int) {
+func connQueues(cfg *SrvConfig, qd, cid int, windows bool) (maxSend, maxRecv, sqAvail int) {
 	if cid == 0 {
 		maxSend = ServiceConQueueDepth*2 + 2
 		maxRecv = maxSend

@@ -2,40 +2,40 @@ package rtrs
 
 import "fmt"
 
-// PathState is the state of a client path, enum rtrs_clt_state.
-type PathState int32
+// CltPathState is the state of a client path, enum rtrs_clt_state.
+type CltPathState int32
 
 const (
-	PathConnecting PathState = iota
-	PathConnectingErr
-	PathReconnecting
-	PathConnected
-	PathClosing
-	PathClosed
-	PathDead
+	CltPathConnecting CltPathState = iota
+	CltPathConnectingErr
+	CltPathReconnecting
+	CltPathConnected
+	CltPathClosing
+	CltPathClosed
+	CltPathDead
 )
 
 var pathStateNames = [...]string{
-	PathConnecting:    "CONNECTING",
-	PathConnectingErr: "CONNECTING_ERR",
-	PathReconnecting:  "RECONNECTING",
-	PathConnected:     "CONNECTED",
-	PathClosing:       "CLOSING",
-	PathClosed:        "CLOSED",
-	PathDead:          "DEAD",
+	CltPathConnecting:    "CONNECTING",
+	CltPathConnectingErr: "CONNECTING_ERR",
+	CltPathReconnecting:  "RECONNECTING",
+	CltPathConnected:     "CONNECTED",
+	CltPathClosing:       "CLOSING",
+	CltPathClosed:        "CLOSED",
+	CltPathDead:          "DEAD",
 }
 
-func (s PathState) String() string {
+func (s CltPathState) String() string {
 	if s >= 0 && int(s) < len(pathStateNames) {
 		return pathStateNames[s]
 	}
-	return fmt.Sprintf("PathState(%d)", int32(s))
+	return fmt.Sprintf("CltPathState(%d)", int32(s))
 }
 
 // SysfsString is what the kernel's paths/<path>/state shows: "connected"
 // for CONNECTED and "disconnected" for every other state.
-func (s PathState) SysfsString() string {
-	if s == PathConnected {
+func (s CltPathState) SysfsString() string {
+	if s == CltPathConnected {
 		return "connected"
 	}
 	return "disconnected"
@@ -43,23 +43,23 @@ func (s PathState) SysfsString() string {
 
 // pathTransitionAllowed is the whole transition table of
 // rtrs_clt_change_state: the states a path may enter each state from.
-func pathTransitionAllowed(from, to PathState) bool {
+func pathTransitionAllowed(from, to CltPathState) bool {
 	switch to {
-	case PathConnecting:
-		return from == PathReconnecting
-	case PathReconnecting:
-		return from == PathConnected || from == PathConnectingErr || from == PathClosed
-	case PathConnected:
-		return from == PathConnecting
-	case PathConnectingErr:
-		return from == PathConnecting
-	case PathClosing:
-		return from == PathConnecting || from == PathConnectingErr ||
-			from == PathReconnecting || from == PathConnected
-	case PathClosed:
-		return from == PathClosing
-	case PathDead:
-		return from == PathClosed
+	case CltPathConnecting:
+		return from == CltPathReconnecting
+	case CltPathReconnecting:
+		return from == CltPathConnected || from == CltPathConnectingErr || from == CltPathClosed
+	case CltPathConnected:
+		return from == CltPathConnecting
+	case CltPathConnectingErr:
+		return from == CltPathConnecting
+	case CltPathClosing:
+		return from == CltPathConnecting || from == CltPathConnectingErr ||
+			from == CltPathReconnecting || from == CltPathConnected
+	case CltPathClosed:
+		return from == CltPathClosing
+	case CltPathDead:
+		return from == CltPathClosed
 	}
 	return false
 }

@@ -7,31 +7,31 @@ import (
 // TestPathStateTable checks all 7x7 transitions against the table of
 // rtrs_clt_change_state, written out here independently of state.go.
 func TestPathStateTable(t *testing.T) {
-	states := []PathState{PathConnecting, PathConnectingErr, PathReconnecting, PathConnected, PathClosing, PathClosed, PathDead}
-	allowed := map[[2]PathState]bool{
-		{PathReconnecting, PathConnecting}: true,
+	states := []CltPathState{CltPathConnecting, CltPathConnectingErr, CltPathReconnecting, CltPathConnected, CltPathClosing, CltPathClosed, CltPathDead}
+	allowed := map[[2]CltPathState]bool{
+		{CltPathReconnecting, CltPathConnecting}: true,
 
-		{PathConnected, PathReconnecting}:     true,
-		{PathConnectingErr, PathReconnecting}: true,
-		{PathClosed, PathReconnecting}:        true,
+		{CltPathConnected, CltPathReconnecting}:     true,
+		{CltPathConnectingErr, CltPathReconnecting}: true,
+		{CltPathClosed, CltPathReconnecting}:        true,
 
-		{PathConnecting, PathConnected}: true,
+		{CltPathConnecting, CltPathConnected}: true,
 
-		{PathConnecting, PathConnectingErr}: true,
+		{CltPathConnecting, CltPathConnectingErr}: true,
 
-		{PathConnecting, PathClosing}:    true,
-		{PathConnectingErr, PathClosing}: true,
-		{PathReconnecting, PathClosing}:  true,
-		{PathConnected, PathClosing}:     true,
+		{CltPathConnecting, CltPathClosing}:    true,
+		{CltPathConnectingErr, CltPathClosing}: true,
+		{CltPathReconnecting, CltPathClosing}:  true,
+		{CltPathConnected, CltPathClosing}:     true,
 
-		{PathClosing, PathClosed}: true,
+		{CltPathClosing, CltPathClosed}: true,
 
-		{PathClosed, PathDead}: true,
+		{CltPathClosed, CltPathDead}: true,
 	}
 	n := 0
 	for _, from := range states {
 		for _, to := range states {
-			want := allowed[[2]PathState{from, to}]
+			want := allowed[[2]CltPathState{from, to}]
 			p := &CltPath{stateCh: make(chan struct{})}
 			p.state.Store(int32(from))
 			ch := p.stateCh
@@ -63,14 +63,14 @@ func TestPathStateTable(t *testing.T) {
 
 func TestPathStateFromTo(t *testing.T) {
 	p := &CltPath{stateCh: make(chan struct{})}
-	p.state.Store(int32(PathConnected))
-	if p.changeStateFromTo(PathConnecting, PathConnectingErr) {
+	p.state.Store(int32(CltPathConnected))
+	if p.changeStateFromTo(CltPathConnecting, CltPathConnectingErr) {
 		t.Fatal("from-to changed a path that was not in the from state")
 	}
-	if !p.changeStateFromTo(PathConnected, PathReconnecting) || p.State() != PathReconnecting {
+	if !p.changeStateFromTo(CltPathConnected, CltPathReconnecting) || p.State() != CltPathReconnecting {
 		t.Fatal("CONNECTED -> RECONNECTING refused")
 	}
-	if ok, old := p.changeStateGetOld(PathConnected); ok || old != PathReconnecting {
+	if ok, old := p.changeStateGetOld(CltPathConnected); ok || old != CltPathReconnecting {
 		t.Fatalf("RECONNECTING -> CONNECTED: changed=%v old=%v", ok, old)
 	}
 }
@@ -96,10 +96,10 @@ func TestSrvStateTable(t *testing.T) {
 }
 
 func TestStateStrings(t *testing.T) {
-	if PathConnected.SysfsString() != "connected" || PathReconnecting.SysfsString() != "disconnected" {
+	if CltPathConnected.SysfsString() != "connected" || CltPathReconnecting.SysfsString() != "disconnected" {
 		t.Fatal("sysfs state strings")
 	}
-	if PathConnectingErr.String() != "CONNECTING_ERR" || PathDead.String() != "DEAD" {
+	if CltPathConnectingErr.String() != "CONNECTING_ERR" || CltPathDead.String() != "DEAD" {
 		t.Fatal("state names")
 	}
 }

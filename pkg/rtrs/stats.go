@@ -74,9 +74,9 @@ func (h *latHist) ResetLatency() {
 	}
 }
 
-// PathStats are a client path's counters, in the kernel's stats/ formats.
+// CltPathStats are a client path's counters, in the kernel's stats/ formats.
 // All methods are safe for concurrent use.
-type PathStats struct {
+type CltPathStats struct {
 	rdCnt, rdBytes atomic.Uint64
 	wrCnt, wrBytes atomic.Uint64
 	inflight       atomic.Int64
@@ -93,15 +93,15 @@ type PathStats struct {
 	latHist    // from posting a request to its answer
 }
 
-func newPathStats() *PathStats {
-	s := &PathStats{}
+func newPathStats() *CltPathStats {
+	s := &CltPathStats{}
 	s.reconnSucc.Store(-1)
 	return s
 }
 
 // update counts a request of usr+data bytes as it is posted, as
 // rtrs_clt_update_all_stats does.
-func (s *PathStats) update(d Dir, size int) {
+func (s *CltPathStats) update(d Dir, size int) {
 	if d == Read {
 		s.rdCnt.Add(1)
 		s.rdBytes.Add(uint64(size))
@@ -113,18 +113,18 @@ func (s *PathStats) update(d Dir, size int) {
 }
 
 // RDMA is stats/rdma: "rd_cnt rd_bytes wr_cnt wr_bytes inflight failover_cnt".
-func (s *PathStats) RDMA() string {
+func (s *CltPathStats) RDMA() string {
 	return fmt.Sprintf("%d %d %d %d %d %d\n", s.rdCnt.Load(), s.rdBytes.Load(),
 		s.wrCnt.Load(), s.wrBytes.Load(), s.inflight.Load(), s.failoverCnt.Load())
 }
 
 // Reconnects is stats/reconnects: "successful failed".
-func (s *PathStats) Reconnects() string {
+func (s *CltPathStats) Reconnects() string {
 	return fmt.Sprintf("%d %d\n", s.reconnSucc.Load(), s.reconnFail.Load())
 }
 
 // Counters returns the numbers behind RDMA and Reconnects.
-func (s *PathStats) Counters() StatsCounters {
+func (s *CltPathStats) Counters() StatsCounters {
 	return StatsCounters{
 		ReadCount: s.rdCnt.Load(), ReadBytes: s.rdBytes.Load(),
 		WriteCount: s.wrCnt.Load(), WriteBytes: s.wrBytes.Load(),
@@ -151,7 +151,7 @@ type StatsCounters struct {
 // LatencyHist is stats/rdma_lat, the seed documentation's log2 histogram,
 // in microseconds: one line per bucket "<2^i> us: <reads> <writes>", then
 // ">= <2^26> us" and "maximum us".
-func (s *PathStats) LatencyHist() string {
+func (s *CltPathStats) LatencyHist() string {
 	var b strings.Builder
 	for i := 0; i < latBuckets-1; i++ {
 		fmt.Fprintf(&b, "%d us: %d %d\n", uint64(1)<<i, s.lat[Read][i].Load(), s.lat[Write][i].Load())
@@ -163,7 +163,7 @@ func (s *PathStats) LatencyHist() string {
 }
 
 // ResetRDMA clears stats/rdma except inflight, which tracks live requests.
-func (s *PathStats) ResetRDMA() {
+func (s *CltPathStats) ResetRDMA() {
 	s.rdCnt.Store(0)
 	s.rdBytes.Store(0)
 	s.wrCnt.Store(0)
@@ -173,14 +173,14 @@ func (s *PathStats) ResetRDMA() {
 }
 
 // ResetReconnects clears stats/reconnects.
-func (s *PathStats) ResetReconnects() {
+func (s *CltPathStats) ResetReconnects() {
 	s.reconnSucc.Store(0)
 	s.reconnFail.Store(0)
 }
 
 // ResetAll is stats/reset_all. Unlike the kernel it keeps inflight, which
 // counts requests still on the wire and would go negative if cleared.
-func (s *PathStats) ResetAll() {
+func (s *CltPathStats) ResetAll() {
 	s.ResetRDMA()
 	s.ResetReconnects()
 	s.ResetLatency()

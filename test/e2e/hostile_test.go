@@ -344,7 +344,7 @@ func hostileFabric(t *testing.T, identity string, nw tcp.Network) *tcp.Fabric {
 // client, notices what goes wrong.
 func hostileSession(t *testing.T, sessname, src string, dst netip.AddrPort, identity string, nw tcp.Network) (*rnbd.CltSession, error) {
 	t.Helper()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName = sessname
 	cfg.Fabric = hostileFabric(t, identity, nw)
 	cfg.ConnsPerPath = 1

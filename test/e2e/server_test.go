@@ -235,7 +235,7 @@ func (d *serverDaemon) records(args ...string) []map[string]any {
 // client dials an RNBD client session to the daemon.
 func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	d.t.Helper()
-	cfg := rtrs.DefaultClientConfig()
+	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName = sessname
 	var tc *tls.Config
 	if suitePKI != "" {
@@ -627,7 +627,7 @@ func TestServerHostileClients(t *testing.T) {
 	}
 	// A session whose name would lead out of the search directory.
 	for _, sess := range []string{"..", "../good"} {
-		cfg := rtrs.DefaultClientConfig()
+		cfg := rtrs.DefaultCltConfig()
 		cfg.SessName, cfg.Fabric, cfg.Log = sess, tcp.New(tcp.Options{}), log.Discard()
 		cfg.Paths = []rtrs.PathAddr{{Dst: netip.MustParseAddrPort(addr)}}
 		cl, err := rnbd.DialSession(context.Background(), cfg, 0)
