@@ -1,10 +1,15 @@
-// Command peersplot turns a peers.sh results.tsv into an SVG chart: for
-// each workload, the candidate's figure as a fraction of a reference
-// peer's (IOPS, or MB/s for sequential workloads; p50 latency inverted for
-// QD1, so that longer bars are better everywhere), with the 1.0 line that
-// issue 4 sets as the target.
+// Command peersplot draws docs/bench/peers.svg from the rows of the
+// earlier side-by-side measurements, docs/bench/peers-unix.tsv (one
+// tab-separated line per fio run: peer, transport, workload, rep, iops,
+// mbps, p50us, ...): for each workload, the candidate's figure as a
+// fraction of a reference peer's (IOPS, or MB/s for sequential workloads;
+// p50 latency inverted for QD1, so that longer bars are better
+// everywhere), with the 1.0 line that issue 4 sets as the target.
 //
-//	go run ./tools/peersplot -ref nbdkit-file -peer rnbd < results.tsv > docs/bench/peers.svg
+//	go run ./tools/peersplot -ref nbdkit-file -peer rnbd < docs/bench/peers-unix.tsv > docs/bench/peers.svg
+//
+// New measurements come from make bench-peers (tools/benchpeers), which
+// writes its own rows and plot.
 package main
 
 import (
