@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The rnbd full path as one peers.sh candidate: rnbd-server exporting FILE,
+# The rnbd full path as one NBD server process: rnbd-server exporting FILE,
 # rnbd-client mapping it over RTRS/TCP on loopback and serving it on the
-# NBD socket SOCK. Runs in the foreground until SIGTERM, as peers.sh wants.
-#   scripts/peer-candidate.sh FILE SOCK
+# NBD socket SOCK, for an NBD client (fio's nbd engine, nbdinfo, qemu-io)
+# to measure or profile by hand. Runs in the foreground until SIGTERM or
+# SIGINT, then stops both daemons.
+# make bench-peers (tools/benchpeers) starts the same pair itself.
+#   make build && scripts/peer-candidate.sh FILE SOCK
 set -euo pipefail
 file=$1 sock=$2
 bin=$(cd "$(dirname "$0")/../bin" && pwd)

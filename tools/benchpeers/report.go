@@ -8,6 +8,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/rnbd/rnbd/tools/internal/svgplot"
 )
 
 // The rows' file: '#' lines describe the run, then a header and one
@@ -354,29 +356,27 @@ func plot(s summary) string {
 	plotW := float64(width - left - 140)
 	height := top + len(ws)*(len(all)*(barH+gap)+groupGap) + 30
 	var b strings.Builder
-	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
-	b.WriteString(`<rect width="100%" height="100%" fill="white"/>` + "\n")
-	b.WriteString(`<text x="10" y="20" font-size="14">Full path against nbdkit-file (QD1: p50 latency, inverted; sequential: MB/s; else IOPS)</text>` + "\n")
+	svgplot.Begin(&b, width, height, 12)
+	svgplot.Background(&b)
+	svgplot.Text(&b, 10, 20, `font-size="14"`, "Full path against nbdkit-file (QD1: p50 latency, inverted; sequential: MB/s; else IOPS)")
 	for i, se := range all {
 		x := 10 + i*250
 		fmt.Fprintf(&b, `<rect x="%d" y="34" width="12" height="12" fill="%s"/><text x="%d" y="45">%s</text>`+"\n", x, se.color, x+16, html.EscapeString(se.label))
 	}
 	y := top
 	for _, w := range ws {
-		fmt.Fprintf(&b, `<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-8, y+len(all)*(barH+gap)/2+4, w)
+		svgplot.Label(&b, left-8, y+len(all)*(barH+gap)/2+4, w)
 		for _, se := range all {
 			if r, ok := s.ratio(w, se.peer, se.ref); ok {
 				bw := math.Min(r, scaleMax) / scaleMax * plotW
-				fmt.Fprintf(&b, `<rect x="%d" y="%d" width="%.1f" height="%d" fill="%s"/>`+"\n", left, y, bw, barH, se.color)
-				fmt.Fprintf(&b, `<text x="%.1f" y="%d" font-size="11">%.2f×</text>`+"\n", float64(left)+bw+4, y+barH-3, r)
+				svgplot.Bar(&b, left, y, bw, barH, se.color)
+				svgplot.Text(&b, float64(left)+bw+4, y+barH-3, `font-size="11"`, fmt.Sprintf("%.2f×", r))
 			}
 			y += barH + gap
 		}
 		y += groupGap
 	}
-	x1 := float64(left) + plotW/scaleMax
-	fmt.Fprintf(&b, `<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#333" stroke-dasharray="4,3"/>`+"\n", x1, top-6, x1, height-24)
-	fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">1.0 = nbdkit-file</text>`+"\n", x1, height-10)
-	b.WriteString("</svg>\n")
+	svgplot.Reference(&b, float64(left)+plotW/scaleMax, top-6, height-24, "1.0 = nbdkit-file")
+	svgplot.End(&b)
 	return b.String()
 }

@@ -8,10 +8,11 @@ import (
 	"bufio"
 	"flag"
 	"fmt"
-	"html"
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/rnbd/rnbd/tools/internal/svgplot"
 )
 
 type row struct {
@@ -56,17 +57,17 @@ func main() {
 	height := top + len(rows)*(barH+gap) + 30
 	w := bufio.NewWriter(os.Stdout)
 	defer w.Flush()
-	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="13">`+"\n", width, height)
-	fmt.Fprintf(w, `<rect width="100%%" height="100%%" fill="white"/>`+"\n")
-	fmt.Fprintf(w, `<text x="%d" y="28" font-size="16" font-weight="bold">%s</text>`+"\n", 10, html.EscapeString(*title))
+	svgplot.Begin(w, width, height, 13)
+	svgplot.Background(w)
+	svgplot.Text(w, 10, 28, `font-size="16" font-weight="bold"`, *title)
 	for i, r := range rows {
 		y := top + i*(barH+gap)
 		l := int(r.value / max * barMax)
-		fmt.Fprintf(w, `<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-8, y+barH-6, html.EscapeString(r.name))
-		fmt.Fprintf(w, `<rect x="%d" y="%d" width="%d" height="%d" fill="#3b6ea8"/>`+"\n", left, y, l, barH)
-		fmt.Fprintf(w, `<text x="%d" y="%d">%s %s</text>`+"\n", left+l+6, y+barH-6, human(r.value), html.EscapeString(*metric))
+		svgplot.Label(w, left-8, y+barH-6, r.name)
+		svgplot.Bar(w, left, y, l, barH, "#3b6ea8")
+		svgplot.Text(w, left+l+6, y+barH-6, "", human(r.value)+" "+*metric)
 	}
-	fmt.Fprintln(w, "</svg>")
+	svgplot.End(w)
 }
 
 func maxf(a, b float64) float64 {

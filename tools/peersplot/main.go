@@ -1,20 +1,26 @@
-// Command peersplot turns a peers.sh results.tsv into an SVG chart: for
-// each workload, the candidate's figure as a fraction of a reference
-// peer's (IOPS, or MB/s for sequential workloads; p50 latency inverted for
-// QD1, so that longer bars are better everywhere), with the 1.0 line that
-// issue 4 sets as the target.
+// Command peersplot draws docs/bench/peers.svg from the rows of the
+// earlier side-by-side measurements, docs/bench/peers-unix.tsv (one
+// tab-separated line per fio run: peer, transport, workload, rep, iops,
+// mbps, p50us, ...): for each workload, the candidate's figure as a
+// fraction of a reference peer's (IOPS, or MB/s for sequential workloads;
+// p50 latency inverted for QD1, so that longer bars are better
+// everywhere), with the 1.0 line that issue 4 sets as the target.
 //
-//	go run ./tools/peersplot -ref nbdkit-file -peer rnbd < results.tsv > docs/bench/peers.svg
+//	go run ./tools/peersplot -ref nbdkit-file -peer rnbd < docs/bench/peers-unix.tsv > docs/bench/peers.svg
+//
+// New measurements come from make bench-peers (tools/benchpeers), which
+// writes its own rows and plot.
 package main
 
 import (
 	"bufio"
 	"flag"
 	"fmt"
-	"html"
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/rnbd/rnbd/tools/internal/svgplot"
 )
 
 type sums struct {
@@ -97,21 +103,20 @@ func main() {
 	)
 	plotW := float64(width - left - 200)
 	height := top + len(bars)*(barH+gap) + 30
-	fmt.Printf(`<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", width, height)
-	fmt.Printf(`<text x="10" y="20" font-size="14">%s</text>`+"\n", html.EscapeString(*title))
+	w := os.Stdout
+	svgplot.Begin(w, width, height, 12)
+	svgplot.Text(w, 10, 20, `font-size="14"`, *title)
 	for i, b := range bars {
 		y := top + i*(barH+gap)
-		w := min(b.ratio, scaleMax) / scaleMax * plotW
+		bw := min(b.ratio, scaleMax) / scaleMax * plotW
 		color := "#c0392b"
 		if b.ratio >= 1 {
 			color = "#27ae60"
 		}
-		fmt.Printf(`<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-8, y+barH-6, html.EscapeString(b.label))
-		fmt.Printf(`<rect x="%d" y="%d" width="%.1f" height="%d" fill="%s"/>`+"\n", left, y, w, barH, color)
-		fmt.Printf(`<text x="%.1f" y="%d">%.2f× (%s)</text>`+"\n", float64(left)+w+6, y+barH-6, b.ratio, html.EscapeString(b.note))
+		svgplot.Label(w, left-8, y+barH-6, b.label)
+		svgplot.Bar(w, left, y, bw, barH, color)
+		svgplot.Text(w, float64(left)+bw+6, y+barH-6, "", fmt.Sprintf("%.2f× (%s)", b.ratio, b.note))
 	}
-	x1 := float64(left) + plotW/scaleMax
-	fmt.Printf(`<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#333" stroke-dasharray="4,3"/>`+"\n", x1, top-6, x1, height-24)
-	fmt.Printf(`<text x="%.1f" y="%d" text-anchor="middle">1.0</text>`+"\n", x1, height-10)
-	fmt.Println(`</svg>`)
+	svgplot.Reference(w, float64(left)+plotW/scaleMax, top-6, height-24, "1.0")
+	svgplot.End(w)
 }
