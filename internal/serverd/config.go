@@ -3,8 +3,8 @@
 // answers the control API on a unix socket.
 //
 // The files read top-down: routes.go (the control API), daemon.go (Start
-// and Stop), state.go (the state file, the retries of exports not
-// served), export.go (map and unmap), records.go (what the API lists).
+// and Stop), export.go (map and unmap), state.go (the state file, the
+// retries of exports not served), records.go (what the API lists).
 //
 // Locks, in the order they are taken:
 //
