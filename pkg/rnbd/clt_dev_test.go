@@ -368,12 +368,12 @@ func (h *holdFirstOpen) HandleIO(op *rtrs.SrvOp) error {
 	if t, err := MsgType(op.Usr()); err == nil && t == MsgOpen && h.held.CompareAndSwap(false, true) {
 		go func() {
 			<-h.release
-			h.Server.HandleIO(op)
+			h.Server.sessionIO(op)
 			close(h.answered)
 		}()
 		return nil
 	}
-	return h.Server.HandleIO(op)
+	return h.Server.sessionIO(op)
 }
 
 // A map whose OPEN the server does not answer returns when its context
@@ -422,7 +422,7 @@ func (h failIO) HandleIO(op *rtrs.SrvOp) error {
 	if t, err := MsgType(op.Usr()); err == nil && t == MsgIO {
 		return syscall.EIO
 	}
-	return h.Server.HandleIO(op)
+	return h.Server.sessionIO(op)
 }
 
 // An IO the server fails reaches the caller with the server's errno and

@@ -33,7 +33,7 @@ func (h *forgedOpenRsp) HandleIO(op *rtrs.SrvOp) error {
 			return nil
 		}
 	}
-	return h.Server.HandleIO(op)
+	return h.Server.sessionIO(op)
 }
 
 // goodOpenRsp is an answer the client takes: 1 MiB of 4 KiB blocks.

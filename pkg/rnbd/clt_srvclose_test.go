@@ -28,7 +28,7 @@ func (h *countMsgs) HandleIO(op *rtrs.SrvOp) error {
 			h.closes.Add(1)
 		}
 	}
-	return h.Server.HandleIO(op)
+	return h.Server.sessionIO(op)
 }
 
 // kernelForceClose closes device name for session sess as the kernel's

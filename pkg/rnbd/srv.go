@@ -282,7 +282,7 @@ func (s *Server) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
 		s.mu.Lock()
 		s.sessions[rs] = x
 		s.mu.Unlock()
-		rs.SetPriv(x)
+		rs.SetIOHandler(x)
 		s.log.WithField("session", x.name).Info("session connected")
 	case rtrs.SrvLinkDisconnected:
 		s.mu.Lock()

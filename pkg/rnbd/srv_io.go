@@ -109,16 +109,30 @@ func (d *SrvSessDev) admit(m *IO, dir rtrs.Dir, dataLen int) (off, n int64, r *r
 	return int64(start), int64(m.Size), nil
 }
 
-// HandleIO takes a request from RTRS, on the connection's receive path.
-// A read or write that cannot block (blockdev's TryReadAt/TryWriteAt) runs
-// right here: that costs a memory copy, where a hand-off to a worker costs
-// a goroutine switch. Everything else runs on the workers: closing waits
-// for IO and backend IO may block.
+// HandleIO takes the requests of an RTRS session that has no RNBD
+// session (its link event has not come, or it failed): they are refused.
+// Those of an RNBD session go straight to it (SrvSession.HandleIO), which
+// the link event made the RTRS session's IOHandler.
 func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 	if s.closed.Load() {
 		return syscall.ESHUTDOWN
 	}
-	q := srvReq{op: op}
+	s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
+	return syscall.ENOTCONN
+}
+
+// HandleIO takes a request of the session from RTRS (rtrs.IOHandler), on
+// the connection's receive path. A read or write that cannot block
+// (blockdev's TryReadAt/TryWriteAt) runs right here: that costs a memory
+// copy, where a hand-off to a worker costs a goroutine switch. Everything
+// else runs on the workers, with what was found of it (srvReq): closing
+// waits for IO and backend IO may block.
+func (x *SrvSession) HandleIO(op *rtrs.SrvOp) error {
+	s := x.srv
+	if s.closed.Load() {
+		return syscall.ESHUTDOWN
+	}
+	q := srvReq{op: op, x: x}
 	typ, err := MsgType(op.Usr()) // serve refuses what is short
 	if err == nil && typ == MsgIO && s.tryInline(&q) {
 		return nil
@@ -150,6 +164,7 @@ func (s *Server) HandleIO(op *rtrs.SrvOp) error {
 // it.
 type srvReq struct {
 	op *rtrs.SrvOp
+	x  *SrvSession // the session it came on
 	d  *SrvSessDev // the IO's device; nil: not found (or not an IO)
 	m  IO          // the IO message, decoded if d is set
 }
@@ -171,13 +186,7 @@ func (s *Server) worker() {
 }
 
 func (s *Server) serve(q *srvReq) {
-	op := q.op
-	x, _ := op.Session().Priv().(*SrvSession)
-	if x == nil {
-		s.rl.Log(s.log.WithField("session", op.Session().Name()), log.WarnLevel, "request refused: the session is not connected")
-		op.Respond(syscall.ENOTCONN)
-		return
-	}
+	op, x := q.op, q.x
 	typ, err := MsgType(op.Usr())
 	if err != nil {
 		op.Respond(x.refuse(msgFields(op), refuse(syscall.EINVAL, "message of %d bytes has no RNBD header", len(op.Usr()))))
@@ -203,11 +212,7 @@ func (s *Server) serve(q *srvReq) {
 // carries the message decoded and its device, if found. q.op is an
 // RNBD_MSG_IO (HandleIO looked).
 func (s *Server) tryInline(q *srvReq) bool {
-	op, m := q.op, &q.m
-	x, _ := op.Session().Priv().(*SrvSession)
-	if x == nil {
-		return false
-	}
+	op, m, x := q.op, &q.m, q.x
 	if m.Decode(op.Usr()) != nil {
 		return false
 	}

@@ -48,6 +48,32 @@ func newSrigWith(t *testing.T, cfg SrvConfig, wrap func(*Server) rtrs.SrvHandler
 	return newSrigOn(t, cfg, wrap, tcp.Options{})
 }
 
+// tapIO makes a test's wrapping server (newSrigWith) take the IO of every
+// session: the RNBD session a link event makes would take it otherwise
+// (rtrs.SrvSession.SetIOHandler). The wrapper hands on what it does not
+// keep with Server.sessionIO.
+type tapIO struct{ rtrs.SrvHandler }
+
+func (t tapIO) LinkEvent(rs *rtrs.SrvSession, ev rtrs.SrvLinkEvent) error {
+	err := t.SrvHandler.LinkEvent(rs, ev)
+	if err == nil && ev == rtrs.SrvLinkConnected {
+		rs.SetIOHandler(t.SrvHandler)
+	}
+	return err
+}
+
+// sessionIO is what the RNBD session of op's RTRS session does with op
+// (SrvSession.HandleIO), or Server.HandleIO without one.
+func (s *Server) sessionIO(op *rtrs.SrvOp) error {
+	s.mu.Lock()
+	x := s.sessions[op.Session()]
+	s.mu.Unlock()
+	if x == nil {
+		return s.HandleIO(op)
+	}
+	return x.HandleIO(op)
+}
+
 // newSrigOn is newSrigWith on an in-memory fabric with opts (TLS), which
 // the server and r.client use.
 func newSrigOn(t *testing.T, cfg SrvConfig, wrap func(*Server) rtrs.SrvHandler, opts tcp.Options) *srig {
@@ -67,7 +93,7 @@ func newSrigOn(t *testing.T, cfg SrvConfig, wrap func(*Server) rtrs.SrvHandler, 
 	scfg := rtrs.DefaultSrvConfig()
 	scfg.Fabric, scfg.Handler, scfg.Listen, scfg.Log = r.fab, r.srv, []netip.AddrPort{srvAddr}, log.Discard()
 	if wrap != nil {
-		scfg.Handler = wrap(r.srv)
+		scfg.Handler = tapIO{wrap(r.srv)}
 	}
 	scfg.QueueDepth, scfg.MaxChunkSize = 64, 128<<10
 	var err error

@@ -48,6 +48,13 @@ type SrvHandler interface {
 	HandleIO(op *SrvOp) error
 }
 
+// IOHandler takes requests: a SrvHandler for every session, or one
+// session's own (SrvSession.SetIOHandler). HandleIO is as
+// SrvHandler.HandleIO.
+type IOHandler interface {
+	HandleIO(op *SrvOp) error
+}
+
 // NameClaimer is an optional part of a SrvHandler: which client may
 // take a session name. ClaimSessionName is called for every path that
 // brings the name (a session's first, and each that joins it), with the

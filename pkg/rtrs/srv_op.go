@@ -248,7 +248,13 @@ func (op *SrvOp) start(req opReq) {
 	op.usr = chunk[req.dataLen:req.off]
 	p.stats.update(op.dir, int(req.off))
 	op.began = time.Now()
-	if err := p.sess.srv.cfg.Handler.HandleIO(op); err != nil {
+	var err error
+	if b := p.sess.ioh.Load(); b != nil {
+		err = b.h.HandleIO(op)
+	} else {
+		err = p.sess.srv.cfg.Handler.HandleIO(op)
+	}
+	if err != nil {
 		op.Respond(err)
 	}
 }

@@ -63,7 +63,7 @@ type SrvSession struct {
 	queueDepth int
 	chunkSize  int
 	logp       atomic.Pointer[log.Entry]
-	priv       atomic.Value
+	ioh        atomic.Pointer[sessIOHandler] // SetIOHandler
 	peer       []string // what the fabric authenticated of the client
 	client     string   // what it counts against MaxSessionsPerClient (clientKey)
 
@@ -115,15 +115,14 @@ func (x *SrvSession) UUID() [16]byte { return x.uuid }
 // QueueDepth is the number of chunks.
 func (x *SrvSession) QueueDepth() int { return x.queueDepth }
 
-// SetPriv and Priv attach the user's state to the session.
-func (x *SrvSession) SetPriv(v any) { x.priv.Store(&v) }
+// SetIOHandler makes h take the session's requests from now on, in
+// place of the server's SrvHandler.HandleIO: what a handler sets at
+// SrvLinkConnected, so that each request reaches its session's state
+// without a lookup (pkg/rnbd's SrvSession is one).
+func (x *SrvSession) SetIOHandler(h IOHandler) { x.ioh.Store(&sessIOHandler{h}) }
 
-func (x *SrvSession) Priv() any {
-	if v, ok := x.priv.Load().(*any); ok {
-		return *v
-	}
-	return nil
-}
+// sessIOHandler boxes an IOHandler for an atomic pointer.
+type sessIOHandler struct{ h IOHandler }
 
 // Paths returns the session's paths.
 func (x *SrvSession) Paths() []*SrvPath {
