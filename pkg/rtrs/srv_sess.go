@@ -64,8 +64,8 @@ type SrvSession struct {
 	chunkSize  int
 	logp       atomic.Pointer[log.Entry]
 	ioh        atomic.Pointer[sessIOHandler] // SetIOHandler
-	peer       []string // what the fabric authenticated of the client
-	client     string   // what it counts against MaxSessionsPerClient (clientKey)
+	peer       []string                      // what the fabric authenticated of the client
+	client     string                        // what it counts against MaxSessionsPerClient (clientKey)
 
 	// mu guards the fields below.
 	mu      sync.Mutex
