@@ -33,7 +33,7 @@ type ublkBackend struct {
 // ublkQueue is what one ublk queue's requests use: its registered
 // buffers, and the plug that holds the requests of one batch
 // (ublk.Batcher) so that they leave in one fabric post. Only the
-// queue's goroutine uses the plug.
+// queue's goroutine uses the plug (docs/rtrs.md, "Batching").
 type ublkQueue struct {
 	buf  *rtrs.Buffer
 	plug rtrs.Plug

@@ -115,7 +115,8 @@ func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 }
 
 // NewPlug gives an NBD connection a plug (nbd.Plugger): the requests it
-// reads in one burst go to the transport in one write.
+// reads in one burst go to the transport in one write (docs/rtrs.md,
+// "Batching": the plug down, the burst back up as the reply's Batch).
 func (b *nbdBackend) NewPlug() nbd.Plug { return new(rtrs.Plug) }
 
 // ioReq carries one NBD request through the device.

@@ -400,7 +400,8 @@ type IOReq struct {
 	Burst *rtrs.Burst
 	// Plug, if not nil, holds the request's pieces until the
 	// submitter's pl.Unplug (it is used only during Submit, which
-	// unplugs it itself before it waits for a permit).
+	// unplugs it itself before it waits for a permit). docs/rtrs.md,
+	// "Batching", has the whole path of Plug and Burst.
 	Plug *rtrs.Plug
 
 	dev     *CltDev

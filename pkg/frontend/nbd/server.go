@@ -136,7 +136,8 @@ type Backend interface {
 // and send them together (the block layer's plug): the connection gets a
 // Plug from NewPlug, gives it to Submit in Request.Plug, and unplugs it
 // before it waits, for more requests to read or for a free slot. Buffer
-// must unplug PlugFrom(ctx) itself before it waits.
+// must unplug PlugFrom(ctx) itself before it waits. docs/rtrs.md,
+// "Batching", has the whole path of a plug and of a batch.
 type Plugger interface {
 	NewPlug() Plug
 }
