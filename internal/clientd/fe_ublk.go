@@ -106,35 +106,29 @@ func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
 func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) {
 	r := b.reqs.Get().(*ublkIO)
 	r.ur, r.done = ur, done
-	r.IOReq = rnbd.IOReq{Off: ur.Offset, Len: ur.Len, Done: r.doneFn}
+	br := blockReq{off: ur.Offset, n: ur.Len, fua: ur.FUA, noUnmap: ur.NoUnmap}
 	switch ur.Op {
 	case ublk.OpRead:
-		r.Op = rnbd.OpRead
+		br.op = rnbd.OpRead
 	case ublk.OpWrite:
-		r.Op = rnbd.OpWrite
+		br.op = rnbd.OpWrite
 	case ublk.OpFlush:
-		r.Op, r.Off, r.Len = rnbd.OpFlush, 0, 0
+		br.op = rnbd.OpFlush
 	case ublk.OpDiscard:
-		r.Op = rnbd.OpDiscard
+		br.op = rnbd.OpDiscard
 	case ublk.OpWriteZeroes:
-		r.Op = rnbd.OpWriteZeroes
-		if ur.NoUnmap {
-			r.Flags |= rnbd.FNoUnmap
-		}
+		br.op = rnbd.OpWriteZeroes
 	default:
 		// The kernel gets the errno of the error (EIO without one):
 		// EOPNOTSUPP, an op this device does not do.
 		r.complete(&r.IOReq, fmt.Errorf("ublk %v: %w", ur.Op, syscall.EOPNOTSUPP))
 		return
 	}
-	if ur.FUA {
-		r.Flags |= rnbd.FFUA
-	}
 	uq := (*b.queues.Load())[ur.Queue()]
+	br.buf, br.bufOff = uq.buf, ur.BufferOffset()
+	r.Done = r.doneFn
+	br.fill(&r.IOReq)
 	r.Plug = &uq.plug
-	if ur.Op == ublk.OpRead || ur.Op == ublk.OpWrite {
-		r.Buf, r.BufOff = uq.buf, ur.BufferOffset()
-	}
 	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
 		r.complete(&r.IOReq, err)
 	}

@@ -5,6 +5,7 @@ import (
 
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
 // frontend is what a mapped device is offered through: an NBD unix socket
@@ -100,4 +101,35 @@ func (d *Daemon) serveNBD(dev *rnbd.CltDev, id, name string) (nbdServed, error) 
 func (n nbdServed) withdraw() {
 	n.d.nbd.RemoveExport(n.id)
 	n.be.close()
+}
+
+// blockReq is a frontend's block request as both frontends have it: what
+// newIOReq makes an RNBD request of.
+type blockReq struct {
+	op           rnbd.Op
+	off          int64
+	n            int
+	fua, noUnmap bool
+	buf          *rtrs.Buffer // reads and writes
+	bufOff       int
+}
+
+// fill makes r the RNBD request for b (r's Done kept): a flush carries
+// no range, FUA and NO_UNMAP become the request's flags (NO_UNMAP only
+// for write-zeroes, where it means something).
+func (b blockReq) fill(r *rnbd.IOReq) {
+	*r = rnbd.IOReq{Op: b.op, Off: b.off, Len: b.n, Done: r.Done}
+	switch b.op {
+	case rnbd.OpFlush:
+		r.Off, r.Len = 0, 0
+	case rnbd.OpRead, rnbd.OpWrite:
+		r.Buf, r.BufOff = b.buf, b.bufOff
+	case rnbd.OpWriteZeroes:
+		if b.noUnmap {
+			r.Flags |= rnbd.FNoUnmap
+		}
+	}
+	if b.fua {
+		r.Flags |= rnbd.FFUA
+	}
 }

@@ -142,30 +142,25 @@ func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
 func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 	r := b.reqs.Get().(*ioReq)
 	r.nr, r.done, r.b = nr, done, b
-	r.IOReq = rnbd.IOReq{Off: nr.Offset, Len: int(nr.Length), Done: r.doneFn}
-	r.Plug, _ = nr.Plug.(*rtrs.Plug)
+	br := blockReq{off: nr.Offset, n: int(nr.Length), fua: nr.FUA, noUnmap: nr.NoHole}
 	switch nr.Cmd {
-	case nbd.CmdRead:
-		r.Op = rnbd.OpRead
-	case nbd.CmdWrite:
-		r.Op = rnbd.OpWrite
-	case nbd.CmdFlush:
-		r.Op, r.Len = rnbd.OpFlush, 0
-	case nbd.CmdTrim:
-		r.Op = rnbd.OpDiscard
-	case nbd.CmdWriteZeroes:
-		r.Op = rnbd.OpWriteZeroes
-		if nr.NoHole {
-			r.Flags |= rnbd.FNoUnmap
+	case nbd.CmdRead, nbd.CmdWrite:
+		br.op = rnbd.OpRead
+		if nr.Cmd == nbd.CmdWrite {
+			br.op = rnbd.OpWrite
 		}
-	}
-	if nr.FUA {
-		r.Flags |= rnbd.FFUA
-	}
-	if nr.Cmd == nbd.CmdRead || nr.Cmd == nbd.CmdWrite {
 		sb := nr.Buf().(*slotBuf)
-		r.Buf, r.BufOff = sb.buf, sb.off
+		br.buf, br.bufOff = sb.buf, sb.off
+	case nbd.CmdFlush:
+		br.op = rnbd.OpFlush
+	case nbd.CmdTrim:
+		br.op = rnbd.OpDiscard
+	case nbd.CmdWriteZeroes:
+		br.op = rnbd.OpWriteZeroes
 	}
+	r.Done = r.doneFn
+	br.fill(&r.IOReq)
+	r.Plug, _ = nr.Plug.(*rtrs.Plug)
 	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
 		r.complete(&r.IOReq, err)
 	}
