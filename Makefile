@@ -74,8 +74,9 @@ bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...
 
 # The full path side by side with nbdkit-file (unix and TCP), an nbdkit
-# relay of the same shape, and rnbd, with fio's nbd engine: best of 3,
-# about 15 minutes on an otherwise idle machine. Writes the rows and the
+# relay of the same shape, go-nbd's file server (tools/gonbd) and rnbd,
+# with fio's nbd engine: best of 3, about 20 minutes on an otherwise idle
+# machine. Writes the rows and the
 # plot to docs/bench/peers-DATE.{tsv,svg} and the table into
 # docs/benchmarks.md. BENCH_PEERS_ARGS="-reps 1 -runtime 3s" for a quick look.
 bench-peers: build
