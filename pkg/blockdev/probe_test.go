@@ -148,3 +148,133 @@ func TestDirectFileOn4Kn(t *testing.T) {
 		t.Errorf("O_DIRECT with 512-byte blocks on a 4Kn disk: %v", err)
 	}
 }
+
+func TestDirect(t *testing.T) {
+	path := sparseFile(t, os.TempDir(), 1<<20)
+	b, err := Open(path, Options{Direct: true})
+	if err != nil {
+		t.Skipf("O_DIRECT not available on %s: %v", os.TempDir(), err)
+	}
+	defer b.Close()
+	buf := tcp.AlignedBytes(1 << 16) // O_DIRECT wants aligned memory
+	copy(buf, "direct")
+	if err := b.WriteAt(buf[:4096], 8192, true); err != nil {
+		t.Fatal(err)
+	}
+	got := tcp.AlignedBytes(1 << 16)
+	if err := b.ReadAt(got[:4096], 8192); err != nil || string(got[:6]) != "direct" {
+		t.Fatalf("%q %v", got[:6], err)
+	}
+}
+
+// TestOpenBeneath: names that leave the directory are refused, whatever
+// route they take; names inside it open, through symlinks too.
+func TestOpenBeneath(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, "exports")
+	os.MkdirAll(filepath.Join(dir, "sub"), 0o755)
+	secret := filepath.Join(root, "secret")
+	os.WriteFile(secret, make([]byte, 4096), 0o600)
+	os.WriteFile(filepath.Join(dir, "disk"), make([]byte, 8192), 0o600)
+	os.WriteFile(filepath.Join(dir, "sub", "disk2"), make([]byte, 8192), 0o600)
+	os.Symlink("disk", filepath.Join(dir, "inside"))
+	os.Symlink(secret, filepath.Join(dir, "absolute-out"))
+	os.Symlink("../secret", filepath.Join(dir, "relative-out"))
+	os.Symlink("/proc/self/root"+secret, filepath.Join(dir, "magic"))
+	for _, name := range []string{"disk", "/disk", "//sub//disk2", "sub/disk2", "inside"} {
+		b, err := OpenBeneath(dir, name, Options{ReadOnly: true})
+		if err != nil {
+			t.Errorf("%q: %v", name, err)
+			continue
+		}
+		b.Close()
+	}
+	for _, name := range []string{"../secret", "sub/../../secret", "absolute-out", "relative-out", "magic", secret} {
+		b, err := OpenBeneath(dir, name, Options{ReadOnly: true})
+		if err == nil {
+			b.Close()
+			t.Errorf("%q opened: it leads out of %s", name, dir)
+			continue
+		}
+		if !errors.Is(err, ErrEscapes) && !errors.Is(err, syscall.ENOENT) && !errors.Is(err, syscall.ELOOP) {
+			t.Errorf("%q: %v", name, err)
+		}
+	}
+	if _, err := OpenBeneath(dir, "", Options{}); !errors.Is(err, syscall.EINVAL) {
+		t.Errorf("empty name: %v", err)
+	}
+	if _, err := OpenBeneath(dir, "missing", Options{}); !errors.Is(err, syscall.ENOENT) {
+		t.Errorf("missing file: %v", err)
+	}
+}
+
+// A FIFO, a character device, a directory or a socket is refused without
+// being opened: a FIFO's open would block until a writer comes (it used
+// to wedge the server with its session lock held), a device's open may
+// have effects. Through Open and OpenBeneath, read-only and read-write.
+func TestSpecialFilesRefused(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Mkdir(filepath.Join(dir, "subdir"), 0o755)
+	os.Symlink("/dev/null", filepath.Join(dir, "null"))
+	for _, name := range []string{"fifo", "subdir", "null"} {
+		for _, ro := range []bool{true, false} {
+			done := make(chan error, 2)
+			go func() {
+				_, err := Open(filepath.Join(dir, name), Options{ReadOnly: ro})
+				done <- err
+				_, err = OpenBeneath(dir, name, Options{ReadOnly: ro})
+				done <- err
+			}()
+			for i := 0; i < 2; i++ {
+				select {
+				case err := <-done:
+					if name == "null" && i == 1 {
+						// Beneath, the absolute symlink leads out first.
+						if !errors.Is(err, ErrEscapes) {
+							t.Errorf("%s beneath: %v, want ErrEscapes", name, err)
+						}
+						continue
+					}
+					if !errors.Is(err, ErrNotBlockLike) || !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), name) {
+						t.Errorf("%s (read-only %v): %v, want ErrNotBlockLike naming it", name, ro, err)
+					}
+				case <-time.After(10 * time.Second):
+					// The goroutine stays blocked in open: unblock it.
+					if f, err := os.OpenFile(fifo, os.O_RDWR, 0); err == nil {
+						defer f.Close()
+					}
+					t.Fatalf("%s (read-only %v): open blocked", name, ro)
+				}
+			}
+		}
+	}
+}
+
+// TestOpenLeavesMtime: opening a tmpfs file for writes, its probes and
+// populate included, changes nothing a backup would see. (Elsewhere the
+// discard probe moves the mtime: probeFile.)
+func TestOpenLeavesMtime(t *testing.T) {
+	onTmpfs(t)
+	path := sparseFile(t, "/dev/shm", 8<<20)
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+	if err := os.Chtimes(path, past, past); err != nil {
+		t.Fatal(err)
+	}
+	b := open(t, path, Options{})
+	if !b.Caps().Discard {
+		t.Fatal("no discard on tmpfs")
+	}
+	if m := b.mp.m.Load(); m != nil {
+		m.pop.Wait()
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(path); err != nil || !st.ModTime().Equal(past) {
+		t.Fatalf("open and close moved the mtime to %v (err %v), was %v", st.ModTime(), err, past)
+	}
+}

@@ -12,6 +12,8 @@ import (
 	"unsafe"
 
 	"go.uber.org/goleak"
+
+	"github.com/rnbd/rnbd/test/kit"
 )
 
 // TestMain fails the package if a test leaves a verbs object open.
@@ -30,16 +32,8 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// The tests that need a device read its address from RNBD_RDMA_ADDR (the
-// VM tier sets it on rdma_rxe); without it they skip.
-func rdmaAddr(t testing.TB) netip.Addr {
-	t.Helper()
-	s := os.Getenv("RNBD_RDMA_ADDR")
-	if s == "" {
-		t.Skip("set RNBD_RDMA_ADDR to an address on an RDMA device (the VM tier runs these on rdma_rxe)")
-	}
-	return netip.MustParseAddr(s)
-}
+// The tests that need a device read its address from RNBD_RDMA_ADDR
+// (kit.RDMAAddr: the VM tier sets it on rdma_rxe); without it they skip.
 
 func TestErrors(t *testing.T) {
 	err := errnoErr("ibv_post_send", -int(syscall.ENOMEM))
@@ -105,7 +99,7 @@ func TestAllocMemory(t *testing.T) {
 // deviceOf resolves the test address to its device and opens it.
 func deviceOf(t testing.TB) (*Context, netip.Addr) {
 	t.Helper()
-	addr := rdmaAddr(t)
+	addr := kit.RDMAAddr(t)
 	if !Supported {
 		t.Skip("built without cgo")
 	}

@@ -1,11 +1,13 @@
 // Package kit holds the helpers that tests across the tree share: waiting
 // for a state instead of sleeping, reading golden files, making sparse
-// files, and recording what a component logs. Only tests import it
-// (test/lint keeps it out of the binaries and libraries).
+// files, finding the RDMA device to test on, and recording what a
+// component logs. Only tests import it (test/lint keeps it out of the
+// binaries and libraries).
 package kit
 
 import (
 	"encoding/hex"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -96,6 +98,18 @@ func SparseFile(t testing.TB, path string, size int64) {
 	if err := f.Truncate(size); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// RDMAAddr returns the address on an RDMA device that the tests of RDMA
+// use, from RNBD_RDMA_ADDR (the VM tier sets it on rdma_rxe); without it
+// the test skips.
+func RDMAAddr(t testing.TB) netip.Addr {
+	t.Helper()
+	s := os.Getenv("RNBD_RDMA_ADDR")
+	if s == "" {
+		t.Skip("set RNBD_RDMA_ADDR to an address on an RDMA device (the VM tier runs these on rdma_rxe)")
+	}
+	return netip.MustParseAddr(s)
 }
 
 // LogRecorder returns an entry that records, at debug level and above,

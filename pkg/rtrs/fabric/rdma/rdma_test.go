@@ -16,11 +16,12 @@ import (
 	"github.com/rnbd/rnbd/pkg/ibverbs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
+	"github.com/rnbd/rnbd/test/kit"
 )
 
 // The tests need an address on an RDMA device (soft-RoCE in the VM tier):
-// RNBD_RDMA_ADDR=10.78.0.1. Without it they skip; the no-device checks
-// run everywhere.
+// RNBD_RDMA_ADDR=10.78.0.1 (kit.RDMAAddr). Without it they skip; the
+// no-device checks run everywhere.
 
 func TestMain(m *testing.M) {
 	code := m.Run()
@@ -35,15 +36,6 @@ func TestMain(m *testing.M) {
 		}
 	}
 	os.Exit(code)
-}
-
-func rdmaAddr(t testing.TB) netip.Addr {
-	t.Helper()
-	s := os.Getenv("RNBD_RDMA_ADDR")
-	if s == "" {
-		t.Skip("set RNBD_RDMA_ADDR to an address on an RDMA device (the VM tier runs these on rdma_rxe)")
-	}
-	return netip.MustParseAddr(s)
 }
 
 func newFabric(t testing.TB) *Fabric {
@@ -80,7 +72,7 @@ func TestNoDevice(t *testing.T) {
 // newPair connects a pair over the device at RNBD_RDMA_ADDR.
 func newPair(t testing.TB, recvs []fabric.RecvWR) *conntest.Pair {
 	t.Helper()
-	src := netip.AddrPortFrom(rdmaAddr(t), 0)
+	src := netip.AddrPortFrom(kit.RDMAAddr(t), 0)
 	p := conntest.NewPair(t, newFabric(t), src, recvs)
 	if dev := p.Dev; dev.Name() == "" || dev.Port() < 1 {
 		t.Fatalf("device %q port %d", dev.Name(), dev.Port())
@@ -225,7 +217,7 @@ func TestQueueFull(t *testing.T) {
 }
 
 func TestReject(t *testing.T) {
-	addr := rdmaAddr(t)
+	addr := kit.RDMAAddr(t)
 	f := newFabric(t)
 	l, err := f.Listen(netip.AddrPortFrom(addr, 0))
 	if err != nil {
