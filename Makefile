@@ -51,7 +51,8 @@ demo-rtrs: build
 # below; not lock order (doc.go's Lock order blocks). It is pinned and
 # built outside the module: gvisor is large and no dependency of rnbd.
 CHECKLOCKS_VERSION := v0.0.0-20260905035102-160fafc42237
-CHECKLOCKS_PKGS    := ./pkg/rtrs/... ./pkg/rnbd/... ./internal/serverd ./internal/clientd
+CHECKLOCKS_PKGS    := ./pkg/rtrs/... ./pkg/rnbd/... ./internal/serverd ./internal/clientd \
+                      ./pkg/frontend/nbd
 CHECKLOCKS         := $(BIN)/tools/checklocks-$(CHECKLOCKS_VERSION)
 
 $(CHECKLOCKS):
