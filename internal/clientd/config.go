@@ -14,6 +14,10 @@
 //	                 change them (and rnbd's session locks under it)
 //	Daemon.rdmaMu    the RDMA fabric, made on first use; never with mu
 //	ublkBackend.mu   a ublk device's queues; held over no call
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet; the order above is not.
 package clientd
 
 import (

@@ -65,17 +65,20 @@ type Daemon struct {
 	ctl    *ctl.Server
 
 	rdmaMu sync.Mutex
+	// +checklocks:rdmaMu
 	rdma   fabric.Fabric // made on first use
 	nbd    *nbd.Server
 	served chan error
 
 	// mu guards sessions and maps; mapMu serializes map/unmap and the
 	// state file.
-	mapMu    sync.Mutex
-	mu       sync.Mutex
+	mapMu sync.Mutex
+	mu    sync.Mutex
+	// +checklocks:mu
 	sessions map[string]*session
-	maps     map[string]*mapped
-	metrics  *metrics.Server // nil without metrics_listen
+	// +checklocks:mu
+	maps    map[string]*mapped
+	metrics *metrics.Server // nil without metrics_listen
 	// hints, where udev runs, is where the daemon leaves the stable
 	// names of kernel devices for udev (devlinks.go); "": it makes the
 	// links itself. sysBlock is /sys/block.
@@ -306,6 +309,8 @@ func (d *Daemon) mapNoted(ctx context.Context, m Mapping) (Mapping, string, erro
 	return mp.Mapping, spec.note, nil
 }
 
+// nextDeviceLocked names the first free rnbdN.
+// +checklocks:d.mu
 func (d *Daemon) nextDeviceLocked() string {
 	for i := 0; ; i++ {
 		name := fmt.Sprintf("rnbd%d", i)

@@ -17,6 +17,10 @@
 // OwnersChanged), under stateMu when a map is why: none of them takes
 // stateMu (OwnersChanged only wakes saveOwners, which takes it in its own
 // goroutine).
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet; the order above is not.
 package serverd
 
 import (

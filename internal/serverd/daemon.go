@@ -39,6 +39,7 @@ type Daemon struct {
 	// unrestored are the exports of the state file that could not be
 	// served at start (a backing file or device not there yet): kept in
 	// the file by every save until mapped again or unmapped. stateMu.
+	// +checklocks:stateMu
 	unrestored []rnbd.Export
 	// configured are the names of the configuration file's exports:
 	// never saved in the state file, never mapped or unmapped.
@@ -47,11 +48,13 @@ type Daemon struct {
 	// be served (a device not there yet, a file not readable): the
 	// others are served, and these are tried again every retryEvery, as
 	// are the unrestored ones. notServed says why, by name. stateMu.
+	// +checklocks:stateMu
 	configPending []rnbd.Export
-	notServed     map[string]string
-	retryEvery    time.Duration
-	served        chan error
-	metrics       *metrics.Server // nil without metrics_listen
+	// +checklocks:stateMu
+	notServed  map[string]string
+	retryEvery time.Duration
+	served     chan error
+	metrics    *metrics.Server // nil without metrics_listen
 	// ownersDirty asks saveOwners to save the state file: a session
 	// name was bound. stopOwners and ownersDone end saveOwners.
 	ownersDirty chan struct{}
@@ -132,7 +135,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	d.rnbd.SetSessionOwners(st.SessionOwners)
 	// The configuration file's exports first: a name there is served as
 	// the file says, whatever a map of the same name left in the state.
-	d.configured, d.notServed = map[string]bool{}, map[string]string{}
+	d.configured, d.notServed = map[string]bool{}, map[string]string{} // +checklocksignore: d is not shared yet
 	var paths []string
 	for _, r := range cfg.Exports {
 		paths = append(paths, r.Path)
@@ -147,8 +150,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		if err := d.mapLooked(e, looked); err != nil {
 			// One missing device does not keep the others from
 			// being served.
-			d.configPending = append(d.configPending, e)
-			d.noteNotServed(e, "export of the configuration file not served (tried again every "+d.retryEvery.String()+")", err)
+			d.configPending = append(d.configPending, e)                                                                         // +checklocksignore: d is not shared yet
+			d.noteNotServed(e, "export of the configuration file not served (tried again every "+d.retryEvery.String()+")", err) // +checklocksignore: d is not shared yet
 			continue
 		}
 		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
@@ -159,14 +162,14 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 			// Kept in the state file, for when the configuration
 			// no longer has the name.
 			d.log.WithField("export", e.Name).Warn("export of the state file not served: the configuration file has one of that name")
-			d.unrestored = append(d.unrestored, e)
+			d.unrestored = append(d.unrestored, e) // +checklocksignore: d is not shared yet
 			continue
 		}
 		if err := d.mapLooked(e, looked); err != nil {
 			// Keep going: the rest of the exports are still served,
 			// and the state file keeps the entry for when it returns.
-			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err)
-			d.unrestored = append(d.unrestored, e)
+			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err) // +checklocksignore: d is not shared yet
+			d.unrestored = append(d.unrestored, e)                                                           // +checklocksignore: d is not shared yet
 			continue
 		}
 		d.warnReadOnly(e, looked[e.Path])

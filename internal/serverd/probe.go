@@ -25,7 +25,8 @@ const maxProbesPending = 64
 // path on a dead mount costs one goroutine (and the OS thread it blocks),
 // however often it is retried, and at most maxProbesPending are pending.
 type pathProbe struct {
-	mu      sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	pending map[string]bool // paths whose stat has not returned
 }
 

@@ -27,6 +27,7 @@ func (st *State) StateVersion() int { return st.Version }
 
 // saveState writes the exports atomically: a temporary file, synced, then
 // renamed over the old one, and the directory synced.
+// +checklocks:d.stateMu
 func (d *Daemon) saveState() error {
 	st := State{Version: StateVersion, SessionOwners: d.rnbd.SessionOwners()}
 	served := map[string]bool{}
@@ -47,6 +48,7 @@ func (d *Daemon) saveState() error {
 
 // dropUnrestored forgets an export that could not be restored (it was
 // mapped again, or unmapped). stateMu is held.
+// +checklocks:d.stateMu
 func (d *Daemon) dropUnrestored(name string) bool {
 	for i, e := range d.unrestored {
 		if e.Name == name {
@@ -104,6 +106,7 @@ func (d *Daemon) unserved() []ExportRecord {
 
 // noteNotServed records why e is not served, and logs it when that is
 // news. stateMu is held (or the daemon is starting).
+// +checklocks:d.stateMu
 func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
 	if d.notServed[e.Name] == err.Error() {
 		return
@@ -171,7 +174,7 @@ func (d *Daemon) retryNotServed() {
 			d.log.WithFields(exportFields(e)).Info(what + " served now")
 			d.warnReadOnly(e, looked[e.Path])
 		}
-		return keep
+		return keep // +checklocksignore: stateMu is the caller's, held across the closure
 	}
 	d.configPending = try(d.configPending, false, "export of the configuration file")
 	d.unrestored = try(d.unrestored, true, "export of the state file")

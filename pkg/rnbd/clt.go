@@ -45,8 +45,10 @@ type CltSession struct {
 
 	// adminMu serializes admin messages, which share one buffer.
 	adminMu sync.Mutex
-	admin   *rtrs.Buffer
-	ver     uint8
+	// +checklocks:adminMu
+	admin *rtrs.Buffer
+	// +checklocks:adminMu
+	ver uint8
 	// probeBuf takes the size poll's one-block reads (the reopen
 	// goroutine's only).
 	probeBuf *rtrs.Buffer
@@ -65,8 +67,10 @@ type CltSession struct {
 	sizePoll atomic.Int64 // time.Duration; 0: never
 	onResize atomic.Pointer[func(*CltDev)]
 
-	mu      sync.Mutex
-	devs    []*CltDev
+	mu sync.Mutex
+	// +checklocks:mu
+	devs []*CltDev
+	// +checklocks:mu
 	closed  bool
 	reopenQ chan struct{} // cap 1: wakes the reopen goroutine
 	pollQ   chan struct{} // cap 1: the size poll changed
@@ -267,6 +271,7 @@ const AdminTimeout = 30 * time.Second
 // server that does not answer) keeps its buffer, which the answer may
 // still reach: the next message gets a new one, and the old one is freed
 // with the session.
+// +checklocks:s.adminMu
 func (s *CltSession) adminDo(ctx context.Context, usr []byte, n int) error {
 	if s.admin == nil {
 		b, err := s.sess.AllocBuffer(4096)

@@ -62,6 +62,7 @@ type CltDev struct {
 	// ioMu fences submissions against a change of the device id: IO
 	// holds it shared while it checks the state and posts.
 	ioMu sync.RWMutex
+	// +checklocks:ioMu
 	info OpenRsp // under ioMu
 	// gen counts the opens of the device (changed under ioMu, read
 	// without it where a completion must not wait for ioMu): an answer of

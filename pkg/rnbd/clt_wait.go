@@ -35,9 +35,12 @@ type waitQueue struct {
 	// deadline passed; they are no longer in the queue.
 	expired func([]*parked)
 
-	mu     sync.Mutex
-	items  []*parked
-	timer  *time.Timer
+	mu sync.Mutex
+	// +checklocks:mu
+	items []*parked
+	// +checklocks:mu
+	timer *time.Timer
+	// +checklocks:mu
 	closed bool
 }
 
@@ -87,6 +90,7 @@ func (q *waitQueue) take(now time.Time, all bool) []*parked {
 }
 
 // armLocked sets the timer to the earliest deadline left.
+// +checklocks:q.mu
 func (q *waitQueue) armLocked() {
 	if len(q.items) == 0 {
 		if q.timer != nil {

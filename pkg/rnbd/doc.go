@@ -42,4 +42,8 @@
 // event (Server.LinkEvent, the client session's), so it comes before
 // every lock the event takes. The locks that calls into rtrs, blockdev
 // and log take come after every lock held at the call.
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations on the fields and functions, checked by
+// gVisor's checklocks analyzer in make vet; the order above is not.
 package rnbd

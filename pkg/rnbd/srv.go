@@ -117,26 +117,34 @@ type Server struct {
 	// SrvSession.mu, then Server.mu, then device.mu; never take a
 	// SrvSession.mu while holding Server.mu (snapshot the sessions
 	// instead).
-	mu       sync.Mutex
-	exports  map[string]*Export
+	mu sync.Mutex
+	// +checklocks:mu
+	exports map[string]*Export
+	// +checklocks:mu
 	sessions map[*rtrs.SrvSession]*SrvSession
-	devices  map[string]*device // by backend identity
+	// +checklocks:mu
+	devices map[string]*device // by backend identity
 	// exportOpens counts the sessions that have each explicit export
 	// open, or are opening it (Export.MaxSessions).
+	// +checklocks:mu
 	exportOpens map[string]int
 	// resizes are the resizes of files under way, by backend ID;
 	// resizeSeq names the last one's caps.
-	resizes   map[string]resizing
+	// +checklocks:mu
+	resizes map[string]resizing
+	// +checklocks:mu
 	resizeSeq uint64
 
 	// shrinks counts the shrinks of backing files seen behind the
 	// server's back, by device name (the export's, or the name under
 	// the search path), under shrinkMu.
 	shrinkMu sync.Mutex
-	shrinks  map[string]uint64
+	// +checklocks:shrinkMu
+	shrinks map[string]uint64
 
 	// ownMu guards owners: session name → the identity it is bound to.
-	ownMu  sync.Mutex
+	ownMu sync.Mutex
+	// +checklocks:ownMu
 	owners map[string]string
 
 	closed atomic.Bool
@@ -210,15 +218,20 @@ func (s *Server) Close() {
 // device is one backing store, whichever names it is opened by: the
 // writers of all sessions are counted here (struct rnbd_srv_dev).
 type device struct {
-	id   string // backend identity
+	id   string // +checklocksignore: backend identity, fixed (read where some mu is held)
 	path string
 
-	mu           sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	openWriteCnt int
-	sessDevs     []*SrvSessDev
-	problem      string    // the last health check's finding
-	shrunk       bool      // problem is a shrink (blockdev.ShrinkError)
-	checking     time.Time // when the health check under way began
+	// +checklocks:mu
+	sessDevs []*SrvSessDev
+	// +checklocks:mu
+	problem string // the last health check's finding
+	// +checklocks:mu
+	shrunk bool // problem is a shrink (blockdev.ShrinkError)
+	// +checklocks:mu
+	checking time.Time // when the health check under way began
 }
 
 // SrvSession is a client session (struct rnbd_srv_session). It is safe
@@ -231,9 +244,12 @@ type SrvSession struct {
 	ver  atomic.Uint32
 
 	// mu guards devs, nextID and opening.
-	mu      sync.Mutex
-	devs    map[uint32]*SrvSessDev // a nil value is an id kept after force_close
-	nextID  uint32
+	mu sync.Mutex
+	// +checklocks:mu
+	devs map[uint32]*SrvSessDev // a nil value is an id kept after force_close
+	// +checklocks:mu
+	nextID uint32
+	// +checklocks:mu
 	opening map[string]bool // device names whose open is under way
 }
 
@@ -259,16 +275,22 @@ type SrvSessDev struct {
 	// rdSect and wrSect count the sectors read and written; the others
 	// count what reached the backend: flushes (explicit or before a
 	// write), FUA writes, discards and write-zeroes.
-	rdSect, wrSect                  atomic.Uint64
-	reads, writes                   atomic.Uint64
-	flushes, fuas, discards, wzeros atomic.Uint64
+	rdSect   atomic.Uint64
+	wrSect   atomic.Uint64
+	reads    atomic.Uint64
+	writes   atomic.Uint64
+	flushes  atomic.Uint64
+	fuas     atomic.Uint64
+	discards atomic.Uint64
+	wzeros   atomic.Uint64
 	// inflight counts the requests running on the backend now.
 	inflight atomic.Int64
 
 	// refs counts IO in flight plus one for being open; closing waits
 	// for it to drain.
-	refs    sync.WaitGroup
-	mu      sync.Mutex
+	refs sync.WaitGroup
+	mu   sync.Mutex
+	// +checklocks:mu
 	closing bool
 }
 

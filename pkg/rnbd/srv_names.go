@@ -97,6 +97,7 @@ func (s *Server) admitName(name, identity string) error {
 }
 
 // ownedBy counts the names identity holds. ownMu is held.
+// +checklocks:s.ownMu
 func (s *Server) ownedBy(identity string) int {
 	n := 0
 	for _, id := range s.owners {

@@ -25,11 +25,11 @@ func TestSessInfoVersion(t *testing.T) {
 	for _, c2 := range []struct{ ask, want uint8 }{{1, 1}, {2, 2}, {9, 2}} {
 		var usr [SessInfoSize]byte
 		(&SessInfo{Ver: c2.ask}).Encode(usr[:], MsgSessInfo)
-		if err := c.sess.Do(context.Background(), rtrs.AdminCon, rtrs.Read, usr[:], c.admin, 0, SessInfoRspSize); err != nil {
+		if err := c.sess.Do(context.Background(), rtrs.AdminCon, rtrs.Read, usr[:], c.admin, 0, SessInfoRspSize); err != nil { // +checklocksignore: the test is the session's only admin sender
 			t.Fatal(err)
 		}
 		var rsp SessInfo
-		if err := rsp.Decode(c.admin.Bytes()[:SessInfoRspSize], MsgSessInfoRsp); err != nil || rsp.Ver != c2.want {
+		if err := rsp.Decode(c.admin.Bytes()[:SessInfoRspSize], MsgSessInfoRsp); err != nil || rsp.Ver != c2.want { // +checklocksignore: as above
 			t.Fatalf("asked %d: got %d %v, want %d", c2.ask, rsp.Ver, err, c2.want)
 		}
 	}
@@ -213,8 +213,8 @@ func TestOpenOnHungMount(t *testing.T) {
 			if !s.mu.TryLock() {
 				continue // (held through the open, it would never be free)
 			}
-			o := s.opening["hung"]
-			s.mu.Unlock()
+			o := s.opening["hung"] // +checklocksignore: held by the TryLock above
+			s.mu.Unlock()          // +checklocksignore: as above
 			if o {
 				return true
 			}

@@ -153,6 +153,7 @@ func sessionNames(devs []*SrvSessDev) string {
 
 // openOn returns the session devices on the backend id: those open, and
 // those closing (which wait for the IO they admitted). s.mu is held.
+// +checklocks:s.mu
 func (s *Server) openOn(id string) (open, closing []*SrvSessDev) {
 	dev := s.devices[id]
 	if dev == nil {

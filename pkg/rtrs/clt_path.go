@@ -40,24 +40,35 @@ type CltPath struct {
 
 	state atomic.Int32 // CltPathState; written under mu
 	// mu guards the state changes and the fields below.
-	mu                sync.Mutex
-	addr              PathAddr
-	hcaName           string
-	hcaPort           int
+	mu sync.Mutex
+	// +checklocks:mu
+	addr PathAddr
+	// +checklocks:mu
+	hcaName string
+	// +checklocks:mu
+	hcaPort int
+	// +checklocks:mu
 	reconnectAttempts int
-	nextAttempt       time.Time // when the scheduled reconnect attempt comes; zero: none
-	downSince         time.Time // when the path went down (ctrl_loss_tmo); zero while up
-	forNewClt         bool
-	established       bool
-	reconCnt          uint16
-	stateCh           chan struct{} // closed and replaced on every state change
+	// +checklocks:mu
+	nextAttempt time.Time // when the scheduled reconnect attempt comes; zero: none
+	// +checklocks:mu
+	downSince time.Time // when the path went down (ctrl_loss_tmo); zero while up
+	// +checklocks:mu
+	forNewClt bool
+	// +checklocks:mu
+	established bool
+	// +checklocks:mu
+	reconCnt uint16
+	// +checklocks:mu
+	stateCh chan struct{} // closed and replaced on every state change
 
 	// submitMu fences IO against recovery: posters hold it shared while
 	// they check the state and post; recovery takes it exclusively once
 	// after leaving CONNECTED, so every post that saw CONNECTED is done
 	// (the kernel's synchronize_rcu).
 	submitMu sync.RWMutex
-	res      *pathRes // the current connection attempt's resources
+	// +checklocks:submitMu
+	res *pathRes // the current connection attempt's resources
 
 	cmds      chan pathCmd
 	recoverCh chan struct{}
@@ -142,7 +153,7 @@ func (s *CltSession) newPath(pa PathAddr, forNewClt bool) *CltPath {
 	// tells a new connection from a stale one.
 	var rc [2]byte
 	crand.Read(rc[:])
-	p.reconCnt = uint16(rc[0]) | uint16(rc[1])<<8
+	p.reconCnt = uint16(rc[0]) | uint16(rc[1])<<8 // +checklocksignore: p is not shared yet
 	p.state.Store(int32(CltPathConnecting))
 	p.logp.Store(s.log.WithField("path", pa.String()))
 	p.hb.init(s.cfg.HBInterval, s.cfg.HBMissedMax, p.sendHB, func() {
@@ -200,6 +211,7 @@ func (p *CltPath) CurLatency() time.Duration { return p.hb.latency() }
 
 // changeStateLocked applies the kernel's transition table; every state
 // change goes through here.
+// +checklocks:p.mu
 func (p *CltPath) changeStateLocked(to CltPathState) bool {
 	from := CltPathState(p.state.Load())
 	if !pathTransitionAllowed(from, to) {

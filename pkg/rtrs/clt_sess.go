@@ -28,11 +28,14 @@ type CltSession struct {
 	reconnectDelay       atomic.Int64 // time.Duration: the first reconnect's wait
 
 	// mu guards the path list and the link-event bookkeeping.
-	mu        sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	paths     []*CltPath
 	pathsSnap atomic.Pointer[[]*CltPath] // lock-free copy for the IO path
-	pathsUp   int
-	opened    bool
+	// +checklocks:mu
+	pathsUp int
+	// +checklocks:mu
+	opened bool // +checklocksignore: mu alone guards it; evMu happens to be held where it is read
 
 	// evMu serializes link events to the user.
 	evMu sync.Mutex
@@ -52,7 +55,8 @@ type CltSession struct {
 	permitsOut atomic.Int64 // permits taken and not put back
 
 	// regMu guards regions and every path's registrations of them.
-	regMu   sync.Mutex
+	regMu sync.Mutex
+	// +checklocks:regMu
 	regions []*Buffer // index = region id; 0 is the header memory
 
 	closed    atomic.Bool

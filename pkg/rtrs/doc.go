@@ -92,6 +92,10 @@
 // takes their own lock again (the client's path controls, Server.NameHeld
 // from ClaimSessionName).
 //
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations on the fields and functions, checked by
+// gVisor's checklocks analyzer in make vet; the order above is not.
+//
 // # Concurrency
 //
 // CltSession, CltPath, Server, SrvSession and SrvPath are safe for

@@ -19,16 +19,20 @@ type heartbeat struct {
 
 	// mu serializes ticks with start and stop, so stop returns only
 	// when no tick is running.
-	mu      sync.Mutex
-	timer   *time.Timer
+	mu sync.Mutex
+	// +checklocks:mu
+	timer *time.Timer
+	// +checklocks:mu
 	running bool
 
 	missed atomic.Int32
 	// sent are the send times (ns since epoch) of the HB_MSGs not
 	// answered yet, oldest first: HB_ACKs come back in order on the one
 	// connection, so each ack is measured from its own message.
-	sentMu     sync.Mutex
-	sent       [8]int64
+	sentMu sync.Mutex
+	// +checklocks:sentMu
+	sent [8]int64
+	// +checklocks:sentMu
 	nsent      int
 	curLatency atomic.Int64 // ns, the last HB round trip
 
@@ -48,9 +52,11 @@ type heartbeat struct {
 	// and traffic from the peer keeps it from being sent at all.
 	probeEvery time.Duration
 	busy       func() bool
+	// +checklocks:mu
 	probeTimer *time.Timer
 	recvSeq    atomic.Uint64 // counts what came from the peer
-	probeSeen  uint64        // recvSeq at the last probe tick; under mu
+	// +checklocks:mu
+	probeSeen uint64 // recvSeq at the last probe tick; under mu
 }
 
 func (h *heartbeat) init(interval time.Duration, missedMax int, send func() error, onErr func()) {

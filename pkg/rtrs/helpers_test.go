@@ -27,7 +27,8 @@ type memDisk struct {
 	ios   atomic.Int64
 	lend  *lender // if set, reads are answered with RespondFrom where they may be
 
-	evMu   sync.Mutex
+	evMu sync.Mutex
+	// +checklocks:evMu
 	events []SrvLinkEvent
 }
 

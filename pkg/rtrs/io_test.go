@@ -90,13 +90,17 @@ func TestWriteReadTCP(t *testing.T) {
 // burstConfirmer counts its requests' completions and defers a flush of
 // itself to their burst.
 type burstConfirmer struct {
-	mu        sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	confirmed int
-	inBurst   int
-	flushed   int // completions a Flush found
-	errs      []error
-	done      chan struct{}
-	want      int
+	// +checklocks:mu
+	inBurst int
+	// +checklocks:mu
+	flushed int // completions a Flush found
+	// +checklocks:mu
+	errs []error
+	done chan struct{} // +checklocksignore: set once, before it is shared
+	want int           // +checklocksignore: set once, before it is shared
 }
 
 func (c *burstConfirmer) Confirm(err error) { c.ConfirmBurst(err, nil) }
@@ -174,7 +178,7 @@ func TestBufferIDsReused(t *testing.T) {
 	_, fab := memNet()
 	srvAddr := ap("10.7.0.1:1234")
 	r := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), srvAddr), testClientConfig(fab, pa("10.7.0.2", srvAddr.String())))
-	before := len(r.sess.regions)
+	before := len(r.sess.regions) // +checklocksignore: no buffer is allocated or freed meanwhile
 	for i := 0; i < 1000; i++ {
 		b, err := r.sess.AllocBuffer(4096)
 		if err != nil {
@@ -184,7 +188,7 @@ func TestBufferIDsReused(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := len(r.sess.regions); n != before {
+	if n := len(r.sess.regions); n != before { // +checklocksignore: as above
 		t.Fatalf("%d regions after 1000 buffers allocated and freed one at a time, %d before", n, before)
 	}
 	// A hole below the last buffer is filled first.

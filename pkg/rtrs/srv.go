@@ -76,13 +76,15 @@ type Server struct {
 	listeners []fabric.Listener
 	listening []Listen
 
-	mu       sync.Mutex // guards sessions
+	mu sync.Mutex // guards sessions
+	// +checklocks:mu
 	sessions map[[16]byte]*SrvSession
 
 	// connecting counts the paths in SrvPathConnecting per client
 	// address (MaxConnectingPerAddr).
 	connectingMu sync.Mutex
-	connecting   map[netip.Prefix]int
+	// +checklocks:connectingMu
+	connecting map[netip.Prefix]int
 	// nameMu serializes session naming (claimName); taken before mu
 	// and any session's mu.
 	nameMu sync.Mutex
@@ -90,12 +92,15 @@ type Server struct {
 	// clientMem that of each client's paths (MaxChunkMemoryPerClient),
 	// heapMem the part of chunkMem on the Go heap (GoMemoryLimit). They
 	// change under memMu.
-	memMu     sync.Mutex
-	chunkMem  atomic.Int64
+	memMu    sync.Mutex
+	chunkMem atomic.Int64
+	// +checklocks:memMu
 	clientMem map[string]int64
-	heapMem   int64
+	// +checklocks:memMu
+	heapMem int64
 	// goLimit is the runtime's memory limit before the server set its
 	// own (GoMemoryLimit), put back by Close.
+	// +checklocks:memMu
 	goLimit int64
 	// pool keeps closed paths' chunk areas for new paths.
 	pool chunkPool

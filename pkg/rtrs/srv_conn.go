@@ -26,18 +26,27 @@ type srvConn struct {
 	// sendMu guards the send queue accounting: work requests are
 	// credited back when a signaled one completes, which retires every
 	// request posted before it (sq_wr_avail, rsp_wr_wait_list).
-	sendMu  sync.Mutex
+	sendMu sync.Mutex
+	// +checklocks:sendMu
 	sqAvail int
-	unsig   int
+	// +checklocks:sendMu
+	unsig int
+	// +checklocks:sendMu
 	sigIntv int
+	// +checklocks:sendMu
 	waiting []*SrvOp
-	closed  bool // set by takeWaiting: nothing is parked after it
+	// +checklocks:sendMu
+	closed bool // set by takeWaiting: nothing is parked after it
 	// posted counts the work requests posted, sent those known to be
 	// out (a signaled one completed); holds are the Holds of answers
 	// sent from memory of the user's (RespondFrom), each released once
 	// sent reaches the count at its post.
-	posted, sent uint64
-	holds        []heldSend
+	// +checklocks:sendMu
+	posted uint64
+	// +checklocks:sendMu
+	sent uint64
+	// +checklocks:sendMu
+	holds []heldSend
 
 	rwr    fabric.RecvWR // scratch for reposting (receive goroutine only)
 	hbWR   [2]fabric.SendWR

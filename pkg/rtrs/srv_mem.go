@@ -126,6 +126,7 @@ func (s *Server) releaseMem(client string, size, heap int64) {
 // setMemoryLimitLocked sets the runtime's soft memory limit to
 // GoHeapMargin plus what the paths may hold on the heap
 // (SrvConfig.GoMemoryLimit). memMu is held: the last change wins.
+// +checklocks:s.memMu
 func (s *Server) setMemoryLimitLocked() {
 	if s.cfg.GoMemoryLimit && s.cfg.MaxChunkMemory > 0 {
 		debug.SetMemoryLimit(GoHeapMargin + s.heapMem)
@@ -164,9 +165,11 @@ const chunkPoolMax = 16
 // it holds no memory, and the path that takes it finds it zero: no
 // client's data reaches another's path.
 type chunkPool struct {
-	mu   sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	free map[chunkArea][]fabric.Memory
-	n    int
+	// +checklocks:mu
+	n int
 }
 
 type chunkArea struct {

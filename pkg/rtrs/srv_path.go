@@ -261,6 +261,8 @@ func connQueues(cfg *SrvConfig, qd, cid int, windows bool) (maxSend, maxRecv, sq
 
 // acceptCon accepts c's connection; the service connection gets a
 // receive for INFO_REQ before it is accepted.
+// +checklocksignore: c.sqAvail is set before c is the fabric's handler and
+// before anything posts on c (the path's heartbeat starts at INFO_REQ).
 func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 	x := p.sess
 	cfg := &x.srv.cfg

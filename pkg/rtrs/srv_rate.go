@@ -15,9 +15,11 @@ type rateLimiter struct {
 	burst float64
 	now   func() time.Time
 
-	mu      sync.Mutex // guards the fields below
+	mu sync.Mutex // guards the fields below
+	// +checklocks:mu
 	buckets map[string]*bucket
-	swept   time.Time
+	// +checklocks:mu
+	swept time.Time
 }
 
 type bucket struct {
@@ -74,6 +76,7 @@ func (r *rateLimiter) fill(b *bucket, now time.Time) float64 {
 }
 
 // sweepLocked forgets the buckets that are full again.
+// +checklocks:r.mu
 func (r *rateLimiter) sweepLocked(now time.Time) {
 	r.swept = now
 	for k, b := range r.buckets {

@@ -68,14 +68,20 @@ type SrvSession struct {
 	client     string                        // what it counts against MaxSessionsPerClient (clientKey)
 
 	// mu guards the fields below.
-	mu      sync.Mutex
-	name    string
-	paths   []*SrvPath
-	lost    []LostPath // LostPaths
+	mu sync.Mutex
+	// +checklocks:mu
+	name string
+	// +checklocks:mu
+	paths []*SrvPath
+	// +checklocks:mu
+	lost []LostPath // LostPaths
+	// +checklocks:mu
+	// +checklocks:evMu
 	pathsUp int
 	refs    int // under srv.mu: one per path
 	// acceptCond (on mu) wakes a closing path waiting for connections
 	// being accepted into it (SrvPath.accepting).
+	// +checklocks:mu
 	acceptCond sync.Cond
 
 	evMu sync.Mutex // serializes link events
@@ -139,6 +145,7 @@ func (x *SrvSession) Close() {
 	}
 }
 
+// +checklocks:x.mu
 func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
 	for _, p := range x.paths {
 		if p.uuid == uuid {
@@ -150,6 +157,7 @@ func (x *SrvSession) findPathLocked(uuid [16]byte) *SrvPath {
 
 // allocPathLocked is __alloc_path: a new path in CONNECTING with its own
 // protection domain and registrations of the session's chunks.
+// +checklocks:x.mu
 func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, msg *ConnReq) (*SrvPath, syscall.Errno, error) {
 	s := x.srv
 	if s.closed.Load() {
@@ -261,6 +269,7 @@ func (x *SrvSession) LostPaths() []LostPath {
 }
 
 // forgetLostLocked drops name from the lost paths. x.mu is held.
+// +checklocks:x.mu
 func (x *SrvSession) forgetLostLocked(name string) {
 	x.lost = slices.DeleteFunc(x.lost, func(l LostPath) bool { return l.Name == name })
 }

@@ -27,16 +27,22 @@ type conn struct {
 	free   chan *Request // the in-flight limit: a request is taken per command
 	done   chan struct{}
 
-	mu         sync.Mutex
-	ready      []*Request // completed, waiting for their reply's write
-	inflight   int        // taken from free and not yet retired
+	mu sync.Mutex
+	// +checklocks:mu
+	ready []*Request // completed, waiting for their reply's write
+	// +checklocks:mu
+	inflight int // taken from free and not yet retired
+	// +checklocks:mu
 	readerDone bool
 	// writing: a goroutine (the writer, or a completer flushing at the
 	// end of its burst) writes replies; it owns fbatch. handoff: what a
 	// completer's write left because the socket was full. broken: a
 	// write failed, replies are dropped.
-	writing   bool
-	handoff   *replyBatch
+	// +checklocks:mu
+	writing bool
+	// +checklocks:mu
+	handoff *replyBatch
+	// +checklocks:mu
 	broken    bool
 	fbatch    *replyBatch
 	wake      chan struct{} // cap 1: the writer has work
@@ -361,6 +367,7 @@ func (c *conn) retireAll(b *replyBatch) {
 
 // takeReady moves the ready replies into b and makes the caller the
 // writer, if there are any and no one else writes. c.mu is held.
+// +checklocks:c.mu
 func (c *conn) takeReady(b *replyBatch) bool {
 	if c.writing || len(c.ready) == 0 {
 		return false

@@ -67,9 +67,12 @@ type op struct {
 type storeBackend struct {
 	async bool
 
-	mu        sync.Mutex
-	data      []byte
-	ops       []op
+	mu sync.Mutex
+	// +checklocks:mu
+	data []byte
+	// +checklocks:mu
+	ops []op
+	// +checklocks:mu
 	maxBuf    int   // the largest Buffer asked for
 	bufErr    error // Buffer fails with it
 	submitErr error // Submit completes with it
@@ -140,7 +143,8 @@ type holdBackend struct {
 	*storeBackend
 	ch chan held
 
-	mu   sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	pass bool
 }
 

@@ -22,8 +22,10 @@ type plugBackend struct {
 	*storeBackend
 	slots chan struct{}
 
-	mu     sync.Mutex
-	plugs  map[Plug]bool
+	mu sync.Mutex
+	// +checklocks:mu
+	plugs map[Plug]bool
+	// +checklocks:mu
 	bursts []int // requests sent per Unplug that sent any
 }
 

@@ -5,6 +5,10 @@
 // Each connection has one reader, which parses requests and hands them to
 // the backend without waiting, and one writer, which sends the replies in
 // the order they complete, batching whatever is ready into one writev.
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet.
 package nbd
 
 import (
@@ -246,13 +250,18 @@ type Server struct {
 	opts Options
 	log  *log.Entry
 
-	mu        sync.Mutex
-	exports   map[string]*Export
-	conns     map[*conn]struct{}
-	shaking   map[net.Conn]struct{} // in the handshake
+	mu sync.Mutex
+	// +checklocks:mu
+	exports map[string]*Export
+	// +checklocks:mu
+	conns map[*conn]struct{}
+	// +checklocks:mu
+	shaking map[net.Conn]struct{} // in the handshake
+	// +checklocks:mu
 	listeners map[net.Listener]struct{}
-	closed    bool
-	wg        sync.WaitGroup
+	// +checklocks:mu
+	closed bool
+	wg     sync.WaitGroup
 }
 
 // NewServer returns a server with no exports.

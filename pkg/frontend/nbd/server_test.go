@@ -55,7 +55,8 @@ func TestServeExport(t *testing.T) {
 type failingListener struct {
 	net.Listener
 	mu sync.Mutex
-	n  int
+	// +checklocks:mu
+	n int
 }
 
 func (l *failingListener) Accept() (net.Conn, error) {
@@ -89,7 +90,7 @@ func TestAcceptRetry(t *testing.T) {
 func TestExportIDs(t *testing.T) {
 	s := NewServer(Options{Log: log.Discard()})
 	stores := map[string]*storeBackend{"a": newStore(1 << 20), "b": newStore(1 << 20)}
-	copy(stores["b"].data, bytes.Repeat([]byte{0xbb}, 4096))
+	copy(stores["b"].data, bytes.Repeat([]byte{0xbb}, 4096)) // +checklocksignore: not shared yet
 	for id, st := range stores {
 		if err := s.AddExport(&Export{ID: id, Name: "vol", Size: 1 << 20, Backend: st}); err != nil {
 			t.Fatal(err)

@@ -8,6 +8,10 @@
 // Everything is built from channels and goroutines, so tests may run inside
 // a testing/synctest bubble and let heartbeats and reconnect timers run on
 // the bubble's fake clock.
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet.
 package fabrictest
 
 import (
@@ -38,10 +42,13 @@ const (
 
 // Network is an in-memory network. It is safe for concurrent use.
 type Network struct {
-	mu        sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	listeners map[netip.AddrPort]*listener
-	links     map[linkKey]*link
-	nextPort  uint16
+	// +checklocks:mu
+	links map[linkKey]*link
+	// +checklocks:mu
+	nextPort uint16
 }
 
 type linkKey struct{ a, b netip.Addr }
@@ -79,6 +86,8 @@ func (n *Network) FabricWith(opts tcp.Options) *tcp.Fabric {
 	return tcp.New(opts)
 }
 
+// linkLocked is the link between a and b, made on first use.
+// +checklocks:n.mu
 func (n *Network) linkLocked(a, b netip.Addr) *link {
 	k := key(a, b)
 	l := n.links[k]

@@ -29,7 +29,8 @@ type conn struct {
 	h  fabric.Handler
 	bh fabric.BurstHandler // h, if it is one
 
-	local, remote netip.AddrPort
+	local  netip.AddrPort
+	remote netip.AddrPort
 
 	closing   atomic.Bool
 	failed    atomic.Bool // Disconnected was reported
@@ -40,9 +41,12 @@ type conn struct {
 	// posted during a batch of completions, until the batch is
 	// delivered, and those posted with More, until Flush. On a device
 	// whose doorbell is a system call (rxe), that is one call per batch.
-	heldMu  sync.Mutex
-	held    [ibverbs.MaxChain]ibverbs.SendWR
-	nHeld   int
+	heldMu sync.Mutex
+	// +checklocks:heldMu
+	held [ibverbs.MaxChain]ibverbs.SendWR
+	// +checklocks:heldMu
+	nHeld int
+	// +checklocks:heldMu
 	inBurst bool // the poll loop is delivering a batch
 }
 
@@ -303,6 +307,7 @@ func (c *conn) PostSend(wr *fabric.SendWR) error {
 
 // postHeld posts what is held; c.heldMu is held. On an error nothing
 // stays held: the connection has failed or is failing.
+// +checklocks:c.heldMu
 func (c *conn) postHeld() error {
 	n := c.nHeld
 	if n == 0 {

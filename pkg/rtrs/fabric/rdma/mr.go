@@ -75,15 +75,19 @@ func (p *pd) Close() error { return p.p.Close() }
 // and made again by Reregister; local access uses a local-only
 // registration made on the first Invalidate, which never changes.
 type mr struct {
-	pd     *pd
+	pd     *pd // +checklocksignore: fixed (used where mu is held)
 	buf    []byte
-	access ibverbs.Access
+	access ibverbs.Access // +checklocksignore: fixed (used where mu is held)
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	remote *ibverbs.MR // nil while invalidated
-	local  *ibverbs.MR // made by the first Invalidate
-	rkey   uint32
-	lkey   uint32
+	// +checklocks:mu
+	local *ibverbs.MR // made by the first Invalidate
+	// +checklocks:mu
+	rkey uint32
+	// +checklocks:mu
+	lkey uint32
 }
 
 func (m *mr) Buf() []byte  { return m.buf }

@@ -32,6 +32,10 @@
 // called under either: the poll loop ends a burst (BurstEnd) before it
 // takes heldMu, and a connection fails (Handler.Disconnected) with no
 // lock held.
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet; the order above is not.
 package rdma
 
 import (

@@ -50,27 +50,37 @@ type conn struct {
 	remote netip.AddrPort
 
 	// sqMu guards the send queue ring.
-	sqMu   sync.Mutex
-	sq     []fabric.SendWR
+	sqMu sync.Mutex
+	// +checklocks:sqMu
+	sq []fabric.SendWR
+	// +checklocks:sqMu
 	sqHead int
-	sqLen  int
-	wake   chan struct{} // cap 1: send queue has work
+	// +checklocks:sqMu
+	sqLen int
+	wake  chan struct{} // cap 1: send queue has work
 	// writing: a goroutine (the writer, or the reader ending its burst)
 	// is writing the socket; handoff: what the reader's write left.
+	// +checklocks:sqMu
 	writing bool
+	// +checklocks:sqMu
 	handoff *sendBatch
-	rbatch  *sendBatch // the reader's
+	// +checklocks:sqMu
+	rbatch *sendBatch // the reader's
 	// burst: the reader is processing what it read; what is posted
 	// meanwhile goes out when it next reads (flushBurst).
 	burst atomic.Bool
 
 	// rqMu guards the receive queue ring; rqCond waits for a posted
 	// receive (RNR wait) or close.
-	rqMu   sync.Mutex
+	rqMu sync.Mutex
+	// +checklocks:rqMu
 	rqCond sync.Cond
-	rq     []fabric.RecvWR
+	// +checklocks:rqMu
+	rq []fabric.RecvWR
+	// +checklocks:rqMu
 	rqHead int
-	rqLen  int
+	// +checklocks:rqMu
+	rqLen int
 
 	// watchIdx and watchName are the interface the fabric's linkWatch
 	// watches for the connection (0: none); set under its mu.

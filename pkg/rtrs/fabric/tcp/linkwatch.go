@@ -25,10 +25,12 @@ import (
 type linkWatch struct {
 	log *log.Entry
 
-	mu      sync.Mutex // guards the fields below
+	mu sync.Mutex // guards the fields below
+	// +checklocks:mu
 	byIndex map[int]map[*conn]struct{}
-	nl      *netlink.Conn // nil while no connection is watched
-	wg      sync.WaitGroup
+	// +checklocks:mu
+	nl *netlink.Conn // nil while no connection is watched
+	wg sync.WaitGroup
 }
 
 // interfaceOf is the index and name of the interface that has a, or 0

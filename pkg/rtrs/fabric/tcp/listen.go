@@ -41,9 +41,12 @@ type listener struct {
 	nl        net.Listener
 	reqs      chan *connReq
 	done      chan struct{}
-	perAddrMu sync.Mutex                // guards perAddr, shaking and shakeSeq
-	perAddr   map[netip.Prefix]int      // handshakes in progress per peer (fabric.PeerGroup)
-	shaking   map[net.Conn]shakingState // their connections, closed by Close
+	perAddrMu sync.Mutex // guards perAddr, shaking and shakeSeq
+	// +checklocks:perAddrMu
+	perAddr map[netip.Prefix]int // handshakes in progress per peer (fabric.PeerGroup)
+	// +checklocks:perAddrMu
+	shaking map[net.Conn]shakingState // their connections, closed by Close
+	// +checklocks:perAddrMu
 	shakeSeq  uint64
 	closeOnce sync.Once
 	wg        sync.WaitGroup
@@ -206,6 +209,7 @@ func (l *listener) takePeerSlot(peer netip.Prefix, nc net.Conn) bool {
 // the slots here (an IPv6 /64, an IPv4 address: evictionNet): one host
 // that takes a handshake from each of many addresses of its /64 is one
 // network, and gives way to others.
+// +checklocks:l.perAddrMu
 func (l *listener) evictLocked(peer netip.Prefix) bool {
 	counts := map[netip.Prefix]int{}
 	for _, st := range l.shaking {
@@ -249,6 +253,7 @@ func evictionNet(peer netip.Prefix) netip.Prefix {
 }
 
 // dropLocked uncounts nc's handshake, once.
+// +checklocks:l.perAddrMu
 func (l *listener) dropLocked(nc net.Conn) {
 	st, ok := l.shaking[nc]
 	if !ok {

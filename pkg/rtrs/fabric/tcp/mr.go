@@ -33,8 +33,10 @@ var (
 type mrTable struct {
 	mu    sync.Mutex // guards registration: next, free and page allocation
 	pages [mrMaxIndex>>mrPageBits + 1]atomic.Pointer[[mrPageSize]atomic.Pointer[mrEntry]]
-	next  uint32
-	free  []uint32
+	// +checklocks:mu
+	next uint32
+	// +checklocks:mu
+	free []uint32
 }
 
 type mrEntry struct {

@@ -36,6 +36,7 @@ func newSendBatch(n int) *sendBatch {
 
 // take moves the send queue into b and, if it held anything, makes the
 // caller the socket's writer. sqMu is held.
+// +checklocks:c.sqMu
 func (c *conn) take(b *sendBatch) int {
 	n := c.sqLen
 	for i := 0; i < n; i++ {
@@ -203,7 +204,7 @@ func (c *conn) next(b *sendBatch) int {
 // what the reader's write left because the socket was full.
 func (c *conn) writer() {
 	defer c.wg.Done()
-	b := newSendBatch(len(c.sq))
+	b := newSendBatch(len(c.sq)) // +checklocksignore: the ring's length is fixed
 	for {
 		select {
 		case <-c.wake:

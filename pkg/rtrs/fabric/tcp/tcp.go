@@ -26,6 +26,10 @@
 // fails its connections after it lets mu go). No handler is called under
 // a mutex; Handler.Disconnected runs inside conn.failOnce, and
 // Handler.Attached inside connReq.once.
+//
+// Which fields each lock guards, and which functions run with it held,
+// are +checklocks annotations, checked by gVisor's checklocks analyzer
+// in make vet; the order above is not.
 package tcp
 
 import (
