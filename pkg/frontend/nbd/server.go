@@ -6,9 +6,17 @@
 // the backend without waiting, and one writer, which sends the replies in
 // the order they complete, batching whatever is ready into one writev.
 //
+// Lock order: there are two locks, and neither is taken while the other
+// is held.
+//
+//	Server.mu  the exports, connections, handshakes and listeners;
+//	           Close snapshots the connections and closes them after it
+//	conn.mu    a connection's replies ready, in flight, and its writer's
+//	           state; held over no call out of the connection
+//
 // Which fields each lock guards, and which functions run with it held,
 // are +checklocks annotations, checked by gVisor's checklocks analyzer
-// in make vet.
+// in make vet (which does not check the order).
 package nbd
 
 import (
