@@ -82,9 +82,10 @@ type Daemon struct {
 	// hints, where udev runs, is where the daemon leaves the stable
 	// names of kernel devices for udev (devlinks.go); "": it makes the
 	// links itself. sysBlock is /sys/block.
-	hints, sysBlock string
-	failed          []failedMapping // saved mappings that did not come back; kept in the state file
-	wg              sync.WaitGroup
+	hints    string
+	sysBlock string
+	failed   []failedMapping // saved mappings that did not come back; kept in the state file
+	wg       sync.WaitGroup
 	// stopRetry ends retryRestores, which closes retryDone; retryCtx
 	// bounds its attempts.
 	stopRetry   chan struct{}

@@ -86,8 +86,9 @@ type CltDev struct {
 
 	// ops and opBytes count submitted requests by operation, fuas those
 	// with FUA (Counters).
-	ops, opBytes [opLast]atomic.Uint64
-	fuas         atomic.Uint64
+	ops     [opLast]atomic.Uint64
+	opBytes [opLast]atomic.Uint64
+	fuas    atomic.Uint64
 }
 
 // DevCounters are a device's requests since it was mapped: by

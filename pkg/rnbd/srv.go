@@ -153,7 +153,8 @@ type Server struct {
 
 	// inline counts IO answered on the receive path (tryInline), lent
 	// the reads among them sent from the backend's mapping.
-	inline, lent atomic.Uint64
+	inline atomic.Uint64
+	lent   atomic.Uint64
 
 	// beforeIO, if set, runs when an IO holds its device, before the
 	// backend sees it (tests hold IO in flight with it).
