@@ -133,47 +133,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	d.rnbd.SetSessionOwners(st.SessionOwners)
-	// The configuration file's exports first: a name there is served as
-	// the file says, whatever a map of the same name left in the state.
-	d.configured, d.notServed = map[string]bool{}, map[string]string{} // +checklocksignore: d is not shared yet
-	var paths []string
-	for _, r := range cfg.Exports {
-		paths = append(paths, r.Path)
-	}
-	for _, e := range st.Exports {
-		paths = append(paths, e.Path)
-	}
-	looked := d.probe.look(paths, probeWait)
-	for _, r := range cfg.Exports {
-		e, _ := r.Export() // validated
-		d.configured[e.Name] = true
-		if err := d.mapLooked(e, looked); err != nil {
-			// One missing device does not keep the others from
-			// being served.
-			d.configPending = append(d.configPending, e)                                                                         // +checklocksignore: d is not shared yet
-			d.noteNotServed(e, "export of the configuration file not served (tried again every "+d.retryEvery.String()+")", err) // +checklocksignore: d is not shared yet
-			continue
-		}
-		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
-		d.warnReadOnly(e, looked[e.Path])
-	}
-	for _, e := range st.Exports {
-		if d.configured[e.Name] {
-			// Kept in the state file, for when the configuration
-			// no longer has the name.
-			d.log.WithField("export", e.Name).Warn("export of the state file not served: the configuration file has one of that name")
-			d.unrestored = append(d.unrestored, e) // +checklocksignore: d is not shared yet
-			continue
-		}
-		if err := d.mapLooked(e, looked); err != nil {
-			// Keep going: the rest of the exports are still served,
-			// and the state file keeps the entry for when it returns.
-			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err) // +checklocksignore: d is not shared yet
-			d.unrestored = append(d.unrestored, e)                                                           // +checklocksignore: d is not shared yet
-			continue
-		}
-		d.warnReadOnly(e, looked[e.Path])
-	}
+	d.serveAtStart(cfg, st)
 	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
 		d.rnbd.Close()
 		return nil, err
@@ -233,6 +193,54 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 const noTLSWarning = "without TLS anyone who can reach these addresses is trusted: session names (--allow) and client " +
 	"addresses (--allow-from) are what a client claims, not credentials, and RDMA authenticates no one either; " +
 	"configure [tls] (docs/operations.md, \"TLS on the TCP fabric\")"
+
+// serveAtStart serves the exports of the configuration file, then those
+// the state file kept; what cannot be served yet is tried again later
+// (retryLoop). Start calls it before d is shared.
+// +checklocksignore: d is not shared yet (Start)
+func (d *Daemon) serveAtStart(cfg Config, st *State) {
+	// The configuration file's exports first: a name there is served as
+	// the file says, whatever a map of the same name left in the state.
+	d.configured, d.notServed = map[string]bool{}, map[string]string{}
+	var paths []string
+	for _, r := range cfg.Exports {
+		paths = append(paths, r.Path)
+	}
+	for _, e := range st.Exports {
+		paths = append(paths, e.Path)
+	}
+	looked := d.probe.look(paths, probeWait)
+	for _, r := range cfg.Exports {
+		e, _ := r.Export() // validated
+		d.configured[e.Name] = true
+		if err := d.mapLooked(e, looked); err != nil {
+			// One missing device does not keep the others from
+			// being served.
+			d.configPending = append(d.configPending, e)
+			d.noteNotServed(e, "export of the configuration file not served (tried again every "+d.retryEvery.String()+")", err)
+			continue
+		}
+		d.log.WithFields(exportFields(e)).Info("export of the configuration file")
+		d.warnReadOnly(e, looked[e.Path])
+	}
+	for _, e := range st.Exports {
+		if d.configured[e.Name] {
+			// Kept in the state file, for when the configuration
+			// no longer has the name.
+			d.log.WithField("export", e.Name).Warn("export of the state file not served: the configuration file has one of that name")
+			d.unrestored = append(d.unrestored, e)
+			continue
+		}
+		if err := d.mapLooked(e, looked); err != nil {
+			// Keep going: the rest of the exports are still served,
+			// and the state file keeps the entry for when it returns.
+			d.noteNotServed(e, "restoring export failed (tried again every "+d.retryEvery.String()+")", err)
+			d.unrestored = append(d.unrestored, e)
+			continue
+		}
+		d.warnReadOnly(e, looked[e.Path])
+	}
+}
 
 // warnTrust says at start-up whom the listeners trust, where it is
 // anyone who reaches them: every listener without TLS, RDMA ones with

@@ -223,9 +223,9 @@ chmod +x "$root/init"
 (cd "$root" && find . -print0 | cpio --null -o -H newc --owner=0:0 --quiet | gzip -1) >"$work/initrd.gz"
 
 # Single-threaded TCG: multi-threaded TCG oopsed at boot about once in
-# seven boots here when the harness was written, and was no faster. A kernel that dies
-# before /init (no VMTEST-INIT) is booted once more, so a flaky boot does
-# not fail the tier by itself.
+# seven boots here when the harness was written, and was no faster. A
+# kernel that dies before /init (no VMTEST-INIT) is booted once more, so
+# a flaky boot does not fail the tier by itself.
 boot() {
 	log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
 	timeout "$timeout" qemu-system-x86_64 -kernel "$(vmlinuz)" -initrd "$work/initrd.gz" \
