@@ -246,6 +246,9 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 			return Volume{}, false, err
 		}
 	}
+	if err := checkLabels(s.Labels); err != nil {
+		return Volume{}, false, err
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if old, err := p.read(s.Name); err == nil {
@@ -279,6 +282,25 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	}
 	v.Path = p.path(v.Name)
 	return v, true, nil
+}
+
+// MaxLabelBytes bounds a volume's labels, keys and values together: the
+// metadata is one extended attribute, and ext4 holds at most a block of
+// them on a file.
+const MaxLabelBytes = 2048
+
+func checkLabels(l map[string]string) error {
+	n := 0
+	for k, v := range l {
+		if k == "" {
+			return errorf(syscall.EINVAL, "a label with an empty key")
+		}
+		n += len(k) + len(v)
+	}
+	if n > MaxLabelBytes {
+		return errorf(syscall.EINVAL, "labels of %d bytes: at most %d (keys and values together)", n, MaxLabelBytes)
+	}
+	return nil
 }
 
 // differs says how an existing volume differs from a spec ("" if not).

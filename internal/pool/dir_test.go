@@ -84,6 +84,18 @@ func TestCreateRefusesBadInput(t *testing.T) {
 		_, _, err := p.Create(Spec{Name: "s", Size: size})
 		wantErrno(t, "a size", err, syscall.EINVAL)
 	}
+	_, _, err := p.Create(Spec{Name: "l", Size: 4096, Labels: map[string]string{"k": strings.Repeat("v", MaxLabelBytes)}})
+	wantErrno(t, "labels over the bound", err, syscall.EINVAL)
+	_, _, err = p.Create(Spec{Name: "l", Size: 4096, Labels: map[string]string{"": "v"}})
+	wantErrno(t, "a label without a key", err, syscall.EINVAL)
+	// At the bound, the metadata still fits ext4's one block of
+	// attributes.
+	if _, _, err := p.Create(Spec{Name: "l", Size: 4096, Labels: map[string]string{"k": strings.Repeat("v", MaxLabelBytes-1)}}); err != nil {
+		t.Fatalf("labels at the bound: %v", err)
+	}
+	if err := p.Delete("l"); err != nil {
+		t.Fatal(err)
+	}
 	es, _ := os.ReadDir(dir)
 	for _, e := range es {
 		if e.Name() != tmpDir && e.Name() != "...img" {
