@@ -1,7 +1,7 @@
 package main
 
 import (
-	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/kit/cmdkit"
 	"os"
 	"path/filepath"
 	"strings"
@@ -16,14 +16,14 @@ import (
 // ConfigKeys (docs/client.md's table, rnbd-client.toml(5)), and every flag
 // ConfigKeys names is one of daemon's.
 func TestDaemonFlagsDocumented(t *testing.T) {
-	kit.DaemonFlagsDocumented(t, newRoot(), clientd.ConfigKeys)
+	cmdkit.DaemonFlagsDocumented(t, newRoot(), clientd.ConfigKeys)
 }
 
 // TestManPages: the pages are made (section 8 per command, the
 // configuration's in section 5 with every key), and none says a default
 // of this machine's: those that depend on the host say the rule.
 func TestManPages(t *testing.T) {
-	hostDefaults(t, kit.ManPages(t, newRoot(), "rnbd-client", "/etc/rnbd/client.toml", clientd.ConfigKeys))
+	hostDefaults(t, cmdkit.ManPages(t, newRoot(), "rnbd-client", "/etc/rnbd/client.toml", clientd.ConfigKeys))
 }
 
 // hostDefaults: conns_per_path's default is this machine's CPUs: the

@@ -1,7 +1,7 @@
 package main
 
 import (
-	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/kit/cmdkit"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -19,14 +19,14 @@ import (
 // ConfigKeys (docs/server.md's table, rnbd-server.toml(5)), and every flag
 // ConfigKeys names is one of daemon's.
 func TestDaemonFlagsDocumented(t *testing.T) {
-	kit.DaemonFlagsDocumented(t, newRoot(), serverd.ConfigKeys)
+	cmdkit.DaemonFlagsDocumented(t, newRoot(), serverd.ConfigKeys)
 }
 
 // TestManPages: the pages are made (section 8 per command, the
 // configuration's in section 5 with every key), and none says a default
 // of this machine's: those that depend on the host say the rule.
 func TestManPages(t *testing.T) {
-	hostDefaults(t, kit.ManPages(t, newRoot(), "rnbd-server", "/etc/rnbd/server.toml", serverd.ConfigKeys))
+	hostDefaults(t, cmdkit.ManPages(t, newRoot(), "rnbd-server", "/etc/rnbd/server.toml", serverd.ConfigKeys))
 }
 
 // hostDefaults: max_chunk_memory's default is a quarter of this

@@ -1,4 +1,7 @@
-package kit
+// Package cmdkit holds the checks the two commands' tests share: their
+// daemon flags against ConfigKeys, and their man pages. Apart from kit,
+// which the libraries' tests import: this one imports internal/conf.
+package cmdkit
 
 import (
 	"os"
