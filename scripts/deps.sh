@@ -27,6 +27,7 @@ declare -A pkgs=(
 	[curl]=curl
 	[systemd-analyze]=systemd
 	[gcc]=gcc
+	[mkfs.xfs]=xfsprogs
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do

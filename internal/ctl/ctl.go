@@ -34,6 +34,7 @@ const (
 	CodeUnavailable  Code = "unavailable"
 	CodeInternal     Code = "internal"
 	CodeNotSupported Code = "not_supported"
+	CodeNoSpace      Code = "no_space"
 )
 
 var codeStatus = map[Code]int{
@@ -45,6 +46,7 @@ var codeStatus = map[Code]int{
 	CodeUnavailable:  http.StatusServiceUnavailable,
 	CodeInternal:     http.StatusInternalServerError,
 	CodeNotSupported: http.StatusNotImplemented,
+	CodeNoSpace:      http.StatusInsufficientStorage,
 }
 
 // exitCodes are the CLI's exit codes per class (docs/control-api.md).
@@ -57,6 +59,7 @@ var exitCodes = map[Code]int{
 	CodeUnavailable:  6,
 	CodePermission:   7,
 	CodeNotSupported: 8,
+	CodeNoSpace:      9,
 }
 
 // exitMeanings say what each exit code means, for the man pages' EXIT
@@ -70,6 +73,7 @@ var exitMeanings = map[Code]string{
 	CodeUnavailable:  "the daemon is not running, or a peer did not answer in time",
 	CodePermission:   "the control socket is not yours, a file cannot be read, or the server refused (an identity, session name, network or access mode an export does not allow)",
 	CodeNotSupported: "the operation is not implemented for this object",
+	CodeNoSpace:      "a pool has not the space asked for, or its thin pool is full",
 }
 
 // ExitStatus is one exit code of the command lines: the code, its class
@@ -138,6 +142,8 @@ func Classify(err error) Code {
 			return CodeUnavailable
 		case syscall.EOPNOTSUPP:
 			return CodeNotSupported
+		case syscall.ENOSPC:
+			return CodeNoSpace
 		}
 	}
 	return CodeInternal

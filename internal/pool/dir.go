@@ -1,16 +1,10 @@
-// Package pool keeps the volumes of a storage node by name: made, listed,
-// grown, cloned and deleted, each with its metadata kept with it, so that
-// the pool and not only the daemon's state file is the truth.
-//
-// This is the first of issue 33's pools, a directory pool: each volume is
-// a sparse file NAME.img in the pool's directory, its metadata a JSON
-// extended attribute (user.rnbd.volume) on the file, which moves with it.
-// A volume is made under .rnbd-tmp/ and renamed into place only once it
-// is whole, so a crash leaves either nothing or a whole volume; what a
-// crash left in .rnbd-tmp/ is removed when the pool is opened. The daemon
-// (export, grants, the control API) does not use it yet.
-//
-// A Dir is safe for concurrent use: its mu serialises the changes.
+// The directory pool: each volume is a sparse file NAME.img in the
+// pool's directory, its metadata a JSON extended attribute
+// (user.rnbd.volume) on the file, which moves with it. A volume is made
+// under .rnbd-tmp/ and renamed into place only once it is whole, so a
+// crash leaves either nothing or a whole volume; what a crash left in
+// .rnbd-tmp/ is removed when the pool is opened.
+
 package pool
 
 import (
@@ -20,7 +14,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"strings"
 	"sync"
@@ -29,69 +22,6 @@ import (
 
 	"golang.org/x/sys/unix"
 )
-
-// Volume is a volume's metadata, as kept on it.
-type Volume struct {
-	Name string `json:"name"`
-	Pool string `json:"pool"`
-	// Size in bytes, a multiple of BlockSize.
-	Size int64 `json:"size"`
-	// Source is the volume this one was cloned from ("": made empty).
-	Source  string    `json:"source,omitempty"`
-	Created time.Time `json:"created"`
-	// Labels are the caller's, opaque here (an orchestrator's context).
-	Labels map[string]string `json:"labels,omitempty"`
-	// Path is the volume's file, what an export serves.
-	Path string `json:"-"`
-}
-
-// Spec asks for a volume.
-type Spec struct {
-	Name string
-	Size int64
-	// From, if set, is the volume to clone (a reflink: FICLONE).
-	From   string
-	Labels map[string]string
-}
-
-// Capacity is a pool's space in bytes. Allocatable is what new volumes
-// may still be promised: the file system's free space less what the
-// sparse volumes may still claim of it.
-type Capacity struct {
-	Total       int64 `json:"total"`
-	Used        int64 `json:"used"`
-	Promised    int64 `json:"promised"`
-	Allocatable int64 `json:"allocatable"`
-}
-
-// BlockSize is what sizes are a multiple of.
-const BlockSize = 4096
-
-// Error is a refusal with the errno a control API classifies it by:
-// EINVAL (bad input), ENOENT (no such volume), EEXIST (a volume of that
-// name with other parameters), ENOSPC (over the allocatable space),
-// EOPNOTSUPP (a clone where the file system has no reflinks).
-type Error struct {
-	Errno syscall.Errno
-	Msg   string
-}
-
-func (e *Error) Error() string { return e.Msg }
-func (e *Error) Unwrap() error { return e.Errno }
-
-func errorf(errno syscall.Errno, format string, args ...any) error {
-	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
-}
-
-var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,128}$`)
-
-// CheckName refuses a volume name outside [A-Za-z0-9._-]{1,128}.
-func CheckName(name string) error {
-	if !nameRE.MatchString(name) {
-		return errorf(syscall.EINVAL, "volume name %q: want 1 to 128 of A-Z a-z 0-9 . _ -", name)
-	}
-	return nil
-}
 
 const (
 	suffix = ".img"
@@ -135,8 +65,11 @@ func OpenDir(name, dir string) (*Dir, []string, error) {
 	return p, removed, nil
 }
 
-// Name is the pool's name.
+// Name implements Pool.
 func (p *Dir) Name() string { return p.name }
+
+// Type implements Pool.
+func (p *Dir) Type() string { return "dir" }
 
 func (p *Dir) path(name string) string { return filepath.Join(p.dir, name+suffix) }
 
@@ -150,18 +83,14 @@ func (p *Dir) Get(name string) (Volume, error) {
 
 func (p *Dir) read(name string) (Volume, error) {
 	path := p.path(name)
-	buf := make([]byte, 64<<10)
-	n, err := unix.Getxattr(path, xattr, buf)
+	var v Volume
+	err := getMeta(path, xattr, &v)
 	switch {
 	case errors.Is(err, unix.ENOENT):
 		return Volume{}, errorf(syscall.ENOENT, "pool %s: no volume %s", p.name, name)
 	case errors.Is(err, unix.ENODATA):
 		return Volume{}, errorf(syscall.ENOENT, "pool %s: %s is not a volume of the pool (no %s attribute)", p.name, path, xattr)
 	case err != nil:
-		return Volume{}, fmt.Errorf("pool %s: volume %s: %w", p.name, name, err)
-	}
-	var v Volume
-	if err := json.Unmarshal(buf[:n], &v); err != nil {
 		return Volume{}, fmt.Errorf("pool %s: volume %s: its metadata: %w", p.name, name, err)
 	}
 	if v.Name != name {
@@ -223,30 +152,9 @@ func (p *Dir) Capacity() (Capacity, error) {
 	return c, nil
 }
 
-func checkSize(size int64) error {
-	if size <= 0 || size%BlockSize != 0 {
-		return errorf(syscall.EINVAL, "size %d: want a positive multiple of %d bytes", size, BlockSize)
-	}
-	return nil
-}
-
-// Create makes the volume s asks for, or answers the one of that name
-// already there if it has the same size, source and labels (created
-// false): a retry of a create succeeds. One with other parameters is
-// EEXIST, saying what differs.
+// Create implements Pool.
 func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
-	if err := CheckName(s.Name); err != nil {
-		return Volume{}, false, err
-	}
-	if err := checkSize(s.Size); err != nil {
-		return Volume{}, false, err
-	}
-	if s.From != "" {
-		if err := CheckName(s.From); err != nil {
-			return Volume{}, false, err
-		}
-	}
-	if err := checkLabels(s.Labels); err != nil {
+	if err := CheckSpec(s); err != nil {
 		return Volume{}, false, err
 	}
 	p.mu.Lock()
@@ -259,14 +167,26 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	} else if !errors.Is(err, syscall.ENOENT) {
 		return Volume{}, false, err
 	}
-	var src Volume
-	if s.From != "" {
-		if src, err = p.read(s.From); err != nil {
+	var src string // the file cloned
+	switch {
+	case s.From != "":
+		from, err := p.read(s.From)
+		if err != nil {
 			return Volume{}, false, err
 		}
-		if s.Size < src.Size {
-			return Volume{}, false, errorf(syscall.EINVAL, "pool %s: a clone of %s (%d bytes) cannot be smaller (%d)", p.name, s.From, src.Size, s.Size)
+		if s.Size < from.Size {
+			return Volume{}, false, errorf(syscall.EINVAL, "pool %s: a clone of %s (%d bytes) cannot be smaller (%d)", p.name, s.From, from.Size, s.Size)
 		}
+		src = from.Path
+	case s.FromSnapshot != "":
+		from, err := p.readSnapshot(s.FromSnapshot)
+		if err != nil {
+			return Volume{}, false, err
+		}
+		if s.Size < from.Size {
+			return Volume{}, false, errorf(syscall.EINVAL, "pool %s: a clone of snapshot %s (%d bytes) cannot be smaller (%d)", p.name, s.FromSnapshot, from.Size, s.Size)
+		}
+		src = from.Path
 	}
 	c, err := p.Capacity()
 	if err != nil {
@@ -275,55 +195,22 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	if s.Size > c.Allocatable {
 		return Volume{}, false, errorf(syscall.ENOSPC, "pool %s: %d bytes asked, %d allocatable", p.name, s.Size, c.Allocatable)
 	}
-	v = Volume{Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, Created: p.now().UTC().Truncate(time.Second),
-		Labels: maps.Clone(s.Labels)}
-	if err := p.make(v, src); err != nil {
+	v = Volume{Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, SourceSnapshot: s.FromSnapshot,
+		Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(s.Labels)}
+	if err := p.make(p.path(v.Name), v.Size, v, src, 0o600); err != nil {
 		return Volume{}, false, err
 	}
 	v.Path = p.path(v.Name)
 	return v, true, nil
 }
 
-// MaxLabelBytes bounds a volume's labels, keys and values together: the
-// metadata is one extended attribute, and ext4 holds at most a block of
-// them on a file.
-const MaxLabelBytes = 2048
-
-func checkLabels(l map[string]string) error {
-	n := 0
-	for k, v := range l {
-		if k == "" {
-			return errorf(syscall.EINVAL, "a label with an empty key")
-		}
-		n += len(k) + len(v)
-	}
-	if n > MaxLabelBytes {
-		return errorf(syscall.EINVAL, "labels of %d bytes: at most %d (keys and values together)", n, MaxLabelBytes)
-	}
-	return nil
-}
-
-// differs says how an existing volume differs from a spec ("" if not).
-func differs(v Volume, s Spec) string {
-	var d []string
-	if v.Size != s.Size {
-		d = append(d, fmt.Sprintf("size %d (asked %d)", v.Size, s.Size))
-	}
-	if v.Source != s.From {
-		d = append(d, fmt.Sprintf("source %q (asked %q)", v.Source, s.From))
-	}
-	if !maps.Equal(v.Labels, s.Labels) && (len(v.Labels) > 0 || len(s.Labels) > 0) {
-		d = append(d, "other labels")
-	}
-	return strings.Join(d, ", ")
-}
-
-// make writes v under tmpDir — the clone of src's file if src is set —
-// then renames it into place: whole, or not there at all.
-func (p *Dir) make(v Volume, src Volume) (err error) {
-	tmp := filepath.Join(p.dir, tmpDir, v.Name+suffix)
+// make writes a file of size bytes with meta as its metadata under
+// tmpDir — the clone of the file src if set — then renames it to path:
+// whole, or not there at all.
+func (p *Dir) make(path string, size int64, meta any, src string, mode os.FileMode) (err error) {
+	tmp := filepath.Join(p.dir, tmpDir, filepath.Base(path))
 	os.Remove(tmp)
-	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
@@ -333,37 +220,46 @@ func (p *Dir) make(v Volume, src Volume) (err error) {
 			os.Remove(tmp)
 		}
 	}()
-	if src.Path != "" {
-		s, err := os.Open(src.Path)
-		if err != nil {
+	if src != "" {
+		if err := clone(f, src); err != nil {
 			return fmt.Errorf("pool %s: %w", p.name, err)
 		}
-		err = unix.IoctlFileClone(int(f.Fd()), int(s.Fd()))
-		s.Close()
-		if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EXDEV) || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOTTY) {
-			return errorf(syscall.EOPNOTSUPP, "pool %s: cloning %s needs a file system with reflinks (FICLONE: %v); no full copy is made", p.name, src.Name, err)
-		}
-		if err != nil {
-			return fmt.Errorf("pool %s: cloning %s: %w", p.name, src.Name, err)
-		}
 	}
-	if err := f.Truncate(v.Size); err != nil {
+	if err := f.Truncate(size); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	if err := setMeta(f, v); err != nil {
+	if err := setMeta(f, meta); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	if err := f.Sync(); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	if err := os.Rename(tmp, p.path(v.Name)); err != nil {
+	if err := os.Rename(tmp, path); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	return syncDir(p.dir)
+	return syncDir(filepath.Dir(path))
 }
 
-func setMeta(f *os.File, v Volume) error {
-	b, err := json.Marshal(v)
+// clone makes f share src's blocks (FICLONE); a file system without
+// reflinks is EOPNOTSUPP: no full copy is made behind the caller's back.
+func clone(f *os.File, src string) error {
+	s, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	err = unix.IoctlFileClone(int(f.Fd()), int(s.Fd()))
+	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EXDEV) || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOTTY) {
+		return errorf(syscall.EOPNOTSUPP, "cloning %s needs a file system with reflinks (FICLONE: %v); no full copy is made", filepath.Base(src), err)
+	}
+	if err != nil {
+		return fmt.Errorf("cloning %s: %w", filepath.Base(src), err)
+	}
+	return nil
+}
+
+func setMeta(f *os.File, meta any) error {
+	b, err := json.Marshal(meta)
 	if err != nil {
 		return err
 	}
@@ -466,4 +362,116 @@ func (p *Dir) Delete(name string) error {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	return syncDir(p.dir)
+}
+
+// snapDir holds a directory pool's snapshots, each a read-only reflink
+// of its volume with the metadata in snapXattr.
+const (
+	snapDir   = ".rnbd-snap"
+	snapXattr = "user.rnbd.snapshot"
+)
+
+func (p *Dir) snapPath(name string) string { return filepath.Join(p.dir, snapDir, name+suffix) }
+
+func (p *Dir) readSnapshot(name string) (Snapshot, error) {
+	var s Snapshot
+	path := p.snapPath(name)
+	if err := getMeta(path, snapXattr, &s); errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ENODATA) {
+		return Snapshot{}, errorf(syscall.ENOENT, "pool %s: no snapshot %s", p.name, name)
+	} else if err != nil {
+		return Snapshot{}, fmt.Errorf("pool %s: snapshot %s: %w", p.name, name, err)
+	}
+	if s.Name != name {
+		return Snapshot{}, fmt.Errorf("pool %s: %s carries the metadata of snapshot %q", p.name, path, s.Name)
+	}
+	s.Path = path
+	return s, nil
+}
+
+// CreateSnapshot implements Pool: a reflink of the volume's file
+// (FICLONE), EOPNOTSUPP where the file system has none.
+func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
+	for _, n := range []string{volume, name} {
+		if err := CheckName(n); err != nil {
+			return Snapshot{}, false, err
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if old, err := p.readSnapshot(name); err == nil {
+		if old.Volume != volume {
+			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
+		}
+		return old, false, nil
+	} else if !errors.Is(err, syscall.ENOENT) {
+		return Snapshot{}, false, err
+	}
+	v, err := p.read(volume)
+	if err != nil {
+		return Snapshot{}, false, err
+	}
+	if err := os.MkdirAll(filepath.Join(p.dir, snapDir), 0o700); err != nil {
+		return Snapshot{}, false, fmt.Errorf("pool %s: %w", p.name, err)
+	}
+	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second)}
+	if err := p.make(p.snapPath(name), v.Size, s, v.Path, 0o400); err != nil {
+		return Snapshot{}, false, err
+	}
+	s.Path = p.snapPath(name)
+	return s, true, nil
+}
+
+// Snapshots implements Pool.
+func (p *Dir) Snapshots() ([]Snapshot, error) {
+	es, err := os.ReadDir(filepath.Join(p.dir, snapDir))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("pool %s: %w", p.name, err)
+	}
+	var ss []Snapshot
+	for _, e := range es {
+		name, ok := strings.CutSuffix(e.Name(), suffix)
+		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
+			continue
+		}
+		s, err := p.readSnapshot(name)
+		if errors.Is(err, syscall.ENOENT) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		ss = append(ss, s)
+	}
+	return ss, nil // ReadDir sorts by name
+}
+
+// DeleteSnapshot implements Pool.
+func (p *Dir) DeleteSnapshot(name string) error {
+	if err := CheckName(name); err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, err := p.readSnapshot(name); errors.Is(err, syscall.ENOENT) {
+		return nil
+	} else if err != nil {
+		return err
+	}
+	if err := os.Remove(p.snapPath(name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("pool %s: %w", p.name, err)
+	}
+	return syncDir(filepath.Join(p.dir, snapDir))
+}
+
+// getMeta reads the JSON metadata in attribute attr of path into v.
+func getMeta(path, attr string, v any) error {
+	buf := make([]byte, 64<<10)
+	n, err := unix.Getxattr(path, attr, buf)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(buf[:n], v)
 }

@@ -60,6 +60,8 @@ type Config struct {
 	// Exports are the exports of the configuration file ([[export]]
 	// tables), served from start-up; map and unmap do not change them.
 	Exports []MapRequest `toml:"export"`
+	// Pools are where volumes are made ([[pool]] tables; volume.go).
+	Pools []PoolConfig `toml:"pool"`
 	// ExportRetry is how often an export that could not be served (of
 	// the configuration file, or restored from the state file) is tried
 	// again.
@@ -226,6 +228,16 @@ func (c *Config) Validate() error {
 		if _, err := r.Export(); err != nil {
 			return fmt.Errorf("[[export]] %s: %v", r.Name, err)
 		}
+	}
+	pools := map[string]bool{}
+	for _, p := range c.Pools {
+		if err := p.validate(); err != nil {
+			return err
+		}
+		if pools[p.Name] {
+			return fmt.Errorf("[[pool]] %s: defined twice", p.Name)
+		}
+		pools[p.Name] = true
 	}
 	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {
 		return fmt.Errorf("invalidate_by %q: want window or registration", c.InvalidateBy)

@@ -42,6 +42,11 @@ type Export struct {
 	// beside another writer whatever Migration says). Empty: any client,
 	// by the other rules.
 	AllowIdentities []Grant `json:"allow_identities,omitempty"`
+	// GrantsOnly: only the identities of AllowIdentities may open the
+	// export, and with none, no client may. It is what grants given one
+	// at a time (Server.Grant, Server.Revoke) need: revoking the last
+	// grant closes the export rather than opening it to every client.
+	GrantsOnly bool `json:"grants_only,omitempty"`
 	// MaxSessions bounds the sessions that have the export open at once;
 	// 0: no bound. One more OPEN is refused with EUSERS.
 	MaxSessions int `json:"max_sessions,omitempty"`
@@ -94,7 +99,7 @@ func (g Grant) String() string { return g.Identity + "=" + g.Access }
 // whether it may open it at all (by its identities; the other rules
 // apply too). Of several matching grants the widest counts.
 func (e *Export) grant(peer []string) (AccessMode, bool) {
-	if len(e.AllowIdentities) == 0 {
+	if len(e.AllowIdentities) == 0 && !e.GrantsOnly {
 		return AccessMigration, true
 	}
 	best, ok := AccessRO, false
@@ -127,6 +132,8 @@ func (e *Export) admit(x *SrvSession, mode AccessMode, from netip.Addr) (secondW
 	switch {
 	case !ok && len(peer) == 0:
 		return false, errorf(syscall.EACCES, "export %s allows only clients with a certificate it names, and this one has none", e.Name)
+	case !ok && len(e.AllowIdentities) == 0:
+		return false, errorf(syscall.EACCES, "export %s grants no client access (grants_only, and no grant)", e.Name)
 	case !ok:
 		return false, errorf(syscall.EACCES, "export %s does not allow client %s", e.Name, strings.Join(peer, ", "))
 	case mode > most:
@@ -135,7 +142,7 @@ func (e *Export) admit(x *SrvSession, mode AccessMode, from netip.Addr) (secondW
 	if e.ReadOnly && mode != AccessRO {
 		return false, errorf(syscall.EPERM, "export %s is read-only", e.Name)
 	}
-	if len(e.AllowIdentities) > 0 {
+	if len(e.AllowIdentities) > 0 || e.GrantsOnly {
 		return most == AccessMigration, nil
 	}
 	return e.Migration, nil
@@ -215,6 +222,56 @@ func (s *Server) add(e Export, fi os.FileInfo, statErr error) error {
 	}
 	s.exports[e.Name] = &e
 	return nil
+}
+
+// Grant gives identity g.Access to export name, replacing a grant it
+// had, and makes the export GrantsOnly. It reports whether anything
+// changed (the same grant again changes nothing). Sessions that have
+// the export open keep it as they opened it.
+func (s *Server) Grant(name string, g Grant) (changed bool, err error) {
+	if _, err := ParseAccessMode(g.Access); err != nil || g.Identity == "" {
+		return false, errorf(syscall.EINVAL, "export %s: grant %q: want an identity and ro, rw or migration", name, g.String())
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.exports[name]
+	if e == nil || e.withdrawing {
+		return false, errorf(syscall.ENOENT, "no export %s", name)
+	}
+	changed = !e.GrantsOnly
+	e.GrantsOnly = true
+	i := slices.IndexFunc(e.AllowIdentities, func(h Grant) bool { return h.Identity == g.Identity })
+	switch {
+	case i < 0:
+		e.AllowIdentities = append(slices.Clone(e.AllowIdentities), g)
+		changed = true
+	case e.AllowIdentities[i] != g:
+		e.AllowIdentities = slices.Clone(e.AllowIdentities)
+		e.AllowIdentities[i] = g
+		changed = true
+	}
+	return changed, nil
+}
+
+// Revoke takes identity's grant off export name and makes it
+// GrantsOnly: with no grant left, no client may open it. A grant that
+// is not there is no change, and no error. Sessions that have the
+// export open keep it (ForceClose closes it for them); their next OPEN
+// is refused.
+func (s *Server) Revoke(name, identity string) (changed bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.exports[name]
+	if e == nil || e.withdrawing {
+		return false, errorf(syscall.ENOENT, "no export %s", name)
+	}
+	changed = !e.GrantsOnly
+	e.GrantsOnly = true
+	if i := slices.IndexFunc(e.AllowIdentities, func(h Grant) bool { return h.Identity == identity }); i >= 0 {
+		e.AllowIdentities = slices.Delete(slices.Clone(e.AllowIdentities), i, i+1)
+		changed = true
+	}
+	return changed, nil
 }
 
 // Unmap withdraws an export. Without force it refuses while a session has

@@ -1,0 +1,203 @@
+// Package pool keeps the volumes of a storage node by name: made, listed,
+// grown, snapshotted, cloned and deleted, each with its metadata kept with
+// it, so that the pool and not only the daemon's state file is the truth.
+//
+// Two kinds of pool implement Pool: Dir (sparse files under a directory,
+// clones and snapshots by reflink) and LVMThin (thin volumes of an LVM
+// thin pool, driven through lvm2's tools). Every change is idempotent by
+// name, as an orchestrator that retries needs: a create of what exists
+// with the same parameters answers it, a delete of what is gone succeeds,
+// and a crash between the steps of a change leaves what a retry finishes.
+package pool
+
+import (
+	"fmt"
+	"maps"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Pool is a place volumes are made in. Implementations are safe for
+// concurrent use.
+type Pool interface {
+	// Name is the pool's name in the configuration.
+	Name() string
+	// Type is "dir" or "lvm-thin".
+	Type() string
+	// Get returns a volume; ENOENT if there is none.
+	Get(name string) (Volume, error)
+	// List returns the pool's volumes, by name.
+	List() ([]Volume, error)
+	// Create makes the volume s asks for, or answers the one of that
+	// name already there if it has the same parameters (created
+	// false). One with other parameters is EEXIST, saying what differs.
+	Create(s Spec) (v Volume, created bool, err error)
+	// Resize grows a volume; smaller is EINVAL, the same size succeeds.
+	Resize(name string, size int64) (Volume, error)
+	// Delete removes a volume; one that is not there is success.
+	// Whether a session has it open is the caller's to check.
+	Delete(name string) error
+	// Capacity says the pool's space.
+	Capacity() (Capacity, error)
+	// CreateSnapshot takes a snapshot of a volume, or answers the one
+	// of that name if it is of the same volume (created false); of
+	// another volume, EEXIST. Where the pool cannot take one without a
+	// full copy, EOPNOTSUPP.
+	CreateSnapshot(volume, name string) (s Snapshot, created bool, err error)
+	// Snapshots returns the pool's snapshots, by name.
+	Snapshots() ([]Snapshot, error)
+	// DeleteSnapshot removes a snapshot; one that is not there is
+	// success.
+	DeleteSnapshot(name string) error
+}
+
+// Volume is a volume's metadata, as kept on it.
+type Volume struct {
+	Name string `json:"name"`
+	Pool string `json:"pool"`
+	// Size in bytes, a multiple of BlockSize.
+	Size int64 `json:"size"`
+	// Source is the volume this one was cloned from, SourceSnapshot the
+	// snapshot ("" both: made empty).
+	Source         string    `json:"source,omitempty"`
+	SourceSnapshot string    `json:"source_snapshot,omitempty"`
+	Created        time.Time `json:"created"`
+	// Labels are the caller's, opaque here (an orchestrator's context).
+	Labels map[string]string `json:"labels,omitempty"`
+	// Path is the volume's file or block device, what an export serves.
+	Path string `json:"-"`
+}
+
+// Snapshot is a snapshot's metadata: a read-only image of a volume at a
+// moment, which volumes can be cloned from.
+type Snapshot struct {
+	Name string `json:"name"`
+	Pool string `json:"pool"`
+	// Volume is the volume it was taken of (which may be gone since).
+	Volume  string    `json:"volume"`
+	Size    int64     `json:"size"`
+	Created time.Time `json:"created"`
+	Path    string    `json:"-"`
+}
+
+// Spec asks for a volume.
+type Spec struct {
+	Name string
+	Size int64
+	// From, if set, is the volume to clone; FromSnapshot the snapshot
+	// (at most one of them).
+	From         string
+	FromSnapshot string
+	Labels       map[string]string
+}
+
+// Capacity is a pool's space in bytes. Allocatable is what new volumes
+// may still be promised: for a directory, the file system's free space
+// less what the sparse volumes may still claim of it; for a thin pool,
+// its data space less what its thin volumes may still claim. Metadata
+// is a thin pool's metadata space (0 for a directory).
+type Capacity struct {
+	Total        int64 `json:"total"`
+	Used         int64 `json:"used"`
+	Promised     int64 `json:"promised"`
+	Allocatable  int64 `json:"allocatable"`
+	MetadataSize int64 `json:"metadata_size,omitempty"`
+	MetadataUsed int64 `json:"metadata_used,omitempty"`
+}
+
+// BlockSize is what sizes are a multiple of.
+const BlockSize = 4096
+
+// Error is a refusal with the errno a control API classifies it by:
+// EINVAL (bad input), ENOENT (no such volume or snapshot), EEXIST (one of
+// that name with other parameters), ENOSPC (over the allocatable space, a
+// full thin pool), EOPNOTSUPP (a clone or snapshot the pool cannot make
+// without a full copy).
+type Error struct {
+	Errno syscall.Errno
+	Msg   string
+}
+
+func (e *Error) Error() string { return e.Msg }
+func (e *Error) Unwrap() error { return e.Errno }
+
+func errorf(errno syscall.Errno, format string, args ...any) error {
+	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
+}
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,128}$`)
+
+// CheckName refuses a volume or snapshot name outside [A-Za-z0-9._-]{1,128}.
+func CheckName(name string) error {
+	if !nameRE.MatchString(name) {
+		return errorf(syscall.EINVAL, "name %q: want 1 to 128 of A-Z a-z 0-9 . _ -", name)
+	}
+	return nil
+}
+
+// CheckSpec refuses a spec with a bad name, size, source or labels.
+func CheckSpec(s Spec) error {
+	if err := CheckName(s.Name); err != nil {
+		return err
+	}
+	if err := checkSize(s.Size); err != nil {
+		return err
+	}
+	if s.From != "" && s.FromSnapshot != "" {
+		return errorf(syscall.EINVAL, "volume %s: a clone of a volume or of a snapshot, not both", s.Name)
+	}
+	for _, src := range []string{s.From, s.FromSnapshot} {
+		if src != "" {
+			if err := CheckName(src); err != nil {
+				return err
+			}
+		}
+	}
+	return checkLabels(s.Labels)
+}
+
+func checkSize(size int64) error {
+	if size <= 0 || size%BlockSize != 0 {
+		return errorf(syscall.EINVAL, "size %d: want a positive multiple of %d bytes", size, BlockSize)
+	}
+	return nil
+}
+
+// MaxLabelBytes bounds a volume's labels, keys and values together: the
+// metadata is one extended attribute, and ext4 holds at most a block of
+// them on a file.
+const MaxLabelBytes = 2048
+
+func checkLabels(l map[string]string) error {
+	n := 0
+	for k, v := range l {
+		if k == "" {
+			return errorf(syscall.EINVAL, "a label with an empty key")
+		}
+		n += len(k) + len(v)
+	}
+	if n > MaxLabelBytes {
+		return errorf(syscall.EINVAL, "labels of %d bytes: at most %d (keys and values together)", n, MaxLabelBytes)
+	}
+	return nil
+}
+
+// differs says how an existing volume differs from a spec ("" if not).
+func differs(v Volume, s Spec) string {
+	var d []string
+	if v.Size != s.Size {
+		d = append(d, fmt.Sprintf("size %d (asked %d)", v.Size, s.Size))
+	}
+	if v.Source != s.From {
+		d = append(d, fmt.Sprintf("source volume %q (asked %q)", v.Source, s.From))
+	}
+	if v.SourceSnapshot != s.FromSnapshot {
+		d = append(d, fmt.Sprintf("source snapshot %q (asked %q)", v.SourceSnapshot, s.FromSnapshot))
+	}
+	if !maps.Equal(v.Labels, s.Labels) && (len(v.Labels) > 0 || len(s.Labels) > 0) {
+		d = append(d, "other labels")
+	}
+	return strings.Join(d, ", ")
+}
