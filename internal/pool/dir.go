@@ -197,7 +197,7 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	}
 	v = Volume{Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, SourceSnapshot: s.FromSnapshot,
 		Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(s.Labels)}
-	if err := p.make(p.path(v.Name), v.Size, v, src, 0o600); err != nil {
+	if err := p.make(p.path(v.Name), v.Size, xattr, v, src, 0o600); err != nil {
 		return Volume{}, false, err
 	}
 	v.Path = p.path(v.Name)
@@ -207,7 +207,7 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 // make writes a file of size bytes with meta as its metadata under
 // tmpDir — the clone of the file src if set — then renames it to path:
 // whole, or not there at all.
-func (p *Dir) make(path string, size int64, meta any, src string, mode os.FileMode) (err error) {
+func (p *Dir) make(path string, size int64, attr string, meta any, src string, mode os.FileMode) (err error) {
 	tmp := filepath.Join(p.dir, tmpDir, filepath.Base(path))
 	os.Remove(tmp)
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, mode)
@@ -228,7 +228,7 @@ func (p *Dir) make(path string, size int64, meta any, src string, mode os.FileMo
 	if err := f.Truncate(size); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	if err := setMeta(f, meta); err != nil {
+	if err := setMeta(f, attr, meta); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	if err := f.Sync(); err != nil {
@@ -258,12 +258,12 @@ func clone(f *os.File, src string) error {
 	return nil
 }
 
-func setMeta(f *os.File, meta any) error {
+func setMeta(f *os.File, attr string, meta any) error {
 	b, err := json.Marshal(meta)
 	if err != nil {
 		return err
 	}
-	return unix.Fsetxattr(int(f.Fd()), xattr, b, 0)
+	return unix.Fsetxattr(int(f.Fd()), attr, b, 0)
 }
 
 func syncDir(dir string) error {
@@ -315,7 +315,7 @@ func (p *Dir) Resize(name string, size int64) (Volume, error) {
 	// volume its metadata calls larger, which a retry grows to it.
 	grown := v
 	grown.Size = size
-	if err := setMeta(f, grown); err != nil {
+	if err := setMeta(f, xattr, grown); err != nil {
 		return v, fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	if err := f.Truncate(size); err != nil {
@@ -414,7 +414,7 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 		return Snapshot{}, false, fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second)}
-	if err := p.make(p.snapPath(name), v.Size, s, v.Path, 0o400); err != nil {
+	if err := p.make(p.snapPath(name), v.Size, snapXattr, s, v.Path, 0o400); err != nil {
 		return Snapshot{}, false, err
 	}
 	s.Path = p.snapPath(name)

@@ -72,6 +72,8 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "with TLS, a session name belongs to the identity that is first admitted with it: its session opened a device (see \"Session names and identities\")"},
 	{Keys: []string{"log_level", "log_format"}, Flag: "`--log-level`, `--log-format`", Default: "info, text",
 		Doc: "`error`…`debug`; `text` or `json`"},
+	{Table: "[[export]]", Keys: []string{"grants_only"}, Flag: "`map --grants-only`", Default: "false",
+		Doc: "only the identities of `allow_identities` may open it, and with none, no client: what grants given one at a time (`export grant`, `export revoke`) make of an export, so that revoking the last grant closes it rather than opening it to every client"},
 	{Table: "[[pool]]", Flag: "`volume create --pool`", Default: "none",
 		Doc: "a place volumes are made in, one table per pool ([server.md](server.md#pools-and-volumes), \"Pools and volumes\"); a pool whose directory or volume group is not there at start is logged and its volumes are not served until a restart finds it"},
 	{Table: "[[pool]]", Keys: []string{"name"}, Default: "required",
