@@ -152,8 +152,18 @@ func (d *Daemon) openPools(cfgs []PoolConfig) {
 // no client may open it until one is given), and one the state file
 // knows that its pool lost is kept, not served, until deleted. Each is
 // logged. Start calls it before d is shared.
+// It saves the state file if anything changed.
 // +checklocksignore: d is not shared yet (Start)
 func (d *Daemon) reconcileVolumes(saved []VolumeState) {
+	changed := false
+	defer func() {
+		if !changed {
+			return
+		}
+		if err := d.saveState(); err != nil {
+			d.log.WithError(err).Error("saving the state file after reconciling the volumes failed")
+		}
+	}()
 	d.volumes = map[string]*volume{}
 	for _, vs := range saved {
 		v := &volume{VolumeState: vs}
@@ -174,13 +184,15 @@ func (d *Daemon) reconcileVolumes(saved []VolumeState) {
 				continue
 			}
 			d.log.WithFields(fields).Info("volume: an interrupted delete finished")
+			changed = true
 			continue
 		case intentCreate:
 			if _, err := p.Get(vs.Name); errors.Is(err, syscall.ENOENT) {
 				d.log.WithFields(fields).Info("volume: an interrupted create had made nothing; dropped (a retry makes it)")
+				changed = true
 				continue
 			}
-			v.Intent = ""
+			v.Intent, changed = "", true
 			d.log.WithFields(fields).Info("volume: an interrupted create finished")
 		}
 		d.volumes[vs.Name] = v
@@ -200,6 +212,7 @@ func (d *Daemon) reconcileVolumes(saved []VolumeState) {
 			}
 			d.volumes[pv.Name] = &volume{VolumeState: VolumeState{Name: pv.Name, Pool: name,
 				Export: rnbd.Export{Name: pv.Name, Path: pv.Path, GrantsOnly: true}}}
+			changed = true
 			d.log.WithFields(log.Fields{"volume": pv.Name, "pool": name}).Warn("volume adopted: its pool has it and the state file did not; exported with no grant (give one to open it)")
 		}
 	}
