@@ -342,3 +342,54 @@ func TestVolumeReconcile(t *testing.T) {
 		}
 	}
 }
+
+// TestGrants: grants given and revoked one at a time on an export,
+// without touching the others, idempotent, kept in the state file
+// across a restart; the last one revoked closes the export (grants
+// only); the configuration file's exports are changed there.
+func TestGrants(t *testing.T) {
+	dir := t.TempDir()
+	port := freePort(t)
+	img := filepath.Join(dir, "a.img")
+	kit.SparseFile(t, img, 1<<20)
+	conf := fmt.Sprintf("\n[[export]]\nname = \"fixed\"\npath = %q\n", img)
+	srv := startServerConf(t, dir, port, conf)
+	srv.ok("map", "a", img, "--allow-identity", "old=ro")
+	grants := func() map[string]any {
+		m := map[string]any{}
+		for _, g := range srv.records("export", "grants", "a") {
+			m[g["identity"].(string)] = g["access"]
+		}
+		return m
+	}
+	srv.ok("export", "grant", "a", "host7")
+	srv.ok("export", "grant", "a", "host7") // again: nothing changes
+	srv.ok("export", "grant", "a", "host8", "--access", "ro")
+	if g := grants(); len(g) != 3 || g["old"] != "ro" || g["host7"] != "rw" || g["host8"] != "ro" {
+		t.Fatalf("grants %v", g)
+	}
+	srv.fails(2, "export", "grant", "a", "host9", "--access", "all")
+	srv.fails(3, "export", "grant", "nope", "host9")
+	if msg := srv.fails(7, "export", "grant", "fixed", "host9"); !strings.Contains(msg, "configuration file") {
+		t.Fatalf("a grant on the configuration's export: %q", msg)
+	}
+	srv.ok("export", "revoke", "a", "old")
+	srv.ok("export", "revoke", "a", "old") // gone: success
+
+	// Kept across a restart, as given.
+	srv.stop()
+	srv = startServerConf(t, dir, port, conf)
+	if g := grants(); len(g) != 2 || g["host7"] != "rw" || g["host8"] != "ro" {
+		t.Fatalf("grants after a restart %v", g)
+	}
+	srv.ok("export", "revoke", "a", "host7")
+	srv.ok("export", "revoke", "a", "host8")
+	e := srv.records("export", "show", "a", "--fields", "all")
+	if len(e) != 1 || e[0]["grants_only"] != true || len(e[0]["allow_identities"].(map[string]any)) != 0 {
+		t.Fatalf("the export with its last grant revoked: %v", e)
+	}
+	cl := startClient(t, dir)
+	if _, errOut, code := cl.ctl("map", "--sessname", "s", "--path", "ip:127.0.0.1", "--device-path", "a", "--dest-port", fmt.Sprint(port)); code != 7 {
+		t.Fatalf("map of an export with no grant left: exit %d %q", code, errOut)
+	}
+}
