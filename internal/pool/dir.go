@@ -34,20 +34,53 @@ type Dir struct {
 	name, dir string
 	now       func() time.Time
 	mu        sync.Mutex // serialises Create, Resize, Delete
+	// dev is the file system the directory was on when opened: one
+	// unmounted since is not written to (mounted).
+	dev uint64
+}
+
+// mounted refuses a change when the pool's directory is no longer on
+// the file system it was on when opened (unmounted, or another mounted
+// over it): nothing is made on the wrong one.
+func (p *Dir) mounted() error {
+	var st unix.Stat_t
+	if err := unix.Stat(p.dir, &st); err != nil {
+		return errorf(syscall.ENOTCONN, "pool %s: %s: %v", p.name, p.dir, err)
+	}
+	if st.Dev != p.dev {
+		return errorf(syscall.ENOTCONN, "pool %s: %s is no longer the file system it was when the pool was opened: unmounted? (restart once it is back)", p.name, p.dir)
+	}
+	return nil
+}
+
+// DirOptions are a directory pool's settings.
+type DirOptions struct {
+	// Mountpoint: the directory must be a mount point (its file system
+	// mounted), not the empty directory under it.
+	Mountpoint bool
 }
 
 // OpenDir opens the directory pool name at dir, which must exist, and
 // removes what a crash left half-made. It returns what it removed, for
 // the caller to log.
-func OpenDir(name, dir string) (*Dir, []string, error) {
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return nil, nil, errorf(syscall.ENOENT, "pool %s: %v", name, err)
+func OpenDir(name, dir string, opts DirOptions) (*Dir, []string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return nil, nil, errorf(syscall.ENOENT, "pool %s: %s: %v", name, dir, err)
 	}
-	if !fi.IsDir() {
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return nil, nil, errorf(syscall.ENOTDIR, "pool %s: %s is not a directory", name, dir)
 	}
-	p := &Dir{name: name, dir: dir, now: time.Now}
+	if opts.Mountpoint {
+		var up unix.Stat_t
+		if err := unix.Stat(filepath.Join(dir, ".."), &up); err != nil {
+			return nil, nil, fmt.Errorf("pool %s: %w", name, err)
+		}
+		if up.Dev == st.Dev && up.Ino != st.Ino {
+			return nil, nil, errorf(syscall.ENOTCONN, "pool %s: %s is not a mount point: is its file system mounted? (mountpoint = true)", name, dir)
+		}
+	}
+	p := &Dir{name: name, dir: dir, now: time.Now, dev: st.Dev}
 	if err := os.Mkdir(filepath.Join(dir, tmpDir), 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return nil, nil, fmt.Errorf("pool %s: %w", name, err)
 	}
@@ -159,6 +192,9 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Volume{}, false, err
+	}
 	if old, err := p.read(s.Name); err == nil {
 		if diff := differs(old, s); diff != "" {
 			return old, false, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
@@ -286,6 +322,9 @@ func (p *Dir) Resize(name string, size int64) (Volume, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Volume{}, err
+	}
 	v, err := p.read(name)
 	if err != nil {
 		return Volume{}, err
@@ -348,6 +387,9 @@ func (p *Dir) Delete(name string) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return err
+	}
 	if _, err := p.read(name); errors.Is(err, syscall.ENOENT) {
 		if _, serr := os.Stat(p.path(name)); serr == nil {
 			// A file of the name that is not the pool's: not ours to
@@ -398,6 +440,9 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Snapshot{}, false, err
+	}
 	if old, err := p.readSnapshot(name); err == nil {
 		if old.Volume != volume {
 			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
@@ -455,6 +500,9 @@ func (p *Dir) DeleteSnapshot(name string) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return err
+	}
 	if _, err := p.readSnapshot(name); errors.Is(err, syscall.ENOENT) {
 		return nil
 	} else if err != nil {

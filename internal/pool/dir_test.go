@@ -5,6 +5,7 @@ package pool
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -18,7 +19,7 @@ import (
 
 func openTest(t *testing.T, dir string) *Dir {
 	t.Helper()
-	p, removed, err := OpenDir("p", dir)
+	p, removed, err := OpenDir("p", dir, DirOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -209,7 +210,7 @@ func TestHalfMadeRemovedAtOpen(t *testing.T) {
 	if err := os.WriteFile(half, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p, removed, err := OpenDir("p", dir)
+	p, removed, err := OpenDir("p", dir, DirOptions{})
 	if err != nil || len(removed) != 1 || removed[0] != "c.img" {
 		t.Fatalf("open: removed %v, %v", removed, err)
 	}
@@ -412,4 +413,34 @@ func readAt(t *testing.T, path string, off int64, n int) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// A pool whose file system is not mounted makes nothing: with
+// mountpoint, a directory that is not a mount point is refused at open;
+// and a pool whose file system was unmounted since it was opened refuses
+// every change (ENOTCONN), never writing to the directory under it.
+func TestPoolNotMounted(t *testing.T) {
+	dir := t.TempDir()
+	_, _, err := OpenDir("p", dir, DirOptions{Mountpoint: true})
+	wantErrno(t, "a directory that is not a mount point", err, syscall.ENOTCONN)
+	if !strings.Contains(err.Error(), "not a mount point") {
+		t.Fatalf("the refusal does not say why: %v", err)
+	}
+	mnt := testfs.ReflinkDir(t)
+	p, _, err := OpenDir("p", filepath.Dir(mnt), DirOptions{Mountpoint: true})
+	if err != nil {
+		t.Fatalf("a mount point: %v", err)
+	}
+	if _, _, err := p.Create(Spec{Name: "v", Size: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("umount", "-l", filepath.Dir(mnt)).CombinedOutput(); err != nil {
+		t.Fatalf("umount: %v %s", err, out)
+	}
+	_, _, err = p.Create(Spec{Name: "w", Size: 4096})
+	wantErrno(t, "a create on an unmounted pool", err, syscall.ENOTCONN)
+	wantErrno(t, "a delete on an unmounted pool", p.Delete("v"), syscall.ENOTCONN)
+	if es, _ := os.ReadDir(filepath.Dir(mnt)); len(es) != 0 {
+		t.Fatalf("the pool wrote %v under its unmounted file system", es)
+	}
 }

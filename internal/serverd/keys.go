@@ -82,6 +82,8 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "`dir`: each volume a sparse file under `path`, clones and snapshots by reflink (XFS, Btrfs; refused elsewhere); `lvm-thin`: each volume a thin logical volume of `thin_pool` in `volume_group`, made with lvm2's tools"},
 	{Table: "[[pool]]", Keys: []string{"path"}, Default: "unset",
 		Doc: "a `dir` pool's directory, which must exist"},
+	{Table: "[[pool]]", Keys: []string{"mountpoint"}, Default: "false",
+		Doc: "a `dir` pool's directory must be a mount point: a file system not mounted at start leaves the pool not served, rather than volumes made in the empty directory under it. Whatever it says, a pool whose directory is no longer on the file system it was on at start (unmounted since) refuses every change (`unavailable`)"},
 	{Table: "[[pool]]", Keys: []string{"volume_group", "thin_pool"}, Default: "unset",
 		Doc: "an `lvm-thin` pool's volume group and thin pool (an LV of type thin-pool), which must exist"},
 	{Table: "[tls]", Keys: []string{"cert", "key", "ca"}, Flag: "`--tls-cert`, `--tls-key`, `--tls-ca`", Default: "unset",

@@ -28,8 +28,10 @@ type PoolConfig struct {
 	Name string `toml:"name"`
 	// Type is "dir" (sparse files under Path) or "lvm-thin" (thin
 	// volumes of ThinPool in VolumeGroup).
-	Type        string `toml:"type"`
-	Path        string `toml:"path"`
+	Type string `toml:"type"`
+	Path string `toml:"path"`
+	// Mountpoint: a dir pool's path must be a mount point (pool.DirOptions).
+	Mountpoint  bool   `toml:"mountpoint"`
 	VolumeGroup string `toml:"volume_group"`
 	ThinPool    string `toml:"thin_pool"`
 }
@@ -47,8 +49,8 @@ func (c PoolConfig) validate() error {
 			return fmt.Errorf("[[pool]] %s: type dir takes path (and not volume_group nor thin_pool)", c.Name)
 		}
 	case "lvm-thin":
-		if c.Path != "" || c.VolumeGroup == "" || c.ThinPool == "" {
-			return fmt.Errorf("[[pool]] %s: type lvm-thin takes volume_group and thin_pool (and not path)", c.Name)
+		if c.Path != "" || c.Mountpoint || c.VolumeGroup == "" || c.ThinPool == "" {
+			return fmt.Errorf("[[pool]] %s: type lvm-thin takes volume_group and thin_pool (and not path nor mountpoint)", c.Name)
 		}
 	default:
 		return fmt.Errorf("[[pool]] %s: type %q: want dir or lvm-thin", c.Name, c.Type)
@@ -130,7 +132,7 @@ func (d *Daemon) openPools(cfgs []PoolConfig) {
 		var err error
 		switch c.Type {
 		case "dir":
-			p, cleaned, err = pool.OpenDir(c.Name, c.Path)
+			p, cleaned, err = pool.OpenDir(c.Name, c.Path, pool.DirOptions{Mountpoint: c.Mountpoint})
 		case "lvm-thin":
 			err = ctl.Errorf(ctl.CodeNotSupported, "pool %s: lvm-thin pools are not implemented yet", c.Name) // TODO(issue 33): pool.OpenLVMThin
 		}
