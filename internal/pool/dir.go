@@ -14,7 +14,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -136,27 +135,32 @@ func (p *Dir) read(name string) (Volume, error) {
 // List returns the pool's volumes by name. Files without the pool's
 // metadata are not volumes and are left out.
 func (p *Dir) List() ([]Volume, error) {
-	es, err := os.ReadDir(p.dir)
+	return readAll(p, p.dir, p.read)
+}
+
+// readAll reads the metadata of every NAME.img in dir with read (by
+// name: ReadDir sorts), leaving out the files that have none.
+func readAll[T any](p *Dir, dir string, read func(name string) (T, error)) ([]T, error) {
+	es, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	var vs []Volume
+	var out []T
 	for _, e := range es {
 		name, ok := strings.CutSuffix(e.Name(), suffix)
 		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
 			continue
 		}
-		v, err := p.read(name)
+		x, err := read(name)
 		if errors.Is(err, syscall.ENOENT) {
 			continue
 		}
 		if err != nil {
 			return nil, err
 		}
-		vs = append(vs, v)
+		out = append(out, x)
 	}
-	sort.Slice(vs, func(i, j int) bool { return vs[i].Name < vs[j].Name })
-	return vs, nil
+	return out, nil
 }
 
 // Capacity says the pool's space.
@@ -468,29 +472,11 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 
 // Snapshots implements Pool.
 func (p *Dir) Snapshots() ([]Snapshot, error) {
-	es, err := os.ReadDir(filepath.Join(p.dir, snapDir))
+	ss, err := readAll(p, filepath.Join(p.dir, snapDir), p.readSnapshot)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
+		return nil, nil // none taken yet
 	}
-	if err != nil {
-		return nil, fmt.Errorf("pool %s: %w", p.name, err)
-	}
-	var ss []Snapshot
-	for _, e := range es {
-		name, ok := strings.CutSuffix(e.Name(), suffix)
-		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
-			continue
-		}
-		s, err := p.readSnapshot(name)
-		if errors.Is(err, syscall.ENOENT) {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		ss = append(ss, s)
-	}
-	return ss, nil // ReadDir sorts by name
+	return ss, err
 }
 
 // DeleteSnapshot implements Pool.
