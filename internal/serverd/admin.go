@@ -187,17 +187,17 @@ func (a AdminConfig) roleOf(names []string) ctl.Role {
 // snapshots, exports, grants: what an orchestrator needs), and
 // discovery, open to every certificate of the CA.
 var routeRights = map[string]ctl.Right{
-	"GET /v1/discover":                           ctl.RightDiscover,
-	"POST /v1/exports":                           ctl.RightProvision,
-	"DELETE /v1/exports/{name}":                  ctl.RightProvision,
-	"POST /v1/exports/{name}/resize":             ctl.RightProvision,
-	"POST /v1/exports/{name}/grants":             ctl.RightProvision,
+	"GET /v1/discover":                            ctl.RightDiscover,
+	"POST /v1/exports":                            ctl.RightProvision,
+	"DELETE /v1/exports/{name}":                   ctl.RightProvision,
+	"POST /v1/exports/{name}/resize":              ctl.RightProvision,
+	"POST /v1/exports/{name}/grants":              ctl.RightProvision,
 	"DELETE /v1/exports/{name}/grants/{identity}": ctl.RightProvision,
-	"POST /v1/volumes":                           ctl.RightProvision,
-	"DELETE /v1/volumes/{name}":                  ctl.RightProvision,
-	"POST /v1/volumes/{name}/resize":             ctl.RightProvision,
-	"POST /v1/snapshots":                         ctl.RightProvision,
-	"DELETE /v1/snapshots/{name}":                ctl.RightProvision,
+	"POST /v1/volumes":                            ctl.RightProvision,
+	"DELETE /v1/volumes/{name}":                   ctl.RightProvision,
+	"POST /v1/volumes/{name}/resize":              ctl.RightProvision,
+	"POST /v1/snapshots":                          ctl.RightProvision,
+	"DELETE /v1/snapshots/{name}":                 ctl.RightProvision,
 }
 
 // routeRight is the right a route needs: its entry in routeRights, else
