@@ -19,6 +19,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -176,6 +177,8 @@ type Server struct {
 	slots  slots
 	// connLog bounds the lines of refused connections.
 	connLog log.Limiter
+	// patterns are the routes, as Handle was given them.
+	patterns []string
 }
 
 // Listen creates the socket at path (its directory 0755, the socket
@@ -243,6 +246,7 @@ type Handler func(r *http.Request) (any, error)
 // request passes admit first: the right the pattern needs, the caller's
 // slot, the body's bound, the audit line (access.go).
 func (s *Server) Handle(pattern string, h Handler) {
+	s.patterns = append(s.patterns, pattern)
 	s.mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
 		v, err := s.admit(pattern, h, r)
 		w.Header().Set("Content-Type", "application/json")
@@ -258,6 +262,10 @@ func (s *Server) Handle(pattern string, h Handler) {
 		json.NewEncoder(w).Encode(v)
 	})
 }
+
+// Patterns are the routes Handle registered, in order: what a rights
+// table is checked against.
+func (s *Server) Patterns() []string { return slices.Clone(s.patterns) }
 
 // Serve serves until Close: the socket, and the TLS listeners
 // (ListenTLS).

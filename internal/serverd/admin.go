@@ -88,8 +88,8 @@ func AdminAddr(s string) (string, error) {
 		// No port: the host alone, an IPv6 address bracketed or not.
 		host, port = strings.TrimSuffix(strings.TrimPrefix(s, "["), "]"), strconv.Itoa(ctl.DefaultAdminPort)
 	}
-	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
-		return "", fmt.Errorf("[admin] listen %q: port %q: want 1 to 65535", s, port)
+	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
+		return "", fmt.Errorf("[admin] listen %q: port %q: want 1 to 65535 (0: any free one)", s, port)
 	}
 	if host == "" || strings.ContainsAny(host, "[]/ ") {
 		return "", fmt.Errorf("[admin] listen %q: want HOST[:PORT], the host an address of this machine (0.0.0.0 or [::] for every one)", s)
@@ -155,8 +155,8 @@ func (a AdminConfig) validate(c *Config) error {
 func sameListener(a, b string) bool {
 	ha, pa, err1 := net.SplitHostPort(a)
 	hb, pb, err2 := net.SplitHostPort(b)
-	if err1 != nil || err2 != nil || pa != pb {
-		return false
+	if err1 != nil || err2 != nil || pa != pb || pa == "0" {
+		return false // port 0: each its own free port
 	}
 	ia, errA := netip.ParseAddr(ha)
 	ib, errB := netip.ParseAddr(hb)
