@@ -408,6 +408,10 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 // nothing listens there, the server's certificate is not one the CA
 // signed for that name, the server refused ours, or the network.
 func remoteError(server string, err error) error {
+	// Not `Get "https://...": ...`: the server is named once.
+	if ue, ok := errors.AsType[*url.Error](err); ok {
+		err = ue.Err
+	}
 	var cv *tls.CertificateVerificationError
 	var hn x509.HostnameError
 	var ua x509.UnknownAuthorityError
