@@ -35,6 +35,7 @@ daemon through its control socket.`,
   rnbd-server session list --fields all`,
 	}
 	g.Add(root, serverd.DefaultControlSocket)
+	g.AddRemote(root)
 	root.AddCommand(
 		newDaemon(),
 		newMap(&g), newUnmap(&g), newResize(&g),

@@ -153,6 +153,11 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		d.rnbd.Close()
 		return nil, err
 	}
+	if err = d.listenAdmin(); err != nil {
+		d.ctl.Close()
+		d.rnbd.Close()
+		return nil, err
+	}
 	rcfg := rtrs.DefaultSrvConfig()
 	rcfg.Fabric, rcfg.Handler, rcfg.Endpoints, rcfg.Log = opts.Fabric, d.rnbd, eps, opts.Log
 	rcfg.QueueDepth, rcfg.MaxChunkSize, rcfg.AlwaysInvalidate = cfg.QueueDepth, cfg.MaxChunkSize, cfg.AlwaysInvalidate
