@@ -164,13 +164,21 @@ func LoadConfig(path string, mustExist bool) (Config, error) {
 }
 
 // CheckConfig reads path as LoadConfig does, validates it and loads the
-// TLS files it names, starting nothing: `rnbd-server config check`.
+// TLS files it names ([tls]'s and [admin]'s), starting nothing: `rnbd-server config check`.
 func CheckConfig(path string, mustExist bool) (Config, error) {
 	cfg, err := LoadConfig(path, mustExist)
 	if err != nil {
 		return cfg, err
 	}
-	return cfg, conf.Check(path, cfg.Validate, cfg.TLS.TLS)
+	if err := conf.Check(path, cfg.Validate, cfg.TLS.TLS); err != nil {
+		return cfg, err
+	}
+	if len(cfg.Admin.Listen) > 0 {
+		if _, err := cfg.adminTLS().Config(); err != nil {
+			return cfg, fmt.Errorf("config %s: [admin]: %w", path, err)
+		}
+	}
+	return cfg, nil
 }
 
 // Validate checks the configuration before anything starts.
