@@ -275,35 +275,24 @@ func (d *Daemon) discover(r *http.Request) (any, error) {
 	return rows, nil
 }
 
-// mayOpen reports whether a client of the names at from may open e, as
-// rnbd.Export's rules have it (grant, allowsFrom), and the most it may
-// open it for: the widest grant naming one of its names, or rw where e
-// grants no identities; ro if e is read-only. Session names (allow) are
-// not known before a session: they are not looked at.
+// mayOpen reports whether a client of the names at from may open e, by
+// rnbd.Export's own rules (Granted, AllowsFrom), and the most it may
+// open it for; ro if e is read-only. Session names (allow) are not
+// known before a session: they are not looked at.
 func mayOpen(e rnbd.Export, names []string, from netip.Addr) (string, bool) {
-	if len(e.AllowFrom) > 0 && !slices.ContainsFunc(e.AllowFrom, func(p netip.Prefix) bool { return from.IsValid() && p.Contains(from) }) {
+	if !from.IsValid() && len(e.AllowFrom) > 0 || !e.AllowsFrom(from) {
 		return "", false
 	}
-	access := "rw"
-	if len(e.AllowIdentities) > 0 || e.GrantsOnly {
-		best, ok := rnbd.AccessRO, false
-		for _, g := range e.AllowIdentities {
-			m, err := rnbd.ParseAccessMode(g.Access)
-			if err != nil || !slices.Contains(names, g.Identity) {
-				continue
-			}
-			if !ok || m > best {
-				best, ok, access = m, true, g.Access
-			}
-		}
-		if !ok {
-			return "", false
-		}
+	most, ok := e.Granted(names)
+	switch {
+	case !ok:
+		return "", false
+	case e.ReadOnly:
+		return rnbd.AccessRO.String(), true
+	case most == rnbd.AccessMigration && len(e.AllowIdentities) == 0 && !e.GrantsOnly:
+		return rnbd.AccessRW.String(), true // an export open to any client: rw (migration needs its flag)
 	}
-	if e.ReadOnly {
-		access = "ro"
-	}
-	return access, true
+	return most.String(), true
 }
 
 // pathSize is the size of an export's file or block device in bytes, or

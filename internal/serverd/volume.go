@@ -359,7 +359,7 @@ func (d *Daemon) CreateVolume(req VolumeRequest) (rec output.Record, created boo
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	if d.configured[req.Name] || (!d.hasVolume(req.Name) && d.exported(req.Name)) {
+	if d.configured[req.Name] || (!d.hasVolume(req.Name) && (d.exported(req.Name) || d.isUnrestored(req.Name))) {
 		return nil, false, ctl.Errorf(ctl.CodeExists, "an export %s exists that is not a volume", req.Name)
 	}
 	v := d.volumes[req.Name]
@@ -417,6 +417,13 @@ func (d *Daemon) dropVolume(name string) {
 // hasVolume reports whether the daemon knows volume name.
 // +checklocks:d.stateMu
 func (d *Daemon) hasVolume(name string) bool { return d.volumes[name] != nil }
+
+// isUnrestored reports whether the state file has an export of that name
+// that is not served.
+// +checklocks:d.stateMu
+func (d *Daemon) isUnrestored(name string) bool {
+	return slices.ContainsFunc(d.unrestored, func(e rnbd.Export) bool { return e.Name == name })
+}
 
 // exported reports whether an export of that name is served.
 func (d *Daemon) exported(name string) bool {

@@ -57,8 +57,8 @@ type Export struct {
 	withdrawing bool // being unmapped: no new opens
 }
 
-// allowsFrom reports whether an OPEN from a may open e.
-func (e *Export) allowsFrom(a netip.Addr) bool {
+// AllowsFrom reports whether an OPEN from a may open e (AllowFrom).
+func (e *Export) AllowsFrom(a netip.Addr) bool {
 	if len(e.AllowFrom) == 0 {
 		return true
 	}
@@ -95,10 +95,11 @@ func ParseGrant(s string) (Grant, error) {
 
 func (g Grant) String() string { return g.Identity + "=" + g.Access }
 
-// grant returns the most a client of the peer names may open e for, and
-// whether it may open it at all (by its identities; the other rules
-// apply too). Of several matching grants the widest counts.
-func (e *Export) grant(peer []string) (AccessMode, bool) {
+// Granted returns the most a client of the peer names (its identities)
+// may open e for, and whether it may open it at all by them (the other
+// rules apply too: AllowsFrom, Allow, ReadOnly). Of several matching
+// grants the widest counts.
+func (e *Export) Granted(peer []string) (AccessMode, bool) {
 	if len(e.AllowIdentities) == 0 && !e.GrantsOnly {
 		return AccessMigration, true
 	}
@@ -124,11 +125,11 @@ func (e *Export) admit(x *SrvSession, mode AccessMode, from netip.Addr) (secondW
 	if !e.allows(x.name) {
 		return false, errorf(syscall.EPERM, "export %s does not allow session %s", e.Name, x.name)
 	}
-	if !e.allowsFrom(from) {
+	if !e.AllowsFrom(from) {
 		return false, errorf(syscall.EPERM, "export %s does not allow clients at %v", e.Name, from)
 	}
 	peer := x.rtrs.PeerNames()
-	most, ok := e.grant(peer)
+	most, ok := e.Granted(peer)
 	switch {
 	case !ok && len(peer) == 0:
 		return false, errorf(syscall.EACCES, "export %s allows only clients with a certificate it names, and this one has none", e.Name)
