@@ -90,13 +90,17 @@ EOF
 	echo "/etc/rnbd/${name#rnbd-}.toml" >"$root/DEBIAN/conffiles"
 	local deps
 	deps=$(depends "$root/usr/sbin/$name")
+	# The server's pools: lvm2 drives an LVM thin pool; a directory
+	# pool's clones and snapshots want a file system with reflinks.
+	local suggests=""
+	[ "$name" != rnbd-server ] || suggests=$'\nSuggests: lvm2, thin-provisioning-tools, xfsprogs'
 	cat >"$root/DEBIAN/control" <<EOF
 Package: $name
 Version: $version
 Architecture: $arch
 Maintainer: $maint
 Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
-Depends: $deps, kmod
+Depends: $deps, kmod${suggests}
 Section: admin
 Priority: optional
 Homepage: https://github.com/rnbd/rnbd
