@@ -658,9 +658,21 @@ func TestLVMSnapshotsAndClones(t *testing.T) {
 	if got := readDev(t, s.Path, 1<<20, len(first)); !bytes.Equal(got, first) {
 		t.Fatal("the snapshot does not hold the data of its moment")
 	}
+	if lvsOf(t, vg)["rnbd.s.s1"].writable() {
+		t.Fatal("the snapshot's LV is writable")
+	}
 	if f, err := os.OpenFile(s.Path, os.O_WRONLY, 0); err == nil {
+		_, err = f.WriteAt(second, 1<<20)
+		if err == nil {
+			err = f.Sync()
+		}
 		f.Close()
-		t.Fatal("the snapshot opens for writing")
+		if err == nil {
+			t.Fatal("a write to the snapshot succeeded")
+		}
+	}
+	if got := readDev(t, s.Path, 1<<20, len(first)); !bytes.Equal(got, first) {
+		t.Fatal("the snapshot changed")
 	}
 	if again, created, err := p.CreateSnapshot("v1", "s1"); err != nil || created || !again.Created.Equal(s.Created) {
 		t.Fatalf("the same snapshot again: %+v, %v, %v", again, created, err)

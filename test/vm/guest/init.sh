@@ -290,6 +290,27 @@ if want ublk-package; then
 	fi
 fi
 
+# lvm: internal/pool's LVM thin pool on a real one (its tests make a
+# volume group on a loop device and a thin pool in it) — lvm2's tools
+# without udev or dmeventd, thin_check from thin-provisioning-tools.
+if want lvm; then
+	scenario lvm-pool
+	export PATH=/sbin:/usr/sbin:/bin:/usr/bin
+	mkdir -p /etc/lvm /run/lock/lvm
+	cat >/etc/lvm/lvm.conf <<-EOF
+		devices { obtain_device_list_from_udev = 0 }
+		activation { udev_sync = 0 udev_rules = 0 monitoring = 0 }
+		global { thin_check_executable = "/usr/sbin/thin_check" }
+		backup { backup = 0 archive = 0 }
+	EOF
+	if [ -e /dev/mapper/control ] && [ -e /sys/module/dm_thin_pool ]; then
+		res dm-thin-pool PASS "$(lvm version | head -1)"
+	else
+		res dm-thin-pool FAIL "no /dev/mapper/control or dm_thin_pool module"
+	fi
+	RNBD_LVM_REQUIRED=1 gotest pool-lvm /bin/pool.test -test.run LVM
+fi
+
 rdma_up=0 rdma_listen="" srv_extra=""
 if want rdma || want interop; then
 	scenario rdma-setup
