@@ -6,6 +6,7 @@
 #   scripts/test-ca.sh DIR server NAME ADDR...    DIR/NAME.crt, DIR/NAME.key
 #   scripts/test-ca.sh DIR client NAME [DNS...]   DIR/NAME.crt, DIR/NAME.key
 #   scripts/test-ca.sh DIR nameless NAME          DIR/NAME.crt, DIR/NAME.key
+#   scripts/test-ca.sh DIR admin NAME [DNS...]    DIR/NAME.crt, DIR/NAME.key
 #
 # A server's certificate names the addresses clients dial (IP subject
 # alternative names; host names as DNS ones), since rnbd-client checks it
@@ -13,11 +14,14 @@
 # name (and DNS names) are its identity: what an export's
 # allow_identities names. A nameless certificate is a client's that names
 # no identity (a subject of O=rnbd test only, no alternative names): a
-# server refuses it unless tls.allow_anonymous_clients. Keys are ECDSA
-# P-256, certificates valid for DAYS (default 365) days.
+# server refuses it unless tls.allow_anonymous_clients. An admin
+# certificate is a client's too, for an operator or an orchestrator on
+# the server's admin listener (rnbd-server --server https://HOST:1235
+# --cert NAME.crt ...): its names are what [admin]'s role lists name.
+# Keys are ECDSA P-256, certificates valid for DAYS (default 365) days.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" >&2; exit 2; }
+usage() { sed -n '2,21p' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 dir=$1 kind=$2
 shift 2
@@ -33,7 +37,7 @@ ca)
 		-addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
 		-out "$dir/ca.crt"
 	;;
-server | client | nameless)
+server | client | admin | nameless)
 	[ $# -ge 1 ] || usage
 	name=$1
 	shift

@@ -35,7 +35,7 @@ func newRoot() *cobra.Command {
 	}
 	g.Add(root, clientd.DefaultControlSocket)
 	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
-		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g))
+		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g), newDiscover(&g))
 	root.AddCommand(cli.ConfigCmd("rnbd-client", clientd.DefaultConfigFile, func(path string, mustExist bool) error {
 		_, err := clientd.CheckConfig(path, mustExist)
 		return err

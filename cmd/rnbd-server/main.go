@@ -35,10 +35,12 @@ daemon through its control socket.`,
   rnbd-server session list --fields all`,
 	}
 	g.Add(root, serverd.DefaultControlSocket)
+	g.AddRemote(root)
 	root.AddCommand(
 		newDaemon(),
 		newMap(&g), newUnmap(&g), newResize(&g),
 		newExport(&g), newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
+		newVolume(&g), newPool(&g),
 	)
 	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) error {
 		_, err := serverd.CheckConfig(path, mustExist)
@@ -147,11 +149,7 @@ func (o optSize) Set(s string) error {
 func (o optSize) Type() string { return "size" }
 
 func newMap(g *cli.Globals) *cobra.Command {
-	var (
-		ro, wt, migration bool
-		allow, from, ids  []string
-		maxSessions       int
-	)
+	var req serverd.MapRequest
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
 		Short: "Export PATH (a file or block device) under NAME",
@@ -164,8 +162,7 @@ func newMap(g *cli.Globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := serverd.MapRequest{Name: args[0], Path: p, ReadOnly: ro, Allow: allow, AllowFrom: from, AllowIdentities: ids,
-				Migration: migration, MaxSessions: maxSessions, WriteThrough: wt}
+			req.Name, req.Path = args[0], p
 			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
 				return err
 			}
@@ -188,15 +185,23 @@ func newMap(g *cli.Globals) *cobra.Command {
 		}
 		return nil, cobra.ShellCompDirectiveNoFileComp
 	}
-	cmd.Flags().BoolVar(&ro, "ro", false, "export read-only: sessions may only open it ro")
-	cmd.Flags().StringArrayVar(&allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
-	cmd.Flags().StringArrayVar(&from, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
-	cmd.Flags().StringArrayVar(&ids, "allow-identity", nil, "client identity allowed to open it, NAME or NAME=ro|rw|migration (the most it may open it for; default rw): a name of the client's TLS certificate, its subject common name or a DNS, URI or e-mail alternative name (repeatable; set, clients without TLS cannot open it)")
-	cmd.Flags().IntVar(&maxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
-	cmd.Flags().BoolVar(&migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
-	cmd.Flags().BoolVar(&wt, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
-	cli.CompleteFlag(cmd, "allow", g.CompleteNames("sessname", "/v1/sessions"))
+	exportRuleFlags(g, cmd, &req)
 	return cmd
+}
+
+// exportRuleFlags are the flags of an export's rules, map's and volume
+// create's.
+func exportRuleFlags(g *cli.Globals, cmd *cobra.Command, req *serverd.MapRequest) {
+	f := cmd.Flags()
+	f.BoolVar(&req.ReadOnly, "ro", false, "export read-only: sessions may only open it ro")
+	f.StringArrayVar(&req.Allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
+	f.StringArrayVar(&req.AllowFrom, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
+	f.StringArrayVar(&req.AllowIdentities, "allow-identity", nil, "client identity allowed to open it, NAME or NAME=ro|rw|migration (the most it may open it for; default rw): a name of the client's TLS certificate, its subject common name or a DNS, URI or e-mail alternative name (repeatable; set, clients without TLS cannot open it)")
+	f.BoolVar(&req.GrantsOnly, "grants-only", false, "only the identities granted (--allow-identity, export grant) may open it; with none, no client may")
+	f.IntVar(&req.MaxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
+	f.BoolVar(&req.Migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
+	f.BoolVar(&req.WriteThrough, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
+	cli.CompleteFlag(cmd, "allow", g.CompleteNames("sessname", "/v1/sessions"))
 }
 
 func newUnmap(g *cli.Globals) *cobra.Command {
@@ -253,10 +258,11 @@ its new size the same way.`,
 }
 
 func newExport(g *cli.Globals) *cobra.Command {
-	cmd := &cobra.Command{Use: "export", Short: "List and show exports with their access rules (map and unmap change them)"}
+	cmd := &cobra.Command{Use: "export", Short: "List and show exports with their access rules (map and unmap change them); give and revoke grants"}
 	cmd.AddCommand(g.ListCmds("export", "/v1/exports", "List exports with their access rules",
 		"Show an export: its access rules, where it comes from, why it is not served", nil,
 		[]string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through"}, serverd.ExportFields)...)
+	cmd.AddCommand(grantCmds(g)...)
 	return cmd
 }
 

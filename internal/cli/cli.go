@@ -20,6 +20,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/sdnotify"
@@ -31,6 +32,46 @@ type Globals struct {
 	Socket string
 	Format string
 	Fields string
+	// Server, with Cert, Key and CA, is a daemon's admin listener to
+	// talk to instead of the socket: https://HOST:PORT (AddRemote).
+	Server, Cert, Key, CA string
+	// remoteOn: AddRemote was called (rnbd-server), and the
+	// environment's RNBD_SERVER counts.
+	remoteOn bool
+}
+
+// The environment's equivalents of AddRemote's flags.
+const (
+	EnvServer = "RNBD_SERVER"
+	EnvCert   = "RNBD_CERT"
+	EnvKey    = "RNBD_KEY"
+	EnvCA     = "RNBD_CA"
+)
+
+// AddRemote registers --server, --cert, --key and --ca on root: the
+// commands then talk to a daemon's admin listener over TLS instead of
+// its socket, from any machine (docs/operations.md, "Managing a storage
+// node remotely"). Unset, the environment's RNBD_SERVER, RNBD_CERT,
+// RNBD_KEY and RNBD_CA.
+func (g *Globals) AddRemote(root *cobra.Command) {
+	g.remoteOn = true
+	f := root.PersistentFlags()
+	f.StringVar(&g.Server, "server", "", "talk to the daemon's admin listener, https://HOST[:PORT] (TLS 1.3 with --cert, --key, --ca), instead of --socket (env "+EnvServer+")")
+	f.StringVar(&g.Cert, "cert", "", "PEM certificate presented to --server: its names are the caller's identity, which the server gives a role (env "+EnvCert+")")
+	f.StringVar(&g.Key, "key", "", "PEM private key of --cert (env "+EnvKey+")")
+	f.StringVar(&g.CA, "ca", "", "PEM authority the --server's certificate must chain to; the certificate must name the host of --server (env "+EnvCA+")")
+}
+
+// remote fills what the flags left empty from the environment.
+func (g *Globals) remote() {
+	for _, v := range []struct {
+		p   *string
+		env string
+	}{{&g.Server, EnvServer}, {&g.Cert, EnvCert}, {&g.Key, EnvKey}, {&g.CA, EnvCA}} {
+		if *v.p == "" {
+			*v.p = os.Getenv(v.env)
+		}
+	}
 }
 
 // Add registers the global flags on root.
@@ -54,8 +95,37 @@ func (g *Globals) CheckFormat() error {
 	return nil
 }
 
-// Client returns a client of the daemon's socket.
-func (g *Globals) Client() *ctl.Client { return ctl.Dial(g.Socket) }
+// Client returns a client of the daemon's socket, or of its admin
+// listener with --server (or RNBD_SERVER; rnbd-server only). A client
+// that cannot be set up (a TLS file missing) fails each request, saying
+// why.
+func (g *Globals) Client() *ctl.Client {
+	if g.remoteOn {
+		g.remote()
+	}
+	if g.Server == "" {
+		return ctl.Dial(g.Socket)
+	}
+	c, err := RemoteClient(g.Server, conf.TLS{Cert: g.Cert, Key: g.Key, CA: g.CA}, "--cert, --key and --ca")
+	if err != nil {
+		return ctl.Broken(err)
+	}
+	return c
+}
+
+// RemoteClient is a client of the admin listener at server
+// (https://HOST[:PORT]) with the certificate, key and CA of t, which
+// flags names (for the error when one is missing).
+func RemoteClient(server string, t conf.TLS, flags string) (*ctl.Client, error) {
+	if t.Cert == "" || t.Key == "" || t.CA == "" {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "%s: the admin listener takes TLS only: give %s", server, flags)
+	}
+	tc, err := t.Config()
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	return ctl.DialTLS(server, tc)
+}
 
 // Call sends one request to the daemon with a 2-minute bound: control
 // commands must not hang on a dead path.

@@ -38,7 +38,8 @@ func (g *Globals) ListCmds(kind, path, listShort, showShort string, query func()
 
 // nameFields are the record fields that name an object of each kind:
 // what "show NAME" and the other commands of one object complete.
-var nameFields = map[string]string{"device": "devname", "session": "sessname", "path": "pathname", "export": "name", "session-name": "sessname"}
+var nameFields = map[string]string{"device": "devname", "session": "sessname", "path": "pathname", "export": "name", "session-name": "sessname",
+	"volume": "name", "snapshot": "name", "pool": "name", "grant": "identity"}
 
 // Action is a control command that POSTs to one object and says what it
 // did: "POST Path(args) Body(args)", then Done(args) on a line.

@@ -7,6 +7,8 @@ package ctl
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,12 +16,17 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/rnbd/rnbd/pkg/log"
 )
 
 // Code is an error class.
@@ -163,6 +170,15 @@ type Server struct {
 	l    net.Listener
 	mux  *http.ServeMux
 	hs   *http.Server
+	// access admits requests (access.go); remote are the TLS
+	// listeners (remote.go). Set before Serve.
+	access Access
+	remote []*tlsListener
+	slots  slots
+	// connLog bounds the lines of refused connections.
+	connLog log.Limiter
+	// patterns are the routes, as Handle was given them.
+	patterns []string
 }
 
 // Listen creates the socket at path (its directory 0755, the socket
@@ -188,7 +204,12 @@ func Listen(path string) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{path: path, l: l, mux: http.NewServeMux()}
-	s.hs = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second}
+	s.hs = &http.Server{Handler: s.mux, ReadHeaderTimeout: 10 * time.Second,
+		// Only root reaches the socket (0600): the local admin.
+		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
+			c := localCaller
+			return withCaller(ctx, &c)
+		}}
 	return s, nil
 }
 
@@ -221,10 +242,13 @@ func ClearStaleSocket(path string) error {
 // Handler answers a request: a value encoded as JSON, or an error.
 type Handler func(r *http.Request) (any, error)
 
-// Handle registers h for a pattern like "GET /v1/devices/{name}".
+// Handle registers h for a pattern like "GET /v1/devices/{name}". Every
+// request passes admit first: the right the pattern needs, the caller's
+// slot, the body's bound, the audit line (access.go).
 func (s *Server) Handle(pattern string, h Handler) {
+	s.patterns = append(s.patterns, pattern)
 	s.mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
-		v, err := h(r)
+		v, err := s.admit(pattern, h, r)
 		w.Header().Set("Content-Type", "application/json")
 		if err != nil {
 			code := Classify(err)
@@ -239,11 +263,23 @@ func (s *Server) Handle(pattern string, h Handler) {
 	})
 }
 
-// Serve serves until Close.
+// Patterns are the routes Handle registered, in order: what a rights
+// table is checked against.
+func (s *Server) Patterns() []string { return slices.Clone(s.patterns) }
+
+// Serve serves until Close: the socket, and the TLS listeners
+// (ListenTLS).
 func (s *Server) Serve() error {
+	errs := make(chan error, len(s.remote))
+	for _, l := range s.remote {
+		go func() { errs <- l.serve() }()
+	}
 	err := s.hs.Serve(s.l)
 	if errors.Is(err, http.ErrServerClosed) {
-		return nil
+		err = nil
+	}
+	for range s.remote {
+		err = errors.Join(err, <-errs)
 	}
 	return err
 }
@@ -253,24 +289,36 @@ func (s *Server) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	err := s.hs.Shutdown(ctx)
+	for _, l := range s.remote {
+		err = errors.Join(err, l.shutdown(ctx))
+	}
 	os.Remove(s.path)
 	return err
 }
 
 // Decode reads a JSON request body into v; a bad body is CodeInvalid.
 func Decode(r *http.Request, v any) error {
-	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
+	dec := json.NewDecoder(io.LimitReader(r.Body, DefaultMaxBodySize))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
+		if e := bodyTooLarge(err); e != nil {
+			return e
+		}
 		return Errorf(CodeInvalid, "bad request body: %v", err)
 	}
 	return nil
 }
 
-// Client talks to a daemon's control socket.
+// Client talks to a daemon's control API: its unix socket (Dial), or
+// its admin listener over TLS (DialTLS).
 type Client struct {
-	path string
+	path string // the socket, or the https:// base URL
+	base string // what requests' URLs start with
 	hc   *http.Client
+	// remote: over TLS (DialTLS); err: a client that could not be
+	// set up, which every request answers (Broken).
+	remote bool
+	err    error
 }
 
 // Dial returns a client of the socket at path; nothing connects until a
@@ -282,13 +330,39 @@ func Dial(path string) *Client {
 			return d.DialContext(ctx, "unix", path)
 		},
 	}
-	return &Client{path: path, hc: &http.Client{Transport: tr}}
+	return &Client{path: path, base: "http://daemon", hc: &http.Client{Transport: tr}}
 }
+
+// DialTLS returns a client of an admin listener, base "https://HOST:PORT":
+// TLS 1.3, the server's certificate verified against tc.RootCAs and the
+// host (or tc.ServerName), tc's certificate presented as the caller's.
+func DialTLS(base string, tc *tls.Config) (*Client, error) {
+	u, err := url.Parse(base)
+	if err != nil || u.Scheme != "https" || u.Host == "" || (u.Path != "" && u.Path != "/") || u.RawQuery != "" {
+		return nil, Errorf(CodeInvalid, "server %q: want https://HOST:PORT (the admin listener of rnbd-server; TLS only)", base)
+	}
+	if u.Port() == "" {
+		u.Host = net.JoinHostPort(u.Hostname(), strconv.Itoa(DefaultAdminPort))
+	}
+	c := tc.Clone()
+	c.MinVersion, c.MaxVersion = tls.VersionTLS13, tls.VersionTLS13
+	tr := &http.Transport{TLSClientConfig: c, TLSHandshakeTimeout: DefaultHandshakeTimeout, ForceAttemptHTTP2: false,
+		MaxIdleConnsPerHost: 2, IdleConnTimeout: 30 * time.Second}
+	base = "https://" + u.Host
+	return &Client{path: base, base: base, hc: &http.Client{Transport: tr}, remote: true}, nil
+}
+
+// Broken is a client whose every request fails with err: one whose
+// set-up (TLS files) did not work, so that commands fail where they talk.
+func Broken(err error) *Client { return &Client{err: err} }
 
 // Do sends a request with body (encoded as JSON if not nil) and decodes
 // the answer into out (if not nil). A daemon that is not running is
 // CodeUnavailable; the daemon's errors keep their class.
 func (c *Client) Do(ctx context.Context, method, path string, body, out any) error {
+	if c.err != nil {
+		return c.err
+	}
 	var rd io.Reader
 	if body != nil {
 		b, err := json.Marshal(body)
@@ -297,12 +371,15 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		}
 		rd = bytes.NewReader(b)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, "http://daemon"+path, rd)
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
 	if err != nil {
 		return err
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
+		if c.remote {
+			return remoteError(c.path, err)
+		}
 		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
 			e := Errorf(CodeUnavailable, "daemon not running (no daemon listens on %s)", c.path)
 			e.err = ErrNotRunning
@@ -325,6 +402,37 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		return nil
 	}
 	return json.NewDecoder(resp.Body).Decode(out)
+}
+
+// remoteError says why a request to an admin listener got no answer:
+// nothing listens there, the server's certificate is not one the CA
+// signed for that name, the server refused ours, or the network.
+func remoteError(server string, err error) error {
+	// Not `Get "https://...": ...`: the server is named once.
+	if ue, ok := errors.AsType[*url.Error](err); ok {
+		err = ue.Err
+	}
+	var cv *tls.CertificateVerificationError
+	var hn x509.HostnameError
+	var ua x509.UnknownAuthorityError
+	var ci x509.CertificateInvalidError
+	var oe *net.OpError
+	switch {
+	case errors.As(err, &hn):
+		return Errorf(CodePermission, "%s: the server's certificate is not for this name: %v (connect by a name or address it has, or check --server)", server, hn)
+	case errors.As(err, &cv), errors.As(err, &ua), errors.As(err, &ci):
+		return Errorf(CodePermission, "%s: the server's certificate is not trusted (not signed by --ca, or expired): %v", server, err)
+	case errors.As(err, &oe) && oe.Op == "remote error":
+		return Errorf(CodePermission, "%s: the server refused our certificate (%v): it must be signed by the CA of the server's admin listener, "+
+			"and name an identity", server, oe.Err)
+	case errors.Is(err, syscall.ECONNREFUSED):
+		e := Errorf(CodeUnavailable, "%s: nothing listens there (is [admin] listen set in the server's configuration, and the daemon running?)", server)
+		e.err = ErrNotRunning
+		return e
+	case errors.Is(err, context.DeadlineExceeded):
+		return Errorf(CodeUnavailable, "%s: no answer in time: %v", server, err)
+	}
+	return Errorf(CodeUnavailable, "%s: %v", server, err)
 }
 
 // Lookup finds the objects of kind ("path") a name as typed names: those

@@ -14,7 +14,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -34,20 +33,53 @@ type Dir struct {
 	name, dir string
 	now       func() time.Time
 	mu        sync.Mutex // serialises Create, Resize, Delete
+	// dev is the file system the directory was on when opened: one
+	// unmounted since is not written to (mounted).
+	dev uint64
+}
+
+// mounted refuses a change when the pool's directory is no longer on
+// the file system it was on when opened (unmounted, or another mounted
+// over it): nothing is made on the wrong one.
+func (p *Dir) mounted() error {
+	var st unix.Stat_t
+	if err := unix.Stat(p.dir, &st); err != nil {
+		return errorf(syscall.ENOTCONN, "pool %s: %s: %v", p.name, p.dir, err)
+	}
+	if st.Dev != p.dev {
+		return errorf(syscall.ENOTCONN, "pool %s: %s is no longer the file system it was when the pool was opened: unmounted? (restart once it is back)", p.name, p.dir)
+	}
+	return nil
+}
+
+// DirOptions are a directory pool's settings.
+type DirOptions struct {
+	// Mountpoint: the directory must be a mount point (its file system
+	// mounted), not the empty directory under it.
+	Mountpoint bool
 }
 
 // OpenDir opens the directory pool name at dir, which must exist, and
 // removes what a crash left half-made. It returns what it removed, for
 // the caller to log.
-func OpenDir(name, dir string) (*Dir, []string, error) {
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return nil, nil, errorf(syscall.ENOENT, "pool %s: %v", name, err)
+func OpenDir(name, dir string, opts DirOptions) (*Dir, []string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return nil, nil, errorf(syscall.ENOENT, "pool %s: %s: %v", name, dir, err)
 	}
-	if !fi.IsDir() {
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return nil, nil, errorf(syscall.ENOTDIR, "pool %s: %s is not a directory", name, dir)
 	}
-	p := &Dir{name: name, dir: dir, now: time.Now}
+	if opts.Mountpoint {
+		var up unix.Stat_t
+		if err := unix.Stat(filepath.Join(dir, ".."), &up); err != nil {
+			return nil, nil, fmt.Errorf("pool %s: %w", name, err)
+		}
+		if up.Dev == st.Dev && up.Ino != st.Ino {
+			return nil, nil, errorf(syscall.ENOTCONN, "pool %s: %s is not a mount point: is its file system mounted? (mountpoint = true)", name, dir)
+		}
+	}
+	p := &Dir{name: name, dir: dir, now: time.Now, dev: st.Dev}
 	if err := os.Mkdir(filepath.Join(dir, tmpDir), 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return nil, nil, fmt.Errorf("pool %s: %w", name, err)
 	}
@@ -103,27 +135,32 @@ func (p *Dir) read(name string) (Volume, error) {
 // List returns the pool's volumes by name. Files without the pool's
 // metadata are not volumes and are left out.
 func (p *Dir) List() ([]Volume, error) {
-	es, err := os.ReadDir(p.dir)
+	return readAll(p, p.dir, p.read)
+}
+
+// readAll reads the metadata of every NAME.img in dir with read (by
+// name: ReadDir sorts), leaving out the files that have none.
+func readAll[T any](p *Dir, dir string, read func(name string) (T, error)) ([]T, error) {
+	es, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	var vs []Volume
+	var out []T
 	for _, e := range es {
 		name, ok := strings.CutSuffix(e.Name(), suffix)
 		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
 			continue
 		}
-		v, err := p.read(name)
+		x, err := read(name)
 		if errors.Is(err, syscall.ENOENT) {
 			continue
 		}
 		if err != nil {
 			return nil, err
 		}
-		vs = append(vs, v)
+		out = append(out, x)
 	}
-	sort.Slice(vs, func(i, j int) bool { return vs[i].Name < vs[j].Name })
-	return vs, nil
+	return out, nil
 }
 
 // Capacity says the pool's space.
@@ -159,6 +196,9 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Volume{}, false, err
+	}
 	if old, err := p.read(s.Name); err == nil {
 		if diff := differs(old, s); diff != "" {
 			return old, false, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
@@ -197,7 +237,7 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	}
 	v = Volume{Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, SourceSnapshot: s.FromSnapshot,
 		Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(s.Labels)}
-	if err := p.make(p.path(v.Name), v.Size, v, src, 0o600); err != nil {
+	if err := p.make(p.path(v.Name), v.Size, xattr, v, src, 0o600); err != nil {
 		return Volume{}, false, err
 	}
 	v.Path = p.path(v.Name)
@@ -207,7 +247,7 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 // make writes a file of size bytes with meta as its metadata under
 // tmpDir — the clone of the file src if set — then renames it to path:
 // whole, or not there at all.
-func (p *Dir) make(path string, size int64, meta any, src string, mode os.FileMode) (err error) {
+func (p *Dir) make(path string, size int64, attr string, meta any, src string, mode os.FileMode) (err error) {
 	tmp := filepath.Join(p.dir, tmpDir, filepath.Base(path))
 	os.Remove(tmp)
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, mode)
@@ -228,7 +268,7 @@ func (p *Dir) make(path string, size int64, meta any, src string, mode os.FileMo
 	if err := f.Truncate(size); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	if err := setMeta(f, meta); err != nil {
+	if err := setMeta(f, attr, meta); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	if err := f.Sync(); err != nil {
@@ -258,12 +298,12 @@ func clone(f *os.File, src string) error {
 	return nil
 }
 
-func setMeta(f *os.File, meta any) error {
+func setMeta(f *os.File, attr string, meta any) error {
 	b, err := json.Marshal(meta)
 	if err != nil {
 		return err
 	}
-	return unix.Fsetxattr(int(f.Fd()), xattr, b, 0)
+	return unix.Fsetxattr(int(f.Fd()), attr, b, 0)
 }
 
 func syncDir(dir string) error {
@@ -286,6 +326,9 @@ func (p *Dir) Resize(name string, size int64) (Volume, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Volume{}, err
+	}
 	v, err := p.read(name)
 	if err != nil {
 		return Volume{}, err
@@ -315,7 +358,7 @@ func (p *Dir) Resize(name string, size int64) (Volume, error) {
 	// volume its metadata calls larger, which a retry grows to it.
 	grown := v
 	grown.Size = size
-	if err := setMeta(f, grown); err != nil {
+	if err := setMeta(f, xattr, grown); err != nil {
 		return v, fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	if err := f.Truncate(size); err != nil {
@@ -348,6 +391,9 @@ func (p *Dir) Delete(name string) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return err
+	}
 	if _, err := p.read(name); errors.Is(err, syscall.ENOENT) {
 		if _, serr := os.Stat(p.path(name)); serr == nil {
 			// A file of the name that is not the pool's: not ours to
@@ -398,6 +444,9 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return Snapshot{}, false, err
+	}
 	if old, err := p.readSnapshot(name); err == nil {
 		if old.Volume != volume {
 			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
@@ -414,7 +463,7 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 		return Snapshot{}, false, fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second)}
-	if err := p.make(p.snapPath(name), v.Size, s, v.Path, 0o400); err != nil {
+	if err := p.make(p.snapPath(name), v.Size, snapXattr, s, v.Path, 0o400); err != nil {
 		return Snapshot{}, false, err
 	}
 	s.Path = p.snapPath(name)
@@ -423,29 +472,11 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 
 // Snapshots implements Pool.
 func (p *Dir) Snapshots() ([]Snapshot, error) {
-	es, err := os.ReadDir(filepath.Join(p.dir, snapDir))
+	ss, err := readAll(p, filepath.Join(p.dir, snapDir), p.readSnapshot)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
+		return nil, nil // none taken yet
 	}
-	if err != nil {
-		return nil, fmt.Errorf("pool %s: %w", p.name, err)
-	}
-	var ss []Snapshot
-	for _, e := range es {
-		name, ok := strings.CutSuffix(e.Name(), suffix)
-		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
-			continue
-		}
-		s, err := p.readSnapshot(name)
-		if errors.Is(err, syscall.ENOENT) {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		ss = append(ss, s)
-	}
-	return ss, nil // ReadDir sorts by name
+	return ss, err
 }
 
 // DeleteSnapshot implements Pool.
@@ -455,6 +486,9 @@ func (p *Dir) DeleteSnapshot(name string) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := p.mounted(); err != nil {
+		return err
+	}
 	if _, err := p.readSnapshot(name); errors.Is(err, syscall.ENOENT) {
 		return nil
 	} else if err != nil {

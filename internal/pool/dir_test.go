@@ -5,6 +5,7 @@ package pool
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -12,11 +13,13 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 func openTest(t *testing.T, dir string) *Dir {
 	t.Helper()
-	p, removed, err := OpenDir("p", dir)
+	p, removed, err := OpenDir("p", dir, DirOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +210,7 @@ func TestHalfMadeRemovedAtOpen(t *testing.T) {
 	if err := os.WriteFile(half, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p, removed, err := OpenDir("p", dir)
+	p, removed, err := OpenDir("p", dir, DirOptions{})
 	if err != nil || len(removed) != 1 || removed[0] != "c.img" {
 		t.Fatalf("open: removed %v, %v", removed, err)
 	}
@@ -282,5 +285,162 @@ func TestMetadataNamesItsVolume(t *testing.T) {
 	buf := make([]byte, 4096)
 	if _, err := unix.Getxattr(p.path("b"), xattr, buf); err != nil {
 		t.Fatalf("the metadata did not move with the file: %v", err)
+	}
+}
+
+// On a file system with reflinks (XFS on a loop device), a snapshot is
+// the volume's data at that moment: writes to the volume after it do
+// not reach it, a clone of it has it, a clone of the volume has the
+// volume's data now. Taking one again of the same volume answers it; of
+// another volume is EEXIST; deleting it twice succeeds.
+func TestSnapshotsOnReflinks(t *testing.T) {
+	p := openTest(t, testfs.ReflinkDir(t))
+	v, _, err := p.Create(Spec{Name: "v", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeAt(t, v.Path, "before", 4096)
+	s, created, err := p.CreateSnapshot("v", "s1")
+	if err != nil || !created || s.Volume != "v" || s.Size != 1<<20 {
+		t.Fatalf("snapshot: %+v %v %v", s, created, err)
+	}
+	if again, created, err := p.CreateSnapshot("v", "s1"); err != nil || created || again.Name != "s1" {
+		t.Fatalf("the same snapshot again: %+v %v %v", again, created, err)
+	}
+	if _, _, err := p.Create(Spec{Name: "w", Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = p.CreateSnapshot("w", "s1")
+	wantErrno(t, "s1 of another volume", err, syscall.EEXIST)
+	writeAt(t, v.Path, "after!", 4096)
+
+	c, _, err := p.Create(Spec{Name: "c", Size: 2 << 20, FromSnapshot: "s1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAt(t, c.Path, 4096, 6); got != "before" || c.SourceSnapshot != "s1" || c.Size != 2<<20 {
+		t.Fatalf("clone of s1: %q, %+v", got, c)
+	}
+	if fi, _ := os.Stat(c.Path); fi.Size() != 2<<20 {
+		t.Fatalf("clone of s1 is %d bytes, want %d", fi.Size(), 2<<20)
+	}
+	d, _, err := p.Create(Spec{Name: "d", Size: 1 << 20, From: "v"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAt(t, d.Path, 4096, 6); got != "after!" {
+		t.Fatalf("clone of v: %q", got)
+	}
+	_, _, err = p.Create(Spec{Name: "e", Size: 4096, FromSnapshot: "s1"})
+	wantErrno(t, "a clone smaller than its snapshot", err, syscall.EINVAL)
+	_, _, err = p.Create(Spec{Name: "e", Size: 1 << 20, FromSnapshot: "nope"})
+	wantErrno(t, "a clone of no snapshot", err, syscall.ENOENT)
+	_, _, err = p.Create(Spec{Name: "c", Size: 2 << 20, FromSnapshot: "s2"}) // (s2 need not exist: c does)
+	wantErrno(t, "c again from another snapshot", err, syscall.EEXIST)
+
+	ss, err := p.Snapshots()
+	if err != nil || len(ss) != 1 || ss[0].Name != "s1" || ss[0].Volume != "v" {
+		t.Fatalf("snapshots: %+v %v", ss, err)
+	}
+	// The volume goes; its snapshot stays, and still clones.
+	if err := p.Delete("v"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := p.Create(Spec{Name: "f", Size: 1 << 20, FromSnapshot: "s1"}); err != nil {
+		t.Fatalf("a clone of a snapshot whose volume is gone: %v", err)
+	}
+	for range 2 {
+		if err := p.DeleteSnapshot("s1"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ss, _ := p.Snapshots(); len(ss) != 0 {
+		t.Fatalf("snapshots after delete: %+v", ss)
+	}
+	var names []string
+	vs, _ := p.List()
+	for _, v := range vs {
+		names = append(names, v.Name)
+	}
+	if strings.Join(names, " ") != "c d f w" {
+		t.Fatalf("volumes %v, want c d f w (the snapshot is none)", names)
+	}
+}
+
+// A snapshot is a reflink or nothing: on ext4 it is refused with
+// EOPNOTSUPP saying why, and nothing is left.
+func TestSnapshotNeedsReflinks(t *testing.T) {
+	p := openTest(t, t.TempDir())
+	if _, _, err := p.Create(Spec{Name: "v", Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := p.CreateSnapshot("v", "s")
+	if err == nil {
+		t.Fatalf("%s has reflinks: the test wants one without (ext4)", os.TempDir())
+	}
+	wantErrno(t, "a snapshot without reflinks", err, syscall.EOPNOTSUPP)
+	if !strings.Contains(err.Error(), "reflinks") {
+		t.Fatalf("the refusal does not say why: %v", err)
+	}
+	if ss, err := p.Snapshots(); err != nil || len(ss) != 0 {
+		t.Fatalf("a refused snapshot left %+v (%v)", ss, err)
+	}
+	_, _, err = p.CreateSnapshot("nope", "s")
+	wantErrno(t, "a snapshot of no volume", err, syscall.ENOENT)
+}
+
+func writeAt(t *testing.T, path, s string, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte(s), off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func readAt(t *testing.T, path string, off int64, n int) string {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, n)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// A pool whose file system is not mounted makes nothing: with
+// mountpoint, a directory that is not a mount point is refused at open;
+// and a pool whose file system was unmounted since it was opened refuses
+// every change (ENOTCONN), never writing to the directory under it.
+func TestPoolNotMounted(t *testing.T) {
+	dir := t.TempDir()
+	_, _, err := OpenDir("p", dir, DirOptions{Mountpoint: true})
+	wantErrno(t, "a directory that is not a mount point", err, syscall.ENOTCONN)
+	if !strings.Contains(err.Error(), "not a mount point") {
+		t.Fatalf("the refusal does not say why: %v", err)
+	}
+	mnt := testfs.ReflinkDir(t)
+	p, _, err := OpenDir("p", filepath.Dir(mnt), DirOptions{Mountpoint: true})
+	if err != nil {
+		t.Fatalf("a mount point: %v", err)
+	}
+	if _, _, err := p.Create(Spec{Name: "v", Size: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("umount", "-l", filepath.Dir(mnt)).CombinedOutput(); err != nil {
+		t.Fatalf("umount: %v %s", err, out)
+	}
+	_, _, err = p.Create(Spec{Name: "w", Size: 4096})
+	wantErrno(t, "a create on an unmounted pool", err, syscall.ENOTCONN)
+	wantErrno(t, "a delete on an unmounted pool", p.Delete("v"), syscall.ENOTCONN)
+	if es, _ := os.ReadDir(filepath.Dir(mnt)); len(es) != 0 {
+		t.Fatalf("the pool wrote %v under its unmounted file system", es)
 	}
 }

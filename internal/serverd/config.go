@@ -104,6 +104,8 @@ type Config struct {
 	// require a client certificate of TLS.CA; the certificate's names
 	// are the client's identity (exports' allow_identities).
 	TLS ServerTLS `toml:"tls"`
+	// Admin is the control API on TCP, and who may do what (admin.go).
+	Admin AdminConfig `toml:"admin"`
 }
 
 // ServerTLS is the server's [tls]: what both daemons have, and the
@@ -147,6 +149,7 @@ func DefaultConfig() Config {
 		StateFile:            DefaultStateFile,
 		LogLevel:             "info",
 		LogFormat:            "text",
+		Admin:                DefaultAdminConfig(),
 	}
 }
 
@@ -238,6 +241,9 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("[[pool]] %s: defined twice", p.Name)
 		}
 		pools[p.Name] = true
+	}
+	if err := c.Admin.validate(c); err != nil {
+		return err
 	}
 	if c.InvalidateBy != "window" && c.InvalidateBy != "registration" {
 		return fmt.Errorf("invalidate_by %q: want window or registration", c.InvalidateBy)

@@ -149,7 +149,7 @@ func TestTLSNeverDropped(t *testing.T) {
 	for _, c := range []struct{ name, text, want string }{
 		{"a misspelt table", "[tsl]\n" + files, `c.toml:2: unknown table [tsl] (did you mean [tls]?)`},
 		{"a misspelt key", "[tls]\ncertificate = \"/x.crt\"\nkey = \"/x.key\"\nca = \"/ca.crt\"\n", `c.toml:3: unknown key "certificate" in [tls]`},
-		{"the keys above the table", files + "[tls]\n", `c.toml:2: unknown key "cert" (did you mean [tls] cert?)`},
+		{"the keys above the table", files + "[tls]\n", `c.toml:2: unknown key "cert" (did you mean [admin] cert or [tls] cert?)`},
 	} {
 		if _, err := load(c.text); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v, want %q", c.name, err, c.want)

@@ -8,11 +8,13 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/metrics"
+	"github.com/rnbd/rnbd/internal/pool"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -67,6 +69,17 @@ type Daemon struct {
 	// probe looks at export paths before they are mapped, so that one
 	// on a mount that does not answer holds nothing.
 	probe pathProbe
+	// pools are the configuration's pools that opened, poolErrs why the
+	// others did not: set at start.
+	pools    map[string]pool.Pool
+	poolErrs map[string]string
+	// volumes are the volumes of the pools and of the state file, by
+	// name; volumeNames their names, for isVolume without stateMu.
+	// +checklocks:stateMu
+	volumes     map[string]*volume
+	volumeNames atomic.Pointer[map[string]bool]
+	// crashAt is CrashEnv's point, "" but in tests.
+	crashAt string
 }
 
 // Options are what a daemon is started with beyond its configuration.
@@ -99,7 +112,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	opts.Fabric = f
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{}),
-		stopRetry: make(chan struct{}), retryDone: make(chan struct{})}
+		stopRetry: make(chan struct{}), retryDone: make(chan struct{}), crashAt: os.Getenv(CrashEnv)}
 	eps, err := endpoints(cfg.Listen, opts)
 	if err != nil {
 		return nil, err
@@ -134,7 +147,14 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	d.rnbd.SetSessionOwners(st.SessionOwners)
 	d.serveAtStart(cfg, st)
+	d.openPools(cfg.Pools)
+	d.reconcileVolumes(st.Volumes)
 	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
+		d.rnbd.Close()
+		return nil, err
+	}
+	if err = d.listenAdmin(); err != nil {
+		d.ctl.Close()
 		d.rnbd.Close()
 		return nil, err
 	}
@@ -179,7 +199,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
+		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "pools": len(d.pools), "volumes": d.volumeCount(), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
 		"max_chunk_memory": int64(cfg.MaxChunkMemory), "go_memory_limit": goMemoryLimit(opts.GoMemoryLimit, cfg)}).Info("rnbd-server started")
 	if len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +

@@ -36,6 +36,9 @@ type (
 		// WriteThrough: every write durable on completion, no write
 		// cache announced (rnbd.Export.WriteThrough).
 		WriteThrough bool `json:"write_through" toml:"write_through"`
+		// GrantsOnly: only AllowIdentities may open it; none, no
+		// client (rnbd.Export.GrantsOnly).
+		GrantsOnly bool `json:"grants_only,omitempty" toml:"grants_only"`
 	}
 	// ExportRecord is an export and where it comes from, "config" (the
 	// configuration file) or "map"; GET /v1/exports gives it as
@@ -54,6 +57,9 @@ type (
 func (d *Daemon) Map(e rnbd.Export) error {
 	if d.configured[e.Name] { // set at start, never changed
 		return fmt.Errorf("export %s is one of the configuration file's: change it there: %w", e.Name, syscall.EEXIST)
+	}
+	if d.isVolume(e.Name) {
+		return fmt.Errorf("export %s is a volume's: %w", e.Name, syscall.EEXIST)
 	}
 	// Looked at first, without the state lock: a path that does not
 	// answer fails this map, not every other map and unmap with it.
@@ -104,6 +110,9 @@ func (d *Daemon) Unmap(name string, force bool) error {
 	if d.configured[name] {
 		return fmt.Errorf("export %s is one of the configuration file's: remove it there and restart: %w", name, syscall.EPERM)
 	}
+	if d.isVolume(name) {
+		return fmt.Errorf("export %s is a volume's: volume delete withdraws and deletes it: %w", name, syscall.EPERM)
+	}
 	if err := d.rnbd.Unmap(name, force); err != nil {
 		if !errors.Is(err, syscall.ENOENT) || !d.dropUnrestored(name) {
 			return err
@@ -129,7 +138,8 @@ func (r MapRequest) Export() (rnbd.Export, error) {
 		return rnbd.Export{}, err
 	}
 	return rnbd.Export{Name: r.Name, Path: r.Path, ReadOnly: r.ReadOnly, Allow: r.Allow, AllowFrom: from,
-		AllowIdentities: grants, Migration: r.Migration, MaxSessions: r.MaxSessions, WriteThrough: r.WriteThrough}, nil
+		AllowIdentities: grants, Migration: r.Migration, MaxSessions: r.MaxSessions, WriteThrough: r.WriteThrough,
+		GrantsOnly: r.GrantsOnly}, nil
 }
 
 // parseNetworks reads allow_from: CIDR prefixes or addresses.

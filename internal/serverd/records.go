@@ -90,7 +90,7 @@ func (d *Daemon) exportRecords(name string) []output.Record {
 // exportRecord is an export as GET /v1/exports gives it: its rules,
 // where it comes from, and why it is not served ("" if it is).
 func exportRecord(x ExportRecord) output.Record {
-	return withRules(output.Record{"name": x.Name, "path": x.Path, "read_only": x.ReadOnly,
+	return withRules(output.Record{"name": x.Name, "path": x.Path, "read_only": x.ReadOnly, "grants_only": x.GrantsOnly,
 		"source": x.Source, "not_served": x.NotServed}, exportRules(x.Export))
 }
 
@@ -173,6 +173,8 @@ func (d *Daemon) source(export string) string {
 		return "search"
 	case d.configured[export]:
 		return "config"
+	case d.isVolume(export):
+		return "volume"
 	}
 	return "map"
 }

@@ -47,7 +47,7 @@ type (
 var (
 	DeviceFields = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "reason",
 		"allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "direction"}
-	ExportFields      = []string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "source", "not_served"}
+	ExportFields      = []string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "grants_only", "source", "not_served"}
 	SessionFields     = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
 	SessionNameFields = []string{"sessname", "identity"}
 	PathFields        = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
@@ -80,6 +80,19 @@ func (d *Daemon) routes() {
 		{"POST /v1/paths/{name}/disconnect", d.disconnectPath},
 		{"GET /v1/stats", d.showStats},
 		{"POST /v1/stats/reset", d.resetStats},
+		{"GET /v1/pools", d.listPools},
+		{"GET /v1/volumes", d.listVolumes},
+		{"GET /v1/volumes/{name}", d.showVolume},
+		{"POST /v1/volumes", d.createVolume},
+		{"DELETE /v1/volumes/{name}", d.deleteVolume},
+		{"POST /v1/volumes/{name}/resize", d.resizeVolume},
+		{"GET /v1/snapshots", d.listSnapshots},
+		{"GET /v1/snapshots/{name}", d.showSnapshot},
+		{"POST /v1/snapshots", d.createSnapshot},
+		{"DELETE /v1/snapshots/{name}", d.deleteSnapshot},
+		{"GET /v1/exports/{name}/grants", d.listGrants},
+		{"POST /v1/exports/{name}/grants", d.addGrant},
+		{"DELETE /v1/exports/{name}/grants/{identity}", d.revokeGrant},
 	} {
 		d.ctl.Handle(rt.pattern, rt.h)
 	}
@@ -138,6 +151,9 @@ func (d *Daemon) resizeExport(r *http.Request) (any, error) {
 	n, err := units.ParseSize(req.Size)
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
+	}
+	if d.isVolume(r.PathValue("name")) {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "export %s is a volume's: volume resize grows it (in its pool too)", r.PathValue("name"))
 	}
 	was, err := d.rnbd.Resize(r.PathValue("name"), n, req.Force)
 	if err != nil {

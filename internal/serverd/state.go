@@ -20,6 +20,9 @@ type State struct {
 	Version       int                 `json:"version"`
 	Exports       []rnbd.Export       `json:"exports"`
 	SessionOwners []rnbd.SessionOwner `json:"session_owners,omitempty"`
+	// Volumes are the volumes of the pools, each with its export's
+	// rules (not in Exports) and the change under way (volume.go).
+	Volumes []VolumeState `json:"volumes,omitempty"`
 }
 
 // StateVersion implements conf.Versioned.
@@ -31,12 +34,17 @@ func (st *State) StateVersion() int { return st.Version }
 func (d *Daemon) saveState() error {
 	st := State{Version: StateVersion, SessionOwners: d.rnbd.SessionOwners()}
 	served := map[string]bool{}
+	volumes := map[string]rnbd.Export{}
 	for _, e := range d.rnbd.Exports() {
-		if !d.configured[e.Name] {
+		switch {
+		case d.volumes[e.Name] != nil:
+			volumes[e.Name] = e
+		case !d.configured[e.Name]:
 			st.Exports = append(st.Exports, e)
 			served[e.Name] = true
 		}
 	}
+	st.Volumes = d.volumeStates(volumes)
 	for _, e := range d.unrestored {
 		if !served[e.Name] {
 			st.Exports = append(st.Exports, e)

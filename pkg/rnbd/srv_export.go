@@ -234,12 +234,10 @@ func (s *Server) Grant(name string, g Grant) (changed bool, err error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e := s.exports[name]
-	if e == nil || e.withdrawing {
-		return false, errorf(syscall.ENOENT, "no export %s", name)
+	e, changed, err := s.grantsOnly(name)
+	if err != nil {
+		return false, err
 	}
-	changed = !e.GrantsOnly
-	e.GrantsOnly = true
 	i := slices.IndexFunc(e.AllowIdentities, func(h Grant) bool { return h.Identity == g.Identity })
 	switch {
 	case i < 0:
@@ -261,17 +259,28 @@ func (s *Server) Grant(name string, g Grant) (changed bool, err error) {
 func (s *Server) Revoke(name, identity string) (changed bool, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e := s.exports[name]
-	if e == nil || e.withdrawing {
-		return false, errorf(syscall.ENOENT, "no export %s", name)
+	e, changed, err := s.grantsOnly(name)
+	if err != nil {
+		return false, err
 	}
-	changed = !e.GrantsOnly
-	e.GrantsOnly = true
 	if i := slices.IndexFunc(e.AllowIdentities, func(h Grant) bool { return h.Identity == identity }); i >= 0 {
 		e.AllowIdentities = slices.Delete(slices.Clone(e.AllowIdentities), i, i+1)
 		changed = true
 	}
 	return changed, nil
+}
+
+// grantsOnly makes export name GrantsOnly, reporting whether it was
+// not.
+// +checklocks:s.mu
+func (s *Server) grantsOnly(name string) (e *Export, changed bool, err error) {
+	e = s.exports[name]
+	if e == nil || e.withdrawing {
+		return nil, false, errorf(syscall.ENOENT, "no export %s", name)
+	}
+	changed = !e.GrantsOnly
+	e.GrantsOnly = true
+	return e, changed, nil
 }
 
 // Unmap withdraws an export. Without force it refuses while a session has

@@ -270,6 +270,69 @@ func TestExportIdentities(t *testing.T) {
 	}
 }
 
+// Grants given and revoked one at a time: a grant lets its identity
+// open the export (at most for its access), leaves the others' as they
+// are, and the same again changes nothing; revoking the last grant
+// closes the export to every client (GrantsOnly), rather than opening
+// it to all as an export without allow_identities is.
+func TestGrantRevoke(t *testing.T) {
+	ca := testca.New(t, "test ca")
+	r := newSrigOn(t, SrvConfig{}, nil, tcp.Options{TLS: ca.Config(ca.Issue(t, "server", srvAddr.Addr().String()))})
+	if err := r.srv.Map(Export{Name: "v", Path: r.file("exp/v", 1<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	as := func(cn, sess string) *CltSession {
+		return r.clientOn(r.net.FabricWith(tcp.Options{TLS: ca.Config(ca.Issue(t, cn))}), sess)
+	}
+	alice, bob := as("alice", "s1"), as("bob", "s2")
+	open := func(cl *CltSession, mode AccessMode) error {
+		d, err := cl.open(context.Background(), "v", mode)
+		if err == nil {
+			cl.close(context.Background(), "v", d.DeviceID)
+		}
+		return err
+	}
+	grants := func() []Grant { return r.srv.Exports()[0].AllowIdentities }
+	if changed, err := r.srv.Grant("v", Grant{"alice", "rw"}); err != nil || !changed {
+		t.Fatalf("grant: %v %v", changed, err)
+	}
+	if changed, err := r.srv.Grant("v", Grant{"alice", "rw"}); err != nil || changed {
+		t.Fatalf("the same grant again: changed %v, %v", changed, err)
+	}
+	if err := open(bob, AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("bob without a grant: %v, want EACCES", err)
+	}
+	r.srv.Grant("v", Grant{"bob", "ro"})
+	if err := open(bob, AccessRO); err != nil {
+		t.Fatalf("bob granted ro: %v", err)
+	}
+	if err := open(bob, AccessRW); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("rw by bob granted ro: %v, want EACCES", err)
+	}
+	if changed, _ := r.srv.Grant("v", Grant{"bob", "rw"}); !changed || !slices.Equal(grants(), []Grant{{"alice", "rw"}, {"bob", "rw"}}) {
+		t.Fatalf("bob's grant widened: %v %+v", changed, grants())
+	}
+	if changed, err := r.srv.Revoke("v", "alice"); err != nil || !changed || !slices.Equal(grants(), []Grant{{"bob", "rw"}}) {
+		t.Fatalf("revoke alice: %v %v %+v", changed, err, grants())
+	}
+	if changed, err := r.srv.Revoke("v", "alice"); err != nil || changed {
+		t.Fatalf("revoke alice again: changed %v, %v", changed, err)
+	}
+	if err := open(alice, AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("alice revoked: %v, want EACCES", err)
+	}
+	r.srv.Revoke("v", "bob")
+	if err := open(bob, AccessRO); !errors.Is(err, syscall.EACCES) {
+		t.Fatalf("the last grant revoked: %v, want EACCES", err)
+	}
+	if _, err := r.srv.Grant("nope", Grant{"a", "rw"}); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("a grant on no export: %v", err)
+	}
+	if _, err := r.srv.Grant("v", Grant{"a", "all"}); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("a grant of all: %v", err)
+	}
+}
+
 func TestParseGrant(t *testing.T) {
 	for in, want := range map[string]Grant{
 		"a":                 {"a", "rw"},

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/testfs"
 	"net"
 	"net/http"
 	"os"
@@ -201,7 +202,11 @@ func newRecordsRig(t *testing.T) *recordsRig {
 	for _, f := range []string{"vol.img", "rules.img", "vol2.img"} {
 		kit.SparseFile(t, filepath.Join(r.dir, f), 16<<20)
 	}
-	r.srv = startServerConf(t, r.dir, r.port, fmt.Sprintf("[[export]]\nname = \"gone\"\npath = %q\n", filepath.Join(r.dir, "missing.img")))
+	r.srv = startServerConf(t, r.dir, r.port, fmt.Sprintf("[[export]]\nname = \"gone\"\npath = %q\n", filepath.Join(r.dir, "missing.img"))+
+		poolConf("files", testfs.ReflinkDir(t)))
+	r.srv.ok("volume", "create", "pv", "--pool", "files", "--size", "16MiB", "--label", "a=b", "--grants-only")
+	r.srv.ok("volume", "snapshot", "create", "pv", "pv-snap")
+	r.srv.ok("export", "grant", "pv", "host7", "--access", "ro")
 	r.srv.ok("map", "vol", filepath.Join(r.dir, "vol.img"))
 	r.srv.ok("map", "rules", filepath.Join(r.dir, "rules.img"), "--ro", "--allow", "rt", "--allow", "other",
 		"--allow-from", "127.0.0.0/8", "--allow-identity", "alice=ro", "--allow-identity", "alice=rw", "--allow-identity", "bob=migration",
@@ -232,6 +237,10 @@ func TestRecordsTyped(t *testing.T) {
 		{"rnbd-server", "session-name", "/v1/session-names", []string{"session", "names"}},
 		{"rnbd-server", "path", "/v1/paths", []string{"path", "list"}},
 		{"rnbd-server", "stats", "/v1/stats", []string{"stats"}},
+		{"rnbd-server", "volume", "/v1/volumes", []string{"volume", "list"}},
+		{"rnbd-server", "snapshot", "/v1/snapshots", []string{"volume", "snapshot", "list"}},
+		{"rnbd-server", "pool", "/v1/pools", []string{"pool", "list"}},
+		{"rnbd-server", "grant", "/v1/exports/pv/grants", []string{"export", "grants", "pv"}},
 		{"rnbd-client", "device", "/v1/devices", []string{"device", "list"}},
 		{"rnbd-client", "session", "/v1/sessions", []string{"session", "list"}},
 		{"rnbd-client", "path", "/v1/paths", []string{"path", "list"}},
@@ -313,7 +322,7 @@ func TestUnknownFormatIsUsage(t *testing.T) {
 			t.Errorf("%s %s: exit %d, %q %q; want 2 (usage) naming the format", c.name, strings.Join(c.args, " "), code, out, errOut)
 		}
 	}
-	if recs := r.srv.records("export", "list"); len(recs) != 3 {
+	if recs := r.srv.records("export", "list"); len(recs) != 4 { // vol, rules, gone, and the volume pv
 		t.Errorf("a map with -f yaml exported something: %v", recs)
 	}
 	if recs := r.cl.records("device", "list"); len(recs) != 1 {

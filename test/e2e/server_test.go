@@ -81,6 +81,12 @@ func startServer(t *testing.T, dir string, port int, extra ...string) *serverDae
 // (TOML after the suite's keys).
 func startServerConf(t *testing.T, dir string, port int, moreConf string, extra ...string) *serverDaemon {
 	t.Helper()
+	return startServerEnv(t, dir, port, moreConf, nil, extra...)
+}
+
+// startServerEnv is startServerConf with more of the environment.
+func startServerEnv(t *testing.T, dir string, port int, moreConf string, env []string, extra ...string) *serverDaemon {
+	t.Helper()
 	d := &serverDaemon{t: t, dir: dir, sock: filepath.Join(dir, "server.sock"), port: port,
 		out: &lockedBuffer{}, done: make(chan error, 1)}
 	notifyPath := filepath.Join(dir, "notify.sock")
@@ -106,7 +112,7 @@ log_level = "debug"
 	}
 	args := append(append([]string{"daemon", "--config", conf, "--hb-missed-max", "10"}, tlsFlags("srv", extra...)...), extra...)
 	d.cmd = exec.Command(bin("rnbd-server"), args...)
-	d.cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
+	d.cmd.Env = append(append(os.Environ(), "NOTIFY_SOCKET="+notifyPath), env...)
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out
 	if err := d.cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -1,10 +1,14 @@
 // Package testfs has the file checks tests of the backends and of the
-// RNBD server share: what a file has allocated, and where its holes are.
+// RNBD server share: what a file has allocated, and where its holes are;
+// and the file systems they need: one that hangs, one with reflinks.
 package testfs
 
 import (
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -70,4 +74,47 @@ func HungMountAt(t testing.TB, mnt string) string {
 		}
 	})
 	return mnt
+}
+
+// ReflinkDir mounts a small XFS file system (reflinks on) on a loop
+// device and returns a directory in it, unmounted when the test ends:
+// where clones and snapshots by FICLONE work, as the machine's own
+// file system (ext4) cannot. It skips the test where it cannot mount
+// (not root); a missing mkfs.xfs is an error (make deps installs
+// xfsprogs).
+func ReflinkDir(t testing.TB) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	if _, err := exec.LookPath("mkfs.xfs"); err != nil {
+		t.Fatal("mkfs.xfs is missing (make deps installs xfsprogs)")
+	}
+	dir := t.TempDir()
+	img, mnt := filepath.Join(dir, "xfs.img"), filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range [][]string{{"truncate", "-s", "512M", img}, {"mkfs.xfs", "-q", "-m", "reflink=1", img}, {"mount", "-o", "loop", img, mnt}} {
+		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", strings.Join(c, " "), err, out)
+		}
+	}
+	t.Cleanup(func() {
+		// Lazily, so a daemon the test has not reaped yet does not
+		// keep it; the loop device goes with the last reference. (A
+		// test may have unmounted it itself.)
+		var a, b unix.Stat_t
+		if unix.Stat(mnt, &a) == nil && unix.Stat(dir, &b) == nil && a.Dev == b.Dev {
+			return
+		}
+		if out, err := exec.Command("umount", "-l", mnt).CombinedOutput(); err != nil {
+			t.Errorf("umount %s: %v\n%s", mnt, err, out)
+		}
+	})
+	pool := filepath.Join(mnt, "pool")
+	if err := os.Mkdir(pool, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }

@@ -1,0 +1,327 @@
+// The admin listener: the control API on TCP for remote management
+// (TLS 1.3 and client certificates only, never on the data port), the
+// roles of identities, the right each route needs, and discovery
+// (docs/control-api.md, "The admin listener").
+
+package serverd
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+)
+
+// AdminConfig is the [admin] table: where the control API is served on
+// TCP, with which certificate, and which identities have which role.
+type AdminConfig struct {
+	// Listen are HOST[:PORT] addresses (port ctl.DefaultAdminPort if
+	// none); none: the unix socket only.
+	Listen []string `toml:"listen"`
+	// Cert, Key and CA default to [tls]'s.
+	Cert string `toml:"cert"`
+	Key  string `toml:"key"`
+	CA   string `toml:"ca"`
+	// Admins, Provisioners and Readers are identities (names of client
+	// certificates) with each role (ctl.Role).
+	Admins       []string `toml:"admins"`
+	Provisioners []string `toml:"provisioners"`
+	Readers      []string `toml:"readers"`
+	// The bounds of the listener (ctl.Access).
+	HandshakeTimeout       Duration `toml:"handshake_timeout"`
+	IdleTimeout            Duration `toml:"idle_timeout"`
+	MaxConnections         int      `toml:"max_connections"`
+	MaxRequestsPerIdentity int      `toml:"max_requests_per_identity"`
+	MaxBodySize            Size     `toml:"max_body_size"`
+}
+
+// DefaultAdminConfig is [admin] unset: no listener, the bounds of ctl.
+func DefaultAdminConfig() AdminConfig {
+	return AdminConfig{
+		HandshakeTimeout:       Duration{Duration: ctl.DefaultHandshakeTimeout},
+		IdleTimeout:            Duration{Duration: ctl.DefaultIdleTimeout},
+		MaxConnections:         ctl.DefaultMaxConnections,
+		MaxRequestsPerIdentity: ctl.DefaultMaxRequestsPerIdentity,
+		MaxBodySize:            Size(ctl.DefaultMaxBodySize),
+	}
+}
+
+// adminTLS is the admin listener's TLS: [admin]'s files, each defaulting
+// to [tls]'s.
+func (c *Config) adminTLS() conf.TLS {
+	t := conf.TLS{Cert: c.Admin.Cert, Key: c.Admin.Key, CA: c.Admin.CA}
+	if t.Cert == "" {
+		t.Cert = c.TLS.Cert
+	}
+	if t.Key == "" {
+		t.Key = c.TLS.Key
+	}
+	if t.CA == "" {
+		t.CA = c.TLS.CA
+	}
+	return t
+}
+
+// AdminAddr is an [admin] listen address as HOST:PORT: the port
+// ctl.DefaultAdminPort where it has none.
+func AdminAddr(s string) (string, error) {
+	if strings.Contains(s, "://") {
+		return "", fmt.Errorf("[admin] listen %q: want HOST[:PORT] (the admin listener is TLS only, no scheme)", s)
+	}
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		// No port: the host alone, an IPv6 address bracketed or not.
+		host, port = strings.TrimSuffix(strings.TrimPrefix(s, "["), "]"), strconv.Itoa(ctl.DefaultAdminPort)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 0 || p > 65535 {
+		return "", fmt.Errorf("[admin] listen %q: port %q: want 1 to 65535 (0: any free one)", s, port)
+	}
+	if host == "" || strings.ContainsAny(host, "[]/ ") {
+		return "", fmt.Errorf("[admin] listen %q: want HOST[:PORT], the host an address of this machine (0.0.0.0 or [::] for every one)", s)
+	}
+	return net.JoinHostPort(host, port), nil
+}
+
+// validate checks [admin] against the rest of the configuration c: its
+// addresses are none of the fabric's nor the metrics', it has TLS, and
+// no identity has two roles.
+func (a AdminConfig) validate(c *Config) error {
+	if a.HandshakeTimeout.Duration < 100*time.Millisecond || a.IdleTimeout.Duration < time.Second {
+		return fmt.Errorf("[admin] handshake_timeout %v, idle_timeout %v: at least 100ms and 1s", a.HandshakeTimeout.Duration, a.IdleTimeout.Duration)
+	}
+	if a.MaxConnections < 1 || a.MaxRequestsPerIdentity < 1 || a.MaxBodySize < 4096 {
+		return fmt.Errorf("[admin] max_connections %d, max_requests_per_identity %d, max_body_size %d: at least 1, 1 and 4096 bytes",
+			a.MaxConnections, a.MaxRequestsPerIdentity, int64(a.MaxBodySize))
+	}
+	roles := map[string]ctl.Role{}
+	for _, l := range []struct {
+		key  string
+		ids  []string
+		role ctl.Role
+	}{{"admins", a.Admins, ctl.RoleAdmin}, {"provisioners", a.Provisioners, ctl.RoleProvisioner}, {"readers", a.Readers, ctl.RoleReader}} {
+		for _, id := range l.ids {
+			if id == "" || id == ctl.LocalIdentity {
+				return fmt.Errorf("[admin] %s: identity %q: want a name of a client certificate (%q is the unix socket's root)", l.key, id, ctl.LocalIdentity)
+			}
+			if r, dup := roles[id]; dup {
+				return fmt.Errorf("[admin] %s: identity %s has the role %s already: give each identity one role", l.key, id, r)
+			}
+			roles[id] = l.role
+		}
+	}
+	if len(a.Listen) == 0 {
+		return nil
+	}
+	if t := c.adminTLS(); t.Cert == "" || t.Key == "" || t.CA == "" {
+		return errors.New("[admin] listen is set, but not cert, key and ca, in [admin] or [tls]: the control API is served on " +
+			"the network only with TLS 1.3 and client certificates of a CA (scripts/test-ca.sh makes a test one)")
+	}
+	for _, s := range a.Listen {
+		addr, err := AdminAddr(s)
+		if err != nil {
+			return err
+		}
+		for _, l := range c.Listen {
+			if fl, err := rtrs.ParseListen(l); err == nil && fl.Transport == "tcp" && sameListener(addr, fl.Addr.String()) {
+				return fmt.Errorf("[admin] listen %s: the fabric listens there (%s): the control API is never served on the data port; give it a port of its own (default %d)",
+					s, l, ctl.DefaultAdminPort)
+			}
+		}
+		if c.MetricsListen != "" && sameListener(addr, c.MetricsListen) {
+			return fmt.Errorf("[admin] listen %s: metrics_listen is there (%s)", s, c.MetricsListen)
+		}
+	}
+	return nil
+}
+
+// sameListener reports whether two HOST:PORT addresses would take the
+// same port: the same port, and the same host or either every
+// interface's (or a name, which is not resolved here).
+func sameListener(a, b string) bool {
+	ha, pa, err1 := net.SplitHostPort(a)
+	hb, pb, err2 := net.SplitHostPort(b)
+	if err1 != nil || err2 != nil || pa != pb || pa == "0" {
+		return false // port 0: each its own free port
+	}
+	ia, errA := netip.ParseAddr(ha)
+	ib, errB := netip.ParseAddr(hb)
+	if errA != nil || errB != nil {
+		return true
+	}
+	return ia.Unmap() == ib.Unmap() || ia.IsUnspecified() || ib.IsUnspecified()
+}
+
+// roleOf is the role of a certificate's names: the widest any of them
+// has.
+func (a AdminConfig) roleOf(names []string) ctl.Role {
+	for _, l := range []struct {
+		ids  []string
+		role ctl.Role
+	}{{a.Admins, ctl.RoleAdmin}, {a.Provisioners, ctl.RoleProvisioner}, {a.Readers, ctl.RoleReader}} {
+		for _, n := range names {
+			if slices.Contains(l.ids, n) {
+				return l.role
+			}
+		}
+	}
+	return ctl.RoleNone
+}
+
+// routeRights are the routes that need more or less than the rule of
+// routeRight: those a provisioner may call besides reading (volumes,
+// snapshots, exports, grants: what an orchestrator needs), and
+// discovery, open to every certificate of the CA.
+var routeRights = map[string]ctl.Right{
+	"GET /v1/discover":                            ctl.RightDiscover,
+	"POST /v1/exports":                            ctl.RightProvision,
+	"DELETE /v1/exports/{name}":                   ctl.RightProvision,
+	"POST /v1/exports/{name}/resize":              ctl.RightProvision,
+	"POST /v1/exports/{name}/grants":              ctl.RightProvision,
+	"DELETE /v1/exports/{name}/grants/{identity}": ctl.RightProvision,
+	"POST /v1/volumes":                            ctl.RightProvision,
+	"DELETE /v1/volumes/{name}":                   ctl.RightProvision,
+	"POST /v1/volumes/{name}/resize":              ctl.RightProvision,
+	"POST /v1/snapshots":                          ctl.RightProvision,
+	"DELETE /v1/snapshots/{name}":                 ctl.RightProvision,
+}
+
+// routeRight is the right a route needs: its entry in routeRights, else
+// read for a GET, else admin: a route no one gave a right to is the
+// admin's (session names, disconnects, device closes, stats resets).
+func routeRight(pattern string) ctl.Right {
+	if r, ok := routeRights[pattern]; ok {
+		return r
+	}
+	if strings.HasPrefix(pattern, "GET ") {
+		return ctl.RightRead
+	}
+	return ctl.RightAdmin
+}
+
+// listenAdmin sets who may call the control API, with the audit log,
+// adds discovery, and opens the admin listeners if [admin] has any.
+func (d *Daemon) listenAdmin() error {
+	a := d.cfg.Admin
+	d.ctl.SetAccess(ctl.Access{Rights: routeRight, Roles: a.roleOf, Identify: tcp.CertNames, Log: d.log,
+		HandshakeTimeout: a.HandshakeTimeout.Duration, ReadHeaderTimeout: a.HandshakeTimeout.Duration, IdleTimeout: a.IdleTimeout.Duration,
+		MaxConnections: a.MaxConnections, MaxRequestsPerIdentity: a.MaxRequestsPerIdentity, MaxBodySize: int64(a.MaxBodySize)})
+	d.ctl.Handle("GET /v1/discover", d.discover)
+	if len(a.Listen) == 0 {
+		return nil
+	}
+	tc, err := d.cfg.adminTLS().Config()
+	if err != nil {
+		return fmt.Errorf("[admin]: %w", err)
+	}
+	var bound []string
+	for _, s := range a.Listen {
+		addr, _ := AdminAddr(s) // validated
+		b, err := d.ctl.ListenTLS(addr, tc)
+		if err != nil {
+			return err
+		}
+		bound = append(bound, b.String())
+	}
+	d.log.WithFields(log.Fields{"admin_listen": strings.Join(bound, ","), "admins": len(a.Admins), "provisioners": len(a.Provisioners),
+		"readers": len(a.Readers)}).Info("admin listener: the control API on TLS 1.3 with client certificates")
+	return nil
+}
+
+// AdminAddrs are the addresses the admin listeners are bound to.
+func (d *Daemon) AdminAddrs() []net.Addr { return d.ctl.RemoteAddrs() }
+
+// DiscoverFields are the fields of GET /v1/discover's records.
+var DiscoverFields = []string{"name", "size", "access", "read_only"}
+
+// discover answers the exports the caller may open, by the rules an
+// OPEN of it would pass that do not depend on the session: its
+// certificate's names against allow_identities (and grants_only), its
+// address against allow_from. Each with its size and the most it may
+// open it for.
+func (d *Daemon) discover(r *http.Request) (any, error) {
+	c := ctl.CallerOf(r)
+	var from netip.Addr
+	if ap, err := netip.ParseAddrPort(c.Remote); err == nil {
+		from = ap.Addr().Unmap()
+	}
+	var open []rnbd.Export
+	var access []string
+	var paths []string
+	for _, e := range d.rnbd.Exports() {
+		if m, ok := mayOpen(e, c.Names, from); ok {
+			open, access, paths = append(open, e), append(access, m), append(paths, e.Path)
+		}
+	}
+	looked := d.probe.look(paths, probeWait)
+	rows := []output.Record{}
+	for i, e := range open {
+		rows = append(rows, output.Record{"name": e.Name, "size": pathSize(e.Path, looked[e.Path]), "access": access[i], "read_only": e.ReadOnly})
+	}
+	return rows, nil
+}
+
+// mayOpen reports whether a client of the names at from may open e, as
+// rnbd.Export's rules have it (grant, allowsFrom), and the most it may
+// open it for: the widest grant naming one of its names, or rw where e
+// grants no identities; ro if e is read-only. Session names (allow) are
+// not known before a session: they are not looked at.
+func mayOpen(e rnbd.Export, names []string, from netip.Addr) (string, bool) {
+	if len(e.AllowFrom) > 0 && !slices.ContainsFunc(e.AllowFrom, func(p netip.Prefix) bool { return from.IsValid() && p.Contains(from) }) {
+		return "", false
+	}
+	access := "rw"
+	if len(e.AllowIdentities) > 0 || e.GrantsOnly {
+		best, ok := rnbd.AccessRO, false
+		for _, g := range e.AllowIdentities {
+			m, err := rnbd.ParseAccessMode(g.Access)
+			if err != nil || !slices.Contains(names, g.Identity) {
+				continue
+			}
+			if !ok || m > best {
+				best, ok, access = m, true, g.Access
+			}
+		}
+		if !ok {
+			return "", false
+		}
+	}
+	if e.ReadOnly {
+		access = "ro"
+	}
+	return access, true
+}
+
+// pathSize is the size of an export's file or block device in bytes, or
+// nil if it cannot be had now (a path that did not answer, a device that
+// does not open).
+func pathSize(path string, p probed) any {
+	switch {
+	case p.err != nil || p.fi == nil:
+		return nil
+	case p.fi.Mode().IsRegular():
+		return p.fi.Size()
+	case p.fi.Mode()&os.ModeDevice == 0:
+		return nil
+	}
+	b, err := blockdev.Open(path, blockdev.Options{ReadOnly: true})
+	if err != nil {
+		return nil
+	}
+	defer b.Close()
+	return b.Size()
+}
