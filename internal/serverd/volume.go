@@ -134,7 +134,7 @@ func (d *Daemon) openPools(cfgs []PoolConfig) {
 		case "dir":
 			p, cleaned, err = pool.OpenDir(c.Name, c.Path, pool.DirOptions{Mountpoint: c.Mountpoint})
 		case "lvm-thin":
-			err = ctl.Errorf(ctl.CodeNotSupported, "pool %s: lvm-thin pools are not implemented yet", c.Name) // TODO(issue 33): pool.OpenLVMThin
+			p, cleaned, err = pool.OpenLVMThin(c.Name, c.VolumeGroup, c.ThinPool)
 		}
 		if err != nil {
 			d.poolErrs[c.Name] = err.Error()

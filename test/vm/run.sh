@@ -16,7 +16,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop; comma-separated; default all)
+#                  ublk, gonbd, rdma, interop, lvm; comma-separated; default all)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
 #                  default test/vm/kmods.sh builds them from Debian's
@@ -146,6 +146,8 @@ root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
 CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd
+# internal/pool's tests, for the lvm part: its LVM thin pool for real.
+CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
 CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/rdmahostile
@@ -158,7 +160,10 @@ i=0
 # netdev, loop for a device with a write cache (for the kernel's server
 # to export); rdma_rxe needs the crc32 crypto module but does not say so,
 # and rdma_ucm is rdma_cm's user interface.
-for m in ext4 nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm; do
+# dm-thin-pool (with dm-mod, dm-persistent-data, dm-bio-prison,
+# dm-bufio) for the lvm part's thin pools, and dm-snapshot, whose target
+# lvcreate -s wants present even for a thin snapshot.
+for m in ext4 nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -212,6 +217,32 @@ copy_elf "$udev/bin/udevadm"
 mv "$root$udev/bin/udevadm" "$root/bin/udevadm"
 ln -s udevadm "$root/bin/systemd-udevd"
 mkdir -p "$root/lib/udev/rules.d" && cp "$repo/deploy/udev/60-rnbd.rules" "$root/lib/udev/rules.d/"
+# lvm2's tools for the "lvm" part (internal/pool's LVM thin pool, and
+# the daemon's lvm-thin volumes), and thin-provisioning-tools' thin_check,
+# which LVM runs before it activates a thin pool: Debian's packages
+# unpacked, not installed (this machine's LVM stays as it is), and their
+# libraries, from them or from this machine. The guest's lvm.conf is
+# written by the guest (no udev, no dmeventd).
+lvm=$cache/lvm2-$(apt-cache policy lvm2 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
+if [ ! -x "$lvm/x/sbin/lvm" ]; then
+	log "apt-get download lvm2 thin-provisioning-tools"
+	rm -rf "$lvm.new" && mkdir -p "$lvm.new/x"
+	(cd "$lvm.new" && timeout 300 apt-get download lvm2 libdevmapper-event1.02.1 thin-provisioning-tools libedit2 libexpat1 libbsd0 libmd0 \
+		>/dev/null 2>&1 && for d in *.deb; do dpkg-deb -x "$d" x; done) || die "apt-get download lvm2"
+	rm -rf "$lvm" && mv "$lvm.new" "$lvm"
+fi
+lvmlibs=$lvm/x/lib/x86_64-linux-gnu:$lvm/x/usr/lib/x86_64-linux-gnu
+for b in sbin/lvm usr/sbin/pdata_tools; do
+	[ -x "$lvm/x/$b" ] || die "no $b in $lvm"
+	mkdir -p "$root/$(dirname "$b")"
+	cp -L "$lvm/x/$b" "$root/$b"
+	LD_LIBRARY_PATH=$lvmlibs ldd "$lvm/x/$b" | awk '/=> \// {print $3} /^\t\/.*ld-linux/ {print $1}' | while read -r lib; do
+		case $lib in "$lvm"/*) dest=/lib/x86_64-linux-gnu/$(basename "$lib") ;; *) dest=$lib ;; esac
+		[ -e "$root$dest" ] || { mkdir -p "$root$(dirname "$dest")"; cp -L "$lib" "$root$dest"; }
+	done
+done
+for t in lvs vgs pvs lvcreate lvremove lvextend lvchange pvcreate pvremove vgcreate vgremove; do ln -s lvm "$root/sbin/$t"; done
+ln -s pdata_tools "$root/usr/sbin/thin_check"
 # libibverbs dlopen()s its provider, chosen by /etc/libibverbs.d; glibc
 # dlopen()s libgcc_s for thread cancellation. ldd lists neither.
 copy_elf "$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)"

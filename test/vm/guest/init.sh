@@ -290,6 +290,81 @@ if want ublk-package; then
 	fi
 fi
 
+# lvm: internal/pool's LVM thin pool on a real one (its tests make a
+# volume group on a loop device and a thin pool in it) — lvm2's tools
+# without udev or dmeventd, thin_check from thin-provisioning-tools.
+if want lvm; then
+	scenario lvm-pool
+	export PATH=/sbin:/usr/sbin:/bin:/usr/bin
+	mkdir -p /etc/lvm /run/lock/lvm
+	cat >/etc/lvm/lvm.conf <<-EOF
+		devices { obtain_device_list_from_udev = 0 }
+		activation { udev_sync = 0 udev_rules = 0 monitoring = 0 }
+		global { thin_check_executable = "/usr/sbin/thin_check" }
+		backup { backup = 0 archive = 0 }
+	EOF
+	if [ -e /dev/mapper/control ] && [ -e /sys/module/dm_thin_pool ]; then
+		res dm-thin-pool PASS "$(lvm version | head -1)"
+	else
+		res dm-thin-pool FAIL "no /dev/mapper/control or dm_thin_pool module"
+	fi
+	RNBD_LVM_REQUIRED=1 gotest pool-lvm /bin/pool.test -test.run LVM
+
+	# The daemon's lvm-thin pool, through the command line: a volume
+	# group on a loop device, a thin pool of 256 MiB in it.
+	scenario lvm-daemon
+	truncate -s 300M /tmp/lvm-pv.img
+	lvmdev=$(losetup -f) && losetup "$lvmdev" /tmp/lvm-pv.img &&
+		pvcreate -q -y "$lvmdev" && vgcreate -q rnbdvm "$lvmdev" && lvcreate -q -y --type thin-pool -L 256m -n thin rnbdvm >/tmp/lvm-setup.out 2>&1
+	printf '[[pool]]\nname = "thin"\ntype = "lvm-thin"\nvolume_group = "rnbdvm"\nthin_pool = "thin"\n' >/tmp/lvm-server.toml
+	/bin/rnbd-server daemon --config /tmp/lvm-server.toml --listen tcp://127.0.0.1:1240 --control-socket /tmp/lvm-s.sock \
+		--state-file /tmp/lvm-s.json --log-level info >>/tmp/lvm-server.log 2>&1 &
+	for _ in $(seq 100); do [ -S /tmp/lvm-s.sock ] && break; sleep 0.1; done
+	lsrv() { /bin/rnbd-server --socket /tmp/lvm-s.sock "$@"; }
+	lexit() { # NAME WANT command...: the command exits WANT
+		local name=$1 want=$2 out rc
+		shift 2
+		out=$("$@" 2>&1)
+		rc=$?
+		[ $rc = "$want" ] && res "$name" PASS "exit $rc" || res "$name" FAIL "exit $rc, want $want: $out"
+	}
+	lv_there() { lvs --noheadings -o lv_name rnbdvm 2>/dev/null | tr -d ' ' | grep -qx "$1"; }
+	lexit lvm-daemon-create 0 lsrv volume create v1 --pool thin --size 64MiB
+	lv1=/dev/rnbdvm/rnbd.v.v1
+	[ "$(lsrv volume show v1 --format csv --fields path 2>&1 | tail -1)" = "$lv1" ] && [ -b "$lv1" ] &&
+		[ "$(/usr/sbin/blockdev --getsize64 "$lv1")" = $((64 << 20)) ] && res lvm-daemon-thin-lv PASS "$lv1" ||
+		res lvm-daemon-thin-lv FAIL "$(lsrv volume show v1 2>&1; lvs rnbdvm 2>&1)"
+	lexit lvm-daemon-create-again 0 lsrv volume create v1 --pool thin --size 64MiB
+	lexit lvm-daemon-create-other-size 4 lsrv volume create v1 --pool thin --size 32MiB
+	dd if=/dev/urandom of=/tmp/lvm-pat bs=1M count=16 2>/dev/null
+	dd if=/tmp/lvm-pat of="$lv1" bs=1M seek=4 conv=fsync 2>/dev/null
+	lexit lvm-daemon-snapshot 0 lsrv volume snapshot create v1 s1
+	lv_there rnbd.s.s1 && res lvm-daemon-snapshot-lv PASS "" || res lvm-daemon-snapshot-lv FAIL "$(lvs rnbdvm 2>&1)"
+	dd if=/dev/zero of="$lv1" bs=1M seek=4 count=16 conv=fsync 2>/dev/null
+	lexit lvm-daemon-clone 0 lsrv volume create v2 --pool thin --size 64MiB --from-snapshot s1
+	dd if=/dev/rnbdvm/rnbd.v.v2 of=/tmp/lvm-back bs=1M skip=4 count=16 2>/dev/null
+	check lvm-daemon-clone-data cmp /tmp/lvm-pat /tmp/lvm-back
+	lexit lvm-daemon-resize 0 lsrv volume resize v1 96MiB
+	[ "$(/usr/sbin/blockdev --getsize64 "$lv1")" = $((96 << 20)) ] && res lvm-daemon-resized PASS "" ||
+		res lvm-daemon-resized FAIL "$(/usr/sbin/blockdev --getsize64 "$lv1")"
+	lexit lvm-daemon-delete 0 lsrv volume delete v1
+	! lv_there rnbd.v.v1 && res lvm-daemon-deleted PASS "" || res lvm-daemon-deleted FAIL "$(lvs rnbdvm 2>&1)"
+	lexit lvm-daemon-delete-again 0 lsrv volume delete v1
+	lexit lvm-daemon-over-pool 9 lsrv volume create huge --pool thin --size 1GiB
+	! lv_there rnbd.v.huge && res lvm-daemon-over-pool-nothing PASS "" || res lvm-daemon-over-pool-nothing FAIL "$(lvs rnbdvm 2>&1)"
+	out=$(lvs --noheadings -o lv_name,lv_tags rnbdvm 2>&1)
+	names=$(echo "$out" | awk '{print $1}' | sort | tr '\n' ' ')
+	[ "$names" = "rnbd.s.s1 rnbd.v.v2 thin " ] && ! echo "$out" | grep -q incomplete && res lvm-daemon-nothing-half-made PASS "$names" ||
+		res lvm-daemon-nothing-half-made FAIL "$out"
+	out=$(lsrv pool list --format csv --fields name,type,state 2>&1 | tail -1)
+	[ "$out" = "thin,lvm-thin,served" ] && res lvm-daemon-pool-list PASS "$out" || res lvm-daemon-pool-list FAIL "$out"
+	kill "$(pidof rnbd-server)" 2>/dev/null
+	for _ in $(seq 100); do pidof rnbd-server >/dev/null || break; sleep 0.1; done
+	[ "$fail" = 0 ] || tail -20 /tmp/lvm-server.log | sed 's/^/DETAIL /'
+	vgremove -ff -y rnbdvm >/dev/null 2>&1
+	losetup -d "$lvmdev"
+fi
+
 rdma_up=0 rdma_listen="" srv_extra=""
 if want rdma || want interop; then
 	scenario rdma-setup
