@@ -344,9 +344,30 @@ if want lvm; then
 	lexit lvm-daemon-clone 0 lsrv volume create v2 --pool thin --size 64MiB --from-snapshot s1
 	dd if=/dev/rnbdvm/rnbd.v.v2 of=/tmp/lvm-back bs=1M skip=4 count=16 2>/dev/null
 	check lvm-daemon-clone-data cmp /tmp/lvm-pat /tmp/lvm-back
+	# A client has v1 open while it grows: it learns the thin LV's new
+	# size by its size poll; the volume is busy for delete until the
+	# client lets it go.
+	mkdir -p /tmp/lvmc
+	/bin/rnbd-client daemon --config /dev/null --control-socket /tmp/lvm-c.sock --state-file /tmp/lvm-c.json \
+		--socket-dir /tmp/lvmc --log-level info --size-poll 1s >>/tmp/lvm-client.log 2>&1 &
+	for _ in $(seq 100); do [ -S /tmp/lvm-c.sock ] && break; sleep 0.1; done
+	lcli() { /bin/rnbd-client --socket /tmp/lvm-c.sock "$@"; }
+	lvdev=$(lcli map --sessname lvm --path ip:127.0.0.1 --dest-port 1240 --device-path v1 2>&1 | awk '{print $1; exit}')
+	[ -n "$lvdev" ] && [ "$(lcli device list --format csv --fields size 2>&1 | tail -1)" = $((64 << 20)) ] &&
+		res lvm-daemon-client-map PASS "$lvdev" || res lvm-daemon-client-map FAIL "$(lcli device list 2>&1; tail -5 /tmp/lvm-client.log)"
 	lexit lvm-daemon-resize 0 lsrv volume resize v1 96MiB
 	[ "$(/usr/sbin/blockdev --getsize64 "$lv1")" = $((96 << 20)) ] && res lvm-daemon-resized PASS "" ||
 		res lvm-daemon-resized FAIL "$(/usr/sbin/blockdev --getsize64 "$lv1")"
+	seen=""
+	for _ in $(seq 100); do
+		seen=$(lcli device list --format csv --fields size 2>&1 | tail -1)
+		[ "$seen" = $((96 << 20)) ] && break
+		sleep 0.2
+	done
+	[ "$seen" = $((96 << 20)) ] && res lvm-daemon-client-sees-growth PASS "$seen" || res lvm-daemon-client-sees-growth FAIL "$seen"
+	lexit lvm-daemon-delete-busy 5 lsrv volume delete v1
+	lcli unmap "$lvdev" >/dev/null 2>&1
+	kill "$(pidof rnbd-client | tr ' ' '\n' | while read -r p; do grep -q lvm-c.sock /proc/$p/cmdline 2>/dev/null && echo $p; done)" 2>/dev/null
 	lexit lvm-daemon-delete 0 lsrv volume delete v1
 	! lv_there rnbd.v.v1 && res lvm-daemon-deleted PASS "" || res lvm-daemon-deleted FAIL "$(lvs rnbdvm 2>&1)"
 	lexit lvm-daemon-delete-again 0 lsrv volume delete v1
