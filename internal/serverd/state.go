@@ -11,8 +11,11 @@ import (
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
-// StateVersion is the version of the state file format.
-const StateVersion = 1
+// StateVersion is the newest version of the state file format: 2 has
+// volumes. A file without volumes is written as version 1, which the
+// daemons before volumes read; one with them as 2, which those refuse
+// rather than drop the volumes at their next save.
+const StateVersion = 2
 
 // State is what survives a restart: the explicit exports, and the
 // session names bound to client identities (rnbd.SessionOwner).
@@ -45,6 +48,9 @@ func (d *Daemon) saveState() error {
 		}
 	}
 	st.Volumes = d.volumeStates(volumes)
+	if len(st.Volumes) == 0 {
+		st.Version = 1
+	}
 	for _, e := range d.unrestored {
 		if !served[e.Name] {
 			st.Exports = append(st.Exports, e)

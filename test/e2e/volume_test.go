@@ -55,7 +55,9 @@ func poolFiles(t *testing.T, dir string) []string {
 	return names
 }
 
-// savedVolumes are the volumes of a server's state file.
+// savedVolumes are the volumes of a server's state file. The file is
+// of version 2 with volumes, 1 (what the daemons before volumes read)
+// without.
 func savedVolumes(t *testing.T, srv *serverDaemon) []serverd.VolumeState {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(srv.dir, "state.json"))
@@ -65,6 +67,9 @@ func savedVolumes(t *testing.T, srv *serverDaemon) []serverd.VolumeState {
 	var st serverd.State
 	if err := json.Unmarshal(b, &st); err != nil {
 		t.Fatal(err)
+	}
+	if want := min(len(st.Volumes), 1) + 1; st.Version != want {
+		t.Fatalf("a state file of %d volumes is of version %d, want %d", len(st.Volumes), st.Version, want)
 	}
 	return st.Volumes
 }
