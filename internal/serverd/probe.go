@@ -42,7 +42,10 @@ type probed struct {
 
 // look stats the paths, for at most wait. The result has one entry per
 // path: its FileInfo, the stat's error, or an ETIMEDOUT error for a path
-// that did not answer in time.
+// that did not answer in time. Paths past maxProbesPending wait for a
+// stat of this look to return (many exports at start: their stats are
+// quick, only many); where the pending stats are earlier looks' that
+// hang, a path is not looked at.
 func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed {
 	type answer struct {
 		path string
@@ -50,7 +53,23 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 	}
 	out := make(map[string]probed, len(paths))
 	done := make(chan answer, len(paths))
-	asked := 0
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	asked, expired := 0, false
+	// receive takes one answer of this look, or notes the deadline.
+	receive := func() {
+		select {
+		case a := <-done:
+			out[a.path] = a.probed
+			asked--
+		case <-t.C:
+			expired = true
+		}
+	}
+	notLooked := func(p string, n int) probed {
+		return probed{err: &os.PathError{Op: "stat", Path: p,
+			Err: fmt.Errorf("not looked at: %d export paths do not answer: %w", n, syscall.ETIMEDOUT)}}
+	}
 	pp.mu.Lock()
 	if pp.pending == nil {
 		pp.pending = map[string]bool{}
@@ -59,17 +78,21 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 		if _, dup := out[p]; dup {
 			continue
 		}
-		out[p] = probed{err: hungPath(p, wait)}
 		if pp.pending[p] {
 			out[p] = probed{err: &os.PathError{Op: "stat", Path: p,
 				Err: fmt.Errorf("no answer: an earlier look has not returned (a mount that does not answer?): %w", syscall.ETIMEDOUT)}}
 			continue
 		}
-		if len(pp.pending) >= maxProbesPending {
-			out[p] = probed{err: &os.PathError{Op: "stat", Path: p,
-				Err: fmt.Errorf("not looked at: %d export paths do not answer: %w", len(pp.pending), syscall.ETIMEDOUT)}}
+		for len(pp.pending) >= maxProbesPending && asked > 0 && !expired {
+			pp.mu.Unlock()
+			receive()
+			pp.mu.Lock()
+		}
+		if len(pp.pending) >= maxProbesPending || expired {
+			out[p] = notLooked(p, len(pp.pending))
 			continue
 		}
+		out[p] = probed{err: hungPath(p, wait)}
 		pp.pending[p] = true
 		asked++
 		go func() {
@@ -82,15 +105,8 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 		}()
 	}
 	pp.mu.Unlock()
-	t := time.NewTimer(wait)
-	defer t.Stop()
-	for ; asked > 0; asked-- {
-		select {
-		case a := <-done:
-			out[a.path] = a.probed
-		case <-t.C:
-			return out
-		}
+	for asked > 0 && !expired {
+		receive()
 	}
 	return out
 }

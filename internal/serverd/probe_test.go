@@ -72,3 +72,26 @@ func TestPathProbe(t *testing.T) {
 		t.Fatalf("an OPEN's look at a file past the bound: %v, want no verdict", err)
 	}
 }
+
+// TestPathProbeMany: one look at many more paths than maxProbesPending
+// that all answer (a thousand exports at start) looks at every one:
+// those past the bound wait for a stat of the look to return, rather
+// than being left not served.
+func TestPathProbeMany(t *testing.T) {
+	dir := t.TempDir()
+	var paths []string
+	for i := range 20 * maxProbesPending {
+		p := filepath.Join(dir, time.Duration(i).String())
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		paths = append(paths, p)
+	}
+	var pp pathProbe
+	got := pp.look(paths, 30*time.Second)
+	for _, p := range paths {
+		if r := got[p]; r.err != nil || r.fi == nil {
+			t.Fatalf("%s: %+v", p, r)
+		}
+	}
+}
