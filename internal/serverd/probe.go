@@ -66,10 +66,6 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 			expired = true
 		}
 	}
-	notLooked := func(p string, n int) probed {
-		return probed{err: &os.PathError{Op: "stat", Path: p,
-			Err: fmt.Errorf("not looked at: %d export paths do not answer: %w", n, syscall.ETIMEDOUT)}}
-	}
 	pp.mu.Lock()
 	if pp.pending == nil {
 		pp.pending = map[string]bool{}
@@ -89,7 +85,7 @@ func (pp *pathProbe) look(paths []string, wait time.Duration) map[string]probed 
 			pp.mu.Lock()
 		}
 		if len(pp.pending) >= maxProbesPending || expired {
-			out[p] = notLooked(p, len(pp.pending))
+			out[p] = probed{err: notLooked(p, len(pp.pending))}
 			continue
 		}
 		out[p] = probed{err: hungPath(p, wait)}
@@ -135,6 +131,12 @@ func (pp *pathProbe) answers(path string) error {
 		return nil
 	}
 	return pp.look([]string{path}, openWait)[path].err
+}
+
+// notLooked is the error of a path not looked at: n stats pending.
+func notLooked(path string, n int) error {
+	return &os.PathError{Op: "stat", Path: path,
+		Err: fmt.Errorf("not looked at: %d export paths do not answer: %w", n, syscall.ETIMEDOUT)}
 }
 
 // hungPath is the error of a path that did not answer a stat.
