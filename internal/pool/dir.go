@@ -38,6 +38,23 @@ type Dir struct {
 	dev uint64
 }
 
+// change checks the names of a change and takes the pool for it: on
+// success p.mu is held (the caller unlocks) and the file system is the
+// one the pool was opened on.
+func (p *Dir) change(names ...string) error {
+	for _, n := range names {
+		if err := CheckName(n); err != nil {
+			return err
+		}
+	}
+	p.mu.Lock()
+	if err := p.mounted(); err != nil {
+		p.mu.Unlock()
+		return err
+	}
+	return nil
+}
+
 // mounted refuses a change when the pool's directory is no longer on
 // the file system it was on when opened (unmounted, or another mounted
 // over it): nothing is made on the wrong one.
@@ -194,11 +211,10 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	if err := CheckSpec(s); err != nil {
 		return Volume{}, false, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.mounted(); err != nil {
+	if err := p.change(); err != nil {
 		return Volume{}, false, err
 	}
+	defer p.mu.Unlock()
 	if old, err := p.read(s.Name); err == nil {
 		if diff := differs(old, s); diff != "" {
 			return old, false, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
@@ -318,17 +334,13 @@ func syncDir(dir string) error {
 // Resize grows volume name to size; a smaller size is refused (EINVAL).
 // The same size succeeds.
 func (p *Dir) Resize(name string, size int64) (Volume, error) {
-	if err := CheckName(name); err != nil {
-		return Volume{}, err
-	}
 	if err := checkSize(size); err != nil {
 		return Volume{}, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.mounted(); err != nil {
+	if err := p.change(name); err != nil {
 		return Volume{}, err
 	}
+	defer p.mu.Unlock()
 	v, err := p.read(name)
 	if err != nil {
 		return Volume{}, err
@@ -386,14 +398,10 @@ func (p *Dir) finishGrow(v Volume) error {
 // Delete removes volume name; one that is not there is success (a retry
 // of a delete). Whether a session has it open is the caller's to check.
 func (p *Dir) Delete(name string) error {
-	if err := CheckName(name); err != nil {
+	if err := p.change(name); err != nil {
 		return err
 	}
-	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.mounted(); err != nil {
-		return err
-	}
 	if _, err := p.read(name); errors.Is(err, syscall.ENOENT) {
 		if _, serr := os.Stat(p.path(name)); serr == nil {
 			// A file of the name that is not the pool's: not ours to
@@ -437,16 +445,10 @@ func (p *Dir) readSnapshot(name string) (Snapshot, error) {
 // CreateSnapshot implements Pool: a reflink of the volume's file
 // (FICLONE), EOPNOTSUPP where the file system has none.
 func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
-	for _, n := range []string{volume, name} {
-		if err := CheckName(n); err != nil {
-			return Snapshot{}, false, err
-		}
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := p.mounted(); err != nil {
+	if err := p.change(volume, name); err != nil {
 		return Snapshot{}, false, err
 	}
+	defer p.mu.Unlock()
 	if old, err := p.readSnapshot(name); err == nil {
 		if old.Volume != volume {
 			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
@@ -481,14 +483,10 @@ func (p *Dir) Snapshots() ([]Snapshot, error) {
 
 // DeleteSnapshot implements Pool.
 func (p *Dir) DeleteSnapshot(name string) error {
-	if err := CheckName(name); err != nil {
+	if err := p.change(name); err != nil {
 		return err
 	}
-	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.mounted(); err != nil {
-		return err
-	}
 	if _, err := p.readSnapshot(name); errors.Is(err, syscall.ENOENT) {
 		return nil
 	} else if err != nil {

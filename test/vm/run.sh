@@ -16,7 +16,8 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop, lvm; comma-separated; default all)
+#                  ublk, gonbd, rdma, interop, lvm; comma-separated; default all;
+#                  lvm-bench, the fleet benchmark on a thin pool, only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
 #                  default test/vm/kmods.sh builds them from Debian's
@@ -145,7 +146,7 @@ trap '[ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -r
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
-CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd
+CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd ./tools/fleetbench
 # internal/pool's tests, for the lvm part: its LVM thin pool for real.
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
 # cgo (RDMA): dynamic, copied below with their libraries.

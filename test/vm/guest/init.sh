@@ -290,11 +290,8 @@ if want ublk-package; then
 	fi
 fi
 
-# lvm: internal/pool's LVM thin pool on a real one (its tests make a
-# volume group on a loop device and a thin pool in it) — lvm2's tools
-# without udev or dmeventd, thin_check from thin-provisioning-tools.
-if want lvm; then
-	scenario lvm-pool
+# lvm_setup: lvm2's tools without udev or dmeventd (the lvm parts).
+lvm_setup() {
 	export PATH=/sbin:/usr/sbin:/bin:/usr/bin
 	mkdir -p /etc/lvm /run/lock/lvm
 	cat >/etc/lvm/lvm.conf <<-EOF
@@ -303,6 +300,13 @@ if want lvm; then
 		global { thin_check_executable = "/usr/sbin/thin_check" }
 		backup { backup = 0 archive = 0 }
 	EOF
+}
+# lvm: internal/pool's LVM thin pool on a real one (its tests make a
+# volume group on a loop device and a thin pool in it) — lvm2's tools
+# without udev or dmeventd, thin_check from thin-provisioning-tools.
+if want lvm; then
+	scenario lvm-pool
+	lvm_setup
 	if [ -e /dev/mapper/control ] && [ -e /sys/module/dm_thin_pool ]; then
 		res dm-thin-pool PASS "$(lvm version | head -1)"
 	else
@@ -387,6 +391,24 @@ if want lvm; then
 	vgremove -ff -y rnbdvm >/dev/null 2>&1
 	losetup -d "$lvmdev"
 fi
+
+# lvm-bench (only when named): tools/fleetbench on a thin pool of its
+# own (docs/benchmarks.md, issue 33): 100 volumes made, granted and
+# deleted; its table on the console (VM_LOG keeps it).
+case ",$only," in *,lvm-bench,*)
+	scenario lvm-bench
+	lvm_setup
+	truncate -s 700M /tmp/bench-pv.img
+	bdev=$(losetup -f) && losetup "$bdev" /tmp/bench-pv.img &&
+		pvcreate -q -y "$bdev" >/dev/null && vgcreate -q rnbdbench "$bdev" >/dev/null &&
+		lvcreate -q -y --type thin-pool -L 600m -n thin rnbdbench >/dev/null 2>&1
+	/bin/fleetbench -bin /bin -pool lvm-thin:rnbdbench/thin -size 4MiB -reps 1 -exports 0 -idle 1s -out /tmp/fleet.tsv >/tmp/fleet.out 2>&1 &&
+		res lvm-bench PASS "" || res lvm-bench FAIL "$(tail -3 /tmp/fleet.out | tr '\n' ' ')"
+	sed 's/^/BENCH /' /tmp/fleet.out
+	vgremove -ff -y rnbdbench >/dev/null 2>&1
+	losetup -d "$bdev"
+	;;
+esac
 
 rdma_up=0 rdma_listen="" srv_extra=""
 if want rdma || want interop; then
