@@ -99,9 +99,9 @@ bench-peers: build
 # rnbd-server at a fleet's scale (issue 33): 100 volumes made, granted
 # and deleted one after the other in a directory pool under $TMPDIR
 # (best and median of 3), then the daemon's memory and idle CPU with no
-# export and with 1000; about 4-5 minutes, mostly the idle windows and
-# the restore of the 1000 at a restart (150 s: docs/benchmarks.md, issue
-# 33's section). The table goes to stdout, the rows
+# export and with 1000, and the restore of the 1000 at a restart; about
+# 2 minutes, mostly the idle windows (docs/benchmarks.md, issue 33's
+# section). The table goes to stdout, the rows
 # to docs/bench/fleet-DATE.tsv. BENCH_FLEET_ARGS="-pool xfs" (root: an
 # XFS loop mount), "-pool lvm-thin:VG/TP" (the VM tier), "-idle 5s" for
 # a quick look.
