@@ -400,7 +400,7 @@ func (d *Daemon) CreateVolume(req VolumeRequest) (rec output.Record, created boo
 		d.log.WithFields(log.Fields{"volume": pv.Name, "pool": pv.Pool, "size": pv.Size, "source": pv.Source,
 			"source_snapshot": pv.SourceSnapshot, "path": pv.Path}).Info("volume created")
 	}
-	return d.volumeRecord(v, &pv), created, nil
+	return d.volumeRecord(v, &pv, d.exportView()), created, nil
 }
 
 // dropVolume forgets a volume and saves the state; an error saving is
@@ -623,32 +623,65 @@ func (d *Daemon) changeGrants(export string, change func() (bool, error), fields
 func (d *Daemon) volumeRecords(name string) []output.Record {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
+	// What the pools have: each listed once (an lvs per pool on LVM,
+	// not one per volume), or the one volume asked for.
+	have := map[string]pool.Volume{}
+	for pname, p := range d.pools {
+		var vs []pool.Volume
+		if name == "" {
+			vs, _ = p.List()
+		} else if v := d.volumes[name]; v != nil && v.Pool == pname {
+			if x, err := p.Get(name); err == nil {
+				vs = []pool.Volume{x}
+			}
+		}
+		for _, x := range vs {
+			if d.volumes[x.Name] != nil && d.volumes[x.Name].Pool == pname {
+				have[x.Name] = x
+			}
+		}
+	}
+	view := d.exportView()
 	rows := []output.Record{}
 	for _, v := range d.volumes {
 		if name != "" && v.Name != name {
 			continue
 		}
 		var pv *pool.Volume
-		if p := d.pools[v.Pool]; p != nil {
-			if x, err := p.Get(v.Name); err == nil {
-				pv = &x
-			}
+		if x, ok := have[v.Name]; ok {
+			pv = &x
 		}
-		rows = append(rows, d.volumeRecord(v, pv))
+		rows = append(rows, d.volumeRecord(v, pv, view))
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i]["name"].(string) < rows[j]["name"].(string) })
 	return rows
 }
 
+// exportView is what the volume records show of the exports: each
+// served one by name, and how many sessions have each open.
+type exportView struct {
+	exports map[string]rnbd.Export
+	opens   map[string]int
+}
+
+func (d *Daemon) exportView() exportView {
+	x := exportView{exports: map[string]rnbd.Export{}, opens: map[string]int{}}
+	for _, e := range d.rnbd.Exports() {
+		x.exports[e.Name] = e
+	}
+	for _, o := range d.rnbd.OpenDevices() {
+		x.opens[o.Export]++
+	}
+	return x
+}
+
 // volumeRecord is a volume as GET /v1/volumes gives it; pv is what its
 // pool has (nil: nothing).
 // +checklocks:d.stateMu
-func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume) output.Record {
-	e := v.Export
-	for _, x := range d.rnbd.Exports() {
-		if x.Name == v.Name {
-			e = x
-		}
+func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume, view exportView) output.Record {
+	e, ok := view.exports[v.Name]
+	if !ok {
+		e = v.Export
 	}
 	state, reason := "served", v.notServed
 	switch {
@@ -661,7 +694,7 @@ func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume) output.Record {
 	}
 	r := output.Record{"name": v.Name, "pool": v.Pool, "size": nil, "source": "", "source_snapshot": "", "created": "",
 		"labels": output.Object{}, "path": e.Path, "state": state, "reason": reason, "read_only": e.ReadOnly,
-		"allow_identities": grantsObject(e.AllowIdentities), "grants_only": e.GrantsOnly, "sessions": d.opens(v.Name)}
+		"allow_identities": grantsObject(e.AllowIdentities), "grants_only": e.GrantsOnly, "sessions": view.opens[v.Name]}
 	if pv != nil {
 		r["size"], r["source"], r["source_snapshot"], r["path"] = pv.Size, pv.Source, pv.SourceSnapshot, pv.Path
 		r["created"] = pv.Created.Format(time.RFC3339)
@@ -673,17 +706,6 @@ func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume) output.Record {
 		r["labels"] = labels
 	}
 	return r
-}
-
-// opens counts the sessions that have export name open.
-func (d *Daemon) opens(name string) int {
-	n := 0
-	for _, o := range d.rnbd.OpenDevices() {
-		if o.Export == name {
-			n++
-		}
-	}
-	return n
 }
 
 // snapshotRecords are the snapshot records of every pool (of one
