@@ -470,6 +470,17 @@ func (d *Daemon) DeleteVolume(name string, force bool) error {
 		return nil
 	}
 	p := d.pools[v.Pool]
+	if _, failed := d.poolErrs[v.Pool]; p == nil && !failed {
+		// Its pool left the configuration: nothing to delete the
+		// volume in; the record is forgotten.
+		delete(d.volumes, name)
+		d.publishVolumeNames()
+		if err := d.saveState(); err != nil {
+			return fmt.Errorf("volume %s forgotten, but saving the state file failed: %w", name, err)
+		}
+		d.log.WithFields(log.Fields{"volume": name, "pool": v.Pool}).Warn("volume forgotten: its pool is no longer in the configuration (whatever it holds there is left as it is)")
+		return nil
+	}
 	if p == nil {
 		return ctl.Errorf(ctl.CodeUnavailable, "volume %s: pool %s is not served: %s", name, v.Pool, d.poolReason(v.Pool))
 	}

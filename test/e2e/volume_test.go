@@ -346,6 +346,23 @@ func TestVolumeReconcile(t *testing.T) {
 			t.Fatalf("the state file keeps gone")
 		}
 	}
+
+	// The pool leaves the configuration: its volumes are not served,
+	// saying why, and volume delete forgets them, leaving their files.
+	cl.stop()
+	srv.stop()
+	srv = startServerConf(t, dir, port, "")
+	if k := srv.records("volume", "show", "kept", "--fields", "all"); k[0]["state"] != "not served" ||
+		!strings.Contains(k[0]["reason"].(string), "not in the configuration") {
+		t.Fatalf("a volume of a pool no longer configured: %v", k)
+	}
+	srv.ok("volume", "delete", "kept")
+	if vs := srv.records("volume", "list"); len(vs) != 1 || vs[0]["name"] != "stray" {
+		t.Fatalf("after forgetting kept: %v", vs)
+	}
+	if _, err := os.Stat(filepath.Join(pool, "kept.img")); err != nil {
+		t.Fatalf("forgetting a volume of a pool not configured touched its file: %v", err)
+	}
 }
 
 // TestGrants: grants given and revoked one at a time on an export,
