@@ -1,0 +1,580 @@
+// The node service: a published volume is mapped through the worker's
+// own rnbd-client daemon (its control socket, the worker's certificate
+// its identity), formatted only if it holds no file system, and mounted;
+// each step is undone by the one that mirrors it, and each is idempotent.
+//
+// Being built (issue 34): the kernel paths (/dev/nbdN, ublk, mkfs,
+// mount) run only in the VM tier, where this service is to be proven
+// by csi-sanity and the fleet scenario.
+
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	mount "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/pkg/log"
+)
+
+// Publish context keys: what ControllerPublishVolume tells the node
+// about the export it is to map.
+const (
+	PCExport      = "export"      // the export's name on the storage node
+	PCStorageNode = "storageNode" // its name in the driver's configuration
+	PCPaths       = "paths"       // comma-separated: ip:SERVER or ip:CLIENT@ip:SERVER
+	PCPort        = "port"        // the fabric's port ("" : the default)
+	PCTransport   = "transport"   // tcp or rdma
+	PCMpathPolicy = "mpathPolicy" // round-robin, min-inflight, min-latency
+	PCFrontend    = "frontend"    // nbd or ublk ("": the client's default)
+)
+
+// NodeOptions are what the node service needs of its configuration.
+type NodeOptions struct {
+	// NodeID is the worker's identity: the name of its rnbd-client's
+	// TLS certificate, which the controller grants on publish.
+	NodeID string
+	// Topology are its topology labels (NodeGetInfo).
+	Topology map[string]string
+	// ClientSocket is its rnbd-client daemon's control socket.
+	ClientSocket string
+	// DeviceWait bounds how long a mapped device node takes to appear.
+	DeviceWait time.Duration
+	Log        *log.Entry
+}
+
+// NodeServer is the CSI node service.
+type NodeServer struct {
+	csi.UnimplementedNodeServer
+	opts    NodeOptions
+	client  *ctl.Client
+	mounter *mount.SafeFormatAndMount
+	resizer *mount.ResizeFs
+
+	mu   sync.Mutex
+	busy map[string]bool // volume ids with an RPC under way: Aborted for another
+}
+
+// NewNodeServer makes the node service of opts.
+func NewNodeServer(opts NodeOptions) *NodeServer {
+	if opts.DeviceWait == 0 {
+		opts.DeviceWait = 30 * time.Second
+	}
+	if opts.Log == nil {
+		opts.Log = log.L
+	}
+	ex := utilexec.New()
+	return &NodeServer{opts: opts, client: ctl.Dial(opts.ClientSocket),
+		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex), busy: map[string]bool{}}
+}
+
+// lock takes volume id for one RPC; another under way is Aborted, as
+// the spec asks.
+func (n *NodeServer) lock(id string) (func(), error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.busy[id] {
+		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is under way", id)
+	}
+	n.busy[id] = true
+	return func() {
+		n.mu.Lock()
+		delete(n.busy, id)
+		n.mu.Unlock()
+	}, nil
+}
+
+// NodeGetInfo implements csi.NodeServer.
+func (n *NodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	rsp := &csi.NodeGetInfoResponse{NodeId: n.opts.NodeID}
+	if len(n.opts.Topology) > 0 {
+		rsp.AccessibleTopology = &csi.Topology{Segments: n.opts.Topology}
+	}
+	return rsp, nil
+}
+
+// NodeGetCapabilities implements csi.NodeServer: what is built.
+func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, c := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// sessName is the session a worker maps a storage node's exports in:
+// its own (a server binds a session name to the identity that first
+// uses it), one per storage node.
+func (n *NodeServer) sessName(storageNode string) string {
+	return n.opts.NodeID + "." + storageNode
+}
+
+// mapping is a device the worker's rnbd-client has mapped.
+type mapping struct {
+	device  string // rnbdN
+	devpath string // /dev/nbdN, /dev/ublkbN
+	state   string
+}
+
+// findMapping finds the mapping of export in session sess ("" device
+// if none).
+func (n *NodeServer) findMapping(ctx context.Context, sess, export string) (mapping, error) {
+	var recs []output.Record
+	if err := n.client.Do(ctx, "GET", "/v1/devices", nil, &recs); err != nil {
+		return mapping{}, clientError(err)
+	}
+	for _, r := range recs {
+		if r["sessname"] == sess && r["mapping_path"] == export {
+			m := mapping{}
+			m.device, _ = r["devname"].(string)
+			m.devpath, _ = r["devpath"].(string)
+			m.state, _ = r["state"].(string)
+			return m, nil
+		}
+	}
+	return mapping{}, nil
+}
+
+// clientError is an error of the worker's rnbd-client as a gRPC status.
+func clientError(err error) error {
+	code := codes.Internal
+	switch ctl.Classify(err) {
+	case ctl.CodeUnavailable:
+		code = codes.Unavailable
+	case ctl.CodeNotFound:
+		code = codes.NotFound
+	case ctl.CodeInvalid:
+		code = codes.InvalidArgument
+	case ctl.CodePermission:
+		code = codes.PermissionDenied
+	case ctl.CodeBusy:
+		code = codes.FailedPrecondition
+	}
+	return status.Errorf(code, "rnbd-client: %v", err)
+}
+
+// stageRequest is what NodeStageVolume needs, checked.
+type stageRequest struct {
+	id, staging       string
+	storageNode, sess string
+	export            string
+	paths             []string
+	port              uint16
+	transport, policy string
+	frontend          string
+	readOnly, block   bool
+	fsType            string
+	mountFlags        []string
+}
+
+func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, error) {
+	s := stageRequest{id: req.GetVolumeId(), staging: req.GetStagingTargetPath()}
+	switch {
+	case s.id == "":
+		return s, status.Error(codes.InvalidArgument, "volume_id is missing")
+	case s.staging == "":
+		return s, status.Error(codes.InvalidArgument, "staging_target_path is missing")
+	case req.GetVolumeCapability() == nil:
+		return s, status.Error(codes.InvalidArgument, "volume_capability is missing")
+	}
+	pc := req.GetPublishContext()
+	s.export, s.storageNode = pc[PCExport], pc[PCStorageNode]
+	if s.export == "" || s.storageNode == "" || pc[PCPaths] == "" {
+		return s, status.Errorf(codes.InvalidArgument, "publish_context lacks %s, %s or %s (was the volume published by rnbd-csi?)", PCExport, PCStorageNode, PCPaths)
+	}
+	s.sess = n.sessName(s.storageNode)
+	s.paths = strings.Split(pc[PCPaths], ",")
+	if p := pc[PCPort]; p != "" {
+		v, err := strconv.ParseUint(p, 10, 16)
+		if err != nil {
+			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: %v", PCPort, p, err)
+		}
+		s.port = uint16(v)
+	}
+	s.transport, s.policy, s.frontend = pc[PCTransport], pc[PCMpathPolicy], pc[PCFrontend]
+	vc := req.GetVolumeCapability()
+	switch {
+	case vc.GetBlock() != nil:
+		s.block = true
+	case vc.GetMount() != nil:
+		s.fsType = vc.GetMount().GetFsType()
+		if s.fsType == "" {
+			s.fsType = "ext4"
+		}
+		if s.fsType != "ext4" && s.fsType != "xfs" {
+			return s, status.Errorf(codes.InvalidArgument, "fsType %q: ext4 or xfs", s.fsType)
+		}
+		s.mountFlags = vc.GetMount().GetMountFlags()
+	default:
+		return s, status.Error(codes.InvalidArgument, "volume_capability: neither block nor mount")
+	}
+	if m := vc.GetAccessMode().GetMode(); m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY ||
+		m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
+		s.readOnly = true
+	}
+	return s, nil
+}
+
+// NodeStageVolume implements csi.NodeServer: the export mapped through
+// the worker's rnbd-client (a mapping already there is taken), and for
+// a file system volume formatted if it holds none and mounted at the
+// staging path. A failure part way undoes what this call did.
+func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	s, err := n.parseStage(req)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := n.lock(s.id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	m, err := n.findMapping(ctx, s.sess, s.export)
+	if err != nil {
+		return nil, err
+	}
+	mapped := false
+	if m.device == "" {
+		if m, err = n.mapExport(ctx, s); err != nil {
+			return nil, err
+		}
+		mapped = true
+	}
+	undo := func() {
+		if mapped {
+			if err := n.unmap(context.Background(), m.device); err != nil {
+				n.opts.Log.WithError(err).WithField("volume", s.id).Error("undoing a failed stage: unmapping failed")
+			}
+		}
+	}
+	if err := waitDevice(ctx, m.devpath, n.opts.DeviceWait); err != nil {
+		undo()
+		return nil, err
+	}
+	if s.block {
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
+	if err := os.MkdirAll(s.staging, 0o750); err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+	}
+	notMnt, err := n.mounter.IsLikelyNotMountPoint(s.staging)
+	if err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+	}
+	if !notMnt {
+		return &csi.NodeStageVolumeResponse{}, nil // staged already
+	}
+	opts := append([]string(nil), s.mountFlags...)
+	if s.readOnly {
+		opts = append(opts, "ro")
+	}
+	// SafeFormatAndMount looks with blkid first: a device that holds
+	// a file system or anything else is never formatted.
+	if err := n.mounter.FormatAndMount(m.devpath, s.staging, s.fsType, opts); err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
+	}
+	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// mapExport maps s's export through the worker's rnbd-client.
+func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, error) {
+	access := "rw"
+	if s.readOnly {
+		access = "ro"
+	}
+	body := map[string]any{"sessname": s.sess, "paths": s.paths, "device_path": s.export, "access_mode": access,
+		"dest_port": s.port, "transport": s.transport, "as": s.frontend}
+	if s.policy != "" {
+		body["session_settings"] = map[string]any{"mpath_policy": s.policy}
+	}
+	var rsp struct {
+		Device string `json:"device"`
+		Kernel string `json:"kernel_device"`
+	}
+	if err := n.client.Do(ctx, "POST", "/v1/devices", body, &rsp); err != nil {
+		return mapping{}, clientError(err)
+	}
+	if rsp.Kernel == "" {
+		// A socket: no kernel device to mount. Unmapped again.
+		n.unmap(context.Background(), rsp.Device)
+		return mapping{}, status.Errorf(codes.FailedPrecondition, "rnbd-client mapped %s as an NBD socket: this node has neither nbd nor ublk", s.export)
+	}
+	return mapping{device: rsp.Device, devpath: rsp.Kernel}, nil
+}
+
+// unmap unmaps a device of the worker's rnbd-client; one that is gone
+// is success.
+func (n *NodeServer) unmap(ctx context.Context, device string) error {
+	err := n.client.Do(ctx, "POST", "/v1/devices/"+url.PathEscape(device)+"/unmap", map[string]any{}, nil)
+	if err != nil && ctl.Classify(err) != ctl.CodeNotFound {
+		return clientError(err)
+	}
+	return nil
+}
+
+// waitDevice waits for a device node to appear.
+func waitDevice(ctx context.Context, path string, wait time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeDevice != 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return status.Errorf(codes.DeadlineExceeded, "device %s did not appear within %v", path, wait)
+		case <-t.C:
+		}
+	}
+}
+
+// NodeUnstageVolume implements csi.NodeServer: the staging mount
+// unmounted and the export unmapped; what is not there is success.
+func (n *NodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	if id == "" || staging == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and staging_target_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := mount.CleanupMountPoint(staging, n.mounter, true); err != nil {
+		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", staging, err)
+	}
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		return nil, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME", id)
+	}
+	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	if err != nil {
+		return nil, err
+	}
+	if m.device != "" {
+		if err := n.unmap(ctx, m.device); err != nil {
+			return nil, err
+		}
+	}
+	n.opts.Log.WithFields(log.Fields{"volume": id, "staging": staging}).Info("volume unstaged")
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// NodePublishVolume implements csi.NodeServer: the staging mount bound
+// at the target (a file system volume), or the device node bound on a
+// file at the target (a block volume); read-only when asked.
+func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	id, staging, target := req.GetVolumeId(), req.GetStagingTargetPath(), req.GetTargetPath()
+	switch {
+	case id == "" || target == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
+	case staging == "":
+		return nil, status.Error(codes.FailedPrecondition, "staging_target_path is missing: the volume is staged first")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume_capability is missing")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	opts := []string{"bind"}
+	if req.GetReadonly() {
+		opts = append(opts, "ro")
+	}
+	source := staging
+	if req.GetVolumeCapability().GetBlock() != nil {
+		storageNode, export, _ := strings.Cut(id, "/")
+		m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+		if err != nil {
+			return nil, err
+		}
+		if m.device == "" {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
+		}
+		source = m.devpath
+		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+		}
+		f, err := os.OpenFile(target, os.O_CREATE, 0o640)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+		}
+		f.Close()
+	} else if err := os.MkdirAll(target, 0o750); err != nil {
+		return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+	}
+	notMnt, err := n.mounter.IsLikelyNotMountPoint(target)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+	}
+	if !notMnt {
+		return &csi.NodePublishVolumeResponse{}, nil // published already
+	}
+	if err := n.mounter.Mount(source, target, "", opts); err != nil {
+		return nil, status.Errorf(codes.Internal, "binding %s at %s: %v", source, target, err)
+	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// NodeUnpublishVolume implements csi.NodeServer: the target unmounted
+// and removed; one that is not there is success.
+func (n *NodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	if id == "" || target == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := mount.CleanupMountPoint(target, n.mounter, true); err != nil {
+		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", target, err)
+	}
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+// NodeExpandVolume implements csi.NodeServer: the mapping told to
+// learn its new size at once (rnbd-client resize), then the file
+// system grown online (resize2fs, xfs_growfs).
+func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" || path == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and volume_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	storageNode, export, _ := strings.Cut(id, "/")
+	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	if err != nil {
+		return nil, err
+	}
+	if m.device == "" {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", id)
+	}
+	if err := n.client.Do(ctx, "POST", "/v1/devices/"+url.PathEscape(m.device)+"/resize", map[string]any{}, nil); err != nil {
+		return nil, clientError(err)
+	}
+	size, err := deviceSize(m.devpath)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "%s: %v", m.devpath, err)
+	}
+	if req.GetVolumeCapability().GetBlock() != nil {
+		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+	}
+	if _, err := n.resizer.Resize(m.devpath, path); err != nil {
+		return nil, status.Errorf(codes.Internal, "growing the file system of %s at %s: %v", m.devpath, path, err)
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// deviceSize is a block device's size in bytes.
+func deviceSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var n uint64
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&n))); errno != 0 {
+		return 0, errno
+	}
+	return int64(n), nil
+}
+
+// NodeGetVolumeStats implements csi.NodeServer: bytes and inodes of a
+// mounted volume, a block volume's size.
+func (n *NodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" || path == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and volume_path are needed")
+	}
+	fi, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
+	} else if err != nil {
+		return nil, status.Errorf(codes.Internal, "volume path %s: %v", path, err)
+	}
+	rsp := &csi.NodeGetVolumeStatsResponse{}
+	if !fi.IsDir() {
+		size, err := deviceSize(path)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", path, err)
+		}
+		rsp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}
+		return rsp, nil
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return nil, status.Errorf(codes.Internal, "statfs %s: %v", path, err)
+	}
+	bs := int64(st.Bsize)
+	rsp.Usage = []*csi.VolumeUsage{
+		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
+		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
+	}
+	return rsp, nil
+}
+
+// NodeGetVolumeHealth implements csi.NodeServer: INACCESSIBLE, with
+// the reason, when the volume's session has no path connected (IO waits,
+// then fails past the client's no-path timeout); healthy otherwise.
+func (n *NodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is missing")
+	}
+	h := &csi.VolumeHealth{VolumeId: id}
+	if msg := n.noPath(ctx, id); msg != "" {
+		h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NoPath", Message: msg}}
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
+}
+
+// noPath says why volume id's session has no path connected ("" when
+// one is).
+func (n *NodeServer) noPath(ctx context.Context, id string) string {
+	storageNode, _, _ := strings.Cut(id, "/")
+	var recs []output.Record
+	if err := n.client.Do(ctx, "GET", "/v1/sessions/"+url.PathEscape(n.sessName(storageNode)), nil, &recs); err != nil {
+		return fmt.Sprintf("rnbd-client: %v", err)
+	}
+	for _, r := range recs {
+		if act, _ := r["act_path_cnt"].(float64); act > 0 {
+			return ""
+		}
+	}
+	return "no path of the volume's session is connected"
+}

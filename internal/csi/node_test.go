@@ -1,0 +1,51 @@
+package csi
+
+import (
+	"context"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// NodeStageVolume's request is checked before anything is touched:
+// each missing or bad part answers InvalidArgument; a good one gives
+// the worker's own session on the storage node, and every path.
+func TestParseStage(t *testing.T) {
+	n := NewNodeServer(NodeOptions{NodeID: "host-a", ClientSocket: "/nonexistent"})
+	mountCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY}}
+	pc := map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5,ip:10.0.9.5", PCPort: "1234"}
+	good := &csi.NodeStageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap, PublishContext: pc}
+	s, err := n.parseStage(good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.sess != "host-a.sn1" || len(s.paths) != 2 || s.port != 1234 || s.fsType != "xfs" || !s.readOnly || s.block {
+		t.Fatalf("parsed %+v", s)
+	}
+	for name, req := range map[string]*csi.NodeStageVolumeRequest{
+		"no volume id":       {StagingTargetPath: "/st", VolumeCapability: mountCap, PublishContext: pc},
+		"no staging path":    {VolumeId: "sn1/pvc-1", VolumeCapability: mountCap, PublishContext: pc},
+		"no capability":      {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", PublishContext: pc},
+		"no publish context": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap},
+		"a bad port": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap,
+			PublishContext: map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5", PCPort: "70000"}},
+		"btrfs": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", PublishContext: pc,
+			VolumeCapability: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "btrfs"}}}},
+	} {
+		if _, err := n.parseStage(req); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
+	}
+	// A second RPC on a volume under way: Aborted.
+	unlock, err := n.lock("sn1/pvc-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st"}); status.Code(err) != codes.Aborted {
+		t.Fatalf("an RPC beside another on the same volume: %v, want Aborted", err)
+	}
+	unlock()
+}
