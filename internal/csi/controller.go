@@ -415,7 +415,7 @@ func (c *controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.TopologyRequirement, only *storageNode, size int64) ([]candidate, error) {
 	var out []candidate
 	var why []string
-	answered := 0
+	unreachable, asked := 0, 0
 	for _, n := range c.nodes {
 		if only != nil && n != only {
 			continue
@@ -428,15 +428,15 @@ func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.Top
 			why = append(why, n.cfg.Name+": has not the paths asked")
 			continue
 		}
+		asked++
 		free, err := n.allocatable(ctx, p.poolOn(n.cfg))
 		if err != nil {
 			why = append(why, fmt.Sprintf("%s: %v", n.cfg.Name, err))
-			if ctl.Classify(err) != ctl.CodeUnavailable {
-				answered++
+			if ctl.Classify(err) == ctl.CodeUnavailable {
+				unreachable++
 			}
 			continue
 		}
-		answered++
 		if free < size {
 			why = append(why, fmt.Sprintf("%s: %d bytes allocatable", n.cfg.Name, free))
 			continue
@@ -444,8 +444,9 @@ func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.Top
 		out = append(out, candidate{node: n, allocatable: free, pref: preference(n.cfg.Labels, ar)})
 	}
 	if len(out) == 0 {
+		// Every node that could hold it did not answer: later, maybe.
 		c := codes.ResourceExhausted
-		if answered == 0 && len(why) > 0 && !strings.Contains(strings.Join(why, ""), "topology") && !strings.Contains(strings.Join(why, ""), "paths") {
+		if asked > 0 && unreachable == asked {
 			c = codes.Unavailable
 		}
 		return nil, status.Errorf(c, "no storage node for a volume of %d bytes: %s", size, strings.Join(why, "; "))
