@@ -5,9 +5,6 @@
 package csi
 
 import (
-	// The CSI spec's Go bindings, gRPC, the conformance suite and the
-	// node's mount work: pinned here until the services use them.
-	_ "github.com/container-storage-interface/spec/lib/go/csi"
-	_ "google.golang.org/grpc"
+	// The node's mount work: pinned here until the node service uses it.
 	_ "k8s.io/mount-utils"
 )

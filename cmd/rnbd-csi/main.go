@@ -1,0 +1,86 @@
+// Command rnbd-csi is rnbd's Container Storage Interface driver: its
+// identity and controller services (and, later, the node service) on a
+// unix socket, for Kubernetes' CSI sidecars. See internal/csi.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/csi"
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/version"
+	"github.com/rnbd/rnbd/pkg/log"
+)
+
+// defaultConfig is the configuration file where --config gives none.
+const defaultConfig = "/etc/rnbd/csi.toml"
+
+func main() { cli.Main("rnbd-csi", newRoot()) }
+
+func newRoot() *cobra.Command {
+	var mode, endpoint, configFile, level string
+	root := &cobra.Command{
+		Use:   "rnbd-csi",
+		Short: "rnbd's CSI driver: volumes on rnbd storage nodes for Kubernetes",
+		Long: `rnbd-csi serves the CSI identity and controller services on a unix
+socket: volumes created, published, expanded, snapshotted and deleted on the
+storage nodes of its configuration, through their admin API.`,
+		Example: `  rnbd-csi --mode controller --endpoint unix:///csi/csi.sock --config /etc/rnbd/csi.toml`,
+		Args:    cobra.NoArgs,
+		Version: version.Get().String(),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			lv, err := log.ParseLevel(level)
+			if err != nil {
+				return ctl.Errorf(ctl.CodeInvalid, "--log-level %q: %v", level, err)
+			}
+			log.SetLevel(lv)
+			switch csi.Mode(mode) {
+			case csi.ModeController:
+			case csi.ModeNode, csi.ModeAll:
+				return ctl.Errorf(ctl.CodeNotSupported, "--mode %s: %v", mode, csi.ErrNoNodeService)
+			default:
+				return ctl.Errorf(ctl.CodeInvalid, "--mode %q: want controller, node or all", mode)
+			}
+			cfg, err := csi.LoadConfig(configFile)
+			if err != nil {
+				return ctl.Errorf(ctl.Classify(err), "%v", err)
+			}
+			d, err := csi.NewDriver(cfg, csi.Mode(mode), log.L)
+			if err != nil {
+				return ctl.Errorf(ctl.CodeInvalid, "config %s: %v", configFile, err)
+			}
+			if _, err := d.Listen(endpoint); err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+			defer stop()
+			done := make(chan error, 1)
+			go func() { done <- d.Serve() }()
+			select {
+			case err := <-done:
+				return err
+			case <-ctx.Done():
+				log.L.Info("rnbd-csi stopping: the calls under way end first")
+				d.Stop()
+				if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+					return fmt.Errorf("serving: %w", err)
+				}
+				return nil
+			}
+		},
+	}
+	root.SetVersionTemplate("{{.Name}} {{.Version}}")
+	f := root.Flags()
+	f.StringVar(&mode, "mode", "controller", "the services to serve: controller, node or all")
+	f.StringVar(&endpoint, "endpoint", "unix:///csi/csi.sock", "the unix socket to serve on (unix:///path)")
+	f.StringVar(&configFile, "config", defaultConfig, "the configuration file")
+	f.StringVar(&level, "log-level", "info", "debug, info, warning or error")
+	return root
+}

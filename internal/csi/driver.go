@@ -1,0 +1,165 @@
+// The driver: the CSI services on a unix socket.
+
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/log"
+)
+
+// Mode is which services a driver serves.
+type Mode string
+
+const (
+	ModeController Mode = "controller"
+	ModeNode       Mode = "node"
+	ModeAll        Mode = "all"
+)
+
+// ErrNoNodeService: the node service is not built yet; a driver in node
+// or all mode is refused rather than serving a node that does nothing.
+var ErrNoNodeService = errors.New("the node service of rnbd-csi is not built yet: run --mode controller")
+
+// Driver serves the identity service and, by its mode, the controller.
+type Driver struct {
+	cfg  Config
+	mode Mode
+	log  *log.Entry
+	ctrl *controller
+
+	mu  sync.Mutex
+	srv *grpc.Server
+	lis net.Listener
+}
+
+// NewDriver makes a driver of cfg in mode; log may be nil (log.L).
+func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
+	if l == nil {
+		l = log.L
+	}
+	d := &Driver{cfg: cfg, mode: mode, log: l}
+	switch mode {
+	case ModeController:
+	case ModeNode, ModeAll:
+		return nil, ErrNoNodeService
+	default:
+		return nil, fmt.Errorf("mode %q: want controller, node or all", mode)
+	}
+	if err := cfg.ValidateController(); err != nil {
+		return nil, err
+	}
+	c, err := newController(cfg, l)
+	if err != nil {
+		return nil, err
+	}
+	d.ctrl = c
+	return d, nil
+}
+
+// SocketPath is the file of an endpoint unix:///path (or unix:path, or
+// a plain path).
+func SocketPath(endpoint string) (string, error) {
+	if !strings.Contains(endpoint, "://") && !strings.HasPrefix(endpoint, "unix:") {
+		if endpoint == "" {
+			return "", errors.New("no endpoint: want unix:///path/to/csi.sock")
+		}
+		return endpoint, nil
+	}
+	u, err := url.Parse(endpoint)
+	if err != nil || u.Scheme != "unix" {
+		return "", fmt.Errorf("endpoint %q: want unix:///path/to/csi.sock", endpoint)
+	}
+	p := u.Path
+	if p == "" {
+		p = u.Opaque
+	}
+	if p == "" {
+		return "", fmt.Errorf("endpoint %q: no path", endpoint)
+	}
+	return filepath.Clean(p), nil
+}
+
+// Listen binds the endpoint's socket (one a dead driver left is
+// removed; one another driver listens on is an error). Serve serves it.
+func (d *Driver) Listen(endpoint string) (net.Addr, error) {
+	path, err := SocketPath(endpoint)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, err
+	}
+	if err := ctl.ClearStaleSocket(path); err != nil {
+		return nil, fmt.Errorf("endpoint %s: %w", path, err)
+	}
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %s: %w", path, err)
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
+	csi.RegisterIdentityServer(srv, &identity{d: d})
+	if d.ctrl != nil {
+		csi.RegisterControllerServer(srv, d.ctrl)
+	}
+	d.mu.Lock()
+	d.srv, d.lis = srv, lis
+	d.mu.Unlock()
+	d.log.WithFields(log.Fields{"endpoint": path, "mode": d.mode, "driver": d.cfg.DriverName}).Info("rnbd-csi listening")
+	return lis.Addr(), nil
+}
+
+// Serve serves until Stop.
+func (d *Driver) Serve() error {
+	d.mu.Lock()
+	srv, lis := d.srv, d.lis
+	d.mu.Unlock()
+	if srv == nil {
+		return errors.New("Serve before Listen")
+	}
+	err := srv.Serve(lis)
+	if errors.Is(err, grpc.ErrServerStopped) {
+		return nil
+	}
+	return err
+}
+
+// Stop lets the calls under way end, then closes the socket and
+// removes it.
+func (d *Driver) Stop() {
+	d.mu.Lock()
+	srv, lis := d.srv, d.lis
+	d.mu.Unlock()
+	if srv == nil {
+		return
+	}
+	srv.GracefulStop()
+	if ua, ok := lis.Addr().(*net.UnixAddr); ok {
+		os.Remove(ua.Name)
+	}
+}
+
+// logCalls logs each call at debug, and a failed one at info with its
+// error.
+func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	resp, err := h(ctx, req)
+	e := d.log.WithField("method", info.FullMethod)
+	if err != nil {
+		e.WithError(err).Info("CSI call failed")
+	} else {
+		e.Debug("CSI call")
+	}
+	return resp, err
+}
