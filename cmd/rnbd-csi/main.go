@@ -42,9 +42,7 @@ storage nodes of its configuration, through their admin API.`,
 			}
 			log.SetLevel(lv)
 			switch csi.Mode(mode) {
-			case csi.ModeController:
-			case csi.ModeNode, csi.ModeAll:
-				return ctl.Errorf(ctl.CodeNotSupported, "--mode %s: %v", mode, csi.ErrNoNodeService)
+			case csi.ModeController, csi.ModeNode, csi.ModeAll:
 			default:
 				return ctl.Errorf(ctl.CodeInvalid, "--mode %q: want controller, node or all", mode)
 			}

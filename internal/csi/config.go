@@ -173,6 +173,19 @@ func (c Config) ValidateController() error {
 	return errors.Join(errs...)
 }
 
+// ValidateNode checks what the node service needs: its identity and
+// its rnbd-client's socket.
+func (c Config) ValidateNode() error {
+	var errs []error
+	if c.Node.NodeID == "" {
+		errs = append(errs, errors.New("[node] node_id is needed: the name of the certificate this node's rnbd-client presents (what a publish grants)"))
+	}
+	if c.Node.ClientSocket == "" {
+		errs = append(errs, errors.New("[node] client_socket is empty: want rnbd-client's control socket"))
+	}
+	return errors.Join(errs...)
+}
+
 // storageNode is the storage node of that name, or nil.
 func (c Config) storageNode(name string) *StorageNode {
 	for i := range c.StorageNodes {

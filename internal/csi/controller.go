@@ -134,8 +134,11 @@ func splitID(id string) (node, name string, ok bool) {
 // volumeParams are a StorageClass's parameters.
 type volumeParams struct {
 	pool, fsType, transport, mpathPolicy string
-	paths                                []string
-	writeThrough                         bool
+	// frontend is the node's (nbd or ublk): not part of what makes
+	// the volume, so not in canonical.
+	frontend     string
+	paths        []string
+	writeThrough bool
 }
 
 var mpathPolicies = []string{"round-robin", "min-inflight", "min-latency"}
@@ -170,6 +173,11 @@ func parseParams(m map[string]string) (volumeParams, error) {
 			if len(p.paths) == 0 {
 				return p, status.Errorf(codes.InvalidArgument, "parameter paths %q: want the storage node paths to map through, comma-separated (ip:10.0.8.5,ip:10.0.9.5)", v)
 			}
+		case "frontend":
+			if v != "nbd" && v != "ublk" {
+				return p, status.Errorf(codes.InvalidArgument, "parameter frontend %q: want nbd or ublk", v)
+			}
+			p.frontend = v
 		case "writeThrough":
 			b, err := strconv.ParseBool(v)
 			if err != nil {
@@ -178,7 +186,7 @@ func parseParams(m map[string]string) (volumeParams, error) {
 			p.writeThrough = b
 		default:
 			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, writeThrough", k)
+				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, frontend, writeThrough", k)
 			}
 		}
 	}
@@ -464,7 +472,7 @@ func (c *controller) csiVolume(n *storageNode, rec volumeRecord, p volumeParams,
 	paths, _ := p.pathsOn(n.cfg)
 	vc := map[string]string{"storageNode": n.cfg.Name, "pool": rec.Pool, "paths": strings.Join(paths, ","),
 		"port": strconv.Itoa(n.cfg.Port), "writeThrough": strconv.FormatBool(p.writeThrough)}
-	for k, v := range map[string]string{"fsType": p.fsType, "transport": p.transport, "mpathPolicy": p.mpathPolicy} {
+	for k, v := range map[string]string{"fsType": p.fsType, "transport": p.transport, "mpathPolicy": p.mpathPolicy, PCFrontend: p.frontend} {
 		if v != "" {
 			vc[k] = v
 		}
@@ -563,9 +571,9 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 	if s := req.GetVolumeContext()["paths"]; s != "" {
 		paths = strings.Split(s, ",")
 	}
-	pc := map[string]string{"storageNode": n.cfg.Name, "device": v.Name, "paths": strings.Join(paths, ","),
-		"port": strconv.Itoa(n.cfg.Port), "access": access}
-	for _, k := range []string{"transport", "mpathPolicy"} {
+	pc := map[string]string{PCStorageNode: n.cfg.Name, PCExport: v.Name, PCPaths: strings.Join(paths, ","),
+		PCPort: strconv.Itoa(n.cfg.Port), "access": access}
+	for _, k := range []string{PCTransport, PCMpathPolicy, PCFrontend} {
 		if s := req.GetVolumeContext()[k]; s != "" {
 			pc[k] = s
 		}

@@ -255,7 +255,7 @@ func TestController(t *testing.T) {
 	if err != nil {
 		t.Fatal("ControllerPublishVolume:", err)
 	}
-	if resp.GetPublishContext()["device"] != "pvc-1" || resp.GetPublishContext()["paths"] != "ip:127.0.0.1" {
+	if resp.GetPublishContext()[PCExport] != "pvc-1" || resp.GetPublishContext()["paths"] != "ip:127.0.0.1" {
 		t.Errorf("publish context %v", resp.GetPublishContext())
 	}
 	if g := r.grants(v1.GetVolumeId()); g["host-1"] != "rw" || len(g) != 1 {

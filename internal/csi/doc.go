@@ -3,8 +3,3 @@
 // storage nodes' admin API (rnbd-server [admin]) and each worker node's
 // rnbd-client daemon. docs/kubernetes.md describes it.
 package csi
-
-import (
-	// The node's mount work: pinned here until the node service uses it.
-	_ "k8s.io/mount-utils"
-)

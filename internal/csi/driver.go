@@ -29,16 +29,14 @@ const (
 	ModeAll        Mode = "all"
 )
 
-// ErrNoNodeService: the node service is not built yet; a driver in node
-// or all mode is refused rather than serving a node that does nothing.
-var ErrNoNodeService = errors.New("the node service of rnbd-csi is not built yet: run --mode controller")
-
-// Driver serves the identity service and, by its mode, the controller.
+// Driver serves the identity service and, by its mode, the controller
+// and node services.
 type Driver struct {
 	cfg  Config
 	mode Mode
 	log  *log.Entry
 	ctrl *controller
+	node *NodeServer
 
 	mu  sync.Mutex
 	srv *grpc.Server
@@ -51,21 +49,25 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 		l = log.L
 	}
 	d := &Driver{cfg: cfg, mode: mode, log: l}
-	switch mode {
-	case ModeController:
-	case ModeNode, ModeAll:
-		return nil, ErrNoNodeService
-	default:
+	if mode != ModeController && mode != ModeNode && mode != ModeAll {
 		return nil, fmt.Errorf("mode %q: want controller, node or all", mode)
 	}
-	if err := cfg.ValidateController(); err != nil {
-		return nil, err
+	if mode != ModeNode {
+		if err := cfg.ValidateController(); err != nil {
+			return nil, err
+		}
+		c, err := newController(cfg, l)
+		if err != nil {
+			return nil, err
+		}
+		d.ctrl = c
 	}
-	c, err := newController(cfg, l)
-	if err != nil {
-		return nil, err
+	if mode != ModeController {
+		if err := cfg.ValidateNode(); err != nil {
+			return nil, err
+		}
+		d.node = NewNodeServer(NodeOptions{NodeID: cfg.Node.NodeID, Topology: cfg.Node.Labels, ClientSocket: cfg.Node.ClientSocket, Log: l})
 	}
-	d.ctrl = c
 	return d, nil
 }
 
@@ -113,6 +115,9 @@ func (d *Driver) Listen(endpoint string) (net.Addr, error) {
 	csi.RegisterIdentityServer(srv, &identity{d: d})
 	if d.ctrl != nil {
 		csi.RegisterControllerServer(srv, d.ctrl)
+	}
+	if d.node != nil {
+		csi.RegisterNodeServer(srv, d.node)
 	}
 	d.mu.Lock()
 	d.srv, d.lis = srv, lis

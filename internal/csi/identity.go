@@ -39,7 +39,8 @@ func (s *identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabili
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }
 
-// Probe: a controller is ready when at least one storage node answers.
+// Probe: a controller is ready when at least one storage node answers,
+// a node when its rnbd-client does.
 func (s *identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	if s.d.ctrl != nil {
 		var errs []error
@@ -54,6 +55,11 @@ func (s *identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeRe
 		}
 		if !ok {
 			return nil, status.Errorf(codes.FailedPrecondition, "no storage node answers: %v", errors.Join(errs...))
+		}
+	}
+	if s.d.node != nil {
+		if err := s.d.node.client.Do(ctx, "GET", "/v1/sessions", nil, nil); err != nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "this node's rnbd-client does not answer: %v", err)
 		}
 	}
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
