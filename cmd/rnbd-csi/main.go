@@ -25,7 +25,7 @@ const defaultConfig = "/etc/rnbd/csi.toml"
 func main() { cli.Main("rnbd-csi", newRoot()) }
 
 func newRoot() *cobra.Command {
-	var mode, endpoint, configFile, level string
+	var mode, endpoint, configFile, level, nodeID string
 	root := &cobra.Command{
 		Use:   "rnbd-csi",
 		Short: "rnbd's CSI driver: volumes on rnbd storage nodes for Kubernetes",
@@ -49,6 +49,9 @@ storage nodes of its configuration, through their admin API.`,
 			cfg, err := csi.LoadConfig(configFile)
 			if err != nil {
 				return ctl.Errorf(ctl.Classify(err), "%v", err)
+			}
+			if nodeID != "" {
+				cfg.Node.NodeID = nodeID // one ConfigMap, a node id per worker
 			}
 			d, err := csi.NewDriver(cfg, csi.Mode(mode), log.L)
 			if err != nil {
@@ -80,5 +83,6 @@ storage nodes of its configuration, through their admin API.`,
 	f.StringVar(&endpoint, "endpoint", "unix:///csi/csi.sock", "the unix socket to serve on (unix:///path)")
 	f.StringVar(&configFile, "config", defaultConfig, "the configuration file")
 	f.StringVar(&level, "log-level", "info", "debug, info, warning or error")
+	f.StringVar(&nodeID, "node-id", "", "this worker's node id, over [node] node_id: the name of its rnbd-client's certificate (in Kubernetes, the node's name)")
 	return root
 }

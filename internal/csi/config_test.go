@@ -5,6 +5,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
 )
 
 func writeConfig(t *testing.T, body string) string {
@@ -78,5 +81,34 @@ func TestStorageName(t *testing.T) {
 	a, b := storageName("my vol/1"), storageName("my vol/2")
 	if a == b || !storageNameRE.MatchString(a) || a != storageName("my vol/1") {
 		t.Errorf("derived names %q %q", a, b)
+	}
+}
+
+// The ConfigMap of deploy/kubernetes holds a configuration the driver
+// loads as it is: strictly (no unknown key), valid for the controller,
+// and for the node once the DaemonSet's --node-id gives the node id.
+func TestKubernetesConfigMapLoads(t *testing.T) {
+	b, err := os.ReadFile("../../deploy/kubernetes/config.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cm corev1.ConfigMap
+	if err := yaml.UnmarshalStrict(b, &cm); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "csi.toml")
+	if err := os.WriteFile(path, []byte(cm.Data["csi.toml"]), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(path)
+	if err != nil {
+		t.Fatalf("deploy/kubernetes/config.yaml's csi.toml: %v", err)
+	}
+	if err := cfg.ValidateController(); err != nil {
+		t.Fatalf("for the controller: %v", err)
+	}
+	cfg.Node.NodeID = "worker-1" // --node-id=$(KUBE_NODE_NAME)
+	if err := cfg.ValidateNode(); err != nil {
+		t.Fatalf("for the node: %v", err)
 	}
 }
