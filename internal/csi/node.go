@@ -214,6 +214,14 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 		s.port = uint16(v)
 	}
 	s.transport, s.policy, s.frontend = pc[PCTransport], pc[PCMpathPolicy], pc[PCFrontend]
+	if s.frontend == "" {
+		// ublk where the kernel has it (it survives a restart of the
+		// daemon), else the nbd driver.
+		s.frontend = "nbd"
+		if _, err := os.Stat("/dev/ublk-control"); err == nil {
+			s.frontend = "ublk"
+		}
+	}
 	vc := req.GetVolumeCapability()
 	switch {
 	case vc.GetBlock() != nil:
