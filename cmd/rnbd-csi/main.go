@@ -25,7 +25,7 @@ const defaultConfig = "/etc/rnbd/csi.toml"
 func main() { cli.Main("rnbd-csi", newRoot()) }
 
 func newRoot() *cobra.Command {
-	var mode, endpoint, configFile, level, nodeID string
+	var mode, endpoint, configFile, level, nodeID, metricsListen string
 	root := &cobra.Command{
 		Use:   "rnbd-csi",
 		Short: "rnbd's CSI driver: volumes on rnbd storage nodes for Kubernetes",
@@ -60,6 +60,12 @@ storage nodes of its configuration, through their admin API.`,
 			if _, err := d.Listen(endpoint); err != nil {
 				return err
 			}
+			if metricsListen != "" {
+				if err := d.ServeMetrics(metricsListen); err != nil {
+					d.Stop()
+					return err
+				}
+			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 			defer stop()
 			done := make(chan error, 1)
@@ -83,6 +89,7 @@ storage nodes of its configuration, through their admin API.`,
 	f.StringVar(&endpoint, "endpoint", "unix:///csi/csi.sock", "the unix socket to serve on (unix:///path)")
 	f.StringVar(&configFile, "config", defaultConfig, "the configuration file")
 	f.StringVar(&level, "log-level", "info", "debug, info, warning or error")
+	f.StringVar(&metricsListen, "metrics-listen", "", "HOST:PORT to serve Prometheus metrics on at /metrics: each CSI call counted by its gRPC code, and timed (empty: none)")
 	f.StringVar(&nodeID, "node-id", "", "this worker's node id, over [node] node_id: the name of its rnbd-client's certificate (in Kubernetes, the node's name)")
 	return root
 }

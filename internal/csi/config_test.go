@@ -64,13 +64,18 @@ node_id = "host-1"
 	}
 }
 
-// TestNodeModeRefused: the node service is not built: node and all
-// modes are refused, not served empty.
-func TestNodeModeRefused(t *testing.T) {
+// TestNodeModeNeedsItsConfig: node and all modes need the node's
+// identity ([node] node_id or --node-id); an unknown mode is refused.
+func TestNodeModeNeedsItsConfig(t *testing.T) {
 	for _, m := range []Mode{ModeNode, ModeAll, "other"} {
 		if _, err := NewDriver(DefaultConfig(), m, nil); err == nil {
-			t.Errorf("mode %s: no error", m)
+			t.Errorf("mode %s without a node id: no error", m)
 		}
+	}
+	cfg := DefaultConfig()
+	cfg.Node.NodeID = "worker-1"
+	if _, err := NewDriver(cfg, ModeNode, nil); err != nil {
+		t.Errorf("mode node with a node id: %v", err)
 	}
 }
 

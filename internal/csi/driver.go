@@ -12,11 +12,14 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/metrics"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -37,6 +40,10 @@ type Driver struct {
 	log  *log.Entry
 	ctrl *controller
 	node *NodeServer
+	// rpcs are the metrics of the calls answered; metrics serves them
+	// (nil: no metrics_listen).
+	rpcs    *rpcMetrics
+	metrics *metrics.Server
 
 	mu  sync.Mutex
 	srv *grpc.Server
@@ -48,7 +55,7 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 	if l == nil {
 		l = log.L
 	}
-	d := &Driver{cfg: cfg, mode: mode, log: l}
+	d := &Driver{cfg: cfg, mode: mode, log: l, rpcs: newRPCMetrics()}
 	if mode != ModeController && mode != ModeNode && mode != ModeAll {
 		return nil, fmt.Errorf("mode %q: want controller, node or all", mode)
 	}
@@ -126,6 +133,19 @@ func (d *Driver) Listen(endpoint string) (net.Addr, error) {
 	return lis.Addr(), nil
 }
 
+// ServeMetrics serves the driver's metrics at http://addr/metrics
+// (HOST:PORT; a loopback or the pod's address), until Stop.
+func (d *Driver) ServeMetrics(addr string) error {
+	m, err := metrics.Listen(addr, d.rpcs, d.log)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.metrics = m
+	d.mu.Unlock()
+	return nil
+}
+
 // Serve serves until Stop.
 func (d *Driver) Serve() error {
 	d.mu.Lock()
@@ -145,8 +165,11 @@ func (d *Driver) Serve() error {
 // removes it.
 func (d *Driver) Stop() {
 	d.mu.Lock()
-	srv, lis := d.srv, d.lis
+	srv, lis, m := d.srv, d.lis, d.metrics
 	d.mu.Unlock()
+	if m != nil {
+		m.Close()
+	}
 	if srv == nil {
 		return
 	}
@@ -157,9 +180,11 @@ func (d *Driver) Stop() {
 }
 
 // logCalls logs each call at debug, and a failed one at info with its
-// error.
+// error; and counts and times it (rpcMetrics).
 func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	began := time.Now()
 	resp, err := h(ctx, req)
+	d.rpcs.observe(info.FullMethod, status.Code(err), time.Since(began))
 	e := d.log.WithField("method", info.FullMethod)
 	if err != nil {
 		e.WithError(err).Info("CSI call failed")
