@@ -16,7 +16,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop, lvm; comma-separated; default all;
+#                  ublk, gonbd, rdma, interop, lvm, csi; comma-separated; default all;
 #                  lvm-bench, the fleet benchmark on a thin pool, only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
@@ -149,6 +149,9 @@ cp "$bb" "$root/bin/busybox"
 CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd ./tools/fleetbench
 # internal/pool's tests, for the lvm part: its LVM thin pool for real.
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
+# internal/csi's tests, for the csi part: the CSI node service on nbd and
+# ublk, mkfs and mount (RNBD_CSI_KERNEL=1).
+CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/csi.test" ./internal/csi
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
 CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/rdmahostile
@@ -197,7 +200,10 @@ copy_elf() {
 # fio, e2fsprogs' mkfs.ext4 and e2fsck, util-linux's blockdev: busybox has
 # none of them (its mke2fs makes ext2, its blockdev has no --getsize64).
 # iproute2's rdma adds the soft-RoCE device.
-for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo; do copy_elf "$(command -v $t)"; done
+# util-linux's blkid (what the CSI node service asks before it formats)
+# and fsck, e2fsprogs' resize2fs (its online growth).
+for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo blkid fsck resize2fs; do copy_elf "$(command -v $t)"; done
+ln -sf "$(command -v e2fsck)" "$root$(dirname "$(command -v fsck)")/fsck.ext4"
 mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
 for b in "$work"/bin/*; do
 	copy_elf "$b"

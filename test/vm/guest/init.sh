@@ -392,6 +392,15 @@ if want lvm; then
 	losetup -d "$lvmdev"
 fi
 
+# csi: the CSI node service on this kernel (internal/csi's OnKernel
+# tests): stage, publish, expand, unpublish, unstage through /dev/nbdN
+# and ublk with ext4, and a raw block volume; util-linux's blkid first in
+# PATH (busybox's has none of mount-utils' flags).
+if want csi; then
+	scenario csi-node
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin gotest csi /bin/csi.test -test.run OnKernel
+fi
+
 # lvm-bench (only when named): tools/fleetbench on a thin pool of its
 # own (docs/benchmarks.md, issue 33): 100 volumes made, granted and
 # deleted; its table on the console (VM_LOG keeps it).

@@ -1,0 +1,238 @@
+package csi
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/test/kit"
+)
+
+// kernelRig is a storage node (rnbd-server with a directory pool, no
+// TLS: its volumes open to any client) and a worker's rnbd-client, as
+// processes, for the node service on a real kernel.
+type kernelRig struct {
+	dir, bin string
+	port     int
+}
+
+// newKernelRig starts them, where the VM tier's csi part says the
+// kernel has nbd and ublk (RNBD_CSI_KERNEL=1, RNBD_BIN the directory of
+// the daemons); elsewhere the test is skipped: this machine's kernel
+// has neither.
+func newKernelRig(t *testing.T) *kernelRig {
+	t.Helper()
+	if os.Getenv("RNBD_CSI_KERNEL") != "1" {
+		t.Skip("needs a kernel with nbd and ublk: the VM tier's csi part runs it (RNBD_CSI_KERNEL=1)")
+	}
+	r := &kernelRig{dir: t.TempDir(), bin: os.Getenv("RNBD_BIN"), port: 1250}
+	pool := filepath.Join(r.dir, "pool")
+	if err := os.Mkdir(pool, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(r.dir, "server.toml")
+	err := os.WriteFile(conf, []byte(fmt.Sprintf("listen = [\"tcp://127.0.0.1:%d\"]\ncontrol_socket = %q\nstate_file = %q\n"+
+		"[[pool]]\nname = \"p\"\ntype = \"dir\"\npath = %q\n", r.port, filepath.Join(r.dir, "s.sock"), filepath.Join(r.dir, "s.json"), pool)), 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.start(t, "rnbd-server", "daemon", "--config", conf)
+	r.start(t, "rnbd-client", "daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
+		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s")
+	for _, s := range []string{"s.sock", "c.sock"} {
+		kit.WaitFor(t, 20*time.Second, s, func() bool { _, err := os.Stat(filepath.Join(r.dir, s)); return err == nil })
+	}
+	return r
+}
+
+func (r *kernelRig) start(t *testing.T, name string, args ...string) {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := exec.Command(filepath.Join(r.bin, name), args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(unix.SIGTERM)
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("%s:\n%s", name, out.String())
+		}
+	})
+}
+
+// srv runs an rnbd-server command against the storage node.
+func (r *kernelRig) srv(t *testing.T, args ...string) {
+	t.Helper()
+	out, err := exec.Command(filepath.Join(r.bin, "rnbd-server"), append(args, "--socket", filepath.Join(r.dir, "s.sock"))...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rnbd-server %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+func (r *kernelRig) node() *NodeServer {
+	return NewNodeServer(NodeOptions{NodeID: "w1", ClientSocket: filepath.Join(r.dir, "c.sock"), Log: log.Discard()})
+}
+
+func (r *kernelRig) context(export, frontend string) map[string]string {
+	return map[string]string{PCExport: export, PCStorageNode: "sn1", PCPaths: "ip:127.0.0.1", PCPort: fmt.Sprint(r.port), PCFrontend: frontend}
+}
+
+// mappings are the worker's rnbd-client devices.
+func (r *kernelRig) mappings(t *testing.T, n *NodeServer) []output.Record {
+	t.Helper()
+	var recs []output.Record
+	if err := n.client.Do(context.Background(), "GET", "/v1/devices", nil, &recs); err != nil {
+		t.Fatal(err)
+	}
+	return recs
+}
+
+// TestNodeOnKernel: a file system volume, through /dev/nbdN and
+// through ublk, as the kubelet drives the node service: staged (mapped,
+// formatted as it held nothing, mounted), staged again (success, nothing
+// redone), published (a bind mount, written through), grown on the
+// storage node and expanded (the file system grows, mounted), then
+// unpublished and unstaged (nothing left: no mount, no mapping), each
+// twice; staged again, the data is there (never formatted twice).
+func TestNodeOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	for _, fe := range []string{"nbd", "ublk"} {
+		t.Run(fe, func(t *testing.T) {
+			vol := "fs-" + fe
+			r.srv(t, "volume", "create", vol, "--pool", "p", "--size", "64MiB")
+			n := r.node()
+			ctx := context.Background()
+			id := "sn1/" + vol
+			staging, target := filepath.Join(r.dir, vol+"-staging"), filepath.Join(r.dir, vol+"-target")
+			vc := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+				AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+			stage := &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc, PublishContext: r.context(vol, fe)}
+			publish := &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: vc}
+			for range 2 {
+				if _, err := n.NodeStageVolume(ctx, stage); err != nil {
+					t.Fatal(err)
+				}
+			}
+			m := r.mappings(t, n)
+			if len(m) != 1 || !strings.Contains(m[0]["devpath"].(string), map[string]string{"nbd": "/dev/nbd", "ublk": "/dev/ublkb"}[fe]) {
+				t.Fatalf("mappings %v, want one %s device", m, fe)
+			}
+			if f, err := n.mounter.GetDiskFormat(m[0]["devpath"].(string)); err != nil || f != "ext4" {
+				t.Fatalf("the staged device holds %q (%v), want ext4", f, err)
+			}
+			for range 2 {
+				if _, err := n.NodePublishVolume(ctx, publish); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.WriteFile(filepath.Join(target, "data"), []byte("kept"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			st, err := n.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+			if err != nil || len(st.Usage) != 2 || st.Usage[0].Total <= 0 {
+				t.Fatalf("stats %v %v", st, err)
+			}
+			h, err := n.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id})
+			if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
+				t.Fatalf("health %v %v, want healthy", h, err)
+			}
+			before := st.Usage[0].Total
+			r.srv(t, "volume", "resize", vol, "128MiB")
+			ex, err := n.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: target})
+			if err != nil || ex.CapacityBytes != 128<<20 {
+				t.Fatalf("expand: %v %v", ex, err)
+			}
+			st, _ = n.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+			if st.Usage[0].Total <= before {
+				t.Fatalf("the file system did not grow: %d bytes, was %d", st.Usage[0].Total, before)
+			}
+			for range 2 {
+				if _, err := n.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if m := r.mappings(t, n); len(m) != 0 {
+				t.Fatalf("mappings left after unstage: %v", m)
+			}
+			if notMnt, _ := n.mounter.IsLikelyNotMountPoint(staging); !notMnt {
+				t.Fatal("the staging path is still mounted")
+			}
+			// Staged again: the data is there, not formatted over.
+			if _, err := n.NodeStageVolume(ctx, stage); err != nil {
+				t.Fatal(err)
+			}
+			if b, err := os.ReadFile(filepath.Join(staging, "data")); err != nil || string(b) != "kept" {
+				t.Fatalf("after a second stage: %q %v", b, err)
+			}
+			n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		})
+	}
+}
+
+// TestNodeBlockOnKernel: a raw block volume is staged (mapped, nothing
+// formatted) and published as the device node bound on a file at the
+// target, which writes reach; unpublish and unstage leave nothing.
+func TestNodeBlockOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	r.srv(t, "volume", "create", "blk", "--pool", "p", "--size", "16MiB")
+	n := r.node()
+	ctx := context.Background()
+	vc := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	staging, target := filepath.Join(r.dir, "blk-staging"), filepath.Join(r.dir, "blk-target")
+	if _, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: staging,
+		VolumeCapability: vc, PublishContext: r.context("blk", "")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: staging,
+		TargetPath: target, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(target, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte("raw!"), 4096); err != nil {
+		t.Fatal(err)
+	}
+	f.Sync()
+	f.Close()
+	if fi, err := os.Stat(target); err != nil || fi.Mode()&os.ModeDevice == 0 {
+		t.Fatalf("the target %v (%v) is not the device node", fi, err)
+	}
+	if _, err := n.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "sn1/blk", TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.mappings(t, n); len(m) != 0 {
+		t.Fatalf("mappings left: %v", m)
+	}
+	// What was written reached the volume's file on the storage node.
+	b := make([]byte, 4)
+	vf, err := os.Open(filepath.Join(r.dir, "pool", "blk.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vf.Close()
+	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
+		t.Fatalf("the volume holds %q (%v)", b, err)
+	}
+}
