@@ -232,6 +232,21 @@ func (r *rig) grants(id string) map[string]string {
 	return out
 }
 
+// accessibility: the plugin reports VOLUME_ACCESSIBILITY_CONSTRAINTS.
+func (r *rig) accessibility() bool {
+	r.t.Helper()
+	pc, err := r.id.GetPluginCapabilities(context.Background(), &csi.GetPluginCapabilitiesRequest{})
+	if err != nil {
+		r.t.Fatal("GetPluginCapabilities:", err)
+	}
+	for _, c := range pc.GetCapabilities() {
+		if c.GetService().GetType() == csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS {
+			return true
+		}
+	}
+	return false
+}
+
 // TestController: create (a retry finds the volume; the name with
 // another size is AlreadyExists), placement by free capacity, publish
 // and unpublish as grants on the storage node, expansion, list pages,
@@ -245,6 +260,9 @@ func TestController(t *testing.T) {
 	}
 	if _, err := r.id.Probe(ctx, &csi.ProbeRequest{}); err != nil {
 		t.Fatal("Probe:", err)
+	}
+	if r.accessibility() {
+		t.Error("accessibility constraints reported where no storage node has topology labels")
 	}
 
 	v1 := r.mustCreate("pvc-1", 1<<30, map[string]string{"writeThrough": "true"}, nil)
@@ -391,6 +409,9 @@ func TestControllerTopology(t *testing.T) {
 	r := newRig(t, map[string]string{zone: "a"}, map[string]string{zone: "b"})
 	ctx := context.Background()
 	seg := func(z string) *csi.Topology { return &csi.Topology{Segments: map[string]string{zone: z}} }
+	if !r.accessibility() {
+		t.Error("no accessibility constraints reported: the storage nodes have topology labels")
+	}
 	for _, z := range []string{"b", "a", "b"} {
 		v := r.mustCreate("pvc-"+z+fmt.Sprint(time.Now().UnixNano()), 64<<20, nil, &csi.TopologyRequirement{Requisite: []*csi.Topology{seg(z)}})
 		if got := v.GetAccessibleTopology(); len(got) != 1 || got[0].GetSegments()[zone] != z {
