@@ -581,8 +581,14 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
 }
 
+// ControllerUnpublishVolume revokes the node's grant (every node's
+// where none is named). A volume that is no more is unpublished from
+// every node: success, as the spec asks.
 func (c *controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
+	if status.Code(err) == codes.NotFound {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
 	if err != nil {
 		return nil, err
 	}

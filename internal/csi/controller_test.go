@@ -22,8 +22,9 @@ import (
 	"github.com/rnbd/rnbd/test/kit"
 )
 
-// serverBin is rnbd-server, built once for the package's tests.
-var serverBin string
+// serverBin and clientBin are rnbd-server and rnbd-client, built once
+// for the package's tests.
+var serverBin, clientBin string
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "rnbd-csi-test-")
@@ -31,9 +32,10 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	serverBin = filepath.Join(dir, "rnbd-server")
-	if out, err := exec.Command("go", "build", "-o", serverBin, "github.com/rnbd/rnbd/cmd/rnbd-server").CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "building rnbd-server: %v\n%s", err, out)
+	serverBin, clientBin = filepath.Join(dir, "rnbd-server"), filepath.Join(dir, "rnbd-client")
+	if out, err := exec.Command("go", "build", "-o", dir, "github.com/rnbd/rnbd/cmd/rnbd-server", "github.com/rnbd/rnbd/cmd/rnbd-client").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "building rnbd-server and rnbd-client: %v\n%s", err, out)
+		os.RemoveAll(dir)
 		os.Exit(1)
 	}
 	code := m.Run()
@@ -77,52 +79,11 @@ func newRig(t *testing.T, labels ...map[string]string) *rig {
 	}
 	ca := filepath.Join(r.pki, "ca.crt")
 	for i, name := range names {
-		nd := filepath.Join(dir, name)
-		pool := filepath.Join(nd, "pool")
+		pool := filepath.Join(dir, name, "pool")
 		if err := os.MkdirAll(pool, 0o700); err != nil {
 			t.Fatal(err)
 		}
-		port, aport := freePort(t), freePort(t)
-		conf := filepath.Join(nd, "server.toml")
-		err := os.WriteFile(conf, fmt.Appendf(nil, `listen = ["tcp://127.0.0.1:%d"]
-control_socket = %q
-state_file = %q
-[tls]
-cert = %q
-key = %q
-ca = %q
-[admin]
-listen = ["127.0.0.1:%d"]
-provisioners = ["csi-controller"]
-[[pool]]
-name = "files"
-type = "dir"
-path = %q
-`, port, filepath.Join(nd, "s.sock"), filepath.Join(nd, "s.json"), filepath.Join(r.pki, name+".crt"),
-			filepath.Join(r.pki, name+".key"), ca, aport, pool), 0o600)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out, err := os.Create(filepath.Join(nd, "log"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cmd := exec.Command(serverBin, "daemon", "--config", conf)
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cmd.Process.Signal(os.Interrupt)
-			cmd.Wait()
-			out.Close()
-			if t.Failed() {
-				b, _ := os.ReadFile(out.Name())
-				t.Logf("%s:\n%s", name, b)
-			}
-		})
-		sn := StorageNode{Name: name, Admin: fmt.Sprintf("https://127.0.0.1:%d", aport), Paths: []string{"ip:127.0.0.1"},
-			Port: port, Pool: "files"}
+		sn := startStorageNode(t, filepath.Join(dir, name), r.pki, name, pool)
 		if i < len(labels) {
 			sn.Labels = labels[i]
 		}
@@ -161,6 +122,65 @@ path = %q
 	})
 	r.cc, r.id = csi.NewControllerClient(conn), csi.NewIdentityClient(conn)
 	return r
+}
+
+// startStorageNode runs rnbd-server name (its certificate in pki, by
+// scripts/test-ca.sh) with a dir pool "files" at pool and an admin
+// listener whose provisioner is csi-controller, its files under nd; it
+// is stopped when the test ends.
+func startStorageNode(t *testing.T, nd, pki, name, pool string) StorageNode {
+	t.Helper()
+	if err := os.MkdirAll(nd, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	port, aport := freePort(t), freePort(t)
+	conf := filepath.Join(nd, "server.toml")
+	err := os.WriteFile(conf, fmt.Appendf(nil, `listen = ["tcp://127.0.0.1:%d"]
+control_socket = %q
+state_file = %q
+[tls]
+cert = %q
+key = %q
+ca = %q
+[admin]
+listen = ["127.0.0.1:%d"]
+provisioners = ["csi-controller"]
+[[pool]]
+name = "files"
+type = "dir"
+path = %q
+`, port, filepath.Join(nd, "s.sock"), filepath.Join(nd, "s.json"), filepath.Join(pki, name+".crt"),
+		filepath.Join(pki, name+".key"), filepath.Join(pki, "ca.crt"), aport, pool), 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startDaemon(t, name, filepath.Join(nd, "log"), serverBin, "daemon", "--config", conf)
+	return StorageNode{Name: name, Admin: fmt.Sprintf("https://127.0.0.1:%d", aport), Paths: []string{"ip:127.0.0.1"},
+		Port: port, Pool: "files"}
+}
+
+// startDaemon runs bin with args, its output in logFile (shown when the
+// test fails), and interrupts it when the test ends.
+func startDaemon(t *testing.T, name, logFile, bin string, args ...string) {
+	t.Helper()
+	out, err := os.Create(logFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		cmd.Wait()
+		out.Close()
+		if t.Failed() {
+			b, _ := os.ReadFile(logFile)
+			t.Logf("%s:\n%s", name, b)
+		}
+	})
 }
 
 func mountCap(mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
@@ -212,6 +232,21 @@ func (r *rig) grants(id string) map[string]string {
 	return out
 }
 
+// accessibility: the plugin reports VOLUME_ACCESSIBILITY_CONSTRAINTS.
+func (r *rig) accessibility() bool {
+	r.t.Helper()
+	pc, err := r.id.GetPluginCapabilities(context.Background(), &csi.GetPluginCapabilitiesRequest{})
+	if err != nil {
+		r.t.Fatal("GetPluginCapabilities:", err)
+	}
+	for _, c := range pc.GetCapabilities() {
+		if c.GetService().GetType() == csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS {
+			return true
+		}
+	}
+	return false
+}
+
 // TestController: create (a retry finds the volume; the name with
 // another size is AlreadyExists), placement by free capacity, publish
 // and unpublish as grants on the storage node, expansion, list pages,
@@ -225,6 +260,9 @@ func TestController(t *testing.T) {
 	}
 	if _, err := r.id.Probe(ctx, &csi.ProbeRequest{}); err != nil {
 		t.Fatal("Probe:", err)
+	}
+	if r.accessibility() {
+		t.Error("accessibility constraints reported where no storage node has topology labels")
 	}
 
 	v1 := r.mustCreate("pvc-1", 1<<30, map[string]string{"writeThrough": "true"}, nil)
@@ -371,6 +409,9 @@ func TestControllerTopology(t *testing.T) {
 	r := newRig(t, map[string]string{zone: "a"}, map[string]string{zone: "b"})
 	ctx := context.Background()
 	seg := func(z string) *csi.Topology { return &csi.Topology{Segments: map[string]string{zone: z}} }
+	if !r.accessibility() {
+		t.Error("no accessibility constraints reported: the storage nodes have topology labels")
+	}
 	for _, z := range []string{"b", "a", "b"} {
 		v := r.mustCreate("pvc-"+z+fmt.Sprint(time.Now().UnixNano()), 64<<20, nil, &csi.TopologyRequirement{Requisite: []*csi.Topology{seg(z)}})
 		if got := v.GetAccessibleTopology(); len(got) != 1 || got[0].GetSegments()[zone] != z {

@@ -31,10 +31,18 @@ func (s *identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabili
 			return &csi.PluginCapability{Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{Type: t}}}
 		}
 		caps = append(caps, svc(csi.PluginCapability_Service_CONTROLLER_SERVICE),
-			svc(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
 			// A volume grows while a session has it open.
 			&csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
 				VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE}}})
+		// Volumes are accessible from some nodes only where the storage
+		// nodes have topology labels; without, every volume is
+		// accessible everywhere and the nodes report no topology.
+		for _, n := range s.d.cfg.StorageNodes {
+			if len(n.Labels) > 0 {
+				caps = append(caps, svc(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS))
+				break
+			}
+		}
 	}
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }

@@ -404,10 +404,10 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	switch {
 	case id == "" || target == "":
 		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
-	case staging == "":
-		return nil, status.Error(codes.FailedPrecondition, "staging_target_path is missing: the volume is staged first")
 	case req.GetVolumeCapability() == nil:
 		return nil, status.Error(codes.InvalidArgument, "volume_capability is missing")
+	case staging == "":
+		return nil, status.Error(codes.FailedPrecondition, "staging_target_path is missing: the volume is staged first")
 	}
 	unlock, err := n.lock(id)
 	if err != nil {
