@@ -28,15 +28,15 @@ type kernelRig struct {
 }
 
 // newKernelRig starts them, where the VM tier's csi part says the
-// kernel has nbd and ublk (RNBD_CSI_KERNEL=1, RNBD_BIN the directory of
-// the daemons); elsewhere the test is skipped: this machine's kernel
-// has neither.
+// kernel has nbd and ublk (RNBD_CSI_KERNEL=1; RNBD_BIN, the directory
+// of the daemons, read by TestMain); elsewhere the test is skipped: this
+// machine's kernel has neither.
 func newKernelRig(t *testing.T) *kernelRig {
 	t.Helper()
 	if os.Getenv("RNBD_CSI_KERNEL") != "1" {
 		t.Skip("needs a kernel with nbd and ublk: the VM tier's csi part runs it (RNBD_CSI_KERNEL=1)")
 	}
-	r := &kernelRig{dir: t.TempDir(), bin: os.Getenv("RNBD_BIN"), port: 1250}
+	r := &kernelRig{dir: t.TempDir(), bin: filepath.Dir(serverBin), port: 1250}
 	pool := filepath.Join(r.dir, "pool")
 	if err := os.Mkdir(pool, 0o700); err != nil {
 		t.Fatal(err)
