@@ -11,6 +11,8 @@ package csi
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/url"
@@ -126,9 +128,16 @@ func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 
 // sessName is the session a worker maps a storage node's exports in:
 // its own (a server binds a session name to the identity that first
-// uses it), one per storage node.
+// uses it), one per storage node. A session name has no '.' nor '/'
+// (RTRS's rule); node ids (host names) often have dots: such a name is
+// written with '_' and made unique again by a hash of what it was.
 func (n *NodeServer) sessName(storageNode string) string {
-	return n.opts.NodeID + "." + storageNode
+	s := n.opts.NodeID + "@" + storageNode
+	if !strings.ContainsAny(s, "./") {
+		return s
+	}
+	sum := sha256.Sum256([]byte(s))
+	return strings.NewReplacer(".", "_", "/", "_").Replace(s) + "-" + hex.EncodeToString(sum[:4])
 }
 
 // mapping is a device the worker's rnbd-client has mapped.

@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -22,7 +23,7 @@ func TestParseStage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.sess != "host-a.sn1" || len(s.paths) != 2 || s.port != 1234 || s.fsType != "xfs" || !s.readOnly || s.block {
+	if s.sess != "host-a@sn1" || len(s.paths) != 2 || s.port != 1234 || s.fsType != "xfs" || !s.readOnly || s.block {
 		t.Fatalf("parsed %+v", s)
 	}
 	for name, req := range map[string]*csi.NodeStageVolumeRequest{
@@ -38,6 +39,12 @@ func TestParseStage(t *testing.T) {
 		if _, err := n.parseStage(req); status.Code(err) != codes.InvalidArgument {
 			t.Errorf("%s: %v, want InvalidArgument", name, err)
 		}
+	}
+	// A node id with dots (a host name): a session name without them,
+	// unique to it.
+	dotted := NewNodeServer(NodeOptions{NodeID: "host-a.example", ClientSocket: "/nonexistent"})
+	if a, b := dotted.sessName("sn1"), NewNodeServer(NodeOptions{NodeID: "host-a_example"}).sessName("sn1"); strings.ContainsAny(a, "./") || a == b {
+		t.Fatalf("session names %q and %q", a, b)
 	}
 	// A second RPC on a volume under way: Aborted.
 	unlock, err := n.lock("sn1/pvc-1")
