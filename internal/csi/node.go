@@ -13,6 +13,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -480,9 +481,9 @@ func (n *NodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
 
-// NodeExpandVolume implements csi.NodeServer: the mapping told to
-// learn its new size at once (rnbd-client resize), then the file
-// system grown online (resize2fs, xfs_growfs).
+// NodeExpandVolume implements csi.NodeServer: once the mapping has
+// learnt the size asked (its size poll), the file system grown online
+// (resize2fs, xfs_growfs).
 func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
 	id, path := req.GetVolumeId(), req.GetVolumePath()
 	if id == "" || path == "" {
@@ -501,12 +502,12 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if m.device == "" {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", id)
 	}
-	if err := n.client.Do(ctx, "POST", "/v1/devices/"+url.PathEscape(m.device)+"/resize", map[string]any{}, nil); err != nil {
-		return nil, clientError(err)
-	}
-	size, err := deviceSize(m.devpath)
+	// The storage node grew the volume (ControllerExpandVolume): the
+	// mapping learns it by its size poll (rnbd.DefaultSizePoll, 5 s),
+	// waited for here.
+	size, err := n.waitSize(ctx, m.devpath, req.GetCapacityRange().GetRequiredBytes())
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "%s: %v", m.devpath, err)
+		return nil, err
 	}
 	if req.GetVolumeCapability().GetBlock() != nil {
 		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
@@ -515,6 +516,37 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, status.Errorf(codes.Internal, "growing the file system of %s at %s: %v", m.devpath, path, err)
 	}
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// sizeWait bounds how long NodeExpandVolume waits for a mapping to
+// learn a volume's new size: two of the client's size polls, and more.
+const sizeWait = 15 * time.Second
+
+// waitSize waits until the block device at path is at least want bytes
+// (want 0: as it is), and answers its size.
+func (n *NodeServer) waitSize(ctx context.Context, path string, want int64) (int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, sizeWait)
+	defer cancel()
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		size, err := deviceSize(path)
+		if err != nil {
+			return 0, status.Errorf(codes.Internal, "%s: %v", path, err)
+		}
+		if size >= want {
+			return size, nil
+		}
+		select {
+		case <-ctx.Done():
+			if strings.HasPrefix(path, "/dev/ublkb") {
+				// ublk learnt UPDATE_SIZE in Linux 6.16.
+				return 0, status.Errorf(codes.FailedPrecondition, "%s is %d bytes, %d asked: a ublk device grows online only on Linux 6.16 and later; unstage and stage the volume again (or map it with frontend nbd)", path, size, want)
+			}
+			return 0, status.Errorf(codes.Unavailable, "%s is %d bytes, %d asked: the mapping did not learn the volume's new size within %v (was the volume grown on its storage node?)", path, size, want, sizeWait)
+		case <-t.C:
+		}
+	}
 }
 
 // deviceSize is a block device's size in bytes.
@@ -589,7 +621,8 @@ func (n *NodeServer) noPath(ctx context.Context, id string) string {
 		return fmt.Sprintf("rnbd-client: %v", err)
 	}
 	for _, r := range recs {
-		if act, _ := r["act_path_cnt"].(float64); act > 0 {
+		// Records decode numbers as json.Number (output.Record).
+		if act, _ := r["act_path_cnt"].(json.Number); act != "" && act != "0" {
 			return ""
 		}
 	}
