@@ -38,6 +38,8 @@ type Config struct {
 	TLS conf.TLS `toml:"tls"`
 	// Node is the worker node's side (the node service).
 	Node NodeConfig `toml:"node"`
+	// Workers is how the controller knows the worker nodes.
+	Workers WorkersConfig `toml:"workers"`
 }
 
 // StorageNode is one rnbd-server: where its admin API listens, how
@@ -80,7 +82,8 @@ const DefaultClientSocket = "/run/rnbd/client.sock"
 
 // DefaultConfig is the configuration before the file is read.
 func DefaultConfig() Config {
-	return Config{Version: configVersion, DriverName: DefaultDriverName, Node: NodeConfig{ClientSocket: DefaultClientSocket}}
+	return Config{Version: configVersion, DriverName: DefaultDriverName, Node: NodeConfig{ClientSocket: DefaultClientSocket},
+		Workers: WorkersConfig{Source: WorkersKubernetes}}
 }
 
 // LoadConfig reads the configuration file at path (which must exist)
@@ -155,6 +158,9 @@ func (c Config) Validate() error {
 		}
 	}
 	if err := c.TLS.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.Workers.validate(); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)

@@ -41,7 +41,7 @@ node_id = "host-1"
 		t.Fatal(err)
 	}
 	if cfg.DriverName != DefaultDriverName || cfg.StorageNodes[0].Port != DefaultPort || cfg.Node.ClientSocket != DefaultClientSocket ||
-		cfg.StorageNodes[0].Labels["topology.kubernetes.io/zone"] != "a" {
+		cfg.StorageNodes[0].Labels["topology.kubernetes.io/zone"] != "a" || cfg.Workers.Source != WorkersKubernetes {
 		t.Errorf("loaded %+v", cfg)
 	}
 	for _, tc := range []struct{ body, want string }{
@@ -53,6 +53,11 @@ node_id = "host-1"
 		{strings.Replace(good, `cert = "c.crt"`, ``, 1), "cert"},
 		{good + "[[storage_node]]\nname = \"node-a\"\nadmin = \"https://h:1\"\npaths = [\"ip:1.2.3.4\"]\npool = \"p\"\n", "named twice"},
 		{"driver_name = \"-bad\"\n" + good, "driver_name"},
+		{good + "[workers]\nsource = \"kube\"\n", "want kubernetes, list or any"},
+		{good + "[workers]\nsource = \"list\"\n", "no names"},
+		{good + "[workers]\nnames = [\"w1\"]\n", "names are for source list"},
+		{good + "[workers]\nsource = \"list\"\nnames = [\"w1\"]\napi_server = \"https://k:6443\"\n", "for source kubernetes"},
+		{good + "[workers]\napi_server = \"http://k:6443\"\n", "api_server"},
 	} {
 		_, err := LoadConfig(writeConfig(t, tc.body))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

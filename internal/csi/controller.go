@@ -48,6 +48,8 @@ type controller struct {
 	cfg   Config
 	log   *log.Entry
 	nodes []*storageNode
+	// workers are the worker nodes a volume may be published to.
+	workers workers
 
 	// busy are the volumes (CSI names, volume and snapshot ids) with an
 	// operation under way: another on the same is Aborted.
@@ -60,7 +62,11 @@ func newController(cfg Config, l *log.Entry) (*controller, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &controller{cfg: cfg, log: l, busy: map[string]bool{}}
+	w, err := newWorkers(cfg.Workers, cfg.DriverName)
+	if err != nil {
+		return nil, err
+	}
+	c := &controller{cfg: cfg, log: l, busy: map[string]bool{}, workers: w}
 	for i := range cfg.StorageNodes {
 		n := &cfg.StorageNodes[i]
 		cl, err := ctl.DialTLS(n.Admin, tc)
@@ -536,6 +542,12 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
+	}
+	switch ok, err := c.workers.has(ctx, req.GetNodeId()); {
+	case err != nil:
+		return nil, status.Errorf(codes.Unavailable, "is node %s a worker: %v", req.GetNodeId(), err)
+	case !ok:
+		return nil, status.Errorf(codes.NotFound, "no worker node %s: %s", req.GetNodeId(), c.workers)
 	}
 	unlock, err := c.lock(req.GetVolumeId())
 	if err != nil {

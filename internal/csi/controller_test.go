@@ -97,6 +97,7 @@ func newRig(t *testing.T, labels ...map[string]string) *rig {
 	cfg := DefaultConfig()
 	cfg.StorageNodes = r.nodes
 	cfg.TLS.Cert, cfg.TLS.Key, cfg.TLS.CA = filepath.Join(r.pki, "csi-controller.crt"), filepath.Join(r.pki, "csi-controller.key"), ca
+	cfg.Workers = WorkersConfig{Source: WorkersList, Names: []string{"host-1", "host-2", "h"}}
 	d, err := NewDriver(cfg, ModeController, log.Discard())
 	if err != nil {
 		t.Fatal(err)
@@ -316,6 +317,13 @@ func TestController(t *testing.T) {
 	}
 	if g := r.grants(v2.GetVolumeId()); g["host-2"] != "ro" {
 		t.Errorf("grants after a read-only publish: %v", g)
+	}
+	// A node no worker has: NotFound, and nothing granted to it.
+	if _, err := pub(v2.GetVolumeId(), "host-9", true, mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY)); status.Code(err) != codes.NotFound {
+		t.Errorf("publish to an unknown node: %v, want NotFound", err)
+	}
+	if g := r.grants(v2.GetVolumeId()); g["host-9"] != "" {
+		t.Errorf("an unknown node granted: %v", g)
 	}
 	for range 2 {
 		if _, err := r.cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v1.GetVolumeId(), NodeId: "host-1"}); err != nil {

@@ -86,6 +86,7 @@ func TestSanity(t *testing.T) {
 	cfg.StorageNodes = nodes
 	cfg.TLS.Cert, cfg.TLS.Key, cfg.TLS.CA = filepath.Join(pki, "csi-controller.crt"), filepath.Join(pki, "csi-controller.key"), filepath.Join(pki, "ca.crt")
 	cfg.Node.NodeID, cfg.Node.ClientSocket, cfg.Node.Labels = sanityNodeID, csock, zone
+	cfg.Workers = WorkersConfig{Source: WorkersList, Names: []string{sanityNodeID}}
 	d, err := NewDriver(cfg, ModeAll, log.Discard())
 	if err != nil {
 		t.Fatal(err)
