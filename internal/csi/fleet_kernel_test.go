@@ -71,6 +71,7 @@ type fleetVol struct {
 	storage  string
 	frontend string
 	block    bool
+	size     int64
 	vc       *csi.VolumeCapability
 	volCtx   map[string]string
 	w        *fleetWorker // published to, nil if not
@@ -300,11 +301,41 @@ path = %q
 }
 
 // startStorage starts (or starts again) a storage node and waits for
-// its control socket and its admin listener.
+// its control socket. Its log goes on in one file, RNBD_CSI_LOGS/NAME.log
+// (shown when the test fails); one cleanup, made at the first start,
+// stops the process it has then: it runs after the volumes' (a storage
+// node stopped before the workers unmount its volumes hangs them).
 func (f *fleet) startStorage(s *fleetStorage) {
-	f.t.Helper()
-	s.cmd = f.r.run(f.t, s.name, filepath.Join(f.r.bin, "rnbd-server"), "daemon", "--config", s.conf)
-	kit.WaitFor(f.t, 60*time.Second, s.name+"'s control socket", func() bool {
+	t := f.t
+	t.Helper()
+	logs := os.Getenv("RNBD_CSI_LOGS")
+	if logs == "" {
+		logs = f.r.dir
+	}
+	logFile := filepath.Join(logs, s.name+".log")
+	out, err := os.OpenFile(logFile, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(f.r.bin, "rnbd-server"), "daemon", "--config", s.conf)
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	out.Close() // the daemon has it
+	first := s.cmd == nil
+	s.cmd = cmd
+	if first {
+		t.Cleanup(func() {
+			s.cmd.Process.Signal(unix.SIGTERM)
+			s.cmd.Wait()
+			if t.Failed() {
+				b, _ := os.ReadFile(logFile)
+				t.Logf("%s:\n%s", s.name, b)
+			}
+		})
+	}
+	kit.WaitFor(t, 60*time.Second, s.name+"'s control socket", func() bool {
 		return s.ctl.Do(context.Background(), "GET", "/v1/pools", nil, nil) == nil
 	})
 }
@@ -352,7 +383,7 @@ func (f *fleet) serve(cfg Config, mode Mode, name string) *grpc.ClientConn {
 func (f *fleet) createVolumes() {
 	f.step("create", 3*time.Minute, func(ctx context.Context) error {
 		for i := range fleetVolumes {
-			v := &fleetVol{name: fmt.Sprintf("fleet-%02d", i), frontend: "nbd", block: i < 2}
+			v := &fleetVol{name: fmt.Sprintf("fleet-%02d", i), frontend: "nbd", block: i < 2, size: fleetSize}
 			if i%2 == 1 {
 				v.frontend = "ublk"
 			}
@@ -384,7 +415,7 @@ func (f *fleet) other(s *fleetStorage) *fleetStorage {
 
 // create is CreateVolume of v (from a snapshot if src is set).
 func (f *fleet) create(ctx context.Context, v *fleetVol, src *csi.VolumeContentSource) error {
-	rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: v.name, CapacityRange: &csi.CapacityRange{RequiredBytes: fleetSize},
+	rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: v.name, CapacityRange: &csi.CapacityRange{RequiredBytes: v.size},
 		VolumeCapabilities: []*csi.VolumeCapability{v.vc}, Parameters: map[string]string{"frontend": v.frontend}, VolumeContentSource: src})
 	if err != nil {
 		return fmt.Errorf("CreateVolume %s: %w", v.name, err)
@@ -757,6 +788,7 @@ func (f *fleet) expand() {
 		if rsp.CapacityBytes != fleetGrown || !rsp.NodeExpansionRequired {
 			return fmt.Errorf("ControllerExpandVolume: %v, want %d bytes and node expansion", rsp, fleetGrown)
 		}
+		v.size = fleetGrown
 		if _, err := v.w.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: v.id, VolumePath: v.target,
 			StagingTargetPath: v.staging, CapacityRange: cr, VolumeCapability: v.vc}); err != nil {
 			return fmt.Errorf("NodeExpandVolume: %w", err)
@@ -797,7 +829,7 @@ func (f *fleet) snapshotRestore() {
 		if _, err := writeFile(filepath.Join(v.target, "snapped"), 1<<20); err != nil {
 			return err
 		}
-		r := &fleetVol{name: "fleet-restored", frontend: "nbd", vc: v.vc}
+		r := &fleetVol{name: "fleet-restored", frontend: "nbd", vc: v.vc, size: v.size}
 		if err := f.create(ctx, r, &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
 			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}); err != nil {
 			return err
