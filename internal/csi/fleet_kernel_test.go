@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -81,6 +82,7 @@ type fleetVol struct {
 
 type fleet struct {
 	t       *testing.T
+	console io.Writer // the VM guest's console (RNBD_CSI_CONSOLE=1), or nil
 	r       *kernelRig
 	ip      string
 	dir     string // the staging and target paths are under it
@@ -105,14 +107,26 @@ func (f *fleet) step(name string, d time.Duration, fn func(ctx context.Context) 
 	select {
 	case err := <-done:
 		if err != nil {
+			f.say("step %q failed after %.1fs: %v", name, time.Since(began).Seconds(), err)
 			f.t.Fatalf("step %q failed after %.1fs: %v", name, time.Since(began).Seconds(), err)
 		}
 	case <-time.After(d + 15*time.Second):
+		f.say("step %q not done within %v", name, d)
 		f.t.Fatalf("step %q not done within %v", name, d)
 	}
 	s := fmt.Sprintf("%s %.1fs", name, time.Since(began).Seconds())
 	f.times = append(f.times, s)
 	f.t.Logf("step %s", s)
+	f.say("step %s", s)
+}
+
+// say writes a line to the VM guest's console: a test stuck in the
+// kernel (a device whose IO never ends) never gets to print its own
+// output.
+func (f *fleet) say(format string, args ...any) {
+	if f.console != nil {
+		fmt.Fprintf(f.console, "DETAIL csi-fleet: "+format+"\n", args...)
+	}
 }
 
 // ipCmd runs iproute2's ip.
@@ -142,6 +156,10 @@ func TestFleetOnKernel(t *testing.T) {
 		}
 	}
 	f := &fleet{t: t, r: &kernelRig{dir: t.TempDir(), bin: filepath.Dir(serverBin)}, began: time.Now()}
+	if c, err := os.OpenFile("/dev/console", os.O_WRONLY, 0); err == nil && os.Getenv("RNBD_CSI_CONSOLE") == "1" {
+		t.Cleanup(func() { c.Close() })
+		f.console = c
+	}
 	f.dir = filepath.Join(f.r.dir, "kubelet")
 	f.ip = os.Getenv("RNBD_CSI_IP")
 	if f.ip == "" {
@@ -163,7 +181,7 @@ func TestFleetOnKernel(t *testing.T) {
 	f.deleteAll()
 	f.nothingLeft(devsBefore)
 
-	fmt.Printf("TPUT csi-fleet %d volumes on 2 storage nodes (%d and %d), 2 workers: %.1fs in all; %s\n", fleetVolumes+1,
+	fmt.Printf("TPUT csi-fleet %d volumes and 1 restored on 2 storage nodes (%d and %d), 2 workers: %.1fs in all; %s\n", fleetVolumes,
 		f.storage[0].volumeCount, f.storage[1].volumeCount, time.Since(f.began).Seconds(), strings.Join(f.times, ", "))
 }
 
@@ -318,17 +336,21 @@ func (f *fleet) startStorage(s *fleetStorage) {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(filepath.Join(f.r.bin, "rnbd-server"), "daemon", "--config", s.conf)
-	cmd.Stdout, cmd.Stderr = out, out
+	var w io.Writer = out
+	if f.console != nil {
+		w = io.MultiWriter(out, prefixed{f.console, s.name})
+	}
+	cmd.Stdout, cmd.Stderr = w, w
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	out.Close() // the daemon has it
 	first := s.cmd == nil
 	s.cmd = cmd
 	if first {
 		t.Cleanup(func() {
 			s.cmd.Process.Signal(unix.SIGTERM)
 			s.cmd.Wait()
+			out.Close()
 			if t.Failed() {
 				b, _ := os.ReadFile(logFile)
 				t.Logf("%s:\n%s", s.name, b)
@@ -613,7 +635,9 @@ func (f *fleet) killStorageNode() {
 	v := f.pick(func(v *fleetVol) bool { return v.storage == s.name })
 	w := newBlockWriter(filepath.Join(v.target, "under-kill"))
 	go w.run()
-	f.t.Cleanup(w.stop)
+	// Not waited for: a write stuck in the kernel would hang the test
+	// before it says anything.
+	f.t.Cleanup(w.quitNoWait)
 	var killedAt int64
 	f.step("kill -9 "+s.name+" under IO on "+v.id, time.Minute, func(ctx context.Context) error {
 		if err := w.waitFor(ctx, 16); err != nil {
@@ -716,6 +740,8 @@ func (w *blockWriter) run() {
 		w.count.Add(1)
 	}
 }
+
+func (w *blockWriter) quitNoWait() { w.once.Do(func() { close(w.quit) }) }
 
 func (w *blockWriter) stop() {
 	w.once.Do(func() { close(w.quit) })
@@ -867,6 +893,14 @@ func (f *fleet) deleteAll() {
 				if err := f.unpublish(ctx, v); err != nil {
 					return err
 				}
+			}
+			// Unpublished, the export has no grant left.
+			_, export, _ := strings.Cut(v.id, "/")
+			var grants []output.Record
+			if err := f.storageNode(v.storage).ctl.Do(ctx, "GET", "/v1/exports/"+export+"/grants", nil, &grants); err != nil {
+				return fmt.Errorf("grants of %s: %w", v.id, err)
+			} else if len(grants) != 0 {
+				return fmt.Errorf("%s unpublished still has grants: %v", v.id, grants)
 			}
 			if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id}); err != nil {
 				return fmt.Errorf("DeleteVolume %s: %w", v.id, err)

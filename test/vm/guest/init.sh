@@ -413,7 +413,7 @@ if want csi-fleet; then
 	scenario csi-fleet
 	f0=$fail
 	mkdir -p /tmp/csi-fleet-logs
-	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-logs RNBD_CSI_IP=/usr/sbin/ip \
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-logs RNBD_CSI_IP=/usr/sbin/ip RNBD_CSI_CONSOLE=1 \
 		gotest csi-fleet /bin/csi.test -test.run '^TestFleetOnKernel$' -test.timeout 570s
 	grep '^TPUT ' /tmp/csi-fleet.out
 	if [ "$fail" != "$f0" ]; then
