@@ -709,7 +709,9 @@ func (w *blockWriter) run() {
 		w.failure = err
 		w.mu.Unlock()
 	}
-	fd, err := unix.Open(w.path, unix.O_RDWR|unix.O_CREAT|unix.O_DIRECT, 0o600)
+	// O_CLOEXEC: the storage node started again meanwhile would hold
+	// the file, and its mount busy, for ever.
+	fd, err := unix.Open(w.path, unix.O_RDWR|unix.O_CREAT|unix.O_DIRECT|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		fail(err)
 		return
@@ -773,7 +775,7 @@ func (w *blockWriter) waitFor(ctx context.Context, n int64) error {
 
 // verify reads every slot back with O_DIRECT.
 func (w *blockWriter) verify() error {
-	fd, err := unix.Open(w.path, unix.O_RDONLY|unix.O_DIRECT, 0)
+	fd, err := unix.Open(w.path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
