@@ -638,10 +638,15 @@ func (f *fleet) killStorageNode() {
 	// Not waited for: a write stuck in the kernel would hang the test
 	// before it says anything.
 	f.t.Cleanup(w.quitNoWait)
-	var killedAt int64
+	var killedAt, reconnected int64
+	sess := (&NodeServer{opts: NodeOptions{NodeID: v.w.name}}).sessName(s.name)
 	f.step("kill -9 "+s.name+" under IO on "+v.id, time.Minute, func(ctx context.Context) error {
 		if err := w.waitFor(ctx, 16); err != nil {
 			return fmt.Errorf("before the kill: %w", err)
+		}
+		var err error
+		if reconnected, err = reconnects(ctx, v.w, sess); err != nil {
+			return err
 		}
 		if err := s.cmd.Process.Kill(); err != nil {
 			return err
@@ -662,10 +667,35 @@ func (f *fleet) killStorageNode() {
 		if err := w.err(); err != nil {
 			return err
 		}
+		// The client lost its path and made it again.
+		if n, err := reconnects(ctx, v.w, sess); err != nil || n <= reconnected {
+			return fmt.Errorf("session %s of %s: %d reconnects (%v), %d before the kill", sess, v.w.name, n, err, reconnected)
+		}
 		return w.verify()
 	})
 	// And the volume takes a whole fio verify after it.
 	f.step("fio-verify after the restart", 2*time.Minute, func(ctx context.Context) error { return f.fio(ctx, v, "after-kill") })
+}
+
+// reconnects are the successful reconnects of the paths of session sess
+// of w's rnbd-client.
+func reconnects(ctx context.Context, w *fleetWorker, sess string) (int64, error) {
+	var paths []struct {
+		Reconnects struct {
+			Successful int64 `json:"successful"`
+		} `json:"reconnects"`
+	}
+	if err := w.client.Do(ctx, "GET", "/v1/paths?session="+sess, nil, &paths); err != nil {
+		return 0, fmt.Errorf("paths of %s on %s: %w", sess, w.name, err)
+	}
+	if len(paths) == 0 {
+		return 0, fmt.Errorf("session %s on %s has no path", sess, w.name)
+	}
+	var n int64
+	for _, p := range paths {
+		n += p.Reconnects.Successful
+	}
+	return n, nil
 }
 
 // blockWriter writes 64 KiB blocks with O_DIRECT round the first slots
