@@ -653,7 +653,18 @@ func (f *fleet) killStorageNode() {
 		}
 		s.cmd.Wait()
 		killedAt = w.count.Load()
-		return nil
+		// Started again only once the client has seen its path go: the
+		// IO waits for it meanwhile.
+		for {
+			if st, err := pathStates(ctx, v.w, sess); err == nil && !slices.Contains(st, "CONNECTED") {
+				return nil
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("session %s of %s still has a path connected to the killed %s", sess, v.w.name, s.name)
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
 	})
 	// Started again, its log going on in the same file.
 	began := time.Now()
@@ -675,6 +686,22 @@ func (f *fleet) killStorageNode() {
 	})
 	// And the volume takes a whole fio verify after it.
 	f.step("fio-verify after the restart", 2*time.Minute, func(ctx context.Context) error { return f.fio(ctx, v, "after-kill") })
+}
+
+// pathStates are the rtrs_state of the paths of session sess of w's
+// rnbd-client.
+func pathStates(ctx context.Context, w *fleetWorker, sess string) ([]string, error) {
+	var paths []struct {
+		State string `json:"rtrs_state"`
+	}
+	if err := w.client.Do(ctx, "GET", "/v1/paths?session="+sess, nil, &paths); err != nil {
+		return nil, err
+	}
+	var st []string
+	for _, p := range paths {
+		st = append(st, p.State)
+	}
+	return st, nil
 }
 
 // reconnects are the successful reconnects of the paths of session sess
