@@ -16,6 +16,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -494,7 +495,15 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	defer unlock()
-	storageNode, export, _ := strings.Cut(id, "/")
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		return nil, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME", id)
+	}
+	// The path first: the answer for one that is not there needs not
+	// the client daemon.
+	if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
+	}
 	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
 	if err != nil {
 		return nil, err
