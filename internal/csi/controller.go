@@ -62,7 +62,7 @@ func newController(cfg Config, l *log.Entry) (*controller, error) {
 	if err != nil {
 		return nil, err
 	}
-	w, err := newWorkers(cfg.Workers, cfg.DriverName)
+	w, err := newWorkers(cfg.Workers, cfg.Kubernetes, cfg.DriverName)
 	if err != nil {
 		return nil, err
 	}

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -57,6 +58,9 @@ type NodeOptions struct {
 	NodeID string
 	// Topology are its topology labels (NodeGetInfo).
 	Topology map[string]string
+	// NodeLabels, where set, gives more of them at each NodeGetInfo:
+	// those of the worker's Kubernetes Node ([node] topology_from_node).
+	NodeLabels func(context.Context) (map[string]string, error)
 	// ClientSocket is its rnbd-client daemon's control socket.
 	ClientSocket string
 	// DeviceWait bounds how long a mapped device node takes to appear.
@@ -106,10 +110,23 @@ func (n *NodeServer) lock(id string) (func(), error) {
 }
 
 // NodeGetInfo implements csi.NodeServer.
-func (n *NodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+func (n *NodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	rsp := &csi.NodeGetInfoResponse{NodeId: n.opts.NodeID}
-	if len(n.opts.Topology) > 0 {
-		rsp.AccessibleTopology = &csi.Topology{Segments: n.opts.Topology}
+	topo := maps.Clone(n.opts.Topology)
+	if n.opts.NodeLabels != nil {
+		// node-driver-registrar retries a registration that failed: the
+		// API server away a moment is not a worker without a zone.
+		labels, err := n.opts.NodeLabels(ctx)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "topology: %v", err)
+		}
+		if topo == nil {
+			topo = map[string]string{}
+		}
+		maps.Copy(topo, labels)
+	}
+	if len(topo) > 0 {
+		rsp.AccessibleTopology = &csi.Topology{Segments: topo}
 	}
 	return rsp, nil
 }
