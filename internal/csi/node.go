@@ -21,6 +21,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -329,13 +330,59 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		opts = append(opts, "ro")
 	}
 	// SafeFormatAndMount looks with blkid first: a device that holds
-	// a file system or anything else is never formatted.
+	// a file system or anything blkid knows is never formatted. What it
+	// does not know (a raw block volume's database, say) is looked for
+	// too: a volume never written reads zeros.
+	if err := n.refuseUnknownData(m.devpath, s.id); err != nil {
+		undo()
+		return nil, err
+	}
 	if err := n.mounter.FormatAndMount(m.devpath, s.staging, s.fsType, opts); err != nil {
 		undo()
 		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
 	}
 	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// dataProbe is how much of a device's start and of its end
+// refuseUnknownData reads: where file systems, partition tables and
+// most formats keep their headers and backups.
+const dataProbe = 1 << 20
+
+// refuseUnknownData is FailedPrecondition where the device holds no
+// signature blkid knows but is not blank: its first or last MiB has a
+// byte that is not zero. Formatting it would destroy data mkfs's caller
+// cannot see (a volume that was used raw, then asked for as a file
+// system). A device with a file system passes: it is mounted, not
+// formatted.
+func (n *NodeServer) refuseUnknownData(dev, id string) error {
+	format, err := n.mounter.GetDiskFormat(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "blkid %s (volume %s): %v", dev, id, err)
+	}
+	if format != "" {
+		return nil
+	}
+	f, err := os.Open(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	defer f.Close()
+	size, err := deviceSize(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	buf := make([]byte, min(dataProbe, size))
+	for _, off := range []int64{0, max(0, size-dataProbe)} {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return status.Errorf(codes.Internal, "reading %s (volume %s) at %d: %v", dev, id, off, err)
+		}
+		if i := slices.IndexFunc(buf, func(b byte) bool { return b != 0 }); i >= 0 {
+			return status.Errorf(codes.FailedPrecondition, "%s (volume %s) holds data at byte %d but no file system blkid knows: not formatting it; stage it as a raw block volume, or clear it yourself if it is not needed", dev, id, off+int64(i))
+		}
+	}
+	return nil
 }
 
 // mapExport maps s's export through the worker's rnbd-client.

@@ -296,4 +296,66 @@ func TestNodeBlockOnKernel(t *testing.T) {
 	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
 		t.Fatalf("the volume holds %q (%v)", b, err)
 	}
+
+	// The same volume asked for as a file system: it holds data blkid
+	// knows no format of, so it is not formatted; the stage fails and
+	// leaves no mapping, no mount, and the data as it was.
+	fsStaging := filepath.Join(r.dir, "blk-fs-staging")
+	t.Cleanup(func() {
+		n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: fsStaging})
+	})
+	_, err = n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: fsStaging,
+		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), PublishContext: r.context("blk", "")})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "holds data at byte 4096") {
+		t.Fatalf("staging a raw volume with data as ext4: %v, want FailedPrecondition naming byte 4096", err)
+	}
+	r.nothingStaged(t, n, fsStaging)
+	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
+		t.Fatalf("after the refused stage the volume holds %q (%v)", b, err)
+	}
+}
+
+// TestNodeFailedStageOnKernel: a stage whose mount fails (a mount
+// option the file system refuses) undoes its mapping: no device, no
+// mount left, on nbd and on ublk; a stage after it, with good options,
+// works.
+func TestNodeFailedStageOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	n := r.node()
+	ctx := context.Background()
+	for _, fe := range []string{"nbd", "ublk"} {
+		vol := "bad-" + fe
+		r.srv(t, "volume", "create", vol, "--pool", "p", "--size", "32MiB")
+		staging := filepath.Join(r.dir, vol+"-staging")
+		t.Cleanup(func() {
+			n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging})
+		})
+		vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+		vc.GetMount().MountFlags = []string{"rnbd_no_such_option"}
+		req := &csi.NodeStageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging, VolumeCapability: vc, PublishContext: r.context(vol, fe)}
+		if _, err := n.NodeStageVolume(ctx, req); status.Code(err) != codes.Internal {
+			t.Fatalf("%s: a stage whose mount fails: %v, want Internal", fe, err)
+		}
+		r.nothingStaged(t, n, staging)
+		req.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatalf("%s: staged after a failed stage: %v", fe, err)
+		}
+		if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging}); err != nil {
+			t.Fatal(err)
+		}
+		r.nothingStaged(t, n, staging)
+	}
+}
+
+// nothingStaged: the worker's daemon maps nothing and staging is not a
+// mount point.
+func (r *kernelRig) nothingStaged(t *testing.T, n *NodeServer, staging string) {
+	t.Helper()
+	if m := r.mappings(t, n); len(m) != 0 {
+		t.Fatalf("mappings left: %v", m)
+	}
+	if notMnt, err := n.mounter.IsLikelyNotMountPoint(staging); err == nil && !notMnt {
+		t.Fatalf("%s is still mounted", staging)
+	}
 }
