@@ -27,6 +27,12 @@ import (
 type kernelRig struct {
 	dir, bin string
 	port     int
+	client   *exec.Cmd // the worker's rnbd-client
+}
+
+func (r *kernelRig) clientArgs() []string {
+	return []string{"daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
+		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s"}
 }
 
 // newKernelRig starts them, where the VM tier's csi part says the
@@ -50,8 +56,7 @@ func newKernelRig(t *testing.T) *kernelRig {
 		t.Fatal(err)
 	}
 	r.start(t, "rnbd-server", "daemon", "--config", conf)
-	r.start(t, "rnbd-client", "daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
-		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s")
+	r.client = r.start(t, "rnbd-client", r.clientArgs()...)
 	for _, s := range []string{"s.sock", "c.sock"} {
 		kit.WaitFor(t, 20*time.Second, s, func() bool { _, err := os.Stat(filepath.Join(r.dir, s)); return err == nil })
 	}
@@ -60,7 +65,7 @@ func newKernelRig(t *testing.T) *kernelRig {
 
 // start runs a daemon, its output in RNBD_CSI_LOGS/NAME.log (the VM
 // guest shows them when the test hangs) or the test's directory.
-func (r *kernelRig) start(t *testing.T, name string, args ...string) {
+func (r *kernelRig) start(t *testing.T, name string, args ...string) *exec.Cmd {
 	t.Helper()
 	logs := os.Getenv("RNBD_CSI_LOGS")
 	if logs == "" {
@@ -83,14 +88,17 @@ func (r *kernelRig) start(t *testing.T, name string, args ...string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		cmd.Process.Signal(unix.SIGTERM)
-		cmd.Wait()
+		if cmd.ProcessState == nil { // not waited for by a test that killed it
+			cmd.Process.Signal(unix.SIGTERM)
+			cmd.Wait()
+		}
 		out.Close()
 		if t.Failed() {
 			b, _ := os.ReadFile(out.Name())
 			t.Logf("%s:\n%s", name, b)
 		}
 	})
+	return cmd
 }
 
 // prefixed writes each write with its daemon's name before it.
@@ -345,6 +353,86 @@ func TestNodeFailedStageOnKernel(t *testing.T) {
 			t.Fatal(err)
 		}
 		r.nothingStaged(t, n, staging)
+	}
+}
+
+// TestNodeRestartOnKernel: a worker whose rnbd-client dies (kill -9)
+// and whose node plugin restarts with volumes staged: the restarted
+// daemon takes its devices back (nbd's reconfigure, ublk's user
+// recovery), the mounts stay and carry IO, a new node plugin's stage
+// of the staged volume is success with nothing redone, and unstage
+// leaves nothing.
+func TestNodeRestartOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	n := r.node()
+	ctx := context.Background()
+	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	stages := map[string]*csi.NodeStageVolumeRequest{}
+	for _, fe := range []string{"nbd", "ublk"} {
+		vol := "rs-" + fe
+		r.srv(t, "volume", "create", vol, "--pool", "p", "--size", "32MiB")
+		req := &csi.NodeStageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: filepath.Join(r.dir, vol+"-staging"),
+			VolumeCapability: vc, PublishContext: r.context(vol, fe)}
+		stages[fe] = req
+		t.Cleanup(func() {
+			r.node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: req.VolumeId, StagingTargetPath: req.StagingTargetPath})
+		})
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(req.StagingTargetPath, "before"), []byte(fe), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	devices := r.mappings(t, n)
+
+	r.client.Process.Kill()
+	r.client.Wait()
+	os.Remove(filepath.Join(r.dir, "c.sock"))
+	r.client = r.start(t, "rnbd-client", r.clientArgs()...)
+	kit.WaitFor(t, 20*time.Second, "the restarted rnbd-client's socket", func() bool {
+		_, err := os.Stat(filepath.Join(r.dir, "c.sock"))
+		return err == nil
+	})
+	n = r.node() // the node plugin restarted too: it keeps nothing
+	for fe, req := range stages {
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatalf("%s: staging a staged volume after the restarts: %v", fe, err)
+		}
+		// The mount carries IO through the restored device.
+		p := filepath.Join(req.StagingTargetPath, "after")
+		if err := os.WriteFile(p, []byte(fe), 0o600); err != nil {
+			t.Fatalf("%s: writing after the restart: %v", fe, err)
+		}
+		f, err := os.Open(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = f.Sync()
+		f.Close()
+		if err != nil {
+			t.Fatalf("%s: fsync after the restart: %v", fe, err)
+		}
+		if b, err := os.ReadFile(filepath.Join(req.StagingTargetPath, "before")); err != nil || string(b) != fe {
+			t.Fatalf("%s: the file written before: %q %v", fe, b, err)
+		}
+	}
+	if after := r.mappings(t, n); len(after) != len(devices) {
+		t.Fatalf("mappings before the restart %v, after %v", devices, after)
+	} else {
+		for i := range after {
+			if after[i]["devpath"] != devices[i]["devpath"] {
+				t.Fatalf("device %v came back as %v", devices[i]["devpath"], after[i]["devpath"])
+			}
+		}
+	}
+	for _, req := range stages {
+		if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: req.VolumeId, StagingTargetPath: req.StagingTargetPath}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, req := range stages {
+		r.nothingStaged(t, n, req.StagingTargetPath)
 	}
 }
 
