@@ -121,6 +121,9 @@ func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+		// The access modes SINGLE_NODE_SINGLE_WRITER (one publish at
+		// most, NodePublishVolume checks) and _MULTI_WRITER.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
 	}
@@ -456,6 +459,20 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	if !notMnt {
 		return &csi.NodePublishVolumeResponse{}, nil // published already
+	}
+	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		// Published once at most: any other mount of what the target
+		// would bind (the staging mount, or the device node) is a
+		// publish at another target.
+		refs, err := mount.SearchMountPoints(source, "/proc/self/mountinfo")
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "mounts of %s: %v", source, err)
+		}
+		for _, r := range refs {
+			if r != target && r != source {
+				return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published at %s already: its access mode SINGLE_NODE_SINGLE_WRITER allows one publish", id, r)
+			}
+		}
 	}
 	if err := n.mounter.Mount(source, target, "", opts); err != nil {
 		return nil, status.Errorf(codes.Internal, "binding %s at %s: %v", source, target, err)
