@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -62,7 +63,8 @@ func TestParseStage(t *testing.T) {
 
 // A SINGLE_NODE_SINGLE_WRITER volume is published once at most: a
 // second target is FailedPrecondition, the same target again success;
-// SINGLE_NODE_MULTI_WRITER may be published at both. The staging
+// SINGLE_NODE_MULTI_WRITER may be published at both. A refused target
+// is not left behind (csi-sanity's next spec could not make its own). The staging
 // mount is a tmpfs here (a file system volume's publish is a bind
 // mount of it; no device needed).
 func TestPublishSingleWriter(t *testing.T) {
@@ -96,6 +98,9 @@ func TestPublishSingleWriter(t *testing.T) {
 	}
 	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("a second target: %v, want FailedPrecondition", err)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "t2")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused target is left behind: %v", err)
 	}
 	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER); err != nil {
 		t.Fatalf("a second target, SINGLE_NODE_MULTI_WRITER: %v", err)
