@@ -31,6 +31,7 @@ const sanityNodeID = "worker-1"
 // is a regular expression matched against the spec's full text (see
 // docs/testing.md, "csi-sanity on the host").
 var needsBlockDevice = []string{
+	`Node Service NodePublishVolume with single node multi writer capability should fail when volume with single node single writer access mode is already mounted at a different target path`,
 	`Node Service NodeUnpublishVolume should remove target path`,
 	`Node Service NodeGetVolumeStats should fail when volume does not exist on the specified path`,
 	`Node Service NodeExpandVolume should work if node-expand is called after node-publish`,

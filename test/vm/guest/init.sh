@@ -418,6 +418,9 @@ if want csi-sanity; then
 		PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_SANITY_ACCESS=$a RNBD_CSI_SANITY_FRONTEND=$f \
 			gotest csi-sanity-$a-$f /bin/csi.test -test.run '^TestSanity$' -test.timeout 500s -ginkgo.no-color
 		grep -a '^TPUT csi-sanity' /tmp/csi-sanity-$a-$f.out || res csi-sanity-$a-$f-counts FAIL "no TPUT line"
+		# The specs that failed (ginkgo's summary; the daemons' logs
+		# after it push it out of gotest's tail).
+		grep -a '^ *\[FAIL\] ' /tmp/csi-sanity-$a-$f.out | sed 's/^ */DETAIL /'
 		# Each skip and the suite's reason, for the console log only.
 		grep -a 'sanity_test.go:[0-9]*: skipped: ' /tmp/csi-sanity-$a-$f.out | sed "s/.*sanity_test.go:[0-9]*: skipped: /SKIP $a-$f: /"
 	done
