@@ -140,6 +140,9 @@ func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+		// The access modes SINGLE_NODE_SINGLE_WRITER (one publish at
+		// most, NodePublishVolume checks) and _MULTI_WRITER.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
 	}
@@ -493,8 +496,8 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if req.GetReadonly() {
 		opts = append(opts, "ro")
 	}
-	source := staging
-	if req.GetVolumeCapability().GetBlock() != nil {
+	source, block := staging, req.GetVolumeCapability().GetBlock() != nil
+	if block {
 		storageNode, export, _ := strings.Cut(id, "/")
 		m, err := n.findMapping(ctx, n.sessName(storageNode), export)
 		if err != nil {
@@ -504,6 +507,28 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
 		}
 		source = m.devpath
+	}
+	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		// Published once at most: any other mount of what the target
+		// would bind (the staging mount, or the device node) is a
+		// publish at another target. Checked before the target is
+		// made, so a refusal leaves nothing behind.
+		refs, err := mount.SearchMountPoints(source, "/proc/self/mountinfo")
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "mounts of %s: %v", source, err)
+		}
+		for _, r := range refs {
+			if r != filepath.Clean(target) && r != source {
+				return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published at %s already: its access mode SINGLE_NODE_SINGLE_WRITER allows one publish", id, r)
+			}
+		}
+	}
+	// The target: a file to bind the device node on (block), a
+	// directory to bind the staging mount on; removed again if this
+	// call made it and the bind fails.
+	_, err = os.Lstat(target)
+	made := errors.Is(err, os.ErrNotExist)
+	if block {
 		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
 			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
 		}
@@ -523,6 +548,9 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return &csi.NodePublishVolumeResponse{}, nil // published already
 	}
 	if err := n.mounter.Mount(source, target, "", opts); err != nil {
+		if made {
+			os.Remove(target)
+		}
 		return nil, status.Errorf(codes.Internal, "binding %s at %s: %v", source, target, err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
