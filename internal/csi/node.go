@@ -589,7 +589,8 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	defer unlock()
 	storageNode, export, ok := strings.Cut(id, "/")
 	if !ok {
-		return nil, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME", id)
+		// Not an id this driver gives: no such volume.
+		return nil, status.Errorf(codes.NotFound, "volume_id %q: no volume (ids are STORAGE-NODE/VOLUME)", id)
 	}
 	// The path first: the answer for one that is not there needs not
 	// the client daemon.
