@@ -109,7 +109,10 @@ dpkg -r rnbd-server rnbd-client rnbd-csi >/dev/null || die "dpkg -r"
 [ ! -e /usr/sbin/rnbd-server ] && [ ! -e /usr/sbin/rnbd-client ] && [ ! -e /usr/bin/rnbd-csi ] || die "binaries left after remove"
 [ -f /etc/rnbd/client.toml ] || die "remove took the conffile (only purge may)"
 [ -f /var/lib/rnbd/server.json ] && [ -f /var/lib/rnbd/client.json ] || die "remove took the state (only purge may)"
-dpkg -P rnbd-server rnbd-client rnbd-csi >/dev/null || die "dpkg -P"
+# rnbd-csi has no conffile and makes nothing: removed, it is gone whole.
+[ -z "$(dpkg-query -W -f '${db:Status-Status}' rnbd-csi 2>/dev/null | grep -v '^not-installed$')" ] ||
+	die "rnbd-csi after remove: $(dpkg-query -W -f '${db:Status-Status}' rnbd-csi)"
+dpkg -P rnbd-server rnbd-client >/dev/null || die "dpkg -P"
 left=$(ls -d /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /usr/share/doc/rnbd-csi /usr/share/man/*/rnbd-csi* \
 	/lib/systemd/system/rnbd-*.service \
 	/etc/systemd/system/*.wants/rnbd-* /var/lib/rnbd ${srv:+/srv/rnbd} 2>/dev/null || true)
