@@ -2,10 +2,8 @@
 // own rnbd-client daemon (its control socket, the worker's certificate
 // its identity), formatted only if it holds no file system, and mounted;
 // each step is undone by the one that mirrors it, and each is idempotent.
-//
-// Being built (issue 34): the kernel paths (/dev/nbdN, ublk, mkfs,
-// mount) run only in the VM tier, where this service is to be proven
-// by csi-sanity and the fleet scenario.
+// The kernel paths (/dev/nbdN, ublk, mkfs, mount) are tested in the VM
+// tier (node_kernel_test.go, csi-sanity, the fleet scenario).
 
 package csi
 
