@@ -22,7 +22,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 	"unsafe"
 
@@ -75,8 +74,7 @@ type NodeServer struct {
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
 
-	mu   sync.Mutex
-	busy map[string]bool // volume ids with an RPC under way: Aborted for another
+	busy inFlight // volume ids with an RPC under way
 }
 
 // NewNodeServer makes the node service of opts.
@@ -89,24 +87,12 @@ func NewNodeServer(opts NodeOptions) *NodeServer {
 	}
 	ex := utilexec.New()
 	return &NodeServer{opts: opts, client: ctl.Dial(opts.ClientSocket),
-		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex), busy: map[string]bool{}}
+		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex)}
 }
 
 // lock takes volume id for one RPC; another under way is Aborted, as
 // the spec asks.
-func (n *NodeServer) lock(id string) (func(), error) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.busy[id] {
-		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is under way", id)
-	}
-	n.busy[id] = true
-	return func() {
-		n.mu.Lock()
-		delete(n.busy, id)
-		n.mu.Unlock()
-	}, nil
-}
+func (n *NodeServer) lock(id string) (func(), error) { return n.busy.lock("volume " + id) }
 
 // NodeGetInfo implements csi.NodeServer.
 func (n *NodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
@@ -189,20 +175,7 @@ func (n *NodeServer) findMapping(ctx context.Context, sess, export string) (mapp
 
 // clientError is an error of the worker's rnbd-client as a gRPC status.
 func clientError(err error) error {
-	code := codes.Internal
-	switch ctl.Classify(err) {
-	case ctl.CodeUnavailable:
-		code = codes.Unavailable
-	case ctl.CodeNotFound:
-		code = codes.NotFound
-	case ctl.CodeInvalid:
-		code = codes.InvalidArgument
-	case ctl.CodePermission:
-		code = codes.PermissionDenied
-	case ctl.CodeBusy:
-		code = codes.FailedPrecondition
-	}
-	return status.Errorf(code, "rnbd-client: %v", err)
+	return status.Errorf(grpcCode(err), "rnbd-client: %v", err)
 }
 
 // stageRequest is what NodeStageVolume needs, checked.
