@@ -80,7 +80,7 @@ func newWorkers(cfg WorkersConfig, kc KubernetesConfig, driverName string) (work
 	}
 	k, err := newKubeClient(kc)
 	if err != nil {
-		return nil, fmt.Errorf("[workers] source kubernetes: %w", err)
+		return nil, fmt.Errorf("[workers] source kubernetes (the default): %w; outside Kubernetes, list the workers (source = \"list\", names = [...])", err)
 	}
 	return &csiNodes{kube: k, driverName: driverName, pageSize: 500}, nil
 }
