@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -57,6 +58,10 @@ func hasBlockDevice() bool {
 func TestSanity(t *testing.T) {
 	if testing.Short() {
 		t.Skip("csi-sanity starts three daemons and runs about a hundred specs")
+	}
+	if parallelFlag() && os.Getenv(sanityChild) == "" {
+		sanityInChild(t)
+		return
 	}
 	dir := t.TempDir()
 	pki := writeSanityPKI(t, filepath.Join(dir, "pki"))
@@ -180,6 +185,41 @@ func TestSanity(t *testing.T) {
 		fmt.Printf("TPUT csi-sanity %s: %d passed, %d skipped, %d pending, %d failed\n", label, passed, skipped, pending, failed)
 	})
 	sanity.Test(t, sc)
+}
+
+// sanityChild marks the process sanityInChild starts.
+const sanityChild = "RNBD_CSI_SANITY_CHILD"
+
+// parallelFlag: the test binary was given -test.parallel, which Ginkgo
+// refuses ("Use of go test -parallel"): its specs do not run in
+// parallel that way. make test gives it, for the other packages' sake.
+func parallelFlag() bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	return set
+}
+
+// sanityInChild runs TestSanity again in a process of this test binary
+// started without -test.parallel, its output in the test's log and its
+// TPUT line on stdout, and fails where it fails.
+func sanityInChild(t *testing.T) {
+	args := []string{"-test.run=^TestSanity$", "-test.count=1", "-test.v"}
+	if d, ok := t.Deadline(); ok {
+		args = append(args, "-test.timeout="+time.Until(d).Round(time.Second).String())
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	// The daemons this process built already (TestMain reads RNBD_BIN).
+	cmd.Env = append(os.Environ(), sanityChild+"=1", "RNBD_BIN="+filepath.Dir(serverBin))
+	out, err := cmd.CombinedOutput()
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, "TPUT ") {
+			fmt.Println(l)
+		}
+	}
+	if err != nil {
+		t.Fatalf("csi-sanity, in a process without -test.parallel: %v\n%s", err, out)
+	}
+	t.Logf("csi-sanity, in a process without -test.parallel (Ginkgo refuses it):\n%s", out)
 }
 
 // writeSanityPKI writes the certificates TestSanity's daemons present,
