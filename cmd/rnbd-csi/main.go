@@ -1,6 +1,6 @@
 // Command rnbd-csi is rnbd's Container Storage Interface driver: its
-// identity and controller services (and, later, the node service) on a
-// unix socket, for Kubernetes' CSI sidecars. See internal/csi.
+// identity, controller and node services on a unix socket, for
+// Kubernetes' CSI sidecars and the kubelet. See internal/csi.
 package main
 
 import (
@@ -29,10 +29,15 @@ func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:   "rnbd-csi",
 		Short: "rnbd's CSI driver: volumes on rnbd storage nodes for Kubernetes",
-		Long: `rnbd-csi serves the CSI identity and controller services on a unix
-socket: volumes created, published, expanded, snapshotted and deleted on the
-storage nodes of its configuration, through their admin API.`,
-		Example: `  rnbd-csi --mode controller --endpoint unix:///csi/csi.sock --config /etc/rnbd/csi.toml`,
+		Long: `rnbd-csi serves the CSI identity service and, by --mode, the controller
+service, the node service, or both, on a unix socket. The controller creates,
+publishes (grants to a worker), expands, snapshots and deletes volumes on the
+storage nodes of its configuration, through their admin API. The node plugin
+runs on each worker: it maps a published volume through the worker's
+rnbd-client daemon, formats it (ext4 or xfs) only if it holds no file system,
+mounts it, and undoes each step. docs/kubernetes.md describes it.`,
+		Example: `  rnbd-csi --mode controller --endpoint unix:///csi/csi.sock --config /etc/rnbd/csi.toml
+  rnbd-csi --mode node --node-id worker-1 --endpoint unix:///csi/csi.sock`,
 		Args:    cobra.NoArgs,
 		Version: version.Get().String(),
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -48,7 +53,8 @@ storage nodes of its configuration, through their admin API.`,
 			}
 			cfg, err := csi.LoadConfig(configFile)
 			if err != nil {
-				return ctl.Errorf(ctl.Classify(err), "%v", err)
+				// 3 missing, 7 unreadable, else 2 (rnbd-csi(8)).
+				return cli.ConfigError(err)
 			}
 			if nodeID != "" {
 				cfg.Node.NodeID = nodeID // one ConfigMap, a node id per worker
@@ -57,13 +63,15 @@ storage nodes of its configuration, through their admin API.`,
 			if err != nil {
 				return ctl.Errorf(ctl.CodeInvalid, "config %s: %v", configFile, err)
 			}
+			// A driver that cannot serve exits 1 whatever the errno
+			// (rnbd-csi(8)), as the daemons do.
 			if _, err := d.Listen(endpoint); err != nil {
-				return err
+				return ctl.Errorf(ctl.CodeInternal, "%v", err)
 			}
 			if metricsListen != "" {
 				if err := d.ServeMetrics(metricsListen); err != nil {
 					d.Stop()
-					return err
+					return ctl.Errorf(ctl.CodeInternal, "%v", err)
 				}
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
@@ -84,6 +92,10 @@ storage nodes of its configuration, through their admin API.`,
 		},
 	}
 	root.SetVersionTemplate("{{.Name}} {{.Version}}")
+	// A daemon run from manifests: no completion command (the packages'
+	// man pages are made by the hidden man command).
+	root.CompletionOptions.DisableDefaultCmd = true
+	root.AddCommand(cli.ManCmd(root, man))
 	f := root.Flags()
 	f.StringVar(&mode, "mode", "controller", "the services to serve: controller, node or all")
 	f.StringVar(&endpoint, "endpoint", "unix:///csi/csi.sock", "the unix socket to serve on (unix:///path)")

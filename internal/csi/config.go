@@ -40,6 +40,9 @@ type Config struct {
 	Node NodeConfig `toml:"node"`
 	// Workers is how the controller knows the worker nodes.
 	Workers WorkersConfig `toml:"workers"`
+	// Kubernetes is where the API server is, for [workers] source
+	// kubernetes and [node] topology_from_node.
+	Kubernetes KubernetesConfig `toml:"kubernetes"`
 }
 
 // StorageNode is one rnbd-server: where its admin API listens, how
@@ -75,6 +78,10 @@ type NodeConfig struct {
 	// Labels are the node's topology (the same keys as the storage
 	// nodes').
 	Labels map[string]string `toml:"labels"`
+	// TopologyFromNode are topology keys read from the labels of the
+	// worker's Kubernetes Node (named by NodeID) at each NodeGetInfo:
+	// one ConfigMap serves workers in different zones.
+	TopologyFromNode []string `toml:"topology_from_node"`
 }
 
 // DefaultClientSocket is rnbd-client's control socket.
@@ -162,6 +169,17 @@ func (c Config) Validate() error {
 	}
 	if err := c.Workers.validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if err := c.Kubernetes.validate(); err != nil {
+		errs = append(errs, err)
+	}
+	for _, k := range c.Node.TopologyFromNode {
+		if k == "" || strings.ContainsAny(k, " =,") {
+			errs = append(errs, fmt.Errorf("[node] topology_from_node %q: want a label key (topology.kubernetes.io/zone)", k))
+		}
+		if _, ok := c.Node.Labels[k]; ok {
+			errs = append(errs, fmt.Errorf("[node] topology_from_node %q: also in [node] labels; give it in one of them", k))
+		}
 	}
 	return errors.Join(errs...)
 }

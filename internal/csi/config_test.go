@@ -56,8 +56,9 @@ node_id = "host-1"
 		{good + "[workers]\nsource = \"kube\"\n", "want kubernetes, list or any"},
 		{good + "[workers]\nsource = \"list\"\n", "no names"},
 		{good + "[workers]\nnames = [\"w1\"]\n", "names are for source list"},
-		{good + "[workers]\nsource = \"list\"\nnames = [\"w1\"]\napi_server = \"https://k:6443\"\n", "for source kubernetes"},
-		{good + "[workers]\napi_server = \"http://k:6443\"\n", "api_server"},
+		{good + "[workers]\napi_server = \"https://k:6443\"\n", "did you mean [kubernetes] api_server"},
+		{good + "[kubernetes]\napi_server = \"http://k:6443\"\n", "want https://HOST:PORT"},
+		{strings.Replace(good, "[node]\n", "[node]\ntopology_from_node = [\"a zone\"]\n", 1), "topology_from_node"},
 	} {
 		_, err := LoadConfig(writeConfig(t, tc.body))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -14,7 +14,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -53,8 +52,7 @@ type controller struct {
 
 	// busy are the volumes (CSI names, volume and snapshot ids) with an
 	// operation under way: another on the same is Aborted.
-	busyMu sync.Mutex
-	busy   map[string]bool
+	busy inFlight
 }
 
 func newController(cfg Config, l *log.Entry) (*controller, error) {
@@ -62,11 +60,11 @@ func newController(cfg Config, l *log.Entry) (*controller, error) {
 	if err != nil {
 		return nil, err
 	}
-	w, err := newWorkers(cfg.Workers, cfg.DriverName)
+	w, err := newWorkers(cfg.Workers, cfg.Kubernetes, cfg.DriverName)
 	if err != nil {
 		return nil, err
 	}
-	c := &controller{cfg: cfg, log: l, busy: map[string]bool{}, workers: w}
+	c := &controller{cfg: cfg, log: l, workers: w}
 	for i := range cfg.StorageNodes {
 		n := &cfg.StorageNodes[i]
 		cl, err := ctl.DialTLS(n.Admin, tc)
@@ -79,19 +77,7 @@ func newController(cfg Config, l *log.Entry) (*controller, error) {
 }
 
 // lock marks key busy; a key already busy is Aborted (the CO retries).
-func (c *controller) lock(key string) (func(), error) {
-	c.busyMu.Lock()
-	defer c.busyMu.Unlock()
-	if c.busy[key] {
-		return nil, status.Errorf(codes.Aborted, "an operation on %s is already in progress", key)
-	}
-	c.busy[key] = true
-	return func() {
-		c.busyMu.Lock()
-		delete(c.busy, key)
-		c.busyMu.Unlock()
-	}, nil
-}
+func (c *controller) lock(key string) (func(), error) { return c.busy.lock(key) }
 
 func (c *controller) node(name string) *storageNode {
 	for _, n := range c.nodes {

@@ -109,7 +109,16 @@ func newRig(t *testing.T, labels ...map[string]string) *rig {
 			return err == nil
 		})
 	}
-	sock := filepath.Join(dir, "csi.sock")
+	conn := serveDriver(t, d)
+	r.cc, r.id = csi.NewControllerClient(conn), csi.NewIdentityClient(conn)
+	return r
+}
+
+// serveDriver serves d on a unix socket until the test ends, and is a
+// gRPC client of it, as the sidecars are.
+func serveDriver(t *testing.T, d *Driver) *grpc.ClientConn {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "csi.sock")
 	if _, err := d.Listen("unix://" + sock); err != nil {
 		t.Fatal(err)
 	}
@@ -126,8 +135,7 @@ func newRig(t *testing.T, labels ...map[string]string) *rig {
 			t.Error(err)
 		}
 	})
-	r.cc, r.id = csi.NewControllerClient(conn), csi.NewIdentityClient(conn)
-	return r
+	return conn
 }
 
 // startStorageNode runs rnbd-server name (its certificate in pki, by
@@ -447,46 +455,4 @@ func TestControllerTopology(t *testing.T) {
 	if err != nil || a.GetAvailableCapacity() <= 0 || a.GetAvailableCapacity() >= all.GetAvailableCapacity() {
 		t.Errorf("capacity of zone a %v, of all %v (%v)", a, all, err)
 	}
-}
-
-// TestControllerBadInput: what the spec says each wrong request answers.
-func TestControllerBadInput(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	caps := func(c ...*csi.VolumeCapability) []*csi.VolumeCapability { return c }
-	for _, tc := range []struct {
-		what string
-		req  *csi.CreateVolumeRequest
-		want codes.Code
-	}{
-		{"no name", &csi.CreateVolumeRequest{VolumeCapabilities: caps(rwo)}, codes.InvalidArgument},
-		{"no capabilities", &csi.CreateVolumeRequest{Name: "x"}, codes.InvalidArgument},
-		{"unknown access mode", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(mountCap(csi.VolumeCapability_AccessMode_UNKNOWN))}, codes.InvalidArgument},
-		{"multi-node writer on a file system", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER))}, codes.InvalidArgument},
-		{"unknown parameter", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"colour": "red"}}, codes.InvalidArgument},
-		{"bad transport", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"transport": "udp"}}, codes.InvalidArgument},
-		{"more than any node has", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 60}}, codes.ResourceExhausted},
-		{"a limit under the block size", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), CapacityRange: &csi.CapacityRange{RequiredBytes: 100, LimitBytes: 200}}, codes.OutOfRange},
-		{"a source that is not there", &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), VolumeContentSource: &csi.VolumeContentSource{
-			Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "node-a/nope"}}}}, codes.NotFound},
-	} {
-		_, err := r.cc.CreateVolume(ctx, tc.req)
-		wantCode(t, "CreateVolume, "+tc.what, err, tc.want)
-	}
-	if _, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "blk", VolumeCapabilities: caps(blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER))}); err != nil {
-		t.Error("multi-node writer on raw block:", err)
-	}
-	_, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{})
-	wantCode(t, "DeleteVolume without an id", err, codes.InvalidArgument)
-	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "node-z/nope"}); err != nil {
-		t.Error("DeleteVolume of a volume that never was:", err)
-	}
-	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "node-a/nope", NodeId: "h", VolumeCapability: rwo})
-	wantCode(t, "publishing an unknown volume", err, codes.NotFound)
-	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{NodeId: "h", VolumeCapability: rwo})
-	wantCode(t, "publishing without a volume id", err, codes.InvalidArgument)
-	_, err = r.cc.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: "node-b/nope", VolumeCapabilities: caps(rwo)})
-	wantCode(t, "validating an unknown volume", err, codes.NotFound)
-	_, err = r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: "node-a/nope", CapacityRange: &csi.CapacityRange{RequiredBytes: 1}})
-	wantCode(t, "expanding an unknown volume", err, codes.NotFound)
 }

@@ -73,7 +73,25 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 		if err := cfg.ValidateNode(); err != nil {
 			return nil, err
 		}
-		d.node = NewNodeServer(NodeOptions{NodeID: cfg.Node.NodeID, Topology: cfg.Node.Labels, ClientSocket: cfg.Node.ClientSocket, Log: l})
+		opts := NodeOptions{NodeID: cfg.Node.NodeID, Topology: cfg.Node.Labels, ClientSocket: cfg.Node.ClientSocket, Log: l}
+		if keys := cfg.Node.TopologyFromNode; len(keys) > 0 {
+			k, err := newKubeClient(cfg.Kubernetes)
+			if err != nil {
+				return nil, fmt.Errorf("[node] topology_from_node: %w", err)
+			}
+			opts.NodeLabels = func(ctx context.Context) (map[string]string, error) {
+				labels, err := k.nodeLabels(ctx, cfg.Node.NodeID, keys)
+				for _, key := range keys {
+					if _, ok := labels[key]; !ok && err == nil {
+						// Reported without it: the volumes of storage
+						// nodes with that key are not accessible here.
+						l.WithFields(log.Fields{"node": cfg.Node.NodeID, "label": key}).Warn("the Node has not the topology label")
+					}
+				}
+				return labels, err
+			}
+		}
+		d.node = NewNodeServer(opts)
 	}
 	return d, nil
 }

@@ -5,6 +5,7 @@ package csi
 import (
 	"errors"
 	"fmt"
+	"sync"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -22,32 +23,61 @@ func toStatus(err error, what string) error {
 	if _, ok := status.FromError(err); ok && !isCtl(err) {
 		return err
 	}
-	var c codes.Code
+	return status.Error(grpcCode(err), fmt.Sprintf("%s: %v", what, err))
+}
+
+// grpcCode is the gRPC code of an error class of the control API (a
+// storage node's admin listener, the worker's rnbd-client).
+func grpcCode(err error) codes.Code {
 	switch ctl.Classify(err) {
 	case ctl.CodeNotFound:
-		c = codes.NotFound
+		return codes.NotFound
 	case ctl.CodeExists:
-		c = codes.AlreadyExists
+		return codes.AlreadyExists
 	case ctl.CodeBusy:
 		// In use (a session has the volume open), or a change of it
 		// under way on the storage node: not until that ends.
-		c = codes.FailedPrecondition
+		return codes.FailedPrecondition
 	case ctl.CodeInvalid:
-		c = codes.InvalidArgument
+		return codes.InvalidArgument
 	case ctl.CodePermission:
-		// The storage node refused the controller's certificate or
-		// role: a configuration to fix, not a retry.
-		c = codes.PermissionDenied
+		// A certificate or role refused: a configuration to fix, not a
+		// retry.
+		return codes.PermissionDenied
 	case ctl.CodeUnavailable:
-		c = codes.Unavailable
+		return codes.Unavailable
 	case ctl.CodeNotSupported:
-		c = codes.FailedPrecondition
+		return codes.FailedPrecondition
 	case ctl.CodeNoSpace:
-		c = codes.ResourceExhausted
-	default:
-		c = codes.Internal
+		return codes.ResourceExhausted
 	}
-	return status.Error(c, fmt.Sprintf("%s: %v", what, err))
+	return codes.Internal
+}
+
+// inFlight are the keys (volume names and ids) with an operation under
+// way: another on the same key is Aborted, as the spec asks (the CO
+// retries it).
+type inFlight struct {
+	mu   sync.Mutex
+	keys map[string]bool
+}
+
+// lock marks key busy until the func it gives is called.
+func (f *inFlight) lock(key string) (func(), error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.keys[key] {
+		return nil, status.Errorf(codes.Aborted, "an operation on %s is already in progress", key)
+	}
+	if f.keys == nil {
+		f.keys = map[string]bool{}
+	}
+	f.keys[key] = true
+	return func() {
+		f.mu.Lock()
+		delete(f.keys, key)
+		f.mu.Unlock()
+	}, nil
 }
 
 func isCtl(err error) bool {

@@ -2,10 +2,8 @@
 // own rnbd-client daemon (its control socket, the worker's certificate
 // its identity), formatted only if it holds no file system, and mounted;
 // each step is undone by the one that mirrors it, and each is idempotent.
-//
-// Being built (issue 34): the kernel paths (/dev/nbdN, ublk, mkfs,
-// mount) run only in the VM tier, where this service is to be proven
-// by csi-sanity and the fleet scenario.
+// The kernel paths (/dev/nbdN, ublk, mkfs, mount) are tested in the VM
+// tier (node_kernel_test.go, csi-sanity, the fleet scenario).
 
 package csi
 
@@ -16,12 +14,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
+	"maps"
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 	"unsafe"
 
@@ -56,6 +56,9 @@ type NodeOptions struct {
 	NodeID string
 	// Topology are its topology labels (NodeGetInfo).
 	Topology map[string]string
+	// NodeLabels, where set, gives more of them at each NodeGetInfo:
+	// those of the worker's Kubernetes Node ([node] topology_from_node).
+	NodeLabels func(context.Context) (map[string]string, error)
 	// ClientSocket is its rnbd-client daemon's control socket.
 	ClientSocket string
 	// DeviceWait bounds how long a mapped device node takes to appear.
@@ -71,8 +74,7 @@ type NodeServer struct {
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
 
-	mu   sync.Mutex
-	busy map[string]bool // volume ids with an RPC under way: Aborted for another
+	busy inFlight // volume ids with an RPC under way
 }
 
 // NewNodeServer makes the node service of opts.
@@ -85,30 +87,31 @@ func NewNodeServer(opts NodeOptions) *NodeServer {
 	}
 	ex := utilexec.New()
 	return &NodeServer{opts: opts, client: ctl.Dial(opts.ClientSocket),
-		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex), busy: map[string]bool{}}
+		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex)}
 }
 
 // lock takes volume id for one RPC; another under way is Aborted, as
 // the spec asks.
-func (n *NodeServer) lock(id string) (func(), error) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.busy[id] {
-		return nil, status.Errorf(codes.Aborted, "an operation on volume %s is under way", id)
-	}
-	n.busy[id] = true
-	return func() {
-		n.mu.Lock()
-		delete(n.busy, id)
-		n.mu.Unlock()
-	}, nil
-}
+func (n *NodeServer) lock(id string) (func(), error) { return n.busy.lock("volume " + id) }
 
 // NodeGetInfo implements csi.NodeServer.
-func (n *NodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+func (n *NodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	rsp := &csi.NodeGetInfoResponse{NodeId: n.opts.NodeID}
-	if len(n.opts.Topology) > 0 {
-		rsp.AccessibleTopology = &csi.Topology{Segments: n.opts.Topology}
+	topo := maps.Clone(n.opts.Topology)
+	if n.opts.NodeLabels != nil {
+		// node-driver-registrar retries a registration that failed: the
+		// API server away a moment is not a worker without a zone.
+		labels, err := n.opts.NodeLabels(ctx)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "topology: %v", err)
+		}
+		if topo == nil {
+			topo = map[string]string{}
+		}
+		maps.Copy(topo, labels)
+	}
+	if len(topo) > 0 {
+		rsp.AccessibleTopology = &csi.Topology{Segments: topo}
 	}
 	return rsp, nil
 }
@@ -121,6 +124,9 @@ func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabiliti
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+		// The access modes SINGLE_NODE_SINGLE_WRITER (one publish at
+		// most, NodePublishVolume checks) and _MULTI_WRITER.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
 	}
@@ -169,20 +175,7 @@ func (n *NodeServer) findMapping(ctx context.Context, sess, export string) (mapp
 
 // clientError is an error of the worker's rnbd-client as a gRPC status.
 func clientError(err error) error {
-	code := codes.Internal
-	switch ctl.Classify(err) {
-	case ctl.CodeUnavailable:
-		code = codes.Unavailable
-	case ctl.CodeNotFound:
-		code = codes.NotFound
-	case ctl.CodeInvalid:
-		code = codes.InvalidArgument
-	case ctl.CodePermission:
-		code = codes.PermissionDenied
-	case ctl.CodeBusy:
-		code = codes.FailedPrecondition
-	}
-	return status.Errorf(code, "rnbd-client: %v", err)
+	return status.Errorf(grpcCode(err), "rnbd-client: %v", err)
 }
 
 // stageRequest is what NodeStageVolume needs, checked.
@@ -311,13 +304,59 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		opts = append(opts, "ro")
 	}
 	// SafeFormatAndMount looks with blkid first: a device that holds
-	// a file system or anything else is never formatted.
+	// a file system or anything blkid knows is never formatted. What it
+	// does not know (a raw block volume's database, say) is looked for
+	// too: a volume never written reads zeros.
+	if err := n.refuseUnknownData(m.devpath, s.id); err != nil {
+		undo()
+		return nil, err
+	}
 	if err := n.mounter.FormatAndMount(m.devpath, s.staging, s.fsType, opts); err != nil {
 		undo()
 		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
 	}
 	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// dataProbe is how much of a device's start and of its end
+// refuseUnknownData reads: where file systems, partition tables and
+// most formats keep their headers and backups.
+const dataProbe = 1 << 20
+
+// refuseUnknownData is FailedPrecondition where the device holds no
+// signature blkid knows but is not blank: its first or last MiB has a
+// byte that is not zero. Formatting it would destroy data mkfs's caller
+// cannot see (a volume that was used raw, then asked for as a file
+// system). A device with a file system passes: it is mounted, not
+// formatted.
+func (n *NodeServer) refuseUnknownData(dev, id string) error {
+	format, err := n.mounter.GetDiskFormat(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "blkid %s (volume %s): %v", dev, id, err)
+	}
+	if format != "" {
+		return nil
+	}
+	f, err := os.Open(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	defer f.Close()
+	size, err := deviceSize(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	buf := make([]byte, min(dataProbe, size))
+	for _, off := range []int64{0, max(0, size-dataProbe)} {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return status.Errorf(codes.Internal, "reading %s (volume %s) at %d: %v", dev, id, off, err)
+		}
+		if i := slices.IndexFunc(buf, func(b byte) bool { return b != 0 }); i >= 0 {
+			return status.Errorf(codes.FailedPrecondition, "%s (volume %s) holds data at byte %d but no file system blkid knows: not formatting it; stage it as a raw block volume, or clear it yourself if it is not needed", dev, id, off+int64(i))
+		}
+	}
+	return nil
 }
 
 // mapExport maps s's export through the worker's rnbd-client.
@@ -428,8 +467,8 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if req.GetReadonly() {
 		opts = append(opts, "ro")
 	}
-	source := staging
-	if req.GetVolumeCapability().GetBlock() != nil {
+	source, block := staging, req.GetVolumeCapability().GetBlock() != nil
+	if block {
 		storageNode, export, _ := strings.Cut(id, "/")
 		m, err := n.findMapping(ctx, n.sessName(storageNode), export)
 		if err != nil {
@@ -439,6 +478,28 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
 		}
 		source = m.devpath
+	}
+	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		// Published once at most: any other mount of what the target
+		// would bind (the staging mount, or the device node) is a
+		// publish at another target. Checked before the target is
+		// made, so a refusal leaves nothing behind.
+		refs, err := mount.SearchMountPoints(source, "/proc/self/mountinfo")
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "mounts of %s: %v", source, err)
+		}
+		for _, r := range refs {
+			if r != filepath.Clean(target) && r != source {
+				return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published at %s already: its access mode SINGLE_NODE_SINGLE_WRITER allows one publish", id, r)
+			}
+		}
+	}
+	// The target: a file to bind the device node on (block), a
+	// directory to bind the staging mount on; removed again if this
+	// call made it and the bind fails.
+	_, err = os.Lstat(target)
+	made := errors.Is(err, os.ErrNotExist)
+	if block {
 		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
 			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
 		}
@@ -458,6 +519,9 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return &csi.NodePublishVolumeResponse{}, nil // published already
 	}
 	if err := n.mounter.Mount(source, target, "", opts); err != nil {
+		if made {
+			os.Remove(target)
+		}
 		return nil, status.Errorf(codes.Internal, "binding %s at %s: %v", source, target, err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
@@ -494,7 +558,16 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	defer unlock()
-	storageNode, export, _ := strings.Cut(id, "/")
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		// Not an id this driver gives: no such volume.
+		return nil, status.Errorf(codes.NotFound, "volume_id %q: no volume (ids are STORAGE-NODE/VOLUME)", id)
+	}
+	// The path first: the answer for one that is not there needs not
+	// the client daemon.
+	if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
+	}
 	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
 	if err != nil {
 		return nil, err

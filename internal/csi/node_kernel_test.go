@@ -27,6 +27,12 @@ import (
 type kernelRig struct {
 	dir, bin string
 	port     int
+	client   *exec.Cmd // the worker's rnbd-client
+}
+
+func (r *kernelRig) clientArgs() []string {
+	return []string{"daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
+		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s"}
 }
 
 // newKernelRig starts them, where the VM tier's csi part says the
@@ -48,8 +54,7 @@ func newKernelRig(t *testing.T) *kernelRig {
 		t.Fatal(err)
 	}
 	r.start(t, "rnbd-server", "daemon", "--config", conf)
-	r.start(t, "rnbd-client", "daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
-		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s")
+	r.client = r.start(t, "rnbd-client", r.clientArgs()...)
 	for _, s := range []string{"s.sock", "c.sock"} {
 		kit.WaitFor(t, 20*time.Second, s, func() bool { _, err := os.Stat(filepath.Join(r.dir, s)); return err == nil })
 	}
@@ -97,8 +102,10 @@ func (r *kernelRig) run(t *testing.T, name string, argv ...string) *exec.Cmd {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		cmd.Process.Signal(unix.SIGTERM)
-		cmd.Wait()
+		if cmd.ProcessState == nil { // not waited for by a test that killed it
+			cmd.Process.Signal(unix.SIGTERM)
+			cmd.Wait()
+		}
 		out.Close()
 		if t.Failed() {
 			b, _ := os.ReadFile(out.Name())
@@ -310,5 +317,147 @@ func TestNodeBlockOnKernel(t *testing.T) {
 	defer vf.Close()
 	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
 		t.Fatalf("the volume holds %q (%v)", b, err)
+	}
+
+	// The same volume asked for as a file system: it holds data blkid
+	// knows no format of, so it is not formatted; the stage fails and
+	// leaves no mapping, no mount, and the data as it was.
+	fsStaging := filepath.Join(r.dir, "blk-fs-staging")
+	t.Cleanup(func() {
+		n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: fsStaging})
+	})
+	_, err = n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "sn1/blk", StagingTargetPath: fsStaging,
+		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), PublishContext: r.context("blk", "")})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "holds data at byte 4096") {
+		t.Fatalf("staging a raw volume with data as ext4: %v, want FailedPrecondition naming byte 4096", err)
+	}
+	r.nothingStaged(t, n, fsStaging)
+	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
+		t.Fatalf("after the refused stage the volume holds %q (%v)", b, err)
+	}
+}
+
+// TestNodeFailedStageOnKernel: a stage whose mount fails (a mount
+// option the file system refuses) undoes its mapping: no device, no
+// mount left, on nbd and on ublk; a stage after it, with good options,
+// works.
+func TestNodeFailedStageOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	n := r.node()
+	ctx := context.Background()
+	for _, fe := range []string{"nbd", "ublk"} {
+		vol := "bad-" + fe
+		r.srv(t, "volume", "create", vol, "--pool", "p", "--size", "32MiB")
+		staging := filepath.Join(r.dir, vol+"-staging")
+		t.Cleanup(func() {
+			n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging})
+		})
+		vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+		vc.GetMount().MountFlags = []string{"rnbd_no_such_option"}
+		req := &csi.NodeStageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging, VolumeCapability: vc, PublishContext: r.context(vol, fe)}
+		if _, err := n.NodeStageVolume(ctx, req); status.Code(err) != codes.Internal {
+			t.Fatalf("%s: a stage whose mount fails: %v, want Internal", fe, err)
+		}
+		r.nothingStaged(t, n, staging)
+		req.VolumeCapability = mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatalf("%s: staged after a failed stage: %v", fe, err)
+		}
+		if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: staging}); err != nil {
+			t.Fatal(err)
+		}
+		r.nothingStaged(t, n, staging)
+	}
+}
+
+// TestNodeRestartOnKernel: a worker whose rnbd-client dies (kill -9)
+// and whose node plugin restarts with volumes staged: the restarted
+// daemon takes its devices back (nbd's reconfigure, ublk's user
+// recovery), the mounts stay and carry IO, a new node plugin's stage
+// of the staged volume is success with nothing redone, and unstage
+// leaves nothing.
+func TestNodeRestartOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	n := r.node()
+	ctx := context.Background()
+	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	stages := map[string]*csi.NodeStageVolumeRequest{}
+	for _, fe := range []string{"nbd", "ublk"} {
+		vol := "rs-" + fe
+		r.srv(t, "volume", "create", vol, "--pool", "p", "--size", "32MiB")
+		req := &csi.NodeStageVolumeRequest{VolumeId: "sn1/" + vol, StagingTargetPath: filepath.Join(r.dir, vol+"-staging"),
+			VolumeCapability: vc, PublishContext: r.context(vol, fe)}
+		stages[fe] = req
+		t.Cleanup(func() {
+			r.node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: req.VolumeId, StagingTargetPath: req.StagingTargetPath})
+		})
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(req.StagingTargetPath, "before"), []byte(fe), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	devices := r.mappings(t, n)
+
+	r.client.Process.Kill()
+	r.client.Wait()
+	os.Remove(filepath.Join(r.dir, "c.sock"))
+	r.client = r.start(t, "rnbd-client", r.clientArgs()...)
+	kit.WaitFor(t, 20*time.Second, "the restarted rnbd-client's socket", func() bool {
+		_, err := os.Stat(filepath.Join(r.dir, "c.sock"))
+		return err == nil
+	})
+	n = r.node() // the node plugin restarted too: it keeps nothing
+	for fe, req := range stages {
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatalf("%s: staging a staged volume after the restarts: %v", fe, err)
+		}
+		// The mount carries IO through the restored device.
+		p := filepath.Join(req.StagingTargetPath, "after")
+		if err := os.WriteFile(p, []byte(fe), 0o600); err != nil {
+			t.Fatalf("%s: writing after the restart: %v", fe, err)
+		}
+		f, err := os.Open(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = f.Sync()
+		f.Close()
+		if err != nil {
+			t.Fatalf("%s: fsync after the restart: %v", fe, err)
+		}
+		if b, err := os.ReadFile(filepath.Join(req.StagingTargetPath, "before")); err != nil || string(b) != fe {
+			t.Fatalf("%s: the file written before: %q %v", fe, b, err)
+		}
+	}
+	if after := r.mappings(t, n); len(after) != len(devices) {
+		t.Fatalf("mappings before the restart %v, after %v", devices, after)
+	} else {
+		for i := range after {
+			if after[i]["devpath"] != devices[i]["devpath"] {
+				t.Fatalf("device %v came back as %v", devices[i]["devpath"], after[i]["devpath"])
+			}
+		}
+	}
+	for _, req := range stages {
+		if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: req.VolumeId, StagingTargetPath: req.StagingTargetPath}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, req := range stages {
+		r.nothingStaged(t, n, req.StagingTargetPath)
+	}
+}
+
+// nothingStaged: the worker's daemon maps nothing and staging is not a
+// mount point.
+func (r *kernelRig) nothingStaged(t *testing.T, n *NodeServer, staging string) {
+	t.Helper()
+	if m := r.mappings(t, n); len(m) != 0 {
+		t.Fatalf("mappings left: %v", m)
+	}
+	if notMnt, err := n.mounter.IsLikelyNotMountPoint(staging); err == nil && !notMnt {
+		t.Fatalf("%s is still mounted", staging)
 	}
 }

@@ -2,10 +2,14 @@ package csi
 
 import (
 	"context"
+	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -55,4 +59,50 @@ func TestParseStage(t *testing.T) {
 		t.Fatalf("an RPC beside another on the same volume: %v, want Aborted", err)
 	}
 	unlock()
+}
+
+// A SINGLE_NODE_SINGLE_WRITER volume is published once at most: a
+// second target is FailedPrecondition, the same target again success;
+// SINGLE_NODE_MULTI_WRITER may be published at both. A refused target
+// is not left behind (csi-sanity's next spec could not make its own). The staging
+// mount is a tmpfs here (a file system volume's publish is a bind
+// mount of it; no device needed).
+func TestPublishSingleWriter(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	if err := os.Mkdir(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", staging, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("mounting a tmpfs: %v", err)
+	}
+	n := NewNodeServer(NodeOptions{NodeID: "host-a", ClientSocket: "/nonexistent"})
+	publish := func(target string, mode csi.VolumeCapability_AccessMode_Mode) error {
+		_, err := n.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: "sn1/pvc-1",
+			StagingTargetPath: staging, TargetPath: filepath.Join(dir, target), VolumeCapability: mountCap(mode)})
+		return err
+	}
+	t.Cleanup(func() {
+		for _, p := range []string{"t1", "t2", "staging"} {
+			unix.Unmount(filepath.Join(dir, p), unix.MNT_DETACH)
+		}
+	})
+	if err := publish("t1", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); err != nil {
+		t.Fatal(err)
+	}
+	if err := publish("t1", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); err != nil {
+		t.Fatalf("the same target again: %v", err)
+	}
+	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("a second target: %v, want FailedPrecondition", err)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "t2")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused target is left behind: %v", err)
+	}
+	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER); err != nil {
+		t.Fatalf("a second target, SINGLE_NODE_MULTI_WRITER: %v", err)
+	}
 }

@@ -3,6 +3,7 @@ package csi
 import (
 	"context"
 	"flag"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,9 +12,12 @@ import (
 	"time"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
+	"github.com/onsi/ginkgo/v2"
+	"github.com/onsi/ginkgo/v2/types"
 
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/testca"
 	"github.com/rnbd/rnbd/test/testfs"
 )
 
@@ -28,6 +32,7 @@ const sanityNodeID = "worker-1"
 // is a regular expression matched against the spec's full text (see
 // docs/testing.md, "csi-sanity on the host").
 var needsBlockDevice = []string{
+	`Node Service NodePublishVolume with single node multi writer capability should fail when volume with single node single writer access mode is already mounted at a different target path`,
 	`Node Service NodeUnpublishVolume should remove target path`,
 	`Node Service NodeGetVolumeStats should fail when volume does not exist on the specified path`,
 	`Node Service NodeExpandVolume should work if node-expand is called after node-publish`,
@@ -54,17 +59,12 @@ func TestSanity(t *testing.T) {
 	if testing.Short() {
 		t.Skip("csi-sanity starts three daemons and runs about a hundred specs")
 	}
-	if _, err := exec.LookPath("openssl"); err != nil {
-		t.Skip("no openssl: scripts/test-ca.sh needs it")
+	if parallelFlag() && os.Getenv(sanityChild) == "" {
+		sanityInChild(t)
+		return
 	}
 	dir := t.TempDir()
-	pki := filepath.Join(dir, "pki")
-	for _, args := range [][]string{{"ca"}, {"server", "node-a", "127.0.0.1"}, {"server", "node-b", "127.0.0.1"},
-		{"admin", "csi-controller"}, {"client", sanityNodeID}} {
-		if out, err := exec.Command("bash", append([]string{"../../scripts/test-ca.sh", pki}, args...)...).CombinedOutput(); err != nil {
-			t.Fatalf("test-ca.sh %v: %v\n%s", args, err, out)
-		}
-	}
+	pki := writeSanityPKI(t, filepath.Join(dir, "pki"))
 	// Topology labels, so the accessibility constraints are on and
 	// tried: both storage nodes and the worker in one zone.
 	zone := map[string]string{"topology.kubernetes.io/zone": "a"}
@@ -110,6 +110,10 @@ func TestSanity(t *testing.T) {
 		}
 	})
 
+	kernel := os.Getenv("RNBD_CSI_KERNEL") == "1"
+	if kernel && !hasBlockDevice() {
+		t.Fatal("RNBD_CSI_KERNEL=1 but no /dev/nbd0 nor /dev/ublk-control")
+	}
 	if !hasBlockDevice() {
 		// Ginkgo's own skip: the specs are reported as skipped, by name.
 		skip := "(" + strings.Join(needsBlockDevice, ")|(") + ")"
@@ -122,14 +126,115 @@ func TestSanity(t *testing.T) {
 		t.Logf("no /dev/nbd0 nor /dev/ublk-control: skipping the %d specs that need a kernel block device", len(needsBlockDevice))
 	}
 
+	// The access type and the frontend of the suite's volumes: a
+	// process runs the suite once (Ginkgo's RunSpecs), so the VM tier
+	// runs it once per access type.
+	access, frontend := os.Getenv("RNBD_CSI_SANITY_ACCESS"), os.Getenv("RNBD_CSI_SANITY_FRONTEND")
+	if access == "" {
+		access = "mount"
+	}
+	if access != "mount" && access != "block" {
+		t.Fatalf("RNBD_CSI_SANITY_ACCESS=%s: mount or block", access)
+	}
 	sc := sanity.NewTestConfig()
 	sc.Address = "unix://" + sock
 	sc.TargetPath = filepath.Join(dir, "target")
 	sc.StagingPath = filepath.Join(dir, "staging")
+	sc.TestVolumeAccessType = access
 	sc.TestVolumeSize = 64 << 20
 	sc.TestVolumeExpandSize = 128 << 20
 	sc.TestVolumeParameters = map[string]string{"transport": "tcp"}
+	if frontend != "" {
+		sc.TestVolumeParameters["frontend"] = frontend
+	}
 	sc.TestSnapshotParameters = map[string]string{}
+	sc.TestNodeVolumeAttachLimit = true
 	sc.IdempotentCount = 2
+	label := access
+	if frontend != "" {
+		label += " on " + frontend
+	}
+	// The counts, on a line of their own (the VM tier's console shows
+	// TPUT lines), and each spec the suite skipped with the reason it
+	// gave (a capability the driver does not advertise; docs/testing.md
+	// lists them) or the filter above.
+	ginkgo.ReportAfterSuite("csi-sanity counts", func(r ginkgo.Report) {
+		var passed, failed, skipped, pending int
+		for _, s := range r.SpecReports {
+			if s.LeafNodeType != types.NodeTypeIt {
+				continue
+			}
+			switch {
+			case s.State == types.SpecStatePassed:
+				passed++
+			case s.State == types.SpecStateSkipped:
+				skipped++
+				why := s.Failure.Message
+				if why == "" {
+					why = "filtered out (needs a kernel block device)"
+				}
+				t.Logf("skipped: %s: %s", s.FullText(), why)
+			case s.State == types.SpecStatePending:
+				// The suite's own XIt: disabled by its authors.
+				pending++
+				t.Logf("pending (disabled in csi-test): %s", s.FullText())
+			case s.State.Is(types.SpecStateFailureStates):
+				failed++
+			}
+		}
+		fmt.Printf("TPUT csi-sanity %s: %d passed, %d skipped, %d pending, %d failed\n", label, passed, skipped, pending, failed)
+	})
 	sanity.Test(t, sc)
+}
+
+// sanityChild marks the process sanityInChild starts.
+const sanityChild = "RNBD_CSI_SANITY_CHILD"
+
+// parallelFlag: the test binary was given -test.parallel, which Ginkgo
+// refuses ("Use of go test -parallel"): its specs do not run in
+// parallel that way. make test gives it, for the other packages' sake.
+func parallelFlag() bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	return set
+}
+
+// sanityInChild runs TestSanity again in a process of this test binary
+// started without -test.parallel, its output in the test's log and its
+// TPUT line on stdout, and fails where it fails.
+func sanityInChild(t *testing.T) {
+	args := []string{"-test.run=^TestSanity$", "-test.count=1", "-test.v"}
+	if d, ok := t.Deadline(); ok {
+		args = append(args, "-test.timeout="+time.Until(d).Round(time.Second).String())
+	}
+	cmd := exec.Command(os.Args[0], args...)
+	// The daemons this process built already (TestMain reads RNBD_BIN).
+	cmd.Env = append(os.Environ(), sanityChild+"=1", "RNBD_BIN="+filepath.Dir(serverBin))
+	out, err := cmd.CombinedOutput()
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(l, "TPUT ") {
+			fmt.Println(l)
+		}
+	}
+	if err != nil {
+		t.Fatalf("csi-sanity, in a process without -test.parallel: %v\n%s", err, out)
+	}
+	t.Logf("csi-sanity, in a process without -test.parallel (Ginkgo refuses it):\n%s", out)
+}
+
+// writeSanityPKI writes the certificates TestSanity's daemons present,
+// from an authority of the test's (no openssl: the VM tier's guest has
+// none): the CA, the storage nodes' (for 127.0.0.1), the controller's
+// (the storage nodes' provisioner) and the worker's (its identity).
+func writeSanityPKI(t *testing.T, dir string) string {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ca := testca.New(t, "rnbd-csi sanity CA")
+	ca.WriteCA(t, dir, "ca")
+	for _, name := range []string{"node-a", "node-b", "csi-controller", sanityNodeID} {
+		testca.WriteCert(t, ca.Issue(t, name, "127.0.0.1"), dir, name)
+	}
+	return dir
 }

@@ -299,7 +299,7 @@ func TestSnapshotsOnReflinks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	writeAt(t, v.Path, "before", 4096)
+	writeDev(t, v.Path, 4096, []byte("before"))
 	s, created, err := p.CreateSnapshot("v", "s1")
 	if err != nil || !created || s.Volume != "v" || s.Size != 1<<20 {
 		t.Fatalf("snapshot: %+v %v %v", s, created, err)
@@ -312,13 +312,13 @@ func TestSnapshotsOnReflinks(t *testing.T) {
 	}
 	_, _, err = p.CreateSnapshot("w", "s1")
 	wantErrno(t, "s1 of another volume", err, syscall.EEXIST)
-	writeAt(t, v.Path, "after!", 4096)
+	writeDev(t, v.Path, 4096, []byte("after!"))
 
 	c, _, err := p.Create(Spec{Name: "c", Size: 2 << 20, FromSnapshot: "s1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := readAt(t, c.Path, 4096, 6); got != "before" || c.SourceSnapshot != "s1" || c.Size != 2<<20 {
+	if got := string(readDev(t, c.Path, 4096, 6)); got != "before" || c.SourceSnapshot != "s1" || c.Size != 2<<20 {
 		t.Fatalf("clone of s1: %q, %+v", got, c)
 	}
 	if fi, _ := os.Stat(c.Path); fi.Size() != 2<<20 {
@@ -328,7 +328,7 @@ func TestSnapshotsOnReflinks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := readAt(t, d.Path, 4096, 6); got != "after!" {
+	if got := string(readDev(t, d.Path, 4096, 6)); got != "after!" {
 		t.Fatalf("clone of v: %q", got)
 	}
 	_, _, err = p.Create(Spec{Name: "e", Size: 4096, FromSnapshot: "s1"})
@@ -387,32 +387,6 @@ func TestSnapshotNeedsReflinks(t *testing.T) {
 	}
 	_, _, err = p.CreateSnapshot("nope", "s")
 	wantErrno(t, "a snapshot of no volume", err, syscall.ENOENT)
-}
-
-func writeAt(t *testing.T, path, s string, off int64) {
-	t.Helper()
-	f, err := os.OpenFile(path, os.O_WRONLY, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if _, err := f.WriteAt([]byte(s), off); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func readAt(t *testing.T, path string, off int64, n int) string {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b := make([]byte, n)
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
 }
 
 // A pool whose file system is not mounted makes nothing: with

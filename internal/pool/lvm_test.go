@@ -429,35 +429,6 @@ func devSize(t *testing.T, path string) int64 {
 	return n
 }
 
-func writeDev(t *testing.T, path string, off int64, data []byte) {
-	t.Helper()
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if _, err := f.WriteAt(data, off); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func readDev(t *testing.T, path string, off int64, n int) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b := make([]byte, n)
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // Opening: a volume group or thin pool that is not there is ENOENT, an
 // LV that is not a thin pool EINVAL.
 func TestLVMOpen(t *testing.T) {

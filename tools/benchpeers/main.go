@@ -34,7 +34,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -45,6 +44,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/rnbd/rnbd/tools/internal/logtail"
 )
 
 type config struct {
@@ -447,7 +448,7 @@ func (p *peer) start(ctx context.Context) error {
 	})
 	if err != nil {
 		for _, d := range p.daemons {
-			err = fmt.Errorf("%w; %s log: %s", err, d.role, tail(d.log.Name()))
+			err = fmt.Errorf("%w; %s log: %s", err, d.role, logtail.Tail(d.log.Name()))
 		}
 	}
 	return err
@@ -472,26 +473,12 @@ func (p *peer) stop() error {
 			<-done
 		}
 		if died {
-			errs = append(errs, fmt.Errorf("%s had exited: %s", d.role, tail(d.log.Name())))
+			errs = append(errs, fmt.Errorf("%s had exited: %s", d.role, logtail.Tail(d.log.Name())))
 		}
 		d.log.Close()
 		d.cmd = nil
 	}
 	return errors.Join(errs...)
-}
-
-func tail(path string) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return err.Error()
-	}
-	defer f.Close()
-	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
-	s := strings.TrimSpace(string(b))
-	if len(s) > 500 {
-		s = "…" + s[len(s)-500:]
-	}
-	return s
 }
 
 // cpuTicks is the CPU time of pid and its reaped children, in clock ticks

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/tools/internal/logtail"
 )
 
 // daemon is one rnbd-server this tool started, in a directory of its
@@ -65,7 +65,7 @@ func startDaemon(ctx context.Context, srv, dir, poolConf, profile string) (*daem
 	err = waitFor(ctx, 30*time.Second, func() (bool, error) {
 		select {
 		case <-d.done:
-			return false, fmt.Errorf("rnbd-server exited: %s", tail(d.log.Name()))
+			return false, fmt.Errorf("rnbd-server exited: %s", logtail.Tail(d.log.Name()))
 		default:
 		}
 		return d.do(ctx, "GET", "/v1/pools", nil, nil) == nil, nil
@@ -92,7 +92,7 @@ func (d *daemon) stop() error {
 	defer d.log.Close()
 	select {
 	case <-d.done:
-		return fmt.Errorf("rnbd-server had exited: %s", tail(d.log.Name()))
+		return fmt.Errorf("rnbd-server had exited: %s", logtail.Tail(d.log.Name()))
 	default:
 	}
 	d.cmd.Process.Signal(syscall.SIGTERM)
@@ -146,20 +146,6 @@ func pause(ctx context.Context, d time.Duration) error {
 	case <-t.C:
 		return nil
 	}
-}
-
-func tail(path string) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return err.Error()
-	}
-	defer f.Close()
-	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
-	s := strings.TrimSpace(string(b))
-	if len(s) > 500 {
-		s = "…" + s[len(s)-500:]
-	}
-	return s
 }
 
 // Measures of a process from /proc.

@@ -404,6 +404,28 @@ if want csi; then
 	[ "$fail" = 0 ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
 fi
 
+# csi-sanity: csi-sanity's whole suite (internal/csi's TestSanity) on
+# this kernel: two storage nodes (dir pools on XFS loop mounts, admin
+# over TLS) and a worker's rnbd-client as processes, the node service
+# staging and publishing for real. Once per access type (one ginkgo run
+# per process), each on one frontend: a file system volume on ublk (the
+# default where the kernel has it), a raw block volume on nbd. Each run
+# prints "TPUT csi-sanity ACCESS on FRONTEND: N passed, ...".
+if want csi-sanity; then
+	scenario csi-sanity
+	for run in mount:ublk block:nbd; do
+		a=${run%:*} f=${run#*:}
+		PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_SANITY_ACCESS=$a RNBD_CSI_SANITY_FRONTEND=$f \
+			gotest csi-sanity-$a-$f /bin/csi.test -test.run '^TestSanity$' -test.timeout 500s -ginkgo.no-color
+		grep -a '^TPUT csi-sanity' /tmp/csi-sanity-$a-$f.out || res csi-sanity-$a-$f-counts FAIL "no TPUT line"
+		# The specs that failed (ginkgo's summary; the daemons' logs
+		# after it push it out of gotest's tail).
+		grep -a '^ *\[FAIL\] ' /tmp/csi-sanity-$a-$f.out | sed 's/^ */DETAIL /'
+		# Each skip and the suite's reason, for the console log only.
+		grep -a 'sanity_test.go:[0-9]*: skipped: ' /tmp/csi-sanity-$a-$f.out | sed "s/.*sanity_test.go:[0-9]*: skipped: /SKIP $a-$f: /"
+	done
+fi
+
 # csi-fleet: the fleet scenario (internal/csi's TestFleetOnKernel, see
 # docs/testing.md): two storage nodes, two workers in network namespaces
 # (iproute2's ip, /usr/sbin/ip), 20 volumes through the CSI services over
