@@ -41,9 +41,7 @@ func (r *kernelRig) clientArgs() []string {
 // machine's kernel has neither.
 func newKernelRig(t *testing.T) *kernelRig {
 	t.Helper()
-	if os.Getenv("RNBD_CSI_KERNEL") != "1" {
-		t.Skip("needs a kernel with nbd and ublk: the VM tier's csi part runs it (RNBD_CSI_KERNEL=1)")
-	}
+	needKernel(t)
 	r := &kernelRig{dir: t.TempDir(), bin: filepath.Dir(serverBin), port: 1250}
 	pool := filepath.Join(r.dir, "pool")
 	if err := os.Mkdir(pool, 0o700); err != nil {
@@ -63,15 +61,31 @@ func newKernelRig(t *testing.T) *kernelRig {
 	return r
 }
 
+// needKernel skips the test unless the VM tier runs it (RNBD_CSI_KERNEL=1):
+// this machine's kernel has neither nbd nor ublk.
+func needKernel(t *testing.T) {
+	t.Helper()
+	if os.Getenv("RNBD_CSI_KERNEL") != "1" {
+		t.Skip("needs a kernel with nbd and ublk: the VM tier's csi part runs it (RNBD_CSI_KERNEL=1)")
+	}
+}
+
 // start runs a daemon, its output in RNBD_CSI_LOGS/NAME.log (the VM
 // guest shows them when the test hangs) or the test's directory.
 func (r *kernelRig) start(t *testing.T, name string, args ...string) *exec.Cmd {
+	t.Helper()
+	return r.run(t, name, append([]string{filepath.Join(r.bin, name)}, args...)...)
+}
+
+// run runs argv as a daemon logging as name (a daemon started again
+// under the same name appends to its log); stopped when the test ends.
+func (r *kernelRig) run(t *testing.T, name string, argv ...string) *exec.Cmd {
 	t.Helper()
 	logs := os.Getenv("RNBD_CSI_LOGS")
 	if logs == "" {
 		logs = r.dir
 	}
-	out, err := os.Create(filepath.Join(logs, name+".log"))
+	out, err := os.OpenFile(filepath.Join(logs, name+".log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +96,7 @@ func (r *kernelRig) start(t *testing.T, name string, args ...string) *exec.Cmd {
 		t.Cleanup(func() { c.Close() })
 		w = io.MultiWriter(out, prefixed{c, name})
 	}
-	cmd := exec.Command(filepath.Join(r.bin, name), args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = w, w
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -16,7 +16,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop, lvm, csi, csi-sanity; comma-separated; default all;
+#                  ublk, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
 #                  lvm-bench, the fleet benchmark on a thin pool, only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
@@ -150,8 +150,9 @@ CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gon
 # internal/pool's tests, for the lvm part: its LVM thin pool for real.
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
 # internal/csi's tests, for the csi part: the CSI node service on nbd and
-# ublk, mkfs and mount (RNBD_CSI_KERNEL=1); and for the csi-sanity part,
-# csi-sanity's whole suite (TestSanity).
+# ublk, mkfs and mount (RNBD_CSI_KERNEL=1); for the csi-sanity part,
+# csi-sanity's whole suite (TestSanity); and the csi-fleet part's fleet
+# scenario (TestFleetOnKernel).
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/csi.test" ./internal/csi
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
@@ -168,8 +169,9 @@ i=0
 # dm-thin-pool (with dm-mod, dm-persistent-data, dm-bio-prison,
 # dm-bufio) for the lvm part's thin pools, and dm-snapshot, whose target
 # lvcreate -s wants present even for a thin snapshot. xfs for the
-# csi-sanity part's storage nodes (dir pools on XFS: reflink snapshots).
-for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot; do
+# csi-sanity and csi-fleet parts' storage nodes (dir pools on XFS: reflink
+# snapshots); veth for the csi-fleet part's workers (network namespaces).
+for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -207,6 +209,11 @@ copy_elf() {
 # (test/testfs.ReflinkDir, the csi-sanity part's pools).
 for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo blkid fsck resize2fs mkfs.xfs; do copy_elf "$(command -v $t)"; done
 ln -sf "$(command -v e2fsck)" "$root$(dirname "$(command -v fsck)")/fsck.ext4"
+# The csi-fleet part: iproute2's ip (busybox's has no netns), as
+# /usr/sbin/ip wherever the host has it (busybox's applet is /sbin/ip).
+ipbin=$(readlink -f "$(command -v ip)")
+copy_elf "$ipbin"
+[ "$ipbin" = /usr/sbin/ip ] || { mkdir -p "$root/usr/sbin" && mv "$root$ipbin" "$root/usr/sbin/ip"; }
 mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
 for b in "$work"/bin/*; do
 	copy_elf "$b"

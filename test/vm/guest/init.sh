@@ -400,7 +400,7 @@ if want csi; then
 	scenario csi-node
 	mkdir -p /tmp/csi-logs
 	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-logs RNBD_CSI_CONSOLE=1 \
-		gotest csi /bin/csi.test -test.run OnKernel -test.timeout 240s
+		gotest csi /bin/csi.test -test.run '^TestNode.*OnKernel$' -test.timeout 240s
 	[ "$fail" = 0 ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
 fi
 
@@ -424,6 +424,27 @@ if want csi-sanity; then
 		# Each skip and the suite's reason, for the console log only.
 		grep -a 'sanity_test.go:[0-9]*: skipped: ' /tmp/csi-sanity-$a-$f.out | sed "s/.*sanity_test.go:[0-9]*: skipped: /SKIP $a-$f: /"
 	done
+fi
+
+# csi-fleet: the fleet scenario (internal/csi's TestFleetOnKernel, see
+# docs/testing.md): two storage nodes, two workers in network namespaces
+# (iproute2's ip, /usr/sbin/ip), 20 volumes through the CSI services over
+# gRPC; its TPUT line, and on a failure the steps and the daemons' last
+# words.
+if want csi-fleet; then
+	scenario csi-fleet
+	f0=$fail
+	mkdir -p /tmp/csi-fleet-logs
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-logs RNBD_CSI_IP=/usr/sbin/ip RNBD_CSI_CONSOLE=1 \
+		gotest csi-fleet /bin/csi.test -test.run '^TestFleetOnKernel$' -test.timeout 570s
+	grep '^TPUT ' /tmp/csi-fleet.out
+	if [ "$fail" != "$f0" ]; then
+		grep -E 'fleet_kernel_test\.go:[0-9]+: ' /tmp/csi-fleet.out | head -30 | sed 's/^/DETAIL /'
+		for l in /tmp/csi-fleet-logs/*.log; do
+			echo "DETAIL --- $l"
+			tail -15 "$l" | sed 's/^/DETAIL /'
+		done
+	fi
 fi
 
 # lvm-bench (only when named): tools/fleetbench on a thin pool of its
