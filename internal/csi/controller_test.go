@@ -149,7 +149,21 @@ func startStorageNode(t *testing.T, nd, pki, name, pool string) StorageNode {
 	}
 	port, aport := freePort(t), freePort(t)
 	conf := filepath.Join(nd, "server.toml")
-	err := os.WriteFile(conf, fmt.Appendf(nil, `listen = ["tcp://127.0.0.1:%d"]
+	if err := os.WriteFile(conf, storageNodeConfig("127.0.0.1", port, aport, nd, filepath.Join(pki, name+".crt"),
+		filepath.Join(pki, name+".key"), filepath.Join(pki, "ca.crt"), pool), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	startDaemon(t, name, filepath.Join(nd, "log"), serverBin, "daemon", "--config", conf)
+	return StorageNode{Name: name, Admin: fmt.Sprintf("https://127.0.0.1:%d", aport), Paths: []string{"ip:127.0.0.1"},
+		Port: port, Pool: "files"}
+}
+
+// storageNodeConfig is a storage node's server.toml: its fabric on
+// addr:port, its admin listener on 127.0.0.1:aport with csi-controller
+// its provisioner, TLS with cert, key and ca, a dir pool "files" at
+// pool, its control socket and state file in dir.
+func storageNodeConfig(addr string, port, aport int, dir, cert, key, ca, pool string) []byte {
+	return fmt.Appendf(nil, `listen = ["tcp://%s:%d"]
 control_socket = %q
 state_file = %q
 [tls]
@@ -163,14 +177,7 @@ provisioners = ["csi-controller"]
 name = "files"
 type = "dir"
 path = %q
-`, port, filepath.Join(nd, "s.sock"), filepath.Join(nd, "s.json"), filepath.Join(pki, name+".crt"),
-		filepath.Join(pki, name+".key"), filepath.Join(pki, "ca.crt"), aport, pool), 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	startDaemon(t, name, filepath.Join(nd, "log"), serverBin, "daemon", "--config", conf)
-	return StorageNode{Name: name, Admin: fmt.Sprintf("https://127.0.0.1:%d", aport), Paths: []string{"ip:127.0.0.1"},
-		Port: port, Pool: "files"}
+`, addr, port, filepath.Join(dir, "s.sock"), filepath.Join(dir, "s.json"), cert, key, ca, aport, pool)
 }
 
 // startDaemon runs bin with args, its output in logFile (shown when the

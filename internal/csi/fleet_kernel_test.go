@@ -23,7 +23,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
@@ -243,22 +242,7 @@ func (f *fleet) setup() {
 		}
 		cert, key := testca.WriteCert(t, ca.Issue(t, name, "127.0.0.1", s.addr), pki, name)
 		s.conf, s.sock = filepath.Join(s.dir, "server.toml"), filepath.Join(s.dir, "s.sock")
-		err := os.WriteFile(s.conf, fmt.Appendf(nil, `listen = ["tcp://%s:%d"]
-control_socket = %q
-state_file = %q
-[tls]
-cert = %q
-key = %q
-ca = %q
-[admin]
-listen = ["127.0.0.1:%d"]
-provisioners = ["csi-controller"]
-[[pool]]
-name = "files"
-type = "dir"
-path = %q
-`, s.addr, s.port, s.sock, filepath.Join(s.dir, "s.json"), cert, key, caFile, s.aport, s.pool), 0o600)
-		if err != nil {
+		if err := os.WriteFile(s.conf, storageNodeConfig(s.addr, s.port, s.aport, s.dir, cert, key, caFile, s.pool), 0o600); err != nil {
 			t.Fatal(err)
 		}
 		s.ctl = ctl.Dial(s.sock)
@@ -379,24 +363,7 @@ func (f *fleet) serve(cfg Config, mode Mode, name string) *grpc.ClientConn {
 			})
 		}
 	}
-	sock := filepath.Join(f.r.dir, name+"-csi.sock")
-	if _, err := d.Listen("unix://" + sock); err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- d.Serve() }()
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		d.Stop()
-		if err := <-served; err != nil {
-			t.Error(err)
-		}
-	})
-	return conn
+	return serveDriver(t, d)
 }
 
 // createVolumes creates the volumes: two raw block ones, the rest ext4;
