@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"math"
 	"path/filepath"
 	"testing"
 
@@ -83,6 +84,10 @@ func TestBadInput(t *testing.T) {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), CapacityRange: cr(1 << 60)})
 			return err
 		}, codes.ResourceExhausted},
+		{"CreateVolume", "a size no volume can have", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), CapacityRange: cr(math.MaxInt64)})
+			return err
+		}, codes.OutOfRange},
 		{"CreateVolume", "a limit under the block size", func() error {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), CapacityRange: &csi.CapacityRange{RequiredBytes: 100, LimitBytes: 200}})
 			return err
@@ -277,6 +282,10 @@ func TestBadInput(t *testing.T) {
 		}, codes.InvalidArgument},
 		{"NodePublishVolume", "no staging path (the volume is staged first)", func() error {
 			_, err := nc.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vid, TargetPath: missing, VolumeCapability: rwo})
+			return err
+		}, codes.FailedPrecondition},
+		{"NodePublishVolume", "a file system volume not staged (nothing mounted at the staging path)", func() error {
+			_, err := nc.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vid, TargetPath: missing, StagingTargetPath: t.TempDir(), VolumeCapability: rwo})
 			return err
 		}, codes.FailedPrecondition},
 		{"NodeUnpublishVolume", "no volume id", func() error {

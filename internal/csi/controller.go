@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"regexp"
 	"slices"
 	"sort"
@@ -269,6 +270,9 @@ func sizeOf(r *csi.CapacityRange) (int64, error) {
 	if lim > 0 && req > lim {
 		return 0, status.Errorf(codes.InvalidArgument, "required_bytes %d over limit_bytes %d", req, lim)
 	}
+	if req > math.MaxInt64-blockSize {
+		return 0, status.Errorf(codes.OutOfRange, "required_bytes %d: no volume is that large", req)
+	}
 	size := req
 	if size == 0 {
 		size = defaultSize
@@ -345,13 +349,27 @@ func (c *controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		if only = c.node(nodeName); !ok || only == nil {
 			return nil, status.Errorf(codes.NotFound, "content source %q: no such volume or snapshot", id)
 		}
+		// The new volume's size: the source's where the request asks
+		// none; never less than the source's.
+		fit := func(what string, srcSize int64) error {
+			if req.GetCapacityRange().GetRequiredBytes() == 0 && srcSize > 0 {
+				if lim := req.GetCapacityRange().GetLimitBytes(); lim == 0 || srcSize <= lim {
+					size = srcSize
+					body.Size = strconv.FormatInt(size, 10)
+				}
+			}
+			if srcSize > size {
+				return status.Errorf(codes.OutOfRange, "%s %s has %d bytes: more than the %d asked", what, id, srcSize, size)
+			}
+			return nil
+		}
 		if src.GetSnapshot() != nil {
 			s, err := only.snapshot(ctx, name)
 			if err != nil {
 				return nil, toStatus(err, "content source snapshot "+id)
 			}
-			if s.Size > size {
-				return nil, status.Errorf(codes.OutOfRange, "snapshot %s has %d bytes: more than the %d asked", id, s.Size, size)
+			if err := fit("snapshot", s.Size); err != nil {
+				return nil, err
 			}
 			body.FromSnapshot = name
 		} else {
@@ -359,8 +377,10 @@ func (c *controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			if err != nil {
 				return nil, toStatus(err, "content source volume "+id)
 			}
-			if v.Size != nil && *v.Size > size {
-				return nil, status.Errorf(codes.OutOfRange, "volume %s has %d bytes: more than the %d asked", id, *v.Size, size)
+			if v.Size != nil {
+				if err := fit("volume", *v.Size); err != nil {
+					return nil, err
+				}
 			}
 			body.FromVolume = name
 		}
@@ -540,16 +560,29 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 		return nil, err
 	}
 	defer unlock()
+	// The grant: ro for a read-only publish or a reader mode; for
+	// multi-node writers (raw block only) RNBD's migration access, the
+	// one that lets a second session write beside the first: the storage
+	// node takes two writers of a device at most, so a third is refused
+	// here rather than at its OPEN.
+	mode := req.GetVolumeCapability().GetAccessMode().GetMode()
 	access := "rw"
-	if req.GetReadonly() || req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY {
+	switch {
+	case req.GetReadonly() || mode == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY ||
+		mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY:
 		access = "ro"
+	case mode == csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
+		access = "migration"
 	}
 	grants, err := n.grants(ctx, v.Name)
 	if err != nil {
 		return nil, toStatus(err, "grants of "+req.GetVolumeId())
 	}
-	have := false
+	have, writers := false, 0
 	for _, g := range grants {
+		if g.Identity != req.GetNodeId() && g.Access != "ro" {
+			writers++
+		}
 		switch {
 		case g.Identity == req.GetNodeId() && g.Access != access:
 			return nil, status.Errorf(codes.AlreadyExists, "volume %s is published to node %s %s, asked %s", req.GetVolumeId(), g.Identity, g.Access, access)
@@ -558,6 +591,9 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 		case singleNode(req.GetVolumeCapability()):
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published to node %s: a single-node access mode allows one node", req.GetVolumeId(), g.Identity)
 		}
+	}
+	if !have && access == "migration" && writers >= 2 {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s has two writers already: a storage node takes two at most (RNBD's migration access)", req.GetVolumeId())
 	}
 	if !have {
 		if err := n.grant(ctx, v.Name, req.GetNodeId(), access); err != nil {
@@ -570,7 +606,7 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 		paths = strings.Split(s, ",")
 	}
 	pc := map[string]string{PCStorageNode: n.cfg.Name, PCExport: v.Name, PCPaths: strings.Join(paths, ","),
-		PCPort: strconv.Itoa(n.cfg.Port), "access": access}
+		PCPort: strconv.Itoa(n.cfg.Port), PCAccess: access}
 	for _, k := range []string{PCTransport, PCMpathPolicy, PCFrontend} {
 		if s := req.GetVolumeContext()[k]; s != "" {
 			pc[k] = s

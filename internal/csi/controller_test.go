@@ -333,6 +333,28 @@ func TestController(t *testing.T) {
 	if g := r.grants(v2.GetVolumeId()); g["host-2"] != "ro" {
 		t.Errorf("grants after a read-only publish: %v", g)
 	}
+	// Multi-node writers on raw block: RNBD's migration access for
+	// each, two of them at most; a third is refused, a reader is not.
+	mnmw := blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	shared := r.mustCreate("pvc-shared", 1<<20, nil, nil)
+	for _, node := range []string{"host-1", "host-2", "host-2"} {
+		resp, err := pub(shared.GetVolumeId(), node, false, mnmw)
+		if err != nil || resp.GetPublishContext()[PCAccess] != "migration" {
+			t.Fatalf("multi-node writer publish to %s: %v %v", node, resp, err)
+		}
+	}
+	_, err = pub(shared.GetVolumeId(), "h", false, mnmw)
+	wantCode(t, "a third multi-node writer", err, codes.FailedPrecondition)
+	if resp, err := pub(shared.GetVolumeId(), "h", true, mnmw); err != nil || resp.GetPublishContext()[PCAccess] != "ro" {
+		t.Errorf("a read-only publish beside two writers: %v %v", resp, err)
+	}
+	if g := r.grants(shared.GetVolumeId()); g["host-1"] != "migration" || g["host-2"] != "migration" || g["h"] != "ro" {
+		t.Errorf("grants of the shared volume: %v", g)
+	}
+	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: shared.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+
 	// A node no worker has: NotFound, and nothing granted to it.
 	if _, err := pub(v2.GetVolumeId(), "host-9", true, mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY)); status.Code(err) != codes.NotFound {
 		t.Errorf("publish to an unknown node: %v, want NotFound", err)

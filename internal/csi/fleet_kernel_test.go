@@ -177,10 +177,11 @@ func TestFleetOnKernel(t *testing.T) {
 	f.killStorageNode()
 	f.expand()
 	f.snapshotRestore()
+	f.shared()
 	f.deleteAll()
 	f.nothingLeft(devsBefore)
 
-	fmt.Printf("TPUT csi-fleet %d volumes and 1 restored on 2 storage nodes (%d and %d), 2 workers: %.1fs in all; %s\n", fleetVolumes,
+	fmt.Printf("TPUT csi-fleet %d volumes, 1 restored and 1 shared on 2 storage nodes (%d and %d), 2 workers: %.1fs in all; %s\n", fleetVolumes,
 		f.storage[0].volumeCount, f.storage[1].volumeCount, time.Since(f.began).Seconds(), strings.Join(f.times, ", "))
 }
 
@@ -404,12 +405,16 @@ func (f *fleet) other(s *fleetStorage) *fleetStorage {
 
 // create is CreateVolume of v (from a snapshot if src is set).
 func (f *fleet) create(ctx context.Context, v *fleetVol, src *csi.VolumeContentSource) error {
-	rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: v.name, CapacityRange: &csi.CapacityRange{RequiredBytes: v.size},
+	var cr *csi.CapacityRange // none: the source's size
+	if v.size != 0 {
+		cr = &csi.CapacityRange{RequiredBytes: v.size}
+	}
+	rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: v.name, CapacityRange: cr,
 		VolumeCapabilities: []*csi.VolumeCapability{v.vc}, Parameters: map[string]string{"frontend": v.frontend}, VolumeContentSource: src})
 	if err != nil {
 		return fmt.Errorf("CreateVolume %s: %w", v.name, err)
 	}
-	v.id, v.volCtx = rsp.Volume.VolumeId, rsp.Volume.VolumeContext
+	v.id, v.volCtx, v.size = rsp.Volume.VolumeId, rsp.Volume.VolumeContext, rsp.Volume.CapacityBytes
 	v.storage, _, _ = strings.Cut(v.id, "/")
 	for _, s := range f.storage {
 		if s.name == v.storage {
@@ -856,6 +861,69 @@ func (f *fleet) expand() {
 	})
 }
 
+// shared publishes a raw block volume of access mode
+// MULTI_NODE_MULTI_WRITER on both workers at once (granted and mapped
+// with RNBD's migration access, two writers at most): what one writes
+// (O_DIRECT) the other reads, both ways; then the second is unpublished
+// and the volume left to deleteAll.
+func (f *fleet) shared() {
+	f.step("shared by both workers", 2*time.Minute, func(ctx context.Context) error {
+		vc := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}
+		a := &fleetVol{name: "fleet-shared", frontend: "ublk", block: true, size: 16 << 20, vc: vc}
+		if err := f.create(ctx, a, nil); err != nil {
+			return err
+		}
+		b := *a
+		if err := f.publish(ctx, a, f.workers[0]); err != nil {
+			return err
+		}
+		if err := f.publish(ctx, &b, f.workers[1]); err != nil {
+			return err
+		}
+		for i, p := range [][2]string{{a.target, b.target}, {b.target, a.target}} {
+			if err := writeReadDirect(p[0], p[1], int64(i)<<20, int64(i)+1); err != nil {
+				return err
+			}
+		}
+		return f.unpublish(ctx, &b)
+	})
+}
+
+// writeReadDirect writes a block of generation g at off through the
+// device at from and reads it back through the one at to, both
+// O_DIRECT (no page cache of either between them).
+func writeReadDirect(from, to string, off, g int64) error {
+	buf, err := unix.Mmap(-1, 0, 2*bwBlock, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		return err
+	}
+	defer unix.Munmap(buf)
+	w, r := buf[:bwBlock], buf[bwBlock:]
+	bwFill(w, g)
+	for _, io := range []struct {
+		path string
+		do   func(fd int) (int, error)
+	}{
+		{from, func(fd int) (int, error) { return unix.Pwrite(fd, w, off) }},
+		{to, func(fd int) (int, error) { return unix.Pread(fd, r, off) }},
+	} {
+		fd, err := unix.Open(io.path, unix.O_RDWR|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		n, err := io.do(fd)
+		unix.Close(fd)
+		if err != nil || n != bwBlock {
+			return fmt.Errorf("%s at %d: %d bytes, %v", io.path, off, n, err)
+		}
+	}
+	if !bytes.Equal(w, r) {
+		return fmt.Errorf("written through %s at %d, read otherwise through %s", from, off, to)
+	}
+	return nil
+}
+
 // snapshotRestore snapshots a volume with a file in it, changes the
 // file, restores the snapshot into a new volume, publishes that on the
 // other worker: the file is as it was at the snapshot.
@@ -881,10 +949,14 @@ func (f *fleet) snapshotRestore() {
 		if _, err := writeFile(filepath.Join(v.target, "snapped"), 1<<20); err != nil {
 			return err
 		}
-		r := &fleetVol{name: "fleet-restored", frontend: "nbd", vc: v.vc, size: v.size}
+		// No capacity asked: the snapshot's size.
+		r := &fleetVol{name: "fleet-restored", frontend: "nbd", vc: v.vc}
 		if err := f.create(ctx, r, &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
 			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}); err != nil {
 			return err
+		}
+		if r.size != rsp.Snapshot.SizeBytes {
+			return fmt.Errorf("restored without a capacity asked: %d bytes, the snapshot %d", r.size, rsp.Snapshot.SizeBytes)
 		}
 		if r.storage != v.storage {
 			return fmt.Errorf("restored on %s, its snapshot is on %s", r.storage, v.storage)

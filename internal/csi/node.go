@@ -47,6 +47,7 @@ const (
 	PCTransport   = "transport"   // tcp or rdma
 	PCMpathPolicy = "mpathPolicy" // round-robin, min-inflight, min-latency
 	PCFrontend    = "frontend"    // nbd or ublk ("": the client's default)
+	PCAccess      = "access"      // ro, rw or migration: what the node's identity was granted
 )
 
 // NodeOptions are what the node service needs of its configuration.
@@ -187,6 +188,7 @@ type stageRequest struct {
 	port              uint16
 	transport, policy string
 	frontend          string
+	access            string // ro, rw or migration (a second writer)
 	readOnly, block   bool
 	fsType            string
 	mountFlags        []string
@@ -241,10 +243,31 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 	default:
 		return s, status.Error(codes.InvalidArgument, "volume_capability: neither block nor mount")
 	}
+	// The access the controller granted (a read-only publish, a
+	// reader mode: ro; multi-node writers: migration, RNBD's second
+	// writer), else what the access mode asks.
+	s.access = "rw"
 	if m := vc.GetAccessMode().GetMode(); m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY ||
 		m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
-		s.readOnly = true
+		s.access = "ro"
 	}
+	switch a := pc[PCAccess]; a {
+	case "":
+	case "ro", "rw":
+		if s.access != "ro" {
+			s.access = a
+		}
+	case "migration":
+		if !s.block {
+			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: a second writer only for a raw block volume", PCAccess, a)
+		}
+		if s.access != "ro" {
+			s.access = a
+		}
+	default:
+		return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: want ro, rw or migration", PCAccess, a)
+	}
+	s.readOnly = s.access == "ro"
 	return s, nil
 }
 
@@ -273,11 +296,15 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 		mapped = true
 	}
+	// A failure unmaps what no mount uses, whoever mapped it: a map
+	// that timed out before (the daemon finished it) is found here, and
+	// after a final error the kubelet calls no unstage.
 	undo := func() {
-		if mapped {
-			if err := n.unmap(context.Background(), m.device); err != nil {
-				n.opts.Log.WithError(err).WithField("volume", s.id).Error("undoing a failed stage: unmapping failed")
-			}
+		if !mapped && n.deviceMounted(m.devpath) {
+			return
+		}
+		if err := n.unmap(context.Background(), m.device); err != nil {
+			n.opts.Log.WithError(err).WithField("volume", s.id).Error("undoing a failed stage: unmapping failed")
 		}
 	}
 	if err := waitDevice(ctx, m.devpath, n.opts.DeviceWait); err != nil {
@@ -297,11 +324,25 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
 	}
 	if !notMnt {
-		return &csi.NodeStageVolumeResponse{}, nil // staged already
+		// Staged already, if of this mapping's device: a mount of
+		// another (one the daemon could not take back after a restart)
+		// is no volume to publish.
+		dev, _, err := mount.GetDeviceNameFromMount(n.mounter, s.staging)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+		}
+		if dev != m.devpath {
+			undo()
+			return nil, status.Errorf(codes.Internal, "staging path %s holds %s, but volume %s is %s now: unmount it (NodeUnstageVolume) and stage again", s.staging, dev, s.id, m.devpath)
+		}
+		return &csi.NodeStageVolumeResponse{}, nil
 	}
 	opts := append([]string(nil), s.mountFlags...)
 	if s.readOnly {
-		opts = append(opts, "ro")
+		// A read-only device: the journal cannot be replayed on it
+		// (a volume not cleanly unmounted, a snapshot of a mounted
+		// one), so the mount does not try.
+		opts = append(opts, "ro", map[string]string{"ext4": "noload", "xfs": "norecovery"}[s.fsType])
 	}
 	// SafeFormatAndMount looks with blkid first: a device that holds
 	// a file system or anything blkid knows is never formatted. What it
@@ -317,6 +358,20 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	}
 	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// deviceMounted: a mount has the block device at dev for its source.
+func (n *NodeServer) deviceMounted(dev string) bool {
+	mps, err := n.mounter.List()
+	if err != nil {
+		return true // not known: keep it
+	}
+	for _, mp := range mps {
+		if mp.Device == dev {
+			return true
+		}
+	}
+	return false
 }
 
 // dataProbe is how much of a device's start and of its end
@@ -361,11 +416,7 @@ func (n *NodeServer) refuseUnknownData(dev, id string) error {
 
 // mapExport maps s's export through the worker's rnbd-client.
 func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, error) {
-	access := "rw"
-	if s.readOnly {
-		access = "ro"
-	}
-	body := map[string]any{"sessname": s.sess, "paths": s.paths, "device_path": s.export, "access_mode": access,
+	body := map[string]any{"sessname": s.sess, "paths": s.paths, "device_path": s.export, "access_mode": s.access,
 		"dest_port": s.port, "transport": s.transport, "as": s.frontend}
 	if s.policy != "" {
 		body["session_settings"] = map[string]any{"mpath_policy": s.policy}
@@ -478,6 +529,9 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
 		}
 		source = m.devpath
+	} else if notMnt, err := n.mounter.IsLikelyNotMountPoint(staging); err != nil || notMnt {
+		// Bound anyway, the pod would write to the node's own disk.
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s (no file system mounted there)", id, staging)
 	}
 	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
 		// Published once at most: any other mount of what the target

@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -335,6 +336,50 @@ func TestNodeBlockOnKernel(t *testing.T) {
 	if _, err := vf.ReadAt(b, 4096); err != nil || string(b) != "raw!" {
 		t.Fatalf("after the refused stage the volume holds %q (%v)", b, err)
 	}
+}
+
+// TestNodeReadOnlyOnKernel: a volume published read-only (the
+// controller's access ro in the publish context, whatever the access
+// mode) is mapped ro and mounted ro: its files are read, a write is
+// refused (EROFS), and nothing is formatted; unstage leaves nothing.
+func TestNodeReadOnlyOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	n := r.node()
+	ctx := context.Background()
+	r.srv(t, "volume", "create", "ro", "--pool", "p", "--size", "32MiB")
+	staging := filepath.Join(r.dir, "ro-staging")
+	t.Cleanup(func() {
+		n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/ro", StagingTargetPath: staging})
+	})
+	req := &csi.NodeStageVolumeRequest{VolumeId: "sn1/ro", StagingTargetPath: staging,
+		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), PublishContext: r.context("ro", "nbd")}
+	if _, err := n.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "data"), []byte("written rw"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/ro", StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+
+	req.PublishContext[PCAccess] = "ro"
+	if _, err := n.NodeStageVolume(ctx, req); err != nil {
+		t.Fatalf("staging read-only: %v", err)
+	}
+	if m := r.mappings(t, n); len(m) != 1 || m[0]["access_mode"] != "ro" {
+		t.Fatalf("mappings %v, want one ro", m)
+	}
+	if b, err := os.ReadFile(filepath.Join(staging, "data")); err != nil || string(b) != "written rw" {
+		t.Fatalf("read-only: %q %v", b, err)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "other"), []byte("x"), 0o600); !errors.Is(err, unix.EROFS) {
+		t.Fatalf("a write to the read-only volume: %v, want EROFS", err)
+	}
+	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/ro", StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	r.nothingStaged(t, n, staging)
 }
 
 // TestNodeFailedStageOnKernel: a stage whose mount fails (a mount

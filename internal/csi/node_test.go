@@ -44,6 +44,35 @@ func TestParseStage(t *testing.T) {
 			t.Errorf("%s: %v, want InvalidArgument", name, err)
 		}
 	}
+	// The access the controller granted: ro wins over the access mode,
+	// migration only for raw block, nothing else.
+	rwoCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	blkCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}
+	for _, tc := range []struct {
+		vc           *csi.VolumeCapability
+		access, want string
+		wantReadOnly bool
+		wantInvalid  bool
+	}{
+		{rwoCap, "", "rw", false, false},
+		{rwoCap, "rw", "rw", false, false},
+		{rwoCap, "ro", "ro", true, false},
+		{mountCap, "rw", "ro", true, false}, // a reader mode stays ro
+		{blkCap, "migration", "migration", false, false},
+		{rwoCap, "migration", "", false, true},
+		{rwoCap, "all", "", false, true},
+	} {
+		pc := map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5", PCAccess: tc.access}
+		s, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: tc.vc, PublishContext: pc})
+		switch {
+		case tc.wantInvalid && status.Code(err) != codes.InvalidArgument:
+			t.Errorf("access %q on %v: %v, want InvalidArgument", tc.access, tc.vc, err)
+		case !tc.wantInvalid && (err != nil || s.access != tc.want || s.readOnly != tc.wantReadOnly):
+			t.Errorf("access %q on %v: %q ro=%v (%v), want %q ro=%v", tc.access, tc.vc, s.access, s.readOnly, err, tc.want, tc.wantReadOnly)
+		}
+	}
 	// A node id with dots (a host name): a session name without them,
 	// unique to it.
 	dotted := NewNodeServer(NodeOptions{NodeID: "host-a.example", ClientSocket: "/nonexistent"})

@@ -398,10 +398,11 @@ fi
 # PATH (busybox's has none of mount-utils' flags).
 if want csi; then
 	scenario csi-node
+	f0=$fail
 	mkdir -p /tmp/csi-logs
 	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-logs RNBD_CSI_CONSOLE=1 \
 		gotest csi /bin/csi.test -test.run '^TestNode.*OnKernel$' -test.timeout 240s
-	[ "$fail" = 0 ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
+	[ "$fail" = "$f0" ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
 fi
 
 # csi-sanity: csi-sanity's whole suite (internal/csi's TestSanity) on
