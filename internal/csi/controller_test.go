@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -180,6 +181,12 @@ path = %q
 `, addr, port, filepath.Join(dir, "s.sock"), filepath.Join(dir, "s.json"), cert, key, ca, aport, pool)
 }
 
+// diesWithTest: a daemon a test starts is sent SIGTERM when the test
+// process dies without its cleanups (Ginkgo exits the process on some
+// errors; a test binary killed by its timeout), not left running with
+// its ports and mounts.
+func diesWithTest() *syscall.SysProcAttr { return &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM} }
+
 // startDaemon runs bin with args, its output in logFile (shown when the
 // test fails), and interrupts it when the test ends.
 func startDaemon(t *testing.T, name, logFile, bin string, args ...string) {
@@ -190,6 +197,7 @@ func startDaemon(t *testing.T, name, logFile, bin string, args ...string) {
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = out, out
+	cmd.SysProcAttr = diesWithTest()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -321,6 +321,7 @@ func (f *fleet) startStorage(s *fleetStorage) {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(filepath.Join(f.r.bin, "rnbd-server"), "daemon", "--config", s.conf)
+	cmd.SysProcAttr = diesWithTest()
 	var w io.Writer = out
 	if f.console != nil {
 		w = io.MultiWriter(out, prefixed{f.console, s.name})

@@ -99,6 +99,7 @@ func (r *kernelRig) run(t *testing.T, name string, argv ...string) *exec.Cmd {
 	}
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Stdout, cmd.Stderr = w, w
+	cmd.SysProcAttr = diesWithTest()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
