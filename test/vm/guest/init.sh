@@ -374,6 +374,12 @@ if want lvm; then
 	lexit lvm-daemon-delete-busy 5 lsrv volume delete v1
 	lcli unmap "$lvdev" >/dev/null 2>&1
 	kill "$(pidof rnbd-client | tr ' ' '\n' | while read -r p; do grep -q lvm-c.sock /proc/$p/cmdline 2>/dev/null && echo $p; done)" 2>/dev/null
+	# The server closes v1 when it sees the session go, a moment after
+	# the unmap: the delete waits for that (up to 10 s), not a race.
+	for _ in $(seq 50); do
+		lsrv device list --format csv --fields mapping_path 2>/dev/null | grep -qx v1 || break
+		sleep 0.2
+	done
 	lexit lvm-daemon-delete 0 lsrv volume delete v1
 	! lv_there rnbd.v.v1 && res lvm-daemon-deleted PASS "" || res lvm-daemon-deleted FAIL "$(lvs rnbdvm 2>&1)"
 	lexit lvm-daemon-delete-again 0 lsrv volume delete v1
