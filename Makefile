@@ -23,13 +23,14 @@ build: deps
 man: build
 	$(BIN)/rnbd-server man $(BIN)/man
 	$(BIN)/rnbd-client man $(BIN)/man
+	$(BIN)/rnbd-csi man $(BIN)/man
 	mkdir -p $(BIN)/completion
 	$(BIN)/rnbd-server completion bash >$(BIN)/completion/rnbd-server
 	$(BIN)/rnbd-client completion bash >$(BIN)/completion/rnbd-client
 
-# Debian packages rnbd-server and rnbd-client into build/deb (version
-# from git), and CI's check of them: lintian, install, systemd-analyze
-# verify, man pages, upgrade, remove, purge (root).
+# Debian packages rnbd-server, rnbd-client and rnbd-csi into build/deb
+# (version from git), and CI's check of them: lintian, install,
+# systemd-analyze verify, man pages, upgrade, remove, purge (root).
 deb: deps
 	@scripts/mkdeb.sh build/deb
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Build the rnbd-server and rnbd-client Debian packages from this tree:
+# Build the rnbd-server, rnbd-client and rnbd-csi Debian packages from
+# this tree:
 #   scripts/mkdeb.sh [OUTDIR]        (default build/deb)
-# Binaries in /usr/sbin, units in /lib/systemd/system, /etc/rnbd/*.toml as
-# conffiles, modules-load.d, man pages and bash completions generated from
-# the commands, the docs. The version comes from git (scripts/version.sh):
+# The daemons' binaries in /usr/sbin, units in /lib/systemd/system,
+# /etc/rnbd/*.toml as conffiles, modules-load.d, man pages and bash
+# completions generated from the commands, the docs. rnbd-csi, the CSI
+# driver, is a package of its own (csipkg below): what a Kubernetes
+# node's image installs, apart from the storage daemons. The version comes from git (scripts/version.sh):
 # the newest tag, or 0.0 and the commit's date and hash
 # (0.0~git20261125.4951b1b-1); RNBD_DEB_VERSION overrides it. The
 # binaries and the man pages say the same. Needs dpkg-dev
@@ -24,11 +27,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The binaries say the package's version (rnbd-server --version).
 CGO_ENABLED=1 go build -trimpath -buildmode=pie -ldflags "-s -w $(RNBD_VERSION=$version scripts/version.sh)" \
-	-o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client
+	-o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./cmd/rnbd-csi
 # The man pages carry the commit's date, not the build's.
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}
 "$work/bin/rnbd-server" man "$work/man"
 "$work/bin/rnbd-client" man "$work/man"
+"$work/bin/rnbd-csi" man "$work/man"
 
 # depends BINARY: the shared libraries' packages (dpkg-shlibdeps wants a
 # debian/control to look at).
@@ -68,25 +72,7 @@ pkg() {
 	for d in README.md docs/operations.md docs/metrics.md docs/control-api.md "docs/${name#rnbd-}.md"; do
 		gzip -9n <"$d" >"$doc/$(basename "$d").gz"
 	done
-	cat >"$doc/copyright" <<EOF
-Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
-Upstream-Name: rnbd
-Comment: a userspace Go implementation of the Linux RNBD/RTRS block
- transport. The project has not chosen a license yet: all rights are
- reserved by its authors until it does.
-
-Files: *
-Copyright: 2026 the rnbd developers
-License: none
- No license has been granted yet.
-EOF
-	{
-		echo "$name ($version) unstable; urgency=medium"
-		echo
-		echo "  * Built from git $(git rev-parse --short HEAD): $(git log -1 --format=%s | cut -c1-44)."
-		echo
-		echo " -- $maint  $date"
-	} | gzip -9n >"$doc/changelog.Debian.gz"
+	debian_docs "$name" "$doc"
 	echo "/etc/rnbd/${name#rnbd-}.toml" >"$root/DEBIAN/conffiles"
 	local deps
 	deps=$(depends "$root/usr/sbin/$name")
@@ -108,9 +94,99 @@ Description: $short
 $long
 EOF
 	maintscripts "$name"
+	build "$name"
+}
+
+# debian_docs NAME DOCDIR: the copyright and changelog every package has.
+debian_docs() {
+	local name=$1 doc=$2
+	cat >"$doc/copyright" <<EOF
+Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
+Upstream-Name: rnbd
+Comment: a userspace Go implementation of the Linux RNBD/RTRS block
+ transport. The project has not chosen a license yet: all rights are
+ reserved by its authors until it does.
+
+Files: *
+Copyright: 2026 the rnbd developers
+License: none
+ No license has been granted yet.
+EOF
+	{
+		echo "$name ($version) unstable; urgency=medium"
+		echo
+		echo "  * Built from git $(git rev-parse --short HEAD): $(git log -1 --format=%s | cut -c1-44)."
+		echo
+		echo " -- $maint  $date"
+	} | gzip -9n >"$doc/changelog.Debian.gz"
+}
+
+# build NAME: the .deb of the tree $work/NAME, its DEBIAN/control written.
+build() {
+	local name=$1 root=$work/$1
 	(cd "$root" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | sort -z | xargs -0 md5sum >DEBIAN/md5sums)
 	dpkg-deb --root-owner-group -Zxz --build "$root" "$out/${name}_${version}_${arch}.deb" >/dev/null
 	echo "$out/${name}_${version}_${arch}.deb"
+}
+
+# csipkg: rnbd-csi, the CSI driver. Kubernetes runs it in a container
+# (deploy/kubernetes), so no unit, no conffile and no maintainer scripts:
+# the binary in /usr/bin (where the Containerfile's image has it), its man
+# pages, docs/kubernetes.md, and the example configuration, which is
+# deploy/kubernetes/config.yaml's csi.toml (the ConfigMap's;
+# internal/csi's TestKubernetesConfigMapLoads loads it).
+# Depends are what the node plugin runs for the default ext4 volumes:
+# mkfs.ext4 and resize2fs (e2fsprogs), mount and umount (mount); blkid is
+# util-linux's, which is essential. xfsprogs (mkfs.xfs, xfs_growfs) is
+# only for StorageClasses with fsType xfs: Recommends. The controller
+# needs none of them, nor rnbd-client, which the node plugin drives on
+# the host (Suggests).
+csipkg() {
+	local name=rnbd-csi root=$work/rnbd-csi
+	local doc=$root/usr/share/doc/$name
+	install -d "$root/DEBIAN" "$root/usr/bin" "$root/usr/share/man/man5" "$root/usr/share/man/man8" "$doc/examples"
+	install -m 0755 "$work/bin/$name" "$root/usr/bin/"
+	gzip -9n <"$work/man/$name.8" >"$root/usr/share/man/man8/$name.8.gz"
+	gzip -9n <"$work/man/$name.toml.5" >"$root/usr/share/man/man5/$name.toml.5.gz"
+	{
+		echo "# rnbd-csi's configuration, /etc/rnbd/csi.toml (rnbd-csi.toml(5)):"
+		echo "# the csi.toml of deploy/kubernetes/config.yaml, the ConfigMap rnbd-csi-config."
+		echo
+		awk '/^  csi\.toml: \|$/ { f = 1; next } f && NF && !/^    / { exit } f { sub(/^    /, ""); print }' \
+			deploy/kubernetes/config.yaml
+	} >"$work/csi.toml"
+	for t in '[tls]' '[[storage_node]]' '[node]'; do
+		grep -qxF "$t" "$work/csi.toml" || { echo "mkdeb: no $t in deploy/kubernetes/config.yaml's csi.toml" >&2; exit 1; }
+	done
+	install -m 0644 "$work/csi.toml" "$doc/examples/csi.toml"
+	for d in README.md docs/kubernetes.md; do
+		gzip -9n <"$d" >"$doc/$(basename "$d").gz"
+	done
+	debian_docs "$name" "$doc"
+	local deps
+	deps=$(depends "$root/usr/bin/$name")
+	cat >"$root/DEBIAN/control" <<EOF
+Package: $name
+Version: $version
+Architecture: $arch
+Maintainer: $maint
+Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
+Depends: $deps, e2fsprogs, mount
+Recommends: xfsprogs
+Suggests: rnbd-client
+Section: admin
+Priority: optional
+Homepage: https://github.com/rnbd/rnbd
+Description: RNBD CSI driver: Kubernetes volumes on rnbd storage nodes
+ rnbd-csi is the Container Storage Interface driver of rnbd. Its
+ controller creates, publishes, expands, snapshots and deletes volumes on
+ rnbd-server storage nodes through their admin API (mutual TLS); its node
+ plugin maps them on each worker through the worker's rnbd-client daemon,
+ formats them (ext4 or xfs) only when they hold no file system, and
+ mounts them. Kubernetes runs it in containers with the standard CSI
+ sidecars (deploy/kubernetes in the source, docs/kubernetes.md here).
+EOF
+	build "$name"
 }
 
 # The daemons' data, beside their units' (maintscripts below): what the
@@ -232,3 +308,4 @@ pkg rnbd-client "RNBD block device client (userspace, RTRS over RDMA or TCP)" <<
  per-IO multipath with failover, heartbeats and reconnects, over RDMA
  verbs or TCP (optionally TLS 1.3).
 EOF
+csipkg

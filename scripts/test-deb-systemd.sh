@@ -81,8 +81,9 @@ stop_container() {
 trap 'stop_container; rm -rf "$root" "$root.console"' EXIT
 cp -a "$cache/." "$root/"
 mkdir -p "$root/opt/rnbd-test/debs1" "$root/opt/rnbd-test/debs2"
-cp "$debs1"/*.deb "$root/opt/rnbd-test/debs1/"
-cp "$debs2"/*.deb "$root/opt/rnbd-test/debs2/"
+# The daemons' packages: rnbd-csi has no unit (test-deb.sh checks it).
+cp "$debs1"/rnbd-server_*.deb "$debs1"/rnbd-client_*.deb "$root/opt/rnbd-test/debs1/"
+cp "$debs2"/rnbd-server_*.deb "$debs2"/rnbd-client_*.deb "$root/opt/rnbd-test/debs2/"
 machine=rnbd-test-$$
 
 # ct CMD...: run CMD inside the booted container.

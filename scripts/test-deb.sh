@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# CI's packaging check, as root on Debian: build both packages, lintian
-# (no errors), install them, systemd-analyze verify the installed units,
-# render every man page, upgrade to a newer build (a changed conffile is
-# kept), remove (the daemons' state kept) and purge (nothing left behind:
-# the state files the daemons would have written go too). The server's
+# CI's packaging check, as root on Debian: build the packages (the two
+# daemons' and rnbd-csi's), lintian (no errors), install them,
+# systemd-analyze verify the installed units, render every man page,
+# upgrade to a newer build (a changed conffile is kept), remove (the
+# daemons' state kept) and purge (nothing left behind: the state files
+# the daemons would have written go too). The server's
 # package makes /srv/rnbd (0700) and its purge removes it while empty.
 # Installs lintian and
 # man-db from apt if missing. Starts no daemon on this machine (its init
@@ -28,7 +29,7 @@ if [ ${#need[@]} -gt 0 ]; then
 	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null ||
 		die "apt-get install ${need[*]}"
 fi
-for p in rnbd-server rnbd-client; do
+for p in rnbd-server rnbd-client rnbd-csi; do
 	! dpkg -s "$p" >/dev/null 2>&1 || die "$p is installed already: this check installs and purges it"
 done
 # The purge takes the daemons' state files, a daemon's from the tree too
@@ -39,14 +40,14 @@ done
 srv=; [ -e /srv/rnbd ] || srv=1
 out=$(mktemp -d /tmp/rnbd-deb.XXXXXX)
 # Whatever happens, the machine is left without the packages.
-trap 'dpkg -P rnbd-server rnbd-client >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
+trap 'dpkg -P rnbd-server rnbd-client rnbd-csi >/dev/null 2>&1 || true; rm -rf "$out"' EXIT
 RNBD_DEB_VERSION=0.0~test1-1 scripts/mkdeb.sh "$out/1" >/dev/null
 RNBD_DEB_VERSION=0.0~test2-1 scripts/mkdeb.sh "$out/2" >/dev/null
 log "lintian"
 lintian --fail-on error --suppress-tags initial-upload-closes-no-bugs "$out"/1/*.deb || die "lintian"
 
-# apt resolves the packages' dependencies (kmod), which a fresh machine
-# may lack.
+# apt resolves the packages' dependencies (kmod; e2fsprogs and mount for
+# rnbd-csi), which a fresh machine may lack.
 log "install"
 DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "$out"/1/*.deb >/dev/null ||
 	die "apt-get install of the packages"
@@ -65,6 +66,19 @@ for p in rnbd-server rnbd-client; do
 	done
 done
 [ -f /etc/rnbd/server.toml ] && [ -f /etc/rnbd/client.toml ] || die "no configuration in /etc/rnbd"
+# rnbd-csi: the binary where the image has it, its two man pages found by
+# man, the example configuration; no unit, no conffile (Kubernetes gives
+# the configuration, a ConfigMap).
+[ -x /usr/bin/rnbd-csi ] || die "/usr/bin/rnbd-csi"
+v=$(/usr/bin/rnbd-csi --version | head -1)
+[ "$v" = "rnbd-csi 0.0~test1-1" ] || die "rnbd-csi --version says \"$v\", not the package's version 0.0~test1-1"
+[ "$(man -w rnbd-csi 2>&1)" = /usr/share/man/man8/rnbd-csi.8.gz ] || die "man -w rnbd-csi: $(man -w rnbd-csi 2>&1)"
+[ "$(man -w 5 rnbd-csi.toml 2>&1)" = /usr/share/man/man5/rnbd-csi.toml.5.gz ] || die "man -w 5 rnbd-csi.toml: $(man -w 5 rnbd-csi.toml 2>&1)"
+man -l /usr/share/man/man8/rnbd-csi.8.gz 2>/dev/null | grep -q "^EXIT STATUS" || die "man -l rnbd-csi.8"
+man -l /usr/share/man/man8/rnbd-csi.8.gz 2>/dev/null | tail -1 | grep -q "^rnbd 0.0~test1-1 " || die "rnbd-csi.8 does not carry the package's version"
+man -l /usr/share/man/man5/rnbd-csi.toml.5.gz 2>/dev/null | grep -q "^KEYS" || die "man -l rnbd-csi.toml.5"
+grep -qxF '[[storage_node]]' /usr/share/doc/rnbd-csi/examples/csi.toml || die "no example configuration of rnbd-csi"
+[ ! -e /etc/rnbd/csi.toml ] && [ -z "$(ls /lib/systemd/system/rnbd-csi* 2>/dev/null)" ] || die "rnbd-csi installed a configuration or a unit"
 [ -f /lib/udev/rules.d/60-rnbd.rules ] || die "no udev rule"
 [ -z "$srv" ] || [ "$(stat -c %a:%U /srv/rnbd 2>&1)" = 700:root ] || die "/srv/rnbd after install: $(stat -c %a:%U /srv/rnbd 2>&1)"
 log "systemd-analyze verify"
@@ -80,6 +94,7 @@ echo "# changed by the operator" >>/etc/rnbd/client.toml
 dpkg -i --force-confold "$out"/2/*.deb >/dev/null || die "dpkg -i (upgrade)"
 [ "$(dpkg-query -W -f '${Version}' rnbd-client)" = 0.0~test2-1 ] || die "not upgraded"
 [ "$(/usr/sbin/rnbd-client version -f json | sed -n 's/^  "version": "\(.*\)",$/\1/p')" = 0.0~test2-1 ] || die "the upgraded binary does not say 0.0~test2-1"
+[ "$(/usr/bin/rnbd-csi --version | head -1)" = "rnbd-csi 0.0~test2-1" ] || die "rnbd-csi was not upgraded to 0.0~test2-1"
 grep -q "changed by the operator" /etc/rnbd/client.toml || die "the changed conffile was replaced"
 
 log "remove and purge"
@@ -90,15 +105,19 @@ install -d -m 0700 /var/lib/rnbd
 echo '{"version": 1}' >/var/lib/rnbd/server.json
 echo '{"version": 1}' >/var/lib/rnbd/client.json
 : >/var/lib/rnbd/.state-123
-dpkg -r rnbd-server rnbd-client >/dev/null || die "dpkg -r"
-[ ! -e /usr/sbin/rnbd-server ] && [ ! -e /usr/sbin/rnbd-client ] || die "binaries left after remove"
+dpkg -r rnbd-server rnbd-client rnbd-csi >/dev/null || die "dpkg -r"
+[ ! -e /usr/sbin/rnbd-server ] && [ ! -e /usr/sbin/rnbd-client ] && [ ! -e /usr/bin/rnbd-csi ] || die "binaries left after remove"
 [ -f /etc/rnbd/client.toml ] || die "remove took the conffile (only purge may)"
 [ -f /var/lib/rnbd/server.json ] && [ -f /var/lib/rnbd/client.json ] || die "remove took the state (only purge may)"
+# rnbd-csi has no conffile and makes nothing: removed, it is gone whole.
+[ -z "$(dpkg-query -W -f '${db:Status-Status}' rnbd-csi 2>/dev/null | grep -v '^not-installed$')" ] ||
+	die "rnbd-csi after remove: $(dpkg-query -W -f '${db:Status-Status}' rnbd-csi)"
 dpkg -P rnbd-server rnbd-client >/dev/null || die "dpkg -P"
-left=$(ls -d /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /lib/systemd/system/rnbd-*.service \
+left=$(ls -d /etc/rnbd /usr/share/doc/rnbd-server /usr/share/doc/rnbd-client /usr/share/doc/rnbd-csi /usr/share/man/*/rnbd-csi* \
+	/lib/systemd/system/rnbd-*.service \
 	/etc/systemd/system/*.wants/rnbd-* /var/lib/rnbd ${srv:+/srv/rnbd} 2>/dev/null || true)
 [ -z "$left" ] || die "left after purge: $left"
 log "packages: lintian clean, installed, verified, upgraded, removed (state kept) and purged (state gone)"
 
-# The same packages under systemd, in a container that boots it.
+# The daemons' packages under systemd, in a container that boots it.
 scripts/test-deb-systemd.sh "$out/1" "$out/2"

@@ -30,6 +30,9 @@ type Man struct {
 	// DaemonExit is the daemon command's EXIT STATUS, Markdown; every
 	// other page has the control commands' exit codes (ctl).
 	DaemonExit string
+	// RootIsDaemon: the program itself is the daemon (rnbd-csi, which
+	// has no daemon command): its page is the daemon's.
+	RootIsDaemon bool
 	// Config is the configuration file's page, section 5.
 	Config ConfigPage
 }
@@ -111,6 +114,7 @@ func (m Man) tree(c *cobra.Command, dir string, date time.Time, source string) e
 // and SEE ALSO, and the configuration file's page to SEE ALSO.
 func (m Man) extend(c *cobra.Command, page string) string {
 	isRoot, isDaemon := !c.HasParent(), c.Name() == "daemon" && c.Parent() != nil && !c.Parent().HasParent()
+	isDaemon = isDaemon || isRoot && m.RootIsDaemon
 	isConfig := strings.HasPrefix(c.CommandPath(), c.Root().Name()+" config")
 	var md strings.Builder
 	md.WriteString("# EXIT STATUS\n")

@@ -300,8 +300,8 @@ func TestAccessRefusedHandshakes(t *testing.T) {
 func TestAccessBounds(t *testing.T) {
 	r := newAccessRig(t, Access{MaxRequestsPerIdentity: 1, MaxBodySize: 4096, MaxConnections: 3, HandshakeTimeout: 5 * time.Second})
 	rita := r.client(t, r.ca, "rita")
-	slow := make(chan error, 1)
-	go func() { slow <- call(r.client(t, r.ca, "rita"), "GET", "/v1/slow", nil) }()
+	slow, slowRita := make(chan error, 1), r.client(t, r.ca, "rita")
+	go func() { slow <- call(slowRita, "GET", "/v1/slow", nil) }()
 	kit.WaitFor(t, 10*time.Second, "rita's slow request to be under way", func() bool {
 		r.s.slots.mu.Lock()
 		defer r.s.slots.mu.Unlock()
@@ -310,7 +310,8 @@ func TestAccessBounds(t *testing.T) {
 	wantRefused(t, "a second request of rita's", call(rita, "GET", "/v1/things", nil), CodeBusy,
 		"identity rita has 1 requests under way", "max_requests_per_identity")
 	// Another identity is not held up by rita's.
-	if err := call(r.client(t, r.ca, "paul"), "GET", "/v1/things", nil); err != nil {
+	paul := r.client(t, r.ca, "paul")
+	if err := call(paul, "GET", "/v1/things", nil); err != nil {
 		t.Fatalf("paul's GET beside rita's: %v", err)
 	}
 	close(r.release)
@@ -321,6 +322,12 @@ func TestAccessBounds(t *testing.T) {
 		t.Errorf("no audit line of the busy refusal:\n%s", r.log.buf.String())
 	}
 
+	// The three connections so far closed and their slots free: the
+	// next client's is not one past max_connections (3).
+	for _, c := range []*Client{rita, slowRita, paul} {
+		c.hc.CloseIdleConnections()
+	}
+	kit.WaitFor(t, 10*time.Second, "the clients' connections to be released", func() bool { return len(r.s.remote[0].slots) == 0 })
 	big := map[string]string{"k": strings.Repeat("x", 8192)}
 	wantRefused(t, "a body past max_body_size", call(r.client(t, r.ca, "paul"), "POST", "/v1/things", big), CodeInvalid,
 		"request body larger than 4096 bytes")

@@ -11,12 +11,12 @@
 #   VM_SUITE=suite the Debian suite of the kernel (default bookworm-backports;
 #                  trixie-backports has kernels with ublk's UPDATE_SIZE, 6.16+)
 #   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
-#   VM_TIMEOUT=s   bound on the guest run (default 900)
+#   VM_TIMEOUT=s   bound on the guest run (default 1500)
 #   VM_LOG=file    keep the guest's whole serial console output there
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop, lvm; comma-separated; default all;
+#                  ublk, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
 #                  lvm-bench, the fleet benchmark on a thin pool, only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
@@ -29,13 +29,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
 cache=${VM_CACHE:-/var/cache/rnbd-vm}
-timeout=${VM_TIMEOUT:-900}
+timeout=${VM_TIMEOUT:-1500}
 log() { printf '== [%(%T)T] %s\n' -1 "$*" >&2; }
 die() { log "FAIL: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "the VM tier needs root (apt-get, the kernel package)"
 need=()
-for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod fio:fio mkfs.ext4:e2fsprogs blockdev:util-linux \
+for c in qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils depmod:kmod fio:fio mkfs.ext4:e2fsprogs mkfs.xfs:xfsprogs blockdev:util-linux \
 	rdma:iproute2 ibv_devinfo:ibverbs-utils; do
 	command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
 done
@@ -149,6 +149,11 @@ cp "$bb" "$root/bin/busybox"
 CGO_ENABLED=0 go build -trimpath -o "$root/bin/" ./test/vm/ublkcheck ./tools/gonbd ./tools/fleetbench
 # internal/pool's tests, for the lvm part: its LVM thin pool for real.
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
+# internal/csi's tests, for the csi part: the CSI node service on nbd and
+# ublk, mkfs and mount (RNBD_CSI_KERNEL=1); for the csi-sanity part,
+# csi-sanity's whole suite (TestSanity); and the csi-fleet part's fleet
+# scenario (TestFleetOnKernel).
+CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/csi.test" ./internal/csi
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
 CGO_ENABLED=1 go build -trimpath -o "$work/bin/" ./cmd/rnbd-server ./cmd/rnbd-client ./test/vm/rdmahostile
@@ -163,8 +168,10 @@ i=0
 # and rdma_ucm is rdma_cm's user interface.
 # dm-thin-pool (with dm-mod, dm-persistent-data, dm-bio-prison,
 # dm-bufio) for the lvm part's thin pools, and dm-snapshot, whose target
-# lvcreate -s wants present even for a thin snapshot.
-for m in ext4 nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot; do
+# lvcreate -s wants present even for a thin snapshot. xfs for the
+# csi-sanity and csi-fleet parts' storage nodes (dir pools on XFS: reflink
+# snapshots); veth for the csi-fleet part's workers (network namespaces).
+for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -197,7 +204,16 @@ copy_elf() {
 # fio, e2fsprogs' mkfs.ext4 and e2fsck, util-linux's blockdev: busybox has
 # none of them (its mke2fs makes ext2, its blockdev has no --getsize64).
 # iproute2's rdma adds the soft-RoCE device.
-for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo; do copy_elf "$(command -v $t)"; done
+# util-linux's blkid (what the CSI node service asks before it formats)
+# and fsck, e2fsprogs' resize2fs (its online growth); xfsprogs' mkfs.xfs
+# (test/testfs.ReflinkDir, the csi-sanity part's pools).
+for t in fio mkfs.ext4 e2fsck blockdev rdma ibv_devinfo blkid fsck resize2fs mkfs.xfs; do copy_elf "$(command -v $t)"; done
+ln -sf "$(command -v e2fsck)" "$root$(dirname "$(command -v fsck)")/fsck.ext4"
+# The csi-fleet part: iproute2's ip (busybox's has no netns), as
+# /usr/sbin/ip wherever the host has it (busybox's applet is /sbin/ip).
+ipbin=$(readlink -f "$(command -v ip)")
+copy_elf "$ipbin"
+[ "$ipbin" = /usr/sbin/ip ] || { mkdir -p "$root/usr/sbin" && mv "$root$ipbin" "$root/usr/sbin/ip"; }
 mkdir -p "$root/etc" && cp /etc/mke2fs.conf "$root/etc/"
 for b in "$work"/bin/*; do
 	copy_elf "$b"

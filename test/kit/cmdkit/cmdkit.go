@@ -1,4 +1,4 @@
-// Package cmdkit holds the checks the two commands' tests share: their
+// Package cmdkit holds the checks the commands' tests share: their
 // daemon flags against ConfigKeys, and their man pages. Apart from kit,
 // which the libraries' tests import: this one imports internal/conf.
 package cmdkit
@@ -82,13 +82,19 @@ func ManPages(t *testing.T, root *cobra.Command, prog, configFile string, keys [
 			t.Errorf("%s has no EXAMPLES", p)
 		}
 	}
-	cfg := read(prog + ".toml.5")
+	ConfigPageKeys(t, prog+".toml.5", read(prog+".toml.5"), keys)
+	return read(prog + "-daemon.8")
+}
+
+// ConfigPageKeys checks that the configuration's man page (name, its
+// roff) describes every key of keys.
+func ConfigPageKeys(t *testing.T, name, page string, keys []conf.KeyDoc) {
+	t.Helper()
 	for _, k := range keys {
-		for _, name := range k.Keys {
-			if !strings.Contains(cfg, "\\fB"+name+"\\fR") {
-				t.Errorf("%s.toml.5 does not describe %s", prog, name)
+		for _, key := range k.Keys {
+			if !strings.Contains(page, "\\fB"+key+"\\fR") {
+				t.Errorf("%s does not describe %s", name, key)
 			}
 		}
 	}
-	return read(prog + "-daemon.8")
 }

@@ -374,6 +374,12 @@ if want lvm; then
 	lexit lvm-daemon-delete-busy 5 lsrv volume delete v1
 	lcli unmap "$lvdev" >/dev/null 2>&1
 	kill "$(pidof rnbd-client | tr ' ' '\n' | while read -r p; do grep -q lvm-c.sock /proc/$p/cmdline 2>/dev/null && echo $p; done)" 2>/dev/null
+	# The server closes v1 when it sees the session go, a moment after
+	# the unmap: the delete waits for that (up to 10 s), not a race.
+	for _ in $(seq 50); do
+		lsrv device list --format csv --fields mapping_path 2>/dev/null | grep -qx v1 || break
+		sleep 0.2
+	done
 	lexit lvm-daemon-delete 0 lsrv volume delete v1
 	! lv_there rnbd.v.v1 && res lvm-daemon-deleted PASS "" || res lvm-daemon-deleted FAIL "$(lvs rnbdvm 2>&1)"
 	lexit lvm-daemon-delete-again 0 lsrv volume delete v1
@@ -390,6 +396,62 @@ if want lvm; then
 	[ "$fail" = 0 ] || tail -20 /tmp/lvm-server.log | sed 's/^/DETAIL /'
 	vgremove -ff -y rnbdvm >/dev/null 2>&1
 	losetup -d "$lvmdev"
+fi
+
+# csi: the CSI node service on this kernel (internal/csi's OnKernel
+# tests): stage, publish, expand, unpublish, unstage through /dev/nbdN
+# and ublk with ext4, and a raw block volume; util-linux's blkid first in
+# PATH (busybox's has none of mount-utils' flags).
+if want csi; then
+	scenario csi-node
+	f0=$fail
+	mkdir -p /tmp/csi-logs
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-logs RNBD_CSI_CONSOLE=1 \
+		gotest csi /bin/csi.test -test.run '^TestNode.*OnKernel$' -test.timeout 240s
+	[ "$fail" = "$f0" ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
+fi
+
+# csi-sanity: csi-sanity's whole suite (internal/csi's TestSanity) on
+# this kernel: two storage nodes (dir pools on XFS loop mounts, admin
+# over TLS) and a worker's rnbd-client as processes, the node service
+# staging and publishing for real. Once per access type (one ginkgo run
+# per process), each on one frontend: a file system volume on ublk (the
+# default where the kernel has it), a raw block volume on nbd. Each run
+# prints "TPUT csi-sanity ACCESS on FRONTEND: N passed, ...".
+if want csi-sanity; then
+	scenario csi-sanity
+	for run in mount:ublk block:nbd; do
+		a=${run%:*} f=${run#*:}
+		PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_SANITY_ACCESS=$a RNBD_CSI_SANITY_FRONTEND=$f \
+			gotest csi-sanity-$a-$f /bin/csi.test -test.run '^TestSanity$' -test.timeout 500s -ginkgo.no-color
+		grep -a '^TPUT csi-sanity' /tmp/csi-sanity-$a-$f.out || res csi-sanity-$a-$f-counts FAIL "no TPUT line"
+		# The specs that failed (ginkgo's summary; the daemons' logs
+		# after it push it out of gotest's tail).
+		grep -a '^ *\[FAIL\] ' /tmp/csi-sanity-$a-$f.out | sed 's/^ */DETAIL /'
+		# Each skip and the suite's reason, for the console log only.
+		grep -a 'sanity_test.go:[0-9]*: skipped: ' /tmp/csi-sanity-$a-$f.out | sed "s/.*sanity_test.go:[0-9]*: skipped: /SKIP $a-$f: /"
+	done
+fi
+
+# csi-fleet: the fleet scenario (internal/csi's TestFleetOnKernel, see
+# docs/testing.md): two storage nodes, two workers in network namespaces
+# (iproute2's ip, /usr/sbin/ip), 20 volumes through the CSI services over
+# gRPC; its TPUT line, and on a failure the steps and the daemons' last
+# words.
+if want csi-fleet; then
+	scenario csi-fleet
+	f0=$fail
+	mkdir -p /tmp/csi-fleet-logs
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-logs RNBD_CSI_IP=/usr/sbin/ip RNBD_CSI_CONSOLE=1 \
+		gotest csi-fleet /bin/csi.test -test.run '^TestFleetOnKernel$' -test.timeout 570s
+	grep '^TPUT ' /tmp/csi-fleet.out
+	if [ "$fail" != "$f0" ]; then
+		grep -E 'fleet_kernel_test\.go:[0-9]+: ' /tmp/csi-fleet.out | head -30 | sed 's/^/DETAIL /'
+		for l in /tmp/csi-fleet-logs/*.log; do
+			echo "DETAIL --- $l"
+			tail -15 "$l" | sed 's/^/DETAIL /'
+		done
+	fi
 fi
 
 # lvm-bench (only when named): tools/fleetbench on a thin pool of its

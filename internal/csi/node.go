@@ -1,0 +1,757 @@
+// The node service: a published volume is mapped through the worker's
+// own rnbd-client daemon (its control socket, the worker's certificate
+// its identity), formatted only if it holds no file system, and mounted;
+// each step is undone by the one that mirrors it, and each is idempotent.
+// The kernel paths (/dev/nbdN, ublk, mkfs, mount) are tested in the VM
+// tier (node_kernel_test.go, csi-sanity, the fleet scenario).
+
+package csi
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	mount "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/pkg/log"
+)
+
+// Publish context keys: what ControllerPublishVolume tells the node
+// about the export it is to map.
+const (
+	PCExport      = "export"      // the export's name on the storage node
+	PCStorageNode = "storageNode" // its name in the driver's configuration
+	PCPaths       = "paths"       // comma-separated: ip:SERVER or ip:CLIENT@ip:SERVER
+	PCPort        = "port"        // the fabric's port ("" : the default)
+	PCTransport   = "transport"   // tcp or rdma
+	PCMpathPolicy = "mpathPolicy" // round-robin, min-inflight, min-latency
+	PCFrontend    = "frontend"    // nbd or ublk ("": the client's default)
+	PCAccess      = "access"      // ro, rw or migration: what the node's identity was granted
+)
+
+// NodeOptions are what the node service needs of its configuration.
+type NodeOptions struct {
+	// NodeID is the worker's identity: the name of its rnbd-client's
+	// TLS certificate, which the controller grants on publish.
+	NodeID string
+	// Topology are its topology labels (NodeGetInfo).
+	Topology map[string]string
+	// NodeLabels, where set, gives more of them at each NodeGetInfo:
+	// those of the worker's Kubernetes Node ([node] topology_from_node).
+	NodeLabels func(context.Context) (map[string]string, error)
+	// ClientSocket is its rnbd-client daemon's control socket.
+	ClientSocket string
+	// DeviceWait bounds how long a mapped device node takes to appear.
+	DeviceWait time.Duration
+	Log        *log.Entry
+}
+
+// NodeServer is the CSI node service.
+type NodeServer struct {
+	csi.UnimplementedNodeServer
+	opts    NodeOptions
+	client  *ctl.Client
+	mounter *mount.SafeFormatAndMount
+	resizer *mount.ResizeFs
+
+	busy inFlight // volume ids with an RPC under way
+}
+
+// NewNodeServer makes the node service of opts.
+func NewNodeServer(opts NodeOptions) *NodeServer {
+	if opts.DeviceWait == 0 {
+		opts.DeviceWait = 30 * time.Second
+	}
+	if opts.Log == nil {
+		opts.Log = log.L
+	}
+	ex := utilexec.New()
+	return &NodeServer{opts: opts, client: ctl.Dial(opts.ClientSocket),
+		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex)}
+}
+
+// lock takes volume id for one RPC; another under way is Aborted, as
+// the spec asks.
+func (n *NodeServer) lock(id string) (func(), error) { return n.busy.lock("volume " + id) }
+
+// NodeGetInfo implements csi.NodeServer.
+func (n *NodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	rsp := &csi.NodeGetInfoResponse{NodeId: n.opts.NodeID}
+	topo := maps.Clone(n.opts.Topology)
+	if n.opts.NodeLabels != nil {
+		// node-driver-registrar retries a registration that failed: the
+		// API server away a moment is not a worker without a zone.
+		labels, err := n.opts.NodeLabels(ctx)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "topology: %v", err)
+		}
+		if topo == nil {
+			topo = map[string]string{}
+		}
+		maps.Copy(topo, labels)
+	}
+	if len(topo) > 0 {
+		rsp.AccessibleTopology = &csi.Topology{Segments: topo}
+	}
+	return rsp, nil
+}
+
+// NodeGetCapabilities implements csi.NodeServer: what is built.
+func (n *NodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, c := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+		// The access modes SINGLE_NODE_SINGLE_WRITER (one publish at
+		// most, NodePublishVolume checks) and _MULTI_WRITER.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// sessName is the session a worker maps a storage node's exports in:
+// its own (a server binds a session name to the identity that first
+// uses it), one per storage node. A session name has no '.' nor '/'
+// (RTRS's rule); node ids (host names) often have dots: such a name is
+// written with '_' and made unique again by a hash of what it was.
+func (n *NodeServer) sessName(storageNode string) string {
+	s := n.opts.NodeID + "@" + storageNode
+	if !strings.ContainsAny(s, "./") {
+		return s
+	}
+	sum := sha256.Sum256([]byte(s))
+	return strings.NewReplacer(".", "_", "/", "_").Replace(s) + "-" + hex.EncodeToString(sum[:4])
+}
+
+// mapping is a device the worker's rnbd-client has mapped.
+type mapping struct {
+	device  string // rnbdN
+	devpath string // /dev/nbdN, /dev/ublkbN
+	state   string
+}
+
+// findMapping finds the mapping of export in session sess ("" device
+// if none).
+func (n *NodeServer) findMapping(ctx context.Context, sess, export string) (mapping, error) {
+	var recs []output.Record
+	if err := n.client.Do(ctx, "GET", "/v1/devices", nil, &recs); err != nil {
+		return mapping{}, clientError(err)
+	}
+	for _, r := range recs {
+		if r["sessname"] == sess && r["mapping_path"] == export {
+			m := mapping{}
+			m.device, _ = r["devname"].(string)
+			m.devpath, _ = r["devpath"].(string)
+			m.state, _ = r["state"].(string)
+			return m, nil
+		}
+	}
+	return mapping{}, nil
+}
+
+// clientError is an error of the worker's rnbd-client as a gRPC status.
+func clientError(err error) error {
+	return status.Errorf(grpcCode(err), "rnbd-client: %v", err)
+}
+
+// stageRequest is what NodeStageVolume needs, checked.
+type stageRequest struct {
+	id, staging       string
+	storageNode, sess string
+	export            string
+	paths             []string
+	port              uint16
+	transport, policy string
+	frontend          string
+	access            string // ro, rw or migration (a second writer)
+	readOnly, block   bool
+	fsType            string
+	mountFlags        []string
+}
+
+func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, error) {
+	s := stageRequest{id: req.GetVolumeId(), staging: req.GetStagingTargetPath()}
+	switch {
+	case s.id == "":
+		return s, status.Error(codes.InvalidArgument, "volume_id is missing")
+	case s.staging == "":
+		return s, status.Error(codes.InvalidArgument, "staging_target_path is missing")
+	case req.GetVolumeCapability() == nil:
+		return s, status.Error(codes.InvalidArgument, "volume_capability is missing")
+	}
+	pc := req.GetPublishContext()
+	s.export, s.storageNode = pc[PCExport], pc[PCStorageNode]
+	if s.export == "" || s.storageNode == "" || pc[PCPaths] == "" {
+		return s, status.Errorf(codes.InvalidArgument, "publish_context lacks %s, %s or %s (was the volume published by rnbd-csi?)", PCExport, PCStorageNode, PCPaths)
+	}
+	s.sess = n.sessName(s.storageNode)
+	s.paths = strings.Split(pc[PCPaths], ",")
+	if p := pc[PCPort]; p != "" {
+		v, err := strconv.ParseUint(p, 10, 16)
+		if err != nil {
+			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: %v", PCPort, p, err)
+		}
+		s.port = uint16(v)
+	}
+	s.transport, s.policy, s.frontend = pc[PCTransport], pc[PCMpathPolicy], pc[PCFrontend]
+	if s.frontend == "" {
+		// ublk where the kernel has it (it survives a restart of the
+		// daemon), else the nbd driver.
+		s.frontend = "nbd"
+		if _, err := os.Stat("/dev/ublk-control"); err == nil {
+			s.frontend = "ublk"
+		}
+	}
+	vc := req.GetVolumeCapability()
+	switch {
+	case vc.GetBlock() != nil:
+		s.block = true
+	case vc.GetMount() != nil:
+		s.fsType = vc.GetMount().GetFsType()
+		if s.fsType == "" {
+			s.fsType = "ext4"
+		}
+		if s.fsType != "ext4" && s.fsType != "xfs" {
+			return s, status.Errorf(codes.InvalidArgument, "fsType %q: ext4 or xfs", s.fsType)
+		}
+		s.mountFlags = vc.GetMount().GetMountFlags()
+	default:
+		return s, status.Error(codes.InvalidArgument, "volume_capability: neither block nor mount")
+	}
+	// The access the controller granted (a read-only publish, a
+	// reader mode: ro; multi-node writers: migration, RNBD's second
+	// writer), else what the access mode asks.
+	s.access = "rw"
+	if m := vc.GetAccessMode().GetMode(); m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY ||
+		m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
+		s.access = "ro"
+	}
+	switch a := pc[PCAccess]; a {
+	case "":
+	case "ro", "rw":
+		if s.access != "ro" {
+			s.access = a
+		}
+	case "migration":
+		if !s.block {
+			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: a second writer only for a raw block volume", PCAccess, a)
+		}
+		if s.access != "ro" {
+			s.access = a
+		}
+	default:
+		return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: want ro, rw or migration", PCAccess, a)
+	}
+	s.readOnly = s.access == "ro"
+	return s, nil
+}
+
+// NodeStageVolume implements csi.NodeServer: the export mapped through
+// the worker's rnbd-client (a mapping already there is taken), and for
+// a file system volume formatted if it holds none and mounted at the
+// staging path. A failure part way undoes what this call did.
+func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	s, err := n.parseStage(req)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := n.lock(s.id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	m, err := n.findMapping(ctx, s.sess, s.export)
+	if err != nil {
+		return nil, err
+	}
+	mapped := false
+	if m.device == "" {
+		if m, err = n.mapExport(ctx, s); err != nil {
+			return nil, err
+		}
+		mapped = true
+	}
+	// A failure unmaps what no mount uses, whoever mapped it: a map
+	// that timed out before (the daemon finished it) is found here, and
+	// after a final error the kubelet calls no unstage.
+	undo := func() {
+		if !mapped && n.deviceMounted(m.devpath) {
+			return
+		}
+		if err := n.unmap(context.Background(), m.device); err != nil {
+			n.opts.Log.WithError(err).WithField("volume", s.id).Error("undoing a failed stage: unmapping failed")
+		}
+	}
+	if err := waitDevice(ctx, m.devpath, n.opts.DeviceWait); err != nil {
+		undo()
+		return nil, err
+	}
+	if s.block {
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
+	if err := os.MkdirAll(s.staging, 0o750); err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+	}
+	notMnt, err := n.mounter.IsLikelyNotMountPoint(s.staging)
+	if err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+	}
+	if !notMnt {
+		// Staged already, if of this mapping's device: a mount of
+		// another (one the daemon could not take back after a restart)
+		// is no volume to publish.
+		dev, _, err := mount.GetDeviceNameFromMount(n.mounter, s.staging)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "staging path %s: %v", s.staging, err)
+		}
+		if dev != m.devpath {
+			undo()
+			return nil, status.Errorf(codes.Internal, "staging path %s holds %s, but volume %s is %s now: unmount it (NodeUnstageVolume) and stage again", s.staging, dev, s.id, m.devpath)
+		}
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
+	opts := append([]string(nil), s.mountFlags...)
+	if s.readOnly {
+		// A read-only device: the journal cannot be replayed on it
+		// (a volume not cleanly unmounted, a snapshot of a mounted
+		// one), so the mount does not try.
+		opts = append(opts, "ro", map[string]string{"ext4": "noload", "xfs": "norecovery"}[s.fsType])
+	}
+	// SafeFormatAndMount looks with blkid first: a device that holds
+	// a file system or anything blkid knows is never formatted. What it
+	// does not know (a raw block volume's database, say) is looked for
+	// too: a volume never written reads zeros.
+	if err := n.refuseUnknownData(m.devpath, s.id); err != nil {
+		undo()
+		return nil, err
+	}
+	if err := n.mounter.FormatAndMount(m.devpath, s.staging, s.fsType, opts); err != nil {
+		undo()
+		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
+	}
+	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// deviceMounted: a mount has the block device at dev for its source.
+func (n *NodeServer) deviceMounted(dev string) bool {
+	mps, err := n.mounter.List()
+	if err != nil {
+		return true // not known: keep it
+	}
+	for _, mp := range mps {
+		if mp.Device == dev {
+			return true
+		}
+	}
+	return false
+}
+
+// dataProbe is how much of a device's start and of its end
+// refuseUnknownData reads: where file systems, partition tables and
+// most formats keep their headers and backups.
+const dataProbe = 1 << 20
+
+// refuseUnknownData is FailedPrecondition where the device holds no
+// signature blkid knows but is not blank: its first or last MiB has a
+// byte that is not zero. Formatting it would destroy data mkfs's caller
+// cannot see (a volume that was used raw, then asked for as a file
+// system). A device with a file system passes: it is mounted, not
+// formatted.
+func (n *NodeServer) refuseUnknownData(dev, id string) error {
+	format, err := n.mounter.GetDiskFormat(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "blkid %s (volume %s): %v", dev, id, err)
+	}
+	if format != "" {
+		return nil
+	}
+	f, err := os.Open(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	defer f.Close()
+	size, err := deviceSize(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s: %v", dev, err)
+	}
+	buf := make([]byte, min(dataProbe, size))
+	for _, off := range []int64{0, max(0, size-dataProbe)} {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return status.Errorf(codes.Internal, "reading %s (volume %s) at %d: %v", dev, id, off, err)
+		}
+		if i := slices.IndexFunc(buf, func(b byte) bool { return b != 0 }); i >= 0 {
+			return status.Errorf(codes.FailedPrecondition, "%s (volume %s) holds data at byte %d but no file system blkid knows: not formatting it; stage it as a raw block volume, or clear it yourself if it is not needed", dev, id, off+int64(i))
+		}
+	}
+	return nil
+}
+
+// mapExport maps s's export through the worker's rnbd-client.
+func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, error) {
+	body := map[string]any{"sessname": s.sess, "paths": s.paths, "device_path": s.export, "access_mode": s.access,
+		"dest_port": s.port, "transport": s.transport, "as": s.frontend}
+	if s.policy != "" {
+		body["session_settings"] = map[string]any{"mpath_policy": s.policy}
+	}
+	var rsp struct {
+		Device string `json:"device"`
+		Kernel string `json:"kernel_device"`
+	}
+	if err := n.client.Do(ctx, "POST", "/v1/devices", body, &rsp); err != nil {
+		return mapping{}, clientError(err)
+	}
+	if rsp.Kernel == "" {
+		// A socket: no kernel device to mount. Unmapped again.
+		n.unmap(context.Background(), rsp.Device)
+		return mapping{}, status.Errorf(codes.FailedPrecondition, "rnbd-client mapped %s as an NBD socket: this node has neither nbd nor ublk", s.export)
+	}
+	return mapping{device: rsp.Device, devpath: rsp.Kernel}, nil
+}
+
+// unmap unmaps a device of the worker's rnbd-client; one that is gone
+// is success.
+func (n *NodeServer) unmap(ctx context.Context, device string) error {
+	err := n.client.Do(ctx, "POST", "/v1/devices/"+url.PathEscape(device)+"/unmap", map[string]any{}, nil)
+	if err != nil && ctl.Classify(err) != ctl.CodeNotFound {
+		return clientError(err)
+	}
+	return nil
+}
+
+// waitDevice waits for a device node to appear.
+func waitDevice(ctx context.Context, path string, wait time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeDevice != 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return status.Errorf(codes.DeadlineExceeded, "device %s did not appear within %v", path, wait)
+		case <-t.C:
+		}
+	}
+}
+
+// NodeUnstageVolume implements csi.NodeServer: the staging mount
+// unmounted and the export unmapped; what is not there is success.
+func (n *NodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	if id == "" || staging == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and staging_target_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := mount.CleanupMountPoint(staging, n.mounter, true); err != nil {
+		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", staging, err)
+	}
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		return nil, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME", id)
+	}
+	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	if err != nil {
+		return nil, err
+	}
+	if m.device != "" {
+		if err := n.unmap(ctx, m.device); err != nil {
+			return nil, err
+		}
+	}
+	n.opts.Log.WithFields(log.Fields{"volume": id, "staging": staging}).Info("volume unstaged")
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// NodePublishVolume implements csi.NodeServer: the staging mount bound
+// at the target (a file system volume), or the device node bound on a
+// file at the target (a block volume); read-only when asked.
+func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	id, staging, target := req.GetVolumeId(), req.GetStagingTargetPath(), req.GetTargetPath()
+	switch {
+	case id == "" || target == "":
+		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume_capability is missing")
+	case staging == "":
+		return nil, status.Error(codes.FailedPrecondition, "staging_target_path is missing: the volume is staged first")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	opts := []string{"bind"}
+	if req.GetReadonly() {
+		opts = append(opts, "ro")
+	}
+	source, block := staging, req.GetVolumeCapability().GetBlock() != nil
+	if block {
+		storageNode, export, _ := strings.Cut(id, "/")
+		m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+		if err != nil {
+			return nil, err
+		}
+		if m.device == "" {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
+		}
+		source = m.devpath
+	} else if notMnt, err := n.mounter.IsLikelyNotMountPoint(staging); err != nil || notMnt {
+		// Bound anyway, the pod would write to the node's own disk.
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s (no file system mounted there)", id, staging)
+	}
+	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		// Published once at most: any other mount of what the target
+		// would bind (the staging mount, or the device node) is a
+		// publish at another target. Checked before the target is
+		// made, so a refusal leaves nothing behind.
+		refs, err := mount.SearchMountPoints(source, "/proc/self/mountinfo")
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "mounts of %s: %v", source, err)
+		}
+		for _, r := range refs {
+			if r != filepath.Clean(target) && r != source {
+				return nil, status.Errorf(codes.FailedPrecondition, "volume %s is published at %s already: its access mode SINGLE_NODE_SINGLE_WRITER allows one publish", id, r)
+			}
+		}
+	}
+	// The target: a file to bind the device node on (block), a
+	// directory to bind the staging mount on; removed again if this
+	// call made it and the bind fails.
+	_, err = os.Lstat(target)
+	made := errors.Is(err, os.ErrNotExist)
+	if block {
+		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+		}
+		f, err := os.OpenFile(target, os.O_CREATE, 0o640)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+		}
+		f.Close()
+	} else if err := os.MkdirAll(target, 0o750); err != nil {
+		return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+	}
+	notMnt, err := n.mounter.IsLikelyNotMountPoint(target)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.Internal, "%s: %v", target, err)
+	}
+	if !notMnt {
+		return &csi.NodePublishVolumeResponse{}, nil // published already
+	}
+	if err := n.mounter.Mount(source, target, "", opts); err != nil {
+		if made {
+			os.Remove(target)
+		}
+		return nil, status.Errorf(codes.Internal, "binding %s at %s: %v", source, target, err)
+	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// NodeUnpublishVolume implements csi.NodeServer: the target unmounted
+// and removed; one that is not there is success.
+func (n *NodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	if id == "" || target == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := mount.CleanupMountPoint(target, n.mounter, true); err != nil {
+		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", target, err)
+	}
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+// NodeExpandVolume implements csi.NodeServer: once the mapping has
+// learnt the size asked (its size poll), the file system grown online
+// (resize2fs, xfs_growfs).
+func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" || path == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and volume_path are needed")
+	}
+	unlock, err := n.lock(id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		// Not an id this driver gives: no such volume.
+		return nil, status.Errorf(codes.NotFound, "volume_id %q: no volume (ids are STORAGE-NODE/VOLUME)", id)
+	}
+	// The path first: the answer for one that is not there needs not
+	// the client daemon.
+	if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
+	}
+	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	if err != nil {
+		return nil, err
+	}
+	if m.device == "" {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", id)
+	}
+	// The storage node grew the volume (ControllerExpandVolume): the
+	// mapping learns it by its size poll (rnbd.DefaultSizePoll, 5 s),
+	// waited for here.
+	size, err := n.waitSize(ctx, m.devpath, req.GetCapacityRange().GetRequiredBytes())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetVolumeCapability().GetBlock() != nil {
+		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+	}
+	if _, err := n.resizer.Resize(m.devpath, path); err != nil {
+		return nil, status.Errorf(codes.Internal, "growing the file system of %s at %s: %v", m.devpath, path, err)
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// sizeWait bounds how long NodeExpandVolume waits for a mapping to
+// learn a volume's new size: two of the client's size polls, and more.
+const sizeWait = 15 * time.Second
+
+// waitSize waits until the block device at path is at least want bytes
+// (want 0: as it is), and answers its size.
+func (n *NodeServer) waitSize(ctx context.Context, path string, want int64) (int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, sizeWait)
+	defer cancel()
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		size, err := deviceSize(path)
+		if err != nil {
+			return 0, status.Errorf(codes.Internal, "%s: %v", path, err)
+		}
+		if size >= want {
+			return size, nil
+		}
+		select {
+		case <-ctx.Done():
+			if strings.HasPrefix(path, "/dev/ublkb") {
+				// ublk learnt UPDATE_SIZE in Linux 6.16.
+				return 0, status.Errorf(codes.FailedPrecondition, "%s is %d bytes, %d asked: a ublk device grows online only on Linux 6.16 and later; unstage and stage the volume again (or map it with frontend nbd)", path, size, want)
+			}
+			return 0, status.Errorf(codes.Unavailable, "%s is %d bytes, %d asked: the mapping did not learn the volume's new size within %v (was the volume grown on its storage node?)", path, size, want, sizeWait)
+		case <-t.C:
+		}
+	}
+}
+
+// deviceSize is a block device's size in bytes.
+func deviceSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var n uint64
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&n))); errno != 0 {
+		return 0, errno
+	}
+	return int64(n), nil
+}
+
+// NodeGetVolumeStats implements csi.NodeServer: bytes and inodes of a
+// mounted volume, a block volume's size.
+func (n *NodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" || path == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id and volume_path are needed")
+	}
+	fi, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
+	} else if err != nil {
+		return nil, status.Errorf(codes.Internal, "volume path %s: %v", path, err)
+	}
+	rsp := &csi.NodeGetVolumeStatsResponse{}
+	if !fi.IsDir() {
+		size, err := deviceSize(path)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "%s: %v", path, err)
+		}
+		rsp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}
+		return rsp, nil
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return nil, status.Errorf(codes.Internal, "statfs %s: %v", path, err)
+	}
+	bs := int64(st.Bsize)
+	rsp.Usage = []*csi.VolumeUsage{
+		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
+		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
+	}
+	return rsp, nil
+}
+
+// NodeGetVolumeHealth implements csi.NodeServer: INACCESSIBLE, with
+// the reason, when the volume's session has no path connected (IO waits,
+// then fails past the client's no-path timeout); healthy otherwise.
+func (n *NodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is missing")
+	}
+	h := &csi.VolumeHealth{VolumeId: id}
+	if msg := n.noPath(ctx, id); msg != "" {
+		h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NoPath", Message: msg}}
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
+}
+
+// noPath says why volume id's session has no path connected ("" when
+// one is).
+func (n *NodeServer) noPath(ctx context.Context, id string) string {
+	storageNode, _, _ := strings.Cut(id, "/")
+	var recs []output.Record
+	if err := n.client.Do(ctx, "GET", "/v1/sessions/"+url.PathEscape(n.sessName(storageNode)), nil, &recs); err != nil {
+		return fmt.Sprintf("rnbd-client: %v", err)
+	}
+	for _, r := range recs {
+		// Records decode numbers as json.Number (output.Record).
+		if act, _ := r["act_path_cnt"].(json.Number); act != "" && act != "0" {
+			return ""
+		}
+	}
+	return "no path of the volume's session is connected"
+}

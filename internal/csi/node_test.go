@@ -1,0 +1,137 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// NodeStageVolume's request is checked before anything is touched:
+// each missing or bad part answers InvalidArgument; a good one gives
+// the worker's own session on the storage node, and every path.
+func TestParseStage(t *testing.T) {
+	n := NewNodeServer(NodeOptions{NodeID: "host-a", ClientSocket: "/nonexistent"})
+	mountCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY}}
+	pc := map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5,ip:10.0.9.5", PCPort: "1234"}
+	good := &csi.NodeStageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap, PublishContext: pc}
+	s, err := n.parseStage(good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.sess != "host-a@sn1" || len(s.paths) != 2 || s.port != 1234 || s.fsType != "xfs" || !s.readOnly || s.block {
+		t.Fatalf("parsed %+v", s)
+	}
+	for name, req := range map[string]*csi.NodeStageVolumeRequest{
+		"no volume id":       {StagingTargetPath: "/st", VolumeCapability: mountCap, PublishContext: pc},
+		"no staging path":    {VolumeId: "sn1/pvc-1", VolumeCapability: mountCap, PublishContext: pc},
+		"no capability":      {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", PublishContext: pc},
+		"no publish context": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap},
+		"a bad port": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: mountCap,
+			PublishContext: map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5", PCPort: "70000"}},
+		"btrfs": {VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", PublishContext: pc,
+			VolumeCapability: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "btrfs"}}}},
+	} {
+		if _, err := n.parseStage(req); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
+	}
+	// The access the controller granted: ro wins over the access mode,
+	// migration only for raw block, nothing else.
+	rwoCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	blkCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}
+	for _, tc := range []struct {
+		vc           *csi.VolumeCapability
+		access, want string
+		wantReadOnly bool
+		wantInvalid  bool
+	}{
+		{rwoCap, "", "rw", false, false},
+		{rwoCap, "rw", "rw", false, false},
+		{rwoCap, "ro", "ro", true, false},
+		{mountCap, "rw", "ro", true, false}, // a reader mode stays ro
+		{blkCap, "migration", "migration", false, false},
+		{rwoCap, "migration", "", false, true},
+		{rwoCap, "all", "", false, true},
+	} {
+		pc := map[string]string{PCExport: "pvc-1", PCStorageNode: "sn1", PCPaths: "ip:10.0.8.5", PCAccess: tc.access}
+		s, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: tc.vc, PublishContext: pc})
+		switch {
+		case tc.wantInvalid && status.Code(err) != codes.InvalidArgument:
+			t.Errorf("access %q on %v: %v, want InvalidArgument", tc.access, tc.vc, err)
+		case !tc.wantInvalid && (err != nil || s.access != tc.want || s.readOnly != tc.wantReadOnly):
+			t.Errorf("access %q on %v: %q ro=%v (%v), want %q ro=%v", tc.access, tc.vc, s.access, s.readOnly, err, tc.want, tc.wantReadOnly)
+		}
+	}
+	// A node id with dots (a host name): a session name without them,
+	// unique to it.
+	dotted := NewNodeServer(NodeOptions{NodeID: "host-a.example", ClientSocket: "/nonexistent"})
+	if a, b := dotted.sessName("sn1"), NewNodeServer(NodeOptions{NodeID: "host-a_example"}).sessName("sn1"); strings.ContainsAny(a, "./") || a == b {
+		t.Fatalf("session names %q and %q", a, b)
+	}
+	// A second RPC on a volume under way: Aborted.
+	unlock, err := n.lock("sn1/pvc-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st"}); status.Code(err) != codes.Aborted {
+		t.Fatalf("an RPC beside another on the same volume: %v, want Aborted", err)
+	}
+	unlock()
+}
+
+// A SINGLE_NODE_SINGLE_WRITER volume is published once at most: a
+// second target is FailedPrecondition, the same target again success;
+// SINGLE_NODE_MULTI_WRITER may be published at both. A refused target
+// is not left behind (csi-sanity's next spec could not make its own). The staging
+// mount is a tmpfs here (a file system volume's publish is a bind
+// mount of it; no device needed).
+func TestPublishSingleWriter(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	if err := os.Mkdir(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", staging, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("mounting a tmpfs: %v", err)
+	}
+	n := NewNodeServer(NodeOptions{NodeID: "host-a", ClientSocket: "/nonexistent"})
+	publish := func(target string, mode csi.VolumeCapability_AccessMode_Mode) error {
+		_, err := n.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: "sn1/pvc-1",
+			StagingTargetPath: staging, TargetPath: filepath.Join(dir, target), VolumeCapability: mountCap(mode)})
+		return err
+	}
+	t.Cleanup(func() {
+		for _, p := range []string{"t1", "t2", "staging"} {
+			unix.Unmount(filepath.Join(dir, p), unix.MNT_DETACH)
+		}
+	})
+	if err := publish("t1", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); err != nil {
+		t.Fatal(err)
+	}
+	if err := publish("t1", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); err != nil {
+		t.Fatalf("the same target again: %v", err)
+	}
+	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("a second target: %v, want FailedPrecondition", err)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "t2")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused target is left behind: %v", err)
+	}
+	if err := publish("t2", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER); err != nil {
+		t.Fatalf("a second target, SINGLE_NODE_MULTI_WRITER: %v", err)
+	}
+}
