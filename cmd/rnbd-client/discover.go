@@ -6,16 +6,13 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
-
-// discoverFields are the fields of `discover`'s records (the server's
-// serverd.DiscoverFields).
-var discoverFields = []string{"name", "size", "access", "read_only"}
 
 // newDiscover is `rnbd-client discover`: the exports a server grants this
 // client's identity, asked of its admin listener with the client's own
@@ -73,10 +70,11 @@ Every certificate of the server's CA may ask; no role is needed.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), time.Minute)
 			defer cancel()
 			var recs []output.Record
-			if err := c.Do(ctx, "GET", "/v1/discover", nil, &recs); err != nil {
+			if err := api.Call(ctx, c, api.SrvDiscover, nil, nil, nil, &recs); err != nil {
 				return err
 			}
-			return g.Print(cmd.OutOrStdout(), "export", recs, discoverFields, discoverFields)
+			fields := api.Fields[api.DiscoverRecord]()
+			return g.Print(cmd.OutOrStdout(), "export", recs, fields, fields)
 		},
 	}
 	f := cmd.Flags()

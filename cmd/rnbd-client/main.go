@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -75,7 +76,7 @@ func newDaemon() *cobra.Command {
 	bindDaemonFlags(f, &over)
 	cli.CompleteFlag(cmd, "log-level", cli.CompleteFrom("error", "warn", "info", "debug"))
 	cli.CompleteFlag(cmd, "log-format", cli.CompleteFrom("text", "json"))
-	cli.CompleteFlag(cmd, "mpath-policy", cli.CompleteFrom(clientd.SettingValues["mpath_policy"]...))
+	cli.CompleteFlag(cmd, "mpath-policy", cli.CompleteFrom(api.SettingValues["mpath_policy"]...))
 	cli.CompleteFlag(cmd, "config", cli.CompleteFiles("toml"))
 	return cmd
 }
@@ -115,7 +116,7 @@ func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
 }
 
 func newMap(g *cli.Globals) *cobra.Command {
-	var m clientd.Mapping
+	var m api.Mapping
 	port := cli.Port(rtrs.DefaultPort)
 	var sets []string
 	cmd := &cobra.Command{
@@ -154,8 +155,8 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 				}
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
-			var out clientd.MapResponse
-			if err := g.Call("POST", "/v1/devices", m, &out); err != nil {
+			var out api.MapResponse
+			if err := g.Call(api.CltMap, nil, nil, m, &out); err != nil {
 				return err
 			}
 			if out.Note != "" {
@@ -164,10 +165,11 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 			if !g.Table() {
 				// The device as device show gives it.
 				var recs []output.Record
-				if err := g.Call("GET", "/v1/devices/"+url.PathEscape(out.Device), nil, &recs); err != nil {
+				if err := g.Call(api.CltDevice, []string{out.Device}, nil, nil, &recs); err != nil {
 					return fmt.Errorf("%s mapped, but reading it back failed: %w", out.Device, err)
 				}
-				return g.Print(cmd.OutOrStdout(), "device", recs, clientd.DeviceFields, clientd.DeviceFields)
+				fields := api.Fields[api.CltDeviceRecord]()
+				return g.Print(cmd.OutOrStdout(), "device", recs, fields, fields)
 			}
 			if out.Kernel != "" {
 				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: %s\n", out.Device, out.Kernel)
@@ -186,11 +188,11 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
 	f.Var(&port, "dest-port", "server port, 1 to 65535")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
-	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+clientd.SettingKeys+" (repeatable; as session set, and kept across restarts)")
-	cli.CompleteFlag(cmd, "sessname", g.CompleteNames("sessname", "/v1/sessions"))
+	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+api.SettingKeys+" (repeatable; as session set, and kept across restarts)")
+	cli.CompleteFlag(cmd, "sessname", g.CompleteNames("sessname", api.CltSessions))
 	cli.CompleteFlag(cmd, "access-mode", cli.CompleteFrom("ro", "rw", "migration"))
 	cli.CompleteFlag(cmd, "transport", cli.CompleteFrom("auto", "tcp", "rdma"))
-	cli.CompleteFlag(cmd, "set", cli.CompleteSettings(clientd.SettingNames, clientd.SettingValues))
+	cli.CompleteFlag(cmd, "set", cli.CompleteSettings(api.SettingNames, api.SettingValues))
 	cmd.ValidArgsFunction = cli.CompleteFrom() // the map string is free text
 	f.StringVar(&m.As, "as", "", "nbd (a kernel /dev/nbdN over netlink), ublk (a kernel /dev/ublkbN) or socket:PATH (an NBD unix socket); default nbd where the nbd module is loaded, else a socket in the daemon's socket_dir (and map says so)")
 	cli.CompleteFlag(cmd, "as", func(_ *cobra.Command, _ []string, toComplete string) ([]string, cobra.ShellCompDirective) {
@@ -209,7 +211,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 }
 
 // merge fills what the flags left empty from the kernel-style line.
-func merge(m *clientd.Mapping, line clientd.Mapping) {
+func merge(m *api.Mapping, line api.Mapping) {
 	if m.SessName == "" {
 		m.SessName = line.SessName
 	}
@@ -226,65 +228,65 @@ func merge(m *clientd.Mapping, line clientd.Mapping) {
 	m.Settings = m.Settings.Merge(line.Settings)
 }
 
-func devCmd(g *cli.Globals, use, short, op string, body func() any, done string) *cobra.Command {
-	return g.Command(cli.Action{Use: use, Short: short, Args: 1, Complete: g.CompleteNames("devname", "/v1/devices"),
-		Path: cli.Under("/v1/devices", "/"+op),
-		Body: func([]string) any { return body() },
-		Done: func(args []string) string { return args[0] + " " + done },
+func devCmd(g *cli.Globals, use, short string, rt api.Route, body func() any, done string) *cobra.Command {
+	return g.Command(cli.Action{Use: use, Short: short, Args: 1, Complete: g.CompleteNames("devname", api.CltDevices),
+		Route: rt,
+		Body:  func([]string) any { return body() },
+		Done:  func(args []string) string { return args[0] + " " + done },
 	})
 }
 
 func newUnmap(g *cli.Globals) *cobra.Command {
 	var force bool
-	cmd := devCmd(g, "unmap DEV", "Unmap a device (refused while NBD clients are connected, unless --force)", "unmap",
-		func() any { return clientd.UnmapRequest{Force: force} }, "unmapped")
+	cmd := devCmd(g, "unmap DEV", "Unmap a device (refused while NBD clients are connected, unless --force)", api.CltDeviceUnmap,
+		func() any { return api.UnmapRequest{Force: force} }, "unmapped")
 	cmd.Flags().BoolVar(&force, "force", false, "disconnect its NBD clients first")
 	return cmd
 }
 
 func newRemap(g *cli.Globals) *cobra.Command {
-	return devCmd(g, "remap DEV", "Open the device on the server again and refresh its size and limits", "remap",
+	return devCmd(g, "remap DEV", "Open the device on the server again and refresh its size and limits", api.CltDeviceRemap,
 		func() any { return nil }, "remapped")
 }
 
 func newResize(g *cli.Globals) *cobra.Command {
-	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2, Complete: g.CompleteNames("devname", "/v1/devices", ""),
+	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2, Complete: g.CompleteNames("devname", api.CltDevices, cli.NoName),
 		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections)",
-		Path:  cli.Under("/v1/devices", "/resize"),
-		Body:  func(args []string) any { return clientd.ResizeRequest{Size: args[1]} },
+		Route: api.CltDeviceSize,
+		Body:  func(args []string) any { return api.DeviceResizeRequest{Size: args[1]} },
 		Done:  func(args []string) string { return args[0] + " resized to " + args[1] },
 	})
 }
 
 func newDevice(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "device", Short: "List and show mapped devices"}
-	cmd.AddCommand(g.ListCmds("device", "/v1/devices", "List devices", "Show a device with every field", nil,
-		[]string{"devname", "sessname", "mapping_path", "access_mode", "state", "size", "socket"}, clientd.DeviceFields)...)
+	cmd.AddCommand(g.ListCmds("device", api.CltDevices, api.CltDevice, "List devices", "Show a device with every field", nil,
+		[]string{"devname", "sessname", "mapping_path", "access_mode", "state", "size", "socket"}, api.Fields[api.CltDeviceRecord]())...)
 	return cmd
 }
 
 func newSession(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "session", Short: "List, show, reconnect and tune sessions"}
-	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List sessions", "Show a session with every field", nil,
-		[]string{"sessname", "state", "path_uu", "mpath_policy", "tx_bytes", "rx_bytes", "devices"}, clientd.SessionFields)...)
+	cmd.AddCommand(g.ListCmds("session", api.CltSessions, api.CltSession, "List sessions", "Show a session with every field", nil,
+		[]string{"sessname", "state", "path_uu", "mpath_policy", "tx_bytes", "rx_bytes", "devices"}, api.Fields[api.CltSessionRecord]())...)
 	cmd.AddCommand(g.Command(cli.Action{Use: "reconnect NAME", Short: "Reconnect every path of a session", Args: 1,
-		Complete: g.CompleteNames("sessname", "/v1/sessions"),
-		Path:     cli.Under("/v1/sessions", "/reconnect"),
+		Complete: g.CompleteNames("sessname", api.CltSessions),
+		Route:    api.CltSessionReconnect,
 		Done:     func(args []string) string { return args[0] + " reconnected" },
 	}), &cobra.Command{
 		Use:   "set NAME KEY=VALUE...",
-		Short: "Set " + clientd.SettingKeys + " of a session (kept across restarts)",
+		Short: "Set " + api.SettingKeys + " of a session (kept across restarts)",
 		Example: `  rnbd-client session set host7 mpath_policy=round-robin
   rnbd-client session set host7 no_path_timeout=30s fast_io_fail_tmo=10s`,
 		Args: cobra.MinimumNArgs(2),
 		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
 			if len(args) == 0 {
-				return g.CompleteNames("sessname", "/v1/sessions")(cmd, args, toComplete)
+				return g.CompleteNames("sessname", api.CltSessions)(cmd, args, toComplete)
 			}
-			return cli.CompleteSettings(clientd.SettingNames, clientd.SettingValues)(cmd, args, toComplete)
+			return cli.CompleteSettings(api.SettingNames, api.SettingValues)(cmd, args, toComplete)
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var req clientd.SetRequest
+			var req api.SetRequest
 			for _, kv := range args[1:] {
 				k, v, ok := strings.Cut(kv, "=")
 				if !ok {
@@ -294,7 +296,7 @@ func newSession(g *cli.Globals) *cobra.Command {
 					return err
 				}
 			}
-			if err := g.Call("POST", "/v1/sessions/"+url.PathEscape(args[0])+"/set", req, nil); err != nil {
+			if err := g.Call(api.CltSessionSet, args[:1], nil, req, nil); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%s updated\n", args[0])
@@ -305,25 +307,28 @@ func newSession(g *cli.Globals) *cobra.Command {
 }
 
 func newPath(g *cli.Globals) *cobra.Command {
-	return g.PathCmd("List, show, add, remove, reconnect and disconnect paths", "src@dst",
-		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, clientd.PathFields,
+	return g.PathCmd("List, show, add, remove, reconnect and disconnect paths", "src@dst", api.CltPaths, api.CltPath,
+		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, api.Fields[api.CltPathRecord](),
 		[]cli.PathOp{
-			{Name: "remove", Short: "Disconnect a path and remove it from its session", Done: "path %s removed"},
-			{Name: "reconnect", Short: "Reconnect a path now", Done: "path %s reconnected"},
-			{Name: "disconnect", Short: "Disconnect a path (it stays until reconnected or removed)", Done: "path %s disconnected"},
+			{Name: "remove", Route: api.CltPathRemove, Short: "Disconnect a path and remove it from its session", Done: "path %s removed"},
+			{Name: "reconnect", Route: api.CltPathReconnect, Short: "Reconnect a path now", Done: "path %s reconnected"},
+			{Name: "disconnect", Route: api.CltPathDisconnect, Short: "Disconnect a path (it stays until reconnected or removed)", Done: "path %s disconnected"},
 		},
-		func(func() string) []*cobra.Command {
+		func(func() url.Values) []*cobra.Command {
+			// The session is the path's: its one argument (the route's
+			// only name), the path in the body.
 			return []*cobra.Command{g.Command(cli.Action{Use: "add SESSION PATH", Short: "Add a path ([ip:SRC@]ip:DST) to a session and connect it", Args: 2,
-				Complete: g.CompleteNames("sessname", "/v1/sessions", ""),
-				Path:     cli.Under("/v1/sessions", "/paths"),
-				Body:     func(args []string) any { return clientd.PathRequest{Path: args[1]} },
+				Complete: g.CompleteNames("sessname", api.CltSessions, cli.NoName),
+				Route:    api.CltSessionAddPath,
+				Body:     func(args []string) any { return api.PathRequest{Path: args[1]} },
 				Done:     func(args []string) string { return "path " + args[1] + " added to " + args[0] },
 			})}
 		})
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency_us, or reset them", clientd.StatsFields)
+	return g.StatsCmd("Show every path's stats/rdma, stats/reconnects and cur_latency_us, or reset them", api.CltStats, api.CltStatsReset,
+		api.Fields[api.CltStatsRecord]())
 }
 
 // newWait is `rnbd-client wait`: for boot scripts and units ordered
@@ -348,12 +353,11 @@ devices still not open.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 			defer cancel()
 			for {
-				var recs []output.Record
-				err := g.Client().Do(ctx, "GET", "/v1/devices", nil, &recs)
+				recs, err := api.NewClient(g.Client()).Devices(ctx)
 				var waiting, lost []string
 				for _, r := range recs {
-					name, _ := r["devname"].(string)
-					switch st, _ := r["state"].(string); st {
+					name := r.DevName
+					switch st := r.State; st {
 					case "open":
 					case clientd.StateNotRestored:
 						lost = append(lost, name)

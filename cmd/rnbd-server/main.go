@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/serverd"
@@ -149,7 +150,10 @@ func (o optSize) Set(s string) error {
 func (o optSize) Type() string { return "size" }
 
 func newMap(g *cli.Globals) *cobra.Command {
-	var req serverd.MapRequest
+	var (
+		req        api.MapRequest
+		grantsOnly bool
+	)
 	cmd := &cobra.Command{
 		Use:   "map NAME PATH",
 		Short: "Export PATH (a file or block device) under NAME",
@@ -163,16 +167,20 @@ func newMap(g *cli.Globals) *cobra.Command {
 				return err
 			}
 			req.Name, req.Path = args[0], p
-			if err := g.Call("POST", "/v1/exports", req, nil); err != nil {
+			if cmd.Flags().Changed("grants-only") {
+				req.GrantsOnly = &grantsOnly
+			}
+			if err := g.Call(api.SrvExportMap, nil, nil, req, nil); err != nil {
 				return err
 			}
 			if !g.Table() {
 				// The export as export show gives it.
 				var recs []output.Record
-				if err := g.Call("GET", "/v1/exports/"+url.PathEscape(args[0]), nil, &recs); err != nil {
+				if err := g.Call(api.SrvExport, args[:1], nil, nil, &recs); err != nil {
 					return fmt.Errorf("exported %s as %s, but reading it back failed: %w", p, args[0], err)
 				}
-				return g.Print(cmd.OutOrStdout(), "export", recs, serverd.ExportFields, serverd.ExportFields)
+				fields := api.Fields[api.ExportRecord]()
+				return g.Print(cmd.OutOrStdout(), "export", recs, fields, fields)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "exported %s as %s\n", p, args[0])
 			return nil
@@ -185,23 +193,23 @@ func newMap(g *cli.Globals) *cobra.Command {
 		}
 		return nil, cobra.ShellCompDirectiveNoFileComp
 	}
-	exportRuleFlags(g, cmd, &req)
+	exportRuleFlags(g, cmd, &req, &grantsOnly)
 	return cmd
 }
 
 // exportRuleFlags are the flags of an export's rules, map's and volume
 // create's.
-func exportRuleFlags(g *cli.Globals, cmd *cobra.Command, req *serverd.MapRequest) {
+func exportRuleFlags(g *cli.Globals, cmd *cobra.Command, req *api.MapRequest, grantsOnly *bool) {
 	f := cmd.Flags()
 	f.BoolVar(&req.ReadOnly, "ro", false, "export read-only: sessions may only open it ro")
 	f.StringArrayVar(&req.Allow, "allow", nil, "session allowed to open it (repeatable; default: every session)")
 	f.StringArrayVar(&req.AllowFrom, "allow-from", nil, "network (CIDR) or address clients may open it from: the address of the path the OPEN arrives on (repeatable; default: any)")
 	f.StringArrayVar(&req.AllowIdentities, "allow-identity", nil, "client identity allowed to open it, NAME or NAME=ro|rw|migration (the most it may open it for; default rw): a name of the client's TLS certificate, its subject common name or a DNS, URI or e-mail alternative name (repeatable; set, clients without TLS cannot open it)")
-	f.BoolVar(&req.GrantsOnly, "grants-only", false, "only the identities granted (--allow-identity, export grant) may open it; with none, no client may")
+	f.BoolVar(grantsOnly, "grants-only", false, "only the identities granted (--allow-identity, export grant) may open it; with none, no client may (over the admin listener, the default; --grants-only=false opens it to every client the other rules admit)")
 	f.IntVar(&req.MaxSessions, "max-sessions", 0, "sessions that may have it open at once (0: no bound); one more OPEN is refused with EUSERS")
 	f.BoolVar(&req.Migration, "migration", false, "let a second session open it read-write with access_mode=migration beside a writer (live migration)")
 	f.BoolVar(&req.WriteThrough, "write-through", false, "make every write durable when it completes, and show clients no write cache (they need not flush)")
-	cli.CompleteFlag(cmd, "allow", g.CompleteNames("sessname", "/v1/sessions"))
+	cli.CompleteFlag(cmd, "allow", g.CompleteNames("sessname", api.SrvSessions))
 }
 
 func newUnmap(g *cli.Globals) *cobra.Command {
@@ -213,11 +221,7 @@ func newUnmap(g *cli.Globals) *cobra.Command {
   rnbd-server unmap vol1 --force   # its sessions' IO then fails with ENOTCONN`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			path := "/v1/exports/" + url.PathEscape(args[0])
-			if force {
-				path += "?force=true"
-			}
-			if err := g.Call("DELETE", path, nil, nil); err != nil {
+			if err := g.Call(api.SrvExportUnmap, args, forceQuery(force), nil, nil); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "unmapped %s\n", args[0])
@@ -225,8 +229,16 @@ func newUnmap(g *cli.Globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "close it for every session that has it open (their IO then fails with ENOTCONN)")
-	cmd.ValidArgsFunction = g.CompleteNames("name", "/v1/exports")
+	cmd.ValidArgsFunction = g.CompleteNames("name", api.SrvExports)
 	return cmd
+}
+
+// forceQuery is ?force=true if force.
+func forceQuery(force bool) url.Values {
+	if !force {
+		return nil
+	}
+	return url.Values{"force": {"true"}}
 }
 
 func newResize(g *cli.Globals) *cobra.Command {
@@ -243,9 +255,9 @@ A block device is resized by its own tools (lvextend, ...): clients learn
 its new size the same way.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var rsp serverd.ResizeResponse
-			req := serverd.ResizeRequest{Size: args[1], Force: force}
-			if err := g.Call("POST", "/v1/exports/"+url.PathEscape(args[0])+"/resize", req, &rsp); err != nil {
+			var rsp api.ResizeResponse
+			req := api.ResizeRequest{Size: args[1], Force: force}
+			if err := g.Call(api.SrvExportResize, args[:1], nil, req, &rsp); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "resized %s from %d to %d bytes\n", args[0], rsp.Was, rsp.Now)
@@ -253,32 +265,32 @@ its new size the same way.`,
 		},
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "shrink it even though sessions have it open (what lies past the new end is lost to them)")
-	cmd.ValidArgsFunction = g.CompleteNames("name", "/v1/exports", "")
+	cmd.ValidArgsFunction = g.CompleteNames("name", api.SrvExports, cli.NoName)
 	return cmd
 }
 
 func newExport(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "export", Short: "List and show exports with their access rules (map and unmap change them); give and revoke grants"}
-	cmd.AddCommand(g.ListCmds("export", "/v1/exports", "List exports with their access rules",
+	cmd.AddCommand(g.ListCmds("export", api.SrvExports, api.SrvExport, "List exports with their access rules",
 		"Show an export: its access rules, where it comes from, why it is not served", nil,
-		[]string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through"}, serverd.ExportFields)...)
-	cmd.AddCommand(grantCmds(g)...)
+		[]string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through"}, api.Fields[api.ExportRecord]())...)
+	cmd.AddCommand(exportGrantCmds(g)...)
 	return cmd
 }
 
 func newDevice(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "device", Short: "List, show and close exported devices"}
-	cmd.AddCommand(g.ListCmds("device", "/v1/devices", "List exports and the devices sessions have open",
+	cmd.AddCommand(g.ListCmds("device", api.SrvDevices, api.SrvDevice, "List exports and the devices sessions have open",
 		"Show a device with every session that has it open", nil,
-		[]string{"devname", "sessname", "mapping_path", "access_mode", "state"}, serverd.DeviceFields)...)
+		[]string{"devname", "sessname", "mapping_path", "access_mode", "state"}, api.Fields[api.SrvDeviceRecord]())...)
 	var session string
 	closeCmd := &cobra.Command{
 		Use:   "close NAME",
 		Short: "Force-close a device for a session (all sessions without --session); its id stays reserved",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var resp serverd.CloseResponse
-			if err := g.Call("POST", "/v1/devices/"+url.PathEscape(args[0])+"/close", serverd.CloseRequest{Session: session}, &resp); err != nil {
+			var resp api.CloseResponse
+			if err := g.Call(api.SrvDeviceClose, args, nil, api.CloseRequest{Session: session}, &resp); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "closed %s for %d session(s)\n", args[0], resp.Closed)
@@ -286,37 +298,38 @@ func newDevice(g *cli.Globals) *cobra.Command {
 		},
 	}
 	closeCmd.Flags().StringVar(&session, "session", "", "only for this session")
-	closeCmd.ValidArgsFunction = g.CompleteNames("devname", "/v1/devices")
-	cli.CompleteFlag(closeCmd, "session", g.CompleteNames("sessname", "/v1/sessions"))
+	closeCmd.ValidArgsFunction = g.CompleteNames("devname", api.SrvDevices)
+	cli.CompleteFlag(closeCmd, "session", g.CompleteNames("sessname", api.SrvSessions))
 	cmd.AddCommand(closeCmd)
 	return cmd
 }
 
 func newSession(g *cli.Globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "session", Short: "List, show and disconnect client sessions; list and free the session names bound to identities"}
-	cmd.AddCommand(g.ListCmds("session", "/v1/sessions", "List client sessions", "Show a session", nil,
-		[]string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}, serverd.SessionFields)...)
+	cmd.AddCommand(g.ListCmds("session", api.SrvSessions, api.SrvSession, "List client sessions", "Show a session", nil,
+		[]string{"sessname", "state", "path_uu", "tx_bytes", "rx_bytes", "devices"}, api.Fields[api.SrvSessionRecord]())...)
 	cmd.AddCommand(g.Command(cli.Action{Use: "disconnect NAME", Short: "Disconnect every path of a session (its devices close)", Args: 1,
-		Path:     cli.Under("/v1/sessions", "/disconnect"),
+		Route:    api.SrvSessionDisconnect,
 		Done:     func(args []string) string { return "disconnecting " + args[0] },
-		Complete: g.CompleteNames("sessname", "/v1/sessions"),
+		Complete: g.CompleteNames("sessname", api.SrvSessions),
 	}))
 	cmd.AddCommand(cli.Fields(&cobra.Command{
 		Use:   "names",
 		Short: "List the session names bound to client identities (TLS): only that identity may take the name",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return g.List(cmd.OutOrStdout(), "/v1/session-names", "session-name", serverd.SessionNameFields, serverd.SessionNameFields)
+			fields := api.Fields[api.SessionNameRecord]()
+			return g.List(cmd.OutOrStdout(), api.SrvSessionNames, nil, nil, "session-name", fields, fields)
 		},
 	}, []string{"sessname", "identity"}))
 	cmd.AddCommand(&cobra.Command{
 		Use:               "bind NAME IDENTITY",
-		ValidArgsFunction: g.CompleteNames("sessname", "/v1/session-names", ""),
+		ValidArgsFunction: g.CompleteNames("sessname", api.SrvSessionNames, cli.NoName),
 		Short:             "Give a session name to a client identity (TLS), in advance or instead of another; a session that has it under another identity is disconnected",
 		Args:              cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var resp serverd.BindResponse
-			if err := g.Call("PUT", "/v1/session-names/"+url.PathEscape(args[0]), serverd.BindRequest{Identity: args[1]}, &resp); err != nil {
+			var resp api.BindResponse
+			if err := g.Call(api.SrvSessionNameBind, args[:1], nil, api.BindRequest{Identity: args[1]}, &resp); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "session name %s bound to %s", args[0], args[1])
@@ -329,11 +342,11 @@ func newSession(g *cli.Globals) *cobra.Command {
 	})
 	cmd.AddCommand(&cobra.Command{
 		Use:               "forget NAME",
-		ValidArgsFunction: g.CompleteNames("sessname", "/v1/session-names"),
+		ValidArgsFunction: g.CompleteNames("sessname", api.SrvSessionNames),
 		Short:             "Free a session name bound to an identity (not while a session has it): the next identity to take it binds it",
 		Args:              cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := g.Call("DELETE", "/v1/session-names/"+url.PathEscape(args[0]), nil, nil); err != nil {
+			if err := g.Call(api.SrvSessionNameForget, args, nil, nil, nil); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "session name %s freed\n", args[0])
@@ -344,11 +357,12 @@ func newSession(g *cli.Globals) *cobra.Command {
 }
 
 func newPath(g *cli.Globals) *cobra.Command {
-	return g.PathCmd("List, show and disconnect paths", "client@server",
-		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, serverd.PathFields,
-		[]cli.PathOp{{Name: "disconnect", Short: "Disconnect a path (without waiting, as the kernel's)", Done: "disconnecting %s"}}, nil)
+	return g.PathCmd("List, show and disconnect paths", "client@server", api.SrvPaths, api.SrvPath,
+		[]string{"sessname", "pathname", "state", "tx_bytes", "rx_bytes", "inflights"}, api.Fields[api.SrvPathRecord](),
+		[]cli.PathOp{{Name: "disconnect", Route: api.SrvPathDisconnect, Short: "Disconnect a path (without waiting, as the kernel's)", Done: "disconnecting %s"}}, nil)
 }
 
 func newStats(g *cli.Globals) *cobra.Command {
-	return g.StatsCmd("Show every path's stats/rdma (rd_cnt, rd_bytes, wr_cnt, wr_bytes) and inflight, or reset them", serverd.StatsFields)
+	return g.StatsCmd("Show every path's stats/rdma (rd_cnt, rd_bytes, wr_cnt, wr_bytes) and inflight, or reset them", api.SrvStats, api.SrvStatsReset,
+		api.Fields[api.SrvStatsRecord]())
 }

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
 	"regexp"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
@@ -127,18 +129,21 @@ func RemoteClient(server string, t conf.TLS, flags string) (*ctl.Client, error) 
 	return ctl.DialTLS(server, tc)
 }
 
-// Call sends one request to the daemon with a 2-minute bound: control
-// commands must not hang on a dead path.
-func (g *Globals) Call(method, path string, body, out any) error {
+// Call sends one request of route rt (its names filled by args, query
+// added) to the daemon with a 2-minute bound: control commands must not
+// hang on a dead path.
+func (g *Globals) Call(rt api.Route, args []string, query url.Values, body, out any) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	return g.Client().Do(ctx, method, path, body, out)
+	return api.Call(ctx, g.Client(), rt, args, query, body, out)
 }
 
-// List fetches records from path and prints them with the selected fields.
-func (g *Globals) List(w io.Writer, path, kind string, defaults, all []string) error {
+// List fetches the records of rt (a GET) and prints them with the
+// selected fields. The command lines print records as the daemon sent
+// them, untyped: a field a newer daemon adds is printed too.
+func (g *Globals) List(w io.Writer, rt api.Route, args []string, query url.Values, kind string, defaults, all []string) error {
 	var recs []output.Record
-	if err := g.Call("GET", path, nil, &recs); err != nil {
+	if err := g.Call(rt, args, query, nil, &recs); err != nil {
 		return err
 	}
 	return g.Print(w, kind, recs, defaults, all)

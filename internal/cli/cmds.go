@@ -7,32 +7,32 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+
+	"github.com/rnbd/rnbd/internal/api"
 )
 
-// ListCmds are "list" and "show NAME" of the records of kind at path
-// (GET path, GET path/NAME); show prints every field. query, if not nil,
-// adds a query string to both (a path's --session).
-func (g *Globals) ListCmds(kind, path, listShort, showShort string, query func() string, defaults, all []string) []*cobra.Command {
+// ListCmds are "list" and "show NAME" of the records of kind: GET of
+// route list, and of route show with NAME; show prints every field.
+// query, if not nil, adds a query to both (a path's --session).
+func (g *Globals) ListCmds(kind string, list, show api.Route, listShort, showShort string, query func() url.Values, defaults, all []string) []*cobra.Command {
 	if query == nil {
-		query = func() string { return "" }
+		query = func() url.Values { return nil }
 	}
 	return []*cobra.Command{Fields(&cobra.Command{
 		Use:   "list",
 		Short: listShort,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), path+query(), kind, defaults, all)
+			return g.List(cmd.OutOrStdout(), list, nil, query(), kind, defaults, all)
 		},
 	}, all), Fields(&cobra.Command{
 		Use:   "show NAME",
 		Short: showShort,
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return g.List(cmd.OutOrStdout(), path+"/"+url.PathEscape(args[0])+query(), kind, all, all)
+			return g.List(cmd.OutOrStdout(), show, args, query(), kind, all, all)
 		},
-		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-			return g.CompleteNames(nameFields[kind], path+query())(cmd, args, toComplete)
-		},
+		ValidArgsFunction: g.CompleteNamesQuery(nameFields[kind], query, list),
 	}, all)}
 }
 
@@ -41,12 +41,14 @@ func (g *Globals) ListCmds(kind, path, listShort, showShort string, query func()
 var nameFields = map[string]string{"device": "devname", "session": "sessname", "path": "pathname", "export": "name", "session-name": "sessname",
 	"volume": "name", "snapshot": "name", "pool": "name", "grant": "identity"}
 
-// Action is a control command that POSTs to one object and says what it
-// did: "POST Path(args) Body(args)", then Done(args) on a line.
+// Action is a control command that sends one request of Route to one
+// object and says what it did: Body(args) to Route with args (and
+// Query, if set), then Done(args) on a line.
 type Action struct {
 	Use, Short string
-	Args       int // number of arguments
-	Path       func(args []string) string
+	Args       int // number of arguments, the route's names
+	Route      api.Route
+	Query      func() url.Values
 	Body       func(args []string) any // nil: no body
 	Done       func(args []string) string
 	// Complete completes the arguments (nil: none).
@@ -65,7 +67,13 @@ func (g *Globals) Command(a Action) *cobra.Command {
 			if a.Body != nil {
 				body = a.Body(args)
 			}
-			if err := g.Call("POST", a.Path(args), body, nil); err != nil {
+			var q url.Values
+			if a.Query != nil {
+				q = a.Query()
+			}
+			// The first arguments name the object; the others (a
+			// size, a path) are in the body.
+			if err := g.Call(a.Route, args[:a.Route.Names()], q, body, nil); err != nil {
 				return err
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), a.Done(args))
@@ -74,26 +82,22 @@ func (g *Globals) Command(a Action) *cobra.Command {
 	}
 }
 
-// Under is the path of an object by its name, escaped: base/NAME + rest.
-func Under(base, rest string) func(args []string) string {
-	return func(args []string) string { return base + "/" + url.PathEscape(args[0]) + rest }
-}
-
-// PathCmd is the "path" command both daemons have: list and show, then
-// one command per op in ops (POST /v1/paths/NAME/OP), all taking
-// --session for a path name more than one session has. more adds
-// commands that may use the --session query.
-func (g *Globals) PathCmd(short, showWhat string, defaults, all []string, ops []PathOp, more func(query func() string) []*cobra.Command) *cobra.Command {
+// PathCmd is the "path" command both daemons have: list and show (routes
+// list and show), then one command per op in ops, all taking --session
+// for a path name more than one session has. more adds commands that
+// may use the --session query.
+func (g *Globals) PathCmd(short, showWhat string, list, show api.Route, defaults, all []string, ops []PathOp,
+	more func(query func() url.Values) []*cobra.Command) *cobra.Command {
 	cmd := &cobra.Command{Use: "path", Short: short}
 	var session string
 	cmd.PersistentFlags().StringVar(&session, "session", "", "the session the path belongs to")
-	q := func() string {
+	q := func() url.Values {
 		if session == "" {
-			return ""
+			return nil
 		}
-		return "?session=" + url.QueryEscape(session)
+		return url.Values{"session": {session}}
 	}
-	lists := g.ListCmds("path", "/v1/paths", "List paths", "Show a path ("+showWhat+")", q, defaults, all)
+	lists := g.ListCmds("path", list, show, "List paths", "Show a path ("+showWhat+")", q, defaults, all)
 	lists[1].Use = "show PATH"
 	cmd.AddCommand(lists...)
 	if more != nil {
@@ -101,43 +105,55 @@ func (g *Globals) PathCmd(short, showWhat string, defaults, all []string, ops []
 	}
 	for _, op := range ops {
 		cmd.AddCommand(g.Command(Action{
-			Use: op.Name + " PATH", Short: op.Short, Args: 1,
-			Path: func(args []string) string { return "/v1/paths/" + url.PathEscape(args[0]) + "/" + op.Name + q() },
-			Done: func(args []string) string { return fmt.Sprintf(op.Done, args[0]) },
-			Complete: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-				return g.CompleteNames("pathname", "/v1/paths"+q())(cmd, args, toComplete)
-			},
+			Use: op.Name + " PATH", Short: op.Short, Args: 1, Route: op.Route, Query: q,
+			Done:     func(args []string) string { return fmt.Sprintf(op.Done, args[0]) },
+			Complete: g.CompleteNamesQuery("pathname", q, list),
 		}))
 	}
-	CompleteFlag(cmd, "session", g.CompleteNames("sessname", "/v1/sessions"))
+	CompleteFlag(cmd, "session", g.CompleteNames("sessname", sessionsOf(list)))
 	return cmd
 }
 
-// PathOp is one of PathCmd's commands: its name, its help and what it
-// prints when done (a format of the path's name).
-type PathOp struct{ Name, Short, Done string }
+// sessionsOf is the session list route of the daemon whose path list
+// route is paths.
+func sessionsOf(paths api.Route) api.Route {
+	if paths == api.CltPaths {
+		return api.CltSessions
+	}
+	return api.SrvSessions
+}
 
-// StatsCmd is "stats [--reset]": the records of GET /v1/stats, or POST
-// /v1/stats/reset.
-func (g *Globals) StatsCmd(short string, fields []string) *cobra.Command {
-	var reset bool
+// PathOp is one of PathCmd's commands: its name, its route (of the path
+// named), its help and what it prints when done (a format of the path's
+// name).
+type PathOp struct {
+	Name  string
+	Route api.Route
+	Short string
+	Done  string
+}
+
+// StatsCmd is "stats [--reset]": the records of route stats, or route
+// reset.
+func (g *Globals) StatsCmd(short string, stats, reset api.Route, fields []string) *cobra.Command {
+	var doReset bool
 	cmd := &cobra.Command{
 		Annotations: map[string]string{fieldsAnnotation: strings.Join(fields, ",")},
 		Use:         "stats",
 		Short:       short,
 		Args:        cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if reset {
-				if err := g.Call("POST", "/v1/stats/reset", nil, nil); err != nil {
+			if doReset {
+				if err := g.Call(reset, nil, nil, nil, nil); err != nil {
 					return err
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), "stats reset")
 				return nil
 			}
-			return g.List(cmd.OutOrStdout(), "/v1/stats", "stats", fields, fields)
+			return g.List(cmd.OutOrStdout(), stats, nil, nil, "stats", fields, fields)
 		},
 	}
-	cmd.Flags().BoolVar(&reset, "reset", false, "reset the counters")
+	cmd.Flags().BoolVar(&doReset, "reset", false, "reset the counters")
 	return cmd
 }
 

@@ -2,12 +2,14 @@ package cli
 
 import (
 	"context"
+	"net/url"
 	"sort"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/output"
 )
 
@@ -21,13 +23,14 @@ import (
 // completeWithin bounds a completion's question to the daemon.
 const completeWithin = time.Second
 
-// Names are the values of field in the records at path (GET), sorted
-// and without repeats; nothing when the daemon does not answer.
-func (g *Globals) Names(path, field string) []string {
+// Names are the values of field in the records of list route rt (a
+// GET of no name, with query), sorted and without repeats; nothing when
+// the daemon does not answer.
+func (g *Globals) Names(rt api.Route, query url.Values, field string) []string {
 	ctx, cancel := context.WithTimeout(context.Background(), completeWithin)
 	defer cancel()
 	var recs []output.Record
-	if err := g.Client().Do(ctx, "GET", path, nil, &recs); err != nil {
+	if err := api.Call(ctx, g.Client(), rt, nil, query, nil, &recs); err != nil {
 		return nil
 	}
 	seen := map[string]bool{}
@@ -46,17 +49,31 @@ func (g *Globals) Names(path, field string) []string {
 type Completion func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective)
 
 // CompleteNames completes the arguments of a command in order: the
-// first from the daemon's records at paths[0] (their field), the second
-// from paths[1], ...; an empty path completes nothing (a new name), and
-// past the list, nothing either.
-func (g *Globals) CompleteNames(field string, paths ...string) Completion {
+// first from the daemon's records of list route routes[0] (their
+// field), the second from routes[1], ...; NoName completes nothing (a
+// new name), and past the list, nothing either.
+func (g *Globals) CompleteNames(field string, routes ...api.Route) Completion {
+	return g.CompleteNamesQuery(field, nil, routes...)
+}
+
+// CompleteNamesQuery is CompleteNames with a query (a path's --session)
+// added to each route, as it is when completing.
+func (g *Globals) CompleteNamesQuery(field string, query func() url.Values, routes ...api.Route) Completion {
 	return func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-		if len(args) >= len(paths) || paths[len(args)] == "" {
+		if len(args) >= len(routes) || routes[len(args)] == NoName {
 			return nil, cobra.ShellCompDirectiveNoFileComp
 		}
-		return prefixed(g.Names(paths[len(args)], field), toComplete), cobra.ShellCompDirectiveNoFileComp
+		var q url.Values
+		if query != nil {
+			q = query()
+		}
+		return prefixed(g.Names(routes[len(args)], q, field), toComplete), cobra.ShellCompDirectiveNoFileComp
 	}
 }
+
+// NoName is the route of an argument CompleteNames offers nothing for:
+// a new name.
+var NoName = api.Route{}
 
 // CompleteFrom completes from a fixed list of words.
 func CompleteFrom(words ...string) Completion {
@@ -148,8 +165,14 @@ func Complete(cmd *cobra.Command, c Completion) *cobra.Command {
 }
 
 // CompleteFlag sets a flag's completion (the flag must exist).
+// A flag's value is completed as a first argument would be, whatever
+// arguments come before it (volume create NAME --pool <TAB> offers the
+// pools, not what a second argument would be).
 func CompleteFlag(cmd *cobra.Command, flag string, c Completion) {
-	if err := cmd.RegisterFlagCompletionFunc(flag, c); err != nil {
+	asFirst := func(cmd *cobra.Command, _ []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+		return c(cmd, nil, toComplete)
+	}
+	if err := cmd.RegisterFlagCompletionFunc(flag, asFirst); err != nil {
 		panic(err) // a programming error: no such flag
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/metrics"
@@ -27,14 +28,14 @@ const StateVersion = 1
 
 // State is what survives a restart: the mappings.
 type State struct {
-	Version  int       `json:"version"`
-	Mappings []Mapping `json:"mappings"`
+	Version  int           `json:"version"`
+	Mappings []api.Mapping `json:"mappings"`
 }
 
 // mapped is a mapping being served: a device of a session, offered
 // through a frontend.
 type mapped struct {
-	Mapping
+	api.Mapping
 	dev *rnbd.CltDev
 	fe  frontend
 }
@@ -100,7 +101,7 @@ type Daemon struct {
 // it is served or unmapped; one the state file gives wrong waits for the
 // operator.
 type failedMapping struct {
-	Mapping
+	api.Mapping
 	retry bool
 }
 
@@ -259,21 +260,13 @@ func (d *Daemon) saveState() error {
 
 // Map maps a device and serves it; the mapping is saved before it
 // answers.
-func (d *Daemon) Map(ctx context.Context, m Mapping) (Mapping, error) {
+func (d *Daemon) Map(ctx context.Context, m api.Mapping) (api.Mapping, error) {
 	out, _, err := d.mapNoted(ctx, m)
 	return out, err
 }
 
-// MapResponse is the answer of POST /v1/devices: the mapping made and
-// Note, what the operator should know of how it is served (a socket
-// where the request implied /dev/nbdN); empty when nothing.
-type MapResponse struct {
-	Mapping
-	Note string `json:"note,omitempty"`
-}
-
 // mapNoted is Map, with the note of MapResponse, which it also logs.
-func (d *Daemon) mapNoted(ctx context.Context, m Mapping) (Mapping, string, error) {
+func (d *Daemon) mapNoted(ctx context.Context, m api.Mapping) (api.Mapping, string, error) {
 	spec, err := normalize(m)
 	if err != nil {
 		return m, "", err
@@ -347,7 +340,7 @@ func (d *Daemon) retryRestores() {
 		case <-t.C:
 		}
 		d.mu.Lock()
-		var todo []Mapping
+		var todo []api.Mapping
 		for _, f := range d.failed {
 			if f.retry {
 				todo = append(todo, f.Mapping)
@@ -418,7 +411,7 @@ func (d *Daemon) failedIndex(device string) int {
 }
 
 // restore maps a mapping of the state file under its old device name.
-func (d *Daemon) restore(m Mapping) error {
+func (d *Daemon) restore(m api.Mapping) error {
 	spec, err := normalize(m)
 	if err != nil {
 		return err
@@ -463,7 +456,7 @@ func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mappe
 // A restore applies what the mapping carries.
 func (d *Daemon) sessionSettings(sess *session, mp *mapped, restore bool) {
 	d.mu.Lock()
-	all := SetRequest{}
+	all := api.SetRequest{}
 	if !restore {
 		for _, m := range d.maps {
 			if m.SessName == mp.SessName && m != mp {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -13,8 +12,12 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/test/kit"
+
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"go.uber.org/goleak"
 
@@ -93,8 +96,8 @@ func (r *rig) start() *Daemon {
 	return d
 }
 
-func (r *rig) mapping(sess, dev string) Mapping {
-	return Mapping{SessName: sess, Paths: []string{"ip:10.30.0.2@ip:10.30.0.1"}, DevicePath: dev}
+func (r *rig) mapping(sess, dev string) api.Mapping {
+	return api.Mapping{SessName: sess, Paths: []string{"ip:10.30.0.2@ip:10.30.0.1"}, DevicePath: dev}
 }
 
 func (r *rig) savedState() State {
@@ -171,8 +174,8 @@ func TestMapShareUnmap(t *testing.T) {
 	rw(t, d, "rnbd0", 0, 0xa1)
 	rw(t, d, "rnbd1", 1<<20, 0xb2)
 	recs := d.deviceRecords("")
-	if len(recs) != 2 || recs[0]["devpath"] != sock || recs[0]["io_mode"] != "nbd-socket" ||
-		recs[0]["size"] != int64(1<<20) || recs[1]["size"] != int64(2<<20) || recs[0]["state"] != "open" {
+	if len(recs) != 2 || recs[0].DevPath != sock || recs[0].IOMode != "nbd-socket" ||
+		recs[0].Size != int64(1<<20) || recs[1].Size != int64(2<<20) || recs[0].State != "open" {
 		t.Fatalf("device records %v", recs)
 	}
 	if st := r.savedState(); len(st.Mappings) != 2 || st.Mappings[0].Device != "rnbd0" || st.Mappings[0].SessUUID != a.SessUUID ||
@@ -221,31 +224,31 @@ func TestMapRefusals(t *testing.T) {
 	if err := os.WriteFile(keep, []byte("precious"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	with := func(f func(*Mapping)) Mapping {
+	with := func(f func(*api.Mapping)) api.Mapping {
 		m := r.mapping("s1", "a")
 		f(&m)
 		return m
 	}
 	for name, c := range map[string]struct {
-		m    Mapping
+		m    api.Mapping
 		code ctl.Code
 	}{
-		"no sessname":       {with(func(m *Mapping) { m.SessName = "" }), ctl.CodeInvalid},
-		"bad sessname":      {with(func(m *Mapping) { m.SessName = "a/b" }), ctl.CodeInvalid},
-		"no path":           {with(func(m *Mapping) { m.Paths = nil }), ctl.CodeInvalid},
-		"bad path":          {with(func(m *Mapping) { m.Paths = []string{"ip:nowhere"} }), ctl.CodeInvalid},
-		"bad access mode":   {with(func(m *Mapping) { m.AccessMode = "rwx" }), ctl.CodeInvalid},
-		"bad transport":     {with(func(m *Mapping) { m.Transport = "udp" }), ctl.CodeInvalid},
-		"relative socket":   {with(func(m *Mapping) { m.As = "socket:x.sock" }), ctl.CodeInvalid},
-		"unknown frontend":  {with(func(m *Mapping) { m.As = "iscsi" }), ctl.CodeInvalid},
+		"no sessname":       {with(func(m *api.Mapping) { m.SessName = "" }), ctl.CodeInvalid},
+		"bad sessname":      {with(func(m *api.Mapping) { m.SessName = "a/b" }), ctl.CodeInvalid},
+		"no path":           {with(func(m *api.Mapping) { m.Paths = nil }), ctl.CodeInvalid},
+		"bad path":          {with(func(m *api.Mapping) { m.Paths = []string{"ip:nowhere"} }), ctl.CodeInvalid},
+		"bad access mode":   {with(func(m *api.Mapping) { m.AccessMode = "rwx" }), ctl.CodeInvalid},
+		"bad transport":     {with(func(m *api.Mapping) { m.Transport = "udp" }), ctl.CodeInvalid},
+		"relative socket":   {with(func(m *api.Mapping) { m.As = "socket:x.sock" }), ctl.CodeInvalid},
+		"unknown frontend":  {with(func(m *api.Mapping) { m.As = "iscsi" }), ctl.CodeInvalid},
 		"mapped already":    {r.mapping("s1", "a"), ctl.CodeExists},
-		"other paths":       {with(func(m *Mapping) { m.DevicePath = "b"; m.Paths = []string{"ip:10.30.0.3@ip:10.30.0.1"} }), ctl.CodeInvalid},
-		"no such device":    {with(func(m *Mapping) { m.SessName = "s2"; m.DevicePath = "missing" }), ctl.CodeNotFound},
-		"outside the files": {with(func(m *Mapping) { m.SessName = "s3"; m.DevicePath = "../a" }), ctl.CodeInvalid},
+		"other paths":       {with(func(m *api.Mapping) { m.DevicePath = "b"; m.Paths = []string{"ip:10.30.0.3@ip:10.30.0.1"} }), ctl.CodeInvalid},
+		"no such device":    {with(func(m *api.Mapping) { m.SessName = "s2"; m.DevicePath = "missing" }), ctl.CodeNotFound},
+		"outside the files": {with(func(m *api.Mapping) { m.SessName = "s3"; m.DevicePath = "../a" }), ctl.CodeInvalid},
 		// Opening a FIFO read-only would block the server until a
 		// writer came.
-		"a fifo": {with(func(m *Mapping) { m.SessName = "s4"; m.DevicePath = "fifo"; m.AccessMode = "ro" }), ctl.CodeInvalid},
-		"a file at the socket's path": {with(func(m *Mapping) {
+		"a fifo": {with(func(m *api.Mapping) { m.SessName = "s4"; m.DevicePath = "fifo"; m.AccessMode = "ro" }), ctl.CodeInvalid},
+		"a file at the socket's path": {with(func(m *api.Mapping) {
 			m.SessName, m.DevicePath, m.As = "s5", "b", "socket:"+keep
 		}), ctl.CodeExists},
 	} {
@@ -284,7 +287,7 @@ func TestRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d.Map(ctx, Mapping{SessName: "s2", Paths: []string{"ip:10.30.0.3@ip:10.30.0.1"}, DevicePath: "b",
+	if _, err := d.Map(ctx, api.Mapping{SessName: "s2", Paths: []string{"ip:10.30.0.3@ip:10.30.0.1"}, DevicePath: "b",
 		AccessMode: "ro", As: "socket:" + filepath.Join(r.cfg.SocketDir, "b.sock")}); err != nil {
 		t.Fatal(err)
 	}
@@ -299,8 +302,8 @@ func TestRestart(t *testing.T) {
 
 	d = r.start()
 	recs := d.deviceRecords("")
-	if len(recs) != 2 || recs[0]["devname"] != "rnbd0" || recs[1]["devname"] != "rnbd1" ||
-		recs[1]["access_mode"] != "ro" || recs[1]["socket"] != filepath.Join(r.cfg.SocketDir, "b.sock") {
+	if len(recs) != 2 || recs[0].DevName != "rnbd0" || recs[1].DevName != "rnbd1" ||
+		recs[1].AccessMode != "ro" || recs[1].Socket != filepath.Join(r.cfg.SocketDir, "b.sock") {
 		t.Fatalf("devices after the restart %v", recs)
 	}
 	m, _ := d.find("rnbd0")
@@ -318,7 +321,7 @@ func TestRestart(t *testing.T) {
 	d = r.start()
 	defer func() { d.Stop() }()
 	for _, r := range d.deviceRecords("") {
-		if r["state"] != StateRestoring {
+		if r.State != StateRestoring {
 			t.Fatalf("device restored without a server: %v", r)
 		}
 	}
@@ -337,7 +340,7 @@ func TestRestart(t *testing.T) {
 	// Settings given to the session meanwhile are kept for the mapping
 	// being restored, and come back with it.
 	pol := "round-robin"
-	if err := d.keepSettings("s1", SetRequest{MPPolicy: &pol}); err != nil {
+	if err := d.keepSettings("s1", api.SetRequest{MPPolicy: &pol}); err != nil {
 		t.Fatal(err)
 	}
 	if st := r.savedState(); st.Mappings[0].Settings.MPPolicy == nil || *st.Mappings[0].Settings.MPPolicy != pol {
@@ -353,7 +356,7 @@ func TestRestart(t *testing.T) {
 	// With its server back, the retry restores rnbd0: its data is there.
 	kit.WaitFor(t, 10*time.Second, "rnbd0 to be restored by a retry", func() bool {
 		recs := d.deviceRecords("rnbd0")
-		return len(recs) == 1 && recs[0]["state"] != StateRestoring
+		return len(recs) == 1 && recs[0].State != StateRestoring
 	})
 	rw(t, d, "rnbd0", 8192, 0x5d)
 	if st := r.savedState(); len(st.Mappings) != 2 || st.Mappings[0].Settings.MPPolicy == nil || *st.Mappings[0].Settings.MPPolicy != pol {
@@ -371,14 +374,14 @@ func TestRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	d = r.start()
-	if recs := d.deviceRecords("rnbd0"); len(recs) != 1 || recs[0]["state"] != StateNotRestored {
+	if recs := d.deviceRecords("rnbd0"); len(recs) != 1 || recs[0].State != StateNotRestored {
 		t.Fatalf("an invalid entry: %v", recs)
 	}
 }
 
 // normalize fills the defaults and types the request once.
 func TestNormalize(t *testing.T) {
-	s, err := normalize(Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1", "ip:10.0.0.2@ip:10.0.1.1"}, DevicePath: "d",
+	s, err := normalize(api.Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1", "ip:10.0.0.2@ip:10.0.1.1"}, DevicePath: "d",
 		AccessMode: "migration", DestPort: 4000, Transport: "tcp", As: "socket:/run/x.sock"})
 	if err != nil {
 		t.Fatal(err)
@@ -387,7 +390,7 @@ func TestNormalize(t *testing.T) {
 		s.paths[1].Src.Addr() != netip.MustParseAddr("10.0.0.2") || s.fe != feSocket || s.sock != "/run/x.sock" {
 		t.Fatalf("spec %+v", s)
 	}
-	s, err = normalize(Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d", As: "socket"})
+	s, err = normalize(api.Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d", As: "socket"})
 	if err != nil || s.AccessMode != "rw" || s.mode != rnbd.AccessRW || s.DestPort != rtrs.DefaultPort || s.sock != "" {
 		t.Fatalf("defaults %+v %v", s, err)
 	}
@@ -403,8 +406,8 @@ func TestNormalize(t *testing.T) {
 // only what this kernel has.
 func TestNormalizeFrontends(t *testing.T) {
 	defer func(n, u func() bool) { haveNBD, haveUblk = n, u }(haveNBD, haveUblk)
-	m := Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d"}
-	as := func(a string) Mapping { c := m; c.As = a; return c }
+	m := api.Mapping{SessName: "s", Paths: []string{"ip:10.0.0.1"}, DevicePath: "d"}
+	as := func(a string) api.Mapping { c := m; c.As = a; return c }
 	for _, c := range []struct {
 		nbd, ublk bool
 		as        string

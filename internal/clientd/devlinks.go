@@ -12,6 +12,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -55,7 +56,7 @@ var tmpSeq atomic.Uint64
 // name never leaves the session's directory); a character udev does not
 // allow in a link (outside 0-9 A-Z a-z # + - . : = @ _ and UTF-8 beyond
 // ASCII) becomes '_', as udev makes it.
-func (d *Daemon) linkName(m Mapping) string {
+func (d *Daemon) linkName(m api.Mapping) string {
 	if d.cfg.DevLinksDir == "" || m.SessName == "" {
 		return ""
 	}
@@ -89,7 +90,7 @@ func udevSafe(s string) string {
 }
 
 // devLink is the link the daemon makes itself for m, or "".
-func (d *Daemon) devLink(m Mapping) string {
+func (d *Daemon) devLink(m api.Mapping) string {
 	n := d.linkName(m)
 	if n == "" {
 		return ""
@@ -99,7 +100,7 @@ func (d *Daemon) devLink(m Mapping) string {
 
 // linkHolder is the device of another mapping served as a kernel device
 // whose stable name is m's, or "".
-func (d *Daemon) linkHolder(m Mapping) string {
+func (d *Daemon) linkHolder(m api.Mapping) string {
 	name := d.linkName(m)
 	if name == "" {
 		return ""
@@ -116,7 +117,7 @@ func (d *Daemon) linkHolder(m Mapping) string {
 
 // makeDevLink gives m's kernel device, target, its stable name.
 // Best effort: the mapping works without it.
-func (d *Daemon) makeDevLink(m Mapping, target string) {
+func (d *Daemon) makeDevLink(m api.Mapping, target string) {
 	name := d.linkName(m)
 	if name == "" {
 		return
@@ -175,7 +176,7 @@ func (d *Daemon) hint(kname, name string) error {
 
 // removeDevLink removes m's stable name if it still names m's own
 // device (m.Kernel): another mapping may have the name now.
-func (d *Daemon) removeDevLink(m Mapping) {
+func (d *Daemon) removeDevLink(m api.Mapping) {
 	name := d.linkName(m)
 	if name == "" || m.Kernel == "" {
 		return

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -16,7 +17,7 @@ import (
 func TestDevLinks(t *testing.T) {
 	dir := t.TempDir()
 	d := &Daemon{cfg: Config{DevLinksDir: dir}, log: log.Discard()}
-	m := Mapping{SessName: "host7", DevicePath: "vg/lv1", Device: "rnbd0"}
+	m := api.Mapping{SessName: "host7", DevicePath: "vg/lv1", Device: "rnbd0"}
 	link := filepath.Join(dir, "host7", "vg", "lv1")
 	for _, target := range []string{"/dev/nbd3", "/dev/nbd5"} {
 		d.makeDevLink(m, target)
@@ -38,7 +39,7 @@ func TestDevLinks(t *testing.T) {
 		t.Fatalf("left in the links' directory: %v", left)
 	}
 	for _, p := range []string{"", "/", "//"} {
-		if l := d.devLink(Mapping{SessName: "s", DevicePath: p}); l != "" {
+		if l := d.devLink(api.Mapping{SessName: "s", DevicePath: p}); l != "" {
 			t.Errorf("device path %q has link %q", p, l)
 		}
 	}
@@ -47,7 +48,7 @@ func TestDevLinks(t *testing.T) {
 	for p, want := range map[string]string{
 		"../../etc/x": "s/__/__/etc/x", "./a": "s/_/a", "a b\tc!d": "s/a_b_c_d", "/abs//x/": "s/abs/x", "zürich": "s/zürich",
 	} {
-		if l := d.devLink(Mapping{SessName: "s", DevicePath: p}); l != filepath.Join(dir, want) {
+		if l := d.devLink(api.Mapping{SessName: "s", DevicePath: p}); l != filepath.Join(dir, want) {
 			t.Errorf("device path %q has link %q, want %s", p, l, filepath.Join(dir, want))
 		}
 	}
@@ -55,7 +56,7 @@ func TestDevLinks(t *testing.T) {
 	os.MkdirAll(filepath.Join(dir, "s"), 0o755)
 	plain := filepath.Join(dir, "s", "f")
 	os.WriteFile(plain, nil, 0o644)
-	d.removeDevLink(Mapping{SessName: "s", DevicePath: "f", Kernel: "/dev/nbd1"})
+	d.removeDevLink(api.Mapping{SessName: "s", DevicePath: "f", Kernel: "/dev/nbd1"})
 	if _, err := os.Stat(plain); err != nil {
 		t.Fatalf("a plain file was removed: %v", err)
 	}
@@ -73,7 +74,7 @@ func TestDevLinksUdev(t *testing.T) {
 	os.MkdirAll(filepath.Join(sys, "ublkb2"), 0o755)
 	uevent := filepath.Join(sys, "ublkb2", "uevent")
 	d := &Daemon{cfg: Config{DevLinksDir: "/dev/rnbd"}, log: log.Discard(), hints: hints, sysBlock: sys}
-	m := Mapping{SessName: "ub", DevicePath: "disk2", Device: "rnbd1", Kernel: "/dev/ublkb2"}
+	m := api.Mapping{SessName: "ub", DevicePath: "disk2", Device: "rnbd1", Kernel: "/dev/ublkb2"}
 	d.makeDevLink(m, m.Kernel)
 	if b, err := os.ReadFile(filepath.Join(hints, "ublkb2")); err != nil || string(b) != "ub/disk2\n" {
 		t.Fatalf("hint %q %v", b, err)
@@ -82,7 +83,7 @@ func TestDevLinksUdev(t *testing.T) {
 		t.Fatalf("uevent %q, want change", b)
 	}
 	os.Remove(uevent)
-	d.removeDevLink(Mapping{SessName: "other", DevicePath: "disk2", Kernel: "/dev/ublkb2"})
+	d.removeDevLink(api.Mapping{SessName: "other", DevicePath: "disk2", Kernel: "/dev/ublkb2"})
 	if _, err := os.Stat(filepath.Join(hints, "ublkb2")); err != nil {
 		t.Fatalf("another mapping's name was withdrawn: %v", err)
 	}
@@ -100,16 +101,16 @@ func TestDevLinksUdev(t *testing.T) {
 // and the mapping itself hold nothing.
 func TestDevLinkHolder(t *testing.T) {
 	d := &Daemon{cfg: Config{DevLinksDir: "/dev/rnbd"}, log: log.Discard(), maps: map[string]*mapped{}}
-	first := Mapping{SessName: "s", DevicePath: "a!b", Device: "rnbd0", Kernel: "/dev/nbd0"}
+	first := api.Mapping{SessName: "s", DevicePath: "a!b", Device: "rnbd0", Kernel: "/dev/nbd0"}
 	d.maps["rnbd0"] = &mapped{Mapping: first}
-	d.maps["rnbd2"] = &mapped{Mapping: Mapping{SessName: "s", DevicePath: "c", Device: "rnbd2"}} // a socket
+	d.maps["rnbd2"] = &mapped{Mapping: api.Mapping{SessName: "s", DevicePath: "c", Device: "rnbd2"}} // a socket
 	if h := d.linkHolder(first); h != "" {
 		t.Fatalf("a mapping holds its own name from %q", h)
 	}
-	if h := d.linkHolder(Mapping{SessName: "s", DevicePath: "a_b", Device: "rnbd1"}); h != "rnbd0" {
+	if h := d.linkHolder(api.Mapping{SessName: "s", DevicePath: "a_b", Device: "rnbd1"}); h != "rnbd0" {
 		t.Fatalf("holder of s/a_b %q, want rnbd0", h)
 	}
-	if h := d.linkHolder(Mapping{SessName: "s", DevicePath: "c", Device: "rnbd3"}); h != "" {
+	if h := d.linkHolder(api.Mapping{SessName: "s", DevicePath: "c", Device: "rnbd3"}); h != "" {
 		t.Fatalf("a socket mapping holds %q's name", h)
 	}
 }

@@ -3,6 +3,8 @@ package clientd
 import (
 	"testing"
 	"time"
+
+	"github.com/rnbd/rnbd/internal/api"
 )
 
 func TestParseDevIndex(t *testing.T) {
@@ -33,12 +35,12 @@ func TestParseDevIndex(t *testing.T) {
 // The cookie names the session and device: stable across restarts,
 // different for another mapping.
 func TestUblkCookie(t *testing.T) {
-	a := ublkCookie(backendID(Mapping{SessName: "s", DevicePath: "d"}))
+	a := ublkCookie(backendID(api.Mapping{SessName: "s", DevicePath: "d"}))
 	if a != ublkCookie("rnbd:s/d") || a == 0 {
 		t.Fatalf("cookie %#x", a)
 	}
-	if a == ublkCookie(backendID(Mapping{SessName: "s", DevicePath: "e"})) ||
-		a == ublkCookie(backendID(Mapping{SessName: "t", DevicePath: "d"})) {
+	if a == ublkCookie(backendID(api.Mapping{SessName: "s", DevicePath: "e"})) ||
+		a == ublkCookie(backendID(api.Mapping{SessName: "t", DevicePath: "d"})) {
 		t.Fatal("different mappings share a cookie")
 	}
 }

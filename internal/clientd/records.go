@@ -8,7 +8,7 @@ import (
 	"sort"
 	"time"
 
-	"github.com/rnbd/rnbd/internal/output"
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
@@ -19,19 +19,21 @@ func seconds(t time.Duration) float64 {
 }
 
 // tmoSeconds is a timer that can be off: seconds, or nil (null) for off.
-func tmoSeconds(t time.Duration) any {
+func tmoSeconds(t time.Duration) *float64 {
 	if t < 0 {
 		return nil
 	}
-	return seconds(t)
+	s := seconds(t)
+	return &s
 }
 
 // leftSeconds is a time left: seconds, or nil (null) for none (0).
-func leftSeconds(t time.Duration) any {
+func leftSeconds(t time.Duration) *float64 {
 	if t <= 0 {
 		return nil
 	}
-	return seconds(t)
+	s := seconds(t)
+	return &s
 }
 
 // sessionList is the daemon's sessions, by name.
@@ -47,7 +49,7 @@ func (d *Daemon) sessionList() []*session {
 }
 
 // deviceRecords are the device records (the one named, if given).
-func (d *Daemon) deviceRecords(name string) []output.Record {
+func (d *Daemon) deviceRecords(name string) []api.CltDeviceRecord {
 	d.mu.Lock()
 	var ms []*mapped
 	for _, m := range d.maps {
@@ -66,105 +68,101 @@ func (d *Daemon) deviceRecords(name string) []output.Record {
 	}
 	d.mu.Unlock()
 	sort.Slice(ms, func(i, j int) bool { return ms[i].Device < ms[j].Device })
-	recs := []output.Record{}
+	recs := []api.CltDeviceRecord{}
 	// Mappings of the state file that did not come back at start: they
 	// stay until restored by a retry, or unmapped.
 	for _, m := range failed {
-		recs = append(recs, output.Record{
-			"devname": m.Device, "sessname": m.SessName, "devpath": "", "mapping_path": m.DevicePath,
-			"access_mode": m.AccessMode, "state": m.state(), "size": 0,
-			"socket": "", "io_mode": "", "direction": "client",
-		})
+		recs = append(recs, api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, MappingPath: m.DevicePath,
+			AccessMode: m.AccessMode, State: m.state(), Direction: "client"})
 	}
 	for _, m := range ms {
 		socket := ""
 		if m.Kernel == "" {
 			socket = m.fe.path()
 		}
-		recs = append(recs, output.Record{
-			"devname": m.Device, "sessname": m.SessName, "devpath": m.fe.path(), "mapping_path": m.DevicePath,
-			"access_mode": m.AccessMode, "state": m.dev.State().String(), "size": m.dev.Size(),
-			"socket": socket, "io_mode": m.fe.ioMode(), "direction": "client",
-		})
+		recs = append(recs, api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, DevPath: m.fe.path(), MappingPath: m.DevicePath,
+			AccessMode: m.AccessMode, State: m.dev.State().String(), Size: m.dev.Size(),
+			Socket: socket, IOMode: m.fe.ioMode(), Direction: "client"})
 	}
-	sort.SliceStable(recs, func(i, j int) bool { return recs[i]["devname"].(string) < recs[j]["devname"].(string) })
+	sort.SliceStable(recs, func(i, j int) bool { return recs[i].DevName < recs[j].DevName })
 	return recs
 }
 
 // sessionRecords are the session records (the one named, if given).
-func (d *Daemon) sessionRecords(name string) []output.Record {
-	recs := []output.Record{}
+func (d *Daemon) sessionRecords(name string) []api.CltSessionRecord {
+	recs := []api.CltSessionRecord{}
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if name != "" && rs.Name() != name {
 			continue
 		}
-		var sum output.PathSum
+		sum := api.NewPathSum()
 		for _, p := range rs.Paths() {
 			c := p.Stats().Counters()
 			sum.Add(p.State() == rtrs.CltPathConnected, c.ReadBytes, c.WriteBytes, c.Inflight)
 		}
-		var noPathSince any // null while it has a path
+		var noPathSince *string // null while it has a path
 		if t := s.cs.NoPathSince(); !t.IsZero() {
-			noPathSince = t.UTC().Format(time.RFC3339)
+			v := t.UTC().Format(time.RFC3339)
+			noPathSince = &v
 		}
 		// fast_io_fail_tmo's time left: null when it does not run, 0
 		// once it has passed (IO fails at once).
-		var failIn any
+		var failIn *float64
 		switch in := s.cs.FastIOFailIn(); {
 		case in > 0:
-			failIn = seconds(in)
+			failIn = leftSeconds(in)
 		case in < 0:
-			failIn = 0
+			failIn = new(float64)
 		}
 		waiting, waitFailIn := s.cs.Waiting()
 		pol := rs.MPPolicy()
-		recs = append(recs, sum.Fields(output.Record{
-			"sessname": rs.Name(), "mpath_policy": pol.Name(), "mpath_policy_sysfs": pol.String(), "transport": s.transport,
-			"no_path_timeout_sec": seconds(s.cs.NoPathTimeout()), "no_path_since": noPathSince,
-			"waiting_io": waiting, "waiting_io_fails_in_sec": leftSeconds(waitFailIn),
-			"fast_io_fail_tmo_sec": tmoSeconds(s.cs.FastIOFailTmo()), "fast_io_fail_in_sec": failIn,
-			"max_reconnect_attempts": rs.MaxReconnectAttempts(), "ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
-			"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "devices": len(s.cs.Devices()), "direction": "client",
-		}))
+		recs = append(recs, api.CltSessionRecord{
+			SessName: rs.Name(), PathCnt: sum.PathCnt, ActPathCnt: sum.ActPathCnt, State: sum.State, PathUU: sum.PathUU,
+			MPPolicy: pol.Name(), MPPolicySysfs: pol.String(),
+			NoPathTimeoutSec: seconds(s.cs.NoPathTimeout()), NoPathSince: noPathSince,
+			WaitingIO: waiting, WaitingIOFailsInSec: leftSeconds(waitFailIn),
+			FastIOFailTmoSec: tmoSeconds(s.cs.FastIOFailTmo()), FastIOFailInSec: failIn,
+			MaxReconnectAttempts: rs.MaxReconnectAttempts(), ReconnectDelaySec: seconds(rs.ReconnectDelay()),
+			CtrlLossTmoSec: tmoSeconds(rs.CtrlLossTmo()),
+			RxBytes:        sum.RxBytes, TxBytes: sum.TxBytes, Inflights: sum.Inflights,
+			Devices: len(s.cs.Devices()), Transport: s.transport, Direction: "client",
+		})
 	}
 	return recs
 }
 
 // pathRecord is the record of path p of session rs.
-func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) output.Record {
+func pathRecord(rs *rtrs.CltSession, p *rtrs.CltPath) api.CltPathRecord {
 	c := p.Stats().Counters()
 	a := p.Addr()
 	attempts, next := p.ReconnectAttempts()
-	var lossIn any // null: up, given up, or no ctrl_loss_tmo
+	var lossIn *float64 // null: up, given up, or no ctrl_loss_tmo
 	if left, ok := p.CtrlLossIn(); ok {
-		lossIn = seconds(max(left, 0))
+		v := seconds(max(left, 0))
+		lossIn = &v
 	}
-	return output.Record{
-		"sessname": rs.Name(), "pathname": p.Name(),
-		"src_addr": rtrs.FormatAddr(a.Src.Addr(), false), "dst_addr": rtrs.FormatAddr(a.Dst.Addr(), false),
-		"hca_name": p.HCAName(), "hca_port": p.HCAPort(),
-		"state": p.State().SysfsString(), "rtrs_state": p.State().String(),
-		"rx_bytes": c.ReadBytes, "tx_bytes": c.WriteBytes, "inflights": c.Inflight,
-		// The kernel's stats/reconnects, "successful failed", by name.
-		"reconnects":         output.Object{{Key: "successful", Value: c.ReconnectsSuccessful}, {Key: "failed", Value: c.ReconnectsFailed}},
-		"cur_latency_us":     float64(p.CurLatency().Nanoseconds()) / 1e3,
-		"reconnect_attempts": attempts, "next_reconnect_in_sec": leftSeconds(next), "ctrl_loss_in_sec": lossIn,
-		"reconnect_delay_sec": seconds(rs.ReconnectDelay()), "max_reconnect_attempts": rs.MaxReconnectAttempts(),
-		"ctrl_loss_tmo_sec": tmoSeconds(rs.CtrlLossTmo()),
-		// The kernel's stats/rdma, "rd_cnt rd_bytes wr_cnt wr_bytes
-		// inflight failover_cnt", by name.
-		"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
-			{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes},
-			{Key: "inflight", Value: c.Inflight}, {Key: "failover_cnt", Value: c.FailoverCount}},
-		"direction": "client",
+	return api.CltPathRecord{
+		SessName: rs.Name(), PathName: p.Name(),
+		SrcAddr: rtrs.FormatAddr(a.Src.Addr(), false), DstAddr: rtrs.FormatAddr(a.Dst.Addr(), false),
+		HCAName: p.HCAName(), HCAPort: p.HCAPort(),
+		State: p.State().SysfsString(), RTRSState: p.State().String(),
+		RxBytes: c.ReadBytes, TxBytes: c.WriteBytes, Inflights: c.Inflight,
+		Reconnects:        api.Reconnects{Successful: c.ReconnectsSuccessful, Failed: c.ReconnectsFailed},
+		ReconnectAttempts: attempts, NextReconnectInSec: leftSeconds(next), CtrlLossInSec: lossIn,
+		ReconnectDelaySec: seconds(rs.ReconnectDelay()), MaxReconnectAttempts: rs.MaxReconnectAttempts(),
+		CtrlLossTmoSec: tmoSeconds(rs.CtrlLossTmo()),
+		CurLatencyUs:   float64(p.CurLatency().Nanoseconds()) / 1e3,
+		RDMA: api.CltRDMA{RdCnt: c.ReadCount, RdBytes: c.ReadBytes, WrCnt: c.WriteCount, WrBytes: c.WriteBytes,
+			Inflight: c.Inflight, FailoverCnt: c.FailoverCount},
+		Direction: "client",
 	}
 }
 
 // pathRecords are the path records, of session if given (the one
 // named, if given).
-func (d *Daemon) pathRecords(session, name string) []output.Record {
-	recs := []output.Record{}
+func (d *Daemon) pathRecords(session, name string) []api.CltPathRecord {
+	recs := []api.CltPathRecord{}
 	for _, s := range d.sessionList() {
 		rs := s.cs.Session()
 		if session != "" && rs.Name() != session {

@@ -6,79 +6,44 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
-)
-
-// Requests of the control API.
-type (
-	ResizeRequest struct {
-		Size string `json:"size"`
-	}
-	// SetRequest is a session's settings (session set, or map's for
-	// the session it makes); unset fields stay as they are.
-	SetRequest struct {
-		MPPolicy             *string `json:"mpath_policy,omitempty"`
-		MaxReconnectAttempts *int    `json:"max_reconnect_attempts,omitempty"`
-		NoPathTimeout        *string `json:"no_path_timeout,omitempty"`
-		// FastIOFailTmo: a duration, or "off" (rnbd.CltSession.SetFastIOFailTmo).
-		FastIOFailTmo *string `json:"fast_io_fail_tmo,omitempty"`
-		// CtrlLossTmo: a duration, or "off" (rtrs.CltSession.SetCtrlLossTmo).
-		CtrlLossTmo *string `json:"ctrl_loss_tmo,omitempty"`
-		// ReconnectDelay: a duration (rtrs.CltSession.SetReconnectDelay).
-		ReconnectDelay *string `json:"reconnect_delay,omitempty"`
-	}
-	PathRequest struct {
-		Path string `json:"path"`
-	}
-	UnmapRequest struct {
-		Force bool `json:"force"`
-	}
-)
-
-// Field lists in the rnbd tool's names (docs/control-api.md, "Records",
-// has each with its JSON type).
-var (
-	DeviceFields  = []string{"devname", "sessname", "devpath", "mapping_path", "access_mode", "state", "size", "socket", "io_mode", "direction"}
-	SessionFields = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "mpath_policy", "mpath_policy_sysfs", "no_path_timeout_sec", "no_path_since", "waiting_io", "waiting_io_fails_in_sec", "fast_io_fail_tmo_sec", "fast_io_fail_in_sec", "max_reconnect_attempts", "reconnect_delay_sec", "ctrl_loss_tmo_sec", "rx_bytes", "tx_bytes", "inflights", "devices", "transport", "direction"}
-	PathFields    = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rtrs_state", "rx_bytes", "tx_bytes", "inflights", "reconnects", "reconnect_attempts", "next_reconnect_in_sec", "ctrl_loss_in_sec", "reconnect_delay_sec", "max_reconnect_attempts", "ctrl_loss_tmo_sec", "cur_latency_us", "rdma", "direction"}
-	StatsFields   = []string{"sessname", "pathname", "rdma", "reconnects", "cur_latency_us"}
 )
 
 // routes are the control API's endpoints (docs/control-api.md), one
 // method each.
 func (d *Daemon) routes() {
 	for _, rt := range []struct {
-		pattern string
-		h       ctl.Handler
+		route api.Route
+		h     ctl.Handler
 	}{
-		{"POST /v1/devices", d.mapDevice},
-		{"GET /v1/devices", d.listDevices},
-		{"GET /v1/devices/{name}", d.showDevice},
-		{"POST /v1/devices/{name}/unmap", d.unmapDevice},
-		{"POST /v1/devices/{name}/remap", d.remapDevice},
-		{"POST /v1/devices/{name}/resize", d.resizeDevice},
-		{"GET /v1/sessions", d.listSessions},
-		{"GET /v1/sessions/{name}", d.showSession},
-		{"POST /v1/sessions/{name}/set", d.setSession},
-		{"POST /v1/sessions/{name}/reconnect", d.reconnectSession},
-		{"GET /v1/paths", d.listPaths},
-		{"GET /v1/paths/{name}", d.showPath},
-		{"POST /v1/sessions/{name}/paths", d.addPath},
-		{"POST /v1/paths/{name}/remove", d.removePath},
-		{"POST /v1/paths/{name}/reconnect", d.reconnectPath},
-		{"POST /v1/paths/{name}/disconnect", d.disconnectPath},
-		{"GET /v1/stats", d.showStats},
-		{"POST /v1/stats/reset", d.resetStats},
+		{api.CltMap, d.mapDevice},
+		{api.CltDevices, d.listDevices},
+		{api.CltDevice, d.showDevice},
+		{api.CltDeviceUnmap, d.unmapDevice},
+		{api.CltDeviceRemap, d.remapDevice},
+		{api.CltDeviceSize, d.resizeDevice},
+		{api.CltSessions, d.listSessions},
+		{api.CltSession, d.showSession},
+		{api.CltSessionSet, d.setSession},
+		{api.CltSessionReconnect, d.reconnectSession},
+		{api.CltPaths, d.listPaths},
+		{api.CltPath, d.showPath},
+		{api.CltSessionAddPath, d.addPath},
+		{api.CltPathRemove, d.removePath},
+		{api.CltPathReconnect, d.reconnectPath},
+		{api.CltPathDisconnect, d.disconnectPath},
+		{api.CltStats, d.showStats},
+		{api.CltStatsReset, d.resetStats},
 	} {
-		d.ctl.Handle(rt.pattern, rt.h)
+		d.ctl.Handle(rt.route.Pattern(), rt.h)
 	}
 }
 
 func (d *Daemon) mapDevice(r *http.Request) (any, error) {
-	var m Mapping
+	var m api.Mapping
 	if err := ctl.Decode(r, &m); err != nil {
 		return nil, err
 	}
@@ -86,7 +51,7 @@ func (d *Daemon) mapDevice(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return MapResponse{Mapping: out, Note: note}, nil
+	return api.MapResponse{Mapping: out, Note: note}, nil
 }
 
 func (d *Daemon) listDevices(r *http.Request) (any, error) {
@@ -101,7 +66,7 @@ func (d *Daemon) showDevice(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) unmapDevice(r *http.Request) (any, error) {
-	var req UnmapRequest
+	var req api.UnmapRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -117,7 +82,7 @@ func (d *Daemon) remapDevice(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) resizeDevice(r *http.Request) (any, error) {
-	var req ResizeRequest
+	var req api.DeviceResizeRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -147,7 +112,7 @@ func (d *Daemon) showSession(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) setSession(r *http.Request) (any, error) {
-	var req SetRequest
+	var req api.SetRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -155,7 +120,7 @@ func (d *Daemon) setSession(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := req.check(); err != nil {
+	if err := checkSettings(req); err != nil {
 		return nil, err // nothing applied
 	}
 	if err := s.set(req); err != nil {
@@ -187,7 +152,7 @@ func (d *Daemon) showPath(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	recs := []output.Record{}
+	recs := []api.CltPathRecord{}
 	for _, x := range found {
 		recs = append(recs, pathRecord(x.rs, x.p))
 	}
@@ -195,7 +160,7 @@ func (d *Daemon) showPath(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) addPath(r *http.Request) (any, error) {
-	var req PathRequest
+	var req api.PathRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -217,7 +182,7 @@ func (d *Daemon) addPath(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return []output.Record{pathRecord(s.cs.Session(), p)}, nil
+	return []api.CltPathRecord{pathRecord(s.cs.Session(), p)}, nil
 }
 
 func (d *Daemon) removePath(r *http.Request) (any, error) {
@@ -245,13 +210,10 @@ func (d *Daemon) disconnectPath(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) showStats(r *http.Request) (any, error) {
-	recs := []output.Record{}
-	for _, rec := range d.pathRecords("", "") {
-		s := output.Record{}
-		for _, f := range StatsFields {
-			s[f] = rec[f]
-		}
-		recs = append(recs, s)
+	recs := []api.CltStatsRecord{}
+	for _, p := range d.pathRecords("", "") {
+		recs = append(recs, api.CltStatsRecord{SessName: p.SessName, PathName: p.PathName, RDMA: p.RDMA, Reconnects: p.Reconnects,
+			CurLatencyUs: p.CurLatencyUs})
 	}
 	return recs, nil
 }
@@ -267,7 +229,7 @@ func (d *Daemon) resetStats(r *http.Request) (any, error) {
 	return nil, nil
 }
 
-func (s *session) set(req SetRequest) error {
+func (s *session) set(req api.SetRequest) error {
 	cs := s.cs
 	if req.MPPolicy != nil {
 		p, err := rtrs.ParseMPPolicy(*req.MPPolicy)
@@ -329,7 +291,7 @@ func parseReconnectDelay(v string) (time.Duration, error) {
 }
 
 // check says what is wrong with the settings, without applying them.
-func (req SetRequest) check() error {
+func checkSettings(req api.SetRequest) error {
 	if req.MPPolicy != nil {
 		if _, err := rtrs.ParseMPPolicy(*req.MPPolicy); err != nil {
 			return ctl.Errorf(ctl.CodeInvalid, "%v", err)
@@ -361,29 +323,6 @@ func (req SetRequest) check() error {
 	return nil
 }
 
-// Merge overlays what o sets on req.
-func (req SetRequest) Merge(o SetRequest) SetRequest {
-	if o.MPPolicy != nil {
-		req.MPPolicy = o.MPPolicy
-	}
-	if o.MaxReconnectAttempts != nil {
-		req.MaxReconnectAttempts = o.MaxReconnectAttempts
-	}
-	if o.NoPathTimeout != nil {
-		req.NoPathTimeout = o.NoPathTimeout
-	}
-	if o.FastIOFailTmo != nil {
-		req.FastIOFailTmo = o.FastIOFailTmo
-	}
-	if o.CtrlLossTmo != nil {
-		req.CtrlLossTmo = o.CtrlLossTmo
-	}
-	if o.ReconnectDelay != nil {
-		req.ReconnectDelay = o.ReconnectDelay
-	}
-	return req
-}
-
 // ParseTmo parses a timer that can be off: a duration, or "off" (or a
 // negative one).
 func ParseTmo(v string) (time.Duration, error) {
@@ -399,7 +338,7 @@ func ParseTmo(v string) (time.Duration, error) {
 
 // keepSettings records settings of session name in its mappings, so
 // that a restart dials it with them, and saves the state.
-func (d *Daemon) keepSettings(name string, req SetRequest) error {
+func (d *Daemon) keepSettings(name string, req api.SetRequest) error {
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
 	d.mu.Lock()

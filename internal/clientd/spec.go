@@ -5,36 +5,13 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/ibverbs"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/rdma"
 )
-
-// Mapping is one mapped device as the state file and the API keep it:
-// the kernel's map_device parameters and where the device is served.
-type Mapping struct {
-	Device     string   `json:"device"` // rnbdN
-	SessName   string   `json:"sessname"`
-	Paths      []string `json:"paths"`
-	DevicePath string   `json:"device_path"`
-	AccessMode string   `json:"access_mode"`
-	DestPort   uint16   `json:"dest_port"`
-	Transport  string   `json:"transport"`
-	As         string   `json:"as"` // nbd, ublk or socket:PATH
-	// Kernel is the /dev/nbdN or /dev/ublkbN a mapping "as nbd" or "as
-	// ublk" got; a restart takes the same device back.
-	Kernel string `json:"kernel_device,omitempty"`
-	// SessUUID is the RTRS session's paths UUID (hex): a restarted daemon
-	// dials its sessions with the same one, so the server takes them for
-	// the sessions it may still hold rather than refusing their names.
-	SessUUID string `json:"sess_uuid,omitempty"`
-	// Settings of the session given with the map that made it, or with
-	// session set since: a restart dials the session with them. Unset
-	// ones are the daemon's configuration.
-	Settings SetRequest `json:"session_settings,omitzero"`
-}
 
 // feKind is the kind of frontend a mapping is offered through.
 type feKind int
@@ -50,7 +27,7 @@ const (
 type mapSpec struct {
 	// Mapping is the request with its defaults filled in: what the state
 	// file keeps.
-	Mapping
+	api.Mapping
 	mode  rnbd.AccessMode
 	paths []rtrs.PathAddr
 	fe    feKind
@@ -73,8 +50,8 @@ var (
 // ParseMapString parses the kernel's map_device line: "sessname=s1
 // path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw
 // dest_port=1234".
-func ParseMapString(s string) (Mapping, error) {
-	var m Mapping
+func ParseMapString(s string) (api.Mapping, error) {
+	var m api.Mapping
 	for _, tok := range strings.Fields(s) {
 		k, v, ok := strings.Cut(tok, "=")
 		if !ok || v == "" {
@@ -106,48 +83,8 @@ func ParseMapString(s string) (Mapping, error) {
 	return m, nil
 }
 
-// SettingKeys are the session settings Parse takes.
-const SettingKeys = "mpath_policy, max_reconnect_attempts, reconnect_delay, ctrl_loss_tmo, no_path_timeout or fast_io_fail_tmo"
-
-// SettingNames are SettingKeys one by one, and SettingValues the words
-// some of them take (for completion).
-var (
-	SettingNames  = []string{"mpath_policy", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "no_path_timeout", "fast_io_fail_tmo"}
-	SettingValues = map[string][]string{
-		"mpath_policy":     {"round-robin", "min-inflight", "min-latency"},
-		"ctrl_loss_tmo":    {"off"},
-		"fast_io_fail_tmo": {"off"},
-	}
-)
-
-// Parse sets the session setting k to v (session set KEY=VALUE, and the
-// map string's session keys); values are checked by the daemon.
-func (req *SetRequest) Parse(k, v string) error {
-	switch k {
-	case "mpath_policy", "mp_policy":
-		req.MPPolicy = &v
-	case "max_reconnect_attempts":
-		n, err := strconv.Atoi(v)
-		if err != nil {
-			return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %q: want a number", v)
-		}
-		req.MaxReconnectAttempts = &n
-	case "no_path_timeout":
-		req.NoPathTimeout = &v
-	case "fast_io_fail_tmo":
-		req.FastIOFailTmo = &v
-	case "ctrl_loss_tmo":
-		req.CtrlLossTmo = &v
-	case "reconnect_delay":
-		req.ReconnectDelay = &v
-	default:
-		return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want %s", k, SettingKeys)
-	}
-	return nil
-}
-
 // normalize checks a mapping request, fills the defaults and types it.
-func normalize(m Mapping) (mapSpec, error) {
+func normalize(m api.Mapping) (mapSpec, error) {
 	s := mapSpec{Mapping: m}
 	if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {
 		return s, ctl.Errorf(ctl.CodeInvalid, "map needs sessname, at least one path and device_path")
@@ -155,7 +92,7 @@ func normalize(m Mapping) (mapSpec, error) {
 	if err := rtrs.ValidSessName(m.SessName); err != nil {
 		return s, ctl.Errorf(ctl.CodeInvalid, "sessname %q: %v", m.SessName, err)
 	}
-	if err := m.Settings.check(); err != nil {
+	if err := checkSettings(m.Settings); err != nil {
 		return s, err
 	}
 	if s.AccessMode == "" {
@@ -250,4 +187,4 @@ func autoTransport(paths []rtrs.PathAddr) string {
 
 // backendID names what a kernel device of m serves: nbd's
 // BACKEND_IDENTIFIER, the source of a ublk device's cookie.
-func backendID(m Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }
+func backendID(m api.Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }

@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/log"
 )
@@ -72,7 +73,7 @@ func newController(cfg Config, l *log.Entry) (*controller, error) {
 		if err != nil {
 			return nil, fmt.Errorf("storage_node %s: %w", n.Name, err)
 		}
-		c.nodes = append(c.nodes, &storageNode{cfg: n, c: cl})
+		c.nodes = append(c.nodes, &storageNode{cfg: n, api: api.NewServer(cl), c: cl})
 	}
 	return c, nil
 }
@@ -329,9 +330,10 @@ func (c *controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	}
 	defer unlock()
 	vname := storageName(req.GetName())
-	body := volumeBody{Name: vname, Size: strconv.FormatInt(size, 10),
+	yes := true
+	body := api.VolumeRequest{Name: vname, Size: strconv.FormatInt(size, 10),
 		Labels: map[string]string{labelName: req.GetName(), labelParams: p.canonical()},
-		Export: exportBody{GrantsOnly: true, WriteThrough: p.writeThrough}}
+		Export: api.MapRequest{GrantsOnly: &yes, WriteThrough: p.writeThrough}}
 
 	// A clone or a restore is made where its source is.
 	var only *storageNode
@@ -476,7 +478,7 @@ func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.Top
 }
 
 // csiVolume is the CSI volume of a record on n.
-func (c *controller) csiVolume(n *storageNode, rec volumeRecord, p volumeParams, src *csi.VolumeContentSource) *csi.Volume {
+func (c *controller) csiVolume(n *storageNode, rec api.VolumeRecord, p volumeParams, src *csi.VolumeContentSource) *csi.Volume {
 	var size int64
 	if rec.Size != nil {
 		size = *rec.Size
@@ -516,7 +518,7 @@ func (c *controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequ
 
 // volumeOf finds the storage node and the record of a volume id:
 // InvalidArgument without one, NotFound where there is no such volume.
-func (c *controller) volumeOf(ctx context.Context, id string) (*storageNode, *volumeRecord, error) {
+func (c *controller) volumeOf(ctx context.Context, id string) (*storageNode, *api.VolumeRecord, error) {
 	if id == "" {
 		return nil, nil, status.Error(codes.InvalidArgument, "no volume id")
 	}
@@ -732,7 +734,7 @@ func page(ids []string, token string, max int32) (from, to int, next string, err
 func (c *controller) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
 	type entry struct {
 		n *storageNode
-		v volumeRecord
+		v api.VolumeRecord
 	}
 	byID := map[string]entry{}
 	var ids []string
@@ -762,11 +764,7 @@ func (c *controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 		if e.v.Size != nil {
 			size = *e.v.Size
 		}
-		var nodes []string
-		for ident := range e.v.AllowIdentities {
-			nodes = append(nodes, ident)
-		}
-		sort.Strings(nodes)
+		nodes := e.v.AllowIdentities.Identities()
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
 			Volume: &csi.Volume{VolumeId: id, CapacityBytes: size, AccessibleTopology: topologyOf(e.n.cfg)},
 			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: nodes}})
@@ -849,7 +847,7 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(n, rec)}, nil
 }
 
-func csiSnapshot(n *storageNode, s snapshotRecord) *csi.Snapshot {
+func csiSnapshot(n *storageNode, s api.SnapshotRecord) *csi.Snapshot {
 	out := &csi.Snapshot{SnapshotId: n.cfg.Name + "/" + s.Name, SourceVolumeId: n.cfg.Name + "/" + s.Volume, SizeBytes: s.Size, ReadyToUse: true}
 	if t, err := time.Parse(time.RFC3339Nano, s.Created); err == nil {
 		out.CreationTime = timestamppb.New(t)
@@ -880,11 +878,11 @@ func (c *controller) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshot
 func (c *controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	type entry struct {
 		n *storageNode
-		s snapshotRecord
+		s api.SnapshotRecord
 	}
 	byID := map[string]entry{}
 	var ids []string
-	add := func(n *storageNode, ss ...snapshotRecord) {
+	add := func(n *storageNode, ss ...api.SnapshotRecord) {
 		for _, s := range ss {
 			id := n.cfg.Name + "/" + s.Name
 			byID[id] = entry{n, s}

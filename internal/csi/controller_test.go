@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
+
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -250,8 +252,8 @@ func wantCode(t *testing.T, what string, err error, want codes.Code) {
 func (r *rig) grants(id string) map[string]string {
 	r.t.Helper()
 	node, name, _ := strings.Cut(id, "/")
-	var gs []grantRecord
-	if err := r.admin[node].Do(context.Background(), "GET", "/v1/exports/"+name+"/grants", nil, &gs); err != nil {
+	gs, err := api.NewServer(r.admin[node]).VolumeGrants(context.Background(), name)
+	if err != nil {
 		r.t.Fatal(err)
 	}
 	out := map[string]string{}

@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
+
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
@@ -995,8 +997,8 @@ func (f *fleet) deleteAll() {
 			}
 			// Unpublished, the export has no grant left.
 			_, export, _ := strings.Cut(v.id, "/")
-			var grants []output.Record
-			if err := f.storageNode(v.storage).ctl.Do(ctx, "GET", "/v1/exports/"+export+"/grants", nil, &grants); err != nil {
+			grants, err := api.NewServer(f.storageNode(v.storage).ctl).VolumeGrants(ctx, export)
+			if err != nil {
 				return fmt.Errorf("grants of %s: %w", v.id, err)
 			} else if len(grants) != 0 {
 				return fmt.Errorf("%s unpublished still has grants: %v", v.id, grants)

@@ -66,7 +66,7 @@ func (s *identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeRe
 		}
 	}
 	if s.d.node != nil {
-		if err := s.d.node.client.Do(ctx, "GET", "/v1/sessions", nil, nil); err != nil {
+		if _, err := s.d.node.client.Sessions(ctx); err != nil {
 			return nil, status.Errorf(codes.FailedPrecondition, "this node's rnbd-client does not answer: %v", err)
 		}
 	}

@@ -11,12 +11,10 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
 	"maps"
-	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -32,8 +30,8 @@ import (
 	mount "k8s.io/mount-utils"
 	utilexec "k8s.io/utils/exec"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -71,7 +69,7 @@ type NodeOptions struct {
 type NodeServer struct {
 	csi.UnimplementedNodeServer
 	opts    NodeOptions
-	client  *ctl.Client
+	client  *api.Client
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
 
@@ -87,7 +85,7 @@ func NewNodeServer(opts NodeOptions) *NodeServer {
 		opts.Log = log.L
 	}
 	ex := utilexec.New()
-	return &NodeServer{opts: opts, client: ctl.Dial(opts.ClientSocket),
+	return &NodeServer{opts: opts, client: api.NewClient(ctl.Dial(opts.ClientSocket)),
 		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex)}
 }
 
@@ -158,17 +156,13 @@ type mapping struct {
 // findMapping finds the mapping of export in session sess ("" device
 // if none).
 func (n *NodeServer) findMapping(ctx context.Context, sess, export string) (mapping, error) {
-	var recs []output.Record
-	if err := n.client.Do(ctx, "GET", "/v1/devices", nil, &recs); err != nil {
+	recs, err := n.client.Devices(ctx)
+	if err != nil {
 		return mapping{}, clientError(err)
 	}
 	for _, r := range recs {
-		if r["sessname"] == sess && r["mapping_path"] == export {
-			m := mapping{}
-			m.device, _ = r["devname"].(string)
-			m.devpath, _ = r["devpath"].(string)
-			m.state, _ = r["state"].(string)
-			return m, nil
+		if r.SessName == sess && r.MappingPath == export {
+			return mapping{device: r.DevName, devpath: r.DevPath, state: r.State}, nil
 		}
 	}
 	return mapping{}, nil
@@ -416,16 +410,13 @@ func (n *NodeServer) refuseUnknownData(dev, id string) error {
 
 // mapExport maps s's export through the worker's rnbd-client.
 func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, error) {
-	body := map[string]any{"sessname": s.sess, "paths": s.paths, "device_path": s.export, "access_mode": s.access,
-		"dest_port": s.port, "transport": s.transport, "as": s.frontend}
+	m := api.Mapping{SessName: s.sess, Paths: s.paths, DevicePath: s.export, AccessMode: s.access,
+		DestPort: s.port, Transport: s.transport, As: s.frontend}
 	if s.policy != "" {
-		body["session_settings"] = map[string]any{"mpath_policy": s.policy}
+		m.Settings.MPPolicy = &s.policy
 	}
-	var rsp struct {
-		Device string `json:"device"`
-		Kernel string `json:"kernel_device"`
-	}
-	if err := n.client.Do(ctx, "POST", "/v1/devices", body, &rsp); err != nil {
+	rsp, err := n.client.Map(ctx, m)
+	if err != nil {
 		return mapping{}, clientError(err)
 	}
 	if rsp.Kernel == "" {
@@ -439,7 +430,7 @@ func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, er
 // unmap unmaps a device of the worker's rnbd-client; one that is gone
 // is success.
 func (n *NodeServer) unmap(ctx context.Context, device string) error {
-	err := n.client.Do(ctx, "POST", "/v1/devices/"+url.PathEscape(device)+"/unmap", map[string]any{}, nil)
+	err := n.client.Unmap(ctx, device, false)
 	if err != nil && ctl.Classify(err) != ctl.CodeNotFound {
 		return clientError(err)
 	}
@@ -743,15 +734,12 @@ func (n *NodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 // one is).
 func (n *NodeServer) noPath(ctx context.Context, id string) string {
 	storageNode, _, _ := strings.Cut(id, "/")
-	var recs []output.Record
-	if err := n.client.Do(ctx, "GET", "/v1/sessions/"+url.PathEscape(n.sessName(storageNode)), nil, &recs); err != nil {
+	rec, err := n.client.Session(ctx, n.sessName(storageNode))
+	if err != nil {
 		return fmt.Sprintf("rnbd-client: %v", err)
 	}
-	for _, r := range recs {
-		// Records decode numbers as json.Number (output.Record).
-		if act, _ := r["act_path_cnt"].(json.Number); act != "" && act != "0" {
-			return ""
-		}
+	if rec.ActPathCnt > 0 {
+		return ""
 	}
 	return "no path of the volume's session is connected"
 }

@@ -12,12 +12,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
+
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/test/kit"
 )
@@ -148,10 +149,10 @@ func (r *kernelRig) context(export, frontend string) map[string]string {
 }
 
 // mappings are the worker's rnbd-client devices.
-func (r *kernelRig) mappings(t *testing.T, n *NodeServer) []output.Record {
+func (r *kernelRig) mappings(t *testing.T, n *NodeServer) []api.CltDeviceRecord {
 	t.Helper()
-	var recs []output.Record
-	if err := n.client.Do(context.Background(), "GET", "/v1/devices", nil, &recs); err != nil {
+	recs, err := n.client.Devices(context.Background())
+	if err != nil {
 		t.Fatal(err)
 	}
 	return recs
@@ -190,10 +191,10 @@ func TestNodeOnKernel(t *testing.T) {
 				}
 			}
 			m := r.mappings(t, n)
-			if len(m) != 1 || !strings.Contains(m[0]["devpath"].(string), map[string]string{"nbd": "/dev/nbd", "ublk": "/dev/ublkb"}[fe]) {
+			if len(m) != 1 || !strings.Contains(m[0].DevPath, map[string]string{"nbd": "/dev/nbd", "ublk": "/dev/ublkb"}[fe]) {
 				t.Fatalf("mappings %v, want one %s device", m, fe)
 			}
-			if f, err := n.mounter.GetDiskFormat(m[0]["devpath"].(string)); err != nil || f != "ext4" {
+			if f, err := n.mounter.GetDiskFormat(m[0].DevPath); err != nil || f != "ext4" {
 				t.Fatalf("the staged device holds %q (%v), want ext4", f, err)
 			}
 			for range 2 {
@@ -368,7 +369,7 @@ func TestNodeReadOnlyOnKernel(t *testing.T) {
 	if _, err := n.NodeStageVolume(ctx, req); err != nil {
 		t.Fatalf("staging read-only: %v", err)
 	}
-	if m := r.mappings(t, n); len(m) != 1 || m[0]["access_mode"] != "ro" {
+	if m := r.mappings(t, n); len(m) != 1 || m[0].AccessMode != "ro" {
 		t.Fatalf("mappings %v, want one ro", m)
 	}
 	if b, err := os.ReadFile(filepath.Join(staging, "data")); err != nil || string(b) != "written rw" {
@@ -481,8 +482,8 @@ func TestNodeRestartOnKernel(t *testing.T) {
 		t.Fatalf("mappings before the restart %v, after %v", devices, after)
 	} else {
 		for i := range after {
-			if after[i]["devpath"] != devices[i]["devpath"] {
-				t.Fatalf("device %v came back as %v", devices[i]["devpath"], after[i]["devpath"])
+			if after[i].DevPath != devices[i].DevPath {
+				t.Fatalf("device %v came back as %v", devices[i].DevPath, after[i].DevPath)
 			}
 		}
 	}

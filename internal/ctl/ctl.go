@@ -352,6 +352,14 @@ func DialTLS(base string, tc *tls.Config) (*Client, error) {
 	return &Client{path: base, base: base, hc: &http.Client{Transport: tr}, remote: true}, nil
 }
 
+// Close closes the client's idle kept-alive connections; it may still
+// be used (a request opens a new one).
+func (c *Client) Close() {
+	if c.hc != nil {
+		c.hc.CloseIdleConnections()
+	}
+}
+
 // Broken is a client whose every request fails with err: one whose
 // set-up (TLS files) did not work, so that commands fail where they talk.
 func Broken(err error) *Client { return &Client{err: err} }

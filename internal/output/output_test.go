@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"reflect"
 	"strings"
 	"testing"
 )
@@ -202,21 +201,5 @@ func TestCheckFormat(t *testing.T) {
 	}
 	if err := CheckFormat("yaml"); !errors.Is(err, ErrUnknownFormat) {
 		t.Errorf("yaml: %v", err)
-	}
-}
-
-// TestPathSum: a session's paths summed as its record gives them.
-func TestPathSum(t *testing.T) {
-	var s PathSum
-	if r := s.Fields(Record{}); r["state"] != "disconnected" || r["path_uu"] != "" || r["path_cnt"] != 0 {
-		t.Fatalf("no paths: %v", r)
-	}
-	s.Add(true, 1, 2, 3)
-	s.Add(false, 10, 20, 30)
-	r := s.Fields(Record{"sessname": "s"})
-	want := Record{"sessname": "s", "path_cnt": 2, "act_path_cnt": 1, "state": "connected", "path_uu": "U_",
-		"rx_bytes": uint64(11), "tx_bytes": uint64(22), "inflights": int64(33)}
-	if !reflect.DeepEqual(r, want) {
-		t.Fatalf("got %v, want %v", r, want)
 	}
 }

@@ -12,14 +12,15 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
@@ -42,6 +43,11 @@ type AdminConfig struct {
 	Admins       []string `toml:"admins"`
 	Provisioners []string `toml:"provisioners"`
 	Readers      []string `toml:"readers"`
+	// ExportRoots are the directories under which an admin may map a
+	// path over the network (POST /v1/exports on the admin listener);
+	// none: no remote map at all. The unix socket's root is not bound
+	// by them.
+	ExportRoots []string `toml:"export_roots"`
 	// The bounds of the listener (ctl.Access).
 	HandshakeTimeout       Duration `toml:"handshake_timeout"`
 	IdleTimeout            Duration `toml:"idle_timeout"`
@@ -124,6 +130,11 @@ func (a AdminConfig) validate(c *Config) error {
 			roles[id] = l.role
 		}
 	}
+	for _, r := range a.ExportRoots {
+		if !filepath.IsAbs(r) || filepath.Clean(r) != r || r == "/" {
+			return fmt.Errorf("[admin] export_roots: %q: want an absolute, clean directory other than / (e.g. /srv/rnbd)", r)
+		}
+	}
 	if len(a.Listen) == 0 {
 		return nil
 	}
@@ -182,45 +193,13 @@ func (a AdminConfig) roleOf(names []string) ctl.Role {
 	return ctl.RoleNone
 }
 
-// routeRights are the routes that need more or less than the rule of
-// routeRight: those a provisioner may call besides reading (volumes,
-// snapshots, exports, grants: what an orchestrator needs), and
-// discovery, open to every certificate of the CA.
-var routeRights = map[string]ctl.Right{
-	"GET /v1/discover":                            ctl.RightDiscover,
-	"POST /v1/exports":                            ctl.RightProvision,
-	"DELETE /v1/exports/{name}":                   ctl.RightProvision,
-	"POST /v1/exports/{name}/resize":              ctl.RightProvision,
-	"POST /v1/exports/{name}/grants":              ctl.RightProvision,
-	"DELETE /v1/exports/{name}/grants/{identity}": ctl.RightProvision,
-	"POST /v1/volumes":                            ctl.RightProvision,
-	"DELETE /v1/volumes/{name}":                   ctl.RightProvision,
-	"POST /v1/volumes/{name}/resize":              ctl.RightProvision,
-	"POST /v1/snapshots":                          ctl.RightProvision,
-	"DELETE /v1/snapshots/{name}":                 ctl.RightProvision,
-}
-
-// routeRight is the right a route needs: its entry in routeRights, else
-// read for a GET, else admin: a route no one gave a right to is the
-// admin's (session names, disconnects, device closes, stats resets).
-func routeRight(pattern string) ctl.Right {
-	if r, ok := routeRights[pattern]; ok {
-		return r
-	}
-	if strings.HasPrefix(pattern, "GET ") {
-		return ctl.RightRead
-	}
-	return ctl.RightAdmin
-}
-
 // listenAdmin sets who may call the control API, with the audit log,
 // adds discovery, and opens the admin listeners if [admin] has any.
 func (d *Daemon) listenAdmin() error {
 	a := d.cfg.Admin
-	d.ctl.SetAccess(ctl.Access{Rights: routeRight, Roles: a.roleOf, Identify: tcp.CertNames, Log: d.log,
+	d.ctl.SetAccess(ctl.Access{Rights: api.ServerRoutes.Right, Roles: a.roleOf, Identify: tcp.CertNames, Log: d.log,
 		HandshakeTimeout: a.HandshakeTimeout.Duration, ReadHeaderTimeout: a.HandshakeTimeout.Duration, IdleTimeout: a.IdleTimeout.Duration,
 		MaxConnections: a.MaxConnections, MaxRequestsPerIdentity: a.MaxRequestsPerIdentity, MaxBodySize: int64(a.MaxBodySize)})
-	d.ctl.Handle("GET /v1/discover", d.discover)
 	if len(a.Listen) == 0 {
 		return nil
 	}
@@ -242,11 +221,37 @@ func (d *Daemon) listenAdmin() error {
 	return nil
 }
 
+// underExportRoots is path, its links resolved, if it is beneath one of
+// [admin] export_roots: what an export mapped over the network may
+// serve. The resolved path is what is served, so that a link changed
+// later does not lead outside.
+func (a AdminConfig) underExportRoots(path string) (string, error) {
+	if len(a.ExportRoots) == 0 {
+		return "", ctl.Errorf(ctl.CodePermission, "map of %s over the admin listener: this storage node names no [admin] export_roots, "+
+			"so no path may be mapped remotely (volumes may: volume create; or map it on the node itself)", path)
+	}
+	if !filepath.IsAbs(path) {
+		return "", ctl.Errorf(ctl.CodeInvalid, "path %q: want an absolute path", path)
+	}
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return "", fmt.Errorf("path %s: %w", path, err)
+	}
+	for _, root := range a.ExportRoots {
+		r, err := filepath.EvalSymlinks(root)
+		if err != nil {
+			continue
+		}
+		if rel, err := filepath.Rel(r, real); err == nil && rel != "." && rel != ".." && !strings.HasPrefix(rel, "../") {
+			return real, nil
+		}
+	}
+	return "", ctl.Errorf(ctl.CodePermission, "path %s (%s) is beneath none of [admin] export_roots (%s): not mapped over the network",
+		path, real, strings.Join(a.ExportRoots, ", "))
+}
+
 // AdminAddrs are the addresses the admin listeners are bound to.
 func (d *Daemon) AdminAddrs() []net.Addr { return d.ctl.RemoteAddrs() }
-
-// DiscoverFields are the fields of GET /v1/discover's records.
-var DiscoverFields = []string{"name", "size", "access", "read_only"}
 
 // discover answers the exports the caller may open, by the rules an
 // OPEN of it would pass that do not depend on the session: its
@@ -268,9 +273,9 @@ func (d *Daemon) discover(r *http.Request) (any, error) {
 		}
 	}
 	looked := d.probe.look(paths, probeWait)
-	rows := []output.Record{}
+	rows := []api.DiscoverRecord{}
 	for i, e := range open {
-		rows = append(rows, output.Record{"name": e.Name, "size": pathSize(e.Path, looked[e.Path]), "access": access[i], "read_only": e.ReadOnly})
+		rows = append(rows, api.DiscoverRecord{Name: e.Name, Size: pathSize(e.Path, looked[e.Path]), Access: access[i], ReadOnly: e.ReadOnly})
 	}
 	return rows, nil
 }
@@ -298,12 +303,12 @@ func mayOpen(e rnbd.Export, names []string, from netip.Addr) (string, bool) {
 // pathSize is the size of an export's file or block device in bytes, or
 // nil if it cannot be had now (a path that did not answer, a device that
 // does not open).
-func pathSize(path string, p probed) any {
+func pathSize(path string, p probed) *int64 {
 	switch {
 	case p.err != nil || p.fi == nil:
 		return nil
 	case p.fi.Mode().IsRegular():
-		return p.fi.Size()
+		return ptr(p.fi.Size())
 	case p.fi.Mode()&os.ModeDevice == 0:
 		return nil
 	}
@@ -312,5 +317,5 @@ func pathSize(path string, p probed) any {
 		return nil
 	}
 	defer b.Close()
-	return b.Size()
+	return ptr(b.Size())
 }

@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/test/kit"
@@ -72,47 +72,99 @@ func TestAdminConfig(t *testing.T) {
 	}
 }
 
-// TestRouteRights: every route of the daemon needs the right the roles
-// table of docs/control-api.md gives it: reads for GET, provision for
-// volumes, snapshots, exports and grants, admin for the rest (server
-// settings, disconnects, closes, resets), discover for discovery.
+// TestRouteRights: the daemon registers exactly the routes of the route
+// table, and every one of them, called over the admin listener by an
+// identity of each role, is refused permission_denied exactly when the
+// role has not the route's right: the rights table (api.ServerRoutes,
+// docs/control-api.md's) is what the daemon enforces.
 func TestRouteRights(t *testing.T) {
-	d, err := Start(trustConfig(t, nil), Options{Log: log.Discard()})
+	a := startAdmin(t, func(c *Config) {})
+	var want []string
+	for _, r := range api.ServerRoutes {
+		want = append(want, r.Pattern())
+	}
+	if got := a.d.ctl.Patterns(); !slices.Equal(sorted(got), sorted(want)) {
+		t.Fatalf("the daemon's routes %q, the table's %q", got, want)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, role := range []ctl.Role{ctl.RoleNone, ctl.RoleReader, ctl.RoleProvisioner, ctl.RoleAdmin} {
+		cl := a.client(roleIdentity[role])
+		for _, r := range api.ServerRoutes {
+			args := make([]string, strings.Count(r.Path, "{"))
+			for i := range args {
+				args[i] = "nothing-" + fmt.Sprint(i)
+			}
+			var body any
+			if r.Method == "POST" || r.Method == "PUT" {
+				body = struct{}{}
+			}
+			err := cl.Do(ctx, r.Method, r.URL(args...), body, nil)
+			refused := ctl.Classify(err) == ctl.CodePermission && strings.Contains(fmt.Sprint(err), "may not")
+			if refused == role.Has(r.Right) {
+				t.Errorf("%s by a %s (right %s): %v", r.Pattern(), role, r.Right, err)
+			}
+		}
+		cl.Close()
+	}
+}
+
+func sorted(s []string) []string { s = slices.Clone(s); slices.Sort(s); return s }
+
+// roleIdentity are the identities startAdmin gives each role.
+var roleIdentity = map[ctl.Role]string{ctl.RoleNone: "nobody", ctl.RoleReader: "rita", ctl.RoleProvisioner: "paul", ctl.RoleAdmin: "ada"}
+
+// adminDaemon is a daemon with an admin listener, and clients of it by
+// certificate name.
+type adminDaemon struct {
+	d   *Daemon
+	ca  *testca.CA
+	dir string
+	log func() []*log.Entry
+	t   *testing.T
+}
+
+// startAdmin starts a daemon with an admin listener on loopback, ada an
+// admin, paul a provisioner, rita a reader (edit may change the
+// configuration).
+func startAdmin(t *testing.T, edit func(*Config)) *adminDaemon {
+	dir := t.TempDir()
+	ca := testca.New(t, "admin-ca")
+	caFile := ca.WriteCA(t, dir, "ca")
+	cert, key := testca.WriteCert(t, ca.Issue(t, "srv", "127.0.0.1"), dir, "srv")
+	cfg := trustConfig(t, nil)
+	cfg.Admin.Listen = []string{"127.0.0.1:0"}
+	cfg.Admin.Cert, cfg.Admin.Key, cfg.Admin.CA = cert, key, caFile
+	cfg.Admin.Readers, cfg.Admin.Provisioners, cfg.Admin.Admins = []string{"rita"}, []string{"paul"}, []string{"ada"}
+	edit(&cfg)
+	lg, entries := kit.LogRecorder()
+	d, err := Start(cfg, Options{Log: lg})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.Stop()
-	provision := []string{"POST /v1/exports", "DELETE /v1/exports/{name}", "POST /v1/exports/{name}/resize",
-		"POST /v1/volumes", "DELETE /v1/volumes/{name}", "POST /v1/volumes/{name}/resize", "POST /v1/snapshots",
-		"DELETE /v1/snapshots/{name}", "POST /v1/exports/{name}/grants", "DELETE /v1/exports/{name}/grants/{identity}"}
-	patterns := d.ctl.Patterns()
-	for _, p := range patterns {
-		want := ctl.RightAdmin
-		switch {
-		case p == "GET /v1/discover":
-			want = ctl.RightDiscover
-		case strings.HasPrefix(p, "GET "):
-			want = ctl.RightRead
-		case slices.Contains(provision, p):
-			want = ctl.RightProvision
-		}
-		if got := routeRight(p); got != want {
-			t.Errorf("%s needs %s, want %s", p, got, want)
+	t.Cleanup(func() { d.Stop() })
+	return &adminDaemon{d: d, ca: ca, dir: dir, log: entries, t: t}
+}
+
+// client is a client of the admin listener with a certificate of cn.
+func (a *adminDaemon) client(cn string) *ctl.Client {
+	c := a.ca.Issue(a.t, cn)
+	cl, err := ctl.DialTLS("https://"+a.d.AdminAddrs()[0].String(), &tls.Config{RootCAs: a.ca.Pool(), Certificates: []tls.Certificate{c}})
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	return cl
+}
+
+// audits are the audit lines logged, as "identity method object result".
+func (a *adminDaemon) audits() []string {
+	var out []string
+	for _, e := range a.log() {
+		if e.Message == ctl.AuditMsg {
+			out = append(out, e.Data["identity"].(string)+" "+e.Data["method"].(string)+" "+e.Data["object"].(string)+" "+e.Data["result"].(string))
 		}
 	}
-	for _, p := range []string{"PUT /v1/session-names/{name}", "DELETE /v1/session-names/{name}", "POST /v1/sessions/{name}/disconnect",
-		"POST /v1/paths/{name}/disconnect", "POST /v1/devices/{name}/close", "POST /v1/stats/reset", "POST /v1/something-new"} {
-		if got := routeRight(p); got != ctl.RightAdmin {
-			t.Errorf("%s needs %s, want admin", p, got)
-		}
-	}
-	// An entry of the table for a route the daemon does not have is a
-	// typo, or a route to come.
-	for p := range routeRights {
-		if !slices.Contains(patterns, p) {
-			t.Logf("rights table: %s is not a route (yet)", p)
-		}
-	}
+	return out
 }
 
 // TestMayOpen: discovery answers what an OPEN would admit by identity
@@ -147,73 +199,96 @@ func TestMayOpen(t *testing.T) {
 }
 
 // TestAdminListener: a daemon with [admin] listen answers each identity
-// by its role, audits, and discovers for each what it may open.
+// by its role, audits, and discovers for each what it may open; a
+// provisioner may not map a path, an admin only under export_roots, and
+// what an admin maps over the network is grants-only unless it says
+// otherwise.
 func TestAdminListener(t *testing.T) {
-	dir := t.TempDir()
-	ca := testca.New(t, "admin-ca")
-	caFile := ca.WriteCA(t, dir, "ca")
-	cert, key := testca.WriteCert(t, ca.Issue(t, "srv", "127.0.0.1"), dir, "srv")
-	cfg := trustConfig(t, nil)
-	cfg.Admin.Listen = []string{"127.0.0.1:0"}
-	cfg.Admin.Cert, cfg.Admin.Key, cfg.Admin.CA = cert, key, caFile
-	cfg.Admin.Readers, cfg.Admin.Provisioners = []string{"rita"}, []string{"paul"}
-	lg, entries := kit.LogRecorder()
-	d, err := Start(cfg, Options{Log: lg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Stop()
+	roots := t.TempDir()
+	a := startAdmin(t, func(c *Config) { c.Admin.ExportRoots = []string{roots} })
+	d, dir := a.d, a.dir
 	vol := filepath.Join(dir, "vol")
 	kit.SparseFile(t, vol, 1<<20)
+	inRoot := filepath.Join(roots, "disk")
+	kit.SparseFile(t, inRoot, 1<<20)
+	os.Symlink(vol, filepath.Join(roots, "link-out"))
 	for _, e := range []rnbd.Export{{Name: "all", Path: vol, ReadOnly: true}, {Name: "ritas", Path: vol, AllowIdentities: []rnbd.Grant{{Identity: "rita", Access: "ro"}}}} {
 		if err := d.Map(e); err != nil {
 			t.Fatal(err)
 		}
 	}
-	addr := "https://" + d.AdminAddrs()[0].String()
-	client := func(cn string) *ctl.Client {
-		c := ca.Issue(t, cn)
-		cl, err := ctl.DialTLS(addr, &tls.Config{RootCAs: ca.Pool(), Certificates: []tls.Certificate{c}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return cl
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err = client("rita").Do(ctx, "POST", "/v1/exports", MapRequest{Name: "x", Path: vol}, nil)
+	call := func(cn string, rt api.Route, args []string, body, out any) error {
+		cl := a.client(cn)
+		defer cl.Close()
+		return api.Call(ctx, cl, rt, args, nil, body, out)
+	}
+	err := call("rita", api.SrvExportMap, nil, api.MapRequest{Name: "x", Path: vol}, nil)
 	if ctl.Classify(err) != ctl.CodePermission || !strings.Contains(err.Error(), "identity rita (role reader) may not POST /v1/exports") {
 		t.Fatalf("a reader's map: %v", err)
 	}
-	err = client("paul").Do(ctx, "PUT", "/v1/session-names/s1", BindRequest{Identity: "x"}, nil)
+	err = call("paul", api.SrvSessionNameBind, []string{"s1"}, api.BindRequest{Identity: "x"}, nil)
 	if ctl.Classify(err) != ctl.CodePermission || !strings.Contains(err.Error(), "the admin right") {
 		t.Fatalf("a provisioner's session bind: %v", err)
 	}
-	if err := client("paul").Do(ctx, "POST", "/v1/exports", MapRequest{Name: "pauls", Path: vol}, nil); err != nil {
-		t.Fatalf("a provisioner's map: %v", err)
+	// A provisioner maps no path, resizes and unmaps no export, grants
+	// no export that is not a volume's.
+	for _, c := range []struct {
+		rt   api.Route
+		args []string
+		body any
+	}{
+		{api.SrvExportMap, nil, api.MapRequest{Name: "pauls", Path: "/etc/shadow"}},
+		{api.SrvExportResize, []string{"all"}, api.ResizeRequest{Size: "1TiB"}},
+		{api.SrvExportUnmap, []string{"all"}, nil},
+		{api.SrvExportGrant, []string{"ritas"}, api.GrantRequest{Identity: "paul"}},
+		{api.SrvVolumeGrant, []string{"ritas"}, api.GrantRequest{Identity: "paul"}},
+	} {
+		err := call("paul", c.rt, c.args, c.body, nil)
+		if c.rt == api.SrvVolumeGrant {
+			if ctl.Classify(err) != ctl.CodeNotFound {
+				t.Errorf("a provisioner's grant of an export that is no volume: %v", err)
+			}
+			continue
+		}
+		if ctl.Classify(err) != ctl.CodePermission {
+			t.Errorf("a provisioner's %s: %v", c.rt.Pattern(), err)
+		}
 	}
-	discover := func(cn string) []output.Record {
-		var recs []output.Record
-		if err := client(cn).Do(ctx, "GET", "/v1/discover", nil, &recs); err != nil {
+	// An admin maps only beneath export_roots, links resolved.
+	for _, p := range []string{vol, "/etc/shadow", filepath.Join(roots, "link-out"), filepath.Join(roots, "..", filepath.Base(dir), "vol")} {
+		if err := call("ada", api.SrvExportMap, nil, api.MapRequest{Name: "outside", Path: p}, nil); ctl.Classify(err) != ctl.CodePermission &&
+			ctl.Classify(err) != ctl.CodeNotFound {
+			t.Errorf("an admin's map of %s outside export_roots: %v", p, err)
+		}
+	}
+	if err := call("ada", api.SrvExportMap, nil, api.MapRequest{Name: "adas", Path: inRoot}, nil); err != nil {
+		t.Fatalf("an admin's map beneath export_roots: %v", err)
+	}
+	var recs []api.ExportRecord
+	if err := call("rita", api.SrvExport, []string{"adas"}, nil, &recs); err != nil || len(recs) != 1 || !recs[0].GrantsOnly || recs[0].Path != inRoot {
+		t.Fatalf("an export an admin mapped over the network: %+v %v, want grants-only", recs, err)
+	}
+	if err := call("ada", api.SrvExportMap, nil, api.MapRequest{Name: "adas-open", Path: inRoot, GrantsOnly: ptr(false)}, nil); err != nil {
+		t.Fatalf("an admin's map open to all: %v", err)
+	}
+	discover := func(cn string) []api.DiscoverRecord {
+		var recs []api.DiscoverRecord
+		if err := call(cn, api.SrvDiscover, nil, nil, &recs); err != nil {
 			t.Fatalf("discover by %s: %v", cn, err)
 		}
 		return recs
 	}
-	if got := discover("rita"); len(got) != 3 || got[1]["name"] != "pauls" || got[2]["name"] != "ritas" || got[2]["access"] != "ro" ||
-		fmt.Sprint(got[2]["size"]) != "1048576" || got[0]["access"] != "ro" || got[0]["read_only"] != true {
-		t.Errorf("rita discovers %v", got)
+	if got := discover("rita"); len(got) != 3 || got[0].Name != "adas-open" || got[2].Name != "ritas" || got[2].Access != "ro" ||
+		got[2].Size == nil || *got[2].Size != 1<<20 || got[1].Access != "ro" || !got[1].ReadOnly {
+		t.Errorf("rita discovers %+v", got)
 	}
-	if got := discover("nobody"); len(got) != 2 || got[0]["name"] != "all" || got[1]["name"] != "pauls" || got[1]["access"] != "rw" {
-		t.Errorf("nobody discovers %v", got)
+	if got := discover("nobody"); len(got) != 2 || got[0].Name != "adas-open" || got[0].Access != "rw" || got[1].Name != "all" {
+		t.Errorf("nobody discovers %+v", got)
 	}
-	var audits []string
-	for _, e := range entries() {
-		if e.Message == ctl.AuditMsg {
-			audits = append(audits, e.Data["identity"].(string)+" "+e.Data["method"].(string)+" "+e.Data["object"].(string)+" "+e.Data["result"].(string))
-		}
-	}
-	want := []string{"rita POST /v1/exports permission_denied", "paul PUT /v1/session-names/s1 permission_denied", "paul POST /v1/exports ok"}
-	if !slices.Equal(audits, want) {
-		t.Errorf("audit lines %q, want %q", audits, want)
+	want := []string{"rita POST /v1/exports permission_denied", "paul PUT /v1/session-names/s1 permission_denied"}
+	if got := a.audits(); len(got) < 2 || !slices.Equal(got[:2], want) || !slices.Contains(got, "ada POST /v1/exports ok") {
+		t.Errorf("audit lines %q, want %q first and an admin's map ok", got, want)
 	}
 }

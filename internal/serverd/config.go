@@ -29,6 +29,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -59,7 +60,7 @@ type Config struct {
 	SearchAllowIdentities []string `toml:"dev_search_path_allow_identities"`
 	// Exports are the exports of the configuration file ([[export]]
 	// tables), served from start-up; map and unmap do not change them.
-	Exports []MapRequest `toml:"export"`
+	Exports []api.MapRequest `toml:"export"`
 	// Pools are where volumes are made ([[pool]] tables; volume.go).
 	Pools []PoolConfig `toml:"pool"`
 	// ExportRetry is how often an export that could not be served (of
@@ -236,7 +237,7 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("[[export]] %s: defined twice", r.Name)
 		}
 		names[r.Name] = true
-		if _, err := r.Export(); err != nil {
+		if _, err := exportOf(r); err != nil {
 			return fmt.Errorf("[[export]] %s: %v", r.Name, err)
 		}
 	}

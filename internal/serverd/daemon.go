@@ -231,7 +231,7 @@ func (d *Daemon) serveAtStart(cfg Config, st *State) {
 	}
 	looked := d.probe.look(paths, probeWait)
 	for _, r := range cfg.Exports {
-		e, _ := r.Export() // validated
+		e, _ := exportOf(r) // validated
 		d.configured[e.Name] = true
 		if err := d.mapLooked(e, looked); err != nil {
 			// One missing device does not keep the others from

@@ -9,48 +9,20 @@ import (
 	"net/netip"
 	"syscall"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
-// Requests of the control API: an export.
-type (
-	// MapRequest is an export as map gives it, and as an [[export]]
-	// table of the configuration file does.
-	MapRequest struct {
-		Name     string   `json:"name" toml:"name"`
-		Path     string   `json:"path" toml:"path"`
-		ReadOnly bool     `json:"read_only" toml:"read_only"`
-		Allow    []string `json:"allow" toml:"allow"`
-		// AllowFrom: the networks (CIDR) an OPEN may come from; empty,
-		// any (rnbd.Export.AllowFrom).
-		AllowFrom []string `json:"allow_from,omitempty" toml:"allow_from"`
-		// AllowIdentities: NAME or NAME=ro|rw|migration, the client
-		// certificate names that may open it (rnbd.Export.AllowIdentities).
-		AllowIdentities []string `json:"allow_identities,omitempty" toml:"allow_identities"`
-		// Migration: access_mode=migration allowed (rnbd.Export.Migration).
-		Migration bool `json:"migration,omitempty" toml:"migration"`
-		// MaxSessions: sessions that may have it open at once; 0 no
-		// bound (rnbd.Export.MaxSessions).
-		MaxSessions int `json:"max_sessions,omitempty" toml:"max_sessions"`
-		// WriteThrough: every write durable on completion, no write
-		// cache announced (rnbd.Export.WriteThrough).
-		WriteThrough bool `json:"write_through" toml:"write_through"`
-		// GrantsOnly: only AllowIdentities may open it; none, no
-		// client (rnbd.Export.GrantsOnly).
-		GrantsOnly bool `json:"grants_only,omitempty" toml:"grants_only"`
-	}
-	// ExportRecord is an export and where it comes from, "config" (the
-	// configuration file) or "map"; GET /v1/exports gives it as
-	// exportRecord makes it.
-	ExportRecord struct {
-		rnbd.Export
-		Source string
-		// NotServed says why an export is not served (its file or
-		// device could not be opened; tried again every export_retry).
-		NotServed string
-	}
-)
+// unservedExport is an export and where it comes from, "config" (the
+// configuration file), "map" or "volume"; and why it is not served (its
+// file or device could not be opened; tried again every export_retry),
+// "" if it is.
+type unservedExport struct {
+	rnbd.Export
+	Source    string
+	NotServed string
+}
 
 // Map adds an export and saves the state; if saving fails the export is
 // withdrawn again, so the daemon never serves what a restart would lose.
@@ -127,8 +99,9 @@ func (d *Daemon) Unmap(name string, force bool) error {
 	return nil
 }
 
-// Export is the export r describes, its networks and grants parsed.
-func (r MapRequest) Export() (rnbd.Export, error) {
+// exportOf is the export r describes, its networks and grants parsed;
+// grants_only unset is false.
+func exportOf(r api.MapRequest) (rnbd.Export, error) {
 	from, err := parseNetworks(r.AllowFrom)
 	if err != nil {
 		return rnbd.Export{}, err
@@ -139,7 +112,7 @@ func (r MapRequest) Export() (rnbd.Export, error) {
 	}
 	return rnbd.Export{Name: r.Name, Path: r.Path, ReadOnly: r.ReadOnly, Allow: r.Allow, AllowFrom: from,
 		AllowIdentities: grants, Migration: r.Migration, MaxSessions: r.MaxSessions, WriteThrough: r.WriteThrough,
-		GrantsOnly: r.GrantsOnly}, nil
+		GrantsOnly: r.GrantsOnly != nil && *r.GrantsOnly}, nil
 }
 
 // parseNetworks reads allow_from: CIDR prefixes or addresses.

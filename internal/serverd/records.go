@@ -8,14 +8,14 @@ import (
 	"slices"
 	"sort"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
-func (d *Daemon) deviceRecords(name string) []output.Record {
-	rows := []output.Record{}
+func (d *Daemon) deviceRecords(name string) []api.SrvDeviceRecord {
+	rows := []api.SrvDeviceRecord{}
 	open := map[string]bool{}
 	exports := map[string]rnbd.Export{}
 	for _, e := range d.rnbd.Exports() {
@@ -35,48 +35,41 @@ func (d *Daemon) deviceRecords(name string) []output.Record {
 		if name != "" && devname != name && o.Name != name {
 			continue
 		}
-		rows = append(rows, withRules(output.Record{
-			"devname": devname, "devpath": o.Path, "sessname": o.Session, "mapping_path": o.Name,
-			"access_mode": o.AccessMode.String(), "read_only": o.ReadOnly, "device_id": o.DeviceID,
-			"state": "open", "write_cache": writeCache(o.WriteCache), "rx_sect": o.WrittenSectors, "tx_sect": o.ReadSectors, "flush_cnt": o.Flushes,
-			"fua_cnt": o.FUAWrites, "discard_cnt": o.Discards, "wzero_cnt": o.WriteZeroes, "source": d.source(o.Export),
-			"direction": "server", "reason": "",
-		}, rules))
+		id := o.DeviceID
+		rows = append(rows, api.SrvDeviceRecord{
+			DevName: devname, DevPath: o.Path, SessName: o.Session, MappingPath: o.Name,
+			AccessMode: o.AccessMode.String(), ReadOnly: o.ReadOnly, DeviceID: &id,
+			State: "open", WriteCache: writeCache(o.WriteCache), RxSect: o.WrittenSectors, TxSect: o.ReadSectors, FlushCnt: o.Flushes,
+			FUACnt: o.FUAWrites, DiscardCnt: o.Discards, WZeroCnt: o.WriteZeroes, Source: d.source(o.Export),
+			Rules: rules, Direction: "server",
+		})
 	}
 	for _, e := range d.rnbd.Exports() {
 		if open[e.Name] || (name != "" && e.Name != name) {
 			continue
 		}
-		rows = append(rows, withRules(output.Record{
-			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
-			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
-			"state": "exported", "write_cache": d.exportCache(e), "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
-			"wzero_cnt": 0, "source": d.source(e.Name), "direction": "server", "reason": "",
-		}, exportRules(e)))
+		rows = append(rows, api.SrvDeviceRecord{DevName: e.Name, DevPath: e.Path, ReadOnly: e.ReadOnly,
+			State: "exported", WriteCache: d.exportCache(e), Source: d.source(e.Name), Rules: exportRules(e), Direction: "server"})
 	}
 	for _, x := range d.unserved() {
 		e := x.Export
 		if name != "" && e.Name != name {
 			continue
 		}
-		rows = append(rows, withRules(output.Record{
-			"devname": e.Name, "devpath": e.Path, "sessname": "", "mapping_path": "",
-			"access_mode": "", "read_only": e.ReadOnly, "device_id": nil,
-			"state": "not served", "write_cache": "", "rx_sect": 0, "tx_sect": 0, "flush_cnt": 0, "fua_cnt": 0, "discard_cnt": 0,
-			"wzero_cnt": 0, "source": x.Source, "direction": "server", "reason": x.NotServed,
-		}, exportRules(e)))
+		rows = append(rows, api.SrvDeviceRecord{DevName: e.Name, DevPath: e.Path, ReadOnly: e.ReadOnly,
+			State: "not served", Source: x.Source, Reason: x.NotServed, Rules: exportRules(e), Direction: "server"})
 	}
-	sort.SliceStable(rows, func(i, j int) bool { return rows[i]["devname"].(string) < rows[j]["devname"].(string) })
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i].DevName < rows[j].DevName })
 	return rows
 }
 
 // exportRecords are the export records: the exports served, then those not
 // served (by name if given).
-func (d *Daemon) exportRecords(name string) []output.Record {
-	rows := []output.Record{}
+func (d *Daemon) exportRecords(name string) []api.ExportRecord {
+	rows := []api.ExportRecord{}
 	for _, e := range d.rnbd.Exports() {
 		if name == "" || e.Name == name {
-			rows = append(rows, exportRecord(ExportRecord{Export: e, Source: d.source(e.Name)}))
+			rows = append(rows, exportRecord(unservedExport{Export: e, Source: d.source(e.Name)}))
 		}
 	}
 	for _, x := range d.unserved() {
@@ -89,65 +82,49 @@ func (d *Daemon) exportRecords(name string) []output.Record {
 
 // exportRecord is an export as GET /v1/exports gives it: its rules,
 // where it comes from, and why it is not served ("" if it is).
-func exportRecord(x ExportRecord) output.Record {
-	return withRules(output.Record{"name": x.Name, "path": x.Path, "read_only": x.ReadOnly, "grants_only": x.GrantsOnly,
-		"source": x.Source, "not_served": x.NotServed}, exportRules(x.Export))
-}
-
-// rules are who may open a device, as the records give them (the
-// access rules of docs/server.md).
-type rules struct {
-	allow, allowFrom []string
-	identities       output.Object
-	maxSessions      any // a number, or nil: no bound
-	migration        bool
-	writeThrough     bool
-}
-
-// withRules adds the rules' fields to a record.
-func withRules(r output.Record, x rules) output.Record {
-	r["allow"], r["allow_from"], r["allow_identities"] = x.allow, x.allowFrom, x.identities
-	r["max_sessions"], r["migration"], r["write_through"] = x.maxSessions, x.migration, x.writeThrough
-	return r
+func exportRecord(x unservedExport) api.ExportRecord {
+	return api.ExportRecord{Name: x.Name, Path: x.Path, ReadOnly: x.ReadOnly, Rules: exportRules(x.Export), GrantsOnly: x.GrantsOnly,
+		Source: x.Source, NotServed: x.NotServed}
 }
 
 // exportRules are an export's rules: session names (none: any), networks
 // (none: any), identities with the most each may open it for (none:
 // any), the bound on sessions.
-func exportRules(e rnbd.Export) rules {
-	x := rules{allow: []string{}, allowFrom: []string{}, identities: grantsObject(e.AllowIdentities),
-		migration: e.Migration, writeThrough: e.WriteThrough}
-	x.allow = append(x.allow, e.Allow...)
+func exportRules(e rnbd.Export) api.Rules {
+	x := api.Rules{Allow: api.Strings{}, AllowFrom: api.Strings{}, AllowIdentities: grantsOf(e.AllowIdentities),
+		Migration: e.Migration, WriteThrough: e.WriteThrough}
+	x.Allow = append(x.Allow, e.Allow...)
 	for _, p := range e.AllowFrom {
-		x.allowFrom = append(x.allowFrom, p.String())
+		x.AllowFrom = append(x.AllowFrom, p.String())
 	}
 	if e.MaxSessions > 0 {
-		x.maxSessions = e.MaxSessions
+		n := e.MaxSessions
+		x.MaxSessions = &n
 	}
 	return x
 }
 
 // searchRules are the rules of a device opened under dev_search_path.
-func (d *Daemon) searchRules() rules {
+func (d *Daemon) searchRules() api.Rules {
 	from, _ := parseNetworks(d.cfg.SearchAllowFrom)    // validated
 	ids, _ := parseGrants(d.cfg.SearchAllowIdentities) // validated
 	return exportRules(rnbd.Export{AllowFrom: from, AllowIdentities: ids, Migration: d.cfg.AllowMigration})
 }
 
-// grantsObject is allow_identities as an object: each identity and the
-// most it may open the export for (of several grants of one identity
-// the widest, the one that counts).
-func grantsObject(gs []rnbd.Grant) output.Object {
-	o := output.Object{}
+// grantsOf is allow_identities as the records give it: each identity
+// and the most it may open the export for (of several grants of one
+// identity the widest, the one that counts).
+func grantsOf(gs []rnbd.Grant) api.Grants {
+	o := api.Grants{}
 	for _, g := range gs {
 		acc, _ := rnbd.ParseAccessMode(g.Access)
-		i := slices.IndexFunc(o, func(m output.Member) bool { return m.Key == g.Identity })
+		i := slices.IndexFunc(o, func(m rnbd.Grant) bool { return m.Identity == g.Identity })
 		if i < 0 {
-			o = append(o, output.Member{Key: g.Identity, Value: g.Access})
+			o = append(o, g)
 			continue
 		}
-		if was, _ := rnbd.ParseAccessMode(o[i].Value.(string)); accessRank(acc) > accessRank(was) {
-			o[i].Value = g.Access
+		if was, _ := rnbd.ParseAccessMode(o[i].Access); accessRank(acc) > accessRank(was) {
+			o[i].Access = g.Access
 		}
 	}
 	return o
@@ -209,41 +186,40 @@ func (d *Daemon) findSession(name string) *rtrs.SrvSession {
 	return nil
 }
 
-func (d *Daemon) sessionRecords(name string) []output.Record {
+func (d *Daemon) sessionRecords(name string) []api.SrvSessionRecord {
 	devs := map[string]int{}
 	for _, o := range d.rnbd.OpenDevices() {
 		devs[o.Session]++
 	}
-	rows := []output.Record{}
+	rows := []api.SrvSessionRecord{}
 	for _, x := range d.rtrs.Sessions() {
 		if name != "" && x.Name() != name {
 			continue
 		}
-		var sum output.PathSum
+		sum := api.NewPathSum()
 		for _, p := range x.Paths() {
 			c := p.Stats().Counters()
 			sum.Add(p.State() == rtrs.SrvPathConnected, c.WriteBytes, c.ReadBytes, c.Inflight)
 		}
-		rows = append(rows, sum.Fields(output.Record{
-			"sessname": x.Name(), "devices": devs[x.Name()], "peer": x.Identity(), "direction": "server",
-		}))
+		rows = append(rows, api.SrvSessionRecord{SessName: x.Name(), PathSum: sum, Devices: devs[x.Name()], Peer: x.Identity(),
+			Direction: "server"})
 	}
-	sort.Slice(rows, func(i, j int) bool { return rows[i]["sessname"].(string) < rows[j]["sessname"].(string) })
+	sort.Slice(rows, func(i, j int) bool { return rows[i].SessName < rows[j].SessName })
 	return rows
 }
 
-func pathRecord(p *rtrs.SrvPath) output.Record {
+func pathRecord(p *rtrs.SrvPath) api.SrvPathRecord {
 	c := p.Stats().Counters()
-	return output.Record{
-		"sessname": p.Session().Name(), "pathname": p.Name(),
-		"src_addr": rtrs.FormatAddr(p.ClientAddr().Addr(), false), "dst_addr": rtrs.FormatAddr(p.ServerAddr().Addr(), false),
-		"hca_name": p.HCAName(), "hca_port": p.HCAPort(), "state": p.State().SysfsString(),
-		"rx_bytes": c.WriteBytes, "tx_bytes": c.ReadBytes, "inflights": c.Inflight, "direction": "server",
+	return api.SrvPathRecord{
+		SessName: p.Session().Name(), PathName: p.Name(),
+		SrcAddr: rtrs.FormatAddr(p.ClientAddr().Addr(), false), DstAddr: rtrs.FormatAddr(p.ServerAddr().Addr(), false),
+		HCAName: p.HCAName(), HCAPort: p.HCAPort(), State: p.State().SysfsString(),
+		RxBytes: c.WriteBytes, TxBytes: c.ReadBytes, Inflights: c.Inflight, Direction: "server",
 	}
 }
 
-func (d *Daemon) pathRecords(name, session string) []output.Record {
-	rows := []output.Record{}
+func (d *Daemon) pathRecords(name, session string) []api.SrvPathRecord {
+	rows := []api.SrvPathRecord{}
 	for _, p := range d.sessionPaths(session) {
 		if name == "" || p.Name() == name {
 			rows = append(rows, pathRecord(p))
@@ -291,18 +267,13 @@ func (d *Daemon) findPath(name, session string) (*rtrs.SrvPath, error) {
 	return ctl.One("path", name, found, (*rtrs.SrvPath).Name, func(p *rtrs.SrvPath) string { return p.Session().Name() })
 }
 
-func (d *Daemon) statRecords() []output.Record {
-	rows := []output.Record{}
+func (d *Daemon) statRecords() []api.SrvStatsRecord {
+	rows := []api.SrvStatsRecord{}
 	for _, p := range d.sessionPaths("") {
 		c := p.Stats().Counters()
-		rows = append(rows, output.Record{
-			"sessname": p.Session().Name(), "pathname": p.Name(),
-			// The kernel server's stats/rdma, "rd_cnt rd_bytes
-			// wr_cnt wr_bytes", by name.
-			"rdma": output.Object{{Key: "rd_cnt", Value: c.ReadCount}, {Key: "rd_bytes", Value: c.ReadBytes},
-				{Key: "wr_cnt", Value: c.WriteCount}, {Key: "wr_bytes", Value: c.WriteBytes}},
-			"inflights": p.Stats().Inflight(),
-		})
+		rows = append(rows, api.SrvStatsRecord{SessName: p.Session().Name(), PathName: p.Name(),
+			RDMA:      api.SrvRDMA{RdCnt: c.ReadCount, RdBytes: c.ReadBytes, WrCnt: c.WriteCount, WrBytes: c.WriteBytes},
+			Inflights: p.Stats().Inflight()})
 	}
 	return rows
 }

@@ -7,94 +7,56 @@ import (
 	"fmt"
 	"net/http"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/units"
 )
 
-// Requests of the control API.
-type (
-	CloseRequest struct {
-		Session string `json:"session"`
-	}
-	// BindRequest gives a session name to a client identity
-	// (rnbd.Server.BindSessionName).
-	BindRequest struct {
-		Identity string `json:"identity"`
-	}
-	// BindResponse: Disconnected is 1 if a session that had the name
-	// under another identity was disconnected.
-	BindResponse struct {
-		Disconnected int `json:"disconnected"`
-	}
-	// ResizeRequest: Size as "20GiB" or bytes; Force shrinks an export
-	// that sessions have open (rnbd.Server.Resize).
-	ResizeRequest struct {
-		Size  string `json:"size"`
-		Force bool   `json:"force,omitempty"`
-	}
-	ResizeResponse struct {
-		Was int64 `json:"was"`
-		Now int64 `json:"now"`
-	}
-	CloseResponse struct {
-		Closed int `json:"closed"`
-	}
-)
-
-// Field lists of the records the API returns, in the rnbd tool's names
-// (docs/control-api.md, "Records", has each with its JSON type).
-var (
-	DeviceFields = []string{"devname", "devpath", "sessname", "mapping_path", "access_mode", "read_only", "device_id", "state", "write_cache", "rx_sect", "tx_sect", "flush_cnt", "fua_cnt", "discard_cnt", "wzero_cnt", "source", "reason",
-		"allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "direction"}
-	ExportFields      = []string{"name", "path", "read_only", "allow", "allow_from", "allow_identities", "max_sessions", "migration", "write_through", "grants_only", "source", "not_served"}
-	SessionFields     = []string{"sessname", "path_cnt", "act_path_cnt", "state", "path_uu", "rx_bytes", "tx_bytes", "inflights", "devices", "peer", "direction"}
-	SessionNameFields = []string{"sessname", "identity"}
-	PathFields        = []string{"sessname", "pathname", "src_addr", "dst_addr", "hca_name", "hca_port", "state", "rx_bytes", "tx_bytes", "inflights", "direction"}
-	StatsFields       = []string{"sessname", "pathname", "rdma", "inflights"}
-)
-
-// routes are the control API's endpoints (docs/control-api.md), one
-// method each.
+// routes are the control API's endpoints, from the route table
+// (api.ServerRoutes: each route's right is there), one handler each.
 func (d *Daemon) routes() {
 	for _, rt := range []struct {
-		pattern string
-		h       ctl.Handler
+		route api.Route
+		h     ctl.Handler
 	}{
-		{"GET /v1/devices", d.listDevices},
-		{"GET /v1/devices/{name}", d.showDevice},
-		{"POST /v1/devices/{name}/close", d.closeDevice},
-		{"GET /v1/exports", d.listExports},
-		{"GET /v1/exports/{name}", d.showExport},
-		{"POST /v1/exports", d.mapExport},
-		{"POST /v1/exports/{name}/resize", d.resizeExport},
-		{"DELETE /v1/exports/{name}", d.unmapExport},
-		{"GET /v1/sessions", d.listSessions},
-		{"GET /v1/sessions/{name}", d.showSession},
-		{"POST /v1/sessions/{name}/disconnect", d.disconnectSession},
-		{"GET /v1/session-names", d.listSessionNames},
-		{"PUT /v1/session-names/{name}", d.bindSessionName},
-		{"DELETE /v1/session-names/{name}", d.forgetSessionName},
-		{"GET /v1/paths", d.listPaths},
-		{"GET /v1/paths/{name}", d.showPath},
-		{"POST /v1/paths/{name}/disconnect", d.disconnectPath},
-		{"GET /v1/stats", d.showStats},
-		{"POST /v1/stats/reset", d.resetStats},
-		{"GET /v1/pools", d.listPools},
-		{"GET /v1/volumes", d.listVolumes},
-		{"GET /v1/volumes/{name}", d.showVolume},
-		{"POST /v1/volumes", d.createVolume},
-		{"DELETE /v1/volumes/{name}", d.deleteVolume},
-		{"POST /v1/volumes/{name}/resize", d.resizeVolume},
-		{"GET /v1/snapshots", d.listSnapshots},
-		{"GET /v1/snapshots/{name}", d.showSnapshot},
-		{"POST /v1/snapshots", d.createSnapshot},
-		{"DELETE /v1/snapshots/{name}", d.deleteSnapshot},
-		{"GET /v1/exports/{name}/grants", d.listGrants},
-		{"POST /v1/exports/{name}/grants", d.addGrant},
-		{"DELETE /v1/exports/{name}/grants/{identity}", d.revokeGrant},
+		{api.SrvDevices, d.listDevices},
+		{api.SrvDevice, d.showDevice},
+		{api.SrvDeviceClose, d.closeDevice},
+		{api.SrvExports, d.listExports},
+		{api.SrvExport, d.showExport},
+		{api.SrvExportMap, d.mapExport},
+		{api.SrvExportResize, d.resizeExport},
+		{api.SrvExportUnmap, d.unmapExport},
+		{api.SrvExportGrants, d.listGrants},
+		{api.SrvExportGrant, d.addGrant},
+		{api.SrvExportRevoke, d.revokeGrant},
+		{api.SrvSessions, d.listSessions},
+		{api.SrvSession, d.showSession},
+		{api.SrvSessionDisconnect, d.disconnectSession},
+		{api.SrvSessionNames, d.listSessionNames},
+		{api.SrvSessionNameBind, d.bindSessionName},
+		{api.SrvSessionNameForget, d.forgetSessionName},
+		{api.SrvPaths, d.listPaths},
+		{api.SrvPath, d.showPath},
+		{api.SrvPathDisconnect, d.disconnectPath},
+		{api.SrvStats, d.showStats},
+		{api.SrvStatsReset, d.resetStats},
+		{api.SrvPools, d.listPools},
+		{api.SrvVolumes, d.listVolumes},
+		{api.SrvVolume, d.showVolume},
+		{api.SrvVolumeCreate, d.createVolume},
+		{api.SrvVolumeDelete, d.deleteVolume},
+		{api.SrvVolumeResize, d.resizeVolume},
+		{api.SrvVolumeGrants, d.listVolumeGrants},
+		{api.SrvVolumeGrant, d.addVolumeGrant},
+		{api.SrvVolumeRevoke, d.revokeVolumeGrant},
+		{api.SrvSnapshots, d.listSnapshots},
+		{api.SrvSnapshot, d.showSnapshot},
+		{api.SrvSnapshotCreate, d.createSnapshot},
+		{api.SrvSnapshotDelete, d.deleteSnapshot},
+		{api.SrvDiscover, d.discover},
 	} {
-		d.ctl.Handle(rt.pattern, rt.h)
+		d.ctl.Handle(rt.route.Pattern(), rt.h)
 	}
 }
 
@@ -111,12 +73,12 @@ func (d *Daemon) showDevice(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) closeDevice(r *http.Request) (any, error) {
-	var req CloseRequest
+	var req api.CloseRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
 	n, err := d.rnbd.ForceClose(r.PathValue("name"), req.Session)
-	return CloseResponse{Closed: n}, err
+	return api.CloseResponse{Closed: n}, err
 }
 
 func (d *Daemon) listExports(r *http.Request) (any, error) {
@@ -132,19 +94,30 @@ func (d *Daemon) showExport(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) mapExport(r *http.Request) (any, error) {
-	var req MapRequest
+	var req api.MapRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
-	e, err := req.Export()
+	c := ctl.CallerOf(r)
+	if !c.Local && req.GrantsOnly == nil {
+		// Made over the network: open to no one until granted, unless
+		// the admin says otherwise.
+		req.GrantsOnly = ptr(true)
+	}
+	e, err := exportOf(req)
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	if !c.Local {
+		if e.Path, err = d.cfg.Admin.underExportRoots(e.Path); err != nil {
+			return nil, err
+		}
 	}
 	return nil, d.Map(e)
 }
 
 func (d *Daemon) resizeExport(r *http.Request) (any, error) {
-	var req ResizeRequest
+	var req api.ResizeRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -159,7 +132,7 @@ func (d *Daemon) resizeExport(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return ResizeResponse{Was: was, Now: n}, nil
+	return api.ResizeResponse{Was: was, Now: n}, nil
 }
 
 func (d *Daemon) unmapExport(r *http.Request) (any, error) {
@@ -190,15 +163,15 @@ func (d *Daemon) disconnectSession(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) listSessionNames(r *http.Request) (any, error) {
-	rows := []output.Record{}
+	rows := []api.SessionNameRecord{}
 	for _, o := range d.rnbd.SessionOwners() {
-		rows = append(rows, output.Record{"sessname": o.Name, "identity": o.Identity})
+		rows = append(rows, api.SessionNameRecord{SessName: o.Name, Identity: o.Identity})
 	}
 	return rows, nil
 }
 
 func (d *Daemon) bindSessionName(r *http.Request) (any, error) {
-	var req BindRequest
+	var req api.BindRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -211,7 +184,7 @@ func (d *Daemon) bindSessionName(r *http.Request) (any, error) {
 	if err := d.saveState(); err != nil {
 		return nil, fmt.Errorf("name bound, but saving the state file failed: %w", err)
 	}
-	return BindResponse{Disconnected: n}, nil
+	return api.BindResponse{Disconnected: n}, nil
 }
 
 func (d *Daemon) forgetSessionName(r *http.Request) (any, error) {
@@ -235,7 +208,7 @@ func (d *Daemon) showPath(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	rows := []output.Record{}
+	rows := []api.SrvPathRecord{}
 	for _, p := range found {
 		rows = append(rows, pathRecord(p))
 	}

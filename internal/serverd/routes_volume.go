@@ -6,17 +6,11 @@ package serverd
 import (
 	"net/http"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
-
-// CreatedResponse wraps a record a POST made or found: Created is false
-// when it was there already with the same parameters (a retry).
-type CreatedResponse struct {
-	Created bool           `json:"created"`
-	Record  map[string]any `json:"record"`
-}
 
 func (d *Daemon) listPools(r *http.Request) (any, error) { return d.poolRecords(), nil }
 
@@ -31,23 +25,34 @@ func (d *Daemon) showVolume(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) createVolume(r *http.Request) (any, error) {
-	var req VolumeRequest
+	var req api.VolumeRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
+	}
+	if c := ctl.CallerOf(r); !c.Local {
+		switch {
+		case req.Export.GrantsOnly == nil:
+			// Made over the network: open to no one until granted.
+			req.Export.GrantsOnly = ptr(true)
+		case !*req.Export.GrantsOnly && c.Role != ctl.RoleAdmin:
+			return nil, ctl.Errorf(ctl.CodePermission, "identity %s (role %s) may not make volume %s open to every client (grants_only false): "+
+				"only an admin may; a provisioner's volumes open to the identities granted", c.Identity, c.Role, req.Name)
+		}
 	}
 	rec, created, err := d.CreateVolume(req)
 	if err != nil {
 		return nil, err
 	}
-	return CreatedResponse{Created: created, Record: rec}, nil
+	return api.CreatedVolume{Created: created, Record: rec}, nil
 }
 
 func (d *Daemon) deleteVolume(r *http.Request) (any, error) {
-	return nil, d.DeleteVolume(r.PathValue("name"), r.URL.Query().Get("force") == "true")
+	deleted, err := d.DeleteVolume(r.PathValue("name"), r.URL.Query().Get("force") == "true")
+	return api.Deleted{Deleted: deleted}, err
 }
 
 func (d *Daemon) resizeVolume(r *http.Request) (any, error) {
-	var req ResizeRequest
+	var req api.ResizeRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -62,7 +67,7 @@ func (d *Daemon) resizeVolume(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return ResizeResponse{Was: was, Now: n}, nil
+	return api.ResizeResponse{Was: was, Now: n}, nil
 }
 
 func (d *Daemon) listSnapshots(r *http.Request) (any, error) {
@@ -78,7 +83,7 @@ func (d *Daemon) showSnapshot(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) createSnapshot(r *http.Request) (any, error) {
-	var req SnapshotRequest
+	var req api.SnapshotRequest
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
@@ -86,28 +91,26 @@ func (d *Daemon) createSnapshot(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return CreatedResponse{Created: created, Record: snapshotRecord(s)}, nil
+	return api.CreatedSnapshot{Created: created, Record: snapshotRecord(s)}, nil
 }
 
 func (d *Daemon) deleteSnapshot(r *http.Request) (any, error) {
-	return nil, d.DeleteSnapshot(r.PathValue("name"))
+	deleted, err := d.DeleteSnapshot(r.PathValue("name"))
+	return api.Deleted{Deleted: deleted}, err
 }
+
+// Grants of any export (the admin's), and of a volume's (a
+// provisioner's too): the same, but that the second are refused for an
+// export that is not a volume's.
 
 func (d *Daemon) listGrants(r *http.Request) (any, error) {
 	return d.grantRecords(r.PathValue("name"))
 }
 
 func (d *Daemon) addGrant(r *http.Request) (any, error) {
-	var req GrantRequest
-	if err := ctl.Decode(r, &req); err != nil {
+	g, err := grantOf(r)
+	if err != nil {
 		return nil, err
-	}
-	if req.Access == "" {
-		req.Access = "rw"
-	}
-	g := rnbd.Grant{Identity: req.Identity, Access: req.Access}
-	if _, err := rnbd.ParseAccessMode(g.Access); err != nil || g.Identity == "" {
-		return nil, ctl.Errorf(ctl.CodeInvalid, "grant %q: want an identity and access ro, rw or migration", g.String())
 	}
 	return nil, d.Grant(r.PathValue("name"), g)
 }
@@ -115,3 +118,60 @@ func (d *Daemon) addGrant(r *http.Request) (any, error) {
 func (d *Daemon) revokeGrant(r *http.Request) (any, error) {
 	return nil, d.Revoke(r.PathValue("name"), r.PathValue("identity"))
 }
+
+// volumeNamed is the {name} of a request if it is a volume's; not_found
+// otherwise.
+func (d *Daemon) volumeNamed(r *http.Request) (string, error) {
+	name := r.PathValue("name")
+	if !d.isVolume(name) {
+		return "", ctl.Errorf(ctl.CodeNotFound, "no volume %s", name)
+	}
+	return name, nil
+}
+
+func (d *Daemon) listVolumeGrants(r *http.Request) (any, error) {
+	name, err := d.volumeNamed(r)
+	if err != nil {
+		return nil, err
+	}
+	return d.grantRecords(name)
+}
+
+func (d *Daemon) addVolumeGrant(r *http.Request) (any, error) {
+	name, err := d.volumeNamed(r)
+	if err != nil {
+		return nil, err
+	}
+	g, err := grantOf(r)
+	if err != nil {
+		return nil, err
+	}
+	return nil, d.Grant(name, g)
+}
+
+func (d *Daemon) revokeVolumeGrant(r *http.Request) (any, error) {
+	name, err := d.volumeNamed(r)
+	if err != nil {
+		return nil, err
+	}
+	return nil, d.Revoke(name, r.PathValue("identity"))
+}
+
+// grantOf is the grant a request's body gives: an identity, and ro, rw
+// (the default) or migration.
+func grantOf(r *http.Request) (rnbd.Grant, error) {
+	var req api.GrantRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return rnbd.Grant{}, err
+	}
+	if req.Access == "" {
+		req.Access = "rw"
+	}
+	g := rnbd.Grant{Identity: req.Identity, Access: req.Access}
+	if _, err := rnbd.ParseAccessMode(g.Access); err != nil || g.Identity == "" {
+		return g, ctl.Errorf(ctl.CodeInvalid, "grant %q: want an identity and access ro, rw or migration", g.String())
+	}
+	return g, nil
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -103,16 +103,16 @@ func (d *Daemon) saveOwners() {
 // unserved lists the exports that could not be served, with why: the
 // configuration file's, and the state file's not shadowed by one of the
 // configuration file.
-func (d *Daemon) unserved() []ExportRecord {
+func (d *Daemon) unserved() []unservedExport {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	var out []ExportRecord
+	var out []unservedExport
 	for _, e := range d.configPending {
-		out = append(out, ExportRecord{Export: e, Source: "config", NotServed: d.notServed[e.Name]})
+		out = append(out, unservedExport{Export: e, Source: "config", NotServed: d.notServed[e.Name]})
 	}
 	for _, e := range d.unrestored {
 		if !d.configured[e.Name] {
-			out = append(out, ExportRecord{Export: e, Source: "map", NotServed: d.notServed[e.Name]})
+			out = append(out, unservedExport{Export: e, Source: "map", NotServed: d.notServed[e.Name]})
 		}
 	}
 	return out

@@ -11,12 +11,13 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/pool"
 	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/log"
@@ -57,43 +58,6 @@ func (c PoolConfig) validate() error {
 	}
 	return nil
 }
-
-// Requests of the control API: volumes, snapshots, grants.
-type (
-	// VolumeRequest asks for a volume (POST /v1/volumes): made in Pool,
-	// empty or a clone of FromVolume or FromSnapshot, and exported
-	// under its name with Export's rules (whose name and path are the
-	// volume's: left empty).
-	VolumeRequest struct {
-		Name         string            `json:"name"`
-		Pool         string            `json:"pool"`
-		Size         string            `json:"size"`
-		FromVolume   string            `json:"from_volume,omitempty"`
-		FromSnapshot string            `json:"from_snapshot,omitempty"`
-		Labels       map[string]string `json:"labels,omitempty"`
-		Export       MapRequest        `json:"export"`
-	}
-	// SnapshotRequest asks for a snapshot of a volume (POST /v1/snapshots).
-	SnapshotRequest struct {
-		Name   string `json:"name"`
-		Volume string `json:"volume"`
-	}
-	// GrantRequest gives an identity access to an export
-	// (POST /v1/exports/{name}/grants): ro, rw (the default) or
-	// migration.
-	GrantRequest struct {
-		Identity string `json:"identity"`
-		Access   string `json:"access,omitempty"`
-	}
-)
-
-// Field lists of the volume, snapshot, pool and grant records.
-var (
-	VolumeFields   = []string{"name", "pool", "size", "source", "source_snapshot", "created", "labels", "path", "state", "reason", "read_only", "allow_identities", "grants_only", "sessions"}
-	SnapshotFields = []string{"name", "pool", "volume", "size", "created"}
-	PoolFields     = []string{"name", "type", "where", "state", "reason", "total", "used", "promised", "allocatable", "metadata_size", "metadata_used", "volumes"}
-	GrantFields    = []string{"export", "identity", "access"}
-)
 
 // Volume states in the state file and the records: made and exported
 // (""; "served" in records), being made or deleted (an intent written
@@ -348,26 +312,33 @@ func (d *Daemon) poolNames() string {
 // that name if it has the same pool and parameters (created false).
 // The intent is in the state file before the pool is touched: a crash
 // at any step leaves what a restart finishes or a retry completes.
-func (d *Daemon) CreateVolume(req VolumeRequest) (rec output.Record, created bool, err error) {
-	spec, e, err := req.parse()
-	if err != nil {
-		return nil, false, err
-	}
+func (d *Daemon) CreateVolume(req api.VolumeRequest) (rec api.VolumeRecord, created bool, err error) {
 	p, err := d.poolOf(req.Pool)
 	if err != nil {
-		return nil, false, err
+		return rec, false, err
+	}
+	if req.Size == "" && (req.FromVolume != "" || req.FromSnapshot != "") {
+		n, err := sourceSize(p, req.FromVolume, req.FromSnapshot)
+		if err != nil {
+			return rec, false, err
+		}
+		req.Size = strconv.FormatInt(n, 10)
+	}
+	spec, e, err := parseVolume(req)
+	if err != nil {
+		return rec, false, err
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	if d.configured[req.Name] || (!d.hasVolume(req.Name) && (d.exported(req.Name) || d.isUnrestored(req.Name))) {
-		return nil, false, ctl.Errorf(ctl.CodeExists, "an export %s exists that is not a volume", req.Name)
+		return rec, false, ctl.Errorf(ctl.CodeExists, "an export %s exists that is not a volume", req.Name)
 	}
 	v := d.volumes[req.Name]
 	switch {
 	case v != nil && v.Pool != req.Pool:
-		return nil, false, ctl.Errorf(ctl.CodeExists, "volume %s exists in pool %s (asked %s)", req.Name, v.Pool, req.Pool)
+		return rec, false, ctl.Errorf(ctl.CodeExists, "volume %s exists in pool %s (asked %s)", req.Name, v.Pool, req.Pool)
 	case v != nil && v.Intent == intentDelete:
-		return nil, false, ctl.Errorf(ctl.CodeBusy, "volume %s is being deleted; delete it again to finish, then create it", req.Name)
+		return rec, false, ctl.Errorf(ctl.CodeBusy, "volume %s is being deleted; delete it again to finish, then create it", req.Name)
 	case v == nil:
 		v = &volume{VolumeState: VolumeState{Name: req.Name, Pool: req.Pool, Intent: intentCreate, Export: e}}
 		d.volumes[req.Name] = v
@@ -375,7 +346,7 @@ func (d *Daemon) CreateVolume(req VolumeRequest) (rec output.Record, created boo
 		if err := d.saveState(); err != nil {
 			delete(d.volumes, req.Name)
 			d.publishVolumeNames()
-			return nil, false, fmt.Errorf("saving the state file: %w", err)
+			return rec, false, fmt.Errorf("saving the state file: %w", err)
 		}
 	}
 	d.crashPoint("volume-create-intent")
@@ -384,17 +355,17 @@ func (d *Daemon) CreateVolume(req VolumeRequest) (rec output.Record, created boo
 		if v.Intent == intentCreate {
 			d.dropVolume(v.Name)
 		}
-		return nil, false, err
+		return rec, false, err
 	}
 	d.crashPoint("volume-create-made")
 	if err := d.exportVolume(v, pv); err != nil {
 		// The volume is made; a retry exports it.
-		return nil, false, fmt.Errorf("volume %s made, but exporting it failed: %w", req.Name, err)
+		return rec, false, fmt.Errorf("volume %s made, but exporting it failed: %w", req.Name, err)
 	}
 	d.crashPoint("volume-create-exported")
 	v.Intent, v.notServed = "", ""
 	if err := d.saveState(); err != nil {
-		return nil, false, fmt.Errorf("volume %s made and exported, but saving the state file failed (a retry saves it): %w", req.Name, err)
+		return rec, false, fmt.Errorf("volume %s made and exported, but saving the state file failed (a retry saves it): %w", req.Name, err)
 	}
 	if created {
 		d.log.WithFields(log.Fields{"volume": pv.Name, "pool": pv.Pool, "size": pv.Size, "source": pv.Source,
@@ -435,8 +406,30 @@ func (d *Daemon) exported(name string) bool {
 	return false
 }
 
-// parse checks a volume request: the pool's spec and the export's rules.
-func (req VolumeRequest) parse() (pool.Spec, rnbd.Export, error) {
+// sourceSize is the size of the volume or snapshot a clone is made of:
+// a clone's size where its request gives none.
+func sourceSize(p pool.Pool, volume, snapshot string) (int64, error) {
+	if volume != "" {
+		v, err := p.Get(volume)
+		if err != nil {
+			return 0, fmt.Errorf("the volume to clone: %w", err)
+		}
+		return v.Size, nil
+	}
+	ss, err := p.Snapshots()
+	if err != nil {
+		return 0, err
+	}
+	for _, s := range ss {
+		if s.Name == snapshot {
+			return s.Size, nil
+		}
+	}
+	return 0, ctl.Errorf(ctl.CodeNotFound, "no snapshot %s in pool %s", snapshot, p.Name())
+}
+
+// parseVolume checks a volume request: the pool's spec and the export's rules.
+func parseVolume(req api.VolumeRequest) (pool.Spec, rnbd.Export, error) {
 	size, err := units.ParseSize(req.Size)
 	if err != nil {
 		return pool.Spec{}, rnbd.Export{}, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
@@ -448,7 +441,7 @@ func (req VolumeRequest) parse() (pool.Spec, rnbd.Export, error) {
 	if req.Export.Name != "" || req.Export.Path != "" {
 		return spec, rnbd.Export{}, ctl.Errorf(ctl.CodeInvalid, "volume %s: the export's name and path are the volume's: leave them out", req.Name)
 	}
-	e, err := req.Export.Export()
+	e, err := exportOf(req.Export)
 	if err != nil {
 		return spec, rnbd.Export{}, ctl.Errorf(ctl.CodeInvalid, "volume %s: %v", req.Name, err)
 	}
@@ -459,16 +452,23 @@ func (req VolumeRequest) parse() (pool.Spec, rnbd.Export, error) {
 // DeleteVolume withdraws a volume's export and deletes it: refused
 // while a session has it open, unless force (their IO then fails). A
 // volume that is not there is success.
-func (d *Daemon) DeleteVolume(name string, force bool) error {
+func (d *Daemon) DeleteVolume(name string, force bool) (deleted bool, err error) {
 	if err := pool.CheckName(name); err != nil {
-		return err
+		return false, err
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	v := d.volumes[name]
 	if v == nil {
-		return nil
+		return false, nil
 	}
+	return true, d.deleteVolumeLocked(v, force)
+}
+
+// deleteVolumeLocked is DeleteVolume of a volume the daemon knows.
+// +checklocks:d.stateMu
+func (d *Daemon) deleteVolumeLocked(v *volume, force bool) error {
+	name := v.Name
 	p := d.pools[v.Pool]
 	if _, failed := d.poolErrs[v.Pool]; p == nil && !failed {
 		// Its pool left the configuration: nothing to delete the
@@ -541,7 +541,7 @@ func (d *Daemon) ResizeVolume(name string, size int64) (was int64, err error) {
 
 // CreateSnapshot takes a snapshot of a volume in its pool. Snapshot
 // names are the node's, across pools.
-func (d *Daemon) CreateSnapshot(req SnapshotRequest) (pool.Snapshot, bool, error) {
+func (d *Daemon) CreateSnapshot(req api.SnapshotRequest) (pool.Snapshot, bool, error) {
 	for _, n := range []string{req.Name, req.Volume} {
 		if err := pool.CheckName(n); err != nil {
 			return pool.Snapshot{}, false, err
@@ -574,25 +574,26 @@ func (d *Daemon) CreateSnapshot(req SnapshotRequest) (pool.Snapshot, bool, error
 
 // DeleteSnapshot deletes a snapshot, in whichever pool has it; one
 // that is nowhere is success.
-func (d *Daemon) DeleteSnapshot(name string) error {
+func (d *Daemon) DeleteSnapshot(name string) (deleted bool, err error) {
 	if err := pool.CheckName(name); err != nil {
-		return err
+		return false, err
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	for pname, p := range d.pools {
 		ss, err := p.Snapshots()
 		if err != nil {
-			return err
+			return deleted, err
 		}
 		if slices.ContainsFunc(ss, func(s pool.Snapshot) bool { return s.Name == name }) {
 			if err := p.DeleteSnapshot(name); err != nil {
-				return err
+				return deleted, err
 			}
+			deleted = true
 			d.log.WithFields(log.Fields{"snapshot": name, "pool": pname}).Info("snapshot deleted")
 		}
 	}
-	return nil
+	return deleted, nil
 }
 
 // Grant gives an identity access to an export, and Revoke takes it
@@ -631,7 +632,7 @@ func (d *Daemon) changeGrants(export string, change func() (bool, error), fields
 
 // volumeRecords are the volume records (of one volume if name is set):
 // each as its pool has it, with its export's rules as served.
-func (d *Daemon) volumeRecords(name string) []output.Record {
+func (d *Daemon) volumeRecords(name string) []api.VolumeRecord {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	// What the pools have: each listed once (an lvs per pool on LVM,
@@ -653,7 +654,7 @@ func (d *Daemon) volumeRecords(name string) []output.Record {
 		}
 	}
 	view := d.exportView()
-	rows := []output.Record{}
+	rows := []api.VolumeRecord{}
 	for _, v := range d.volumes {
 		if name != "" && v.Name != name {
 			continue
@@ -664,7 +665,7 @@ func (d *Daemon) volumeRecords(name string) []output.Record {
 		}
 		rows = append(rows, d.volumeRecord(v, pv, view))
 	}
-	sort.Slice(rows, func(i, j int) bool { return rows[i]["name"].(string) < rows[j]["name"].(string) })
+	sort.Slice(rows, func(i, j int) bool { return rows[i].Name < rows[j].Name })
 	return rows
 }
 
@@ -689,42 +690,36 @@ func (d *Daemon) exportView() exportView {
 // volumeRecord is a volume as GET /v1/volumes gives it; pv is what its
 // pool has (nil: nothing).
 // +checklocks:d.stateMu
-func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume, view exportView) output.Record {
+func (d *Daemon) volumeRecord(v *volume, pv *pool.Volume, view exportView) api.VolumeRecord {
 	e, ok := view.exports[v.Name]
 	if !ok {
 		e = v.Export
 	}
-	state, reason := "served", v.notServed
+	state, reason := api.VolumeServed, v.notServed
 	switch {
 	case v.Intent == intentCreate:
-		state = "creating"
+		state = api.VolumeCreating
 	case v.Intent == intentDelete:
-		state = "deleting"
+		state = api.VolumeDeleting
 	case reason != "":
-		state = "not served"
+		state = api.VolumeNotServed
 	}
-	r := output.Record{"name": v.Name, "pool": v.Pool, "size": nil, "source": "", "source_snapshot": "", "created": "",
-		"labels": output.Object{}, "path": e.Path, "state": state, "reason": reason, "read_only": e.ReadOnly,
-		"allow_identities": grantsObject(e.AllowIdentities), "grants_only": e.GrantsOnly, "sessions": view.opens[v.Name]}
+	r := api.VolumeRecord{Name: v.Name, Pool: v.Pool, Labels: api.Labels{}, Path: e.Path, State: state, Reason: reason,
+		ReadOnly: e.ReadOnly, AllowIdentities: grantsOf(e.AllowIdentities), GrantsOnly: e.GrantsOnly, Sessions: view.opens[v.Name]}
 	if pv != nil {
-		r["size"], r["source"], r["source_snapshot"], r["path"] = pv.Size, pv.Source, pv.SourceSnapshot, pv.Path
-		r["created"] = pv.Created.Format(time.RFC3339)
-		keys := slices.Sorted(maps.Keys(pv.Labels))
-		labels := output.Object{}
-		for _, k := range keys {
-			labels = append(labels, output.Member{Key: k, Value: pv.Labels[k]})
-		}
-		r["labels"] = labels
+		r.Size, r.Source, r.SourceSnapshot, r.Path = ptr(pv.Size), pv.Source, pv.SourceSnapshot, pv.Path
+		r.Created = pv.Created.Format(time.RFC3339)
+		maps.Copy(r.Labels, pv.Labels)
 	}
 	return r
 }
 
 // snapshotRecords are the snapshot records of every pool (of one
 // snapshot if name is set, of one volume if volume is).
-func (d *Daemon) snapshotRecords(name, volume string) ([]output.Record, error) {
+func (d *Daemon) snapshotRecords(name, volume string) ([]api.SnapshotRecord, error) {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	rows := []output.Record{}
+	rows := []api.SnapshotRecord{}
 	for _, p := range d.pools {
 		ss, err := p.Snapshots()
 		if err != nil {
@@ -737,44 +732,43 @@ func (d *Daemon) snapshotRecords(name, volume string) ([]output.Record, error) {
 			rows = append(rows, snapshotRecord(s))
 		}
 	}
-	sort.Slice(rows, func(i, j int) bool { return rows[i]["name"].(string) < rows[j]["name"].(string) })
+	sort.Slice(rows, func(i, j int) bool { return rows[i].Name < rows[j].Name })
 	return rows, nil
 }
 
-func snapshotRecord(s pool.Snapshot) output.Record {
-	return output.Record{"name": s.Name, "pool": s.Pool, "volume": s.Volume, "size": s.Size, "created": s.Created.Format(time.RFC3339)}
+func snapshotRecord(s pool.Snapshot) api.SnapshotRecord {
+	return api.SnapshotRecord{Name: s.Name, Pool: s.Pool, Volume: s.Volume, Size: s.Size, Created: s.Created.Format(time.RFC3339)}
 }
 
 // poolRecords are the pool records, with each pool's capacity.
-func (d *Daemon) poolRecords() []output.Record {
+func (d *Daemon) poolRecords() []api.PoolRecord {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	rows := []output.Record{}
+	rows := []api.PoolRecord{}
 	for _, c := range d.cfg.Pools {
 		where := c.Path
 		if c.Type == "lvm-thin" {
 			where = c.VolumeGroup + "/" + c.ThinPool
 		}
-		r := output.Record{"name": c.Name, "type": c.Type, "where": where, "state": "served", "reason": "",
-			"total": nil, "used": nil, "promised": nil, "allocatable": nil, "metadata_size": nil, "metadata_used": nil, "volumes": 0}
+		r := api.PoolRecord{Name: c.Name, Type: c.Type, Where: where, State: "served"}
 		for _, v := range d.volumes {
 			if v.Pool == c.Name {
-				r["volumes"] = r["volumes"].(int) + 1
+				r.Volumes++
 			}
 		}
 		p := d.pools[c.Name]
 		if p == nil {
-			r["state"], r["reason"] = "not served", d.poolReason(c.Name)
+			r.State, r.Reason = "not served", d.poolReason(c.Name)
 			rows = append(rows, r)
 			continue
 		}
 		cp, err := p.Capacity()
 		if err != nil {
-			r["state"], r["reason"] = "not served", err.Error()
+			r.State, r.Reason = "not served", err.Error()
 		} else {
-			r["total"], r["used"], r["promised"], r["allocatable"] = cp.Total, cp.Used, cp.Promised, cp.Allocatable
+			r.Total, r.Used, r.Promised, r.Allocatable = ptr(cp.Total), ptr(cp.Used), ptr(cp.Promised), ptr(cp.Allocatable)
 			if c.Type == "lvm-thin" {
-				r["metadata_size"], r["metadata_used"] = cp.MetadataSize, cp.MetadataUsed
+				r.MetadataSize, r.MetadataUsed = ptr(cp.MetadataSize), ptr(cp.MetadataUsed)
 			}
 		}
 		rows = append(rows, r)
@@ -783,14 +777,14 @@ func (d *Daemon) poolRecords() []output.Record {
 }
 
 // grantRecords are an export's grants, one record each.
-func (d *Daemon) grantRecords(export string) ([]output.Record, error) {
+func (d *Daemon) grantRecords(export string) ([]api.GrantRecord, error) {
 	for _, e := range d.rnbd.Exports() {
 		if e.Name != export {
 			continue
 		}
-		rows := []output.Record{}
+		rows := []api.GrantRecord{}
 		for _, g := range e.AllowIdentities {
-			rows = append(rows, output.Record{"export": e.Name, "identity": g.Identity, "access": g.Access})
+			rows = append(rows, api.GrantRecord{Export: e.Name, Identity: g.Identity, Access: g.Access})
 		}
 		return rows, nil
 	}

@@ -56,7 +56,8 @@ listen = ["127.0.0.1:%d"]
 admins = ["ops"]
 provisioners = ["orch"]
 readers = ["mon"]
-`, r.admin), r.tlsArgs(r.pki, "srv", "--tls-")...)
+export_roots = [%q]
+`, r.admin, r.dir), r.tlsArgs(r.pki, "srv", "--tls-")...)
 	kit.WaitFor(t, 10*time.Second, "the admin listener's start-up line", func() bool {
 		return strings.Contains(r.srv.out.String(), fmt.Sprintf("admin_listen=\"127.0.0.1:%d\"", r.admin))
 	})
@@ -108,10 +109,12 @@ func (r *adminRig) waitAudit(t *testing.T, kv ...string) {
 }
 
 // TestAdminRemote: rnbd-server --server manages the node over the admin
-// listener by its certificate's role; a reader cannot map, a
-// provisioner cannot bind a session name (server settings), a client
-// without a certificate or with another authority's is refused in the
-// handshake: each says so, and the daemon's log has an audit line.
+// listener by its certificate's role; an admin maps beneath
+// export_roots, grants-only unless it says otherwise; a reader and a
+// provisioner cannot map a path, a provisioner cannot bind a session
+// name (server settings), a client without a certificate or with
+// another authority's is refused in the handshake: each says so, and
+// the daemon's log has an audit line.
 func TestAdminRemote(t *testing.T) {
 	r := newAdminRig(t)
 
@@ -133,16 +136,25 @@ func TestAdminRemote(t *testing.T) {
 		t.Fatalf("export list with RNBD_SERVER: %v\n%s", err, out)
 	}
 
-	// A reader may not map.
-	_, errOut, code = r.remote(t, r.pki, "mon", "map", "vol2", r.vol)
-	if code != 7 || !strings.Contains(errOut, "identity mon (role reader) may not POST /v1/exports: the route needs the provision right") {
-		t.Fatalf("a map by a reader: exit %d: %q", code, errOut)
+	out, errOut, code = r.remote(t, r.pki, "mon", "export", "show", "vol", "--format", "json")
+	if code != 0 || json.Unmarshal([]byte(out), &recs) != nil || len(recs) != 1 || recs[0]["grants_only"] != true {
+		t.Fatalf("an export an admin mapped remotely without --grants-only: exit %d: %s%s, want grants-only", code, out, errOut)
+	}
+	// Outside export_roots, not even an admin maps.
+	_, errOut, code = r.remote(t, r.pki, "ops", "map", "shadow", "/etc/shadow")
+	if code != 7 || !strings.Contains(errOut, "beneath none of [admin] export_roots") {
+		t.Fatalf("a remote map of /etc/shadow by an admin: exit %d: %q", code, errOut)
+	}
+
+	// A reader may not map, nor a provisioner.
+	for _, who := range []string{"mon", "orch"} {
+		_, errOut, code = r.remote(t, r.pki, who, "map", "vol2", r.vol)
+		if code != 7 || !strings.Contains(errOut, "may not POST /v1/exports: the route needs the admin right") {
+			t.Fatalf("a map by %s: exit %d: %q", who, code, errOut)
+		}
 	}
 	r.waitAudit(t, "identity", "mon", "method", "POST", "object", "/v1/exports", "result", "permission_denied", "role", "reader")
-	// A provisioner may map, not bind session names.
-	if _, errOut, code := r.remote(t, r.pki, "orch", "map", "vol2", r.vol); code != 0 {
-		t.Fatalf("a map by a provisioner: exit %d: %s", code, errOut)
-	}
+	r.waitAudit(t, "identity", "orch", "method", "POST", "object", "/v1/exports", "result", "permission_denied", "role", "provisioner")
 	_, errOut, code = r.remote(t, r.pki, "orch", "session", "bind", "s1", "host-a")
 	if code != 7 || !strings.Contains(errOut, "identity orch (role provisioner) may not PUT /v1/session-names/s1: the route needs the admin right") {
 		t.Fatalf("a session bind by a provisioner: exit %d: %q", code, errOut)
@@ -187,8 +199,8 @@ func TestAdminRemote(t *testing.T) {
 		}
 	}
 	// The local socket is the admin "local", audited too.
-	r.srv.ok("unmap", "vol2")
-	r.waitAudit(t, "identity", "local", "remote", "unix", "method", "DELETE", "object", "/v1/exports/vol2", "result", "ok")
+	r.srv.ok("unmap", "vol")
+	r.waitAudit(t, "identity", "local", "remote", "unix", "method", "DELETE", "object", "/v1/exports/vol", "result", "ok")
 }
 
 // TestAdminConfigRefused: [admin] listen without TLS, or on the fabric's

@@ -85,7 +85,7 @@ path = %q
 		}
 	}
 	mustOrch("volume", "create", "pvc-1", "--pool", "files", "--size", "64MiB", "--grants-only")
-	mustOrch("export", "grant", "pvc-1", "host-b")
+	mustOrch("volume", "grant", "pvc-1", "host-b")
 	if _, errOut, code := orch("session", "disconnect", "x"); code != 7 || !strings.Contains(errOut, "role provisioner") {
 		t.Fatalf("a provisioner disconnecting a session: exit %d %q", code, errOut)
 	}
@@ -118,7 +118,7 @@ path = %q
 
 	// Revoked: the device it has open stays until closed; its next open
 	// is refused.
-	mustOrch("export", "revoke", "pvc-1", "host-b")
+	mustOrch("volume", "revoke", "pvc-1", "host-b")
 	run(t, time.Minute, "ip", "netns", "exec", r.cliNS, bin("rnbd-client"), "--socket", csock, "unmap", "rnbd0")
 	if out, errOut, code := runCode(t, time.Minute, "ip", mapArgs...); code != 7 {
 		t.Fatalf("map after the revoke: exit %d, want 7 (permission_denied): %s%s", code, out, errOut)
@@ -126,8 +126,8 @@ path = %q
 	if d := discover("host-b"); len(d) != 0 {
 		t.Fatalf("host-b discovers %v after the revoke", d)
 	}
-	for _, want := range [][]string{{"method=POST", "object=/v1/volumes "}, {"method=POST", "object=/v1/exports/pvc-1/grants "},
-		{"method=DELETE", "object=/v1/exports/pvc-1/grants/host-b "}} {
+	for _, want := range [][]string{{"method=POST", "object=/v1/volumes "}, {"method=POST", "object=/v1/volumes/pvc-1/grants "},
+		{"method=DELETE", "object=/v1/volumes/pvc-1/grants/host-b "}} {
 		found := false
 		for _, l := range strings.Split(srv.out.String(), "\n") {
 			if strings.Contains(l, "msg=audit") && strings.Contains(l, "identity=orch") && strings.Contains(l, "result=ok") &&

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/tools/internal/logtail"
 )
@@ -68,7 +70,7 @@ func startDaemon(ctx context.Context, srv, dir, poolConf, profile string) (*daem
 			return false, fmt.Errorf("rnbd-server exited: %s", logtail.Tail(d.log.Name()))
 		default:
 		}
-		return d.do(ctx, "GET", "/v1/pools", nil, nil) == nil, nil
+		return d.do(ctx, api.SrvPools, nil, nil, nil, nil) == nil, nil
 	})
 	if err != nil {
 		d.stop()
@@ -79,11 +81,11 @@ func startDaemon(ctx context.Context, srv, dir, poolConf, profile string) (*daem
 
 func (d *daemon) pid() int { return d.cmd.Process.Pid }
 
-// do is one control API request, bounded to a minute.
-func (d *daemon) do(ctx context.Context, method, path string, body, out any) error {
+// do is one control API request of route rt, bounded to a minute.
+func (d *daemon) do(ctx context.Context, rt api.Route, args []string, q url.Values, body, out any) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	return d.cl.Do(ctx, method, path, body, out)
+	return api.Call(ctx, d.cl, rt, args, q, body, out)
 }
 
 // stop ends the daemon by its PID: SIGTERM, SIGKILL after 10 s. An

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,7 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rnbd/rnbd/internal/serverd"
+	"github.com/rnbd/rnbd/internal/api"
 )
 
 // poolSpec is a -pool: a directory pool ("dir", under path if set), a
@@ -195,14 +196,14 @@ func phaseA(ctx context.Context, c config, srv, work string, p poolSpec, size in
 
 // checkPool: the pool is served.
 func checkPool(ctx context.Context, d *daemon) error {
-	var pools []map[string]any
-	if err := d.do(ctx, "GET", "/v1/pools", nil, &pools); err != nil {
+	var pools []api.PoolRecord
+	if err := d.do(ctx, api.SrvPools, nil, nil, nil, &pools); err != nil {
 		return err
 	}
 	for _, p := range pools {
-		if p["name"] == poolName {
-			if p["state"] != "served" {
-				return fmt.Errorf("pool not served: %v", p["reason"])
+		if p.Name == poolName {
+			if p.State != "served" {
+				return fmt.Errorf("pool not served: %v", p.Reason)
 			}
 			return nil
 		}
@@ -214,18 +215,19 @@ func checkPool(ctx context.Context, d *daemon) error {
 // directory pool's directory holds no file but its own empty working
 // directories.
 func checkEmpty(ctx context.Context, d *daemon, dir string) error {
-	var vols, exps []map[string]any
-	if err := d.do(ctx, "GET", "/v1/volumes", nil, &vols); err != nil {
+	var vols []api.VolumeRecord
+	var exps []api.ExportRecord
+	if err := d.do(ctx, api.SrvVolumes, nil, nil, nil, &vols); err != nil {
 		return err
 	}
 	if len(vols) > 0 {
-		return fmt.Errorf("%d volumes left (%v, …)", len(vols), vols[0]["name"])
+		return fmt.Errorf("%d volumes left (%v, …)", len(vols), vols[0].Name)
 	}
-	if err := d.do(ctx, "GET", "/v1/exports", nil, &exps); err != nil {
+	if err := d.do(ctx, api.SrvExports, nil, nil, nil, &exps); err != nil {
 		return err
 	}
 	for _, e := range exps {
-		if n, _ := e["name"].(string); strings.HasPrefix(n, "fleet-") {
+		if n := e.Name; strings.HasPrefix(n, "fleet-") {
 			return fmt.Errorf("export %s left", n)
 		}
 	}
@@ -259,7 +261,7 @@ func sweep(d *daemon, n int) error {
 	defer cancel()
 	var errs []error
 	for i := range n {
-		if err := d.do(ctx, "DELETE", "/v1/volumes/"+volumeName(i)+"?force=true", nil, nil); err != nil {
+		if err := d.do(ctx, api.SrvVolumeDelete, []string{volumeName(i)}, url.Values{"force": {"true"}}, nil, nil); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -277,17 +279,18 @@ func oneRep(ctx context.Context, c config, d *daemon, label string, rep int, siz
 	for i := range c.volumes {
 		name := volumeName(i)
 		t0 := time.Now()
-		var resp serverd.CreatedResponse
-		req := serverd.VolumeRequest{Name: name, Pool: poolName, Size: c.size, Export: serverd.MapRequest{GrantsOnly: true}}
-		if err := d.do(ctx, "POST", "/v1/volumes", req, &resp); err != nil {
+		var resp api.CreatedVolume
+		yes := true
+		req := api.VolumeRequest{Name: name, Pool: poolName, Size: c.size, Export: api.MapRequest{GrantsOnly: &yes}}
+		if err := d.do(ctx, api.SrvVolumeCreate, nil, nil, req, &resp); err != nil {
 			return nil, fmt.Errorf("create %s: %w", name, err)
 		}
 		if !resp.Created {
 			return nil, fmt.Errorf("create %s: it was there already", name)
 		}
 		t1 := time.Now()
-		g := serverd.GrantRequest{Identity: fmt.Sprintf("host-%d", i), Access: "rw"}
-		if err := d.do(ctx, "POST", "/v1/exports/"+name+"/grants", g, nil); err != nil {
+		g := api.GrantRequest{Identity: fmt.Sprintf("host-%d", i), Access: "rw"}
+		if err := d.do(ctx, api.SrvVolumeGrant, []string{name}, nil, g, nil); err != nil {
 			return nil, fmt.Errorf("grant %s: %w", name, err)
 		}
 		t2 := time.Now()
@@ -295,8 +298,8 @@ func oneRep(ctx context.Context, c config, d *daemon, label string, rep int, siz
 	}
 	made := time.Since(start)
 	// Every volume is there, served, of its size, with its grant.
-	var vols []map[string]any
-	if err := d.do(ctx, "GET", "/v1/volumes", nil, &vols); err != nil {
+	var vols []api.VolumeRecord
+	if err := d.do(ctx, api.SrvVolumes, nil, nil, nil, &vols); err != nil {
 		return nil, err
 	}
 	if len(vols) != c.volumes {
@@ -304,16 +307,16 @@ func oneRep(ctx context.Context, c config, d *daemon, label string, rep int, siz
 	}
 	for _, v := range vols {
 		var i int
-		fmt.Sscanf(fmt.Sprint(v["name"]), "fleet-%d", &i)
-		ids, _ := v["allow_identities"].(map[string]any)
-		if v["state"] != "served" || v["size"] != float64(size) || len(ids) != 1 || ids[fmt.Sprintf("host-%d", i)] != "rw" {
-			return nil, fmt.Errorf("volume %v: state %v, size %v, grants %v", v["name"], v["state"], v["size"], v["allow_identities"])
+		fmt.Sscanf(v.Name, "fleet-%d", &i)
+		access, _ := v.AllowIdentities.Access(fmt.Sprintf("host-%d", i))
+		if v.State != api.VolumeServed || v.Size == nil || *v.Size != size || len(v.AllowIdentities) != 1 || access != "rw" {
+			return nil, fmt.Errorf("volume %v: state %v, size %v, grants %v", v.Name, v.State, v.Size, v.AllowIdentities)
 		}
 	}
 	start = time.Now()
 	for i := range c.volumes {
 		t0 := time.Now()
-		if err := d.do(ctx, "DELETE", "/v1/volumes/"+volumeName(i), nil, nil); err != nil {
+		if err := d.do(ctx, api.SrvVolumeDelete, []string{volumeName(i)}, nil, nil, nil); err != nil {
 			return nil, fmt.Errorf("delete %s: %w", volumeName(i), err)
 		}
 		del = append(del, time.Since(t0))
@@ -376,8 +379,8 @@ func phaseB(ctx context.Context, c config, srv, work string, size int64) (rows [
 	start := time.Now()
 	for i := range c.exports {
 		t0 := time.Now()
-		req := serverd.MapRequest{Name: exportName(i), Path: filepath.Join(files, exportName(i)+".img")}
-		if err := d.do(ctx, "POST", "/v1/exports", req, nil); err != nil {
+		req := api.MapRequest{Name: exportName(i), Path: filepath.Join(files, exportName(i)+".img")}
+		if err := d.do(ctx, api.SrvExportMap, nil, nil, req, nil); err != nil {
 			return rows, fmt.Errorf("map %s: %w", req.Name, err)
 		}
 		lat = append(lat, time.Since(t0))
@@ -438,13 +441,13 @@ const restoreWait = 5 * time.Minute
 
 // servedCount is the number of exports listed served.
 func servedCount(ctx context.Context, d *daemon) (int, error) {
-	var exps []map[string]any
-	if err := d.do(ctx, "GET", "/v1/exports", nil, &exps); err != nil {
+	var exps []api.ExportRecord
+	if err := d.do(ctx, api.SrvExports, nil, nil, nil, &exps); err != nil {
 		return 0, err
 	}
 	n := 0
 	for _, e := range exps {
-		if ns, _ := e["not_served"].(string); ns == "" {
+		if e.NotServed == "" {
 			n++
 		}
 	}
@@ -453,16 +456,16 @@ func servedCount(ctx context.Context, d *daemon) (int, error) {
 
 // checkServed: n exports listed, all served.
 func checkServed(ctx context.Context, d *daemon, n int) error {
-	var exps []map[string]any
-	if err := d.do(ctx, "GET", "/v1/exports", nil, &exps); err != nil {
+	var exps []api.ExportRecord
+	if err := d.do(ctx, api.SrvExports, nil, nil, nil, &exps); err != nil {
 		return err
 	}
 	if len(exps) != n {
 		return fmt.Errorf("%d exports listed, want %d", len(exps), n)
 	}
 	for _, e := range exps {
-		if ns, _ := e["not_served"].(string); ns != "" {
-			return fmt.Errorf("export %v not served: %s", e["name"], ns)
+		if ns := e.NotServed; ns != "" {
+			return fmt.Errorf("export %v not served: %s", e.Name, ns)
 		}
 	}
 	return nil

@@ -1,0 +1,226 @@
+package api
+
+import (
+	"strconv"
+
+	"github.com/rnbd/rnbd/internal/ctl"
+)
+
+// rnbd-client's requests, answers and records (docs/control-api.md has
+// each field with its JSON type and meaning).
+
+// Requests and answers.
+type (
+	// Mapping is one mapped device as the API and the state file keep
+	// it: the kernel's map_device parameters and where the device is
+	// served (POST /v1/devices).
+	Mapping struct {
+		Device     string   `json:"device"` // rnbdN
+		SessName   string   `json:"sessname"`
+		Paths      []string `json:"paths"`
+		DevicePath string   `json:"device_path"`
+		AccessMode string   `json:"access_mode"`
+		DestPort   uint16   `json:"dest_port"`
+		Transport  string   `json:"transport"`
+		As         string   `json:"as"` // nbd, ublk or socket:PATH
+		// Kernel is the /dev/nbdN or /dev/ublkbN a mapping "as nbd" or
+		// "as ublk" got; a restart takes the same device back.
+		Kernel string `json:"kernel_device,omitempty"`
+		// SessUUID is the RTRS session's paths UUID (hex): a restarted
+		// daemon dials its sessions with the same one, so the server
+		// takes them for the sessions it may still hold rather than
+		// refusing their names.
+		SessUUID string `json:"sess_uuid,omitempty"`
+		// Settings of the session given with the map that made it, or
+		// with session set since: a restart dials the session with them.
+		// Unset ones are the daemon's configuration.
+		Settings SetRequest `json:"session_settings,omitzero"`
+	}
+	// MapResponse is the answer of POST /v1/devices: the mapping made,
+	// and Note, what the operator should know of how it is served (a
+	// socket where the request implied /dev/nbdN); empty when nothing.
+	MapResponse struct {
+		Mapping
+		Note string `json:"note,omitempty"`
+	}
+	// SetRequest is a session's settings (session set, or map's for
+	// the session it makes); unset fields stay as they are.
+	SetRequest struct {
+		MPPolicy             *string `json:"mpath_policy,omitempty"`
+		MaxReconnectAttempts *int    `json:"max_reconnect_attempts,omitempty"`
+		NoPathTimeout        *string `json:"no_path_timeout,omitempty"`
+		// FastIOFailTmo: a duration, or "off".
+		FastIOFailTmo *string `json:"fast_io_fail_tmo,omitempty"`
+		// CtrlLossTmo: a duration, or "off".
+		CtrlLossTmo *string `json:"ctrl_loss_tmo,omitempty"`
+		// ReconnectDelay: a duration.
+		ReconnectDelay *string `json:"reconnect_delay,omitempty"`
+	}
+	// DeviceResizeRequest: Size as "20GiB" or bytes.
+	DeviceResizeRequest struct {
+		Size string `json:"size"`
+	}
+	// PathRequest adds a path to a session: "[ip:SRC@]ip:DST".
+	PathRequest struct {
+		Path string `json:"path"`
+	}
+	// UnmapRequest unmaps a device; Force even while it is open.
+	UnmapRequest struct {
+		Force bool `json:"force"`
+	}
+)
+
+// Merge overlays what o sets on req.
+func (req SetRequest) Merge(o SetRequest) SetRequest {
+	if o.MPPolicy != nil {
+		req.MPPolicy = o.MPPolicy
+	}
+	if o.MaxReconnectAttempts != nil {
+		req.MaxReconnectAttempts = o.MaxReconnectAttempts
+	}
+	if o.NoPathTimeout != nil {
+		req.NoPathTimeout = o.NoPathTimeout
+	}
+	if o.FastIOFailTmo != nil {
+		req.FastIOFailTmo = o.FastIOFailTmo
+	}
+	if o.CtrlLossTmo != nil {
+		req.CtrlLossTmo = o.CtrlLossTmo
+	}
+	if o.ReconnectDelay != nil {
+		req.ReconnectDelay = o.ReconnectDelay
+	}
+	return req
+}
+
+// SettingKeys are the session settings Parse takes.
+const SettingKeys = "mpath_policy, max_reconnect_attempts, reconnect_delay, ctrl_loss_tmo, no_path_timeout or fast_io_fail_tmo"
+
+// SettingNames are SettingKeys one by one, and SettingValues the words
+// some of them take (for completion).
+var (
+	SettingNames  = []string{"mpath_policy", "max_reconnect_attempts", "reconnect_delay", "ctrl_loss_tmo", "no_path_timeout", "fast_io_fail_tmo"}
+	SettingValues = map[string][]string{
+		"mpath_policy":     {"round-robin", "min-inflight", "min-latency"},
+		"ctrl_loss_tmo":    {"off"},
+		"fast_io_fail_tmo": {"off"},
+	}
+)
+
+// Parse sets the session setting k to v (session set KEY=VALUE, and the
+// map string's session keys); values are checked by the daemon.
+func (req *SetRequest) Parse(k, v string) error {
+	switch k {
+	case "mpath_policy", "mp_policy":
+		req.MPPolicy = &v
+	case "max_reconnect_attempts":
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "max_reconnect_attempts %q: want a number", v)
+		}
+		req.MaxReconnectAttempts = &n
+	case "no_path_timeout":
+		req.NoPathTimeout = &v
+	case "fast_io_fail_tmo":
+		req.FastIOFailTmo = &v
+	case "ctrl_loss_tmo":
+		req.CtrlLossTmo = &v
+	case "reconnect_delay":
+		req.ReconnectDelay = &v
+	default:
+		return ctl.Errorf(ctl.CodeInvalid, "unknown setting %q: want %s", k, SettingKeys)
+	}
+	return nil
+}
+
+// Records.
+type (
+	// CltDeviceRecord is a mapped device.
+	CltDeviceRecord struct {
+		DevName     string `json:"devname"`
+		SessName    string `json:"sessname"`
+		DevPath     string `json:"devpath"`
+		MappingPath string `json:"mapping_path"`
+		AccessMode  string `json:"access_mode"`
+		State       string `json:"state"`
+		Size        int64  `json:"size"`
+		Socket      string `json:"socket"`
+		IOMode      string `json:"io_mode"`
+		Direction   string `json:"direction"`
+	}
+	// CltSessionRecord is a session to a server; durations in seconds,
+	// null for a timer that is off or a time left that does not run.
+	CltSessionRecord struct {
+		SessName             string   `json:"sessname"`
+		PathCnt              int      `json:"path_cnt"`
+		ActPathCnt           int      `json:"act_path_cnt"`
+		State                string   `json:"state"`
+		PathUU               string   `json:"path_uu"`
+		MPPolicy             string   `json:"mpath_policy"`
+		MPPolicySysfs        string   `json:"mpath_policy_sysfs"`
+		NoPathTimeoutSec     float64  `json:"no_path_timeout_sec"`
+		NoPathSince          *string  `json:"no_path_since"`
+		WaitingIO            int      `json:"waiting_io"`
+		WaitingIOFailsInSec  *float64 `json:"waiting_io_fails_in_sec"`
+		FastIOFailTmoSec     *float64 `json:"fast_io_fail_tmo_sec"`
+		FastIOFailInSec      *float64 `json:"fast_io_fail_in_sec"`
+		MaxReconnectAttempts int      `json:"max_reconnect_attempts"`
+		ReconnectDelaySec    float64  `json:"reconnect_delay_sec"`
+		CtrlLossTmoSec       *float64 `json:"ctrl_loss_tmo_sec"`
+		RxBytes              uint64   `json:"rx_bytes"`
+		TxBytes              uint64   `json:"tx_bytes"`
+		Inflights            int64    `json:"inflights"`
+		Devices              int      `json:"devices"`
+		Transport            string   `json:"transport"`
+		Direction            string   `json:"direction"`
+	}
+	// CltPathRecord is a path of a session.
+	CltPathRecord struct {
+		SessName             string     `json:"sessname"`
+		PathName             string     `json:"pathname"`
+		SrcAddr              string     `json:"src_addr"`
+		DstAddr              string     `json:"dst_addr"`
+		HCAName              string     `json:"hca_name"`
+		HCAPort              int        `json:"hca_port"`
+		State                string     `json:"state"`
+		RTRSState            string     `json:"rtrs_state"`
+		RxBytes              uint64     `json:"rx_bytes"`
+		TxBytes              uint64     `json:"tx_bytes"`
+		Inflights            int64      `json:"inflights"`
+		Reconnects           Reconnects `json:"reconnects"`
+		ReconnectAttempts    int        `json:"reconnect_attempts"`
+		NextReconnectInSec   *float64   `json:"next_reconnect_in_sec"`
+		CtrlLossInSec        *float64   `json:"ctrl_loss_in_sec"`
+		ReconnectDelaySec    float64    `json:"reconnect_delay_sec"`
+		MaxReconnectAttempts int        `json:"max_reconnect_attempts"`
+		CtrlLossTmoSec       *float64   `json:"ctrl_loss_tmo_sec"`
+		CurLatencyUs         float64    `json:"cur_latency_us"`
+		RDMA                 CltRDMA    `json:"rdma"`
+		Direction            string     `json:"direction"`
+	}
+	// CltStatsRecord is a path's counters, as the kernel client's
+	// stats.
+	CltStatsRecord struct {
+		SessName     string     `json:"sessname"`
+		PathName     string     `json:"pathname"`
+		RDMA         CltRDMA    `json:"rdma"`
+		Reconnects   Reconnects `json:"reconnects"`
+		CurLatencyUs float64    `json:"cur_latency_us"`
+	}
+	// Reconnects is the kernel's stats/reconnects, "successful failed",
+	// by name.
+	Reconnects struct {
+		Successful int64 `json:"successful"`
+		Failed     int64 `json:"failed"`
+	}
+	// CltRDMA is the kernel client's stats/rdma, "rd_cnt rd_bytes wr_cnt
+	// wr_bytes inflight failover_cnt", by name.
+	CltRDMA struct {
+		RdCnt       uint64 `json:"rd_cnt"`
+		RdBytes     uint64 `json:"rd_bytes"`
+		WrCnt       uint64 `json:"wr_cnt"`
+		WrBytes     uint64 `json:"wr_bytes"`
+		Inflight    int64  `json:"inflight"`
+		FailoverCnt uint64 `json:"failover_cnt"`
+	}
+)
