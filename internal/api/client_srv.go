@@ -86,6 +86,11 @@ func (s *Server) ResizeVolume(ctx context.Context, name, size string) (ResizeRes
 	return out, err
 }
 
+// SetVolumeLabels replaces a volume's labels.
+func (s *Server) SetVolumeLabels(ctx context.Context, name string, labels map[string]string) error {
+	return Call(ctx, s.c, SrvVolumeLabels, []string{name}, nil, LabelsRequest{Labels: labels}, nil)
+}
+
 // VolumeGrants are the grants of a volume's export.
 func (s *Server) VolumeGrants(ctx context.Context, name string) ([]GrantRecord, error) {
 	return list[GrantRecord](ctx, s.c, SrvVolumeGrants, []string{name}, nil)

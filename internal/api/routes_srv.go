@@ -42,6 +42,7 @@ var (
 	SrvVolumeCreate = Route{"POST", "/v1/volumes", ctl.RightProvision}
 	SrvVolumeDelete = Route{"DELETE", "/v1/volumes/{name}", ctl.RightProvision}
 	SrvVolumeResize = Route{"POST", "/v1/volumes/{name}/resize", ctl.RightProvision}
+	SrvVolumeLabels = Route{"PUT", "/v1/volumes/{name}/labels", ctl.RightProvision}
 	SrvVolumeGrants = Route{"GET", "/v1/volumes/{name}/grants", ctl.RightRead}
 	SrvVolumeGrant  = Route{"POST", "/v1/volumes/{name}/grants", ctl.RightProvision}
 	SrvVolumeRevoke = Route{"DELETE", "/v1/volumes/{name}/grants/{identity}", ctl.RightProvision}
@@ -64,7 +65,7 @@ var ServerRoutes = Table{
 	SrvPaths, SrvPath, SrvPathDisconnect,
 	SrvStats, SrvStatsReset,
 	SrvPools,
-	SrvVolumes, SrvVolume, SrvVolumeCreate, SrvVolumeDelete, SrvVolumeResize,
+	SrvVolumes, SrvVolume, SrvVolumeCreate, SrvVolumeDelete, SrvVolumeResize, SrvVolumeLabels,
 	SrvSnapshots, SrvSnapshot, SrvSnapshotCreate, SrvSnapshotDelete,
 	SrvExportGrants, SrvExportGrant, SrvExportRevoke,
 	SrvVolumeGrants, SrvVolumeGrant, SrvVolumeRevoke,

@@ -49,6 +49,11 @@ type (
 		Labels       map[string]string `json:"labels,omitempty"`
 		Export       MapRequest        `json:"export,omitzero"`
 	}
+	// LabelsRequest replaces a volume's labels (PUT
+	// /v1/volumes/{name}/labels): the caller's, kept with the volume.
+	LabelsRequest struct {
+		Labels map[string]string `json:"labels"`
+	}
 	// SnapshotRequest asks for a snapshot of a volume (POST /v1/snapshots).
 	SnapshotRequest struct {
 		Name   string `json:"name"`

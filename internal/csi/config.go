@@ -11,6 +11,7 @@ import (
 	"net/url"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
 )
@@ -43,6 +44,43 @@ type Config struct {
 	// Kubernetes is where the API server is, for [workers] source
 	// kubernetes and [node] topology_from_node.
 	Kubernetes KubernetesConfig `toml:"kubernetes"`
+	// Controller bounds the controller's calls to the storage nodes.
+	Controller ControllerConfig `toml:"controller"`
+}
+
+// ControllerConfig is [controller]: how long a storage node may take to
+// answer one call, how many calls each gets at once, how often the
+// controller looks for the copies of a name made while a node did not
+// answer (reclaim.go).
+type ControllerConfig struct {
+	StorageTimeout    conf.Duration `toml:"storage_timeout"`
+	MaxCallsPerNode   int           `toml:"max_calls_per_node"`
+	MaxQueuedPerNode  int           `toml:"max_queued_per_node"`
+	ReconcileInterval conf.Duration `toml:"reconcile_interval"`
+}
+
+// Defaults of [controller]. MaxCallsPerNode stays under a storage
+// node's max_requests_per_identity (control-api.md, "Bounds"), so the
+// controller waits its turn here rather than being refused there.
+const (
+	DefaultStorageTimeout    = 5 * time.Second
+	DefaultMaxCallsPerNode   = 16
+	DefaultMaxQueuedPerNode  = 512
+	DefaultReconcileInterval = time.Minute
+)
+
+func (c ControllerConfig) validate() error {
+	var errs []error
+	if d := c.StorageTimeout.Duration; d < 100*time.Millisecond || d > 10*time.Minute {
+		errs = append(errs, fmt.Errorf("[controller] storage_timeout %v: want 100ms to 10m", d))
+	}
+	if c.MaxCallsPerNode < 1 || c.MaxQueuedPerNode < 0 {
+		errs = append(errs, fmt.Errorf("[controller] max_calls_per_node %d, max_queued_per_node %d: want at least 1 and 0", c.MaxCallsPerNode, c.MaxQueuedPerNode))
+	}
+	if d := c.ReconcileInterval.Duration; d < time.Second {
+		errs = append(errs, fmt.Errorf("[controller] reconcile_interval %v: want 1s or more", d))
+	}
+	return errors.Join(errs...)
 }
 
 // StorageNode is one rnbd-server: where its admin API listens, how
@@ -90,7 +128,9 @@ const DefaultClientSocket = "/run/rnbd/client.sock"
 // DefaultConfig is the configuration before the file is read.
 func DefaultConfig() Config {
 	return Config{Version: configVersion, DriverName: DefaultDriverName, Node: NodeConfig{ClientSocket: DefaultClientSocket},
-		Workers: WorkersConfig{Source: WorkersKubernetes}}
+		Workers: WorkersConfig{Source: WorkersKubernetes},
+		Controller: ControllerConfig{StorageTimeout: conf.Duration{Duration: DefaultStorageTimeout}, MaxCallsPerNode: DefaultMaxCallsPerNode,
+			MaxQueuedPerNode: DefaultMaxQueuedPerNode, ReconcileInterval: conf.Duration{Duration: DefaultReconcileInterval}}}
 }
 
 // LoadConfig reads the configuration file at path (which must exist)
@@ -171,6 +211,9 @@ func (c Config) Validate() error {
 		errs = append(errs, err)
 	}
 	if err := c.Kubernetes.validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.Controller.validate(); err != nil {
 		errs = append(errs, err)
 	}
 	for _, k := range c.Node.TopologyFromNode {

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rnbd/rnbd/internal/pool"
+
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
 )
@@ -85,13 +87,34 @@ func TestNodeModeNeedsItsConfig(t *testing.T) {
 	}
 }
 
+// TestStorageName: a CSI name is the storage node's where the API takes
+// and addresses it; any other (a '/', a blank, "." and "..", which a URL
+// path cannot carry, one too long) is made one by a hash, the same for a
+// retry, and its id reads back.
 func TestStorageName(t *testing.T) {
-	if got := storageName("pvc-0f1e"); got != "pvc-0f1e" {
-		t.Errorf("a name a pool takes: %q", got)
+	for _, name := range []string{"pvc-0f1e", "a.b", "snapshot-1_x"} {
+		if got := storageName(name); got != name {
+			t.Errorf("a name a pool takes, %q: %q", name, got)
+		}
 	}
-	a, b := storageName("my vol/1"), storageName("my vol/2")
-	if a == b || !storageNameRE.MatchString(a) || a != storageName("my vol/1") {
-		t.Errorf("derived names %q %q", a, b)
+	seen := map[string]string{}
+	for _, name := range []string{"my vol/1", "my vol/2", ".", "..", "...", strings.Repeat("x", 129), "é"} {
+		got := storageName(name)
+		if got == name || pool.CheckName(got) != nil || got != storageName(name) {
+			t.Errorf("%q: derived %q", name, got)
+		}
+		if other, dup := seen[got]; dup {
+			t.Errorf("%q and %q are both %q", name, other, got)
+		}
+		seen[got] = name
+		if n, v, ok := parseID(makeID("node-a", got)); !ok || n != "node-a" || v != got {
+			t.Errorf("the id of %q does not read back: %q %q %v", got, n, v, ok)
+		}
+	}
+	for _, id := range []string{"node-a/.", "node-a/..", "node-a/", "/v", "node-a", "node-a/a/b"} {
+		if _, _, ok := parseID(id); ok {
+			t.Errorf("parseID(%q) took it", id)
+		}
 	}
 }
 

@@ -63,7 +63,7 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 		if err := cfg.ValidateController(); err != nil {
 			return nil, err
 		}
-		c, err := newController(cfg, l)
+		c, err := newController(cfg, l, d.rpcs)
 		if err != nil {
 			return nil, err
 		}
@@ -188,10 +188,15 @@ func (d *Driver) Stop() {
 	if m != nil {
 		m.Close()
 	}
+	if srv != nil {
+		srv.GracefulStop()
+	}
+	if d.ctrl != nil {
+		d.ctrl.close()
+	}
 	if srv == nil {
 		return
 	}
-	srv.GracefulStop()
 	if ua, ok := lis.Addr().(*net.UnixAddr); ok {
 		os.Remove(ua.Name)
 	}

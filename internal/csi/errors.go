@@ -5,7 +5,6 @@ package csi
 import (
 	"errors"
 	"fmt"
-	"sync"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -52,32 +51,6 @@ func grpcCode(err error) codes.Code {
 		return codes.ResourceExhausted
 	}
 	return codes.Internal
-}
-
-// inFlight are the keys (volume names and ids) with an operation under
-// way: another on the same key is Aborted, as the spec asks (the CO
-// retries it).
-type inFlight struct {
-	mu   sync.Mutex
-	keys map[string]bool
-}
-
-// lock marks key busy until the func it gives is called.
-func (f *inFlight) lock(key string) (func(), error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.keys[key] {
-		return nil, status.Errorf(codes.Aborted, "an operation on %s is already in progress", key)
-	}
-	if f.keys == nil {
-		f.keys = map[string]bool{}
-	}
-	f.keys[key] = true
-	return func() {
-		f.mu.Lock()
-		delete(f.keys, key)
-		f.mu.Unlock()
-	}, nil
 }
 
 func isCtl(err error) bool {

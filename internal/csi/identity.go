@@ -5,7 +5,6 @@ package csi
 
 import (
 	"context"
-	"errors"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -47,24 +46,12 @@ func (s *identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabili
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }
 
-// Probe: a controller is ready when at least one storage node answers,
-// a node when its rnbd-client does.
+// Probe: a controller is ready once it is made: storage nodes that do
+// not answer are its callers' trouble, each call's, not the driver's (a
+// liveness probe that restarted it during a storage outage would turn one
+// node's trouble into every volume's). A node plugin is ready when its
+// rnbd-client answers: without it, it can stage nothing.
 func (s *identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	if s.d.ctrl != nil {
-		var errs []error
-		ok := false
-		for _, n := range s.d.ctrl.nodes {
-			if _, err := n.pools(ctx); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			ok = true
-			break
-		}
-		if !ok {
-			return nil, status.Errorf(codes.FailedPrecondition, "no storage node answers: %v", errors.Join(errs...))
-		}
-	}
 	if s.d.node != nil {
 		if _, err := s.d.node.client.Sessions(ctx); err != nil {
 			return nil, status.Errorf(codes.FailedPrecondition, "this node's rnbd-client does not answer: %v", err)

@@ -38,6 +38,12 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "how the controller knows the workers a volume may be published to: `kubernetes`, the CSINode objects that register the driver with that node id (node-driver-registrar writes them from NodeGetInfo), listed with the controller's service account; `list`, the node ids in `names`; `any`, no check. A publish to a node id that is not a worker's is refused NotFound, not granted"},
 	{Table: "[workers]", Keys: []string{"names"}, Default: "none",
 		Doc: "the workers' node ids, for `source = \"list\"` (CSI without Kubernetes)"},
+	{Table: "[controller]", Keys: []string{"storage_timeout"}, Default: "5s",
+		Doc: "how long one call of the controller to a storage node may take; a node that does not answer within it is left out of that call (placement, listing, capacity: the nodes that answer serve it), and a call that needs that node fails Unavailable, which the CO retries"},
+	{Table: "[controller]", Keys: []string{"max_calls_per_node", "max_queued_per_node"}, Default: "16, 512",
+		Doc: "calls the controller has under way to one storage node at once, and how many more wait their turn (the wait is `rnbd_csi_storage_queue_wait_seconds`); one past both is refused Unavailable at once. Keep `max_calls_per_node` under the storage nodes' `[admin] max_requests_per_identity`"},
+	{Table: "[controller]", Keys: []string{"reconcile_interval"}, Default: "1m0s",
+		Doc: "how often the controller lists the storage nodes for the copies of one CSI name on two nodes (made while one did not answer) and reclaims the older ([kubernetes.md](kubernetes.md#a-storage-node-that-does-not-answer)); a node that answers again is looked at at once"},
 	{Table: "[kubernetes]", Keys: []string{"api_server", "token_file", "ca"}, Default: "the pod's own",
 		Doc: "the Kubernetes API server (`https://HOST:PORT`; unset, `KUBERNETES_SERVICE_HOST` and `_PORT`), the bearer token's file and the API server's authority (unset, the service account's), for `[workers] source = \"kubernetes\"` and `topology_from_node`; the token is read again at each call, as Kubernetes rotates it"},
 }

@@ -21,7 +21,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unsafe"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -32,6 +31,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -47,6 +47,10 @@ const (
 	PCFrontend    = "frontend"    // nbd or ublk ("": the client's default)
 	PCAccess      = "access"      // ro, rw or migration: what the node's identity was granted
 )
+
+// VCFsType is the volume context's key of the StorageClass's fsType:
+// the file system a stage makes where the capability names none.
+const VCFsType = "fsType"
 
 // NodeOptions are what the node service needs of its configuration.
 type NodeOptions struct {
@@ -73,7 +77,7 @@ type NodeServer struct {
 	mounter *mount.SafeFormatAndMount
 	resizer *mount.ResizeFs
 
-	busy inFlight // volume ids with an RPC under way
+	locks opLocks // volume ids with an RPC under way
 }
 
 // NewNodeServer makes the node service of opts.
@@ -88,10 +92,6 @@ func NewNodeServer(opts NodeOptions) *NodeServer {
 	return &NodeServer{opts: opts, client: api.NewClient(ctl.Dial(opts.ClientSocket)),
 		mounter: mount.NewSafeFormatAndMount(mount.New(""), ex), resizer: mount.NewResizeFs(ex)}
 }
-
-// lock takes volume id for one RPC; another under way is Aborted, as
-// the spec asks.
-func (n *NodeServer) lock(id string) (func(), error) { return n.busy.lock("volume " + id) }
 
 // NodeGetInfo implements csi.NodeServer.
 func (n *NodeServer) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
@@ -226,42 +226,41 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 	case vc.GetBlock() != nil:
 		s.block = true
 	case vc.GetMount() != nil:
+		// The capability's (csi.storage.k8s.io/fstype), else the
+		// StorageClass's fsType the controller kept in the volume's
+		// context, else ext4.
 		s.fsType = vc.GetMount().GetFsType()
+		if s.fsType == "" {
+			s.fsType = req.GetVolumeContext()[VCFsType]
+		}
 		if s.fsType == "" {
 			s.fsType = "ext4"
 		}
-		if s.fsType != "ext4" && s.fsType != "xfs" {
-			return s, status.Errorf(codes.InvalidArgument, "fsType %q: ext4 or xfs", s.fsType)
+		if !slices.Contains(fsTypes, s.fsType) {
+			return s, status.Errorf(codes.InvalidArgument, "fsType %q: %s", s.fsType, strings.Join(fsTypes, " or "))
 		}
 		s.mountFlags = vc.GetMount().GetMountFlags()
 	default:
 		return s, status.Error(codes.InvalidArgument, "volume_capability: neither block nor mount")
 	}
-	// The access the controller granted (a read-only publish, a
-	// reader mode: ro; multi-node writers: migration, RNBD's second
-	// writer), else what the access mode asks.
-	s.access = "rw"
-	if m := vc.GetAccessMode().GetMode(); m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY ||
-		m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
-		s.access = "ro"
-	}
+	// What the capability asks (accessFor, the controller's policy),
+	// else, where it asks more than ro, the access the controller
+	// granted (publish_context access: ro for a read-only publish,
+	// migration for a second writer).
+	s.access = accessFor(vc, false)
 	switch a := pc[PCAccess]; a {
 	case "":
-	case "ro", "rw":
-		if s.access != "ro" {
-			s.access = a
-		}
-	case "migration":
-		if !s.block {
+	case accessRO, accessRW, accessMigration:
+		if a == accessMigration && !s.block {
 			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: a second writer only for a raw block volume", PCAccess, a)
 		}
-		if s.access != "ro" {
+		if s.access != accessRO {
 			s.access = a
 		}
 	default:
 		return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: want ro, rw or migration", PCAccess, a)
 	}
-	s.readOnly = s.access == "ro"
+	s.readOnly = s.access == accessRO
 	return s, nil
 }
 
@@ -274,7 +273,7 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := n.lock(s.id)
+	unlock, err := n.locks.lockByVolumeID(s.id)
 	if err != nil {
 		return nil, err
 	}
@@ -392,7 +391,7 @@ func (n *NodeServer) refuseUnknownData(dev, id string) error {
 		return status.Errorf(codes.Internal, "%s: %v", dev, err)
 	}
 	defer f.Close()
-	size, err := deviceSize(dev)
+	size, err := blockdev.DeviceSize(dev)
 	if err != nil {
 		return status.Errorf(codes.Internal, "%s: %v", dev, err)
 	}
@@ -462,7 +461,7 @@ func (n *NodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if id == "" || staging == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id and staging_target_path are needed")
 	}
-	unlock, err := n.lock(id)
+	unlock, err := n.locks.lockByVolumeID(id)
 	if err != nil {
 		return nil, err
 	}
@@ -500,7 +499,7 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	case staging == "":
 		return nil, status.Error(codes.FailedPrecondition, "staging_target_path is missing: the volume is staged first")
 	}
-	unlock, err := n.lock(id)
+	unlock, err := n.locks.lockByVolumeID(id)
 	if err != nil {
 		return nil, err
 	}
@@ -579,7 +578,7 @@ func (n *NodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	if id == "" || target == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id and target_path are needed")
 	}
-	unlock, err := n.lock(id)
+	unlock, err := n.locks.lockByVolumeID(id)
 	if err != nil {
 		return nil, err
 	}
@@ -598,7 +597,7 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if id == "" || path == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id and volume_path are needed")
 	}
-	unlock, err := n.lock(id)
+	unlock, err := n.locks.lockByVolumeID(id)
 	if err != nil {
 		return nil, err
 	}
@@ -648,7 +647,7 @@ func (n *NodeServer) waitSize(ctx context.Context, path string, want int64) (int
 	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
 	for {
-		size, err := deviceSize(path)
+		size, err := blockdev.DeviceSize(path)
 		if err != nil {
 			return 0, status.Errorf(codes.Internal, "%s: %v", path, err)
 		}
@@ -667,20 +666,6 @@ func (n *NodeServer) waitSize(ctx context.Context, path string, want int64) (int
 	}
 }
 
-// deviceSize is a block device's size in bytes.
-func deviceSize(path string) (int64, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	var n uint64
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&n))); errno != 0 {
-		return 0, errno
-	}
-	return int64(n), nil
-}
-
 // NodeGetVolumeStats implements csi.NodeServer: bytes and inodes of a
 // mounted volume, a block volume's size.
 func (n *NodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
@@ -696,7 +681,7 @@ func (n *NodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	}
 	rsp := &csi.NodeGetVolumeStatsResponse{}
 	if !fi.IsDir() {
-		size, err := deviceSize(path)
+		size, err := blockdev.DeviceSize(path)
 		if err != nil {
 			return nil, status.Errorf(codes.Internal, "%s: %v", path, err)
 		}
@@ -733,7 +718,7 @@ func (n *NodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 // noPath says why volume id's session has no path connected ("" when
 // one is).
 func (n *NodeServer) noPath(ctx context.Context, id string) string {
-	storageNode, _, _ := strings.Cut(id, "/")
+	storageNode, _, _ := parseID(id)
 	rec, err := n.client.Session(ctx, n.sessName(storageNode))
 	if err != nil {
 		return fmt.Sprintf("rnbd-client: %v", err)

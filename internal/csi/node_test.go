@@ -80,7 +80,7 @@ func TestParseStage(t *testing.T) {
 		t.Fatalf("session names %q and %q", a, b)
 	}
 	// A second RPC on a volume under way: Aborted.
-	unlock, err := n.lock("sn1/pvc-1")
+	unlock, err := n.locks.lockByVolumeID("sn1/pvc-1")
 	if err != nil {
 		t.Fatal(err)
 	}

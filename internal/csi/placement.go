@@ -3,9 +3,16 @@
 package csi
 
 import (
+	"context"
+	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/rnbd/rnbd/internal/ctl"
 )
 
 // matches reports whether a storage node's labels fit a topology
@@ -78,4 +85,52 @@ func topologyOf(n *StorageNode) []*csi.Topology {
 		seg[k] = v
 	}
 	return []*csi.Topology{{Segments: seg}}
+}
+
+// candidates are the storage nodes a volume may go to, best first, from
+// those that answer (each asked at once); none is ResourceExhausted (no
+// room, or no node in the topology asked) or Unavailable (none of those
+// that could hold it answers).
+func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.TopologyRequirement, only *storageNode, size int64) ([]candidate, error) {
+	var why []string
+	var asked []*storageNode
+	for _, n := range c.nodes {
+		switch {
+		case only != nil && n != only:
+		case !eligible(n.cfg.Labels, ar):
+			why = append(why, n.cfg.Name+": not in the topology asked")
+		default:
+			if _, ok := p.pathsOn(n.cfg); !ok {
+				why = append(why, n.cfg.Name+": has not the paths asked")
+				continue
+			}
+			asked = append(asked, n)
+		}
+	}
+	var out []candidate
+	unreachable := 0
+	for _, r := range each(ctx, asked, func(ctx context.Context, n *storageNode) (int64, error) { return n.allocatable(ctx, p.poolOn(n.cfg)) }) {
+		switch {
+		case r.err != nil:
+			why = append(why, fmt.Sprintf("%s: %v", r.n.cfg.Name, r.err))
+			if ctl.Classify(r.err) == ctl.CodeUnavailable {
+				unreachable++
+				c.m.leftOut.WithLabelValues(r.n.cfg.Name, "CreateVolume").Inc()
+			}
+		case r.v < size:
+			why = append(why, fmt.Sprintf("%s: %d bytes allocatable", r.n.cfg.Name, r.v))
+		default:
+			out = append(out, candidate{node: r.n, allocatable: r.v, pref: preference(r.n.cfg.Labels, ar)})
+		}
+	}
+	if len(out) == 0 {
+		// Every node that could hold it did not answer: later, maybe.
+		code := codes.ResourceExhausted
+		if len(asked) > 0 && unreachable == len(asked) {
+			code = codes.Unavailable
+		}
+		return nil, status.Errorf(code, "no storage node for a volume of %d bytes: %s", size, strings.Join(why, "; "))
+	}
+	order(out)
+	return out, nil
 }

@@ -58,11 +58,15 @@ func (w WorkersConfig) validate() error {
 	return errors.Join(errs...)
 }
 
-// workers answers whether a node id is a worker's.
+// workers answers whether a node id is a worker's, and where it stands.
 type workers interface {
 	// has: the worker exists. An error is the look failing (the CO
 	// retries), not the worker missing.
 	has(ctx context.Context, nodeID string) (bool, error)
+	// topology is the worker's topology, the values of the keys it
+	// reported in NodeGetInfo; known false where the source cannot
+	// tell (then a publish is not held to it).
+	topology(ctx context.Context, nodeID string) (segs map[string]string, known bool, err error)
 	// String says where the workers were looked for.
 	String() string
 }
@@ -91,11 +95,19 @@ func (s nameSet) has(_ context.Context, id string) (bool, error) { return s[id],
 
 func (s nameSet) String() string { return "not one of [workers] names" }
 
+func (nameSet) topology(context.Context, string) (map[string]string, bool, error) {
+	return nil, false, nil
+}
+
 type anyWorker struct{}
 
 func (anyWorker) has(context.Context, string) (bool, error) { return true, nil }
 
 func (anyWorker) String() string { return "any node id is taken" }
+
+func (anyWorker) topology(context.Context, string) (map[string]string, bool, error) {
+	return nil, false, nil
+}
 
 // csiNodes looks the node id up among the cluster's CSINode objects:
 // a worker is one whose kubelet registered this driver with that node
@@ -112,6 +124,25 @@ func (k *csiNodes) String() string {
 }
 
 func (k *csiNodes) has(ctx context.Context, id string) (bool, error) {
+	n, _, err := k.find(ctx, id)
+	return n != "", err
+}
+
+// topology is the worker's topology: the keys its driver registered in
+// its CSINode, with the values its Node's labels give them (the kubelet
+// writes a registered plugin's topology onto its Node).
+func (k *csiNodes) topology(ctx context.Context, id string) (map[string]string, bool, error) {
+	node, keys, err := k.find(ctx, id)
+	if err != nil || node == "" {
+		return nil, false, err
+	}
+	labels, err := k.kube.nodeLabels(ctx, node, keys)
+	return labels, err == nil, err
+}
+
+// find is the name of the Node whose CSINode registers this driver with
+// node id id, and the topology keys it registered ("" if none does).
+func (k *csiNodes) find(ctx context.Context, id string) (node string, keys []string, err error) {
 	cont := ""
 	for {
 		q := url.Values{"limit": {fmt.Sprint(k.pageSize)}}
@@ -120,17 +151,17 @@ func (k *csiNodes) has(ctx context.Context, id string) (bool, error) {
 		}
 		var list storagev1.CSINodeList
 		if err := k.kube.get(ctx, "/apis/storage.k8s.io/v1/csinodes?"+q.Encode(), &list); err != nil {
-			return false, fmt.Errorf("listing CSINodes: %w", err)
+			return "", nil, fmt.Errorf("listing CSINodes: %w", err)
 		}
 		for _, n := range list.Items {
 			for _, d := range n.Spec.Drivers {
 				if d.Name == k.driverName && d.NodeID == id {
-					return true, nil
+					return n.Name, d.TopologyKeys, nil
 				}
 			}
 		}
 		if cont = list.Continue; cont == "" {
-			return false, nil
+			return "", nil, nil
 		}
 	}
 }

@@ -962,3 +962,26 @@ func (p *LVMThin) DeleteSnapshot(name string) error {
 }
 
 var _ Pool = (*LVMThin)(nil)
+
+// SetLabels replaces volume name's labels: its LV retagged in one
+// lvchange.
+func (p *LVMThin) SetLabels(name string, labels map[string]string) (Volume, error) {
+	if err := CheckName(name); err != nil {
+		return Volume{}, err
+	}
+	if err := checkLabels(labels); err != nil {
+		return Volume{}, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	f, err := p.get(kindVolume, name)
+	if err != nil {
+		return Volume{}, err
+	}
+	m := f.meta
+	m.Labels = maps.Clone(labels)
+	if err := p.retag(f.row, m); err != nil {
+		return p.volume(f.meta, f.row.Name), err
+	}
+	return p.volume(m, f.row.Name), nil
+}

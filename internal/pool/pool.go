@@ -36,6 +36,9 @@ type Pool interface {
 	Create(s Spec) (v Volume, created bool, err error)
 	// Resize grows a volume; smaller is EINVAL, the same size succeeds.
 	Resize(name string, size int64) (Volume, error)
+	// SetLabels replaces a volume's labels, at once (a crash leaves the
+	// old or the new).
+	SetLabels(name string, labels map[string]string) (Volume, error)
 	// Delete removes a volume; one that is not there is success.
 	// Whether a session has it open is the caller's to check.
 	Delete(name string) error

@@ -47,6 +47,7 @@ func (d *Daemon) routes() {
 		{api.SrvVolumeCreate, d.createVolume},
 		{api.SrvVolumeDelete, d.deleteVolume},
 		{api.SrvVolumeResize, d.resizeVolume},
+		{api.SrvVolumeLabels, d.setVolumeLabels},
 		{api.SrvVolumeGrants, d.listVolumeGrants},
 		{api.SrvVolumeGrant, d.addVolumeGrant},
 		{api.SrvVolumeRevoke, d.revokeVolumeGrant},

@@ -70,6 +70,14 @@ func (d *Daemon) resizeVolume(r *http.Request) (any, error) {
 	return api.ResizeResponse{Was: was, Now: n}, nil
 }
 
+func (d *Daemon) setVolumeLabels(r *http.Request) (any, error) {
+	var req api.LabelsRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	return nil, d.SetVolumeLabels(r.PathValue("name"), req.Labels)
+}
+
 func (d *Daemon) listSnapshots(r *http.Request) (any, error) {
 	return d.snapshotRecords("", r.URL.Query().Get("volume"))
 }

@@ -539,6 +539,29 @@ func (d *Daemon) ResizeVolume(name string, size int64) (was int64, err error) {
 	return old.Size, nil
 }
 
+// SetVolumeLabels replaces a volume's labels (the caller's, kept with
+// it in its pool).
+func (d *Daemon) SetVolumeLabels(name string, labels map[string]string) error {
+	if err := pool.CheckName(name); err != nil {
+		return err
+	}
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	v := d.volumes[name]
+	if v == nil {
+		return ctl.Errorf(ctl.CodeNotFound, "no volume %s", name)
+	}
+	p, err := d.poolOf(v.Pool)
+	if err != nil {
+		return err
+	}
+	if _, err := p.SetLabels(name, labels); err != nil {
+		return err
+	}
+	d.log.WithFields(log.Fields{"volume": name, "pool": v.Pool, "labels": len(labels)}).Info("volume labels set")
+	return nil
+}
+
 // CreateSnapshot takes a snapshot of a volume in its pool. Snapshot
 // names are the node's, across pools.
 func (d *Daemon) CreateSnapshot(req api.SnapshotRequest) (pool.Snapshot, bool, error) {

@@ -6,6 +6,7 @@ package blockdev
 
 import (
 	"fmt"
+	"os"
 	"syscall"
 	"time"
 
@@ -201,3 +202,19 @@ func (b *Backend) beginWrite() uint32 {
 }
 
 func (b *Backend) endWrite(g uint32) { b.wcnt[g].Add(-1) }
+
+// DeviceSize is the size in bytes of the block device at path (its
+// BLKGETSIZE64), for callers that only need to know it (rnbd-csi's node
+// service, growing a file system after the device grew).
+func DeviceSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	n, err := ioctlUint64(f, unix.BLKGETSIZE64)
+	if err != nil {
+		return 0, fmt.Errorf("blockdev: %s: BLKGETSIZE64: %w", path, err)
+	}
+	return int64(n), nil
+}

@@ -1,0 +1,93 @@
+// CreateSnapshot and DeleteSnapshot: a snapshot of a volume on its
+// storage node. Snapshot names are a storage node's across its pools,
+// and the driver's across the storage nodes.
+
+package csi
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/rnbd/rnbd/internal/api"
+)
+
+func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+	if req.GetName() == "" {
+		return nil, status.Error(codes.InvalidArgument, "no name")
+	}
+	if req.GetSourceVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "no source volume id")
+	}
+	for k := range req.GetParameters() {
+		if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
+			return nil, status.Errorf(codes.InvalidArgument, "unknown snapshot parameter %q: rnbd-csi takes none", k)
+		}
+	}
+	n, v, err := c.volumeOf(ctx, req.GetSourceVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := c.locks.lockBySnapshotName(req.GetName())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	sname := storageName(req.GetName())
+	// The snapshot name taken on another storage node, by a snapshot of
+	// another volume: AlreadyExists as the spec asks. A node that does
+	// not answer could have it: not made until it does.
+	for _, r := range each(ctx, c.nodes, func(ctx context.Context, o *storageNode) (*api.SnapshotRecord, error) {
+		if o == n {
+			return nil, nil
+		}
+		return o.snapshot(ctx, sname)
+	}) {
+		switch {
+		case r.n == n || isNotFound(r.err):
+		case r.err != nil:
+			return nil, toStatus(r.err, fmt.Sprintf("looking for snapshot %s on %s (a name is made once)", req.GetName(), r.n))
+		default:
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists on %s, of volume %s", req.GetName(), r.n, r.v.Volume)
+		}
+	}
+	rec, err := n.createSnapshot(ctx, sname, v.Name)
+	if err != nil {
+		return nil, toStatus(err, fmt.Sprintf("snapshot %s of volume %s", req.GetName(), req.GetSourceVolumeId()))
+	}
+	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(n, rec)}, nil
+}
+
+func csiSnapshot(n *storageNode, s api.SnapshotRecord) *csi.Snapshot {
+	out := &csi.Snapshot{SnapshotId: makeID(n.cfg.Name, s.Name), SourceVolumeId: makeID(n.cfg.Name, s.Volume), SizeBytes: s.Size, ReadyToUse: true}
+	if t, err := time.Parse(time.RFC3339Nano, s.Created); err == nil {
+		out.CreationTime = timestamppb.New(t)
+	}
+	return out
+}
+
+func (c *controller) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+	if req.GetSnapshotId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "no snapshot id")
+	}
+	nodeName, name, ok := parseID(req.GetSnapshotId())
+	n := c.node(nodeName)
+	if !ok || n == nil {
+		return &csi.DeleteSnapshotResponse{}, nil
+	}
+	unlock, err := c.locks.lockBySnapshotID(req.GetSnapshotId())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := n.deleteSnapshot(ctx, name); err != nil {
+		return nil, toStatus(err, "deleting snapshot "+req.GetSnapshotId())
+	}
+	return &csi.DeleteSnapshotResponse{}, nil
+}
