@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"path/filepath"
 	"testing"
@@ -9,6 +10,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -41,6 +43,12 @@ func TestBadInput(t *testing.T) {
 	vid := used.GetVolumeId()
 	cr := func(req int64) *csi.CapacityRange { return &csi.CapacityRange{RequiredBytes: req} }
 	missing := filepath.Join(t.TempDir(), "not-there")
+	// A volume of the storage node the driver did not make (no csi.name
+	// label): not the driver's to delete.
+	foreign := api.NewServer(r.admin["node-a"])
+	if _, err := foreign.CreateVolume(ctx, api.VolumeRequest{Name: "admins", Pool: "files", Size: "1MiB"}); err != nil {
+		t.Fatal(err)
+	}
 
 	for _, tc := range []struct {
 		rpc, what string
@@ -111,6 +119,28 @@ func TestBadInput(t *testing.T) {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-used", VolumeCapabilities: caps(rwo), CapacityRange: cr(128 << 20)})
 			return err
 		}, codes.AlreadyExists},
+		{"CreateVolume", "a name reused with a capacity range its size is in: the volume there", func() error {
+			v, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-used", VolumeCapabilities: caps(rwo),
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 32 << 20, LimitBytes: 128 << 20}})
+			if err == nil && (v.GetVolume().GetVolumeId() != vid || v.GetVolume().GetCapacityBytes() != 64<<20) {
+				err = fmt.Errorf("answered %v, not the volume there", v.GetVolume())
+			}
+			return err
+		}, codes.OK},
+		{"CreateVolume", "a name reused with a limit under its size", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-used", VolumeCapabilities: caps(rwo),
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 4096, LimitBytes: 32 << 20}})
+			return err
+		}, codes.AlreadyExists},
+		{"CreateVolume", "a file system rnbd-csi does not make", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(&csi.VolumeCapability{
+				AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ntfs"}}, AccessMode: rwo.GetAccessMode()})})
+			return err
+		}, codes.InvalidArgument},
+		{"CreateVolume", "a StorageClass fsType rnbd-csi does not make", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"fsType": "btrfs"}})
+			return err
+		}, codes.InvalidArgument},
 		{"CreateVolume", "a name reused with other parameters", func() error {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-used", VolumeCapabilities: caps(rwo), CapacityRange: cr(64 << 20),
 				Parameters: map[string]string{"mpathPolicy": "round-robin"}})
@@ -122,6 +152,10 @@ func TestBadInput(t *testing.T) {
 			_, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{})
 			return err
 		}, codes.InvalidArgument},
+		{"DeleteVolume", "a volume the driver did not make", func() error {
+			_, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "node-a/admins"})
+			return err
+		}, codes.FailedPrecondition},
 
 		// ControllerPublishVolume
 		{"ControllerPublishVolume", "no volume id", func() error {
@@ -174,6 +208,10 @@ func TestBadInput(t *testing.T) {
 		}, codes.NotFound},
 
 		// ControllerExpandVolume
+		{"ControllerExpandVolume", "below its size: a volume does not shrink", func() error {
+			_, err := r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: vid, CapacityRange: cr(32 << 20)})
+			return err
+		}, codes.OutOfRange},
 		{"ControllerExpandVolume", "no volume id", func() error {
 			_, err := r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{CapacityRange: cr(1 << 30)})
 			return err
@@ -337,6 +375,9 @@ func TestBadInput(t *testing.T) {
 	}
 	if g := r.grants(vid); len(g) != 0 {
 		t.Errorf("grants after bad input: %v", g)
+	}
+	if _, err := foreign.Volume(ctx, "admins"); err != nil {
+		t.Errorf("the volume the driver did not make, after a DeleteVolume of it: %v", err)
 	}
 	ls, err := r.cc.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
 	if err != nil || len(ls.GetEntries()) != 0 {

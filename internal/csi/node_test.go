@@ -73,6 +73,17 @@ func TestParseStage(t *testing.T) {
 			t.Errorf("access %q on %v: %q ro=%v (%v), want %q ro=%v", tc.access, tc.vc, s.access, s.readOnly, err, tc.want, tc.wantReadOnly)
 		}
 	}
+	// The file system: the capability's, else the StorageClass's fsType
+	// the controller kept in the volume context, else ext4.
+	for _, tc := range []struct{ capFs, vcFs, want string }{{"", "xfs", "xfs"}, {"ext4", "xfs", "ext4"}, {"", "", "ext4"}} {
+		vc := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: tc.capFs}},
+			AccessMode: rwoCap.GetAccessMode()}
+		s, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "sn1/pvc-1", StagingTargetPath: "/st", VolumeCapability: vc, PublishContext: pc,
+			VolumeContext: map[string]string{VCFsType: tc.vcFs}})
+		if err != nil || s.fsType != tc.want {
+			t.Errorf("capability fs %q, StorageClass fsType %q: %q (%v), want %q", tc.capFs, tc.vcFs, s.fsType, err, tc.want)
+		}
+	}
 	// A node id with dots (a host name): a session name without them,
 	// unique to it.
 	dotted := NewNodeServer(NodeOptions{NodeID: "host-a.example", ClientSocket: "/nonexistent"})
