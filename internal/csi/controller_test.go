@@ -88,8 +88,8 @@ type rigOptions struct {
 	// reflinks: the pools on a file system with reflinks (XFS on a loop
 	// device: root), where snapshots and clones are made.
 	reflinks bool
-	env    map[string][]string // by storage node name
-	edit   func(*Config)
+	env      map[string][]string // by storage node name
+	edit     func(*Config)
 }
 
 func newRigWith(t *testing.T, o rigOptions) *rig {
