@@ -62,21 +62,30 @@ func (r *adminRig) adminURL(path string) string {
 }
 
 // provisioner makes volumes (a list, a create, a delete, again) until
-// stop is closed, each request on a new connection, and gives the
-// latency of each answer, or fails the test with the first error.
+// stopped, each request on a new connection, and gives the latency of
+// each answer, or fails the test with the first error.
 type provisioner struct {
-	t    *testing.T
-	r    *adminRig
-	hc   *http.Client
-	mu   sync.Mutex
-	lat  []time.Duration
-	errs []string
-	done chan struct{}
+	t        *testing.T
+	r        *adminRig
+	hc       *http.Client
+	mu       sync.Mutex
+	lat      []time.Duration
+	errs     []string
+	stopOnce sync.Once
+	stopped  chan struct{}
+	done     chan struct{}
 }
 
-func (r *adminRig) startProvisioner(t *testing.T, stop <-chan struct{}) *provisioner {
+// startProvisioner starts a provisioner, stopped at the end of the test
+// at the latest.
+func (r *adminRig) startProvisioner(t *testing.T) *provisioner {
 	t.Helper()
-	p := &provisioner{t: t, r: r, hc: r.httpsClient(t, r.pki, "orch"), done: make(chan struct{})}
+	p := &provisioner{t: t, r: r, hc: r.httpsClient(t, r.pki, "orch"), stopped: make(chan struct{}), done: make(chan struct{})}
+	t.Cleanup(func() {
+		p.stop()
+		<-p.done
+	})
+	stop := p.stopped
 	go func() {
 		defer close(p.done)
 		for i := 0; ; i++ {
@@ -124,10 +133,29 @@ func (p *provisioner) do(method, path, body string) {
 	}
 }
 
+// stop stops the provisioner.
+func (p *provisioner) stop() { p.stopOnce.Do(func() { close(p.stopped) }) }
+
+// answers is how many answers the provisioner has had.
+func (p *provisioner) answers() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.lat)
+}
+
+// waitAnswers waits for n more answers of the provisioner: the window
+// an attack stands in.
+func (p *provisioner) waitAnswers(n int, beside string) {
+	p.t.Helper()
+	until := p.answers() + n
+	kit.WaitFor(p.t, 60*time.Second, fmt.Sprintf("%d answers of the provisioner beside %s", n, beside), func() bool { return p.answers() >= until })
+}
+
 // check waits for the provisioner to stop, prints its latencies, and
 // fails the test for an error or an answer slower than denialBound.
 func (p *provisioner) check(what string) {
 	p.t.Helper()
+	p.stop()
 	<-p.done
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -191,9 +219,8 @@ func closedByServer(c net.Conn, d time.Duration) bool {
 // socket once handshake_timeout has passed (or sooner, to make room).
 func TestAdminDenialIdleSockets(t *testing.T) {
 	r := newDenialRig(t)
-	stop := make(chan struct{})
-	p := r.startProvisioner(t, stop)
-	kit.WaitFor(t, 10*time.Second, "the provisioner's first answers", func() bool { p.mu.Lock(); defer p.mu.Unlock(); return len(p.lat) >= 3 })
+	p := r.startProvisioner(t)
+	p.waitAnswers(3, "nothing")
 	base := serverFDs(t, r.srv)
 
 	var socks []net.Conn
@@ -203,43 +230,52 @@ func TestAdminDenialIdleSockets(t *testing.T) {
 		}
 	}()
 	addr := fmt.Sprintf("127.0.0.1:%d", r.admin)
+	var closed atomic.Int64
+	var readers sync.WaitGroup
 	for i := range 500 {
 		c, err := r.fromAddr(2+i%20).Dial("tcp", addr)
 		if err != nil {
-			close(stop)
 			t.Fatalf("socket %d: %v", i, err)
 		}
 		socks = append(socks, c)
+		// Each socket's reader sees the server close it.
+		readers.Go(func() {
+			c.SetReadDeadline(time.Now().Add(30 * time.Second))
+			if _, err := io.Copy(io.Discard, c); !isTimeout(err) {
+				closed.Add(1)
+			}
+		})
 	}
-	// handshake_timeout (2 s) and as long again: every socket closed by
-	// the server meanwhile.
-	time.Sleep(4 * time.Second)
-	close(stop)
+	p.waitAnswers(30, "500 idle sockets")
+	// Every socket closed by the server: made way for newer ones, or
+	// past handshake_timeout (2 s).
 	p.check("500 idle sockets")
-	open := 0
-	for _, c := range socks {
-		if !closedByServer(c, 100*time.Millisecond) {
-			open++
-		}
-	}
-	if open > 0 {
-		t.Errorf("%d of 500 sockets that never handshook still open after 4 s", open)
-	}
+	kit.WaitFor(t, 10*time.Second, "the server to close the 500 sockets", func() bool { return closed.Load() == 500 })
 	for _, c := range socks {
 		c.Close()
 	}
+	readers.Wait()
 	socks = nil
 	waitFDs(t, r.srv, base)
 }
 
+// isTimeout reports whether err is a deadline's.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
 // TestAdminDenialReconnecting: 80 sockets from one address that never
-// handshake and connect again as soon as the server closes them, for
-// 4 s: the provisioner gets every answer in time.
+// handshake and connect again as soon as the server closes them, for as
+// long as the provisioner takes to get 30 answers, each in time.
 func TestAdminDenialReconnecting(t *testing.T) {
 	r := newDenialRig(t)
 	stop := make(chan struct{})
-	p := r.startProvisioner(t, stop)
-	kit.WaitFor(t, 10*time.Second, "the provisioner's first answers", func() bool { p.mu.Lock(); defer p.mu.Unlock(); return len(p.lat) >= 3 })
+	var stopOnce sync.Once
+	stopAttack := func() { stopOnce.Do(func() { close(stop) }) }
+	defer stopAttack()
+	p := r.startProvisioner(t)
+	p.waitAnswers(3, "nothing")
 	base := serverFDs(t, r.srv)
 
 	addr := fmt.Sprintf("127.0.0.1:%d", r.admin)
@@ -256,21 +292,32 @@ func TestAdminDenialReconnecting(t *testing.T) {
 				}
 				c, err := d.Dial("tcp", addr)
 				if err != nil {
-					time.Sleep(10 * time.Millisecond)
-					continue
+					continue // the listen queue full: at once again
 				}
 				dials.Add(1)
-				go func() { <-stop; c.Close() }()
-				io.Copy(io.Discard, c) // until the server closes it, or stop
+				// Until the server closes it (or the test stops).
+				for {
+					c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+					_, err := c.Read(make([]byte, 1))
+					if err == nil || !isTimeout(err) {
+						break
+					}
+					select {
+					case <-stop:
+						c.Close()
+						return
+					default:
+					}
+				}
 				c.Close()
 			}
 		})
 	}
-	time.Sleep(4 * time.Second)
-	close(stop)
+	p.waitAnswers(30, "80 reconnecting sockets")
+	stopAttack()
 	wg.Wait()
 	p.check("80 reconnecting sockets")
-	t.Logf("80 reconnecting sockets: %d connections in 4 s", dials.Load())
+	t.Logf("80 reconnecting sockets: %d connections", dials.Load())
 	waitFDs(t, r.srv, base)
 }
 
@@ -350,8 +397,7 @@ func TestAdminDenialKeptAlive(t *testing.T) {
 	}
 	t.Logf("64 connections of host-a (no role): %d answered, %d refused unavailable", ok, refused)
 
-	stop := make(chan struct{})
-	p := r.startProvisioner(t, stop)
+	p := r.startProvisioner(t)
 	// A reader's new connection is served beside them.
 	mon := r.httpsClient(t, r.pki, "mon")
 	resp, err := mon.Get(r.adminURL("/v1/exports"))
@@ -363,8 +409,7 @@ func TestAdminDenialKeptAlive(t *testing.T) {
 			t.Errorf("a reader's GET beside 64 idle connections of host-a: %s", resp.Status)
 		}
 	}
-	time.Sleep(3 * time.Second)
-	close(stop)
+	p.waitAnswers(30, "64 kept-alive connections of host-a")
 	p.check("64 kept-alive connections with no role")
 	open := 0
 	for _, c := range conns {
@@ -391,8 +436,11 @@ func TestAdminDenialKeptAlive(t *testing.T) {
 func TestAdminDenialSlowHeaders(t *testing.T) {
 	r := newDenialRig(t)
 	stop := make(chan struct{})
-	p := r.startProvisioner(t, stop)
-	kit.WaitFor(t, 10*time.Second, "the provisioner's first answers", func() bool { p.mu.Lock(); defer p.mu.Unlock(); return len(p.lat) >= 3 })
+	var stopOnce sync.Once
+	stopAttack := func() { stopOnce.Do(func() { close(stop) }) }
+	defer stopAttack()
+	p := r.startProvisioner(t)
+	p.waitAnswers(3, "nothing")
 	base := serverFDs(t, r.srv)
 
 	var wg sync.WaitGroup
@@ -433,7 +481,7 @@ func TestAdminDenialSlowHeaders(t *testing.T) {
 			}
 		})
 	}
-	time.Sleep(2 * time.Second)
+	kit.WaitFor(t, 60*time.Second, "the 500 slow headers begun", func() bool { return made.Load()+dialErrs.Load() >= 250 })
 	// The reader's own request, beside its slow ones.
 	mon := r.httpsClient(t, r.pki, "mon")
 	t0 := time.Now()
@@ -447,11 +495,13 @@ func TestAdminDenialSlowHeaders(t *testing.T) {
 		}
 		t.Logf("the reader's GET beside its slow headers: %v", time.Since(t0).Round(time.Millisecond))
 	}
-	time.Sleep(2 * time.Second)
-	close(stop)
+	p.waitAnswers(30, "slow headers")
+	kit.WaitFor(t, 60*time.Second, "the 500 slow headers begun", func() bool { return made.Load()+dialErrs.Load() >= 500 })
+	stopAttack()
 	wg.Wait()
 	p.check("500 slow headers of a reader")
 	t.Logf("slow headers: %d connections made, %d not", made.Load(), dialErrs.Load())
+
 	waitFDs(t, r.srv, base)
 }
 
