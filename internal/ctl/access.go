@@ -361,5 +361,5 @@ func bodyLimit(r *http.Request) int64 {
 
 // bodyTooLarge is the error of a body over limit bytes.
 func bodyTooLarge(limit int64) error {
-	return Errorf(CodeInvalid, "request body larger than %d bytes, the most the control API takes (max_body_size)", limit)
+	return Errorf(CodeInvalid, "request body larger than %d bytes, the most the control API takes", limit)
 }

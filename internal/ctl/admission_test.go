@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/rnbd/rnbd/test/kit"
 )
 
@@ -409,4 +411,31 @@ func TestAccessNamesOfDifferentRoles(t *testing.T) {
 	if !r.log.has(map[string]string{"identity": "paul", "method": "POST", "result": "ok", "role": "provisioner"}) {
 		t.Errorf("no audit line of the provisioner by the name paul:\n%s", r.log.buf.String())
 	}
+}
+
+// TestAccessNoLeaks: after handshakes that never end, connections
+// closed to make room, refused, or cut short in their header, and the
+// server's Close, no goroutine of the listener is left.
+func TestAccessNoLeaks(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	// Registered first, run last: after the rig's Close.
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
+	r := newAccessRig(t, Access{MaxConnections: 2, MaxHandshakes: 4, HandshakeTimeout: 5 * time.Second})
+	for i := range 6 {
+		r.dialFrom(t, 2+i%2)
+	}
+	slow := r.tlsFrom(t, 3, "nobody")
+	io.WriteString(slow, "GET /v1/discover HTTP/1.1\r\n")
+	c := r.client(t, r.ca, "rita")
+	if err := call(c, "GET", "/v1/things", nil); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	resp := rawGet(t, r.tlsFrom(t, 4, "nobody"), "/v1/discover")
+	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("nobody's GET: %s", resp.Status)
+	}
+	p := r.dialFrom(t, 5)
+	io.WriteString(p, "GET / HTTP/1.1\r\n\r\n")
+	readAll(p)
 }
