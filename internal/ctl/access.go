@@ -9,7 +9,6 @@ package ctl
 import (
 	"context"
 	"crypto/x509"
-	"errors"
 	"net/http"
 	"strings"
 	"sync"
@@ -72,6 +71,10 @@ func (r Role) Has(x Right) bool {
 	return false
 }
 
+// reserved reports whether r may take the connections of the TLS
+// listeners kept for the roles that change things: admin, provisioner.
+func (r Role) reserved() bool { return r == RoleAdmin || r == RoleProvisioner }
+
 func (r Role) String() string {
 	if r == RoleNone {
 		return "none"
@@ -85,8 +88,9 @@ const LocalIdentity = "local"
 
 // Caller is who sent a request.
 type Caller struct {
-	// Identity is the first name of the client certificate (as the
-	// fabric's session peers are named), or LocalIdentity.
+	// Identity is the name of the client certificate that gave its
+	// role, or its first name if none did (as the fabric's session
+	// peers are named), or LocalIdentity.
 	Identity string
 	// Names are all the certificate's names (tcp.CertNames): what
 	// roles and grants match. None for the unix socket.
@@ -96,6 +100,9 @@ type Caller struct {
 	Role   Role
 	// Local: the unix socket.
 	Local bool
+	// refused: a certificate refused at every request, as its names
+	// give different roles (Access.Roles).
+	refused error
 }
 
 type callerKey struct{}
@@ -124,9 +131,11 @@ type Access struct {
 	// needs; "" or a nil Rights: RightAdmin, so that a route no one
 	// thought of is safe.
 	Rights func(pattern string) Right
-	// Roles gives the role of a certificate's names (the widest of
-	// theirs); nil: none.
-	Roles func(names []string) Role
+	// Roles gives the role of a certificate's names and the name that
+	// gave it ("": none did); an error for names that give different
+	// roles, a certificate then refused at every request (nil Roles:
+	// no role).
+	Roles func(names []string) (role Role, by string, err error)
 	// Identify gives the names of a verified client certificate
 	// (tcp.CertNames: as the fabric names its peers).
 	Identify func(*x509.Certificate) []string
@@ -138,24 +147,35 @@ type Access struct {
 	// requests.
 	HandshakeTimeout, ReadHeaderTimeout, IdleTimeout time.Duration
 	// MaxConnections bounds the connections of the TLS listeners
-	// together, handshakes included; more are closed at once.
+	// together whose handshake is done; half is kept for admins and
+	// provisioners (admission.go). One more is refused unavailable.
 	MaxConnections int
+	// MaxHandshakesPerAddress bounds the TLS handshakes under way from
+	// one address (an IPv6 /64); one more is closed at once.
+	// MaxHandshakes bounds them all (0: 4 × MaxConnections); one more
+	// closes the oldest of the address with the most.
+	MaxHandshakesPerAddress, MaxHandshakes int
 	// MaxRequestsPerIdentity bounds the requests one identity has under
-	// way on the TLS listeners; one more is refused busy.
+	// way on the TLS listeners; one more is refused unavailable.
 	MaxRequestsPerIdentity int
 	// MaxBodySize bounds a request's body; a larger one is refused
 	// invalid_argument.
 	MaxBodySize int64
 }
 
-// Defaults of Access's bounds.
+// Defaults of Access's bounds. DefaultMaxRequestsPerIdentity is twice
+// what rnbd-csi's controller has under way on one storage node at most
+// (16): room for a second controller during a leader's handover, and no
+// more than the connections kept for admins and provisioners (half of
+// DefaultMaxConnections), so that one identity cannot hold them all.
 const (
-	DefaultHandshakeTimeout       = 10 * time.Second
-	DefaultReadHeaderTimeout      = 10 * time.Second
-	DefaultIdleTimeout            = 2 * time.Minute
-	DefaultMaxConnections         = 64
-	DefaultMaxRequestsPerIdentity = 8
-	DefaultMaxBodySize            = 1 << 20
+	DefaultHandshakeTimeout        = 2 * time.Second
+	DefaultReadHeaderTimeout       = 10 * time.Second
+	DefaultIdleTimeout             = 2 * time.Minute
+	DefaultMaxConnections          = 64
+	DefaultMaxHandshakesPerAddress = 32
+	DefaultMaxRequestsPerIdentity  = 32
+	DefaultMaxBodySize             = 1 << 20
 )
 
 // DefaultAdminPort is the admin listener's port where an address names
@@ -177,6 +197,12 @@ func (s *Server) SetAccess(a Access) {
 	if a.MaxConnections <= 0 {
 		a.MaxConnections = DefaultMaxConnections
 	}
+	if a.MaxHandshakesPerAddress <= 0 {
+		a.MaxHandshakesPerAddress = DefaultMaxHandshakesPerAddress
+	}
+	if a.MaxHandshakes <= 0 {
+		a.MaxHandshakes = 4 * a.MaxConnections
+	}
 	if a.MaxRequestsPerIdentity <= 0 {
 		a.MaxRequestsPerIdentity = DefaultMaxRequestsPerIdentity
 	}
@@ -184,6 +210,7 @@ func (s *Server) SetAccess(a Access) {
 		a.MaxBodySize = DefaultMaxBodySize
 	}
 	s.access = a
+	s.adm.setBounds(a)
 }
 
 // rightOf is the right pattern needs.
@@ -207,6 +234,10 @@ func mutating(method string) bool {
 // slot, and writes the audit line of a mutating or refused request.
 func (s *Server) admit(pattern string, h Handler, r *http.Request) (any, error) {
 	c := CallerOf(r)
+	if c.refused != nil {
+		s.audit(c, r, c.refused)
+		return nil, c.refused
+	}
 	need := s.rightOf(pattern)
 	if !c.Role.Has(need) {
 		err := Errorf(CodePermission, "identity %s (role %s) may not %s %s: the route needs the %s right, which roles %s have",
@@ -222,9 +253,14 @@ func (s *Server) admit(pattern string, h Handler, r *http.Request) (any, error) 
 		}
 		defer release()
 	}
-	if s.access.MaxBodySize > 0 && r.Body != nil {
-		r.Body = http.MaxBytesReader(nil, r.Body, s.access.MaxBodySize)
+	limit := s.access.MaxBodySize
+	if limit <= 0 {
+		limit = DefaultMaxBodySize
 	}
+	if r.Body != nil {
+		r.Body = http.MaxBytesReader(nil, r.Body, limit)
+	}
+	r = r.WithContext(context.WithValue(r.Context(), bodyLimitKey{}, limit))
 	v, err := h(r)
 	if mutating(r.Method) {
 		s.audit(c, r, err)
@@ -265,13 +301,18 @@ func (s *Server) audit(c Caller, r *http.Request, err error) {
 }
 
 // auditConn logs the audit line of a connection refused before any
-// request: a handshake without a certificate, with an untrusted one, one
-// over the bound on connections. Rate limited: anyone can connect.
-func (s *Server) auditConn(remote, identity, result, why string) {
+// request: a handshake without a certificate, with an untrusted one, in
+// an older TLS or none, one over the bounds on handshakes or
+// connections (with the identity and role it proved, if it did). Rate
+// limited: anyone can connect.
+func (s *Server) auditConn(remote, identity, role, result, why string) {
 	if s.access.Log == nil {
 		return
 	}
 	f := log.Fields{"identity": identity, "remote": remote, "method": "CONNECT", "object": "tls", "result": result, "error": why}
+	if role != "" {
+		f["role"] = role
+	}
 	s.connLog.Log(s.access.Log.WithFields(f), log.WarnLevel, AuditMsg)
 }
 
@@ -290,8 +331,10 @@ func (sl *slots) take(identity string, max int) (release func(), err error) {
 		sl.n = map[string]int{}
 	}
 	if max > 0 && sl.n[identity] >= max {
-		return nil, Errorf(CodeBusy, "identity %s has %d requests under way, the most the admin listener allows one identity "+
-			"(max_requests_per_identity): wait for them, or try again", identity, sl.n[identity])
+		e := Errorf(CodeUnavailable, "identity %s has %d requests under way, the most the admin listener allows one identity "+
+			"(max_requests_per_identity): try again when one has ended", identity, sl.n[identity])
+		e.retryAfter = retryAfterSeconds
+		return nil, e
 	}
 	sl.n[identity]++
 	return func() {
@@ -303,11 +346,20 @@ func (sl *slots) take(identity string, max int) (release func(), err error) {
 	}, nil
 }
 
-// bodyTooLarge turns a body over MaxBodySize into a clear error.
-func bodyTooLarge(err error) error {
-	var mb *http.MaxBytesError
-	if errors.As(err, &mb) {
-		return Errorf(CodeInvalid, "request body larger than %d bytes, the most the control API takes", mb.Limit)
+// bodyLimitKey is the context key of the bound admit put on a
+// request's body (MaxBodySize).
+type bodyLimitKey struct{}
+
+// bodyLimit is the bound on r's body: admit's, or DefaultMaxBodySize
+// for a request that did not pass it.
+func bodyLimit(r *http.Request) int64 {
+	if n, ok := r.Context().Value(bodyLimitKey{}).(int64); ok && n > 0 {
+		return n
 	}
-	return nil
+	return DefaultMaxBodySize
+}
+
+// bodyTooLarge is the error of a body over limit bytes.
+func bodyTooLarge(limit int64) error {
+	return Errorf(CodeInvalid, "request body larger than %d bytes, the most the control API takes", limit)
 }

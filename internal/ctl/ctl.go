@@ -23,8 +23,11 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
+
+	kjson "sigs.k8s.io/json"
 
 	"github.com/rnbd/rnbd/pkg/log"
 )
@@ -107,6 +110,9 @@ type Error struct {
 	Message string `json:"error"`
 	// err is what it wraps, on the client's side (ErrNotRunning).
 	err error
+	// retryAfter, if not 0, is the seconds the answer's Retry-After
+	// gives: a refusal by a bound, which frees soon.
+	retryAfter int
 }
 
 func (e *Error) Error() string { return e.Message }
@@ -175,8 +181,16 @@ type Server struct {
 	access Access
 	remote []*tlsListener
 	slots  slots
+	// adm counts the TLS listeners' handshakes and connections
+	// (admission.go).
+	adm admission
 	// connLog bounds the lines of refused connections.
 	connLog log.Limiter
+	// conflicts are the certificates whose names give different
+	// roles that were warned of (remote.go).
+	conflictMu sync.Mutex
+	// +checklocks:conflictMu
+	conflicts map[string]bool
 	// patterns are the routes, as Handle was given them.
 	patterns []string
 }
@@ -248,10 +262,14 @@ type Handler func(r *http.Request) (any, error)
 func (s *Server) Handle(pattern string, h Handler) {
 	s.patterns = append(s.patterns, pattern)
 	s.mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
+		defer s.busy(r)()
 		v, err := s.admit(pattern, h, r)
 		w.Header().Set("Content-Type", "application/json")
 		if err != nil {
 			code := Classify(err)
+			if ce, ok := errors.AsType[*Error](err); ok && ce.retryAfter > 0 {
+				w.Header().Set("Retry-After", strconv.Itoa(ce.retryAfter))
+			}
 			w.WriteHeader(codeStatus[code])
 			json.NewEncoder(w).Encode(&Error{Code: code, Message: err.Error()})
 			return
@@ -296,15 +314,44 @@ func (s *Server) Close() error {
 	return err
 }
 
-// Decode reads a JSON request body into v; a bad body is CodeInvalid.
+// Decode reads a JSON request body into v, strictly: one JSON object
+// and nothing after it, each key exactly a field's name (as the
+// records and docs/control-api.md spell it, case included) and given
+// once. A bad body is CodeInvalid, saying what was wrong; one past the
+// bound on bodies (max_body_size) says so, whatever it holds.
 func Decode(r *http.Request, v any) error {
-	dec := json.NewDecoder(io.LimitReader(r.Body, DefaultMaxBodySize))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		if e := bodyTooLarge(err); e != nil {
-			return e
-		}
+	limit := bodyLimit(r)
+	b, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if _, ok := errors.AsType[*http.MaxBytesError](err); ok || int64(len(b)) > limit {
+		return bodyTooLarge(limit)
+	}
+	if err != nil {
+		return Errorf(CodeInvalid, "reading the request body: %v", err)
+	}
+	return decodeStrict(b, v)
+}
+
+// decodeStrict decodes b, a whole request body, into v, refusing what
+// encoding/json lets by: a key given twice (the last would win), a key
+// that matches a field's name only without regard to case, and
+// anything but white space after the object; and, as it does with
+// DisallowUnknownFields, a key no field has.
+func decodeStrict(b []byte, v any) error {
+	// JSON's white space, not Unicode's.
+	if t := bytes.TrimLeft(b, " \t\r\n"); len(t) == 0 || t[0] != '{' {
+		return Errorf(CodeInvalid, "bad request body: want a JSON object")
+	}
+	strict, err := kjson.UnmarshalStrict(b, v)
+	if err != nil {
 		return Errorf(CodeInvalid, "bad request body: %v", err)
+	}
+	if len(strict) > 0 {
+		msgs := make([]string, len(strict))
+		for i, e := range strict {
+			msgs[i] = e.Error()
+		}
+		return Errorf(CodeInvalid, "bad request body: %s (keys are given once each, spelt as docs/control-api.md gives them, lower case)",
+			strings.Join(msgs, "; "))
 	}
 	return nil
 }
@@ -346,23 +393,23 @@ func DialTLS(base string, tc *tls.Config) (*Client, error) {
 	}
 	c := tc.Clone()
 	c.MinVersion, c.MaxVersion = tls.VersionTLS13, tls.VersionTLS13
-	tr := &http.Transport{TLSClientConfig: c, TLSHandshakeTimeout: DefaultHandshakeTimeout, ForceAttemptHTTP2: false,
+	tr := &http.Transport{TLSClientConfig: c, TLSHandshakeTimeout: clientHandshakeTimeout, ForceAttemptHTTP2: false,
 		MaxIdleConnsPerHost: 2, IdleConnTimeout: 30 * time.Second}
 	base = "https://" + u.Host
 	return &Client{path: base, base: base, hc: &http.Client{Transport: tr}, remote: true}, nil
 }
 
-// Close closes the client's idle kept-alive connections; it may still
-// be used (a request opens a new one).
+// Broken is a client whose every request fails with err: one whose
+// set-up (TLS files) did not work, so that commands fail where they talk.
+func Broken(err error) *Client { return &Client{err: err} }
+
+// Close closes the client's idle connections; requests after it open
+// new ones.
 func (c *Client) Close() {
 	if c.hc != nil {
 		c.hc.CloseIdleConnections()
 	}
 }
-
-// Broken is a client whose every request fails with err: one whose
-// set-up (TLS files) did not work, so that commands fail where they talk.
-func Broken(err error) *Client { return &Client{err: err} }
 
 // Do sends a request with body (encoded as JSON if not nil) and decodes
 // the answer into out (if not nil). A daemon that is not running is
@@ -398,7 +445,12 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 		}
 		return Errorf(CodeUnavailable, "control socket %s: %v", c.path, err)
 	}
-	defer resp.Body.Close()
+	defer func() {
+		// Read to its end, so that the connection is kept for the
+		// next request rather than closed.
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+	}()
 	if resp.StatusCode != http.StatusOK {
 		var e Error
 		if json.NewDecoder(resp.Body).Decode(&e) != nil || e.Code == "" {

@@ -1,16 +1,25 @@
 // The control API on TCP: TLS 1.3 only, a client certificate of the CA
-// required, handshakes done before a connection reaches HTTP (bounded in
-// time and in number), and the caller named by its certificate.
+// required, handshakes done before a connection reaches HTTP, and the
+// caller named by its certificate. What a peer can hold is bounded in
+// two stages (docs/control-api.md, "Bounds"): a socket still
+// handshaking has proved nothing, and is bounded by its address and by
+// a short deadline; a connection that proved an identity counts against
+// max_connections, of which the roles other than admin and provisioner
+// may hold only their share (admission.go).
 
 package ctl
 
 import (
+	"bufio"
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -24,6 +33,16 @@ var errNoClientCert = errors.New("the client presented no certificate (the admin
 // errNoIdentity refuses a client certificate that names no identity.
 var errNoIdentity = errors.New("the client certificate names no identity (no common name, no DNS, URI or e-mail name)")
 
+// clientHandshakeTimeout bounds a client's TLS handshake (DialTLS): more
+// than a server allows, so that the server's bound is the one a slow
+// network meets.
+const clientHandshakeTimeout = 10 * time.Second
+
+// refuseWait is how long a connection refused after its handshake (past
+// max_connections) has to send its request's header, which is answered
+// unavailable, before it is closed without an answer.
+const refuseWait = time.Second
+
 // ListenTLS listens on addr (HOST:PORT) for the control API in TLS 1.3:
 // tc has the server's certificate and the CA of clients (ClientCAs),
 // each of which must present a certificate it verifies that names an
@@ -32,6 +51,9 @@ var errNoIdentity = errors.New("the client certificate names no identity (no com
 func (s *Server) ListenTLS(addr string, tc *tls.Config) (net.Addr, error) {
 	if tc == nil || tc.ClientCAs == nil {
 		return nil, fmt.Errorf("admin listener %s: no CA for client certificates: the control API is never served on the network without them", addr)
+	}
+	if s.access.MaxConnections <= 0 {
+		s.SetAccess(s.access) // the default bounds
 	}
 	c := tc.Clone()
 	c.MinVersion, c.MaxVersion = tls.VersionTLS13, tls.VersionTLS13
@@ -50,17 +72,36 @@ func (s *Server) ListenTLS(addr string, tc *tls.Config) (net.Addr, error) {
 		}
 		return nil
 	}
+	// The versions a client offers, for the audit line of one that
+	// offers no TLS 1.3 (the handshake's error does not say).
+	prev := c.GetConfigForClient
+	c.GetConfigForClient = func(chi *tls.ClientHelloInfo) (*tls.Config, error) {
+		if hc, ok := chi.Conn.(*helloConn); ok {
+			hc.versions = slices.Clone(chi.SupportedVersions)
+		}
+		if prev != nil {
+			return prev(chi)
+		}
+		return nil, nil
+	}
 	raw, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("admin listener %s: %w", addr, err)
 	}
-	l := &tlsListener{Listener: raw, s: s, tc: c, conns: make(chan net.Conn),
-		slots: make(chan struct{}, s.access.MaxConnections), done: make(chan struct{})}
+	l := &tlsListener{Listener: raw, s: s, tc: c, conns: make(chan net.Conn), done: make(chan struct{})}
 	l.ctx, l.cancel = context.WithCancel(context.Background())
 	l.hs = &http.Server{Handler: s.mux, ReadHeaderTimeout: s.access.ReadHeaderTimeout, IdleTimeout: s.access.IdleTimeout,
 		MaxHeaderBytes: 64 << 10,
 		ConnContext: func(ctx context.Context, nc net.Conn) context.Context {
-			return withCaller(ctx, s.callerOf(nc))
+			if ac, ok := nc.(*authConn); ok {
+				return withCaller(context.WithValue(ctx, connKey{}, ac), ac.caller)
+			}
+			return withCaller(ctx, &Caller{Remote: nc.RemoteAddr().String()})
+		},
+		ConnState: func(nc net.Conn, st http.ConnState) {
+			if ac, ok := nc.(*authConn); ok {
+				s.adm.state(ac, st)
+			}
 		},
 	}
 	s.remote = append(s.remote, l)
@@ -78,23 +119,60 @@ func (s *Server) names(cs tls.ConnectionState) []string {
 	return s.access.Identify(cs.PeerCertificates[0])
 }
 
-// callerOf is the caller of a connection of a TLS listener (handshake
-// done).
-func (s *Server) callerOf(nc net.Conn) *Caller {
-	c := &Caller{Remote: nc.RemoteAddr().String()}
-	if sc, ok := nc.(*slotConn); ok {
-		nc = sc.Conn
+// callerOf is the caller of a TLS connection whose handshake is done:
+// its names, its role and the name that gave it (Access.Roles). A
+// certificate whose names give different roles is refused at every
+// request; the first time it is seen, a warning says so.
+func (s *Server) callerOf(tc *tls.Conn, remote string) *Caller {
+	c := &Caller{Remote: remote, Names: s.names(tc.ConnectionState())}
+	if len(c.Names) == 0 {
+		return c
 	}
-	if tc, ok := nc.(*tls.Conn); ok {
-		c.Names = s.names(tc.ConnectionState())
+	c.Identity = c.Names[0]
+	if s.access.Roles == nil {
+		return c
 	}
-	if len(c.Names) > 0 {
-		c.Identity = c.Names[0]
+	role, by, err := s.access.Roles(c.Names)
+	if err != nil {
+		c.refused = Errorf(CodePermission, "the client certificate (%s) is refused: %v", strings.Join(c.Names, ", "), err)
+		s.conflictSeen(c.Names, remote, err)
+		return c
 	}
-	if s.access.Roles != nil && len(c.Names) > 0 {
-		c.Role = s.access.Roles(c.Names)
+	c.Role = role
+	if by != "" {
+		c.Identity = by
 	}
 	return c
+}
+
+// maxConflictsRemembered bounds the certificates whose conflict was
+// warned of: past it, each sight is warned of again (rate limited).
+const maxConflictsRemembered = 1024
+
+// conflictSeen warns, the first time, of a certificate whose names give
+// different roles.
+func (s *Server) conflictSeen(names []string, remote string, err error) {
+	key := strings.Join(names, "\x00")
+	s.conflictMu.Lock()
+	seen := s.conflicts[key]
+	if !seen && len(s.conflicts) < maxConflictsRemembered {
+		if s.conflicts == nil {
+			s.conflicts = map[string]bool{}
+		}
+		s.conflicts[key] = true
+	}
+	full := len(s.conflicts) >= maxConflictsRemembered
+	s.conflictMu.Unlock()
+	if seen {
+		return
+	}
+	e := s.logEntry().WithFields(log.Fields{"names": strings.Join(names, ","), "remote": remote, "error": err.Error()})
+	const msg = "admin listener: a client certificate whose names give different roles: every request of it is refused"
+	if full {
+		s.connLog.Log(e, log.WarnLevel, msg)
+		return
+	}
+	e.Warn(msg)
 }
 
 // RemoteAddrs are the addresses the TLS listeners are bound to.
@@ -106,16 +184,15 @@ func (s *Server) RemoteAddrs() []net.Addr {
 	return out
 }
 
-// tlsListener hands http.Server connections whose TLS handshake is done:
-// each handshake in a goroutine of its own with a deadline, at most
-// MaxConnections connections (handshaking or not) at once.
+// tlsListener hands http.Server connections whose TLS handshake is done
+// and which the admission took: each handshake in a goroutine of its
+// own with a deadline.
 type tlsListener struct {
 	net.Listener
 	s     *Server
 	tc    *tls.Config
 	hs    *http.Server
 	conns chan net.Conn
-	slots chan struct{}
 	done  chan struct{}
 	// ctx ends the handshakes under way when the listener closes.
 	ctx    context.Context
@@ -155,56 +232,120 @@ func (l *tlsListener) accept() {
 			}
 			continue
 		}
-		select {
-		case l.slots <- struct{}{}:
-		default:
-			l.s.auditConn(raw.RemoteAddr().String(), "", string(CodeBusy),
-				fmt.Sprintf("%d connections already (max_connections): connection closed", cap(l.slots)))
+		p, victim, why := l.s.adm.startHandshake(raw)
+		if victim != nil {
+			victim.Close()
+			l.s.connLog.Log(l.s.logEntry().WithFields(log.Fields{"remote": victim.RemoteAddr().String(), "handshakes": l.s.adm.maxHandshakes}),
+				log.InfoLevel, "admin listener: TLS handshake not done when newer ones needed its place, connection closed")
+		}
+		if why != "" {
+			l.s.auditConn(raw.RemoteAddr().String(), "", "", string(CodeUnavailable), why+": connection closed")
 			raw.Close()
 			continue
 		}
 		l.wg.Add(1)
-		go l.handshake(raw)
+		go l.handshake(raw, p)
 	}
 }
 
-// handshake runs the TLS handshake of raw and hands the connection to
-// Accept, or says why it was refused.
-func (l *tlsListener) handshake(raw net.Conn) {
+// helloConn is a connection in its handshake, with the TLS versions its
+// client offered.
+type helloConn struct {
+	net.Conn
+	versions []uint16
+}
+
+// handshake runs the TLS handshake of raw, admits the connection (or
+// refuses it) and hands it to Accept, or says why it was refused.
+func (l *tlsListener) handshake(raw net.Conn, p *pending) {
 	defer l.wg.Done()
-	tc := tls.Server(raw, l.tc)
+	hc := &helloConn{Conn: raw}
+	tc := tls.Server(hc, l.tc)
 	ctx, cancel := context.WithTimeout(l.ctx, l.s.access.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
 	if err != nil {
-		l.refused(raw, tc, err)
+		evicted := l.s.adm.endHandshake(p)
+		if !evicted {
+			l.refused(raw, hc, err)
+		}
 		raw.Close()
-		<-l.slots
 		return
 	}
-	c := &slotConn{Conn: tc, release: func() { <-l.slots }}
+	remote := raw.RemoteAddr().String()
+	ac := &authConn{Conn: tc, raw: raw, adm: &l.s.adm}
+	ac.caller = l.s.callerOf(tc, remote)
+	ac.low = !ac.caller.Role.reserved() || ac.caller.refused != nil
+	victim, why := l.s.adm.admit(p, ac)
+	if victim != nil {
+		victim.raw.Close()
+		l.s.connLog.Log(l.s.logEntry().WithFields(log.Fields{"remote": victim.caller.Remote, "identity": victim.caller.Identity,
+			"role": victim.caller.Role.String()}), log.InfoLevel,
+			"admin listener: an idle connection of a role other than admin and provisioner closed, to make room for a new one (max_connections)")
+	}
+	if why != "" {
+		if why != evictedHandshake {
+			l.s.auditConn(remote, ac.caller.Identity, ac.caller.Role.String(), string(CodeUnavailable), why)
+			answerRefused(tc, raw, why)
+		}
+		raw.Close()
+		l.s.adm.endHandshake(p)
+		return
+	}
 	select {
-	case l.conns <- c:
+	case l.conns <- ac:
 	case <-l.done:
-		c.Close()
+		ac.Close()
 	}
 }
 
+// answerRefused answers the request of a connection refused after its
+// handshake unavailable (503, Retry-After), if its header comes within
+// refuseWait, so that the client learns why and when to try again.
+func answerRefused(tc *tls.Conn, raw net.Conn, why string) {
+	raw.SetDeadline(time.Now().Add(refuseWait))
+	if _, err := http.ReadRequest(bufio.NewReader(io.LimitReader(tc, 64<<10))); err != nil {
+		return
+	}
+	body, _ := json.Marshal(&Error{Code: CodeUnavailable, Message: why + ": try again later"})
+	body = append(body, '\n')
+	fmt.Fprintf(tc, "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\nConnection: close\r\n"+
+		"Content-Length: %d\r\n\r\n%s", retryAfterSeconds, len(body), body)
+	// Whatever else the client sends is read, not left to make the
+	// close a reset that could lose the answer.
+	tc.CloseWrite()
+	io.Copy(io.Discard, io.LimitReader(tc, 1<<20))
+}
+
 // refused logs a failed handshake: an audit line where the server
-// refused the client's certificate, a plain line where the client went
+// refused the client (its certificate, a version of TLS older than 1.3,
+// a client that does not speak TLS), a plain line where the client went
 // away, was too slow, or refused ours.
-func (l *tlsListener) refused(raw net.Conn, tc *tls.Conn, err error) {
+func (l *tlsListener) refused(raw net.Conn, hc *helloConn, err error) {
 	remote := raw.RemoteAddr().String()
 	var cv *tls.CertificateVerificationError
+	var rh tls.RecordHeaderError
 	switch {
 	case errors.Is(err, errNoClientCert), errors.Is(err, errNoIdentity):
-		l.s.auditConn(remote, "", string(CodePermission), err.Error())
+		l.s.auditConn(remote, "", "", string(CodePermission), err.Error())
 	case errors.As(err, &cv):
 		claimed := ""
 		if len(cv.UnverifiedCertificates) > 0 {
 			claimed = strings.Join(certNames(l.s, cv), ",")
 		}
-		l.s.auditConn(remote, claimed, string(CodePermission), "the client certificate is not trusted: "+cv.Err.Error())
+		l.s.auditConn(remote, claimed, "", string(CodePermission), "the client certificate is not trusted: "+cv.Err.Error())
+	case errors.As(err, &rh):
+		l.s.auditConn(remote, "", "", string(CodePermission),
+			"the client does not speak TLS (plaintext HTTP?): the admin listener takes TLS 1.3 only, with a client certificate (https://)")
+		if rh.Conn != nil {
+			// As http.Server answers plaintext on its TLS port.
+			rh.Conn.SetWriteDeadline(time.Now().Add(time.Second))
+			io.WriteString(rh.Conn, "HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"+
+				"the admin listener takes TLS 1.3 only, with a client certificate: use https://\n")
+		}
+	case hc.versions != nil && !slices.Contains(hc.versions, tls.VersionTLS13):
+		l.s.auditConn(remote, "", "", string(CodePermission), fmt.Sprintf("the client offered %s only: the admin listener takes TLS 1.3 only",
+			versionNames(hc.versions)))
 	case l.ctx.Err() != nil:
 		// Closing.
 	case errors.Is(err, context.DeadlineExceeded):
@@ -214,6 +355,15 @@ func (l *tlsListener) refused(raw net.Conn, tc *tls.Conn, err error) {
 		l.s.connLog.Log(l.s.logEntry().WithFields(log.Fields{"remote": remote, "error": err.Error()}), log.InfoLevel,
 			"admin listener: TLS handshake failed")
 	}
+}
+
+// versionNames names TLS versions ("TLS 1.2, TLS 1.1").
+func versionNames(vs []uint16) string {
+	var s []string
+	for _, v := range vs {
+		s = append(s, tls.VersionName(v))
+	}
+	return strings.Join(s, ", ")
 }
 
 // certNames are the names an unverified certificate claims, for the
@@ -260,18 +410,5 @@ func (l *tlsListener) shutdown(ctx context.Context) error {
 	err := l.hs.Shutdown(ctx)
 	l.Close()
 	l.wg.Wait()
-	return err
-}
-
-// slotConn gives its slot back when closed.
-type slotConn struct {
-	net.Conn
-	once    sync.Once
-	release func()
-}
-
-func (c *slotConn) Close() error {
-	err := c.Conn.Close()
-	c.once.Do(c.release)
 	return err
 }

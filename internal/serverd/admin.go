@@ -49,21 +49,25 @@ type AdminConfig struct {
 	// by them.
 	ExportRoots []string `toml:"export_roots"`
 	// The bounds of the listener (ctl.Access).
-	HandshakeTimeout       Duration `toml:"handshake_timeout"`
-	IdleTimeout            Duration `toml:"idle_timeout"`
-	MaxConnections         int      `toml:"max_connections"`
-	MaxRequestsPerIdentity int      `toml:"max_requests_per_identity"`
-	MaxBodySize            Size     `toml:"max_body_size"`
+	HandshakeTimeout        Duration `toml:"handshake_timeout"`
+	ReadHeaderTimeout       Duration `toml:"read_header_timeout"`
+	IdleTimeout             Duration `toml:"idle_timeout"`
+	MaxConnections          int      `toml:"max_connections"`
+	MaxHandshakesPerAddress int      `toml:"max_handshakes_per_address"`
+	MaxRequestsPerIdentity  int      `toml:"max_requests_per_identity"`
+	MaxBodySize             Size     `toml:"max_body_size"`
 }
 
 // DefaultAdminConfig is [admin] unset: no listener, the bounds of ctl.
 func DefaultAdminConfig() AdminConfig {
 	return AdminConfig{
-		HandshakeTimeout:       Duration{Duration: ctl.DefaultHandshakeTimeout},
-		IdleTimeout:            Duration{Duration: ctl.DefaultIdleTimeout},
-		MaxConnections:         ctl.DefaultMaxConnections,
-		MaxRequestsPerIdentity: ctl.DefaultMaxRequestsPerIdentity,
-		MaxBodySize:            Size(ctl.DefaultMaxBodySize),
+		HandshakeTimeout:        Duration{Duration: ctl.DefaultHandshakeTimeout},
+		ReadHeaderTimeout:       Duration{Duration: ctl.DefaultReadHeaderTimeout},
+		IdleTimeout:             Duration{Duration: ctl.DefaultIdleTimeout},
+		MaxConnections:          ctl.DefaultMaxConnections,
+		MaxHandshakesPerAddress: ctl.DefaultMaxHandshakesPerAddress,
+		MaxRequestsPerIdentity:  ctl.DefaultMaxRequestsPerIdentity,
+		MaxBodySize:             Size(ctl.DefaultMaxBodySize),
 	}
 }
 
@@ -107,12 +111,13 @@ func AdminAddr(s string) (string, error) {
 // addresses are none of the fabric's nor the metrics', it has TLS, and
 // no identity has two roles.
 func (a AdminConfig) validate(c *Config) error {
-	if a.HandshakeTimeout.Duration < 100*time.Millisecond || a.IdleTimeout.Duration < time.Second {
-		return fmt.Errorf("[admin] handshake_timeout %v, idle_timeout %v: at least 100ms and 1s", a.HandshakeTimeout.Duration, a.IdleTimeout.Duration)
+	if a.HandshakeTimeout.Duration < 100*time.Millisecond || a.ReadHeaderTimeout.Duration < 100*time.Millisecond || a.IdleTimeout.Duration < time.Second {
+		return fmt.Errorf("[admin] handshake_timeout %v, read_header_timeout %v, idle_timeout %v: at least 100ms, 100ms and 1s",
+			a.HandshakeTimeout.Duration, a.ReadHeaderTimeout.Duration, a.IdleTimeout.Duration)
 	}
-	if a.MaxConnections < 1 || a.MaxRequestsPerIdentity < 1 || a.MaxBodySize < 4096 {
-		return fmt.Errorf("[admin] max_connections %d, max_requests_per_identity %d, max_body_size %d: at least 1, 1 and 4096 bytes",
-			a.MaxConnections, a.MaxRequestsPerIdentity, int64(a.MaxBodySize))
+	if a.MaxConnections < 1 || a.MaxHandshakesPerAddress < 1 || a.MaxRequestsPerIdentity < 1 || a.MaxBodySize < 4096 {
+		return fmt.Errorf("[admin] max_connections %d, max_handshakes_per_address %d, max_requests_per_identity %d, max_body_size %d: "+
+			"at least 1, 1, 1 and 4096 bytes", a.MaxConnections, a.MaxHandshakesPerAddress, a.MaxRequestsPerIdentity, int64(a.MaxBodySize))
 	}
 	roles := map[string]ctl.Role{}
 	for _, l := range []struct {
@@ -177,20 +182,38 @@ func sameListener(a, b string) bool {
 	return ia.Unmap() == ib.Unmap() || ia.IsUnspecified() || ib.IsUnspecified()
 }
 
-// roleOf is the role of a certificate's names: the widest any of them
-// has.
-func (a AdminConfig) roleOf(names []string) ctl.Role {
-	for _, l := range []struct {
-		ids  []string
-		role ctl.Role
-	}{{a.Admins, ctl.RoleAdmin}, {a.Provisioners, ctl.RoleProvisioner}, {a.Readers, ctl.RoleReader}} {
-		for _, n := range names {
-			if slices.Contains(l.ids, n) {
-				return l.role
-			}
+// roleOf is the role of a certificate's names and the name that gives
+// it: the one role its names that have one give, and the first of them
+// (none: no role, and ""). Names that give different roles are an
+// error that names them: such a certificate is refused, rather than
+// given the most power any of its names has (docs/control-api.md,
+// "Roles").
+func (a AdminConfig) roleOf(names []string) (ctl.Role, string, error) {
+	role, by, mixed := ctl.RoleNone, "", false
+	var given []string
+	for _, n := range names {
+		var r ctl.Role
+		switch {
+		case slices.Contains(a.Admins, n):
+			r = ctl.RoleAdmin
+		case slices.Contains(a.Provisioners, n):
+			r = ctl.RoleProvisioner
+		case slices.Contains(a.Readers, n):
+			r = ctl.RoleReader
+		default:
+			continue
 		}
+		given = append(given, n+" "+string(r))
+		if by == "" {
+			role, by = r, n
+		}
+		mixed = mixed || r != role
 	}
-	return ctl.RoleNone
+	if mixed {
+		return ctl.RoleNone, "", fmt.Errorf("its names give different roles in [admin] (%s): a certificate may have one role; "+
+			"give it names of one role, or name one of them in no role list", strings.Join(given, ", "))
+	}
+	return role, by, nil
 }
 
 // listenAdmin sets who may call the control API, with the audit log,
@@ -198,8 +221,9 @@ func (a AdminConfig) roleOf(names []string) ctl.Role {
 func (d *Daemon) listenAdmin() error {
 	a := d.cfg.Admin
 	d.ctl.SetAccess(ctl.Access{Rights: api.ServerRoutes.Right, Roles: a.roleOf, Identify: tcp.CertNames, Log: d.log,
-		HandshakeTimeout: a.HandshakeTimeout.Duration, ReadHeaderTimeout: a.HandshakeTimeout.Duration, IdleTimeout: a.IdleTimeout.Duration,
-		MaxConnections: a.MaxConnections, MaxRequestsPerIdentity: a.MaxRequestsPerIdentity, MaxBodySize: int64(a.MaxBodySize)})
+		HandshakeTimeout: a.HandshakeTimeout.Duration, ReadHeaderTimeout: a.ReadHeaderTimeout.Duration, IdleTimeout: a.IdleTimeout.Duration,
+		MaxConnections: a.MaxConnections, MaxHandshakesPerAddress: a.MaxHandshakesPerAddress, MaxRequestsPerIdentity: a.MaxRequestsPerIdentity,
+		MaxBodySize: int64(a.MaxBodySize)})
 	if len(a.Listen) == 0 {
 		return nil
 	}

@@ -21,7 +21,7 @@ import (
 // adminRig is a server with TLS on its fabric and an admin listener,
 // certificates of scripts/test-ca.sh for an admin (ops), a provisioner
 // (orch), a reader (mon) and two clients (host-a, host-b) with no role,
-// and another authority's "ops".
+// and another authority's "ops". more is added to the configuration.
 type adminRig struct {
 	dir, pki, other string
 	port, admin     int
@@ -29,7 +29,7 @@ type adminRig struct {
 	vol             string
 }
 
-func newAdminRig(t *testing.T) *adminRig {
+func newAdminRig(t *testing.T, more ...string) *adminRig {
 	t.Helper()
 	needTools(t, "openssl")
 	r := &adminRig{dir: t.TempDir()}
@@ -57,7 +57,7 @@ admins = ["ops"]
 provisioners = ["orch"]
 readers = ["mon"]
 export_roots = [%q]
-`, r.admin, r.dir), r.tlsArgs(r.pki, "srv", "--tls-")...)
+`, r.admin, r.dir)+strings.Join(more, ""), r.tlsArgs(r.pki, "srv", "--tls-")...)
 	kit.WaitFor(t, 10*time.Second, "the admin listener's start-up line", func() bool {
 		return strings.Contains(r.srv.out.String(), fmt.Sprintf("admin_listen=\"127.0.0.1:%d\"", r.admin))
 	})
