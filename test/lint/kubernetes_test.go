@@ -505,15 +505,11 @@ func checkDeployment(t *testing.T, m *manifests, d deployment) {
 	if sc == nil || sc.Privileged == nil || !*sc.Privileged {
 		t.Errorf("%s: rnbd-csi is not privileged (Bidirectional propagation and the host's block devices need it)", node.what)
 	}
-	for _, host := range []string{"/dev"} {
-		vm := mountOf(nodeDriver, host)
-		if vm == nil || path.Clean(vm.MountPath) != host {
-			t.Errorf("%s: rnbd-csi does not mount the host's %s", node.what, host)
-			continue
-		}
-		if v := volumeNamed(node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != host {
-			t.Errorf("%s: rnbd-csi's %s is not the host's", node.what, host)
-		}
+	// The host's /dev (the client daemon's directory: checkConfig).
+	if vm := mountOf(nodeDriver, "/dev"); vm == nil || path.Clean(vm.MountPath) != "/dev" {
+		t.Errorf("%s: rnbd-csi does not mount the host's /dev", node.what)
+	} else if v := volumeNamed(node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != "/dev" {
+		t.Errorf("%s: rnbd-csi's /dev is not the host's", node.what)
 	}
 	if node.spec.HostNetwork || node.spec.HostPID {
 		t.Errorf("%s: hostNetwork %v, hostPID %v: the plugin needs neither", node.what, node.spec.HostNetwork, node.spec.HostPID)
