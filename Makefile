@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm vet bench bench-peers bench-fleet fuzz clean
+.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm vet helm manifests bench bench-peers bench-fleet fuzz clean
 
 all: build
 
@@ -66,10 +66,29 @@ vet: $(CHECKLOCKS)
 	$(GO) vet ./...
 	$(GO) vet -vettool=$(abspath $(CHECKLOCKS)) $(CHECKLOCKS_PKGS)
 
+# Helm renders the chart deploy/helm/rnbd-csi in make test (test/lint:
+# every object decoded strictly and checked, deploy/kubernetes its
+# default rendering). Pinned and built outside the module, as checklocks
+# is: helm's modules are no dependency of rnbd. The first build takes
+# minutes (docs/testing.md).
+HELM_VERSION := v3.22.0
+HELM         := $(BIN)/tools/helm-$(HELM_VERSION)
+
+$(HELM):
+	GOBIN=$(abspath $(BIN))/tools $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	mv $(BIN)/tools/helm $@
+
+helm: $(HELM)
+
+# deploy/kubernetes/*.yaml (but namespace.yaml) from the chart with its
+# default values: run it after changing the chart.
+manifests: $(HELM)
+	RNBD_HELM=$(abspath $(HELM)) $(GO) test -count=1 -run '^TestHelmDefaultsArePlainManifests$$' ./test/lint -update
+
 # The quick start's second command. As root it also runs the privileged
 # tests (network namespaces); otherwise they skip and say why.
-test: deps vet
-	RNBD_REQUIRE_PROMTOOL=$$([ "$$(id -u)" = 0 ] && echo 1) $(GO) test -race -count=1 -parallel 3 -timeout 30m ./...
+test: deps vet $(HELM)
+	RNBD_HELM=$(abspath $(HELM)) RNBD_REQUIRE_PROMTOOL=$$([ "$$(id -u)" = 0 ] && echo 1) $(GO) test -race -count=1 -parallel 3 -timeout 30m ./...
 	RNBD_E2E_TLS=1 $(GO) test -count=1 -parallel 3 -timeout 30m ./test/e2e
 
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA

@@ -14,6 +14,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -22,8 +23,36 @@ import (
 )
 
 // The Kubernetes manifests of rnbd-csi: deploy/kubernetes/*.yaml (applied
-// as they are) and deploy/kubernetes/examples/*.yaml (edited first).
+// as they are; the Helm chart's default rendering, helm_test.go) and
+// deploy/kubernetes/examples/*.yaml (edited first).
 var manifestDirs = []string{"../../deploy/kubernetes", "../../deploy/kubernetes/examples"}
+
+// deployment is what a set of manifests is expected to deploy: the plain
+// manifests, or a rendering of the chart with some values.
+type deployment struct {
+	what string // "deploy/kubernetes", "the chart with ci/k0s-values.yaml"
+	// namespace is the namespace the objects go to where the manifests
+	// make none (a Helm release's); empty, they make their own.
+	namespace  string
+	driver     string // the CSI driver's name
+	kubeletDir string // the kubelet's root directory on the workers
+	// externalSecret is the Secret the controller mounts that is made
+	// outside the manifests (kubectl create secret), or empty.
+	externalSecret string
+	// examples: there is a StorageClass and a VolumeSnapshotClass.
+	examples bool
+	// ha: the controller runs more than one replica, on different nodes
+	// where it can, with a disruption budget.
+	ha bool
+	// metrics: rnbd-csi serves metrics, which Services expose.
+	metrics bool
+	// capacity: storage capacity tracking.
+	capacity bool
+}
+
+// plainManifests is what deploy/kubernetes deploys.
+var plainManifests = deployment{what: "deploy/kubernetes", driver: "rnbd.csi.rnbd.io", kubeletDir: "/var/lib/kubelet",
+	examples: true, ha: true, metrics: true, capacity: true}
 
 // volumeSnapshotClass is snapshot.storage.k8s.io/v1's VolumeSnapshotClass,
 // which k8s.io/api does not have: its fields, as the CRD defines them.
@@ -50,6 +79,8 @@ type manifests struct {
 	roleBindings    []*rbacv1.RoleBinding
 	deployments     []*appsv1.Deployment
 	daemonSets      []*appsv1.DaemonSet
+	services        []*corev1.Service
+	budgets         []*policyv1.PodDisruptionBudget
 }
 
 // decodeStrict decodes one object's JSON the way the API server's strict
@@ -98,22 +129,28 @@ func loadManifests(t *testing.T) *manifests {
 		if err != nil {
 			t.Fatal(err)
 		}
-		name := strings.TrimPrefix(file, "../../")
-		for i, doc := range docSeparator.Split(string(b), -1) {
-			j, err := yaml.YAMLToJSONStrict([]byte(doc))
-			if err != nil {
-				t.Errorf("%s document %d: %v", name, i+1, err)
-				continue
-			}
-			if bytes.Equal(bytes.TrimSpace(j), []byte("null")) {
-				continue // only comments
-			}
-			if err := m.add(j); err != nil {
-				t.Errorf("%s document %d: %v", name, i+1, err)
-			}
-		}
+		m.decode(t, strings.TrimPrefix(file, "../../"), string(b))
 	}
 	return m
+}
+
+// decode strictly decodes every YAML document of text (named name in
+// errors) and keeps the objects.
+func (m *manifests) decode(t *testing.T, name, text string) {
+	t.Helper()
+	for i, doc := range docSeparator.Split(text, -1) {
+		j, err := yaml.YAMLToJSONStrict([]byte(doc))
+		if err != nil {
+			t.Errorf("%s document %d: %v", name, i+1, err)
+			continue
+		}
+		if bytes.Equal(bytes.TrimSpace(j), []byte("null")) {
+			continue // only comments
+		}
+		if err := m.add(j); err != nil {
+			t.Errorf("%s document %d: %v", name, i+1, err)
+		}
+	}
 }
 
 // add decodes one object into its type and keeps it.
@@ -163,6 +200,12 @@ func (m *manifests) add(j []byte) error {
 	case "apps/v1 DaemonSet":
 		o := &appsv1.DaemonSet{}
 		m.daemonSets, obj = append(m.daemonSets, o), o
+	case "v1 Service":
+		o := &corev1.Service{}
+		m.services, obj = append(m.services, o), o
+	case "policy/v1 PodDisruptionBudget":
+		o := &policyv1.PodDisruptionBudget{}
+		m.budgets, obj = append(m.budgets, o), o
 	default:
 		return fmt.Errorf("apiVersion %q kind %q: not a kind the manifests should have", tm.APIVersion, tm.Kind)
 	}
@@ -244,45 +287,82 @@ func volumeNamed(p pod, name string) *corev1.Volume {
 
 // TestKubernetesManifests: the manifests in deploy/kubernetes decode
 // strictly into the Kubernetes API's types (no unknown field, none
-// twice), and what they name of each other agrees: the driver's name,
-// the CSI socket, the service accounts and what binds them, the volumes
-// each container mounts, the Secrets and ConfigMaps they come from, the
-// node plugin's mount propagation, the sidecars' images.
+// twice), and what they name of each other agrees (checkDeployment).
+// The sidecars' versions are those docs/kubernetes.md names.
 func TestKubernetesManifests(t *testing.T) {
 	m := loadManifests(t)
 	if t.Failed() {
 		t.FailNow()
 	}
+	checkDeployment(t, m, plainManifests)
 
+	b, err := os.ReadFile("../../docs/kubernetes.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := strings.Join(strings.Fields(string(b)), " ")
+	for _, p := range m.pods() {
+		for _, c := range p.spec.Containers {
+			if !pinnedSidecar.MatchString(c.Image) {
+				continue
+			}
+			name, tag, _ := strings.Cut(path.Base(c.Image), ":")
+			if !strings.Contains(doc, name+" "+tag) {
+				t.Errorf("%s: %s runs %s %s, which docs/kubernetes.md does not name", p.what, c.Name, name, tag)
+			}
+		}
+	}
+}
+
+// checkDeployment: what the manifests name of each other agrees: the
+// driver's name, the CSI socket, the service accounts and what binds
+// them, the volumes each container mounts, the Secrets and ConfigMaps
+// they come from, the node plugin's mount propagation and kubelet
+// directory, the sidecars' images; and each pod is as a cluster's
+// operators expect (kubernetes_pods_test.go): resources, security
+// contexts, probes, metrics, storage capacity, the controller's
+// replicas.
+func checkDeployment(t *testing.T, m *manifests, d deployment) {
+	t.Helper()
 	// One driver, named alike everywhere.
 	if len(m.csiDrivers) != 1 {
-		t.Fatalf("%d CSIDriver objects, want 1", len(m.csiDrivers))
+		t.Fatalf("%s: %d CSIDriver objects, want 1", d.what, len(m.csiDrivers))
 	}
 	driver := m.csiDrivers[0].Name
-	if driver != "rnbd.csi.rnbd.io" {
-		t.Errorf("CSIDriver is %q, want rnbd.csi.rnbd.io (the name the driver reports in GetPluginInfo)", driver)
+	if driver != d.driver {
+		t.Errorf("%s: CSIDriver is %q, want %s (the name the driver reports in GetPluginInfo)", d.what, driver, d.driver)
 	}
-	if len(m.storageClasses) == 0 || len(m.snapshotClasses) == 0 {
-		t.Errorf("%d StorageClass and %d VolumeSnapshotClass examples, want at least one of each", len(m.storageClasses), len(m.snapshotClasses))
+	if d.examples && (len(m.storageClasses) == 0 || len(m.snapshotClasses) == 0) {
+		t.Errorf("%s: %d StorageClass and %d VolumeSnapshotClass examples, want at least one of each", d.what, len(m.storageClasses), len(m.snapshotClasses))
 	}
 	for _, sc := range m.storageClasses {
 		if sc.Provisioner != driver {
-			t.Errorf("StorageClass %s: provisioner %q, want %q", sc.Name, sc.Provisioner, driver)
+			t.Errorf("%s: StorageClass %s: provisioner %q, want %q", d.what, sc.Name, sc.Provisioner, driver)
+		}
+		if _, ok := sc.Parameters["fsType"]; ok {
+			t.Errorf("%s: StorageClass %s: parameter fsType, which external-provisioner deprecated: give csi.storage.k8s.io/fstype", d.what, sc.Name)
 		}
 	}
 	for _, vsc := range m.snapshotClasses {
 		if vsc.Driver != driver {
-			t.Errorf("VolumeSnapshotClass %s: driver %q, want %q", vsc.Name, vsc.Driver, driver)
+			t.Errorf("%s: VolumeSnapshotClass %s: driver %q, want %q", d.what, vsc.Name, vsc.Driver, driver)
 		}
 		if vsc.DeletionPolicy != "Delete" && vsc.DeletionPolicy != "Retain" {
-			t.Errorf("VolumeSnapshotClass %s: deletionPolicy %q, want Delete or Retain", vsc.Name, vsc.DeletionPolicy)
+			t.Errorf("%s: VolumeSnapshotClass %s: deletionPolicy %q, want Delete or Retain", d.what, vsc.Name, vsc.DeletionPolicy)
 		}
 	}
 
-	// Every namespaced object is in a namespace the manifests make.
+	// Every namespaced object is in a namespace the manifests make (or
+	// the release's).
 	namespaces := map[string]bool{}
 	for _, ns := range m.namespaces {
 		namespaces[ns.Name] = true
+	}
+	if d.namespace != "" {
+		if len(m.namespaces) > 0 {
+			t.Errorf("%s: makes Namespace objects: a Helm release's namespace is made before it (helm install --create-namespace, or kubectl)", d.what)
+		}
+		namespaces = map[string]bool{d.namespace: true}
 	}
 	namespaced := map[string]string{}
 	for _, o := range m.serviceAccounts {
@@ -300,47 +380,51 @@ func TestKubernetesManifests(t *testing.T) {
 	for _, o := range m.roleBindings {
 		namespaced["RoleBinding "+o.Name] = o.Namespace
 	}
+	for _, o := range m.services {
+		namespaced["Service "+o.Name] = o.Namespace
+	}
+	for _, o := range m.budgets {
+		namespaced["PodDisruptionBudget "+o.Name] = o.Namespace
+	}
 	for _, p := range m.pods() {
 		namespaced[p.what] = p.namespace
 	}
 	for what, ns := range namespaced {
 		if !namespaces[ns] {
-			t.Errorf("%s is in namespace %q, which no Namespace of the manifests makes", what, ns)
+			t.Errorf("%s: %s is in namespace %q, which no Namespace of the manifests makes", d.what, what, ns)
 		}
 	}
 
-	var controller, node *pod
-	for _, p := range m.pods() {
-		switch {
-		case strings.HasPrefix(p.what, "Deployment "):
-			controller = &p
-		case strings.HasPrefix(p.what, "DaemonSet "):
-			node = &p
-		}
-	}
 	if len(m.deployments) != 1 || len(m.daemonSets) != 1 {
-		t.Fatalf("%d Deployments and %d DaemonSets, want the controller and the node plugin", len(m.deployments), len(m.daemonSets))
+		t.Fatalf("%s: %d Deployments and %d DaemonSets, want the controller and the node plugin", d.what, len(m.deployments), len(m.daemonSets))
 	}
+	ps := m.pods()
+	controller, node := ps[0], ps[1] // pods lists the Deployments first
 
-	for _, p := range []pod{*controller, *node} {
-		checkPodVolumes(t, m, p)
+	for _, p := range []pod{controller, node} {
+		checkPodVolumes(t, m, p, d.externalSecret)
 		checkServiceAccount(t, m, p)
 		checkSocket(t, p)
 		checkImages(t, p)
+		checkDriverArgs(t, p)
+		checkResources(t, p)
+		checkProbesAndPorts(t, p)
+		checkMetrics(t, m, p, d.metrics)
 	}
+	checkConfig(t, m, controller, node, d)
 
 	// The driver's mode in each.
-	if mode, _ := flag(driverContainer(t, *controller).Args, "mode"); mode != "controller" {
+	if mode, _ := flag(driverContainer(t, controller).Args, "mode"); mode != "controller" {
 		t.Errorf("%s: rnbd-csi --mode=%q, want controller", controller.what, mode)
 	}
-	if mode, _ := flag(driverContainer(t, *node).Args, "mode"); mode != "node" {
+	if mode, _ := flag(driverContainer(t, node).Args, "mode"); mode != "node" {
 		t.Errorf("%s: rnbd-csi --mode=%q, want node", node.what, mode)
 	}
 
 	// The controller's sidecars are the standard ones, each electing a
 	// leader, and its ServiceAccount may hold the leases they elect with.
 	wantSidecars := []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "livenessprobe"}
-	checkSidecars(t, *controller, wantSidecars)
+	checkSidecars(t, controller, wantSidecars)
 	for _, c := range controller.spec.Containers {
 		if !strings.HasPrefix(c.Image, "registry.k8s.io/sig-storage/csi-") {
 			continue
@@ -358,17 +442,22 @@ func TestKubernetesManifests(t *testing.T) {
 			t.Errorf("%s: service account %s may not create, update and get leases in %q, where %s elects its leader", controller.what, controller.spec.ServiceAccountName, ns, c.Name)
 		}
 	}
+	checkControllerSecurity(t, controller)
+	checkControllerReplicas(t, m, controller, d.ha)
+	checkCapacity(t, m, controller, d.capacity)
 
 	// The node plugin: registered with the kubelet under the driver's name,
 	// its socket where the kubelet looks for it, the kubelet's directory
 	// mounted Bidirectional in a privileged container.
-	checkSidecars(t, *node, []string{"csi-node-driver-registrar", "livenessprobe"})
-	pluginDir := "/var/lib/kubelet/plugins/" + driver
-	nodeDriver := driverContainer(t, *node)
+	checkSidecars(t, node, []string{"csi-node-driver-registrar", "livenessprobe"})
+	checkNodeSecurity(t, node)
+	kubeletDir := d.kubeletDir
+	pluginDir := kubeletDir + "/plugins/" + driver
+	nodeDriver := driverContainer(t, node)
 	endpoint, _ := flag(nodeDriver.Args, "endpoint")
 	sock := strings.TrimPrefix(endpoint, "unix://")
 	if vm := mountOf(nodeDriver, sock); vm != nil {
-		v := volumeNamed(*node, vm.Name)
+		v := volumeNamed(node, vm.Name)
 		if v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != pluginDir {
 			t.Errorf("%s: the CSI socket %s is not on a hostPath volume of %s/", node.what, sock, pluginDir)
 		}
@@ -386,50 +475,54 @@ func TestKubernetesManifests(t *testing.T) {
 		vm := mountOf(&c, "/registration")
 		if vm == nil {
 			t.Errorf("%s: %s does not mount /registration", node.what, c.Name)
-		} else if v := volumeNamed(*node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != "/var/lib/kubelet/plugins_registry" {
-			t.Errorf("%s: %s's /registration is not the kubelet's /var/lib/kubelet/plugins_registry/", node.what, c.Name)
+		} else if v := volumeNamed(node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != kubeletDir+"/plugins_registry" {
+			t.Errorf("%s: %s's /registration is not the kubelet's %s/plugins_registry/", node.what, c.Name, kubeletDir)
 		}
 	}
 	if !registered {
 		t.Errorf("%s has no node-driver-registrar", node.what)
 	}
-	kubelet := mountOf(nodeDriver, "/var/lib/kubelet/pods")
+	kubelet := mountOf(nodeDriver, kubeletDir+"/pods")
 	switch {
-	case kubelet == nil || path.Clean(kubelet.MountPath) != "/var/lib/kubelet":
-		t.Errorf("%s: rnbd-csi does not mount /var/lib/kubelet at the same path (the kubelet passes host paths)", node.what)
+	case kubelet == nil || path.Clean(kubelet.MountPath) != kubeletDir:
+		t.Errorf("%s: rnbd-csi does not mount %s at the same path (the kubelet passes host paths)", node.what, kubeletDir)
 	case kubelet.MountPropagation == nil || *kubelet.MountPropagation != corev1.MountPropagationBidirectional:
-		t.Errorf("%s: rnbd-csi's /var/lib/kubelet is not Bidirectional: the kubelet would not see its mounts", node.what)
+		t.Errorf("%s: rnbd-csi's %s is not Bidirectional: the kubelet would not see its mounts", node.what, kubeletDir)
 	default:
-		if v := volumeNamed(*node, kubelet.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != "/var/lib/kubelet" {
-			t.Errorf("%s: rnbd-csi's /var/lib/kubelet is not the host's", node.what)
+		if v := volumeNamed(node, kubelet.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != kubeletDir {
+			t.Errorf("%s: rnbd-csi's %s is not the host's", node.what, kubeletDir)
+		}
+	}
+	// Every other hostPath is the driver's socket, the registration
+	// directory, /dev or the client daemon's (checkConfig): none is under
+	// another kubelet directory than this one.
+	for _, v := range node.spec.Volumes {
+		if v.HostPath != nil && strings.Contains(v.HostPath.Path, "kubelet") && !strings.HasPrefix(path.Clean(v.HostPath.Path), kubeletDir) {
+			t.Errorf("%s: volume %s is the host's %s, not under the kubelet's directory %s", node.what, v.Name, v.HostPath.Path, kubeletDir)
 		}
 	}
 	sc := nodeDriver.SecurityContext
 	if sc == nil || sc.Privileged == nil || !*sc.Privileged {
 		t.Errorf("%s: rnbd-csi is not privileged (Bidirectional propagation and the host's block devices need it)", node.what)
 	}
-	for _, host := range []string{"/dev", "/run/rnbd"} {
-		vm := mountOf(nodeDriver, host)
-		if vm == nil || path.Clean(vm.MountPath) != host {
-			t.Errorf("%s: rnbd-csi does not mount the host's %s", node.what, host)
-			continue
-		}
-		if v := volumeNamed(*node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != host {
-			t.Errorf("%s: rnbd-csi's %s is not the host's", node.what, host)
-		}
+	// The host's /dev (the client daemon's directory: checkConfig).
+	if vm := mountOf(nodeDriver, "/dev"); vm == nil || path.Clean(vm.MountPath) != "/dev" {
+		t.Errorf("%s: rnbd-csi does not mount the host's /dev", node.what)
+	} else if v := volumeNamed(node, vm.Name); v == nil || v.HostPath == nil || path.Clean(v.HostPath.Path) != "/dev" {
+		t.Errorf("%s: rnbd-csi's /dev is not the host's", node.what)
 	}
 	if node.spec.HostNetwork || node.spec.HostPID {
 		t.Errorf("%s: hostNetwork %v, hostPID %v: the plugin needs neither", node.what, node.spec.HostNetwork, node.spec.HostPID)
 	}
 	// Any other propagation than the kubelet directory's is a mistake.
-	for _, p := range []pod{*controller, *node} {
+	for _, p := range []pod{controller, node} {
 		for _, c := range p.spec.Containers {
 			for _, vm := range c.VolumeMounts {
 				if vm.MountPropagation == nil || *vm.MountPropagation == corev1.MountPropagationNone {
 					continue
 				}
-				if p.what != node.what || c.Name != nodeDriver.Name || vm.MountPath != "/var/lib/kubelet" {
-					t.Errorf("%s: %s mounts %s with propagation %s; only the node plugin's /var/lib/kubelet should propagate", p.what, c.Name, vm.MountPath, *vm.MountPropagation)
+				if p.what != node.what || c.Name != nodeDriver.Name || path.Clean(vm.MountPath) != kubeletDir {
+					t.Errorf("%s: %s mounts %s with propagation %s; only the node plugin's %s should propagate", p.what, c.Name, vm.MountPath, *vm.MountPropagation, kubeletDir)
 				}
 			}
 		}
@@ -438,8 +531,9 @@ func TestKubernetesManifests(t *testing.T) {
 
 // checkPodVolumes: every volumeMount names a volume of its pod, every
 // volume is mounted, and the Secrets and ConfigMaps the volumes come from
-// are in the manifests, in the pod's namespace, with the keys mounted.
-func checkPodVolumes(t *testing.T, m *manifests, p pod) {
+// are in the manifests, in the pod's namespace, with the keys mounted;
+// but for the Secret externalSecret, which is made outside them.
+func checkPodVolumes(t *testing.T, m *manifests, p pod, externalSecret string) {
 	t.Helper()
 	used := map[string]bool{}
 	for _, c := range slices.Concat(p.spec.InitContainers, p.spec.Containers) {
@@ -479,7 +573,7 @@ func checkPodVolumes(t *testing.T, m *manifests, p pod) {
 		if !used[v.Name] {
 			t.Errorf("%s: volume %s is mounted by no container", p.what, v.Name)
 		}
-		if v.Secret != nil && !slices.ContainsFunc(m.secrets, func(s *corev1.Secret) bool {
+		if v.Secret != nil && v.Secret.SecretName != externalSecret && !slices.ContainsFunc(m.secrets, func(s *corev1.Secret) bool {
 			return s.Name == v.Secret.SecretName && s.Namespace == p.namespace
 		}) {
 			t.Errorf("%s: volume %s is the Secret %s, which the Secret layout (deploy/kubernetes/examples) does not have in namespace %s", p.what, v.Name, v.Secret.SecretName, p.namespace)
@@ -691,9 +785,14 @@ func checkSidecars(t *testing.T, p pod, want []string) {
 }
 
 // The StorageClass parameters the examples use are those
-// docs/kubernetes.md describes, with values it allows.
+// docs/kubernetes.md describes, with values it allows (the chart's
+// StorageClasses: TestHelmChart).
 func TestKubernetesStorageClassParameters(t *testing.T) {
-	m := loadManifests(t)
+	checkStorageClassParameters(t, loadManifests(t))
+}
+
+func checkStorageClassParameters(t *testing.T, m *manifests) {
+	t.Helper()
 	doc, err := os.ReadFile("../../docs/kubernetes.md")
 	if err != nil {
 		t.Fatal(err)
@@ -704,7 +803,7 @@ func TestKubernetesStorageClassParameters(t *testing.T) {
 		t.Fatal("docs/kubernetes.md has no section StorageClass parameters")
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
-	row := regexp.MustCompile("(?m)^\\| `([A-Za-z]+)` \\| ([^|]*)\\|")
+	row := regexp.MustCompile("(?m)^\\| `([A-Za-z0-9./-]+)` \\| ([^|]*)\\|")
 	allowed := map[string]string{}
 	for _, r := range row.FindAllStringSubmatch(section, -1) {
 		allowed[r[1]] = r[2]
