@@ -40,6 +40,7 @@ func newRoot() *cobra.Command {
 		_, err := clientd.CheckConfig(path, mustExist)
 		return err
 	}))
+	root.AddCommand(g.CertCmd())
 	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root, man))
 	return root

@@ -46,6 +46,7 @@ daemon through its control socket.`,
 		_, err := serverd.CheckConfig(path, mustExist)
 		return err
 	}))
+	root.AddCommand(g.CertCmd())
 	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root, man))
 	return root
