@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/serverd"
 	"github.com/rnbd/rnbd/internal/units"
@@ -42,9 +43,9 @@ daemon through its control socket.`,
 		newExport(&g), newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 		newVolume(&g), newPool(&g),
 	)
-	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) error {
-		_, err := serverd.CheckConfig(path, mustExist)
-		return err
+	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) conf.Findings {
+		_, f := serverd.CheckAll(path, mustExist)
+		return f
 	}))
 	root.AddCommand(g.CertCmd())
 	g.AddVersion(root)

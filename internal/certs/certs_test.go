@@ -55,6 +55,11 @@ func TestIssue(t *testing.T) {
 	if got := tcp.CertNames(client); !slices.Equal(got, []string{"worker-1"}) {
 		t.Errorf("a client's identity names %v, want worker-1", got)
 	}
+	for _, c := range []*x509.Certificate{node, client, ca.Cert} {
+		if got, want := Names(c), tcp.CertNames(c); !slices.Equal(got, want) {
+			t.Errorf("Names %v, the fabric's %v", got, want)
+		}
+	}
 	if key.Curve != elliptic.P256() {
 		t.Errorf("key curve %v", key.Curve.Params().Name)
 	}

@@ -6,11 +6,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
-
-	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
 )
 
 // Entry is a certificate file of a directory, as List finds it.
@@ -18,8 +17,7 @@ type Entry struct {
 	// File is the certificate's file name in the directory.
 	File string
 	Kind Kind
-	// Names are the identity names, as the daemons read them
-	// (tcp.CertNames: the common name, then DNS, URI and e-mail names).
+	// Names are the identity names, as the daemons read them (Names).
 	Names []string
 	// IPs are its IP alternative names.
 	IPs      []string
@@ -73,7 +71,7 @@ func List(dir string, now time.Time) ([]Entry, error) {
 			out = append(out, e)
 			continue
 		}
-		e.Kind, e.Names, e.Usages, e.NotAfter = KindOf(cert), tcp.CertNames(cert), Usages(cert), cert.NotAfter
+		e.Kind, e.Names, e.Usages, e.NotAfter = KindOf(cert), Names(cert), Usages(cert), cert.NotAfter
 		e.Serial = fmt.Sprintf("%x", cert.SerialNumber)
 		for _, ip := range cert.IPAddresses {
 			e.IPs = append(e.IPs, ip.String())
@@ -121,4 +119,28 @@ func status(cert *x509.Certificate, roots *x509.CertPool, caErr string, now time
 		return "not of " + CAFile + ": " + err.Error()
 	}
 	return "ok"
+}
+
+// Names are cert's names as the daemons read them: the common name, then
+// the DNS, URI and e-mail alternative names, each once (what
+// pkg/rtrs/fabric/tcp.CertNames gives, which this package does not
+// import: the tests of the fabric use test/testca, which uses it).
+func Names(cert *x509.Certificate) []string {
+	var names []string
+	add := func(n string) {
+		if n != "" && !slices.Contains(names, n) {
+			names = append(names, n)
+		}
+	}
+	add(cert.Subject.CommonName)
+	for _, n := range cert.DNSNames {
+		add(n)
+	}
+	for _, u := range cert.URIs {
+		add(u.String())
+	}
+	for _, n := range cert.EmailAddresses {
+		add(n)
+	}
+	return names
 }
