@@ -6,6 +6,7 @@ package cli
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -123,6 +124,11 @@ func RemoteClient(server string, t conf.TLS, flags string) (*ctl.Client, error) 
 	tc, err := t.Config()
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
+	}
+	// What the server would refuse in the handshake with no more than
+	// "bad certificate": said here, with the reason.
+	if unusable, _ := t.CertProblems(x509.ExtKeyUsageClientAuth, "client", time.Now()); len(unusable) > 0 {
+		return nil, ctl.Errorf(ctl.CodePermission, "%s: %s", server, strings.Join(unusable, "; "))
 	}
 	return ctl.DialTLS(server, tc)
 }

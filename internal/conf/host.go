@@ -87,53 +87,62 @@ func LocalAddrs() string {
 const expiresSoon = 30 * 24 * time.Hour
 
 // CertWarnings are the warnings about the certificate of t (its first in
-// t.Cert) as what (a "server" of the fabric, a "client"): one that
-// lacks the extended key usage its peers check (serverAuth, clientAuth),
-// that is not yet valid, has expired or expires within 30 days. The
-// daemons start with it (and take a renewed one without a restart), but
-// their peers refuse it.
+// t.Cert) as what (a "server" of the fabric, a "client"): CertProblems',
+// both kinds. The daemons start with it (and take a renewed one without
+// a restart), but their peers refuse it.
 func (t TLS) CertWarnings(usage x509.ExtKeyUsage, what string, now time.Time) []string {
+	unusable, soon := t.CertProblems(usage, what, now)
+	if soon != "" {
+		unusable = append(unusable, soon)
+	}
+	return unusable
+}
+
+// CertProblems says what is wrong with the certificate of t (its first in
+// t.Cert) as what: unusable, why its peers refuse it (it lacks the
+// extended key usage they check, serverAuth or clientAuth; it is not yet
+// valid, or has expired), and soon, that it expires within 30 days ("":
+// not). A certificate that does not load is Config's to say: nothing.
+func (t TLS) CertProblems(usage x509.ExtKeyUsage, what string, now time.Time) (unusable []string, soon string) {
 	if t.Cert == "" {
-		return nil
+		return nil, ""
 	}
 	b, err := os.ReadFile(t.Cert)
 	if err != nil {
-		return nil // Config says so
+		return nil, ""
 	}
 	var cert *x509.Certificate
-	for {
+	for cert == nil {
 		var blk *pem.Block
 		if blk, b = pem.Decode(b); blk == nil {
-			return nil
+			return nil, ""
 		}
 		if blk.Type == "CERTIFICATE" {
 			if cert, err = x509.ParseCertificate(blk.Bytes); err != nil {
-				return nil
+				return nil, ""
 			}
-			break
 		}
 	}
-	var out []string
 	if name, ok := missingUsage(cert, usage); !ok {
-		out = append(out, fmt.Sprintf("tls: cert %s has no %s extended key usage (it has %s): peers refuse it as a %s's; make it with that usage (rnbd-server cert)",
+		unusable = append(unusable, fmt.Sprintf("tls: cert %s has no %s extended key usage (it has %s): peers refuse it as a %s's; make it with that usage (rnbd-server cert)",
 			t.Cert, name, usageNames(cert), what))
 	}
 	switch {
 	case now.Before(cert.NotBefore):
-		out = append(out, fmt.Sprintf("tls: cert %s is not valid before %s: peers refuse it until then (is this host's clock right?)",
+		unusable = append(unusable, fmt.Sprintf("tls: cert %s is not valid before %s: peers refuse it until then (is this host's clock right?)",
 			t.Cert, cert.NotBefore.UTC().Format(time.RFC3339)))
 	case now.After(cert.NotAfter):
-		out = append(out, fmt.Sprintf("tls: cert %s expired on %s: peers refuse it; renew it (the daemon takes the new one without a restart)",
+		unusable = append(unusable, fmt.Sprintf("tls: cert %s expired on %s: peers refuse it; renew it (the daemon takes the new one without a restart)",
 			t.Cert, cert.NotAfter.UTC().Format(time.DateOnly)))
 	case cert.NotAfter.Sub(now) < expiresSoon:
 		left := fmt.Sprintf("%d days", int(cert.NotAfter.Sub(now).Hours()/24))
 		if h := cert.NotAfter.Sub(now).Hours(); h < 48 {
 			left = fmt.Sprintf("%d hours", int(h))
 		}
-		out = append(out, fmt.Sprintf("tls: cert %s expires on %s, in %s: renew it (the daemon takes the new one without a restart)",
-			t.Cert, cert.NotAfter.UTC().Format(time.RFC3339), left))
+		soon = fmt.Sprintf("tls: cert %s expires on %s, in %s: renew it (the daemon takes the new one without a restart)",
+			t.Cert, cert.NotAfter.UTC().Format(time.RFC3339), left)
 	}
-	return out
+	return unusable, soon
 }
 
 // missingUsage reports whether cert may be used for usage: one with no

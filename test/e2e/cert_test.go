@@ -1,14 +1,19 @@
 package e2e
 
 import (
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/json"
 	"fmt"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/internal/certs"
 	"github.com/rnbd/rnbd/test/kit"
 )
 
@@ -95,4 +100,48 @@ func TestCertCommands(t *testing.T) {
 		t.Fatalf("the server's sessions: %v", sess)
 	}
 	c.ok("unmap", "rnbd0")
+}
+
+// TestAdminCertWithoutClientAuth: a certificate of the admin listener's
+// CA, naming an admin, but made for a server (serverAuth only), is
+// refused: the command says it lacks the clientAuth extended key usage,
+// not that it is of another CA or names no identity.
+func TestAdminCertWithoutClientAuth(t *testing.T) {
+	dir := t.TempDir()
+	pki, caKey := filepath.Join(dir, "pki"), filepath.Join(dir, "ca.key")
+	for _, args := range [][]string{{"create-ca"}, {"create-node", "srv", "127.0.0.1"}} {
+		if _, errOut, code := runCode(t, time.Minute, bin("rnbd-server"), append(append([]string{"cert"}, args...), "--certs-dir", pki, "--ca-key", caKey)...); code != 0 {
+			t.Fatalf("cert %v: exit %d: %s", args, code, errOut)
+		}
+	}
+	// ops's certificate as a server's: serverAuth only.
+	ca, err := certs.LoadCA(pki, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := certs.NewKey()
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(7), Subject: pkix.Name{CommonName: "ops"}, NotBefore: time.Now().Add(-time.Hour),
+		NotAfter: time.Now().Add(24 * time.Hour), KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, &key.PublicKey, ca.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, _ := x509.ParseCertificate(der)
+	if _, _, err := certs.WriteCert(pki, "ops", cert, key, false); err != nil {
+		t.Fatal(err)
+	}
+	port, admin := freePort(t), freePort(t)
+	flags := func(name, prefix string) []string {
+		return []string{prefix + "cert", filepath.Join(pki, name+".crt"), prefix + "key", filepath.Join(pki, name+".key"),
+			prefix + "ca", filepath.Join(pki, "ca.crt")}
+	}
+	srv := startServerConf(t, dir, port, fmt.Sprintf("[admin]\nlisten = [\"127.0.0.1:%d\"]\nadmins = [\"ops\"]\n", admin), flags("srv", "--tls-")...)
+	kit.WaitFor(t, 10*time.Second, "the admin listener's start-up line", func() bool {
+		return strings.Contains(srv.out.String(), fmt.Sprintf("admin_listen=\"127.0.0.1:%d\"", admin))
+	})
+	_, errOut, code := runCode(t, time.Minute, bin("rnbd-server"), append(append([]string{"--server", fmt.Sprintf("https://127.0.0.1:%d", admin),
+		"--socket", "/nonexistent/not-used.sock"}, flags("ops", "--")...), "export", "list")...)
+	if code != 7 || !strings.Contains(errOut, "has no clientAuth extended key usage (it has serverAuth)") {
+		t.Fatalf("an admin certificate without clientAuth: exit %d: %q", code, errOut)
+	}
 }
