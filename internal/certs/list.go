@@ -144,3 +144,45 @@ func Names(cert *x509.Certificate) []string {
 	}
 	return names
 }
+
+// Usages are the extended key usages of cert by their names in
+// openssl's and the RFC's words (serverAuth, clientAuth, ...).
+func Usages(cert *x509.Certificate) []string {
+	var out []string
+	for _, u := range cert.ExtKeyUsage {
+		switch u {
+		case x509.ExtKeyUsageServerAuth:
+			out = append(out, "serverAuth")
+		case x509.ExtKeyUsageClientAuth:
+			out = append(out, "clientAuth")
+		case x509.ExtKeyUsageAny:
+			out = append(out, "anyExtendedKeyUsage")
+		case x509.ExtKeyUsageEmailProtection:
+			out = append(out, "emailProtection")
+		case x509.ExtKeyUsageCodeSigning:
+			out = append(out, "codeSigning")
+		default:
+			out = append(out, fmt.Sprintf("usage%d", u))
+		}
+	}
+	if cert.IsCA && cert.KeyUsage&x509.KeyUsageCertSign != 0 {
+		out = append([]string{"certSign"}, out...)
+	}
+	return out
+}
+
+// KindOf says what cert is for, as Issue makes them: an authority, a
+// node's (serverAuth), a client's (clientAuth only), or "other".
+func KindOf(cert *x509.Certificate) Kind {
+	if cert.IsCA {
+		return KindCA
+	}
+	u := strings.Join(Usages(cert), ",")
+	switch {
+	case strings.Contains(u, "serverAuth"):
+		return KindNode
+	case strings.Contains(u, "clientAuth"):
+		return KindClient
+	}
+	return "other"
+}
