@@ -170,6 +170,9 @@ func WriteCA(ca *CA, dir, keyPath string, overwrite bool) (certPath string, err 
 		return "", existsMessage(keyPath, err)
 	}
 	if err := writeFile(certPath, EncodeCert(ca.Cert), 0o644, overwrite); err != nil {
+		if !overwrite {
+			os.Remove(keyPath) // ours: made just now
+		}
 		return "", existsMessage(certPath, err)
 	}
 	return certPath, nil
@@ -237,7 +240,9 @@ func WriteCert(dir, base string, cert *x509.Certificate, key crypto.Signer, over
 		return "", "", existsMessage(keyPath, err)
 	}
 	if err := writeFile(certPath, EncodeCert(cert), 0o644, overwrite); err != nil {
-		os.Remove(keyPath)
+		if !overwrite {
+			os.Remove(keyPath) // ours: made just now
+		}
 		return "", "", existsMessage(certPath, err)
 	}
 	return certPath, keyPath, nil
