@@ -17,6 +17,7 @@ import (
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/cli"
 	"github.com/rnbd/rnbd/internal/clientd"
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -37,10 +38,11 @@ func newRoot() *cobra.Command {
 	g.Add(root, clientd.DefaultControlSocket)
 	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
 		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g), newDiscover(&g))
-	root.AddCommand(cli.ConfigCmd("rnbd-client", clientd.DefaultConfigFile, func(path string, mustExist bool) error {
-		_, err := clientd.CheckConfig(path, mustExist)
-		return err
+	root.AddCommand(cli.ConfigCmd("rnbd-client", clientd.DefaultConfigFile, func(path string, mustExist bool) conf.Findings {
+		_, f := clientd.CheckAll(path, mustExist)
+		return f
 	}))
+	root.AddCommand(g.CertCmd())
 	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root, man))
 	return root

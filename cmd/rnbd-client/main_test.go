@@ -61,3 +61,9 @@ func TestDaemonFlagsOverFile(t *testing.T) {
 		t.Errorf("conns_per_path %d, want the default %d", cfg.ConnsPerPath, d.ConnsPerPath)
 	}
 }
+
+// TestUsageErrors: every group of the command tree refuses an unknown
+// command, a near miss (suggesting the command meant) and no command at
+// all, and every command a wrong number of arguments, each with exit 2
+// (docs/control-api.md, "Errors").
+func TestUsageErrors(t *testing.T) { cmdkit.UsageErrors(t, "rnbd-client", newRoot) }

@@ -80,3 +80,9 @@ func TestManConfigExampleLoads(t *testing.T) {
 		t.Errorf("rnbd-csi.toml(5)'s example, for the node plugin: %v", err)
 	}
 }
+
+// TestUsageErrors: every group of the command tree refuses an unknown
+// command, a near miss (suggesting the command meant) and no command at
+// all, and every command a wrong number of arguments, each with exit 2
+// (docs/control-api.md, "Errors").
+func TestUsageErrors(t *testing.T) { cmdkit.UsageErrors(t, "rnbd-csi", newRoot) }

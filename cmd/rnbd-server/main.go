@@ -14,6 +14,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/cli"
+	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/output"
 	"github.com/rnbd/rnbd/internal/serverd"
 	"github.com/rnbd/rnbd/internal/units"
@@ -43,10 +44,11 @@ daemon through its control socket.`,
 		newExport(&g), newDevice(&g), newSession(&g), newPath(&g), newStats(&g),
 		newVolume(&g), newPool(&g),
 	)
-	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) error {
-		_, err := serverd.CheckConfig(path, mustExist)
-		return err
+	root.AddCommand(cli.ConfigCmd("rnbd-server", serverd.DefaultConfigFile, func(path string, mustExist bool) conf.Findings {
+		_, f := serverd.CheckAll(path, mustExist)
+		return f
 	}))
+	root.AddCommand(g.CertCmd())
 	g.AddVersion(root)
 	root.AddCommand(cli.ManCmd(root, man))
 	return root

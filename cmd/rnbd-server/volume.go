@@ -49,23 +49,23 @@ func newVolume(g *cli.Globals) *cobra.Command {
 	return cmd
 }
 
-// newVolumeResize is volume resize NAME --size SIZE, as create takes
-// its size (and NAME SIZE, as the export's resize does).
+// newVolumeResize is volume resize NAME --size SIZE, the size given as
+// create takes it.
 func newVolumeResize(g *cli.Globals) *cobra.Command {
 	var size string
 	cmd := &cobra.Command{
-		Use:               "resize NAME --size SIZE",
-		Short:             "Grow a volume (--size 20GiB); sessions that have it open learn the new size",
-		Example:           "  rnbd-server volume resize pvc-1 --size 20GiB",
-		Args:              cobra.RangeArgs(1, 2),
-		ValidArgsFunction: g.CompleteNames("name", api.SrvVolumes, cli.NoName),
+		Use:     "resize NAME --size SIZE",
+		Short:   "Grow a volume (--size 20GiB); sessions that have it open learn the new size",
+		Example: "  rnbd-server volume resize pvc-1 --size 20GiB",
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 2 {
+				return ctl.Errorf(ctl.CodeInvalid, "volume resize takes its size as create does: volume resize %s --size %s", args[0], args[1])
+			}
+			return cobra.ExactArgs(1)(cmd, args)
+		},
+		ValidArgsFunction: g.CompleteNames("name", api.SrvVolumes),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			switch {
-			case len(args) == 2 && size != "":
-				return ctl.Errorf(ctl.CodeInvalid, "volume resize: the size twice (%s and --size %s): give --size only", args[1], size)
-			case len(args) == 2:
-				size = args[1]
-			case size == "":
+			if size == "" {
 				return ctl.Errorf(ctl.CodeInvalid, "volume resize %s: give the new size, --size SIZE (e.g. 20GiB)", args[0])
 			}
 			var rsp api.ResizeResponse

@@ -6,6 +6,7 @@ package cli
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -126,6 +127,11 @@ func RemoteClient(server string, t conf.TLS, flags string) (*ctl.Client, error) 
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
 	}
+	// What the server would refuse in the handshake with no more than
+	// "bad certificate": said here, with the reason.
+	if unusable, _ := t.CertProblems(x509.ExtKeyUsageClientAuth, "client", time.Now()); len(unusable) > 0 {
+		return nil, ctl.Errorf(ctl.CodePermission, "%s: %s", server, strings.Join(unusable, "; "))
+	}
 	return ctl.DialTLS(server, tc)
 }
 
@@ -169,26 +175,39 @@ func (g *Globals) Print(w io.Writer, kind string, recs []output.Record, defaults
 // default), where commands that act print a sentence instead.
 func (g *Globals) Table() bool { return g.Format == "" || g.Format == "table" }
 
-// Main runs root and exits: one line on stderr and the error's exit code.
+// Main runs root with the command line's arguments and exits with Run's
+// code.
 func Main(name string, root *cobra.Command) {
+	os.Exit(Run(name, root, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// Run runs root (made Strict) with args and returns its exit code: 0,
+// or the error's class's code (ctl), with one line per line of the
+// error on stderr, each saying whose it is (name). A usage error of
+// cobra's (an unknown flag, a wrong number of arguments) is 2.
+func Run(name string, root *cobra.Command, args []string, stdout, stderr io.Writer) int {
+	Strict(root)
 	root.SilenceUsage = true
 	root.SilenceErrors = true
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return flagError(err) })
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
 	err := root.Execute()
 	if err == nil {
-		os.Exit(0)
+		return 0
 	}
 	// One line per problem (a configuration's unknown keys), each
 	// saying whose it is.
 	for _, l := range strings.Split(err.Error(), "\n") {
-		fmt.Fprintf(os.Stderr, "%s: %s\n", name, l)
+		fmt.Fprintf(stderr, "%s: %s\n", name, l)
 	}
 	code := ctl.ExitCode(err)
 	var ce *ctl.Error
 	if !errors.As(err, &ce) && code == 1 && isUsage(err) {
 		code = 2
 	}
-	os.Exit(code)
+	return code
 }
 
 // strconvError is strconv's part of a flag's error: `invalid argument

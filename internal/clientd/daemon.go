@@ -607,10 +607,12 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 			}
 		}
 	}
-	d.mu.Unlock()
 	if m == nil {
-		return ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
+		err := d.noDevice(device, "unmap")
+		d.mu.Unlock()
+		return err
 	}
+	d.mu.Unlock()
 	if why := m.fe.busy(); why != "" && !force {
 		return ctl.Errorf(ctl.CodeBusy, "%s %s or unmap --force", device, why)
 	}
@@ -625,13 +627,43 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	return err
 }
 
-func (d *Daemon) find(device string) (*mapped, error) {
+// find is the mapping of device, or an error for cmd (the command
+// that names it: "remap", "device show").
+func (d *Daemon) find(device, cmd string) (*mapped, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if m := d.maps[device]; m != nil {
 		return m, nil
 	}
-	return nil, ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
+	return nil, d.noDevice(device, cmd)
+}
+
+// noDevice is the error of a device name that is no mapping's, for cmd.
+// A name the server gives a device (device_path) is not the local one
+// (rnbd0): it says which mappings it is, and what cmd to run.
+//
+// +checklocks:d.mu
+func (d *Daemon) noDevice(device, cmd string) error {
+	var as []string
+	for _, m := range d.maps {
+		if m.DevicePath == device {
+			as = append(as, m.Device+" (session "+m.SessName+")")
+		}
+	}
+	for _, f := range d.failed {
+		if f.DevicePath == device {
+			as = append(as, f.Device+" (session "+f.SessName+", "+f.state()+")")
+		}
+	}
+	sort.Strings(as)
+	switch len(as) {
+	case 0:
+		return ctl.Errorf(ctl.CodeNotFound, "no device %s", device)
+	case 1:
+		dev, _, _ := strings.Cut(as[0], " ")
+		return ctl.Errorf(ctl.CodeNotFound, "no device %s; %s is mapped as %s: %s %s", device, device, as[0], cmd, dev)
+	}
+	return ctl.Errorf(ctl.CodeNotFound, "no device %s; %s is mapped as %s: %s one of them", device, device, strings.Join(as, ", "), cmd)
 }
 
 func (d *Daemon) findSession(name string) (*session, error) {

@@ -116,7 +116,7 @@ func (r *rig) savedState() State {
 // rw writes a pattern through the mapping's device and reads it back.
 func rw(t *testing.T, d *Daemon, device string, off int64, fill byte) {
 	t.Helper()
-	m, err := d.find(device)
+	m, err := d.find(device, "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -306,7 +306,7 @@ func TestRestart(t *testing.T) {
 		recs[1].AccessMode != "ro" || recs[1].Socket != filepath.Join(r.cfg.SocketDir, "b.sock") {
 		t.Fatalf("devices after the restart %v", recs)
 	}
-	m, _ := d.find("rnbd0")
+	m, _ := d.find("rnbd0", "test")
 	if m.SessUUID != a.SessUUID {
 		t.Fatalf("session UUID %s after the restart, was %s", m.SessUUID, a.SessUUID)
 	}
@@ -494,5 +494,43 @@ func TestSameDeviceTwoSessions(t *testing.T) {
 	}
 	if err := d.Unmap(ctx, m2.Device, false); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNoDeviceNamesTheMapping: a command given the server's name of a
+// device (device_path) rather than the mapping's (rnbd0) is not_found,
+// saying which mappings have that name and what to run instead.
+func TestNoDeviceNamesTheMapping(t *testing.T) {
+	r := newRig(t)
+	r.file("vol", 1<<20)
+	d := r.start()
+	defer d.Stop()
+	ctx := context.Background()
+	if _, err := d.Map(ctx, r.mapping("s1", "vol")); err != nil {
+		t.Fatal(err)
+	}
+	err := d.Unmap(ctx, "vol", false)
+	if ctl.Classify(err) != ctl.CodeNotFound || err.Error() != "no device vol; vol is mapped as rnbd0 (session s1): unmap rnbd0" {
+		t.Fatalf("unmap vol: %v", err)
+	}
+	if _, err := d.find("vol", "remap"); err == nil || !strings.HasSuffix(err.Error(), ": remap rnbd0") {
+		t.Fatalf("remap vol: %v", err)
+	}
+	m := r.mapping("s2", "vol")
+	m.AccessMode = "ro"
+	if _, err := d.Map(ctx, m); err != nil {
+		t.Fatal(err)
+	}
+	err = d.Unmap(ctx, "vol", false)
+	if err == nil || err.Error() != "no device vol; vol is mapped as rnbd0 (session s1), rnbd1 (session s2): unmap one of them" {
+		t.Fatalf("unmap vol, mapped twice: %v", err)
+	}
+	if err := d.Unmap(ctx, "other", false); err == nil || err.Error() != "no device other" {
+		t.Fatalf("unmap of a name nothing has: %v", err)
+	}
+	for _, dev := range []string{"rnbd0", "rnbd1"} {
+		if err := d.Unmap(ctx, dev, false); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

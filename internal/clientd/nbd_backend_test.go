@@ -19,7 +19,7 @@ func TestLargeBuffersBounded(t *testing.T) {
 	if _, err := d.Map(context.Background(), r.mapping("s1", "a")); err != nil {
 		t.Fatal(err)
 	}
-	m, err := d.find("rnbd0")
+	m, err := d.find("rnbd0", "test")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -59,7 +59,7 @@ func (d *Daemon) listDevices(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) showDevice(r *http.Request) (any, error) {
-	if _, err := d.find(r.PathValue("name")); err != nil {
+	if _, err := d.find(r.PathValue("name"), "device show"); err != nil {
 		return nil, err
 	}
 	return d.deviceRecords(r.PathValue("name")), nil
@@ -74,7 +74,7 @@ func (d *Daemon) unmapDevice(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) remapDevice(r *http.Request) (any, error) {
-	m, err := d.find(r.PathValue("name"))
+	m, err := d.find(r.PathValue("name"), "remap")
 	if err != nil {
 		return nil, err
 	}
@@ -86,7 +86,7 @@ func (d *Daemon) resizeDevice(r *http.Request) (any, error) {
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
-	m, err := d.find(r.PathValue("name"))
+	m, err := d.find(r.PathValue("name"), "resize")
 	if err != nil {
 		return nil, err
 	}

@@ -484,7 +484,7 @@ func remoteError(server string, err error) error {
 		return Errorf(CodePermission, "%s: the server's certificate is not trusted (not signed by --ca, or expired): %v", server, err)
 	case errors.As(err, &oe) && oe.Op == "remote error":
 		return Errorf(CodePermission, "%s: the server refused our certificate (%v): it must be signed by the CA of the server's admin listener, "+
-			"and name an identity", server, oe.Err)
+			"name an identity, have the clientAuth extended key usage and be in date", server, oe.Err)
 	case errors.Is(err, syscall.ECONNREFUSED):
 		e := Errorf(CodeUnavailable, "%s: nothing listens there (is [admin] listen set in the server's configuration, and the daemon running?)", server)
 		e.err = ErrNotRunning

@@ -384,7 +384,9 @@ func (m *OpenRsp) Check(maxIO int) error {
 
 // openRefused says what a server's refusal of an OPEN means: the answer
 // carries an errno only, and rnbd-server logs the detail (which grant,
-// address or mode). "" for other errors.
+// address or mode). Each errno is one cause on rnbd-server; the kernel's
+// rnbd_server answers EPERM for a writer too many and a read-only device
+// as well (docs/server.md, "What a client sees"). "" for other errors.
 func openRefused(err error) string {
 	var e syscall.Errno
 	if !errors.As(err, &e) {
@@ -392,9 +394,13 @@ func openRefused(err error) string {
 	}
 	switch e {
 	case syscall.EACCES:
-		return "the export grants this client's identity (its TLS certificate) no access, or less than this access mode, or the client presented none (allow_identities)"
+		return "the export grants this client's identity (its TLS certificate) no access, or less than this access mode, or the client presented none (allow_identities), or the session name belongs to another identity (rnbd-server session names)"
+	case syscall.EBUSY:
+		return "another session has the device open for writing: a second writer needs access_mode=migration, and the export must allow it (map --migration, a migration grant, or allow_migration for the search path)"
+	case syscall.EROFS:
+		return "the export is read-only: map it with access_mode=ro"
 	case syscall.EPERM:
-		return "the export does not allow this session name or client address, is read-only, or has a writer already (a second one needs access_mode=migration where the export allows it)"
+		return "the export does not allow this session name or client address (its allow and allow_from), or this session has the device open read-only already (unmap it first); a kernel rnbd_server says EPERM also for a read-only export or a device with a writer already"
 	case syscall.EUSERS:
 		return "the export is open by as many sessions as its max_sessions allows"
 	case syscall.ENOENT:

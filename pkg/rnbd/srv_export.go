@@ -141,7 +141,8 @@ func (e *Export) admit(x *SrvSession, mode AccessMode, from netip.Addr) (secondW
 		return false, errorf(syscall.EACCES, "export %s allows client %s only %s", e.Name, x.rtrs.Identity(), most)
 	}
 	if e.ReadOnly && mode != AccessRO {
-		return false, errorf(syscall.EPERM, "export %s is read-only", e.Name)
+		// EROFS, not the kernel's EPERM: the client can say which.
+		return false, errorf(syscall.EROFS, "export %s is read-only", e.Name)
 	}
 	if len(e.AllowIdentities) > 0 || e.GrantsOnly {
 		return most == AccessMigration, nil

@@ -303,7 +303,9 @@ func (s *Server) searchDir(sess, name string) (string, error) {
 
 // takeDevice finds the device behind d's backend, applies the access mode
 // rules (rnbd_srv_check_update_open_perm: ro always, rw only with no
-// writer, migration with at most one) and adds d to its sessions.
+// writer, migration with at most one) and adds d to its sessions. A
+// writer too many is EBUSY (the kernel's server says EPERM, which the
+// client cannot tell from an export's refusal): the device is in use.
 func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
 	be, mode := d.backend, d.access
 	s.mu.Lock()
@@ -319,17 +321,17 @@ func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
 	case AccessRO:
 	case AccessRW:
 		if dev.openWriteCnt != 0 {
-			return errorf(syscall.EPERM, "%s is open for writing by another session", be.Path())
+			return errorf(syscall.EBUSY, "%s is open for writing by another session", be.Path())
 		}
 		dev.openWriteCnt++
 	case AccessMigration:
 		if dev.openWriteCnt >= 2 {
-			return errorf(syscall.EPERM, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
+			return errorf(syscall.EBUSY, "%s is open for writing by %d sessions already", be.Path(), dev.openWriteCnt)
 		}
 		if dev.openWriteCnt == 1 && !secondWriter {
 			// The kernel's server lets it: then anyone who reaches
 			// the port could write beside the device's writer.
-			return errorf(syscall.EPERM, "%s is open for writing by another session, and a second writer "+
+			return errorf(syscall.EBUSY, "%s is open for writing by another session, and a second writer "+
 				"(access_mode=migration) is not allowed here", be.Path())
 		}
 		dev.openWriteCnt++

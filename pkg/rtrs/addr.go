@@ -3,7 +3,9 @@ package rtrs
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 )
 
@@ -154,6 +156,19 @@ func ParseListen(s string) (Listen, error) {
 	if ap, err := netip.ParseAddrPort(rest); err == nil {
 		l.Addr = ap
 		return l, nil
+	}
+	// HOST:PORT with a port netip refuses: say what is wrong with it,
+	// not with the address it then is not ("unexpected character").
+	if h, p, err := net.SplitHostPort(rest); err == nil {
+		if _, aerr := netip.ParseAddr(h); aerr == nil {
+			n, perr := strconv.ParseUint(p, 10, 64)
+			switch {
+			case perr != nil && errors.Is(perr, strconv.ErrRange), perr == nil && n > 65535:
+				return l, fmt.Errorf("%w %q: port %s is out of range: want 1 to 65535", ErrBadAddr, s, p)
+			case perr != nil:
+				return l, fmt.Errorf("%w %q: port %q is not a number", ErrBadAddr, s, p)
+			}
+		}
 	}
 	host := strings.TrimSuffix(strings.TrimPrefix(rest, "["), "]")
 	a, err := netip.ParseAddr(host)

@@ -113,4 +113,17 @@ func TestPathName(t *testing.T) {
 			t.Errorf("ParseListen(%q) accepted", bad)
 		}
 	}
+	// A bad port says so, not that the address has an unexpected
+	// character.
+	for s, want := range map[string]string{
+		"tcp://127.0.0.1:99999":                 `port 99999 is out of range: want 1 to 65535`,
+		"tcp://[::1]:65536":                     `port 65536 is out of range`,
+		"rdma://10.0.0.1:123456789012345678901": `port 123456789012345678901 is out of range`,
+		"tcp://127.0.0.1:http":                  `port "http" is not a number`,
+		"tcp://127.0.0.1:-1":                    `port "-1" is not a number`,
+	} {
+		if _, err := ParseListen(s); err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "unexpected character") {
+			t.Errorf("ParseListen(%q): %v, want it to say %q", s, err, want)
+		}
+	}
 }

@@ -446,3 +446,40 @@ func TestMapSaysHowServed(t *testing.T) {
 	})
 	qemuIO(t, "nbd+unix:///vol?socket="+sock, "write -P 0x3c 0 64k", "read -P 0x3c 0 64k")
 }
+
+// TestOpenRefusalsSaid: a refused OPEN tells the client its cause by
+// its errno alone (OPEN_RSP carries no text), one cause per errno: a
+// second writer is busy (EBUSY, exit 5) and names access_mode=migration,
+// a read-write map of a read-only export is EROFS (exit 7); the server's
+// log has the detail. A device named by the server's name on the client
+// says which mapping it is.
+func TestOpenRefusalsSaid(t *testing.T) {
+	dir := t.TempDir()
+	for _, n := range []string{"vol", "rovol"} {
+		kit.SparseFile(t, filepath.Join(dir, n+".img"), 16<<20)
+	}
+	port := freePort(t)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol", filepath.Join(dir, "vol.img"))
+	srv.ok("map", "rovol", filepath.Join(dir, "rovol.img"), "--ro")
+	cl := startClient(t, dir)
+	mapArgs := func(sess, dev string) []string {
+		return []string{"map", "--sessname", sess, "--path", "ip:127.0.0.1", "--device-path", dev, "--dest-port", fmt.Sprint(port)}
+	}
+	cl.ok(mapArgs("s1", "vol")...)
+	if _, errOut, code := cl.ctl(mapArgs("s2", "vol")...); code != 5 || !strings.Contains(errOut,
+		"rnbd: open vol: device or resource busy: another session has the device open for writing: a second writer needs access_mode=migration") {
+		t.Fatalf("a second writer: exit %d %q", code, errOut)
+	}
+	kit.WaitFor(t, 10*time.Second, "the server to log the refused open", func() bool {
+		return strings.Contains(srv.out.String(), "vol.img is open for writing by another session")
+	})
+	if _, errOut, code := cl.ctl(mapArgs("s2", "rovol")...); code != 7 || !strings.Contains(errOut,
+		"rnbd: open rovol: read-only file system: the export is read-only: map it with access_mode=ro") {
+		t.Fatalf("a read-write map of a read-only export: exit %d %q", code, errOut)
+	}
+	if _, errOut, code := cl.ctl("unmap", "vol"); code != 3 || !strings.Contains(errOut, "no device vol; vol is mapped as rnbd0 (session s1): unmap rnbd0") {
+		t.Fatalf("unmap by the server's name: exit %d %q", code, errOut)
+	}
+	cl.ok("unmap", "rnbd0")
+}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -154,13 +155,42 @@ func TestConfigCheck(t *testing.T) {
 		}
 		return write(name, strings.ReplaceAll(string(b), "/etc/rnbd/tls", tlsDir))
 	}
+	// The server's example as this host can run it: its storage
+	// network's addresses made loopback, TCP only.
+	local := func() string {
+		b, err := os.ReadFile(example("server.toml"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := regexp.MustCompile(`(?m)^listen = .*$`).ReplaceAllString(string(b), `listen = ["tcp://127.0.0.1:1234"]`)
+		return write("local.toml", text)
+	}
+	// Every problem at once: addresses this host does not have (the
+	// example's 10.10.0.5 and 10.11.0.5 once more, where a test may
+	// add them: TEST-NET-3 then), and warnings beside.
+	bad := "203.0.113.77"
+	many := write("many.toml", fmt.Sprintf(`listen = ["tcp://%[1]s:1234", "tcp://127.0.0.1:1234"]
+metrics_listen = "%[1]s:9724"
+export_retry = "1ms"
+[[pool]]
+name = "p1"
+type = "dir"
+path = %[2]q
+`, bad, filepath.Join(dir, "no-pool")))
 	for _, c := range []struct {
 		bin  string
 		args []string
 		code int
 		out  string // on stdout with 0, stderr otherwise
 	}{
-		{"rnbd-server", []string{example("server.toml")}, 0, "server.toml: ok\n"},
+		{"rnbd-server", []string{example("server.toml")}, 2, "listen tcp://10.10.0.5:1234: 10.10.0.5 is not an address of this host (its addresses: "},
+		{"rnbd-server", []string{example("server.toml")}, 2, "listen tcp://10.11.0.5:1234: 10.11.0.5 is not an address of this host"},
+		{"rnbd-server", []string{example("server.toml")}, 2, "listen rdma://10.10.0.5:1234: 10.10.0.5 is not an address of this host"},
+		{"rnbd-server", []string{local()}, 0, "local.toml: ok\n"},
+		{"rnbd-server", []string{many}, 2, "many.toml: export_retry 1ms: at least 100ms"},
+		{"rnbd-server", []string{many}, 2, "many.toml: listen tcp://" + bad + ":1234: " + bad + " is not an address of this host"},
+		{"rnbd-server", []string{many}, 2, "many.toml: metrics_listen " + bad + ":9724: " + bad + " is not an address of this host"},
+		{"rnbd-server", []string{many}, 2, "many.toml: warning: [[pool]] p1: stat " + filepath.Join(dir, "no-pool") + ": no such file or directory: the daemon starts without this pool"},
 		{"rnbd-client", []string{example("client.toml")}, 0, "client.toml: ok\n"},
 		{"rnbd-server", []string{write("typo.toml", "version = 1\nmax_chunk_memroy = \"1GiB\"\n")}, 2,
 			"typo.toml:2: unknown key \"max_chunk_memroy\" (did you mean max_chunk_memory?)\n"},

@@ -160,7 +160,7 @@ func TestVolumes(t *testing.T) {
 		"--size=48m", "--time_based", "--runtime=6", "--rate_iops=2000", "--verify=crc32c", "--verify_backlog=1024",
 		"--verify_fatal=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
 	time.Sleep(time.Second) // fio under way
-	if out := srv.ok("volume", "resize", "v1", "128MiB"); !strings.Contains(out, "resized volume v1 from 67108864 to 134217728 bytes") {
+	if out := srv.ok("volume", "resize", "v1", "--size", "128MiB"); !strings.Contains(out, "resized volume v1 from 67108864 to 134217728 bytes") {
 		t.Fatalf("volume resize: %q", out)
 	}
 	kit.WaitFor(t, 20*time.Second, "the client to see 128 MiB", func() bool {
@@ -168,7 +168,7 @@ func TestVolumes(t *testing.T) {
 	})
 	endFio(t, fio)
 	qemuIO(t, uri, "write -P 0x77 127M 1M", "read -P 0x77 127M 1M")
-	if msg := srv.fails(2, "volume", "resize", "v1", "64MiB"); !strings.Contains(msg, "grows only") {
+	if msg := srv.fails(2, "volume", "resize", "v1", "--size", "64MiB"); !strings.Contains(msg, "grows only") {
 		t.Fatalf("shrinking a volume: %q", msg)
 	}
 	if msg := srv.fails(2, "resize", "v1", "256MiB"); !strings.Contains(msg, "volume resize") {

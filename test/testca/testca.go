@@ -4,6 +4,7 @@
 package testca
 
 import (
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -18,40 +19,30 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/rnbd/rnbd/internal/certs"
 )
 
 // CA is a self-signed authority.
 type CA struct {
 	Cert   *x509.Certificate
-	key    *ecdsa.PrivateKey
+	key    crypto.Signer
 	serial atomic.Int64
 }
 
-// New makes an authority named name.
+// lifetime is how long the certificates are valid: long enough that no
+// check warns they expire soon (conf.TLS.CertWarnings).
+const lifetime = 365 * 24 * time.Hour
+
+// New makes an authority named name, as `rnbd-server cert create-ca`
+// does (internal/certs).
 func New(t testing.TB, name string) *CA {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	c, err := certs.NewCA(name, lifetime)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: name},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca := &CA{Cert: cert, key: key}
+	ca := &CA{Cert: c.Cert, key: c.Key}
 	ca.serial.Store(1)
 	return ca
 }
@@ -65,7 +56,9 @@ func (ca *CA) Pool() *x509.CertPool {
 
 // Issue makes a certificate with common name cn and, as subject
 // alternative names, every entry of sans that parses as an IP address as
-// one and the rest as DNS names. It is valid for servers and clients.
+// one and the rest as DNS names. It is valid for servers and clients (a
+// node's certificate of internal/certs, but that it may name no
+// address).
 func (ca *CA) Issue(t testing.TB, cn string, sans ...string) tls.Certificate {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
@@ -76,7 +69,7 @@ func (ca *CA) Issue(t testing.TB, cn string, sans ...string) tls.Certificate {
 		SerialNumber: big.NewInt(ca.serial.Add(1)),
 		Subject:      pkix.Name{CommonName: cn},
 		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
+		NotAfter:     time.Now().Add(lifetime - time.Hour),
 		KeyUsage:     x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 	}

@@ -361,7 +361,7 @@ if want lvm; then
 	lvdev=$(lcli map --sessname lvm --path ip:127.0.0.1 --dest-port 1240 --device-path v1 --as socket:/tmp/lvmc/v1.sock 2>&1 | awk '{print $1; exit}')
 	[ -n "$lvdev" ] && [ "$(lcli device list --format csv --fields size 2>&1 | tail -1)" = $((64 << 20)) ] &&
 		res lvm-daemon-client-map PASS "$lvdev" || res lvm-daemon-client-map FAIL "$(lcli device list 2>&1; tail -5 /tmp/lvm-client.log)"
-	lexit lvm-daemon-resize 0 lsrv volume resize v1 96MiB
+	lexit lvm-daemon-resize 0 lsrv volume resize v1 --size 96MiB
 	[ "$(/usr/sbin/blockdev --getsize64 "$lv1")" = $((96 << 20)) ] && res lvm-daemon-resized PASS "" ||
 		res lvm-daemon-resized FAIL "$(/usr/sbin/blockdev --getsize64 "$lv1")"
 	seen=""
