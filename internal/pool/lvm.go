@@ -28,7 +28,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 )
@@ -38,10 +37,27 @@ import (
 const highWater = 95.0
 
 // LVMThin is a pool of thin volumes in an LVM thin pool.
+//
+// Concurrency: an LVMThin is safe for concurrent use (the Pool
+// interface says what that promises). names locks the name a change is
+// of: the volume's for Create, Resize and Delete, the snapshot's for
+// CreateSnapshot and DeleteSnapshot. The pool lets changes of different
+// names run at once; lvm2 then runs them one after the other: each of
+// its tools that changes a volume group holds the group's lock (a file
+// lock under /run/lock/lvm) while it runs, and lvs waits for it, so a
+// create of v1 waits in lvm2 for the lvcreate of v2 under way, and so
+// does a Get or a List. space is held while a create or a growth runs
+// lvs to count the thin pool and reserves what it needs (a clone or a
+// snapshot does not lock its source: lvm2 finds it or not). Reads (Get,
+// List, Capacity, Snapshots) take neither lock. Lock order: a name's
+// lock, then space.
 type LVMThin struct {
 	name, vg, thin string
 	now            func() time.Time
-	mu             sync.Mutex // serialises the changes
+	names          nameLocks
+	space          reservations
+	// run runs one of lvm2's tools: runLVM, or a test's stand-in.
+	run func(tool string, args ...string) ([]byte, error)
 }
 
 // OpenLVMThin opens the pool name on the thin pool thinPool of volume
@@ -50,10 +66,14 @@ type LVMThin struct {
 // what a crash left half-made. It returns what it removed, for the
 // caller to log.
 func OpenLVMThin(name, vg, thinPool string) (*LVMThin, []string, error) {
+	return openLVMThin(name, vg, thinPool, runLVM)
+}
+
+func openLVMThin(name, vg, thinPool string, run func(tool string, args ...string) ([]byte, error)) (*LVMThin, []string, error) {
 	if err := CheckName(name); err != nil {
 		return nil, nil, err
 	}
-	p := &LVMThin{name: name, vg: vg, thin: thinPool, now: time.Now}
+	p := &LVMThin{name: name, vg: vg, thin: thinPool, now: time.Now, run: run}
 	for _, n := range []string{vg, thinPool} {
 		if n == "" || validLVMName(n) != nil {
 			return nil, nil, errorf(syscall.EINVAL, "pool %s: %q is not an LVM name", name, n)
@@ -217,24 +237,28 @@ func (p *LVMThin) List() ([]Volume, error) {
 }
 
 // Capacity implements Pool (the file's comment says how it counts).
+// Promised counts the space reserved by the creates and growths under
+// way.
 func (p *LVMThin) Capacity() (Capacity, error) {
 	rows, err := p.scan()
 	if err != nil {
 		return Capacity{}, err
 	}
-	c, _, err := p.capacity(rows)
+	c, _, err := p.capacity(rows, p.space.held())
 	return c, err
 }
 
-// capacity counts the space of the thin pool; full says which of its
-// data or metadata is at the high-water mark ("" if neither).
-func (p *LVMThin) capacity(rows []lvRow) (c Capacity, full string, err error) {
+// capacity counts the space of the thin pool, reserved bytes promised
+// besides what its LVs may still claim; full says which of its data or
+// metadata is at the high-water mark ("" if neither).
+func (p *LVMThin) capacity(rows []lvRow, reserved int64) (c Capacity, full string, err error) {
 	tp, err := p.thinPoolRow(rows)
 	if err != nil {
 		return c, "", err
 	}
 	c.Total = tp.Size
 	c.MetadataSize = tp.MetaSize
+	c.Promised = reserved
 	if tp.Data >= 0 {
 		c.Used = int64(tp.Data * float64(tp.Size) / 100)
 	}
@@ -267,89 +291,53 @@ func roundUp(size, extent int64) int64 {
 
 // Create implements Pool. A clone (Spec.From, Spec.FromSnapshot) is a
 // writable thin snapshot of its source, grown to the size asked.
-func (p *LVMThin) Create(s Spec) (Volume, bool, error) {
+func (p *LVMThin) Create(s Spec) (v Volume, created bool, err error) {
 	if err := CheckSpec(s); err != nil {
 		return Volume{}, false, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	rows, err := p.scan()
-	if err != nil {
-		return Volume{}, false, err
-	}
-	f, err := p.find(rows, kindVolume, s.Name)
-	if err != nil {
-		return Volume{}, false, err
-	}
+	err = p.names.with(lockKey(kindVolume, s.Name), func() error {
+		v, created, err = p.create(s)
+		return err
+	})
+	return v, created, err
+}
+
+// createPlan is what a Create found in the thin pool: the volume there
+// already (have), or the source of the clone to make (src; none for an
+// empty volume).
+type createPlan struct {
+	have found
+	src  lvRow
+}
+
+func (p *LVMThin) create(s Spec) (Volume, bool, error) {
 	lv := lvName(p.vg, kindVolume, s.Name)
-	switch {
-	case f.ok && !f.mine:
-		return Volume{}, false, errorf(syscall.EEXIST, "pool %s: volume %s would be LV %s/%s, which is there and is not the pool's", p.name, s.Name, p.vg, lv)
-	case f.ok && f.row.incomplete():
-		// A clone a crash left half-made: made again from the start.
-		if _, err := p.lvm("lvremove", "-y", p.vg+"/"+lv); err != nil {
-			return Volume{}, false, fmt.Errorf("pool %s: removing the half-made volume %s: %w", p.name, s.Name, err)
-		}
-		if rows, err = p.scan(); err != nil {
-			return Volume{}, false, err
-		}
-	case f.ok:
-		v := p.volume(f.meta, lv)
-		if diff := differs(v, s); diff != "" {
-			return v, false, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
-		}
-		if err := p.activate(f.row); err != nil {
+	var plan createPlan
+	release, err := p.space.take(func(reserved int64) (int64, error) {
+		var need int64
+		var err error
+		plan, need, err = p.planCreate(s, reserved)
+		return need, err
+	})
+	if plan.have.ok {
+		v := p.volume(plan.have.meta, lv)
+		if err != nil {
 			return v, false, err
 		}
-		return v, false, nil
+		release()
+		return v, false, p.activate(plan.have.row)
 	}
-	var src lvRow // the clone's source
-	switch {
-	case s.From != "":
-		from, err := p.find(rows, kindVolume, s.From)
-		if err != nil {
-			return Volume{}, false, err
-		}
-		if !from.mine || from.row.incomplete() {
-			return Volume{}, false, errorf(syscall.ENOENT, "pool %s: no volume %s to clone", p.name, s.From)
-		}
-		if s.Size < from.meta.Size {
-			return Volume{}, false, errorf(syscall.EINVAL, "pool %s: a clone of %s (%d bytes) cannot be smaller (%d)", p.name, s.From, from.meta.Size, s.Size)
-		}
-		src = from.row
-	case s.FromSnapshot != "":
-		from, err := p.find(rows, kindSnapshot, s.FromSnapshot)
-		if err != nil {
-			return Volume{}, false, err
-		}
-		if !from.mine {
-			return Volume{}, false, errorf(syscall.ENOENT, "pool %s: no snapshot %s to clone", p.name, s.FromSnapshot)
-		}
-		if s.Size < from.meta.Size {
-			return Volume{}, false, errorf(syscall.EINVAL, "pool %s: a clone of snapshot %s (%d bytes) cannot be smaller (%d)", p.name, s.FromSnapshot, from.meta.Size, s.Size)
-		}
-		src = from.row
-	}
-	c, full, err := p.capacity(rows)
 	if err != nil {
 		return Volume{}, false, err
 	}
-	if full != "" {
-		return Volume{}, false, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)
-	}
-	ext := extentOf(rows, p.thin)
-	// What the new LV promises: its size, less what a clone maps from
-	// its source from the start.
-	need := roundUp(s.Size, ext) - src.mapped()
-	if need > c.Allocatable {
-		return Volume{}, false, errorf(syscall.ENOSPC, "pool %s: %d bytes asked, %d allocatable in thin pool %s/%s", p.name, s.Size, c.Allocatable, p.vg, p.thin)
-	}
+	defer release()
 	m := lvmMeta{Kind: kindVolume, Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, SourceSnapshot: s.FromSnapshot,
 		Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(s.Labels)}
 	tags, err := encodeTags(m)
 	if err != nil {
 		return Volume{}, false, err
 	}
+	src := plan.src
 	if src.Name == "" {
 		args := []string{"-y", "--type", "thin", "--thinpool", p.thin, "-V", strconv.FormatInt(s.Size, 10) + "b", "-n", lv}
 		args = append(append(args, tagArgs("--addtag", tags)...), p.vg)
@@ -378,6 +366,80 @@ func (p *LVMThin) Create(s Spec) (Volume, bool, error) {
 	return p.volume(m, lv), true, nil
 }
 
+// planCreate looks at the thin pool for a Create: the volume there
+// already (plan.have.ok: with other parameters, EEXIST), or what the new
+// one needs of the allocatable space, of which reserved is held by the
+// changes under way. A half-made volume of the name is removed first.
+func (p *LVMThin) planCreate(s Spec, reserved int64) (plan createPlan, need int64, err error) {
+	rows, err := p.scan()
+	if err != nil {
+		return plan, 0, err
+	}
+	f, err := p.find(rows, kindVolume, s.Name)
+	if err != nil {
+		return plan, 0, err
+	}
+	lv := lvName(p.vg, kindVolume, s.Name)
+	switch {
+	case f.ok && !f.mine:
+		return plan, 0, errorf(syscall.EEXIST, "pool %s: volume %s would be LV %s/%s, which is there and is not the pool's", p.name, s.Name, p.vg, lv)
+	case f.ok && f.row.incomplete():
+		// A clone a crash left half-made: made again from the start.
+		if _, err := p.lvm("lvremove", "-y", p.vg+"/"+lv); err != nil {
+			return plan, 0, fmt.Errorf("pool %s: removing the half-made volume %s: %w", p.name, s.Name, err)
+		}
+		if rows, err = p.scan(); err != nil {
+			return plan, 0, err
+		}
+	case f.ok:
+		plan.have = f
+		if diff := differs(p.volume(f.meta, lv), s); diff != "" {
+			return plan, 0, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
+		}
+		return plan, 0, nil
+	}
+	switch {
+	case s.From != "":
+		from, err := p.find(rows, kindVolume, s.From)
+		if err != nil {
+			return plan, 0, err
+		}
+		if !from.mine || from.row.incomplete() {
+			return plan, 0, errorf(syscall.ENOENT, "pool %s: no volume %s to clone", p.name, s.From)
+		}
+		if s.Size < from.meta.Size {
+			return plan, 0, errorf(syscall.EINVAL, "pool %s: a clone of %s (%d bytes) cannot be smaller (%d)", p.name, s.From, from.meta.Size, s.Size)
+		}
+		plan.src = from.row
+	case s.FromSnapshot != "":
+		from, err := p.find(rows, kindSnapshot, s.FromSnapshot)
+		if err != nil {
+			return plan, 0, err
+		}
+		if !from.mine {
+			return plan, 0, errorf(syscall.ENOENT, "pool %s: no snapshot %s to clone", p.name, s.FromSnapshot)
+		}
+		if s.Size < from.meta.Size {
+			return plan, 0, errorf(syscall.EINVAL, "pool %s: a clone of snapshot %s (%d bytes) cannot be smaller (%d)", p.name, s.FromSnapshot, from.meta.Size, s.Size)
+		}
+		plan.src = from.row
+	}
+	c, full, err := p.capacity(rows, reserved)
+	if err != nil {
+		return plan, 0, err
+	}
+	if full != "" {
+		return plan, 0, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)
+	}
+	// What the new LV promises: its size, less what a clone maps from
+	// its source from the start.
+	need = max(roundUp(s.Size, extentOf(rows, p.thin))-plan.src.mapped(), 0)
+	if need > c.Allocatable {
+		return plan, 0, errorf(syscall.ENOSPC, "pool %s: %d bytes asked, %d allocatable in thin pool %s/%s", p.name, s.Size, c.Allocatable, p.vg, p.thin)
+	}
+	return plan, need, nil
+}
+
 // createError classifies a failed lvcreate: LVM's own refusal for
 // space is ENOSPC.
 func (p *LVMThin) createError(name string, err error) error {
@@ -392,15 +454,21 @@ func (p *LVMThin) createError(name string, err error) error {
 // succeeds. The LV is grown first (lvextend), the size in its tags then:
 // a crash between the two leaves an LV larger than its metadata says,
 // which a retry finds grown and only records.
-func (p *LVMThin) Resize(name string, size int64) (Volume, error) {
+func (p *LVMThin) Resize(name string, size int64) (v Volume, err error) {
 	if err := CheckName(name); err != nil {
 		return Volume{}, err
 	}
 	if err := checkSize(size); err != nil {
 		return Volume{}, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	err = p.names.with(lockKey(kindVolume, name), func() error {
+		v, err = p.resize(name, size)
+		return err
+	})
+	return v, err
+}
+
+func (p *LVMThin) resize(name string, size int64) (Volume, error) {
 	f, err := p.get(kindVolume, name)
 	if err != nil {
 		return Volume{}, err
@@ -420,20 +488,28 @@ func (p *LVMThin) Resize(name string, size int64) (Volume, error) {
 		return v, errorf(syscall.EINVAL, "pool %s: volume %s is %d bytes: a volume grows only (asked %d)", p.name, name, v.Size, size)
 	}
 	if f.row.Size < size {
-		rows, err := p.scan()
+		release, err := p.space.take(func(reserved int64) (int64, error) {
+			rows, err := p.scan()
+			if err != nil {
+				return 0, err
+			}
+			c, full, err := p.capacity(rows, reserved)
+			if err != nil {
+				return 0, err
+			}
+			if full != "" {
+				return 0, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)
+			}
+			more := roundUp(size, f.row.Extent) - f.row.Size
+			if more > c.Allocatable {
+				return 0, errorf(syscall.ENOSPC, "pool %s: %d more bytes asked, %d allocatable in thin pool %s/%s", p.name, more, c.Allocatable, p.vg, p.thin)
+			}
+			return more, nil
+		})
 		if err != nil {
 			return v, err
 		}
-		c, full, err := p.capacity(rows)
-		if err != nil {
-			return v, err
-		}
-		if full != "" {
-			return v, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)
-		}
-		if more := roundUp(size, f.row.Extent) - f.row.Size; more > c.Allocatable {
-			return v, errorf(syscall.ENOSPC, "pool %s: %d more bytes asked, %d allocatable in thin pool %s/%s", p.name, more, c.Allocatable, p.vg, p.thin)
-		}
+		defer release()
 		if _, err := p.lvm("lvextend", "-y", "-L", strconv.FormatInt(size, 10)+"b", p.vg+"/"+f.row.Name); err != nil {
 			return v, fmt.Errorf("pool %s: growing %s: %w", p.name, name, err)
 		}
@@ -489,8 +565,10 @@ func (p *LVMThin) Delete(name string) error {
 }
 
 func (p *LVMThin) remove(kind, name string) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	return p.names.with(lockKey(kind, name), func() error { return p.removeLV(kind, name) })
+}
+
+func (p *LVMThin) removeLV(kind, name string) error {
 	rows, err := p.scan()
 	if err != nil {
 		return err
@@ -513,14 +591,20 @@ func (p *LVMThin) remove(kind, name string) error {
 // CreateSnapshot implements Pool: a read-only thin snapshot of the
 // volume's LV, activated (without LVM's activation-skip flag, which
 // thin snapshots otherwise get).
-func (p *LVMThin) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
+func (p *LVMThin) CreateSnapshot(volume, name string) (s Snapshot, created bool, err error) {
 	for _, n := range []string{volume, name} {
 		if err := CheckName(n); err != nil {
 			return Snapshot{}, false, err
 		}
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
+	err = p.names.with(lockKey(kindSnapshot, name), func() error {
+		s, created, err = p.createSnapshot(volume, name)
+		return err
+	})
+	return s, created, err
+}
+
+func (p *LVMThin) createSnapshot(volume, name string) (Snapshot, bool, error) {
 	rows, err := p.scan()
 	if err != nil {
 		return Snapshot{}, false, err
@@ -547,7 +631,7 @@ func (p *LVMThin) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 	if !v.mine || v.row.incomplete() {
 		return Snapshot{}, false, errorf(syscall.ENOENT, "pool %s: no volume %s", p.name, volume)
 	}
-	if _, full, err := p.capacity(rows); err != nil {
+	if _, full, err := p.capacity(rows, 0); err != nil {
 		return Snapshot{}, false, err
 	} else if full != "" {
 		return Snapshot{}, false, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)

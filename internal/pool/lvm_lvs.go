@@ -116,9 +116,12 @@ func lvsPercent(s string) (float64, error) {
 	return f, nil
 }
 
-// lvm runs one of lvm2's tools, bounded by lvmTimeout; a failure carries
-// what the tool wrote on stderr.
-func (p *LVMThin) lvm(tool string, args ...string) ([]byte, error) {
+// lvm runs one of lvm2's tools.
+func (p *LVMThin) lvm(tool string, args ...string) ([]byte, error) { return p.run(tool, args...) }
+
+// runLVM runs one of lvm2's tools, bounded by lvmTimeout; a failure
+// carries what the tool wrote on stderr.
+func runLVM(tool string, args ...string) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), lvmTimeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, tool, args...)

@@ -59,20 +59,20 @@ func TestLVMCapacityArithmetic(t *testing.T) {
 		{Name: "o", Segtype: "thin", Pool: "other", Size: 40 << 20, Data: 0, Attr: "Vwi-a-tz--"}, // another pool
 		{Name: "l", Segtype: "linear", Size: 40 << 20, Data: -1, Attr: "-wi-a-----"},
 	}
-	c, full, err := p.capacity(rows)
+	c, full, err := p.capacity(rows, 0)
 	want := Capacity{Total: 100 << 20, Used: 50 << 20, Promised: 38 << 20, Allocatable: 12 << 20, MetadataSize: 4 << 20, MetadataUsed: 1 << 20}
 	if err != nil || c != want || full != "" {
 		t.Fatalf("capacity %+v, %q, %v; want %+v", c, full, err, want)
 	}
 	rows[0].Data = 95
-	if c, full, _ = p.capacity(rows); !strings.Contains(full, "data 95.00% used") || c.Allocatable != 0 {
+	if c, full, _ = p.capacity(rows, 0); !strings.Contains(full, "data 95.00% used") || c.Allocatable != 0 {
 		t.Fatalf("at the mark: %+v, %q", c, full)
 	}
 	rows[0].Data, rows[0].Meta = 10, 99.5
-	if _, full, _ = p.capacity(rows); !strings.Contains(full, "metadata 99.50% used") {
+	if _, full, _ = p.capacity(rows, 0); !strings.Contains(full, "metadata 99.50% used") {
 		t.Fatalf("metadata full: %q", full)
 	}
-	if _, _, err := p.capacity(rows[1:]); !errors.Is(err, syscall.ENOENT) {
+	if _, _, err := p.capacity(rows[1:], 0); !errors.Is(err, syscall.ENOENT) {
 		t.Fatalf("no thin pool: %v", err)
 	}
 }

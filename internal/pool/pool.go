@@ -8,6 +8,15 @@
 // name, as an orchestrator that retries needs: a create of what exists
 // with the same parameters answers it, a delete of what is gone succeeds,
 // and a crash between the steps of a change leaves what a retry finishes.
+// Pools are safe for concurrent use, changes of different names running
+// at once (Pool says what is promised).
+//
+// The files: pool.go the interface, the records and the checks of
+// names, sizes and labels; locks.go the lock of a name and the space
+// reserved by the changes under way, which both pools use; dir.go the
+// directory pool; lvm.go the LVM thin pool, lvm_tags.go its LV names
+// and the metadata in LV tags, lvm_lvs.go what lvs reports and running
+// lvm2's tools.
 package pool
 
 import (
@@ -19,8 +28,22 @@ import (
 	"time"
 )
 
-// Pool is a place volumes are made in. Implementations are safe for
-// concurrent use.
+// Pool is a place volumes are made in.
+//
+// Implementations are safe for concurrent use by several goroutines, and
+// the caller need hold no lock of its own across a call. The changes of
+// one name are serialised (Create, Resize and Delete of a volume;
+// CreateSnapshot and DeleteSnapshot of a snapshot): two at once run one
+// after the other and each answers as it would alone (a second Create
+// of a name answers what the first made, created false). Changes of
+// different names do not wait for each other in the pool (a create of
+// v1 does not wait for the slow create of v2; an LVM thin pool's tools
+// still take turns inside lvm2), and never promise together more space
+// than they would one after the other. Reads (Get, List, Capacity,
+// Snapshots) take no lock: they see a volume or snapshot made or not,
+// never half-made (a growth under way shows the old size or the new).
+// What spans more than one pool (a name used once across pools) or more
+// than the pool (a volume's export) is the caller's to serialise.
 type Pool interface {
 	// Name is the pool's name in the configuration.
 	Name() string
