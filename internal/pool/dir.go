@@ -178,7 +178,7 @@ func readAll[T any](p *Dir, dir string, read func(name string) (T, error)) ([]T,
 	var out []T
 	for _, e := range es {
 		name, ok := strings.CutSuffix(e.Name(), suffix)
-		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
+		if !ok || !e.Type().IsRegular() || checkStored(name) != nil {
 			continue
 		}
 		x, err := read(name)

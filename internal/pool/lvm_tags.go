@@ -193,7 +193,7 @@ func decodeTags(tags []string) (m lvmMeta, ok bool, err error) {
 	if m.Kind != kindVolume && m.Kind != kindSnapshot {
 		return m, true, fmt.Errorf("metadata of kind %q", m.Kind)
 	}
-	if CheckName(m.Name) != nil || m.Size <= 0 {
+	if checkStored(m.Name) != nil || m.Size <= 0 {
 		return m, true, fmt.Errorf("metadata of %q, size %d", m.Name, m.Size)
 	}
 	return m, true, nil

@@ -150,12 +150,46 @@ func errorf(errno syscall.Errno, format string, args ...any) error {
 	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
 }
 
+// nameRule is CheckName's rule, as its refusals say it.
+const nameRule = "want 1 to 128 of A-Z a-z 0-9 . _ -, not all dots, not beginning with -"
+
+// nameRE is the alphabet and length of the names a pool keeps: each is
+// a file name (NAME.img) and maps one to one onto an LV name.
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,128}$`)
 
-// CheckName refuses a volume or snapshot name outside [A-Za-z0-9._-]{1,128}.
+// CheckName refuses a volume, snapshot or pool name that cannot be used
+// as one everywhere it goes: a file name, an LV name, a segment of a URL
+// path (/v1/volumes/NAME), an argument on a command line. A name is 1 to
+// 128 of A-Z a-z 0-9 . _ - (no '/', '%', '?', '#', blank or control
+// character, which a URL path would escape, split or end at), and
+// neither
+//
+//   - made of dots only: "." and ".." are the dot-segments that
+//     net/http's ServeMux (and every URL resolver) removes, so the API
+//     could never address them; longer runs of dots are refused with
+//     them, as no one means them for a name;
+//   - begins with '-': a command line takes it for an option (a volume
+//     named "-h" given to `volume delete` would print help and exit 0).
 func CheckName(name string) error {
+	if err := checkStored(name); err != nil {
+		return err
+	}
+	switch {
+	case strings.Trim(name, ".") == "":
+		return errorf(syscall.EINVAL, "name %q: a URL path cannot carry a name of dots only (%s)", name, nameRule)
+	case name[0] == '-':
+		return errorf(syscall.EINVAL, "name %q: a command line would take a name beginning with - for an option (%s)", name, nameRule)
+	}
+	return nil
+}
+
+// checkStored refuses a name no pool could keep. A name it passes and
+// CheckName refuses (of dots only, or beginning with '-') may still be
+// on a volume made before CheckName refused it: such a volume is
+// listed, so that it is seen, but cannot be changed by name.
+func checkStored(name string) error {
 	if !nameRE.MatchString(name) {
-		return errorf(syscall.EINVAL, "name %q: want 1 to 128 of A-Z a-z 0-9 . _ -", name)
+		return errorf(syscall.EINVAL, "name %q: %s", name, nameRule)
 	}
 	return nil
 }
