@@ -48,12 +48,16 @@ demo-rtrs: build
 	@scripts/demo-rtrs.sh
 
 # gVisor's checklocks analyzer checks the +checklocks annotations (which
-# fields a mutex guards, which functions run with it held) on the packages
-# below; not lock order (doc.go's Lock order blocks). It is pinned and
-# built outside the module: gvisor is large and no dependency of rnbd.
+# fields a mutex guards, which functions run with it held) on every
+# package of the module (./...), so that new code is checked from its
+# first line; not lock order (doc.go's Lock order blocks). A package it
+# skips has a line CHECKLOCKS_SKIP.PACKAGE := REASON below (make vet
+# prints them; a line for a package that is gone is an error). It is
+# pinned and built outside the module: gvisor is large and no dependency
+# of rnbd.
 CHECKLOCKS_VERSION := v0.0.0-20260905035102-160fafc42237
-CHECKLOCKS_PKGS    := ./pkg/rtrs/... ./pkg/rnbd/... ./internal/serverd ./internal/clientd \
-                      ./pkg/frontend/nbd
+CHECKLOCKS_SKIP.internal/csi := being reworked in issue 40; to be removed
+CHECKLOCKS_SKIP    := $(sort $(patsubst CHECKLOCKS_SKIP.%,%,$(filter CHECKLOCKS_SKIP.%,$(.VARIABLES))))
 CHECKLOCKS         := $(BIN)/tools/checklocks-$(CHECKLOCKS_VERSION)
 
 $(CHECKLOCKS):
@@ -64,7 +68,14 @@ vet: $(CHECKLOCKS)
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
-	$(GO) vet -vettool=$(abspath $(CHECKLOCKS)) $(CHECKLOCKS_PKGS)
+	@mod=$$($(GO) list -m) && pkgs=$$($(GO) list ./...) || exit 1; \
+	for p in $(CHECKLOCKS_SKIP); do \
+		echo "$$pkgs" | grep -qxF "$$mod/$$p" || { echo "CHECKLOCKS_SKIP.$$p: no such package: remove the line"; exit 1; }; \
+		pkgs=$$(echo "$$pkgs" | grep -vxF "$$mod/$$p"); \
+	done; \
+	$(foreach p,$(CHECKLOCKS_SKIP),echo "checklocks skips $(p): $(CHECKLOCKS_SKIP.$(p))";) \
+	echo "$(GO) vet -vettool=$(CHECKLOCKS) ./... (less what it skips)"; \
+	$(GO) vet -vettool=$(abspath $(CHECKLOCKS)) $$pkgs
 
 # Helm renders the chart deploy/helm/rnbd-csi in make test (test/lint:
 # every object decoded strictly and checked, deploy/kubernetes its

@@ -114,21 +114,27 @@ func (t TLS) Fabric(given fabric.Fabric, userTimeout string, o tcp.Options) (fab
 }
 
 // keyPair is a certificate and key loaded from files, loaded again when
-// their modification times change.
+// their modification times change. It is safe for concurrent use.
 type keyPair struct {
-	cert, key string
+	// The files: set when made, never changed.
+	cert string
+	key  string
 
-	mu       sync.Mutex
-	loaded   *tls.Certificate
+	mu sync.Mutex
+	// +checklocks:mu
+	loaded *tls.Certificate
+	// +checklocks:mu
 	certTime time.Time
-	keyTime  time.Time
+	// +checklocks:mu
+	keyTime time.Time
 }
 
 func (k *keyPair) get() (*tls.Certificate, error) {
+	cert, key := k.cert, k.key
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	cs, err1 := os.Stat(k.cert)
-	ks, err2 := os.Stat(k.key)
+	cs, err1 := os.Stat(cert)
+	ks, err2 := os.Stat(key)
 	if err := errors.Join(err1, err2); err != nil {
 		if k.loaded != nil {
 			return k.loaded, nil // being replaced, or gone: keep what works
@@ -138,12 +144,12 @@ func (k *keyPair) get() (*tls.Certificate, error) {
 	if k.loaded != nil && cs.ModTime().Equal(k.certTime) && ks.ModTime().Equal(k.keyTime) {
 		return k.loaded, nil
 	}
-	c, err := tls.LoadX509KeyPair(k.cert, k.key)
+	c, err := tls.LoadX509KeyPair(cert, key)
 	if err != nil {
 		if k.loaded != nil {
 			return k.loaded, nil // half written: try again next time
 		}
-		return nil, fmt.Errorf("tls: certificate %s, key %s: %w", k.cert, k.key, err)
+		return nil, fmt.Errorf("tls: certificate %s, key %s: %w", cert, key, err)
 	}
 	k.loaded, k.certTime, k.keyTime = &c, cs.ModTime(), ks.ModTime()
 	return k.loaded, nil

@@ -109,8 +109,8 @@ func Run(ctx context.Context, cfg LoadConfig) (Result, error) {
 	}
 	defer buf.Free()
 	var res Result
-	var ios atomic.Int64
-	var maxLat atomic.Int64
+	var ios, maxLat atomic.Int64
+	var reads, writes, errs, verifyFailures atomic.Int64 // res's, when the workers are done
 	var mu sync.Mutex
 	note := func(err error) {
 		mu.Lock()
@@ -158,24 +158,25 @@ func Run(ctx context.Context, cfg LoadConfig) (Result, error) {
 				for m := maxLat.Load(); lat > m && !maxLat.CompareAndSwap(m, lat); m = maxLat.Load() {
 				}
 				if err != nil {
-					atomic.AddInt64(&res.Errors, 1)
+					errs.Add(1)
 					note(fmt.Errorf("%v of block %d: %w", dir, blk, err))
 					continue
 				}
 				if write {
 					gen[blk]++
-					atomic.AddInt64(&res.Writes, 1)
+					writes.Add(1)
 					continue
 				}
-				atomic.AddInt64(&res.Reads, 1)
+				reads.Add(1)
 				if !check(data, blk, gen[blk], cfg.Seed) {
-					atomic.AddInt64(&res.VerifyFailures, 1)
+					verifyFailures.Add(1)
 					note(fmt.Errorf("block %d: read data differs from what was written (generation %d)", blk, gen[blk]))
 				}
 			}
 		}(w)
 	}
 	wg.Wait()
+	res.Reads, res.Writes, res.Errors, res.VerifyFailures = reads.Load(), writes.Load(), errs.Load(), verifyFailures.Load()
 	res.Elapsed = time.Since(start)
 	res.BytesRead = res.Reads * int64(cfg.BlockSize)
 	res.BytesWritten = res.Writes * int64(cfg.BlockSize)

@@ -24,6 +24,14 @@ import (
 )
 
 // Server is a metrics endpoint: GET /metrics.
+//
+// Concurrency: a Server has no lock: its fields are set by Listen and
+// never change, and Addr and Close may be called from any goroutine
+// (Close more than once). Scrapes run on net/http's goroutines, at most
+// 4 at once (a fifth is answered 503), and each calls the collector's
+// Collect: the collector given to Listen must be safe for concurrent
+// use, as the daemons' are (they read their counters atomically or
+// under their own locks, taken one at a time).
 type Server struct {
 	srv  *http.Server
 	ln   net.Listener

@@ -15,7 +15,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -29,30 +28,44 @@ const (
 )
 
 // Dir is a directory pool.
+//
+// Concurrency: a Dir is safe for concurrent use (the Pool interface
+// says what that promises). names locks the name a change is of: the
+// volume's for Create, Resize and Delete, the snapshot's for
+// CreateSnapshot and DeleteSnapshot (a volume and a snapshot may share
+// a name). Changes of different names run at once, each making its
+// file under its own name in .rnbd-tmp/. A clone or a snapshot does not
+// lock its source: it reflinks the source's file as it is at that
+// moment (a source deleted at the same time is ENOENT, or cloned
+// whole). space is held while a create or a growth counts the pool
+// (statfs, and the metadata of every volume) and reserves what it
+// needs. Reads (Get, List, Capacity, Snapshots) take neither: they see
+// a volume whole or not at all (it is renamed into place whole), and a
+// growth's metadata before its file (the next Resize finishes a growth
+// a crash cut). Lock order: a name's lock, then space.
 type Dir struct {
 	name, dir string
 	now       func() time.Time
-	mu        sync.Mutex // serialises Create, Resize, Delete
 	// dev is the file system the directory was on when opened: one
 	// unmounted since is not written to (mounted).
-	dev uint64
+	dev   uint64
+	names nameLocks
+	space reservations
+	// beforeRename, if set (a test), is called with a made file's path
+	// under .rnbd-tmp/ before it is renamed into place.
+	beforeRename func(tmp string)
 }
 
-// change checks the names of a change and takes the pool for it: on
-// success p.mu is held (the caller unlocks) and the file system is the
-// one the pool was opened on.
-func (p *Dir) change(names ...string) error {
-	for _, n := range names {
-		if err := CheckName(n); err != nil {
+// change runs fn holding the lock of a volume's or snapshot's name
+// (kind and name), on the file system the pool was opened on. The
+// caller has checked the name.
+func (p *Dir) change(kind, name string, fn func() error) error {
+	return p.names.with(lockKey(kind, name), func() error {
+		if err := p.mounted(); err != nil {
 			return err
 		}
-	}
-	p.mu.Lock()
-	if err := p.mounted(); err != nil {
-		p.mu.Unlock()
-		return err
-	}
-	return nil
+		return fn()
+	})
 }
 
 // mounted refuses a change when the pool's directory is no longer on
@@ -165,7 +178,7 @@ func readAll[T any](p *Dir, dir string, read func(name string) (T, error)) ([]T,
 	var out []T
 	for _, e := range es {
 		name, ok := strings.CutSuffix(e.Name(), suffix)
-		if !ok || !e.Type().IsRegular() || CheckName(name) != nil {
+		if !ok || !e.Type().IsRegular() || checkStored(name) != nil {
 			continue
 		}
 		x, err := read(name)
@@ -180,8 +193,15 @@ func readAll[T any](p *Dir, dir string, read func(name string) (T, error)) ([]T,
 	return out, nil
 }
 
-// Capacity says the pool's space.
+// Capacity says the pool's space. Promised counts the space reserved
+// by the creates and growths under way.
 func (p *Dir) Capacity() (Capacity, error) {
+	return p.capacity(p.space.held())
+}
+
+// capacity counts the pool's space, reserved bytes promised besides
+// what the volumes may still claim.
+func (p *Dir) capacity(reserved int64) (Capacity, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(p.dir, &st); err != nil {
 		return Capacity{}, fmt.Errorf("pool %s: %w", p.name, err)
@@ -190,7 +210,7 @@ func (p *Dir) Capacity() (Capacity, error) {
 	if err != nil {
 		return Capacity{}, err
 	}
-	c := Capacity{Total: int64(st.Blocks) * st.Bsize}
+	c := Capacity{Total: int64(st.Blocks) * st.Bsize, Promised: reserved}
 	free := int64(st.Bavail) * st.Bsize
 	c.Used = c.Total - int64(st.Bfree)*st.Bsize
 	for _, v := range vs {
@@ -211,10 +231,14 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 	if err := CheckSpec(s); err != nil {
 		return Volume{}, false, err
 	}
-	if err := p.change(); err != nil {
-		return Volume{}, false, err
-	}
-	defer p.mu.Unlock()
+	err = p.change(kindVolume, s.Name, func() error {
+		v, created, err = p.create(s)
+		return err
+	})
+	return v, created, err
+}
+
+func (p *Dir) create(s Spec) (v Volume, created bool, err error) {
 	if old, err := p.read(s.Name); err == nil {
 		if diff := differs(old, s); diff != "" {
 			return old, false, errorf(syscall.EEXIST, "pool %s: volume %s exists with %s", p.name, s.Name, diff)
@@ -244,16 +268,23 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 		}
 		src = from.Path
 	}
-	c, err := p.Capacity()
+	release, err := p.space.take(func(reserved int64) (int64, error) {
+		c, err := p.capacity(reserved)
+		if err != nil {
+			return 0, err
+		}
+		if s.Size > c.Allocatable {
+			return 0, errorf(syscall.ENOSPC, "pool %s: %d bytes asked, %d allocatable", p.name, s.Size, c.Allocatable)
+		}
+		return s.Size, nil
+	})
 	if err != nil {
 		return Volume{}, false, err
 	}
-	if s.Size > c.Allocatable {
-		return Volume{}, false, errorf(syscall.ENOSPC, "pool %s: %d bytes asked, %d allocatable", p.name, s.Size, c.Allocatable)
-	}
+	defer release()
 	v = Volume{Name: s.Name, Pool: p.name, Size: s.Size, Source: s.From, SourceSnapshot: s.FromSnapshot,
 		Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(s.Labels)}
-	if err := p.make(p.path(v.Name), v.Size, xattr, v, src, 0o600); err != nil {
+	if err := p.make(kindVolume, p.path(v.Name), v.Size, xattr, v, src, 0o600); err != nil {
 		return Volume{}, false, err
 	}
 	v.Path = p.path(v.Name)
@@ -262,9 +293,10 @@ func (p *Dir) Create(s Spec) (v Volume, created bool, err error) {
 
 // make writes a file of size bytes with meta as its metadata under
 // tmpDir — the clone of the file src if set — then renames it to path:
-// whole, or not there at all.
-func (p *Dir) make(path string, size int64, attr string, meta any, src string, mode os.FileMode) (err error) {
-	tmp := filepath.Join(p.dir, tmpDir, filepath.Base(path))
+// whole, or not there at all. Its name there is its kind's and its
+// own: a volume and a snapshot of one name may be made at once.
+func (p *Dir) make(kind, path string, size int64, attr string, meta any, src string, mode os.FileMode) (err error) {
+	tmp := filepath.Join(p.dir, tmpDir, kind+"."+filepath.Base(path))
 	os.Remove(tmp)
 	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {
@@ -289,6 +321,9 @@ func (p *Dir) make(path string, size int64, attr string, meta any, src string, m
 	}
 	if err := f.Sync(); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
+	}
+	if p.beforeRename != nil {
+		p.beforeRename(tmp)
 	}
 	if err := os.Rename(tmp, path); err != nil {
 		return fmt.Errorf("pool %s: %w", p.name, err)
@@ -333,14 +368,21 @@ func syncDir(dir string) error {
 
 // Resize grows volume name to size; a smaller size is refused (EINVAL).
 // The same size succeeds.
-func (p *Dir) Resize(name string, size int64) (Volume, error) {
+func (p *Dir) Resize(name string, size int64) (v Volume, err error) {
+	if err := CheckName(name); err != nil {
+		return Volume{}, err
+	}
 	if err := checkSize(size); err != nil {
 		return Volume{}, err
 	}
-	if err := p.change(name); err != nil {
-		return Volume{}, err
-	}
-	defer p.mu.Unlock()
+	err = p.change(kindVolume, name, func() error {
+		v, err = p.resize(name, size)
+		return err
+	})
+	return v, err
+}
+
+func (p *Dir) resize(name string, size int64) (Volume, error) {
 	v, err := p.read(name)
 	if err != nil {
 		return Volume{}, err
@@ -354,13 +396,20 @@ func (p *Dir) Resize(name string, size int64) (Volume, error) {
 	case size < v.Size:
 		return v, errorf(syscall.EINVAL, "pool %s: volume %s is %d bytes: a volume grows only (asked %d)", p.name, name, v.Size, size)
 	}
-	c, err := p.Capacity()
+	release, err := p.space.take(func(reserved int64) (int64, error) {
+		c, err := p.capacity(reserved)
+		if err != nil {
+			return 0, err
+		}
+		if size-v.Size > c.Allocatable {
+			return 0, errorf(syscall.ENOSPC, "pool %s: %d more bytes asked, %d allocatable", p.name, size-v.Size, c.Allocatable)
+		}
+		return size - v.Size, nil
+	})
 	if err != nil {
 		return v, err
 	}
-	if size-v.Size > c.Allocatable {
-		return v, errorf(syscall.ENOSPC, "pool %s: %d more bytes asked, %d allocatable", p.name, size-v.Size, c.Allocatable)
-	}
+	defer release()
 	f, err := os.OpenFile(v.Path, os.O_RDWR, 0)
 	if err != nil {
 		return v, fmt.Errorf("pool %s: %w", p.name, err)
@@ -398,10 +447,13 @@ func (p *Dir) finishGrow(v Volume) error {
 // Delete removes volume name; one that is not there is success (a retry
 // of a delete). Whether a session has it open is the caller's to check.
 func (p *Dir) Delete(name string) error {
-	if err := p.change(name); err != nil {
+	if err := CheckName(name); err != nil {
 		return err
 	}
-	defer p.mu.Unlock()
+	return p.change(kindVolume, name, func() error { return p.delete(name) })
+}
+
+func (p *Dir) delete(name string) error {
 	if _, err := p.read(name); errors.Is(err, syscall.ENOENT) {
 		if _, serr := os.Stat(p.path(name)); serr == nil {
 			// A file of the name that is not the pool's: not ours to
@@ -444,11 +496,20 @@ func (p *Dir) readSnapshot(name string) (Snapshot, error) {
 
 // CreateSnapshot implements Pool: a reflink of the volume's file
 // (FICLONE), EOPNOTSUPP where the file system has none.
-func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
-	if err := p.change(volume, name); err != nil {
-		return Snapshot{}, false, err
+func (p *Dir) CreateSnapshot(volume, name string) (s Snapshot, created bool, err error) {
+	for _, n := range []string{volume, name} {
+		if err := CheckName(n); err != nil {
+			return Snapshot{}, false, err
+		}
 	}
-	defer p.mu.Unlock()
+	err = p.change(kindSnapshot, name, func() error {
+		s, created, err = p.createSnapshot(volume, name)
+		return err
+	})
+	return s, created, err
+}
+
+func (p *Dir) createSnapshot(volume, name string) (Snapshot, bool, error) {
 	if old, err := p.readSnapshot(name); err == nil {
 		if old.Volume != volume {
 			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
@@ -465,7 +526,7 @@ func (p *Dir) CreateSnapshot(volume, name string) (Snapshot, bool, error) {
 		return Snapshot{}, false, fmt.Errorf("pool %s: %w", p.name, err)
 	}
 	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second)}
-	if err := p.make(p.snapPath(name), v.Size, snapXattr, s, v.Path, 0o400); err != nil {
+	if err := p.make(kindSnapshot, p.snapPath(name), v.Size, snapXattr, s, v.Path, 0o400); err != nil {
 		return Snapshot{}, false, err
 	}
 	s.Path = p.snapPath(name)
@@ -483,10 +544,13 @@ func (p *Dir) Snapshots() ([]Snapshot, error) {
 
 // DeleteSnapshot implements Pool.
 func (p *Dir) DeleteSnapshot(name string) error {
-	if err := p.change(name); err != nil {
+	if err := CheckName(name); err != nil {
 		return err
 	}
-	defer p.mu.Unlock()
+	return p.change(kindSnapshot, name, func() error { return p.deleteSnapshot(name) })
+}
+
+func (p *Dir) deleteSnapshot(name string) error {
 	if _, err := p.readSnapshot(name); errors.Is(err, syscall.ENOENT) {
 		return nil
 	} else if err != nil {

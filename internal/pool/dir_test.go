@@ -72,15 +72,8 @@ func TestCreateIdempotent(t *testing.T) {
 func TestCreateRefusesBadInput(t *testing.T) {
 	dir := t.TempDir()
 	p := openTest(t, dir)
-	for _, name := range []string{"", "a/b", "..", "../x", "a b", strings.Repeat("x", 129), "é"} {
+	for _, name := range []string{"", "a/b", ".", "..", "...", "../x", "-x", "a b", strings.Repeat("x", 129), "é"} {
 		_, _, err := p.Create(Spec{Name: name, Size: 4096})
-		if name == ".." {
-			// In the alphabet: a file "...img" in the pool, harmless.
-			if err != nil {
-				t.Fatalf("name %q: %v", name, err)
-			}
-			continue
-		}
 		wantErrno(t, "name "+name, err, syscall.EINVAL)
 	}
 	for _, size := range []int64{0, -4096, 4097, 1000} {
@@ -101,7 +94,7 @@ func TestCreateRefusesBadInput(t *testing.T) {
 	}
 	es, _ := os.ReadDir(dir)
 	for _, e := range es {
-		if e.Name() != tmpDir && e.Name() != "...img" {
+		if e.Name() != tmpDir {
 			t.Fatalf("%s made by a refused create", e.Name())
 		}
 	}

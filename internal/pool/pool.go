@@ -8,6 +8,15 @@
 // name, as an orchestrator that retries needs: a create of what exists
 // with the same parameters answers it, a delete of what is gone succeeds,
 // and a crash between the steps of a change leaves what a retry finishes.
+// Pools are safe for concurrent use, changes of different names running
+// at once (Pool says what is promised).
+//
+// The files: pool.go the interface, the records and the checks of
+// names, sizes and labels; locks.go the lock of a name and the space
+// reserved by the changes under way, which both pools use; dir.go the
+// directory pool; lvm.go the LVM thin pool, lvm_tags.go its LV names
+// and the metadata in LV tags, lvm_lvs.go what lvs reports and running
+// lvm2's tools.
 package pool
 
 import (
@@ -19,8 +28,22 @@ import (
 	"time"
 )
 
-// Pool is a place volumes are made in. Implementations are safe for
-// concurrent use.
+// Pool is a place volumes are made in.
+//
+// Implementations are safe for concurrent use by several goroutines, and
+// the caller need hold no lock of its own across a call. The changes of
+// one name are serialised (Create, Resize and Delete of a volume;
+// CreateSnapshot and DeleteSnapshot of a snapshot): two at once run one
+// after the other and each answers as it would alone (a second Create
+// of a name answers what the first made, created false). Changes of
+// different names do not wait for each other in the pool (a create of
+// v1 does not wait for the slow create of v2; an LVM thin pool's tools
+// still take turns inside lvm2), and never promise together more space
+// than they would one after the other. Reads (Get, List, Capacity,
+// Snapshots) take no lock: they see a volume or snapshot made or not,
+// never half-made (a growth under way shows the old size or the new).
+// What spans more than one pool (a name used once across pools) or more
+// than the pool (a volume's export) is the caller's to serialise.
 type Pool interface {
 	// Name is the pool's name in the configuration.
 	Name() string
@@ -130,12 +153,46 @@ func errorf(errno syscall.Errno, format string, args ...any) error {
 	return &Error{Errno: errno, Msg: fmt.Sprintf(format, args...)}
 }
 
+// nameRule is CheckName's rule, as its refusals say it.
+const nameRule = "want 1 to 128 of A-Z a-z 0-9 . _ -, not all dots, not beginning with -"
+
+// nameRE is the alphabet and length of the names a pool keeps: each is
+// a file name (NAME.img) and maps one to one onto an LV name.
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9._-]{1,128}$`)
 
-// CheckName refuses a volume or snapshot name outside [A-Za-z0-9._-]{1,128}.
+// CheckName refuses a volume, snapshot or pool name that cannot be used
+// as one everywhere it goes: a file name, an LV name, a segment of a URL
+// path (/v1/volumes/NAME), an argument on a command line. A name is 1 to
+// 128 of A-Z a-z 0-9 . _ - (no '/', '%', '?', '#', blank or control
+// character, which a URL path would escape, split or end at), and
+// neither
+//
+//   - made of dots only: "." and ".." are the dot-segments that
+//     net/http's ServeMux (and every URL resolver) removes, so the API
+//     could never address them; longer runs of dots are refused with
+//     them, as no one means them for a name;
+//   - begins with '-': a command line takes it for an option (a volume
+//     named "-h" given to `volume delete` would print help and exit 0).
 func CheckName(name string) error {
+	if err := checkStored(name); err != nil {
+		return err
+	}
+	switch {
+	case strings.Trim(name, ".") == "":
+		return errorf(syscall.EINVAL, "name %q: a URL path cannot carry a name of dots only (%s)", name, nameRule)
+	case name[0] == '-':
+		return errorf(syscall.EINVAL, "name %q: a command line would take a name beginning with - for an option (%s)", name, nameRule)
+	}
+	return nil
+}
+
+// checkStored refuses a name no pool could keep. A name it passes and
+// CheckName refuses (of dots only, or beginning with '-') may still be
+// on a volume made before CheckName refused it: such a volume is
+// listed, so that it is seen, but cannot be changed by name.
+func checkStored(name string) error {
 	if !nameRE.MatchString(name) {
-		return errorf(syscall.EINVAL, "name %q: want 1 to 128 of A-Z a-z 0-9 . _ -", name)
+		return errorf(syscall.EINVAL, "name %q: %s", name, nameRule)
 	}
 	return nil
 }

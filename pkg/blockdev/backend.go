@@ -110,8 +110,9 @@ type Backend struct {
 	sizeMu   sync.Mutex
 	capOwner uint64
 	capped   int64
-	sizeSeq  uint64
-	want     int64
+	// +checklocks:sizeMu
+	sizeSeq uint64
+	want    int64
 	// capMu serializes the caps. The writes in flight are counted by
 	// the generation (wgen's low bit) they began in, so that a cap
 	// waits for the writes that began before it, not for those after.

@@ -79,7 +79,8 @@ type mtimeStamp struct {
 	pending atomic.Bool // a write not yet stamped
 	timer   *time.Timer // stamps; armed by the write that sets pending
 	mu      sync.Mutex  // orders the stamps with Close; under it:
-	closed  bool
+	// +checklocks:mu
+	closed bool
 }
 
 // mtimeLag is how late the mtime of a file written through its mapping
@@ -95,9 +96,10 @@ type fileMap struct {
 	present atomic.Pointer[pageBits]
 	view    [2]atomic.Pointer[[]byte] // read-only, writable
 	mu      sync.Mutex                // orders remaps, punches, populate's steps; under it:
-	old     [][]byte
-	done    bool           // closed by its last backend
-	pop     sync.WaitGroup // populate goroutines
+	// +checklocks:mu
+	old  [][]byte
+	done bool           // closed by its last backend
+	pop  sync.WaitGroup // populate goroutines
 	// holds is 1 while a backend has the file open, plus one per
 	// ReadView not yet released; the last release unmaps.
 	holds atomic.Int64
@@ -118,7 +120,8 @@ const maxMapped = 1 << 40
 // maps are the files mapped in the process.
 var maps struct {
 	mu sync.Mutex
-	m  map[fileKey]*fileMap
+	// +checklocks:mu
+	m map[fileKey]*fileMap
 }
 
 // mapInit maps the backend if its IO can go through a mapping.
@@ -384,6 +387,7 @@ func (m *fileMap) populate(idx int, view []byte) {
 	for off := int64(0); off < int64(len(view)); off += populateStep {
 		end := min(off+populateStep, int64(len(view)))
 		populating.Lock() // first: a discard waits for this file's step only
+		vec := resident[:]
 		m.mu.Lock()
 		cur := m.view[idx].Load()
 		if m.done || cur == nil || unsafe.SliceData(*cur) != unsafe.SliceData(view) {
@@ -391,7 +395,7 @@ func (m *fileMap) populate(idx int, view []byte) {
 			populating.Unlock()
 			return
 		}
-		err := populateStep1(view, off, end, m.present.Load(), resident[:])
+		err := populateStep1(view, off, end, m.present.Load(), vec)
 		m.mu.Unlock()
 		populating.Unlock()
 		if err != nil {
@@ -400,9 +404,11 @@ func (m *fileMap) populate(idx int, view []byte) {
 	}
 }
 
-// resident is populate's mincore vector, a byte per page of a step,
-// under populating.
-var resident [populateStep >> pageShift]byte
+var (
+	// resident is populate's mincore vector, a byte per page of a step.
+	// +checklocks:populating
+	resident [populateStep >> pageShift]byte
+)
 
 // populateStep1 populates the pages of view from off (a step's start)
 // to end that are allocated (bits) and in memory: a tmpfs page swapped

@@ -27,7 +27,8 @@ type EventChannel struct {
 	ch *C.struct_rdma_event_channel
 	p  *pollable
 
-	mu  sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	ids map[*C.struct_rdma_cm_id]*CMID
 }
 

@@ -293,7 +293,9 @@ type object struct {
 
 var live struct {
 	sync.Mutex
+	// +checklocks:Mutex
 	next uint64
+	// +checklocks:Mutex
 	objs map[uint64]object
 }
 

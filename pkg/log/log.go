@@ -72,9 +72,12 @@ type Limiter struct {
 	Interval time.Duration
 	Burst    int
 
-	mu         sync.Mutex
-	start      time.Time
-	n          int
+	mu sync.Mutex
+	// +checklocks:mu
+	start time.Time
+	// +checklocks:mu
+	n int
+	// +checklocks:mu
 	suppressed int
 }
 

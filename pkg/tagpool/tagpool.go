@@ -19,12 +19,22 @@ var ErrStopped = errors.New("tagpool: stopped")
 
 // Pool is a set of tags. The zero Pool has none (Get waits); Init gives
 // it its tags.
+//
+// Concurrency: Get, TryGet and Put are safe for concurrent use; Init is
+// called once, before the tags are used. mu guards the free bitmap, the
+// count of waiters and the wake channel, and is held for no wait (Get
+// waits on wake outside it) and over no other lock. A tag put back that
+// was not taken, or twice, is the caller's bug: Put does not check.
 type Pool struct {
-	mu      sync.Mutex
-	free    []uint64 // bit t%64 of word t/64 set: tag t is free
+	mu sync.Mutex
+	// free has bit t%64 of word t/64 set while tag t is free.
+	// +checklocks:mu
+	free []uint64
+	// +checklocks:mu
 	waiters int
 	// wake has a token when a tag came back while someone waited; a
 	// waiter that takes a tag passes the token on if more are free.
+	// +checklocks:mu
 	wake chan struct{}
 }
 
@@ -59,6 +69,7 @@ func (p *Pool) TryGet() int {
 	return p.takeLocked()
 }
 
+// +checklocks:p.mu
 func (p *Pool) takeLocked() int {
 	for w, word := range p.free {
 		if word != 0 {
@@ -70,6 +81,7 @@ func (p *Pool) takeLocked() int {
 	return -1
 }
 
+// +checklocks:p.mu
 func (p *Pool) anyFreeLocked() bool {
 	for _, word := range p.free {
 		if word != 0 {
@@ -127,6 +139,7 @@ func (p *Pool) Put(t int) {
 	p.mu.Unlock()
 }
 
+// +checklocks:p.mu
 func (p *Pool) signal() {
 	select {
 	case p.wake <- struct{}{}:

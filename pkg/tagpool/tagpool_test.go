@@ -74,8 +74,11 @@ func TestWaiters(t *testing.T) {
 	if _, err := p.Get(context.Background(), stop); !errors.Is(err, ErrStopped) {
 		t.Fatalf("a waiter stopped: %v", err)
 	}
-	if p.waiters != 0 {
-		t.Fatalf("%d waiters left", p.waiters)
+	p.mu.Lock()
+	waiters := p.waiters
+	p.mu.Unlock()
+	if waiters != 0 {
+		t.Fatalf("%d waiters left", waiters)
 	}
 }
 

@@ -32,7 +32,8 @@ import (
 // lockedBuffer collects a process's output while the test reads it.
 type lockedBuffer struct {
 	mu sync.Mutex
-	b  bytes.Buffer
+	// +checklocks:mu
+	b bytes.Buffer
 }
 
 func (l *lockedBuffer) Write(p []byte) (int, error) {

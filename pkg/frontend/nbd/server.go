@@ -254,6 +254,18 @@ type Options struct {
 }
 
 // Server serves exports to NBD clients.
+//
+// Concurrency: a Server is safe for concurrent use: exports are added
+// and removed while listeners and connections serve the others, and
+// Close may come at any time. mu guards the exports, connections,
+// handshakes and listeners, and is held only to read or change those,
+// never over IO or a call into a backend; each connection has its own
+// reader and writer goroutines and its own conn.mu, and neither lock is
+// taken under the other (the package's Lock order). An Export is not
+// changed once added (AddExport fills in its defaults before it is
+// shared); its Backend serves the requests of all its connections at
+// once. RemoveExport waits for the requests in flight of the export's
+// connections, Close for every connection and listener goroutine.
 type Server struct {
 	opts Options
 	log  *log.Entry

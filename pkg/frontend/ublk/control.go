@@ -26,7 +26,7 @@ const (
 )
 
 // ctrlTimeout bounds one control command.
-var ctrlTimeout = 30 * time.Second
+const ctrlTimeout = 30 * time.Second
 
 // Probe reports the UBLK_F_* features of the running kernel, or an error
 // wrapping ErrNoUblk.

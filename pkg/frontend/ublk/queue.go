@@ -44,8 +44,10 @@ type queue struct {
 	reqs  []Request
 	owned []atomic.Bool // the backend holds the tag
 
-	mu        sync.Mutex   // guards done, closed and the eventfd's life
-	done      []completion // finished by the backend, to commit
+	mu sync.Mutex // guards done, closed and the eventfd's life
+	// done is what the backend finished, to commit.
+	// +checklocks:mu
+	done      []completion
 	closed    bool
 	wakeArmed atomic.Bool // an eventfd write is on its way
 	stopping  atomic.Bool

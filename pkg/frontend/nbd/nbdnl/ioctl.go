@@ -36,8 +36,9 @@ type IoctlDev struct {
 	done chan struct{}
 	err  error // NBD_DO_IT's result; written before done is closed
 
-	mu            sync.Mutex
-	fd            int // the device's descriptor; -1 once closed
+	mu sync.Mutex
+	fd int // the device's descriptor; -1 once closed
+	// +checklocks:mu
 	disconnecting bool
 }
 
