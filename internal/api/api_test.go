@@ -1,10 +1,13 @@
 package api
 
 import (
+	"context"
 	"encoding/json"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/rnbd/rnbd/internal/ctl"
 )
 
 // TestPathSum: a session's paths summed as its record gives them.
@@ -129,6 +132,18 @@ func TestGrants(t *testing.T) {
 	for _, bad := range []string{`[]`, `{"a":1}`, `{"a":"rw"`, `"x"`} {
 		if err := json.Unmarshal([]byte(bad), &back); err == nil {
 			t.Errorf("%s read as grants", bad)
+		}
+	}
+}
+
+// TestCallRefusesUnaddressable: a name a URL path cannot carry ("",
+// ".", "..") is refused invalid_argument before any request: it would
+// reach another route, or none.
+func TestCallRefusesUnaddressable(t *testing.T) {
+	for _, name := range []string{"", ".", ".."} {
+		err := Call(context.Background(), nil, SrvVolumeDelete, []string{name}, nil, nil, nil)
+		if ctl.Classify(err) != ctl.CodeInvalid {
+			t.Errorf("volume delete %q: %v, want invalid_argument", name, err)
 		}
 	}
 }

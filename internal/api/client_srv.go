@@ -18,6 +18,13 @@ func NewServer(c *ctl.Client) *Server { return &Server{c: c} }
 // Call sends a request of route rt (its names filled by args) with body
 // (nil: none) and decodes the answer into out (nil: none).
 func Call(ctx context.Context, c *ctl.Client, rt Route, args []string, query url.Values, body, out any) error {
+	for _, a := range args {
+		if a == "" || a == "." || a == ".." {
+			// A URL path cleans them away: the request would reach
+			// another route, or none.
+			return ctl.Errorf(ctl.CodeInvalid, "name %q: no object of the control API has it (a URL path cannot carry it)", a)
+		}
+	}
 	path := rt.URL(args...)
 	if len(query) > 0 {
 		path += "?" + query.Encode()

@@ -574,29 +574,27 @@ func getMeta(path, attr string, v any) error {
 
 // SetLabels replaces volume name's labels, in one write of its
 // metadata attribute.
-func (p *Dir) SetLabels(name string, labels map[string]string) (Volume, error) {
+func (p *Dir) SetLabels(name string, labels map[string]string) (v Volume, err error) {
 	if err := CheckName(name); err != nil {
 		return Volume{}, err
 	}
 	if err := checkLabels(labels); err != nil {
 		return Volume{}, err
 	}
-	if err := p.change(name); err != nil {
-		return Volume{}, err
-	}
-	defer p.mu.Unlock()
-	v, err := p.read(name)
-	if err != nil {
-		return Volume{}, err
-	}
-	f, err := os.OpenFile(v.Path, os.O_RDWR, 0)
-	if err != nil {
-		return v, fmt.Errorf("pool %s: %w", p.name, err)
-	}
-	defer f.Close()
-	v.Labels = maps.Clone(labels)
-	if err := setMeta(f, xattr, v); err != nil {
-		return v, fmt.Errorf("pool %s: %w", p.name, err)
-	}
-	return v, f.Sync()
+	err = p.change(kindVolume, name, func() error {
+		if v, err = p.read(name); err != nil {
+			return err
+		}
+		f, err := os.OpenFile(v.Path, os.O_RDWR, 0)
+		if err != nil {
+			return fmt.Errorf("pool %s: %w", p.name, err)
+		}
+		defer f.Close()
+		v.Labels = maps.Clone(labels)
+		if err := setMeta(f, xattr, v); err != nil {
+			return fmt.Errorf("pool %s: %w", p.name, err)
+		}
+		return f.Sync()
+	})
+	return v, err
 }

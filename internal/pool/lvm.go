@@ -681,23 +681,26 @@ var _ Pool = (*LVMThin)(nil)
 
 // SetLabels replaces volume name's labels: its LV retagged in one
 // lvchange.
-func (p *LVMThin) SetLabels(name string, labels map[string]string) (Volume, error) {
+func (p *LVMThin) SetLabels(name string, labels map[string]string) (v Volume, err error) {
 	if err := CheckName(name); err != nil {
 		return Volume{}, err
 	}
 	if err := checkLabels(labels); err != nil {
 		return Volume{}, err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	f, err := p.get(kindVolume, name)
-	if err != nil {
-		return Volume{}, err
-	}
-	m := f.meta
-	m.Labels = maps.Clone(labels)
-	if err := p.retag(f.row, m); err != nil {
-		return p.volume(f.meta, f.row.Name), err
-	}
-	return p.volume(m, f.row.Name), nil
+	err = p.names.with(lockKey(kindVolume, name), func() error {
+		f, err := p.get(kindVolume, name)
+		if err != nil {
+			return err
+		}
+		m := f.meta
+		m.Labels = maps.Clone(labels)
+		v = p.volume(f.meta, f.row.Name)
+		if err := p.retag(f.row, m); err != nil {
+			return err
+		}
+		v = p.volume(m, f.row.Name)
+		return nil
+	})
+	return v, err
 }

@@ -292,3 +292,22 @@ func TestAdminListener(t *testing.T) {
 		t.Errorf("audit lines %q, want %q first and an admin's map ok", got, want)
 	}
 }
+
+// TestExportNamesAddressable: an export named "." or ".." is refused,
+// by map and in the configuration file: the control API could not name
+// it again.
+func TestExportNamesAddressable(t *testing.T) {
+	for _, name := range []string{".", ".."} {
+		if _, err := exportOf(api.MapRequest{Name: name, Path: "/srv/x.img"}); err == nil || !strings.Contains(err.Error(), "cannot address") {
+			t.Errorf("export %q: %v", name, err)
+		}
+		cfg := DefaultConfig()
+		cfg.Exports = []api.MapRequest{{Name: name, Path: "/srv/x.img"}}
+		if err := cfg.Validate(); err == nil {
+			t.Errorf("[[export]] %q accepted", name)
+		}
+	}
+	if _, err := exportOf(api.MapRequest{Name: "vg/lv.1", Path: "/srv/x.img"}); err != nil {
+		t.Errorf("a name with a slash and a dot: %v", err)
+	}
+}

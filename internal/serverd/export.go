@@ -102,6 +102,11 @@ func (d *Daemon) Unmap(name string, force bool) error {
 // exportOf is the export r describes, its networks and grants parsed;
 // grants_only unset is false.
 func exportOf(r api.MapRequest) (rnbd.Export, error) {
+	if r.Name == "." || r.Name == ".." {
+		// A URL path cannot carry them: the control API could not
+		// name the export again (show, unmap, grants).
+		return rnbd.Export{}, fmt.Errorf("export name %q: the control API cannot address it (a URL path cleans it away): choose another", r.Name)
+	}
 	from, err := parseNetworks(r.AllowFrom)
 	if err != nil {
 		return rnbd.Export{}, err

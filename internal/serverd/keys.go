@@ -77,7 +77,7 @@ var ConfigKeys = []conf.KeyDoc{
 	{Table: "[[pool]]", Flag: "`volume create --pool`", Default: "none",
 		Doc: "a place volumes are made in, one table per pool ([server.md](server.md#pools-and-volumes), \"Pools and volumes\"); a pool whose directory or volume group is not there at start is logged and its volumes are not served until a restart finds it"},
 	{Table: "[[pool]]", Keys: []string{"name"}, Default: "required",
-		Doc: "the pool's name, `[A-Za-z0-9._-]{1,128}`"},
+		Doc: "the pool's name: 1 to 128 of `A-Z a-z 0-9 . _ -`, not dots only, not beginning with `-` (the names volumes and snapshots take)"},
 	{Table: "[[pool]]", Keys: []string{"type"}, Default: "required",
 		Doc: "`dir`: each volume a sparse file under `path`, clones and snapshots by reflink (XFS, Btrfs; refused elsewhere); `lvm-thin`: each volume a thin logical volume of `thin_pool` in `volume_group`, made with lvm2's tools"},
 	{Table: "[[pool]]", Keys: []string{"path"}, Default: "unset",
