@@ -56,7 +56,6 @@ demo-rtrs: build
 # pinned and built outside the module: gvisor is large and no dependency
 # of rnbd.
 CHECKLOCKS_VERSION := v0.0.0-20260905035102-160fafc42237
-CHECKLOCKS_SKIP.internal/csi := being reworked in issue 40; to be removed
 CHECKLOCKS_SKIP    := $(sort $(patsubst CHECKLOCKS_SKIP.%,%,$(filter CHECKLOCKS_SKIP.%,$(.VARIABLES))))
 CHECKLOCKS         := $(BIN)/tools/checklocks-$(CHECKLOCKS_VERSION)
 

@@ -33,7 +33,9 @@ const (
 )
 
 // Driver serves the identity service and, by its mode, the controller
-// and node services.
+// and node services. It is safe for concurrent use: Listen, Serve,
+// ServeMetrics and Stop may be called from different goroutines (mu
+// guards what they share); the services serve calls concurrently.
 type Driver struct {
 	cfg  Config
 	mode Mode
@@ -42,11 +44,14 @@ type Driver struct {
 	node *NodeServer
 	// rpcs are the metrics of the calls answered; metrics serves them
 	// (nil: no metrics_listen).
-	rpcs    *rpcMetrics
-	metrics *metrics.Server
+	rpcs *rpcMetrics
 
-	mu  sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
+	metrics *metrics.Server
+	// +checklocks:mu
 	srv *grpc.Server
+	// +checklocks:mu
 	lis net.Listener
 }
 

@@ -704,12 +704,13 @@ func reconnects(ctx context.Context, w *fleetWorker, sess string) (int64, error)
 // of a file, each write a new generation, until stopped; verify reads
 // every slot back against its last generation.
 type blockWriter struct {
-	path    string
-	count   atomic.Int64
-	done    chan struct{}
-	quit    chan struct{}
-	once    sync.Once
-	mu      sync.Mutex
+	path  string
+	count atomic.Int64
+	done  chan struct{}
+	quit  chan struct{}
+	once  sync.Once
+	mu    sync.Mutex
+	// +checklocks:mu
 	failure error
 	last    map[int]int64 // slot: generation last written
 }
