@@ -143,7 +143,7 @@ func (d *Daemon) retryLoop() {
 		select {
 		case <-t.C:
 			d.retryNotServed()
-		case <-d.stopRetry:
+		case <-d.retryCtx.Done():
 			return
 		}
 	}
