@@ -72,7 +72,7 @@ type Daemon struct {
 	// on a mount that does not answer holds nothing.
 	probe pathProbe
 	// pools are the configuration's pools served, poolErrs why the
-	// others are not.
+	// others are not (retryPools tries them again).
 	// +checklocks:stateMu
 	pools map[string]pool.Pool
 	// +checklocks:stateMu

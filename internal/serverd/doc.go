@@ -15,7 +15,7 @@
 //	state.go           the state file; the exports not served, tried again
 //	probe.go           pathProbe: a stat of an export's path, bounded
 //	sandbox.go         the file system as the unit's sandbox shows it
-//	pools.go           [[pool]]: opened at start, each reconciled
+//	pools.go           [[pool]]: opened at start and retried, each reconciled
 //	volume.go          volumes: create, delete, resize, each step's intent saved
 //	snapshot.go        snapshots: take and delete, named across the pools
 //	names.go           nameLocks: one change of a volume or snapshot name at a time

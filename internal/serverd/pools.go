@@ -1,6 +1,7 @@
-// Pools: the [[pool]] tables, opened at start; when a pool is served,
-// its volumes are reconciled with the state file's (docs/server.md,
-// "Pools and volumes").
+// Pools: the [[pool]] tables, opened at start and, one that was not
+// there, tried again every export_retry; when a pool is served, its
+// volumes are reconciled with the state file's (docs/server.md, "Pools
+// and volumes").
 
 package serverd
 
@@ -90,7 +91,7 @@ func (d *Daemon) openPool(c PoolConfig) (pool.Pool, error) {
 
 // startPools opens the configuration's pools and serves the state file's
 // volumes in them: a pool that cannot be opened is logged and kept out
-// (its volumes are not served), the others
+// (its volumes are not served; retryPools tries it again), the others
 // are served, each reconciled with the state file (servePool). Start
 // calls it before the control API is served.
 func (d *Daemon) startPools(ctx context.Context, saved []VolumeState) {
@@ -100,7 +101,8 @@ func (d *Daemon) startPools(ctx context.Context, saved []VolumeState) {
 		p, err := d.openPool(c)
 		if err != nil {
 			errs[c.Name] = err.Error()
-			d.log.WithError(err).WithField("pool", c.Name).Error("pool not served: its volumes are not served until a restart finds it")
+			d.log.WithError(err).WithField("pool", c.Name).Error("pool not served: its volumes are not served until it is (tried again every " +
+				d.retryEvery.String() + ")")
 			continue
 		}
 		opened[c.Name] = p
@@ -120,6 +122,39 @@ func (d *Daemon) startPools(ctx context.Context, saved []VolumeState) {
 	for _, c := range d.cfg.Pools {
 		if p := opened[c.Name]; p != nil {
 			d.servePool(ctx, c.Name, p)
+		}
+	}
+}
+
+// retryPools tries the pools that could not be opened again (retryLoop):
+// one whose directory or volume group appeared since is served, its
+// volumes reconciled as at start, without a restart.
+func (d *Daemon) retryPools(ctx context.Context) {
+	d.stateMu.Lock()
+	var want []PoolConfig
+	for _, c := range d.cfg.Pools {
+		if d.pools[c.Name] == nil {
+			want = append(want, c)
+		}
+	}
+	d.stateMu.Unlock()
+	for _, c := range want {
+		if ctx.Err() != nil {
+			return
+		}
+		p, err := d.openPool(c)
+		if err != nil {
+			d.stateMu.Lock()
+			news := d.poolErrs[c.Name] != err.Error()
+			d.poolErrs[c.Name] = err.Error()
+			d.stateMu.Unlock()
+			if news {
+				d.log.WithError(err).WithField("pool", c.Name).Error("pool still not served")
+			}
+			continue
+		}
+		if n, ok := d.servePool(ctx, c.Name, p); ok {
+			d.log.WithFields(log.Fields{"pool": c.Name, "volumes_served": n}).Info("pool served now")
 		}
 	}
 }

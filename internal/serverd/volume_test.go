@@ -391,6 +391,121 @@ func TestSnapshotNamesAcrossPools(t *testing.T) {
 	}
 }
 
+// TestPoolRetry: a pool whose directory is missing at start is not
+// served, nor are its volumes; it is tried again every export_retry,
+// and when its directory is back it is served without a restart: its
+// volumes of the state file are served again (with their grants), one
+// the pool has that the state file does not is adopted, each logged as
+// at start, and new volumes are made in it.
+func TestPoolRetry(t *testing.T) {
+	dir, base := t.TempDir(), t.TempDir()
+	pdir := filepath.Join(base, "pool")
+	if err := os.Mkdir(pdir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultConfig()
+	cfg.Listen = []string{"tcp://127.0.0.1:0"}
+	cfg.ControlSocket = filepath.Join(dir, "s.sock")
+	cfg.StateFile = filepath.Join(dir, "s.json")
+	cfg.ExportRetry = Duration{Duration: 100 * time.Millisecond}
+	cfg.Pools = []PoolConfig{{Name: "late", Type: "dir", Path: pdir}}
+	ctx := context.Background()
+
+	// A volume made and granted, then the daemon stopped.
+	d, err := Start(cfg, Options{Log: discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := ctl.Dial(cfg.ControlSocket)
+	defer c.Close()
+	srv := api.NewServer(c)
+	if _, err := srv.CreateVolume(ctx, api.VolumeRequest{Name: "v1", Pool: "late", Size: "1MiB"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.GrantVolume(ctx, "v1", api.GrantRequest{Identity: "host7", Access: "ro"}); err != nil {
+		t.Fatal(err)
+	}
+	d.Stop()
+
+	// Started with the directory gone: the pool and v1 not served.
+	moved := filepath.Join(base, "away")
+	if err := os.Rename(pdir, moved); err != nil {
+		t.Fatal(err)
+	}
+	lg, logged := kit.LogRecorder()
+	d, err = Start(cfg, Options{Log: lg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	ps, err := srv.Pools(ctx)
+	if err != nil || len(ps) != 1 || ps[0].State != "not served" || !strings.Contains(ps[0].Reason, pdir) {
+		t.Fatalf("pool list with the directory missing: %+v, %v", ps, err)
+	}
+	if r, err := srv.Volume(ctx, "v1"); err != nil || r.State != api.VolumeNotServed || !strings.Contains(r.Reason, "pool late is not served") {
+		t.Fatalf("v1 with its pool missing: %+v, %v", r, err)
+	}
+	if _, err := srv.CreateVolume(ctx, api.VolumeRequest{Name: "v2", Pool: "late", Size: "1MiB"}); ctl.Classify(err) != ctl.CodeUnavailable {
+		t.Fatalf("a create in the pool not served: %v, want unavailable", err)
+	}
+
+	// Back, with a volume the state file does not know.
+	p, _, err := pool.OpenDir("late", moved, pool.DirOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := p.Create(pool.Spec{Name: "stray", Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(moved, pdir); err != nil {
+		t.Fatal(err)
+	}
+	kit.WaitFor(t, 10*time.Second, "the pool served", func() bool {
+		ps, err := srv.Pools(ctx)
+		return err == nil && len(ps) == 1 && ps[0].State == "served"
+	})
+	vs, err := srv.Volumes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(vs) != 2 || vs[0].Name != "stray" || vs[1].Name != "v1" {
+		t.Fatalf("volumes once the pool is served: %+v", vs)
+	}
+	for _, v := range vs {
+		if v.State != api.VolumeServed || v.Path != filepath.Join(pdir, v.Name+".img") || !v.GrantsOnly {
+			t.Errorf("volume %s once its pool is served: %+v", v.Name, v)
+		}
+	}
+	if g := vs[1].AllowIdentities; len(g) != 1 || g[0].Identity != "host7" || g[0].Access != "ro" {
+		t.Errorf("v1's grants once its pool is served: %v", g)
+	}
+	if _, err := srv.CreateVolume(ctx, api.VolumeRequest{Name: "v2", Pool: "late", Size: "1MiB"}); err != nil {
+		t.Fatalf("a create in the pool served again: %v", err)
+	}
+	var said []string
+	for _, e := range logged() {
+		if e.Data["pool"] == "late" {
+			said = append(said, e.Message)
+		}
+	}
+	for _, want := range []string{"pool not served: its volumes are not served until it is (tried again every 100ms)",
+		"volume adopted: its pool has it and the state file did not; exported with no grant (give one to open it)", "pool served now"} {
+		if !slices.Contains(said, want) {
+			t.Errorf("not logged: %q (logged of the pool: %q)", want, said)
+		}
+	}
+	// The state file has them as served: a restart serves them at once.
+	d.Stop()
+	d, err = Start(cfg, Options{Log: discard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+	if vs, err := srv.Volumes(ctx); err != nil || len(vs) != 3 {
+		t.Fatalf("volumes after a restart: %+v, %v", vs, err)
+	}
+}
+
 // discard is a log entry that keeps nothing.
 func discard() *log.Entry {
 	lg, _ := kit.LogRecorder()
