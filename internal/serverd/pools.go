@@ -227,6 +227,10 @@ func (d *Daemon) reconcileVolume(pname string, p pool.Pool, name string, listed 
 	case v == nil && listed == nil:
 		d.stateMu.Unlock() // deleted meanwhile
 		return false
+	case v == nil && (d.configured[name] || d.exported(name) || d.isUnrestored(name)):
+		d.stateMu.Unlock()
+		d.log.WithFields(fields).Error("a volume of the pool has the name of an export that is not a volume: not adopted, not served")
+		return false
 	case v == nil:
 		v = &volume{VolumeState: VolumeState{Name: name, Pool: pname, Export: rnbd.Export{Name: name, Path: listed.Path, GrantsOnly: true}}}
 		d.volumes[name] = v

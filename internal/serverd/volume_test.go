@@ -463,13 +463,23 @@ func TestPoolRetry(t *testing.T) {
 		t.Fatalf("a create in the pool not served: %v, want unavailable", err)
 	}
 
-	// Back, with a volume the state file does not know.
+	// Meanwhile a file mapped under a name the pool will have too.
+	plain := filepath.Join(base, "plain.img")
+	kit.SparseFile(t, plain, 1<<20)
+	if err := api.Call(ctx, c, api.SrvExportMap, nil, nil, api.MapRequest{Name: "clash", Path: plain}, nil); err != nil {
+		t.Fatal(err)
+	}
+
+	// Back, with volumes the state file does not know: one adopted, one
+	// not (an export has its name).
 	p, _, err := pool.OpenDir("late", moved, pool.DirOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := p.Create(pool.Spec{Name: "stray", Size: 1 << 20}); err != nil {
-		t.Fatal(err)
+	for _, n := range []string{"stray", "clash"} {
+		if _, _, err := p.Create(pool.Spec{Name: n, Size: 1 << 20}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := os.Rename(moved, pdir); err != nil {
 		t.Fatal(err)
@@ -503,12 +513,14 @@ func TestPoolRetry(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"pool not served: its volumes are not served until it is (tried again every 100ms)",
-		"volume adopted: its pool has it and the state file did not; exported with no grant (give one to open it)", "pool served now"} {
+		"volume adopted: its pool has it and the state file did not; exported with no grant (give one to open it)",
+		"a volume of the pool has the name of an export that is not a volume: not adopted, not served", "pool served now"} {
 		if !slices.Contains(said, want) {
 			t.Errorf("not logged: %q (logged of the pool: %q)", want, said)
 		}
 	}
-	// The state file has them as served: a restart serves them at once.
+	// The state file has them as served: a restart serves them at once;
+	// and the mapped file is still an export, not a volume.
 	d.Stop()
 	d, err = Start(cfg, Options{Log: discard()})
 	if err != nil {
@@ -517,6 +529,10 @@ func TestPoolRetry(t *testing.T) {
 	defer d.Stop()
 	if vs, err := srv.Volumes(ctx); err != nil || len(vs) != 3 {
 		t.Fatalf("volumes after a restart: %+v, %v", vs, err)
+	}
+	var es []api.ExportRecord
+	if err := api.Call(ctx, c, api.SrvExport, []string{"clash"}, nil, nil, &es); err != nil || len(es) != 1 || es[0].Source != "map" || es[0].Path != plain {
+		t.Fatalf("export clash after a restart: %+v, %v; want the file mapped", es, err)
 	}
 }
 
