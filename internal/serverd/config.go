@@ -1,26 +1,6 @@
-// Package serverd is the rnbd-server daemon: it runs the RTRS server and
-// the RNBD server on top, keeps the explicit exports in a state file, and
-// answers the control API on a unix socket.
-//
-// The files read top-down: routes.go (the control API), daemon.go (Start
-// and Stop), export.go (map and unmap), state.go (the state file, the
-// retries of exports not served), records.go (what the API lists).
-//
-// Locks, in the order they are taken:
-//
-//	Daemon.stateMu   the exports, the state file and its saving; held over
-//	                 rnbd.Server's Map and Unmap and the save after them
-//	rnbd.Server's, rtrs.Server's own
-//	pathProbe.mu     the stats pending; held over no call
-//
-// rnbd.Server calls back into the daemon (Stat, Answers, NameHeld,
-// OwnersChanged), under stateMu when a map is why: none of them takes
-// stateMu (OwnersChanged only wakes saveOwners, which takes it in its own
-// goroutine).
-//
-// Which fields each lock guards, and which functions run with it held,
-// are +checklocks annotations, checked by gVisor's checklocks analyzer
-// in make vet; the order above is not.
+// The daemon's configuration: the TOML file over the defaults, and
+// its validation.
+
 package serverd
 
 import (

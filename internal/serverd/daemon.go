@@ -3,6 +3,7 @@
 package serverd
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -62,22 +63,31 @@ type Daemon struct {
 	ownersDirty chan struct{}
 	stopOwners  chan struct{}
 	ownersDone  chan struct{}
-	// stopRetry and retryDone end retryLoop, which tries the exports
-	// not served again.
-	stopRetry chan struct{}
+	// retryCtx ends with stopRetry, which ends retryLoop (which tries
+	// the exports and pools not served again); retryDone says it did.
+	retryCtx  context.Context
+	stopRetry context.CancelFunc
 	retryDone chan struct{}
 	// probe looks at export paths before they are mapped, so that one
 	// on a mount that does not answer holds nothing.
 	probe pathProbe
-	// pools are the configuration's pools that opened, poolErrs why the
-	// others did not: set at start.
-	pools    map[string]pool.Pool
+	// pools are the configuration's pools served, poolErrs why the
+	// others are not (retryPools tries them again).
+	// +checklocks:stateMu
+	pools map[string]pool.Pool
+	// +checklocks:stateMu
 	poolErrs map[string]string
+	// openPoolFn is Options.OpenPool.
+	openPoolFn func(PoolConfig) (pool.Pool, []string, error)
 	// volumes are the volumes of the pools and of the state file, by
 	// name; volumeNames their names, for isVolume without stateMu.
 	// +checklocks:stateMu
 	volumes     map[string]*volume
 	volumeNames atomic.Pointer[map[string]bool]
+	// names are the volume and snapshot names with a change under way;
+	// nameWait how long another change of one waits for it (names.go).
+	names    nameLocks
+	nameWait time.Duration
 	// crashAt is CrashEnv's point, "" but in tests.
 	crashAt string
 }
@@ -94,6 +104,10 @@ type Options struct {
 	// soft memory limit follows what its paths may hold
 	// (rtrs.SrvConfig.GoMemoryLimit).
 	GoMemoryLimit bool
+	// OpenPool opens a [[pool]] table in place of the pool package's
+	// OpenDir and OpenLVMThin: the tests' seam for a pool that is slow
+	// on purpose. nil (the daemon's): the pool package's.
+	OpenPool func(PoolConfig) (pool.Pool, []string, error)
 }
 
 // Start loads the state, opens the control socket and starts serving.
@@ -112,7 +126,8 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	opts.Fabric = f
 	d := &Daemon{cfg: cfg, log: opts.Log, served: make(chan error, 1), retryEvery: cfg.ExportRetry.Duration,
 		ownersDirty: make(chan struct{}, 1), stopOwners: make(chan struct{}), ownersDone: make(chan struct{}),
-		stopRetry: make(chan struct{}), retryDone: make(chan struct{}), crashAt: os.Getenv(CrashEnv)}
+		retryDone: make(chan struct{}), crashAt: os.Getenv(CrashEnv), openPoolFn: opts.OpenPool, nameWait: nameWait}
+	d.retryCtx, d.stopRetry = context.WithCancel(context.Background())
 	eps, err := endpoints(cfg.Listen, opts)
 	if err != nil {
 		return nil, err
@@ -147,8 +162,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	d.rnbd.SetSessionOwners(st.SessionOwners)
 	d.serveAtStart(cfg, st)
-	d.openPools(cfg.Pools)
-	d.reconcileVolumes(st.Volumes)
+	d.startPools(d.retryCtx, st.Volumes)
 	if d.ctl, err = ctl.Listen(cfg.ControlSocket); err != nil {
 		d.rnbd.Close()
 		return nil, err
@@ -199,7 +213,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 		}
 	}
 	d.log.WithFields(log.Fields{"listen": strings.Join(bound, ","), "control": cfg.ControlSocket,
-		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "pools": len(d.pools), "volumes": d.volumeCount(), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
+		"exports": len(d.rnbd.Exports()), "not_served": len(d.unserved()), "pools": len(d.servedPools()), "volumes": d.volumeCount(), "dev_search_path": cfg.DevSearchPath, "tls": cfg.TLS.Enabled(),
 		"max_chunk_memory": int64(cfg.MaxChunkMemory), "go_memory_limit": goMemoryLimit(opts.GoMemoryLimit, cfg)}).Info("rnbd-server started")
 	if len(wild) > 0 {
 		d.log.WithField("listen", strings.Join(wild, ",")).Warn("listening on every interface: any host that reaches the port " +
@@ -361,14 +375,14 @@ func (d *Daemon) stop() error {
 		d.metrics.Close()
 	}
 	d.rtrs.Close()
-	close(d.stopRetry)
+	d.stopRetry()
 	select {
 	case <-d.retryDone:
 	case <-time.After(retryStopWait):
 		// Every stat of a retry is bounded (probeWait), but a retry
-		// may look at many paths, one after another, under the
-		// state lock: the stop does not wait for it all.
-		d.log.Warn("stopping while a retry of exports not served is under way")
+		// may look at many paths, one after another, and open a pool
+		// (lvm2's commands): the stop does not wait for it all.
+		d.log.Warn("stopping while a retry of exports or pools not served is under way")
 	}
 	close(d.stopOwners)
 	<-d.ownersDone

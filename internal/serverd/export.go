@@ -1,5 +1,5 @@
-// Exports: map and unmap, and an export as map and the configuration
-// file's [[export]] give it, parsed.
+// Exports: map and unmap, grant and revoke, and an export as map and
+// the configuration file's [[export]] give it, parsed.
 
 package serverd
 
@@ -43,6 +43,11 @@ func (d *Daemon) Map(e rnbd.Export) error {
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
+	if d.volumes[e.Name] != nil {
+		// Made a volume since the look above (a volume's name is
+		// taken under the state lock).
+		return fmt.Errorf("export %s is a volume's: %w", e.Name, syscall.EEXIST)
+	}
 	if err := d.mapLooked(e, looked); err != nil {
 		return err
 	}
@@ -96,6 +101,40 @@ func (d *Daemon) Unmap(name string, force bool) error {
 		return fmt.Errorf("export withdrawn, but saving the state file failed: %w", err)
 	}
 	d.log.WithFields(log.Fields{"export": name, "force": force}).Info("export unmapped")
+	return nil
+}
+
+// Grant gives an identity access to an export, and Revoke takes it
+// back; both save the state. The configuration file's exports are
+// changed there.
+func (d *Daemon) Grant(export string, g rnbd.Grant) error {
+	return d.changeGrants(export, func() (bool, error) { return d.rnbd.Grant(export, g) },
+		log.Fields{"export": export, "identity": g.Identity, "access": g.Access}, "grant given")
+}
+
+// Revoke: see Grant.
+func (d *Daemon) Revoke(export, identity string) error {
+	return d.changeGrants(export, func() (bool, error) { return d.rnbd.Revoke(export, identity) },
+		log.Fields{"export": export, "identity": identity}, "grant revoked")
+}
+
+func (d *Daemon) changeGrants(export string, change func() (bool, error), fields log.Fields, what string) error {
+	d.stateMu.Lock()
+	defer d.stateMu.Unlock()
+	if d.configured[export] {
+		return fmt.Errorf("export %s is one of the configuration file's: change its allow_identities there: %w", export, syscall.EPERM)
+	}
+	changed, err := change()
+	if err != nil {
+		return err
+	}
+	if !changed {
+		return nil
+	}
+	if err := d.saveState(); err != nil {
+		return fmt.Errorf("%s, but saving the state file failed: %w", what, err)
+	}
+	d.log.WithFields(fields).Info(what)
 	return nil
 }
 

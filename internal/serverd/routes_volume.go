@@ -39,7 +39,7 @@ func (d *Daemon) createVolume(r *http.Request) (any, error) {
 				"only an admin may; a provisioner's volumes open to the identities granted", c.Identity, c.Role, req.Name)
 		}
 	}
-	rec, created, err := d.CreateVolume(req)
+	rec, created, err := d.CreateVolume(r.Context(), req)
 	if err != nil {
 		return nil, err
 	}
@@ -47,7 +47,7 @@ func (d *Daemon) createVolume(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) deleteVolume(r *http.Request) (any, error) {
-	deleted, err := d.DeleteVolume(r.PathValue("name"), r.URL.Query().Get("force") == "true")
+	deleted, err := d.DeleteVolume(r.Context(), r.PathValue("name"), r.URL.Query().Get("force") == "true")
 	return api.Deleted{Deleted: deleted}, err
 }
 
@@ -63,7 +63,7 @@ func (d *Daemon) resizeVolume(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "size %q: %v", req.Size, err)
 	}
-	was, err := d.ResizeVolume(r.PathValue("name"), n)
+	was, err := d.ResizeVolume(r.Context(), r.PathValue("name"), n)
 	if err != nil {
 		return nil, err
 	}
@@ -75,7 +75,7 @@ func (d *Daemon) setVolumeLabels(r *http.Request) (any, error) {
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
-	return nil, d.SetVolumeLabels(r.PathValue("name"), req.Labels)
+	return nil, d.SetVolumeLabels(r.Context(), r.PathValue("name"), req.Labels)
 }
 
 func (d *Daemon) listSnapshots(r *http.Request) (any, error) {
@@ -95,7 +95,7 @@ func (d *Daemon) createSnapshot(r *http.Request) (any, error) {
 	if err := ctl.Decode(r, &req); err != nil {
 		return nil, err
 	}
-	s, created, err := d.CreateSnapshot(req)
+	s, created, err := d.CreateSnapshot(r.Context(), req)
 	if err != nil {
 		return nil, err
 	}
@@ -103,7 +103,7 @@ func (d *Daemon) createSnapshot(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) deleteSnapshot(r *http.Request) (any, error) {
-	deleted, err := d.DeleteSnapshot(r.PathValue("name"))
+	deleted, err := d.DeleteSnapshot(r.Context(), r.PathValue("name"))
 	return api.Deleted{Deleted: deleted}, err
 }
 

@@ -132,9 +132,10 @@ func (d *Daemon) noteNotServed(e rnbd.Export, what string, err error) {
 // retryStopWait bounds how long Stop waits for a retry under way.
 const retryStopWait = 5 * time.Second
 
-// retryLoop tries the exports not served again every retryEvery, until
-// Stop. It is a goroutine of its own: a path on a mount that hangs holds
-// only it, not the saves of the state file.
+// retryLoop tries the exports and the pools not served again every
+// retryEvery, until Stop. It is a goroutine of its own: a path on a
+// mount that hangs, or a pool's command, holds only it, not the saves
+// of the state file.
 func (d *Daemon) retryLoop() {
 	defer close(d.retryDone)
 	t := time.NewTicker(d.retryEvery)
@@ -143,7 +144,8 @@ func (d *Daemon) retryLoop() {
 		select {
 		case <-t.C:
 			d.retryNotServed()
-		case <-d.stopRetry:
+			d.retryPools(d.retryCtx)
+		case <-d.retryCtx.Done():
 			return
 		}
 	}

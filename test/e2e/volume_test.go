@@ -365,6 +365,55 @@ func TestVolumeReconcile(t *testing.T) {
 	}
 }
 
+// TestVolumePoolLate: a pool whose directory is missing when the server
+// starts is not served, nor are its volumes; when the directory is back
+// the server serves it without a restart (export_retry), and a client
+// opens its volume and its data is there.
+func TestVolumePoolLate(t *testing.T) {
+	needTools(t, "qemu-io")
+	base, dir := t.TempDir(), t.TempDir()
+	pool := filepath.Join(base, "pool")
+	if err := os.Mkdir(pool, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	conf := "export_retry = \"200ms\"\n" + poolConf("files", pool)
+	srv := startServerConf(t, dir, port, conf)
+	srv.ok("volume", "create", "v1", "--pool", "files", "--size", "16MiB")
+	cl := startClient(t, dir)
+	qemuIO(t, mapExport(t, cl, port, "s1", "v1"), "write -P 0x3c 0 1M", "flush")
+	cl.stop()
+	srv.stop()
+
+	away := filepath.Join(base, "away")
+	if err := os.Rename(pool, away); err != nil {
+		t.Fatal(err)
+	}
+	srv = startServerConf(t, dir, port, conf)
+	if p := srv.records("pool", "list", "--fields", "all"); len(p) != 1 || p[0]["state"] != "not served" {
+		t.Fatalf("pool list with the pool's directory missing: %v", p)
+	}
+	if v := srv.records("volume", "show", "v1", "--fields", "all"); v[0]["state"] != "not served" ||
+		!strings.Contains(v[0]["reason"].(string), "pool files is not served") {
+		t.Fatalf("v1 with its pool's directory missing: %v", v)
+	}
+	if err := os.Rename(away, pool); err != nil {
+		t.Fatal(err)
+	}
+	kit.WaitFor(t, 20*time.Second, "the pool served", func() bool {
+		p := srv.records("pool", "list", "--fields", "all")
+		return len(p) == 1 && p[0]["state"] == "served"
+	})
+	if v := srv.records("volume", "show", "v1", "--fields", "all"); v[0]["state"] != "served" {
+		t.Fatalf("v1 once its pool is served: %v", v)
+	}
+	if out := srv.out.String(); !strings.Contains(out, `msg="pool served now"`) {
+		t.Fatalf("the log does not say the pool is served now:\n%s", out)
+	}
+	cl = startClient(t, t.TempDir()) // a client of its own: not one that restores s1
+	qemuIO(t, mapExport(t, cl, port, "s2", "v1"), "read -P 0x3c 0 1M")
+}
+
 // TestGrants: grants given and revoked one at a time on an export,
 // without touching the others, idempotent, kept in the state file
 // across a restart; the last one revoked closes the export (grants
