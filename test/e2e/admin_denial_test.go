@@ -65,11 +65,13 @@ func (r *adminRig) adminURL(path string) string {
 // stopped, each request on a new connection, and gives the latency of
 // each answer, or fails the test with the first error.
 type provisioner struct {
-	t        *testing.T
-	r        *adminRig
-	hc       *http.Client
-	mu       sync.Mutex
-	lat      []time.Duration
+	t  *testing.T
+	r  *adminRig
+	hc *http.Client
+	mu sync.Mutex
+	// +checklocks:mu
+	lat []time.Duration
+	// +checklocks:mu
 	errs     []string
 	stopOnce sync.Once
 	stopped  chan struct{}
@@ -158,18 +160,18 @@ func (p *provisioner) check(what string) {
 	p.stop()
 	<-p.done
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	lat := slices.Clone(p.lat)
+	lat, errs := slices.Clone(p.lat), slices.Clone(p.errs)
+	p.mu.Unlock()
 	slices.Sort(lat)
 	if len(lat) == 0 {
 		p.t.Fatalf("%s: the provisioner made no request", what)
 	}
 	q := func(f float64) time.Duration { return lat[int(f*float64(len(lat)-1))].Round(100 * time.Microsecond) }
 	p.t.Logf("%s: the provisioner's %d requests: latency min %v, median %v, p90 %v, max %v; %d failed",
-		what, len(lat), q(0), q(0.5), q(0.9), q(1), len(p.errs))
-	for i, e := range p.errs {
+		what, len(lat), q(0), q(0.5), q(0.9), q(1), len(errs))
+	for i, e := range errs {
 		if i == 5 {
-			p.t.Errorf("%s: and %d more failures", what, len(p.errs)-5)
+			p.t.Errorf("%s: and %d more failures", what, len(errs)-5)
 			break
 		}
 		p.t.Errorf("%s: the provisioner's request failed: %s", what, e)
