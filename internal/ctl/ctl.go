@@ -1,7 +1,18 @@
-// Package ctl is the control API between a daemon and its CLI: HTTP with
-// JSON bodies over a unix socket (mode 0600), and a small fixed set of
-// error classes that the CLI turns into one clear line and an exit code.
-// docs/control-api.md documents the endpoints; they are a stable ABI.
+// Package ctl is the control API's transport between a daemon and its
+// callers: HTTP with strictly decoded JSON bodies over a unix socket
+// (mode 0600), and on TLS 1.3 with client certificates (remote.go,
+// bounded by admission.go); the roles and rights every request passes
+// and its audit line (access.go); and a small fixed set of error classes
+// that the CLI turns into one clear line and an exit code. What the
+// endpoints are is package api's; docs/control-api.md documents them,
+// a stable ABI.
+//
+// A Server is safe for concurrent use once Serve runs (SetAccess,
+// Handle and ListenTLS come before). Its locks are each held over no
+// call and never nest: admission.mu (the handshakes under way and the
+// connections taken), slots.mu (each identity's requests under way),
+// Server.conflictMu (the certificates warned of). A Client is safe for
+// concurrent use.
 package ctl
 
 import (
