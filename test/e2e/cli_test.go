@@ -131,6 +131,10 @@ func TestCompletion(t *testing.T) {
 		{"rnbd-server", srv, []string{"session", "disconnect", ""}, []string{"s-complete"}},
 		{"rnbd-server", srv, []string{"path", "show", ""}, []string{srvPath}},
 		{"rnbd-server", srv, []string{"path", "show", "--session", "s-"}, []string{"s-complete"}},
+		// A flag's value after an argument, as volume create NAME
+		// --pool <TAB>: completed as the flag's, not as a second
+		// argument (which is nothing).
+		{"rnbd-server", srv, []string{"device", "close", "vol", "--session", ""}, []string{"s-complete"}},
 		{"rnbd-client", cl, []string{"unmap", ""}, []string{"rnbd0"}},
 		{"rnbd-client", cl, []string{"device", "show", "r"}, []string{"rnbd0"}},
 		{"rnbd-client", cl, []string{"session", "set", ""}, []string{"s-complete"}},

@@ -150,6 +150,15 @@ func TestVolumes(t *testing.T) {
 	// Clones: of the snapshot, its data; of the volume, the data now.
 	srv.ok("volume", "create", "c1", "--pool", "files", "--size", "64MiB", "--from-snapshot", "snap1")
 	srv.ok("volume", "create", "c2", "--pool", "files", "--size", "64MiB", "--from-volume", "v1")
+	// A clone without --size has its source's.
+	srv.ok("volume", "create", "c3", "--pool", "files", "--from-snapshot", "snap1")
+	if c := srv.records("volume", "show", "c3"); len(c) != 1 || c[0]["size"] != float64(64<<20) {
+		t.Fatalf("a clone of a snapshot without --size: %v, want its 64 MiB", c)
+	}
+	if msg := srv.fails(2, "volume", "create", "c4", "--pool", "files"); !strings.Contains(msg, "--size") {
+		t.Fatalf("a create of no size and no source: %q", msg)
+	}
+	srv.ok("volume", "delete", "c3")
 	qemuIO(t, mapExport(t, cl, port, "s-c1", "c1"), "read -P 0x5a 0 1M")
 	qemuIO(t, mapExport(t, cl, port, "s-c2", "c2"), "read -P 0xa5 0 1M")
 	qemuIO(t, uri, "read -P 0xa5 0 1M")
@@ -174,6 +183,10 @@ func TestVolumes(t *testing.T) {
 	if msg := srv.fails(2, "resize", "v1", "256MiB"); !strings.Contains(msg, "volume resize") {
 		t.Fatalf("export resize of a volume: %q", msg)
 	}
+	// The size as create takes it; the export's form says so.
+	if msg := srv.fails(2, "volume", "resize", "v1", "256MiB"); !strings.Contains(msg, "volume resize v1 --size 256MiB") {
+		t.Fatalf("volume resize NAME SIZE: %q", msg)
+	}
 
 	// Delete: busy while open; forced, closed for its session; absent,
 	// success. Nothing left: no file, no export, no state.
@@ -184,7 +197,9 @@ func TestVolumes(t *testing.T) {
 		t.Fatalf("unmap of a volume: %q", msg)
 	}
 	srv.ok("volume", "delete", "v1", "--force")
-	srv.ok("volume", "delete", "v1")
+	if out := srv.ok("volume", "delete", "v1"); !strings.Contains(out, "volume v1 was already absent") {
+		t.Fatalf("the delete of a volume gone: %q, want it to say it was already absent", out)
+	}
 	if _, err := os.Stat(filepath.Join(pool, "v1.img")); !os.IsNotExist(err) {
 		t.Fatalf("v1.img after delete: %v", err)
 	}
