@@ -633,15 +633,6 @@ func TestCltDevNoResubmitLoop(t *testing.T) {
 	a.ioMu.Lock()
 	a.state.Store(int32(DevOpen))
 	a.ioMu.Unlock()
-	done := make(chan error, 8)
-	for i := 0; i < 8; i++ {
-		buf, _ := s.Session().AllocBuffer(4096)
-		if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: int64(i) * 4096, Len: 4096, Buf: buf,
-			Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	time.Sleep(time.Second) // what a loop would log meanwhile
 	resubmits := func(level log.Level) (n int) {
 		for _, e := range entries() {
 			if e.Message == "resubmitting requests that waited for the device" && e.Level == level {
@@ -650,11 +641,25 @@ func TestCltDevNoResubmitLoop(t *testing.T) {
 		}
 		return n
 	}
-	if n := resubmits(log.InfoLevel); n > 0 {
-		t.Errorf("%d resubmissions logged in a second without a path, want none", n)
+	began := time.Now()
+	done := make(chan error, 8)
+	for i := 0; i < 8; i++ {
+		buf, _ := s.Session().AllocBuffer(4096)
+		if err := a.Submit(context.Background(), &IOReq{Op: OpWrite, Off: int64(i) * 4096, Len: 4096, Buf: buf,
+			Done: func(_ *IOReq, err error) { done <- err }}); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if n := resubmits(log.DebugLevel); n > int(time.Second/parkedRetry)+2 {
-		t.Errorf("%d retries in a second, want one every %v", n, parkedRetry)
+	// Five retries, timed: every parkedRetry they take half a second; a
+	// loop makes them in a moment, and hundreds more.
+	kit.WaitFor(t, 20*time.Second, "five resubmissions", func() bool {
+		return resubmits(log.InfoLevel)+resubmits(log.DebugLevel) >= 5
+	})
+	if n := resubmits(log.InfoLevel); n > 0 {
+		t.Errorf("%d resubmissions logged at info without a path, want none", n)
+	}
+	if n, took := resubmits(log.DebugLevel), time.Since(began); n > int(took/parkedRetry)+2 {
+		t.Errorf("%d retries in %v, want one every %v", n, took, parkedRetry)
 	}
 	// Now the session tells it (DISCONNECTED), as it does before any
 	// path comes back; then the path comes back and the device reopens.

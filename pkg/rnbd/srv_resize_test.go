@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/rtrs"
 )
 
 // TestForcedShrinkUnderWrites: a forced shrink while a session writes
@@ -224,7 +225,8 @@ func TestOpenAfterCut(t *testing.T) {
 // server's back. Shrinking what a session has open needs force; IO
 // follows the size both ways.
 func TestServerResize(t *testing.T) {
-	r := newSrig(t, SrvConfig{})
+	h := &countMsgs{}
+	r := newSrigWith(t, SrvConfig{}, func(s *Server) rtrs.SrvHandler { h.Server = s; return h })
 	p := r.vol(1 << 20)
 	c := r.client("s")
 	resized := make(chan int64, 4)
@@ -276,13 +278,19 @@ func TestServerResize(t *testing.T) {
 	default:
 	}
 	// Closed by the server's administrator: the size poll must not
-	// open it again (its read before the OPEN finds it closed).
+	// open it again (its read before the OPEN finds it closed). Closed
+	// between polls: a poll under way could have read the device before
+	// the close and OPEN it after, the moment docs/client.md owns to.
+	r.mapClock(c)
+	pausePolls(t, c)
 	if n, err := r.srv.ForceClose("vol", "s"); err != nil || n != 1 {
 		t.Fatalf("force close: %d %v", n, err)
 	}
+	opens := h.opened("vol")
+	c.SetSizePoll(20 * time.Millisecond)
 	kit.WaitFor(t, 10*time.Second, "a poll to find it closed", func() bool { return x.d.State() == DevSrvClosed })
-	time.Sleep(100 * time.Millisecond) // five more polls
-	if n := len(r.srv.OpenDevices()); n != 0 {
-		t.Fatalf("%d devices open after the polls", n)
+	h.waitPolls(t, 5)
+	if n := h.opened("vol") - opens; n != 0 || r.openOnServer("vol") {
+		t.Fatalf("after five more polls: %d OPENs of vol, open on the server: %v", n, r.srv.OpenDevices())
 	}
 }

@@ -93,7 +93,8 @@ func TestHostileBesideVerify(t *testing.T) {
 			}
 		}
 	}()
-	time.Sleep(3 * time.Second)
+	// The attack begins once the legitimate writes are under way.
+	srv.waitWritten("vol", "legit", 1000)
 	attackStart := time.Now()
 
 	// 1. Idle connections and 2. connections that stop inside the

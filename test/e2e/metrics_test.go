@@ -307,7 +307,8 @@ func TestServerLostPathMetrics(t *testing.T) {
 		return fetchMetrics(t, maddr).sum("rnbd_server_session_paths", `session="deg"`) == 1
 	})
 	// Scraped again: the lost path stays at 0 while the session is
-	// degraded, not only in the moment it goes.
+	// degraded, not only in the moment it goes. That it stays is shown
+	// by time passing between the scrapes: no event marks it.
 	for range 2 {
 		ups, m := up()
 		if len(ups) != 2 || !is(ups, first, 1) || !is(ups, second, 0) {

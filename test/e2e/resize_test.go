@@ -91,8 +91,16 @@ func TestShrinkBehindServer(t *testing.T) {
 	}
 	lintMetrics(t, "server", after)
 
-	// Several size polls later, the client still has 64 MiB.
-	time.Sleep(time.Second)
+	// Four size polls later, the client still has 64 MiB. Each poll
+	// reads a block of the device before it asks its size, and nothing
+	// else reads it meanwhile: of five more reads, the first may be of a
+	// poll under way now, and the four polls before the last are
+	// answered.
+	polls := func() float64 {
+		return fetchMetrics(t, metrics).sum("rnbd_server_device_requests_total", `device="vol"`, `session="shrink"`, `op="read"`)
+	}
+	from := polls()
+	kit.WaitFor(t, 20*time.Second, "four size polls", func() bool { return polls() >= from+5 })
 	if d := cl.records("device", "list"); len(d) != 1 || d[0]["size"] != float64(64<<20) {
 		t.Fatalf("the client's device after the shrink: %v, want 64 MiB", d)
 	}

@@ -239,6 +239,30 @@ func (d *serverDaemon) records(args ...string) []map[string]any {
 	return recs
 }
 
+// written is what session sess has written to device dev (device
+// list's rx_sect, in sectors), 0 while it has not opened it.
+func (d *serverDaemon) written(dev, sess string) float64 {
+	d.t.Helper()
+	for _, r := range d.records("device", "list", "--fields", "devname,sessname,rx_sect") {
+		if r["devname"] == dev && r["sessname"] == sess {
+			n, _ := r["rx_sect"].(float64)
+			return n
+		}
+	}
+	return 0
+}
+
+// waitWritten waits until session sess has written n more 4 KiB blocks
+// to device dev than when it was called: a load started just before is
+// under way.
+func (d *serverDaemon) waitWritten(dev, sess string, n int) {
+	d.t.Helper()
+	want := d.written(dev, sess) + float64(n*8)
+	kit.WaitFor(d.t, time.Minute, fmt.Sprintf("%s to write %d blocks to %s", sess, n, dev), func() bool {
+		return d.written(dev, sess) >= want
+	})
+}
+
 // client dials an RNBD client session to the daemon.
 func (d *serverDaemon) client(sessname string, paths int) *rnbd.CltSession {
 	d.t.Helper()
@@ -1038,7 +1062,16 @@ path = %q
 		t.Fatalf("device list: %v", state)
 	}
 	// The retries of the hung path (every 200 ms) hold no map or unmap.
-	time.Sleep(time.Second)
+	// A retry has run once the reason says the first look has not
+	// returned (the retries do not stat the path again while it hangs).
+	kit.WaitFor(t, 10*time.Second, "a retry of the hung export", func() bool {
+		for _, r := range d.records("device", "list", "--fields", "devname,reason") {
+			if r["devname"] == "hung" {
+				return strings.Contains(fmt.Sprint(r["reason"]), "an earlier look has not returned")
+			}
+		}
+		return false
+	})
 	quick := func(what string, args ...string) (string, int) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -4,9 +4,12 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rnbd/rnbd/test/kit"
 )
 
 // qemuIOOut runs qemu-io commands on an NBD URI and returns what it
@@ -56,15 +59,26 @@ func TestWritePastEndENOSPC(t *testing.T) {
 // session, its IO fails; rnbd-client remap opens it again with its data.
 func TestServerCloseSticks(t *testing.T) {
 	needTools(t, "qemu-io")
-	m := mapVol(t, 8<<20, "sc", nil, []string{"--size-poll", "100ms"})
+	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	m := mapVol(t, 8<<20, "sc", []string{"--metrics-listen", metrics}, []string{"--size-poll", "100ms"})
 	srv, cl, uri := m.srv, m.cl, m.uri
+	// A clock, mapped through the session after vol: a size poll goes
+	// through the session's devices in the order they were mapped, and
+	// reads a block of each one open, so every read of the clock, which
+	// nothing else reads, is a poll that has been through vol.
+	clock := filepath.Join(m.dir, "clock.img")
+	kit.SparseFile(t, clock, 1<<20)
+	srv.ok("map", "clock", clock)
+	cl.ok("map", "--sessname", "sc", "--path", "ip:127.0.0.1", "--device-path", "clock", "--dest-port", fmt.Sprint(m.port))
 	qemuIO(t, uri, "write -P 0x5c 1M 64k")
 	state := func() string {
-		recs := cl.records("device", "list")
-		if len(recs) != 1 {
-			t.Fatalf("device list: %v", recs)
+		for _, r := range cl.records("device", "list") {
+			if r["mapping_path"] == "vol" {
+				return fmt.Sprint(r["state"])
+			}
 		}
-		return fmt.Sprint(recs[0]["state"])
+		t.Fatalf("device list: no vol: %v", cl.records("device", "list"))
+		return ""
 	}
 	srv.ok("device", "close", "vol", "--session", "sc")
 	deadline := time.Now().Add(20 * time.Second)
@@ -74,15 +88,19 @@ func TestServerCloseSticks(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	time.Sleep(time.Second) // ten size polls
+	// Ten polls: of eleven more reads of the clock, the first may be of
+	// a poll under way now.
+	polls := func() float64 {
+		return fetchMetrics(t, metrics).sum("rnbd_server_device_requests_total", `device="clock"`, `session="sc"`, `op="read"`)
+	}
+	from := polls()
+	kit.WaitFor(t, 20*time.Second, "ten size polls", func() bool { return polls() >= from+11 })
 	if st := state(); st != "closed by server" {
 		t.Fatalf("state %q after ten size polls", st)
 	}
-	if recs := srv.records("device", "list"); len(recs) != 0 {
-		for _, r := range recs {
-			if r["sessname"] == "sc" {
-				t.Fatalf("the server has the device open again for the session: %v", recs)
-			}
+	for _, r := range srv.records("device", "list") {
+		if r["devname"] == "vol" && r["sessname"] == "sc" {
+			t.Fatalf("the server has the device open again for the session: %v", r)
 		}
 	}
 	if out := qemuIOOut(t, uri, "read 1M 64k"); !strings.Contains(out, "read failed: Input/output error") {

@@ -168,7 +168,7 @@ func TestVolumes(t *testing.T) {
 	fio := start(t, "fio", "--name=grow", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k", "--iodepth=16",
 		"--size=48m", "--time_based", "--runtime=6", "--rate_iops=2000", "--verify=crc32c", "--verify_backlog=1024",
 		"--verify_fatal=1", "--verify_state_save=0", "--randrepeat=0", "--output-format=json")
-	time.Sleep(time.Second) // fio under way
+	srv.waitWritten("v1", "s-v1", 1000) // grown while fio writes
 	if out := srv.ok("volume", "resize", "v1", "--size", "128MiB"); !strings.Contains(out, "resized volume v1 from 67108864 to 134217728 bytes") {
 		t.Fatalf("volume resize: %q", out)
 	}
