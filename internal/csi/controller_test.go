@@ -200,9 +200,10 @@ func startStorageNodeEnv(t *testing.T, nd, pki, name, pool string, env []string)
 
 // storageNodeConfig is a storage node's server.toml: its fabric on
 // addr:port, its admin listener on 127.0.0.1:aport with csi-controller
-// its provisioner, TLS with cert, key and ca, a dir pool "files" at
-// pool, its control socket and state file in dir.
-func storageNodeConfig(addr string, port, aport int, dir, cert, key, ca, pool string) []byte {
+// its provisioner (and the lines of admin in its table), TLS with cert,
+// key and ca, a dir pool "files" at pool, its control socket and state
+// file in dir.
+func storageNodeConfig(addr string, port, aport int, dir, cert, key, ca, pool string, admin ...string) []byte {
 	return fmt.Appendf(nil, `listen = ["tcp://%s:%d"]
 control_socket = %q
 state_file = %q
@@ -213,11 +214,20 @@ ca = %q
 [admin]
 listen = ["127.0.0.1:%d"]
 provisioners = ["csi-controller"]
-[[pool]]
+%s[[pool]]
 name = "files"
 type = "dir"
 path = %q
-`, addr, port, filepath.Join(dir, "s.sock"), filepath.Join(dir, "s.json"), cert, key, ca, aport, pool)
+`, addr, port, filepath.Join(dir, "s.sock"), filepath.Join(dir, "s.json"), cert, key, ca, aport, lines(admin), pool)
+}
+
+// lines is each of ls on a line of its own.
+func lines(ls []string) string {
+	var b strings.Builder
+	for _, l := range ls {
+		b.WriteString(l + "\n")
+	}
+	return b.String()
 }
 
 // diesWithTest: a daemon a test starts is sent SIGTERM when the test
@@ -289,12 +299,16 @@ func (p *daemonProc) freeze() {
 	p.t.Helper()
 	p.cmd.Process.Signal(syscall.SIGSTOP)
 	p.frozen = true
-	kit.WaitFor(p.t, 10*time.Second, p.name+" stopped by SIGSTOP", func() bool {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
-		// "pid (comm) T ...": the state after the command's name.
-		i := bytes.LastIndexByte(b, ')')
-		return err == nil && i > 0 && i+2 < len(b) && b[i+2] == 'T'
-	})
+	kit.WaitFor(p.t, 10*time.Second, p.name+" stopped by SIGSTOP", func() bool { return stoppedBySignal(p.cmd.Process.Pid) })
+}
+
+// stoppedBySignal reports whether process pid is stopped (state T: a
+// SIGSTOP took effect).
+func stoppedBySignal(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	// "pid (comm) T ...": the state after the command's name.
+	i := bytes.LastIndexByte(b, ')')
+	return err == nil && i > 0 && i+2 < len(b) && b[i+2] == 'T'
 }
 
 func (p *daemonProc) thaw() {
