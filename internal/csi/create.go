@@ -246,7 +246,7 @@ func (c *controller) makeVolume(ctx context.Context, r createRequest, unchecked 
 			return nil, status.Errorf(codes.Unavailable, "a clone of %s %s is made on %s, which does not answer", r.src.what, r.src.id, only)
 		}
 	}
-	cands, err := c.candidates(ctx, r.p, r.GetAccessibilityRequirements(), only, r.size)
+	cands, err := c.candidates(ctx, r.p, r.GetAccessibilityRequirements(), only, r.size, unchecked)
 	if err != nil {
 		return nil, err
 	}

@@ -5,6 +5,7 @@ package csi
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 
@@ -88,27 +89,36 @@ func topologyOf(n *StorageNode) []*csi.Topology {
 }
 
 // candidates are the storage nodes a volume may go to, best first, from
-// those that answer (each asked at once); none is ResourceExhausted (no
-// room, or no node in the topology asked) or Unavailable (none of those
-// that could hold it answers).
-func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.TopologyRequirement, only *storageNode, size int64) ([]candidate, error) {
+// those that answer (each asked at once; silent, those that did not
+// answer the lookup a moment ago, are not asked again); none is
+// ResourceExhausted (no room, or no node in the topology asked) or
+// Unavailable (none of those that could hold it answers).
+func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.TopologyRequirement, only *storageNode, size int64,
+	silent []string) ([]candidate, error) {
 	var why []string
 	var asked []*storageNode
+	could, unreachable := 0, 0 // the nodes that could hold it; those of them that do not answer
 	for _, n := range c.nodes {
-		switch {
-		case only != nil && n != only:
-		case !eligible(n.cfg.Labels, ar):
-			why = append(why, n.cfg.Name+": not in the topology asked")
-		default:
-			if _, ok := p.pathsOn(n.cfg); !ok {
-				why = append(why, n.cfg.Name+": has not the paths asked")
-				continue
-			}
-			asked = append(asked, n)
+		if only != nil && n != only {
+			continue
 		}
+		if !eligible(n.cfg.Labels, ar) {
+			why = append(why, n.cfg.Name+": not in the topology asked")
+			continue
+		}
+		if _, ok := p.pathsOn(n.cfg); !ok {
+			why = append(why, n.cfg.Name+": has not the paths asked")
+			continue
+		}
+		could++
+		if slices.Contains(silent, n.cfg.Name) {
+			why = append(why, n.cfg.Name+": did not answer")
+			unreachable++
+			continue
+		}
+		asked = append(asked, n)
 	}
 	var out []candidate
-	unreachable := 0
 	for _, r := range each(ctx, asked, func(ctx context.Context, n *storageNode) (int64, error) { return n.allocatable(ctx, p.poolOn(n.cfg)) }) {
 		switch {
 		case r.err != nil:
@@ -126,7 +136,7 @@ func (c *controller) candidates(ctx context.Context, p volumeParams, ar *csi.Top
 	if len(out) == 0 {
 		// Every node that could hold it did not answer: later, maybe.
 		code := codes.ResourceExhausted
-		if len(asked) > 0 && unreachable == len(asked) {
+		if could > 0 && unreachable == could {
 			code = codes.Unavailable
 		}
 		return nil, status.Errorf(code, "no storage node for a volume of %d bytes: %s", size, strings.Join(why, "; "))

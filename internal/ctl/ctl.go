@@ -405,7 +405,9 @@ func DialTLS(base string, tc *tls.Config) (*Client, error) {
 	c := tc.Clone()
 	c.MinVersion, c.MaxVersion = tls.VersionTLS13, tls.VersionTLS13
 	tr := &http.Transport{TLSClientConfig: c, TLSHandshakeTimeout: clientHandshakeTimeout, ForceAttemptHTTP2: false,
-		MaxIdleConnsPerHost: 2, IdleConnTimeout: 30 * time.Second}
+		// As many kept for reuse as rnbd-csi's controller has calls
+		// under way to one storage node: each extra is a TLS handshake.
+		MaxIdleConnsPerHost: 16, IdleConnTimeout: 30 * time.Second}
 	base = "https://" + u.Host
 	return &Client{path: base, base: base, hc: &http.Client{Transport: tr}, remote: true}, nil
 }
