@@ -139,6 +139,11 @@ func NewServer(cfg SrvConfig) (*Server, error) {
 			s.Close()
 			return nil, fmt.Errorf("rtrs: listen on %s %v: %w", e.Fabric.Name(), e.Addr, err)
 		}
+		if sc, ok := l.(fabric.Screener); ok && cfg.NewPathRate > 0 {
+			var b [ConnRspSize]byte
+			rsp := ConnRsp{Magic: Magic, Version: ProtoVer, Errno: syscall.EAGAIN}
+			sc.Screen(s.refuseAtAccept, rsp.Encode(b[:]))
+		}
 		s.listeners = append(s.listeners, l)
 		s.listening = append(s.listening, Listen{Transport: e.Fabric.Name(), Addr: l.Addr()})
 		s.wg.Add(1)
@@ -162,7 +167,9 @@ func (s *Server) Addrs() []netip.AddrPort {
 // Rejected counts the connection requests the server refused, by the
 // errno it answered with (EUSERS: too many sessions of the client,
 // ENOMEM: past the chunk memory, EACCES: identity, EBUSY: paths
-// connecting, ...), and the paths refused their session name at
+// connecting, EAGAIN: NewPathRate, with the connections its listeners
+// refused as they accepted them from an address that rate holds), and
+// the paths refused their session name at
 // INFO_REQ (EPERM: another session has it; the NameClaimer's errno,
 // EACCES for a name bound to another identity), since it started, with
 // those its fabrics refused before handing them on (fabric.Refuser:
@@ -261,6 +268,20 @@ func (s *Server) acceptLoop(fab fabric.Fabric, l fabric.Listener) {
 			s.handleConnReq(fab, req)
 		}()
 	}
+}
+
+// refuseAtAccept is what the listeners that are fabric.Screeners refuse
+// as they accept it: a connection from an address the new path rate
+// holds, refused a path and with no token yet (rateLimiter). It is
+// answered EAGAIN, as the path it might bring would be, and counted so,
+// but not logged: the refusal that held the address was. The accept
+// loops call it for every connection; it neither blocks nor allocates.
+func (s *Server) refuseAtAccept(addr netip.Addr) bool {
+	if !s.pathRate.holding(fabric.PeerGroup(addr)) {
+		return false
+	}
+	s.rejected[syscall.EAGAIN].Add(1)
+	return true
 }
 
 func (s *Server) reject(req fabric.ConnRequest, errno syscall.Errno, why string, f log.Fields) {

@@ -284,6 +284,20 @@ type Listener interface {
 	Close() error
 }
 
+// Screener is an optional part of a Listener: it asks refuse about every
+// connection it accepts, with the peer's address, before it spends
+// anything more on it — a goroutine, a handshake (TLS's), a read of the
+// request —, and answers one refused with priv, as Reject would, and
+// closes it; such a connection never reaches Accept. refuse is called
+// from the listener's accept loop, so it must not block or allocate:
+// the listener keeps taking the connections of other peers meanwhile.
+// A server calls Screen once, as it starts listening (fabric/tcp is a
+// Screener; fabric/rdma is not: its requests come from the kernel's CM,
+// handshake done, and the server refuses them in Accept's order).
+type Screener interface {
+	Screen(refuse func(netip.Addr) bool, priv []byte)
+}
+
 // ConnRequest is an incoming connection request (RDMA_CM_EVENT_CONNECT_REQUEST).
 // Exactly one of Accept or Reject must be called.
 type ConnRequest interface {
