@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -272,16 +273,17 @@ func (s *Server) acceptLoop(fab fabric.Fabric, l fabric.Listener) {
 
 // refuseAtAccept is what the listeners that are fabric.Screeners refuse
 // as they accept it: a connection from an address the new path rate
-// holds, refused a path and with no token yet (rateLimiter). It is
-// answered EAGAIN, as the path it might bring would be, and counted so,
-// but not logged: the refusal that held the address was. The accept
-// loops call it for every connection; it neither blocks nor allocates.
-func (s *Server) refuseAtAccept(addr netip.Addr) bool {
-	if !s.pathRate.holding(fabric.PeerGroup(addr)) {
-		return false
+// holds, refused a path and with its bucket not refilled yet
+// (rateLimiter), for as long as it is held. It is answered EAGAIN, as the
+// path it might bring would be, and counted so, but not logged: the
+// refusal that held the address was. The accept loops call it for every
+// connection; it neither blocks nor allocates.
+func (s *Server) refuseAtAccept(addr netip.Addr) time.Duration {
+	d := s.pathRate.holding(fabric.PeerGroup(addr))
+	if d > 0 {
+		s.rejected[syscall.EAGAIN].Add(1)
 	}
-	s.rejected[syscall.EAGAIN].Add(1)
-	return true
+	return d
 }
 
 func (s *Server) reject(req fabric.ConnRequest, errno syscall.Errno, why string, f log.Fields) {

@@ -222,33 +222,33 @@ func TestRateLimiter(t *testing.T) {
 	if !r.allow(a, "x") || !r.allow(a, "x") {
 		t.Fatal("a burst of 2 refused")
 	}
-	if r.holding(a) {
+	if r.holding(a) > 0 {
 		t.Fatal("an address held before it was refused")
 	}
 	if r.allow(a, "") {
 		t.Fatal("an empty bucket let a path through")
 	}
-	if !r.holding(a) {
-		t.Fatal("an address refused with its bucket empty is not held")
+	if d := r.holding(a); d != 500*time.Millisecond {
+		t.Fatalf("an address refused with its bucket empty is held for %v, want 500ms: a token at 2/s", d)
 	}
 	if r.allow(c, "x") {
 		t.Fatal("an empty identity bucket let a path through")
 	}
-	if r.holding(c) {
+	if r.holding(c) > 0 {
 		t.Fatal("an address refused for its identity is held with tokens of its own")
 	}
 	if !r.allow(c, "") || r.allow(c, "") {
 		t.Fatal("the refusal for the identity did not cost the address one token of its two")
 	}
-	if !r.holding(c) {
+	if r.holding(c) == 0 {
 		t.Fatal("an address that ran its bucket dry is not held")
 	}
 	now = now.Add(250 * time.Millisecond)
-	if !r.holding(a) {
+	if r.holding(a) == 0 {
 		t.Fatal("held for half a token's time at 2/s: want held still")
 	}
 	now = now.Add(250 * time.Millisecond)
-	if r.holding(a) {
+	if r.holding(a) > 0 {
 		t.Fatal("held when its bucket has a token again")
 	}
 	if !r.allow(a, "x") || r.allow(a, "x") {
@@ -287,11 +287,11 @@ func TestRateLimiter(t *testing.T) {
 	for r4.allow(a, "") {
 	}
 	now = now.Add(1500 * time.Millisecond)
-	if !r4.holding(a) {
+	if r4.holding(a) == 0 {
 		t.Fatal("held for a token and a half of a burst of 4: want held still")
 	}
 	now = now.Add(500 * time.Millisecond)
-	if r4.holding(a) {
+	if r4.holding(a) > 0 {
 		t.Fatal("held with its bucket half full again")
 	}
 	if !r4.allow(a, "") || !r4.allow(a, "") || r4.allow(a, "") {
@@ -300,7 +300,7 @@ func TestRateLimiter(t *testing.T) {
 	var off rateLimiter
 	off.init(0, 0)
 	for i := 0; i < 100; i++ {
-		if !off.allow(a, "x") || off.holding(a) {
+		if !off.allow(a, "x") || off.holding(a) > 0 {
 			t.Fatal("rate 0 refused or held")
 		}
 	}

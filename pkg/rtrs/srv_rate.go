@@ -157,23 +157,23 @@ func (r *rateLimiter) hold(addr netip.Prefix, until time.Time) {
 	r.held[addr] = until
 }
 
-// holding says whether addr (a fabric.PeerGroup) is held: refused a new
-// path, and its bucket not yet holding a token again. It neither waits
-// for anything but heldMu nor allocates: the accept loops call it for
-// every connection.
-func (r *rateLimiter) holding(addr netip.Prefix) bool {
+// holding says for how much longer addr (a fabric.PeerGroup) is held:
+// refused a new path, and its bucket not refilled yet (0: not held). It
+// neither waits for anything but heldMu nor allocates: the accept loops
+// call it for every connection.
+func (r *rateLimiter) holding(addr netip.Prefix) time.Duration {
 	if r.rate <= 0 {
-		return false
+		return 0
 	}
 	r.heldMu.Lock()
 	defer r.heldMu.Unlock()
 	until, ok := r.held[addr]
 	if !ok {
-		return false
+		return 0
 	}
-	if r.now().Before(until) {
-		return true
+	if d := until.Sub(r.now()); d > 0 {
+		return d
 	}
 	delete(r.held, addr)
-	return false
+	return 0
 }

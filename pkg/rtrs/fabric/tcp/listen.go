@@ -89,14 +89,14 @@ func (l *listener) acceptLoop() {
 // screen is what a server refuses at accept (fabric.Screener): the
 // peers refuse says, each answered with frame, a REJ.
 type screen struct {
-	refuse func(netip.Addr) bool
+	refuse func(netip.Addr) time.Duration
 	frame  []byte
 }
 
 // Screen makes the listener refuse, as it accepts them, the connections
 // of the peers refuse names (fabric.Screener): each is answered with a
 // REJ of priv and closed, with no goroutine, no handshake, no read.
-func (l *listener) Screen(refuse func(netip.Addr) bool, priv []byte) {
+func (l *listener) Screen(refuse func(netip.Addr) time.Duration, priv []byte) {
 	if len(priv) > maxPrivData {
 		return // more than a REJ carries: as Reject, nothing is sent
 	}
@@ -119,7 +119,7 @@ func (l *listener) accept() (net.Conn, error) {
 	}
 	for {
 		nc, err := l.nl.Accept()
-		if err != nil || !sc.refuse(addrPortOf(nc.RemoteAddr()).Addr()) {
+		if err != nil || sc.refuse(addrPortOf(nc.RemoteAddr()).Addr()) <= 0 {
 			return nc, err
 		}
 		// A test's network, whose writes may wait for the peer: the

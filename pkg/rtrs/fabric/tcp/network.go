@@ -74,7 +74,7 @@ func (n tcpNetwork) Listen(addr netip.AddrPort) (net.Listener, error) {
 		f.Close()
 		return nil, err
 	}
-	hl := &hostListener{f: f, rc: rc, addr: tl.Addr()}
+	hl := &hostListener{f: f, rc: rc, addr: tl.Addr(), syn: newSYNFilter(rc)}
 	hl.acceptFn = hl.acceptOne
 	return hl, nil
 }
@@ -86,11 +86,14 @@ func (n tcpNetwork) Listen(addr netip.AddrPort) (net.Listener, error) {
 // them. What the kernel spent on it before (the SYN, the handshake, the
 // place in the listen backlog) is spent; the accept loop that drains
 // the backlog this fast keeps it from filling up, which would drop the
-// SYNs of every peer alike.
+// SYNs of every peer alike. A peer that keeps coming while refused has
+// its SYNs dropped by the kernel for the rest of its refusal (synFilter):
+// then it costs nothing more.
 type hostListener struct {
 	f    *os.File // the listening socket
 	rc   syscall.RawConn
 	addr net.Addr
+	syn  *synFilter
 	// The accept under way: only the listener's accept loop touches
 	// them. acceptFn is acceptOne, made once.
 	acceptFn func(fd uintptr) bool
@@ -102,7 +105,10 @@ type hostListener struct {
 func (hl *hostListener) Addr() net.Addr { return hl.addr }
 
 // Close closes the socket; an accept waiting returns an error.
-func (hl *hostListener) Close() error { return hl.f.Close() }
+func (hl *hostListener) Close() error {
+	hl.syn.close()
+	return hl.f.Close()
+}
 
 // Accept returns the next connection.
 func (hl *hostListener) Accept() (net.Conn, error) { return hl.acceptScreened(nil) }
@@ -155,16 +161,22 @@ func (hl *hostListener) acceptOne(lfd uintptr) bool {
 			hl.err = os.NewSyscallError("accept4", e)
 			return true
 		}
-		if hl.sc != nil && hl.sc.refuse(sockaddrAddr(&sa)) {
-			// The answer fits an empty socket buffer: the write never
-			// waits (MSG_DONTWAIT all the same), and what is not
-			// taken is lost with the connection, as a reset would.
-			frame := hl.sc.frame
-			syscall.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&frame[0])), uintptr(len(frame)),
-				unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL, 0, 0)
-			syscall.RawSyscall(unix.SYS_CLOSE, fd, 0, 0)
-			continue
+		if hl.sc != nil {
+			a := sockaddrAddr(&sa)
+			if d := hl.sc.refuse(a); d > 0 {
+				// The answer fits an empty socket buffer: the write
+				// never waits (MSG_DONTWAIT all the same), and what is
+				// not taken is lost with the connection, as a reset
+				// would.
+				frame := hl.sc.frame
+				syscall.RawSyscall6(unix.SYS_SENDTO, fd, uintptr(unsafe.Pointer(&frame[0])), uintptr(len(frame)),
+					unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL, 0, 0)
+				syscall.RawSyscall(unix.SYS_CLOSE, fd, 0, 0)
+				hl.syn.refused(a, d)
+				continue
+			}
 		}
+		hl.syn.detach(fd)
 		hl.fd = int(fd)
 		return true
 	}

@@ -7,27 +7,47 @@ import (
 	"net"
 	"net/netip"
 	"runtime"
+	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
+	"github.com/rnbd/rnbd/test/kit"
 	"github.com/rnbd/rnbd/test/testca"
 )
 
 // screened is a listener of f that refuses 127.0.0.3 at accept with the
-// private data "later".
-func screened(t *testing.T, f *Fabric) *listener {
+// private data "later" for as long as refusing says (an hour if nil),
+// and that has the kernel drop its SYNs after dropAfter refusals (never
+// if 0).
+func screened(t *testing.T, f *Fabric, refusing func() time.Duration, dropAfter int) *listener {
 	t.Helper()
 	l, err := f.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.Close() })
+	if refusing == nil {
+		refusing = func() time.Duration { return time.Hour }
+	}
+	syn := l.(*listener).nl.(*hostListener).syn
+	syn.mu.Lock()
+	syn.after = dropAfter
+	if dropAfter == 0 {
+		syn.after = 1 << 30
+	}
+	syn.mu.Unlock()
 	refused := netip.MustParseAddr("127.0.0.3")
-	l.(fabric.Screener).Screen(func(a netip.Addr) bool { return a == refused }, []byte("later"))
+	l.(fabric.Screener).Screen(func(a netip.Addr) time.Duration {
+		if a == refused {
+			return refusing()
+		}
+		return 0
+	}, []byte("later"))
 	// The accept loop takes the screen with its next accept: let one
 	// connection through to be sure it has.
 	c, err := net.Dial("tcp", l.Addr().String())
@@ -89,7 +109,7 @@ func TestScreenRefusesAtAccept(t *testing.T) {
 			opts.TLS = ca.Config(ca.Issue(t, "node", "127.0.0.1"))
 		}
 		f := New(opts)
-		l := screened(t, f)
+		l := screened(t, f, nil, 0)
 
 		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.3")}}
 		c, err := d.Dial("tcp", l.Addr().String())
@@ -125,7 +145,7 @@ func TestScreenRefusesAtAccept(t *testing.T) {
 // accepted meanwhile.
 func TestScreenRefusedHoldNothing(t *testing.T) {
 	f := New(Options{HandshakeTimeout: 30 * time.Second, MaxHandshakesPerAddr: 4, MaxHandshakes: 8})
-	l := screened(t, f)
+	l := screened(t, f, nil, 0)
 	before := runtime.NumGoroutine()
 	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.3")}}
 	for i := 0; i < 200; i++ {
@@ -158,7 +178,7 @@ func TestScreenRefusedHoldNothing(t *testing.T) {
 // calls alone, so that what is counted is the listener's.
 func TestScreenRefusalAllocatesNothing(t *testing.T) {
 	f := New(Options{})
-	l := screened(t, f)
+	l := screened(t, f, nil, 0)
 	dst := &unix.SockaddrInet4{Port: int(l.Addr().Port()), Addr: [4]byte{127, 0, 0, 1}}
 	src := &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 3}}
 	buf := make([]byte, 64)
@@ -181,5 +201,72 @@ func TestScreenRefusalAllocatesNothing(t *testing.T) {
 	refused() // the first in a while may wake things that allocate once
 	if n := testing.AllocsPerRun(200, refused); n != 0 {
 		t.Fatalf("%v allocations a refused connection, want 0", n)
+	}
+}
+
+// filterLen is how many instructions the socket program of the socket rc
+// is has: 0 without one.
+func filterLen(t *testing.T, rc syscall.RawConn) int {
+	t.Helper()
+	n := -1
+	rc.Control(func(fd uintptr) {
+		var l uint32 // 0: the kernel says how long the program is
+		_, _, e := syscall.RawSyscall6(unix.SYS_GETSOCKOPT, fd, unix.SOL_SOCKET, unix.SO_GET_FILTER, 0, uintptr(unsafe.Pointer(&l)), 0)
+		if e != 0 {
+			t.Fatalf("SO_GET_FILTER: %v", e)
+		}
+		n = int(l)
+	})
+	return n
+}
+
+// An address the screen keeps refusing has its SYNs dropped by the
+// kernel for the rest of its refusal, after synFilterAfter refusals at
+// accept: a connect from it then waits (the kernel's SYN
+// retransmissions), while another address is accepted as before, and a
+// connection accepted meanwhile does not carry the program along. When
+// the refusal ends the program goes, and the address is heard again.
+func TestSYNFilter(t *testing.T) {
+	end := time.Now().Add(time.Second)
+	f := New(Options{HandshakeTimeout: 30 * time.Second})
+	l := screened(t, f, func() time.Duration { return time.Until(end) }, synFilterAfter)
+	hl := l.nl.(*hostListener)
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.3")}, Timeout: 300 * time.Millisecond}
+	for i := 0; i < synFilterAfter; i++ {
+		c, err := d.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatalf("refused connection %d of %d before its SYNs are dropped: %v", i, synFilterAfter, err)
+		}
+		c.Close()
+	}
+	kit.WaitFor(t, 5*time.Second, "the program on the listening socket", func() bool { return filterLen(t, hl.rc) > 0 })
+	if c, err := d.Dial("tcp", l.Addr().String()); err == nil {
+		c.Close()
+		t.Fatal("a connection from the address the kernel drops the SYNs of completed")
+	}
+	dialed := make(chan error, 1)
+	go func() { dialed <- dialFrom(f, "127.0.0.4", l) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	r, err := l.Accept(ctx)
+	if err != nil || r.RemoteAddr().Addr() != netip.MustParseAddr("127.0.0.4") {
+		t.Fatalf("Accept: %v, want 127.0.0.4's request", err)
+	}
+	raw, _ := r.(*connReq).raw.(syscall.Conn).SyscallConn()
+	if n := filterLen(t, raw); n != 0 {
+		t.Fatalf("a connection accepted beside the program carries %d instructions of it", n)
+	}
+	r.Reject([]byte("no"))
+	var rej *fabric.RejectError
+	if err := <-dialed; !errors.As(err, &rej) || string(rej.PrivateData) != "no" {
+		t.Fatalf("a dial from another address beside the program: %v, want the listener's reject", err)
+	}
+	kit.WaitFor(t, 10*time.Second, "the program to go with the refusal", func() bool { return filterLen(t, hl.rc) == 0 })
+	from := acceptOne(t, l)
+	if err := dialFrom(f, "127.0.0.3", l); !errors.As(err, &rej) || string(rej.PrivateData) != "no" {
+		t.Fatalf("a dial from the address once its refusal ended: %v, want the listener's reject", err)
+	}
+	if a := <-from; a != netip.MustParseAddr("127.0.0.3") {
+		t.Fatalf("Accept handed out a request from %v, want 127.0.0.3's", a)
 	}
 }
