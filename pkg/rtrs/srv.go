@@ -71,11 +71,14 @@ type NameClaimer interface {
 // groups them into sessions by paths UUID, owns each path's chunks and
 // hands every IO to its handler. It is safe for concurrent use.
 type Server struct {
-	cfg       SrvConfig
-	log       *log.Entry
-	rl        log.Limiter
-	listeners []fabric.Listener
-	listening []Listen
+	cfg SrvConfig
+	log *log.Entry
+	rl  log.Limiter // the refusals'
+	// unprovenRL bounds what the paths that never got through INFO_REQ
+	// log as they go, together.
+	unprovenRL log.Limiter
+	listeners  []fabric.Listener
+	listening  []Listen
 
 	mu sync.Mutex // guards sessions
 	// +checklocks:mu

@@ -11,6 +11,7 @@ import (
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/kit"
 	"github.com/rnbd/rnbd/test/testca"
 )
 
@@ -125,4 +126,39 @@ func TestClientRetriesNewPathRateOverTLS(t *testing.T) {
 	if n := h.srv.Rejected()[syscall.EAGAIN]; n == 0 {
 		t.Fatal("the second session was never refused: the test proves nothing")
 	}
+}
+
+// Paths that never get through INFO_REQ are what a peer that churns paths
+// leaves by the dozen a second: their going ("connection lost", "closing
+// path") is logged within one bound for the whole server, not two lines
+// each (issue 40).
+func TestUnprovenPathsLogBounded(t *testing.T) {
+	lg, records := kit.LogRecorder()
+	fab := tcp.New(tcp.Options{HandshakeTimeout: time.Second, Log: testLog()})
+	dst := loopbackListener(t)
+	scfg := testServerConfig(fab, newMemDisk(4<<20), dst)
+	scfg.Log = lg
+	scfg.NewPathRate, scfg.NewPathBurst = 1e6, 1000 // every path let in
+	h := &hostileRig{rig: newRig(t, fab, scfg, testClientConfig(fab, pa("127.0.0.1", dst.String()))),
+		fab: fab, dst: dst, src: netip.MustParseAddrPort("127.0.0.3:0")}
+	const n = 60
+	start := time.Now()
+	for i := 0; i < n; i++ {
+		if err := h.dialPath(); err != nil {
+			t.Fatalf("new path %d: %v", i, err)
+		}
+	}
+	kit.WaitFor(t, 10*time.Second, "the abandoned paths to go", func() bool { return len(h.srv.Sessions()) == 1 })
+	took := time.Since(start)
+	lines := 0
+	for _, e := range records() {
+		if e.Message == "closing path" || e.Message == "connection lost" {
+			lines++
+		}
+	}
+	// log.Limiter's default: 10 a second.
+	if most := 10 * (int(took/time.Second) + 2); lines > most {
+		t.Fatalf("%d paths that never sent INFO_REQ logged %d lines of their going in %v, want at most %d", n, lines, took, most)
+	}
+	h.stillServes()
 }
