@@ -118,8 +118,12 @@ func (f *synFilter) refused(a netip.Addr, d time.Duration) {
 // caller closes.
 func (f *synFilter) close() {
 	f.mu.Lock()
+	was := f.closed
 	f.closed = true
 	f.mu.Unlock()
+	if was {
+		return
+	}
 	f.once.Do(func() {}) // none starts after this
 	close(f.done)
 	f.wg.Wait()
