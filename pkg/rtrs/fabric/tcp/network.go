@@ -6,10 +6,10 @@ package tcp
 
 import (
 	"context"
-	"errors"
 	"net"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -94,6 +94,9 @@ type hostListener struct {
 	rc   syscall.RawConn
 	addr net.Addr
 	syn  *synFilter
+	// closed: Close was called (the file's error on a closed
+	// descriptor is its own, not net.ErrClosed).
+	closed atomic.Bool
 	// The accept under way: only the listener's accept loop touches
 	// them. acceptFn is acceptOne, made once.
 	acceptFn func(fd uintptr) bool
@@ -106,6 +109,7 @@ func (hl *hostListener) Addr() net.Addr { return hl.addr }
 
 // Close closes the socket; an accept waiting returns an error.
 func (hl *hostListener) Close() error {
+	hl.closed.Store(true)
 	hl.syn.close()
 	return hl.f.Close()
 }
@@ -123,7 +127,7 @@ func (hl *hostListener) acceptScreened(sc *screen) (net.Conn, error) {
 		err = hl.err
 	}
 	if err != nil {
-		if errors.Is(err, os.ErrClosed) {
+		if hl.closed.Load() {
 			err = net.ErrClosed
 		}
 		return nil, &net.OpError{Op: "accept", Net: "tcp", Addr: hl.addr, Err: err}

@@ -270,3 +270,22 @@ func TestSYNFilter(t *testing.T) {
 		t.Fatalf("Accept handed out a request from %v, want 127.0.0.3's", a)
 	}
 }
+
+// A host listener closed while it waits for a connection returns
+// net.ErrClosed, as Go's listeners do: the accept loop ends on it.
+func TestHostListenerClosed(t *testing.T) {
+	nl, err := tcpNetwork{}.Listen(netip.MustParseAddrPort("127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error)
+	go func() {
+		_, err := nl.Accept()
+		done <- err
+	}()
+	kit.WaitBlocked(t, 5*time.Second, "hostListener).acceptScreened", "IO wait")
+	nl.Close()
+	if err := <-done; !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("Accept on a listener closed meanwhile: %v, want net.ErrClosed", err)
+	}
+}
