@@ -65,16 +65,23 @@ const churnIdentity = "e2e-churn"
 // throughout, and the three conditions — alone, beside the burners,
 // beside the churn — take turns in slots of churnSlot (each set stopped,
 // SIGSTOP, outside its own), in a rotating order, churnCycles times; the
-// IOs the server served the session are counted in each slot but its
-// first half second. The churn must leave the session at least 0.8 of
-// the rate the control leaves it: loose, for a 2-CPU machine that other
-// work shares (the old server left it 0.2 to 0.5 of it; ours 0.9 to 1.2).
-// Both shares of the session's rate alone are printed. In TLS
-// (RNBD_E2E_TLS=1) the churners have a certificate, one identity from
-// every address.
+// IOs the server served the session, and the CPU time it used, are
+// counted in each slot but its first half second. The churn must leave
+// the session at least 0.8 of the rate the control leaves it: loose, for
+// a 2-CPU machine that other work shares. And the server must spend at
+// most 1.6 times the CPU a request of the session under the churn that it
+// spends alone: its work for the churn, measured where the scheduler's
+// shares do not blur it (the old server spent 2 to 3 times as much in
+// plain TCP, 4 to 11 times in TLS; ours 1.0 to 1.35). Even so a burst of
+// other work can sink one measurement, so a failed one is repeated once
+// and the second decides: the old server fails both (docs/server.md has
+// the figures). Both shares of the session's rate alone are printed. In
+// TLS (RNBD_E2E_TLS=1) the churners have a certificate, one identity
+// from every address.
 //
 // Bounded: a warm-up of 3 s, churnCycles × 3 slots of churnSlot (36 s)
-// and the helpers' start and stop: about 45 s.
+// and the helpers' start and stop, about 45 s; 85 s if the first
+// measurement is repeated.
 func TestHostilePathChurn(t *testing.T) {
 	needTools(t, "fio")
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -102,53 +109,86 @@ func TestHostilePathChurn(t *testing.T) {
 	served := func() float64 {
 		return fetchMetrics(t, metricsAddr).sum("rnbd_server_path_requests_total", `session="legit"`)
 	}
-	const settle = 500 * time.Millisecond
-	fio := start(t, "fio", "--name=churn", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
-		"--iodepth=16", "--size=128m", "--time_based", fmt.Sprintf("--runtime=%d", int((churnCycles*3*churnSlot+4*time.Second).Seconds())),
-		"--verify=crc32c", "--verify_backlog=1024", "--verify_fatal=1", "--verify_state_save=0",
-		"--randrepeat=0", "--output-format=json")
-	n0 := served()
-	kit.WaitFor(t, 10*time.Second, "fio's IO", func() bool { return served() > n0 })
-	var ios, secs, cpus [3]float64
-	var cycles []string
-	for c := 0; c < churnCycles; c++ {
-		var rate [3]float64
-		for k := 0; k < 3; k++ {
-			i := (c + k) % 3
-			g := groups[i]
-			if g != nil {
-				g.signal(syscall.SIGCONT)
-			}
-			time.Sleep(settle)
-			n0, t0, cpu0 := served(), time.Now(), cpuTime(srv.cmd.Process.Pid)
-			time.Sleep(churnSlot - settle)
-			n, d := served()-n0, time.Since(t0).Seconds()
-			cpus[i] += cpuTime(srv.cmd.Process.Pid) - cpu0
-			if g != nil {
-				g.signal(syscall.SIGSTOP)
-			}
-			ios[i], secs[i], rate[i] = ios[i]+n, secs[i]+d, n/d
-		}
-		cycles = append(cycles, fmt.Sprintf("%.0f/%.0f/%.0f", rate[0], rate[1], rate[2]))
+	// One measurement: fio throughout, the conditions in turn; the
+	// session's rate in each (IOPS), and the server's CPU (s a second).
+	type measured struct {
+		rate, cpu, perIO [3]float64 // IOPS, CPU s a second, CPU µs a request
+		secs             float64
+		cycles           string
 	}
-	endFio(t, fio)
+	measure := func() measured {
+		const settle = 500 * time.Millisecond
+		fio := start(t, "fio", "--name=churn", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
+			"--iodepth=16", "--size=128m", "--time_based", fmt.Sprintf("--runtime=%d", int((churnCycles*3*churnSlot+4*time.Second).Seconds())),
+			"--verify=crc32c", "--verify_backlog=1024", "--verify_fatal=1", "--verify_state_save=0",
+			"--randrepeat=0", "--output-format=json")
+		n0 := served()
+		kit.WaitFor(t, 10*time.Second, "fio's IO", func() bool { return served() > n0 })
+		var ios, secs, cpus [3]float64
+		var cycles []string
+		for c := 0; c < churnCycles; c++ {
+			var rate [3]float64
+			for k := 0; k < 3; k++ {
+				i := (c + k) % 3
+				g := groups[i]
+				if g != nil {
+					g.signal(syscall.SIGCONT)
+				}
+				time.Sleep(settle)
+				n0, t0, cpu0 := served(), time.Now(), cpuTime(srv.cmd.Process.Pid)
+				time.Sleep(churnSlot - settle)
+				n, d := served()-n0, time.Since(t0).Seconds()
+				cpus[i] += cpuTime(srv.cmd.Process.Pid) - cpu0
+				if g != nil {
+					g.signal(syscall.SIGSTOP)
+				}
+				ios[i], secs[i], rate[i] = ios[i]+n, secs[i]+d, n/d
+			}
+			cycles = append(cycles, fmt.Sprintf("%.0f/%.0f/%.0f", rate[0], rate[1], rate[2]))
+		}
+		endFio(t, fio)
+		var m measured
+		for i := range m.rate {
+			m.rate[i], m.cpu[i], m.perIO[i] = ios[i]/secs[i], cpus[i]/secs[i], 1e6*cpus[i]/max(ios[i], 1)
+		}
+		m.secs, m.cycles = secs[0], strings.Join(cycles, ", ")
+		return m
+	}
+	// judge says what is wrong with a measurement, if anything.
+	judge := func(m measured) (wrong string) {
+		controlShare, churnShare := m.rate[1]/m.rate[0], m.rate[2]/m.rate[0]
+		cost := m.perIO[2] / m.perIO[0]
+		t.Logf("legitimate IOPS, counted over %.1f s each: %.0f alone; %.0f beside %d CPU burners: %.1f %%; %.0f beside the churn: %.1f %%; "+
+			"churn/control %.2f; by cycle (alone/control/churn): %s; server CPU %.2f, %.2f, %.2f s a second, %.1f, %.1f, %.1f µs a request "+
+			"(churn/alone %.2f) (load %s, sched_autogroup %s)",
+			m.secs, m.rate[0], m.rate[1], helpers, 100*controlShare, m.rate[2], 100*churnShare, churnShare/controlShare, m.cycles,
+			m.cpu[0], m.cpu[1], m.cpu[2], m.perIO[0], m.perIO[1], m.perIO[2], cost, loadavg(), autogroup())
+		switch {
+		case churnShare < 0.8*controlShare:
+			wrong = fmt.Sprintf("the legitimate session kept %.1f %% of its IOPS under the churn, %.1f %% beside %d CPU burners: "+
+				"want at least 0.8 of the control's", 100*churnShare, 100*controlShare, helpers)
+		case cost > 1.6:
+			wrong = fmt.Sprintf("the server spent %.2f times the CPU a request of the legitimate session under the churn that it spends "+
+				"alone: want at most 1.6", cost)
+		}
+		return wrong
+	}
+	wrong := judge(measure())
+	if wrong != "" {
+		// What other work takes of a shared machine can sink one
+		// measurement; a server whose refusals cost it and the
+		// session sinks every one. Once more, and the second decides.
+		t.Logf("%s: measuring again", wrong)
+		wrong = judge(measure())
+	}
 	cancel()
 	wg.Wait()
 	burnt, churned := stopHelpers(t, groups[1]), stopHelpers(t, groups[2])
 	sc := fetchMetrics(t, metricsAddr)
-	var rate [3]float64
-	for i := range rate {
-		rate[i] = ios[i] / secs[i]
-	}
-	controlShare, churnShare := rate[1]/rate[0], rate[2]/rate[0]
-	t.Logf("path churn from %d processes, one address each, as fast as they go: %d connections tried, %d made in %.1f s (%.1f s of their CPU); "+
+	t.Logf("path churn from %d processes, one address each, as fast as they go: %d connections tried, %d made (%.1f s of their CPU; the burners': %.1f s); "+
 		"%.0f refused, %.0f of them EAGAIN; server RSS %d MiB before, peak %d MiB",
-		helpers, churned.tried, churned.sent, secs[2], churned.cpu, sc.sum("rnbd_server_refused_connections_total"),
+		helpers, churned.tried, churned.sent, churned.cpu, burnt.cpu, sc.sum("rnbd_server_refused_connections_total"),
 		sc.sum("rnbd_server_refused_connections_total", `reason="EAGAIN"`), rss0>>10, peak.Load()>>10)
-	t.Logf("legitimate IOPS, counted over %.1f s each: %.0f alone; %.0f beside %d CPU burners (%.1f s of their CPU): %.1f %%; %.0f beside the churn: %.1f %%; "+
-		"churn/control %.2f; server CPU %.2f, %.2f, %.2f s a second; by cycle (alone/control/churn): %s (sched_autogroup %s)",
-		secs[0], rate[0], rate[1], helpers, burnt.cpu, 100*controlShare, rate[2], 100*churnShare, churnShare/controlShare,
-		cpus[0]/secs[0], cpus[1]/secs[1], cpus[2]/secs[2], strings.Join(cycles, ", "), autogroup())
 	// The attack must have been one: connections made and refused. (A
 	// server that drops a refused address's SYNs leaves its connects
 	// waiting for retransmissions: fewer are made than tried.)
@@ -160,9 +200,8 @@ func TestHostilePathChurn(t *testing.T) {
 	if p := peak.Load() << 10; p > rss0<<10+128<<20 {
 		t.Errorf("server RSS peaked at %d MiB under the churn, from %d MiB: more than 128 MiB more", p>>20, rss0>>10)
 	}
-	if churnShare < 0.8*controlShare {
-		t.Errorf("the legitimate session kept %.1f %% of its IOPS under the churn, %.1f %% beside %d CPU burners: want at least 0.8 of the control's",
-			100*churnShare, 100*controlShare, helpers)
+	if wrong != "" {
+		t.Error(wrong)
 	}
 }
 
@@ -182,7 +221,17 @@ const helpers = 8
 const helperEnv = "RNBD_E2E_HELPER"
 
 // helperBound is how long a helper runs at most if nobody stops it.
-const helperBound = 2 * churnCycles * 3 * churnSlot
+const helperBound = 3 * churnCycles * 3 * churnSlot
+
+// loadavg is the machine's load average over 1, 5 and 15 minutes.
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
 
 // autogroup is what the kernel says of sched_autogroup: "1" (on), "0", or
 // why it cannot say.
