@@ -297,6 +297,14 @@ func TestRateLimiter(t *testing.T) {
 	if !r4.allow(a, "") || !r4.allow(a, "") || r4.allow(a, "") {
 		t.Fatal("released with half a burst of 4: want 2 paths")
 	}
+	// A rate too low to count in time.Duration holds for an hour.
+	slow := rateLimiter{now: func() time.Time { return now }}
+	slow.init(1e-12, 1)
+	for slow.allow(a, "") {
+	}
+	if d := slow.holding(a); d != time.Hour {
+		t.Fatalf("held for %v at 1e-12 a second, want an hour", d)
+	}
 	var off rateLimiter
 	off.init(0, 0)
 	for i := 0; i < 100; i++ {

@@ -112,8 +112,10 @@ func (r *rateLimiter) allow(addr netip.Prefix, identity string) bool {
 	}
 	ab.tokens, ab.at = at, now
 	if at < 1 {
-		refill := max(1, r.burst/2) - at
-		r.hold(addr, now.Add(time.Duration(refill/r.rate*float64(time.Second))))
+		// An hour at most: a rate so low that it takes longer refuses
+		// the address again when it comes back.
+		refill := (max(1, r.burst/2) - at) / r.rate
+		r.hold(addr, now.Add(time.Duration(min(refill, time.Hour.Seconds())*float64(time.Second))))
 	}
 	return false
 }
