@@ -67,13 +67,16 @@
 //	SrvSession.mu (handleConnReq, allocPathLocked)
 //	  Server.mu (putSession)
 //	  rateLimiter.mu, Server.connectingMu, Server.memMu, chunkPool.mu
+//	    rateLimiter.heldMu (allow holds an address)
 //	SrvPath.stateMu (changeState)
 //	  Server.connectingMu (doneConnecting)
 //
 // so, as one order: Server.nameMu, SrvSession.evMu, heartbeat.mu,
 // SrvSession.mu, Server.mu, SrvPath.stateMu, srvConn.sendMu,
-// rateLimiter.mu, Server.connectingMu, Server.memMu, chunkPool.mu,
-// heartbeat.sentMu. SrvSession.acceptCond waits on SrvSession.mu.
+// rateLimiter.mu, rateLimiter.heldMu, Server.connectingMu, Server.memMu,
+// chunkPool.mu, heartbeat.sentMu. SrvSession.acceptCond waits on
+// SrvSession.mu. The listeners' accept loops (refuseAtAccept) take
+// rateLimiter.heldMu alone.
 //
 // Below all of them: the locks of package fabric's connections, of
 // pkg/tagpool (permits) and of pkg/log's limiters, none of which

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
@@ -70,11 +71,14 @@ type NameClaimer interface {
 // groups them into sessions by paths UUID, owns each path's chunks and
 // hands every IO to its handler. It is safe for concurrent use.
 type Server struct {
-	cfg       SrvConfig
-	log       *log.Entry
-	rl        log.Limiter
-	listeners []fabric.Listener
-	listening []Listen
+	cfg SrvConfig
+	log *log.Entry
+	rl  log.Limiter // the refusals'
+	// unprovenRL bounds what the paths that never got through INFO_REQ
+	// log as they go, together.
+	unprovenRL log.Limiter
+	listeners  []fabric.Listener
+	listening  []Listen
 
 	mu sync.Mutex // guards sessions
 	// +checklocks:mu
@@ -139,6 +143,11 @@ func NewServer(cfg SrvConfig) (*Server, error) {
 			s.Close()
 			return nil, fmt.Errorf("rtrs: listen on %s %v: %w", e.Fabric.Name(), e.Addr, err)
 		}
+		if sc, ok := l.(fabric.Screener); ok && cfg.NewPathRate > 0 {
+			var b [ConnRspSize]byte
+			rsp := ConnRsp{Magic: Magic, Version: ProtoVer, Errno: syscall.EAGAIN}
+			sc.Screen(s.refuseAtAccept, rsp.Encode(b[:]))
+		}
 		s.listeners = append(s.listeners, l)
 		s.listening = append(s.listening, Listen{Transport: e.Fabric.Name(), Addr: l.Addr()})
 		s.wg.Add(1)
@@ -162,7 +171,9 @@ func (s *Server) Addrs() []netip.AddrPort {
 // Rejected counts the connection requests the server refused, by the
 // errno it answered with (EUSERS: too many sessions of the client,
 // ENOMEM: past the chunk memory, EACCES: identity, EBUSY: paths
-// connecting, ...), and the paths refused their session name at
+// connecting, EAGAIN: NewPathRate, with the connections its listeners
+// refused as they accepted them from an address that rate holds), and
+// the paths refused their session name at
 // INFO_REQ (EPERM: another session has it; the NameClaimer's errno,
 // EACCES for a name bound to another identity), since it started, with
 // those its fabrics refused before handing them on (fabric.Refuser:
@@ -261,6 +272,21 @@ func (s *Server) acceptLoop(fab fabric.Fabric, l fabric.Listener) {
 			s.handleConnReq(fab, req)
 		}()
 	}
+}
+
+// refuseAtAccept is what the listeners that are fabric.Screeners refuse
+// as they accept it: a connection from an address the new path rate
+// holds, refused a path and with its bucket not refilled yet
+// (rateLimiter), for as long as it is held. It is answered EAGAIN, as the
+// path it might bring would be, and counted so, but not logged: the
+// refusal that held the address was. The accept loops call it for every
+// connection; it neither blocks nor allocates.
+func (s *Server) refuseAtAccept(addr netip.Addr) time.Duration {
+	d := s.pathRate.holding(fabric.PeerGroup(addr))
+	if d > 0 {
+		s.rejected[syscall.EAGAIN].Add(1)
+	}
+	return d
 }
 
 func (s *Server) reject(req fabric.ConnRequest, errno syscall.Errno, why string, f log.Fields) {

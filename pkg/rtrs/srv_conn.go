@@ -203,7 +203,11 @@ func (c *srvConn) Disconnected(err error) {
 	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.ECONNRESET) {
 		level = log.InfoLevel
 	}
-	c.path.rl.Log(c.path.lg().WithField("cid", c.cid).WithError(err), level, "connection lost")
+	rl := &c.path.rl
+	if c.path.State() == SrvPathConnecting {
+		rl = &c.path.sess.srv.unprovenRL // as close logs it: a churner's paths are many
+	}
+	rl.Log(c.path.lg().WithField("cid", c.cid).WithError(err), level, "connection lost")
 	c.path.close("connection lost")
 }
 

@@ -5,7 +5,6 @@ import (
 	"github.com/rnbd/rnbd/test/kit"
 	"net/netip"
 	"runtime/debug"
-	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -123,19 +122,21 @@ func TestChunkPoolReuse(t *testing.T) {
 // counted), while another address is not affected; the bucket refills
 // with time.
 func TestNewPathRate(t *testing.T) {
-	h := newHostileRigCfg(t, func(c *SrvConfig) { c.NewPathRate, c.NewPathBurst = 1, 3 })
+	h := newHostileRigCfg(t, func(c *SrvConfig) { c.NewPathRate, c.NewPathBurst = 1, 2 })
 	var mu sync.Mutex
 	now := time.Now()
 	h.srv.pathRate.mu.Lock()
+	h.srv.pathRate.heldMu.Lock()
 	h.srv.pathRate.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	h.srv.pathRate.heldMu.Unlock()
 	h.srv.pathRate.mu.Unlock()
-	for i := 0; i < 3; i++ {
+	for i := 0; i < 2; i++ {
 		if err := h.dialPath(); err != nil {
-			t.Fatalf("new path %d of a burst of 3: %v", i, err)
+			t.Fatalf("new path %d of a burst of 2: %v", i, err)
 		}
 	}
 	if err := h.dialPath(); rejectErrno(err) != syscall.EAGAIN {
-		t.Fatalf("a fourth new path at once: %v, want a reject with EAGAIN", err)
+		t.Fatalf("a third new path at once: %v, want a reject with EAGAIN", err)
 	}
 	other := *h
 	other.src = netip.MustParseAddrPort("127.0.0.4:0")
@@ -206,41 +207,109 @@ func TestGoMemoryLimit(t *testing.T) {
 	}
 }
 
-// The buckets of rateLimiter: a request takes a token from each key's
-// bucket or from none, they refill at the rate up to the burst, and
-// full ones are forgotten.
+// The buckets of rateLimiter: a new path takes a token from its
+// address's bucket and its identity's, or from neither; a path refused
+// for its identity still costs its address a token; an address refused
+// with none is held until its bucket is half full again, and recovers
+// then;
+// buckets refill at the rate up to the burst, and full ones and ended
+// holds are forgotten.
 func TestRateLimiter(t *testing.T) {
 	now := time.Unix(1000, 0)
 	r := rateLimiter{now: func() time.Time { return now }}
 	r.init(2, 2)
-	a, b := "address:a", "identity:x"
-	if !r.allow(a, b) || !r.allow(a, b) {
+	a, c := fabric.PeerGroup(netip.MustParseAddr("10.0.0.1")), fabric.PeerGroup(netip.MustParseAddr("::ffff:10.0.0.3"))
+	if !r.allow(a, "x") || !r.allow(a, "x") {
 		t.Fatal("a burst of 2 refused")
 	}
-	if r.allow(a) || r.allow("address:c", b) {
-		t.Fatal("an empty bucket let a request through")
+	if r.holding(a) > 0 {
+		t.Fatal("an address held before it was refused")
 	}
-	if !r.allow("address:c") {
-		t.Fatal("a refusal took a token of the other key")
+	if r.allow(a, "") {
+		t.Fatal("an empty bucket let a path through")
 	}
-	now = now.Add(500 * time.Millisecond)
-	if !r.allow(a, b) || r.allow(a, b) {
+	if d := r.holding(a); d != 500*time.Millisecond {
+		t.Fatalf("an address refused with its bucket empty is held for %v, want 500ms: a token at 2/s", d)
+	}
+	if r.allow(c, "x") {
+		t.Fatal("an empty identity bucket let a path through")
+	}
+	if r.holding(c) > 0 {
+		t.Fatal("an address refused for its identity is held with tokens of its own")
+	}
+	if !r.allow(c, "") || r.allow(c, "") {
+		t.Fatal("the refusal for the identity did not cost the address one token of its two")
+	}
+	if r.holding(c) == 0 {
+		t.Fatal("an address that ran its bucket dry is not held")
+	}
+	now = now.Add(250 * time.Millisecond)
+	if r.holding(a) == 0 {
+		t.Fatal("held for half a token's time at 2/s: want held still")
+	}
+	now = now.Add(250 * time.Millisecond)
+	if r.holding(a) > 0 {
+		t.Fatal("held when its bucket has a token again")
+	}
+	if !r.allow(a, "x") || r.allow(a, "x") {
 		t.Fatal("half a second at 2/s: want one token back")
 	}
 	now = now.Add(time.Hour)
 	for i := 0; i < sweepAt; i++ {
-		r.allow("address:" + strconv.Itoa(i))
+		p := fabric.PeerGroup(netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}))
+		for r.allow(p, "") {
+		}
+	}
+	r.heldMu.Lock()
+	held := len(r.held)
+	r.heldMu.Unlock()
+	if held < sweepAt {
+		t.Fatalf("%d addresses held, want %d", held, sweepAt)
 	}
 	now = now.Add(time.Hour)
-	r.allow("address:z")
-	if n := len(r.buckets); n > 2 {
-		t.Fatalf("%d buckets left after a sweep, want the full ones gone", n)
+	z := fabric.PeerGroup(netip.MustParseAddr("10.2.0.1"))
+	r.allow(z, "")
+	r.allow(z, "")
+	r.allow(z, "") // held: a sweep of the ended holds
+	r.mu.Lock()
+	buckets := len(r.addrs) + len(r.ids)
+	r.mu.Unlock()
+	r.heldMu.Lock()
+	held = len(r.held)
+	r.heldMu.Unlock()
+	if buckets > 2 || held != 1 {
+		t.Fatalf("%d buckets and %d holds left after the sweeps, want the full and the ended ones gone", buckets, held)
+	}
+	// Refused with its bucket empty, an address is held until the
+	// bucket is half full: a burst of 4 at 1/s, 2 s.
+	r4 := rateLimiter{now: func() time.Time { return now }}
+	r4.init(1, 4)
+	for r4.allow(a, "") {
+	}
+	now = now.Add(1500 * time.Millisecond)
+	if r4.holding(a) == 0 {
+		t.Fatal("held for a token and a half of a burst of 4: want held still")
+	}
+	now = now.Add(500 * time.Millisecond)
+	if r4.holding(a) > 0 {
+		t.Fatal("held with its bucket half full again")
+	}
+	if !r4.allow(a, "") || !r4.allow(a, "") || r4.allow(a, "") {
+		t.Fatal("released with half a burst of 4: want 2 paths")
+	}
+	// A rate too low to count in time.Duration holds for an hour.
+	slow := rateLimiter{now: func() time.Time { return now }}
+	slow.init(1e-12, 1)
+	for slow.allow(a, "") {
+	}
+	if d := slow.holding(a); d != time.Hour {
+		t.Fatalf("held for %v at 1e-12 a second, want an hour", d)
 	}
 	var off rateLimiter
 	off.init(0, 0)
 	for i := 0; i < 100; i++ {
-		if !off.allow(a) {
-			t.Fatal("rate 0 refused")
+		if !off.allow(a, "x") || off.holding(a) > 0 {
+			t.Fatal("rate 0 refused or held")
 		}
 	}
 }

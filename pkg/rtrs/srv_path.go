@@ -288,8 +288,17 @@ func (p *SrvPath) acceptCon(req fabric.ConnRequest, c *srvConn) error {
 
 // close starts closing the path once (close_path).
 func (p *SrvPath) close(why string) {
+	was := p.State()
 	if p.changeState(SrvPathClosing) {
-		p.lg().WithField("reason", why).Info("closing path")
+		e := p.lg().WithField("reason", why)
+		if was == SrvPathConnecting {
+			// A path that never got through INFO_REQ: what a peer
+			// that churns paths leaves by the dozen a second, so
+			// bounded for the whole server.
+			p.sess.srv.unprovenRL.Log(e, log.InfoLevel, "closing path")
+		} else {
+			e.Info("closing path")
+		}
 		go p.closeWork()
 	}
 }

@@ -3,7 +3,6 @@ package rtrs
 import (
 	"errors"
 	"fmt"
-	"net/netip"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -183,7 +182,7 @@ func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, 
 		dev:        req.Device(),
 		closed:     make(chan struct{}),
 	}
-	if !s.pathRate.allow(rateKeys(client, x.Identity())...) {
+	if !s.pathRate.allow(fabric.PeerGroup(client), x.Identity()) {
 		return nil, syscall.EAGAIN, fmt.Errorf("new paths from %v or its identity come faster than %g a second (after %d at once)",
 			client, s.cfg.NewPathRate, s.cfg.NewPathBurst)
 	}
@@ -209,16 +208,6 @@ func (x *SrvSession) allocPathLocked(fab fabric.Fabric, req fabric.ConnRequest, 
 	x.paths = append(x.paths, p)
 	s.wg.Add(1) // released by the close work
 	return p, 0, nil
-}
-
-// rateKeys are the buckets a new path from addr takes a token from: its
-// address's (fabric.PeerGroup), and its identity's if it has one.
-func rateKeys(addr netip.Addr, identity string) []string {
-	keys := []string{"address:" + fabric.PeerGroup(addr).String()}
-	if identity != "" {
-		keys = append(keys, "identity:"+identity)
-	}
-	return keys
 }
 
 // removePath takes p out of the session; lost says it had connected,

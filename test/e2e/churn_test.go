@@ -7,10 +7,11 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"github.com/rnbd/rnbd/test/kit"
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -24,32 +25,63 @@ import (
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/conntest"
+	"github.com/rnbd/rnbd/test/kit"
 )
 
 // churnIdentity is the suite's certificate of the path churner and the
 // half-open flood (RNBD_E2E_TLS=1): one identity from every address.
 const churnIdentity = "e2e-churn"
 
-// TestHostilePathChurn (issue 30 A): a peer that opens a connection,
-// sends a whole connection request of a new path (fresh UUIDs,
-// first_conn, two connections asked for) and hangs up at once, in a
-// loop, from 8 addresses with 8 threads each, against a server with the
+// TestHostilePathChurn (issues 30 A and 40): 8 processes, one address
+// each, open connections as fast as they go, send each a whole
+// connection request of a new path (fresh UUIDs, first_conn, two
+// connections asked for) and hang up at once, against a server with the
 // kernel's queue depth (512 chunks of 128 KiB) and the default chunk
-// budget. It used to make the server allocate and register a whole
-// path's chunks each time: ~10 GB of resident memory, and a legitimate
-// client's IO all but stopped. A path's chunks now wait for its proof
-// of life (every connection, INFO_REQ), and new paths from one address
-// or identity are rate limited: the server's memory stays where it was,
-// and a legitimate client writing and verifying through its mapping
-// keeps its IOPS.
+// budget, while a legitimate client writes and verifies through its
+// mapping.
 //
-// The attack is paced at 2,000 requests a second (five times the paths
-// a second it churned through the old server): on this machine's two
-// cores an unpaced attacker spends half of them itself, taking that
-// from the legitimate IO whatever the server does; docs/server.md has
-// both figures. In TLS (RNBD_E2E_TLS=1) the churner has a certificate
-// and each request costs the server a TLS handshake first (about half
-// a millisecond of CPU here): 250 a second.
+// Issue 30: the server used to allocate and register a whole path's
+// chunks for each: ~10 GB of resident memory. A path's chunks now wait
+// for its proof of life, and new paths from one address or identity are
+// rate limited: the server's memory must stay where it was.
+//
+// Issue 40: the legitimate session kept 3.4 % of its IO under the churn,
+// against 18 % beside 8 processes that only burn CPU: each refused
+// request cost the server a goroutine, the handshake (and TLS's) and the
+// request's decoding, about 45 µs. An address the rate limit refused is
+// now refused as its connections are accepted, before any of that, and
+// one that keeps coming has its SYNs dropped by the kernel. The
+// attackers run on the same two CPUs as the daemons, so what they take
+// for themselves is no fault of the server's: the control is 8
+// processes that burn CPU and touch no network. Each set runs in a
+// session of its own, as another tenant's processes would, so that where
+// the kernel shares the CPUs by session first (sched_autogroup, on by
+// default) both take the same share however many threads each has, and
+// what the churn costs the legitimate session beyond the control is the
+// server's work for it.
+//
+// The machine is shared: what other work takes comes and goes within
+// seconds, by far more than the effect measured. So one fio runs
+// throughout, and the three conditions — alone, beside the burners,
+// beside the churn — take turns in slots of churnSlot (each set stopped,
+// SIGSTOP, outside its own), in a rotating order, churnCycles times; the
+// IOs the server served the session, and the CPU time it used, are
+// counted in each slot but its first half second. The churn must leave
+// the session at least 0.8 of the rate the control leaves it: loose, for
+// a 2-CPU machine that other work shares. And the server must spend at
+// most 1.6 times the CPU a request of the session under the churn that it
+// spends alone: its work for the churn, measured where the scheduler's
+// shares do not blur it (the old server spent 2 to 3 times as much in
+// plain TCP, 4 to 11 times in TLS; ours 1.0 to 1.35). Even so a burst of
+// other work can sink one measurement, so a failed one is repeated once
+// and the second decides: the old server fails both (docs/server.md has
+// the figures). Both shares of the session's rate alone are printed. In
+// TLS (RNBD_E2E_TLS=1) the churners have a certificate, one identity
+// from every address.
+//
+// Bounded: a warm-up of 3 s, churnCycles × 3 slots of churnSlot (36 s)
+// and the helpers' start and stop, about 45 s; 85 s if the first
+// measurement is repeated.
 func TestHostilePathChurn(t *testing.T) {
 	needTools(t, "fio")
 	metricsAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -59,70 +91,335 @@ func TestHostilePathChurn(t *testing.T) {
 		"--metrics-listen", metricsAddr}, nil)
 	srv, uri := m.srv, m.uri
 	dst := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(m.port))
+	// The volume's blocks allocated and the daemons warm.
+	fioIOPS(t, uri, "warm", 3*time.Second)
 
-	const phase = 15 * time.Second
-	// The same job without the attack, then beside it.
-	before := fioIOPS(t, uri, "before", phase)
+	env := []string{"RNBD_E2E_CHURN_DST=" + dst.String()}
+	if suitePKI != "" {
+		env = append(env, "RNBD_E2E_CHURN_PKI="+suitePKI)
+	}
+	groups := []*helperGroup{nil, startHelpers(t, "burn", nil), startHelpers(t, "churn", env)}
+	for _, g := range groups[1:] {
+		g.signal(syscall.SIGSTOP)
+	}
 	rss0 := vmRSS(srv.cmd.Process.Pid)
-	tc := churnTLS(t)
-	ctx, cancel := context.WithTimeout(context.Background(), phase+5*time.Second)
-	defer cancel()
-	var sent atomic.Int64
+	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	const addrs, threads = 8, 8
-	rate := 2000
-	if tc != nil {
-		rate = 250
-	}
-	for a := 0; a < addrs; a++ {
-		src := fmt.Sprintf("127.0.0.%d", 80+a)
-		for th := 0; th < threads; th++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				churnPaths(ctx, src, dst, tc, addrs*threads*time.Second/time.Duration(rate), &sent)
-			}()
-		}
-	}
 	peak := sampleRSS(ctx, srv.cmd.Process.Pid, &wg)
-	cpu0 := cpuTime(srv.cmd.Process.Pid)
-	during := fioIOPS(t, uri, "during", phase)
-	cpu := cpuTime(srv.cmd.Process.Pid) - cpu0
+	served := func() float64 {
+		return fetchMetrics(t, metricsAddr).sum("rnbd_server_path_requests_total", `session="legit"`)
+	}
+	// One measurement: fio throughout, the conditions in turn; the
+	// session's rate in each (IOPS), and the server's CPU (s a second).
+	type measured struct {
+		rate, cpu, perIO [3]float64 // IOPS, CPU s a second, CPU µs a request
+		secs             float64
+		cycles           string
+	}
+	measure := func() measured {
+		const settle = 500 * time.Millisecond
+		fio := start(t, "fio", "--name=churn", "--ioengine=nbd", "--uri="+uri, "--rw=randwrite", "--bs=4k",
+			"--iodepth=16", "--size=128m", "--time_based", fmt.Sprintf("--runtime=%d", int((churnCycles*3*churnSlot+4*time.Second).Seconds())),
+			"--verify=crc32c", "--verify_backlog=1024", "--verify_fatal=1", "--verify_state_save=0",
+			"--randrepeat=0", "--output-format=json")
+		n0 := served()
+		kit.WaitFor(t, 10*time.Second, "fio's IO", func() bool { return served() > n0 })
+		var ios, secs, cpus [3]float64
+		var cycles []string
+		for c := 0; c < churnCycles; c++ {
+			var rate [3]float64
+			for k := 0; k < 3; k++ {
+				i := (c + k) % 3
+				g := groups[i]
+				if g != nil {
+					g.signal(syscall.SIGCONT)
+				}
+				time.Sleep(settle)
+				n0, t0, cpu0 := served(), time.Now(), cpuTime(srv.cmd.Process.Pid)
+				time.Sleep(churnSlot - settle)
+				n, d := served()-n0, time.Since(t0).Seconds()
+				cpus[i] += cpuTime(srv.cmd.Process.Pid) - cpu0
+				if g != nil {
+					g.signal(syscall.SIGSTOP)
+				}
+				ios[i], secs[i], rate[i] = ios[i]+n, secs[i]+d, n/d
+			}
+			cycles = append(cycles, fmt.Sprintf("%.0f/%.0f/%.0f", rate[0], rate[1], rate[2]))
+		}
+		endFio(t, fio)
+		var m measured
+		for i := range m.rate {
+			m.rate[i], m.cpu[i], m.perIO[i] = ios[i]/secs[i], cpus[i]/secs[i], 1e6*cpus[i]/max(ios[i], 1)
+		}
+		m.secs, m.cycles = secs[0], strings.Join(cycles, ", ")
+		return m
+	}
+	// judge says what is wrong with a measurement, if anything.
+	judge := func(m measured) (wrong string) {
+		controlShare, churnShare := m.rate[1]/m.rate[0], m.rate[2]/m.rate[0]
+		cost := m.perIO[2] / m.perIO[0]
+		t.Logf("legitimate IOPS, counted over %.1f s each: %.0f alone; %.0f beside %d CPU burners: %.1f %%; %.0f beside the churn: %.1f %%; "+
+			"churn/control %.2f; by cycle (alone/control/churn): %s; server CPU %.2f, %.2f, %.2f s a second, %.1f, %.1f, %.1f µs a request "+
+			"(churn/alone %.2f) (load %s, sched_autogroup %s)",
+			m.secs, m.rate[0], m.rate[1], helpers, 100*controlShare, m.rate[2], 100*churnShare, churnShare/controlShare, m.cycles,
+			m.cpu[0], m.cpu[1], m.cpu[2], m.perIO[0], m.perIO[1], m.perIO[2], cost, loadavg(), autogroup())
+		switch {
+		case churnShare < 0.8*controlShare:
+			wrong = fmt.Sprintf("the legitimate session kept %.1f %% of its IOPS under the churn, %.1f %% beside %d CPU burners: "+
+				"want at least 0.8 of the control's", 100*churnShare, 100*controlShare, helpers)
+		case cost > 1.6:
+			wrong = fmt.Sprintf("the server spent %.2f times the CPU a request of the legitimate session under the churn that it spends "+
+				"alone: want at most 1.6", cost)
+		}
+		return wrong
+	}
+	wrong := judge(measure())
+	if wrong != "" {
+		// What other work takes of a shared machine can sink one
+		// measurement; a server whose refusals cost it and the
+		// session sinks every one. Once more, and the second decides.
+		t.Logf("%s: measuring again", wrong)
+		wrong = judge(measure())
+	}
 	cancel()
 	wg.Wait()
+	burnt, churned := stopHelpers(t, groups[1]), stopHelpers(t, groups[2])
 	sc := fetchMetrics(t, metricsAddr)
-	refused := sc.sum("rnbd_server_refused_connections_total")
-	t.Logf("path churn from %d addresses x %d threads, %d connection requests in %v (%.0f refused, %.0f of them EAGAIN): "+
-		"server RSS %d MiB before, peak %d MiB, %.1f s of CPU in the attack; legitimate IOPS %.0f before, %.0f during (%.0f %%)",
-		addrs, threads, sent.Load(), phase, refused, sc.sum("rnbd_server_refused_connections_total", `reason="EAGAIN"`),
-		rss0>>10, peak.Load()>>10, cpu, before, during, 100*during/before)
-	if sent.Load() < int64(rate)*int64(phase/time.Second)/2 {
-		t.Fatalf("the attack sent %d requests in %v: too few to prove anything", sent.Load(), phase)
+	t.Logf("path churn from %d processes, one address each, as fast as they go: %d connections tried, %d made (%.1f s of their CPU; the burners': %.1f s); "+
+		"%.0f refused, %.0f of them EAGAIN; server RSS %d MiB before, peak %d MiB",
+		helpers, churned.tried, churned.sent, churned.cpu, burnt.cpu, sc.sum("rnbd_server_refused_connections_total"),
+		sc.sum("rnbd_server_refused_connections_total", `reason="EAGAIN"`), rss0>>10, peak.Load()>>10)
+	// The attack must have been one: connections made and refused. (A
+	// server that drops a refused address's SYNs leaves its connects
+	// waiting for retransmissions: fewer are made than tried.)
+	if churned.sent < 500 {
+		t.Fatalf("the churners made %d connections: too few to prove anything", churned.sent)
 	}
 	// The old server took gigabytes; the chunks of a path now come
 	// only with INFO_REQ, which no churned path sends.
 	if p := peak.Load() << 10; p > rss0<<10+128<<20 {
 		t.Errorf("server RSS peaked at %d MiB under the churn, from %d MiB: more than 128 MiB more", p>>20, rss0>>10)
 	}
-	// Loose, for a noisy two-core machine that also runs the
-	// attackers: the old server kept 0.2 %.
-	if during < before/2 {
-		t.Errorf("legitimate IOPS fell from %.0f to %.0f under the churn, want at least half", before, during)
+	if wrong != "" {
+		t.Error(wrong)
 	}
 }
 
-// churnTLS is the churner's TLS configuration in a suite over TLS.
-func churnTLS(t *testing.T) *tls.Config {
-	if suitePKI == "" {
-		return nil
-	}
-	tc, err := conf.TLS{Cert: filepath.Join(suitePKI, churnIdentity+".crt"), Key: filepath.Join(suitePKI, churnIdentity+".key"),
-		CA: filepath.Join(suitePKI, "ca.crt")}.Config()
+// churnSlot and churnCycles: TestHostilePathChurn's conditions take
+// turns in slots of churnSlot, churnCycles times each.
+const (
+	churnSlot   = 3 * time.Second
+	churnCycles = 4
+)
+
+// helpers is how many burning or churning processes a helper group runs.
+const helpers = 8
+
+// helperEnv names what a run of the test binary is instead of the tests
+// (TestMain): "group" (the leader of a session of helpers), or a helper
+// of the group, "burn" or "churn".
+const helperEnv = "RNBD_E2E_HELPER"
+
+// helperBound is how long a helper runs at most if nobody stops it.
+const helperBound = 3 * churnCycles * 3 * churnSlot
+
+// loadavg is the machine's load average over 1, 5 and 15 minutes.
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
 	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
+// autogroup is what the kernel says of sched_autogroup: "1" (on), "0", or
+// why it cannot say.
+func autogroup() string {
+	b, err := os.ReadFile("/proc/sys/kernel/sched_autogroup_enabled")
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// helperGroup is a session of helpers the test started: its leader.
+type helperGroup struct {
+	cmd *exec.Cmd
+	out lockedBuffer
+}
+
+// startHelpers starts a group of helpers of kind: the test binary run
+// again as their leader, in a session of its own, which starts them
+// (env added to theirs) and ends them. It dies with the test, and they
+// with it.
+func startHelpers(t *testing.T, kind string, env []string) *helperGroup {
+	t.Helper()
+	g := &helperGroup{cmd: exec.Command(os.Args[0])}
+	g.cmd.Env = append(append(os.Environ(), helperEnv+"=group", "RNBD_E2E_GROUP="+kind), env...)
+	g.cmd.Stdout, g.cmd.Stderr = &g.out, &g.out
+	g.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
+	if err := g.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	tc.ServerName = "127.0.0.1"
-	return tc
+	t.Cleanup(func() {
+		if g.cmd.ProcessState == nil {
+			syscall.Kill(g.cmd.Process.Pid, syscall.SIGKILL)
+			g.cmd.Wait()
+		}
+	})
+	// Running once the leader says so: every helper started.
+	kit.WaitFor(t, 10*time.Second, "the "+kind+" helpers to start", func() bool {
+		return strings.Contains(g.out.String(), "started")
+	})
+	return g
+}
+
+// signal sends sig to every process of the group: its leader's process
+// group (SIGSTOP and SIGCONT take turns).
+func (g *helperGroup) signal(sig syscall.Signal) { syscall.Kill(-g.cmd.Process.Pid, sig) }
+
+// helperReport is what a group of helpers did: the connections its
+// churners tried and made, and the CPU time they all used (s).
+type helperReport struct {
+	tried, sent int64
+	cpu         float64
+}
+
+// stopHelpers ends a group by its leader's PID (SIGTERM; SIGKILL after
+// 10 s), which ends its helpers by theirs, and returns its report.
+func stopHelpers(t *testing.T, g *helperGroup) helperReport {
+	t.Helper()
+	g.signal(syscall.SIGCONT) // a stopped process takes SIGTERM only then
+	syscall.Kill(g.cmd.Process.Pid, syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- g.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("helper group %d: %v\n%s", g.cmd.Process.Pid, err, g.out.String())
+		}
+	case <-time.After(10 * time.Second):
+		syscall.Kill(g.cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+		t.Fatalf("helper group %d did not stop within 10 s of SIGTERM\n%s", g.cmd.Process.Pid, g.out.String())
+	}
+	var r helperReport
+	out := g.out.String()
+	i := strings.LastIndex(out, "tried ")
+	if i < 0 {
+		t.Fatalf("helper group's report missing:\n%s", out)
+	}
+	if _, err := fmt.Sscanf(out[i:], "tried %d sent %d cpu %g", &r.tried, &r.sent, &r.cpu); err != nil {
+		t.Fatalf("helper group's report: %v\n%s", err, out)
+	}
+	return r
+}
+
+// runHelper is the test binary run as a helper (helperEnv). A helper
+// works until SIGTERM or helperBound, then exits; a leader starts its
+// helpers, and on SIGTERM ends them by their PIDs and reports.
+func runHelper(kind string) int {
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer cancel()
+	ctx, cancelBound := context.WithTimeout(ctx, helperBound)
+	defer cancelBound()
+	switch kind {
+	case "group":
+		return runHelperGroup(ctx, os.Getenv("RNBD_E2E_GROUP"))
+	case "burn":
+		// No network, no system calls: CPU only.
+		for n := 0; ; n++ {
+			if n%(1<<20) == 0 && ctx.Err() != nil {
+				fmt.Println("tried 0 sent 0")
+				return 0
+			}
+		}
+	case "churn":
+		var tc *tls.Config
+		if pki := os.Getenv("RNBD_E2E_CHURN_PKI"); pki != "" {
+			var err error
+			tc, err = conf.TLS{Cert: filepath.Join(pki, churnIdentity+".crt"), Key: filepath.Join(pki, churnIdentity+".key"),
+				CA: filepath.Join(pki, "ca.crt")}.Config()
+			if err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				return 1
+			}
+			tc.ServerName = "127.0.0.1"
+		}
+		dst, err := netip.ParseAddrPort(os.Getenv("RNBD_E2E_CHURN_DST"))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		var tried, sent atomic.Int64
+		var wg sync.WaitGroup
+		// Several at once, so that one waiting for the server's answer
+		// leaves the CPU to another.
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				churnPaths(ctx, os.Getenv("RNBD_E2E_CHURN_SRC"), dst, tc, &tried, &sent)
+			}()
+		}
+		wg.Wait()
+		fmt.Printf("tried %d sent %d\n", tried.Load(), sent.Load())
+		return 0
+	}
+	fmt.Fprintf(os.Stderr, "%s=%q: no such helper\n", helperEnv, kind)
+	return 2
+}
+
+// runHelperGroup starts the helpers of kind, one thread each (GOMAXPROCS
+// 1, as a process that burns CPU has), churners from 127.0.0.80 on; they
+// die with it. When ctx ends it ends them by their PIDs and prints the
+// connections they made and the CPU time they used.
+func runHelperGroup(ctx context.Context, kind string) int {
+	var cmds []*exec.Cmd
+	var outs []*lockedBuffer
+	for i := 0; i < helpers; i++ {
+		c := exec.Command(os.Args[0])
+		c.Env = append(os.Environ(), helperEnv+"="+kind, "GOMAXPROCS=1", fmt.Sprintf("RNBD_E2E_CHURN_SRC=127.0.0.%d", 80+i))
+		out := &lockedBuffer{}
+		c.Stdout, c.Stderr = out, os.Stderr
+		c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := c.Start(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			for _, c := range cmds {
+				syscall.Kill(c.Process.Pid, syscall.SIGKILL)
+				c.Wait()
+			}
+			return 1
+		}
+		cmds, outs = append(cmds, c), append(outs, out)
+	}
+	fmt.Println("started")
+	<-ctx.Done()
+	for _, c := range cmds {
+		syscall.Kill(c.Process.Pid, syscall.SIGTERM)
+	}
+	kill := time.AfterFunc(5*time.Second, func() {
+		for _, c := range cmds {
+			syscall.Kill(c.Process.Pid, syscall.SIGKILL)
+		}
+	})
+	defer kill.Stop()
+	var tried, sent int64
+	var cpu time.Duration
+	code := 0
+	for i, c := range cmds {
+		if err := c.Wait(); err != nil {
+			fmt.Fprintf(os.Stderr, "helper %d: %v\n", c.Process.Pid, err)
+			code = 1
+		}
+		cpu += c.ProcessState.UserTime() + c.ProcessState.SystemTime()
+		var t, n int64
+		fmt.Sscanf(outs[i].String(), "tried %d sent %d", &t, &n)
+		tried, sent = tried+t, sent+n
+	}
+	fmt.Printf("tried %d sent %d cpu %.2f\n", tried, sent, cpu.Seconds())
+	return code
 }
 
 // sampleRSS samples pid's resident memory every 100 ms until ctx ends,
@@ -146,25 +443,20 @@ func sampleRSS(ctx context.Context, pid int, wg *sync.WaitGroup) *atomic.Int64 {
 	return &peak
 }
 
-// churnPaths, until ctx ends, every interval (0: as fast as it can),
-// connects from src to dst, sends the connection request of a new path
-// (as the TCP fabric frames it, in TLS with tc) and hangs up at once.
-func churnPaths(ctx context.Context, src string, dst netip.AddrPort, tc *tls.Config, interval time.Duration, sent *atomic.Int64) {
+// churnPaths, until ctx ends, connects from src to dst as fast as it
+// can, sends the connection request of a new path (as the TCP fabric
+// frames it, in TLS with tc) and hangs up at once; it counts the
+// connections tried and made.
+func churnPaths(ctx context.Context, src string, dst netip.AddrPort, tc *tls.Config, tried, sent *atomic.Int64) {
 	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: time.Second}
-	next := time.Now()
+	req := rtrs.ConnReq{Magic: rtrs.Magic, Version: rtrs.ProtoVer, CIDNum: 2, ReconCnt: 1, FirstConn: true}
 	for ctx.Err() == nil {
-		if interval > 0 {
-			next = next.Add(interval)
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(time.Until(next)):
-			}
-		}
+		tried.Add(1)
 		c, err := d.DialContext(ctx, "tcp", dst.String())
 		if err != nil {
 			continue
 		}
+		sent.Add(1)
 		var w net.Conn = c
 		if tc != nil {
 			s := tls.Client(c, tc)
@@ -175,12 +467,10 @@ func churnPaths(ctx context.Context, src string, dst netip.AddrPort, tc *tls.Con
 			}
 			w = s
 		}
-		req := rtrs.ConnReq{Magic: rtrs.Magic, Version: rtrs.ProtoVer, CIDNum: 2, ReconCnt: 1, FirstConn: true}
 		rand.Read(req.SessUUID[:])
 		rand.Read(req.PathsUUID[:])
 		w.Write(tcpConnReqFrame(&req))
 		c.Close()
-		sent.Add(1)
 	}
 }
 

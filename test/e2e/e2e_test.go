@@ -12,8 +12,12 @@ import (
 
 var binDir string
 
-// TestMain builds the binaries once for every test of the package.
+// TestMain builds the binaries once for every test of the package, or
+// runs the helper a test started the test binary as.
 func TestMain(m *testing.M) {
+	if kind := os.Getenv(helperEnv); kind != "" {
+		os.Exit(runHelper(kind)) // a process a test started (churn_test.go)
+	}
 	dir, err := os.MkdirTemp("", "rnbd-e2e-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

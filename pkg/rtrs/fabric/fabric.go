@@ -42,6 +42,7 @@ import (
 	"fmt"
 	"net/netip"
 	"syscall"
+	"time"
 )
 
 // ErrNotSupported is returned (wrapped) when a fabric cannot do something on
@@ -282,6 +283,23 @@ type Listener interface {
 	Accept(ctx context.Context) (ConnRequest, error)
 	Addr() netip.AddrPort
 	Close() error
+}
+
+// Screener is an optional part of a Listener: it asks refuse about every
+// connection it accepts, with the peer's address, before it spends
+// anything more on it — a goroutine, a handshake (TLS's), a read of the
+// request —, and answers one refused with priv, as Reject would, and
+// closes it; such a connection never reaches Accept. refuse says for how
+// much longer the address is refused (0: it is not), so that a listener
+// whose kernel can may refuse it sooner still meanwhile (fabric/tcp: its
+// SYNs dropped, once it keeps coming). refuse is called from the
+// listener's accept loop, so it must not block or allocate: the listener
+// keeps taking the connections of other peers meanwhile. A server calls
+// Screen once, as it starts listening (fabric/tcp is a Screener;
+// fabric/rdma is not: its requests come from the kernel's CM, handshake
+// done, and the server refuses them in Accept's order).
+type Screener interface {
+	Screen(refuse func(netip.Addr) time.Duration, priv []byte)
 }
 
 // ConnRequest is an incoming connection request (RDMA_CM_EVENT_CONNECT_REQUEST).

@@ -65,7 +65,7 @@ type conn struct {
 	// +checklocks:sqMu
 	handoff *sendBatch
 	// +checklocks:sqMu
-	rbatch *sendBatch // the reader's
+	rbatch *sendBatch // the reader's, made at its first flush
 	// burst: the reader is processing what it read; what is posted
 	// meanwhile goes out when it next reads (flushBurst).
 	burst atomic.Bool
@@ -114,7 +114,6 @@ func newConn(nc, raw net.Conn, dev *device, p *pd, attr fabric.ConnAttr) (*conn,
 		sq:      make([]fabric.SendWR, sqCap),
 		rq:      make([]fabric.RecvWR, rqCap),
 		wake:    make(chan struct{}, 1),
-		rbatch:  newSendBatch(sqCap),
 		closeCh: make(chan struct{}),
 	}
 	c.rqCond.L = &c.rqMu

@@ -4,10 +4,13 @@
 package tcp
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"syscall"
 	"time"
 
@@ -37,13 +40,26 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 			cfg = cfg.Clone()
 			cfg.ServerName = p.Dst.Addr().Unmap().WithZone("").String()
 		}
-		tc := tls.Client(raw, cfg)
+		fr := &firstRead{Conn: raw}
+		tc := tls.Client(fr, cfg)
 		if err := tc.Handshake(); err != nil {
+			var rh tls.RecordHeaderError
+			var typ byte
+			var priv []byte
+			if errors.As(err, &rh) && ctx.Err() == nil {
+				// Not TLS: the plain handshake, if it is one, says
+				// why.
+				typ, priv, _ = readHandshake(io.MultiReader(bytes.NewReader(fr.buf[:fr.n]), raw))
+			}
 			raw.Close()
 			if ctx.Err() != nil {
 				return nil, nil, ctx.Err()
 			}
-			var rh tls.RecordHeaderError
+			if typ == hsREJ {
+				// Refused as it was accepted (the server's
+				// new_path_rate, ...): the reason is in priv.
+				return nil, nil, &fabric.RejectError{PrivateData: priv}
+			}
 			if errors.As(err, &rh) {
 				return nil, nil, fmt.Errorf("tcp fabric: %v does not speak TLS (its server has no tls configured): %w", p.Dst, syscall.EACCES)
 			}
@@ -101,4 +117,23 @@ func (d *device) Dial(ctx context.Context, p fabric.DialParams) (fabric.Conn, []
 		d.fab.links.add(c)
 	}
 	return c, priv, nil
+}
+
+// firstRead is a connection that keeps the first bytes read from it:
+// when a TLS handshake fails on an answer that is not TLS, the answer can
+// still be read. A server refuses some clients as it accepts them, before
+// any TLS, with a plain REJ (fabric.Screener); a server without TLS
+// answers a client with it that it has none.
+type firstRead struct {
+	net.Conn
+	buf [hsHdrSize + maxPrivData]byte
+	n   int
+}
+
+func (c *firstRead) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if c.n < len(c.buf) {
+		c.n += copy(c.buf[c.n:], p[:n])
+	}
+	return n, err
 }

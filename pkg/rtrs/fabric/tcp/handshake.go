@@ -38,13 +38,19 @@ func writeHandshake(w io.Writer, typ byte, priv []byte) error {
 		return fmt.Errorf("tcp fabric: %d bytes of private data, at most %d", len(priv), maxPrivData)
 	}
 	b := make([]byte, hsHdrSize+len(priv))
+	putHandshake(b, typ, priv)
+	_, err := w.Write(b)
+	return err
+}
+
+// putHandshake lays a frame of typ and priv out in b, which has room.
+func putHandshake(b []byte, typ byte, priv []byte) {
 	copy(b, hsMagic[:])
 	b[7] = hsVersion
 	b[8] = typ
+	b[9] = 0
 	binary.LittleEndian.PutUint16(b[10:], uint16(len(priv)))
 	copy(b[hsHdrSize:], priv)
-	_, err := w.Write(b)
-	return err
 }
 
 func readHandshake(r io.Reader) (typ byte, priv []byte, err error) {

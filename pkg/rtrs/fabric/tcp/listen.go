@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -41,7 +42,8 @@ type listener struct {
 	nl        net.Listener
 	reqs      chan *connReq
 	done      chan struct{}
-	perAddrMu sync.Mutex // guards perAddr, shaking and shakeSeq
+	screen    atomic.Pointer[screen] // Screen's
+	perAddrMu sync.Mutex             // guards perAddr, shaking and shakeSeq
 	// +checklocks:perAddrMu
 	perAddr map[netip.Prefix]int // handshakes in progress per peer (fabric.PeerGroup)
 	// +checklocks:perAddrMu
@@ -57,7 +59,7 @@ func (l *listener) Addr() netip.AddrPort { return addrPortOf(l.nl.Addr()) }
 func (l *listener) acceptLoop() {
 	defer l.wg.Done()
 	for {
-		nc, err := l.nl.Accept()
+		nc, err := l.accept()
 		if err != nil {
 			select {
 			case <-l.done:
@@ -81,6 +83,54 @@ func (l *listener) acceptLoop() {
 		}
 		l.wg.Add(1)
 		go l.handshake(nc, peer)
+	}
+}
+
+// screen is what a server refuses at accept (fabric.Screener): the
+// peers refuse says, each answered with frame, a REJ.
+type screen struct {
+	refuse func(netip.Addr) time.Duration
+	frame  []byte
+}
+
+// Screen makes the listener refuse, as it accepts them, the connections
+// of the peers refuse names (fabric.Screener): each is answered with a
+// REJ of priv and closed, with no goroutine, no handshake, no read.
+func (l *listener) Screen(refuse func(netip.Addr) time.Duration, priv []byte) {
+	if len(priv) > maxPrivData {
+		return // more than a REJ carries: as Reject, nothing is sent
+	}
+	frame := make([]byte, hsHdrSize+len(priv))
+	putHandshake(frame, hsREJ, priv)
+	l.screen.Store(&screen{refuse: refuse, frame: frame})
+}
+
+// accept returns the next connection that the screen, if there is one,
+// lets through; it answers and closes those it refuses. On the host's
+// TCP a refused connection costs an accept, a write and a close
+// (hostListener.acceptScreened).
+func (l *listener) accept() (net.Conn, error) {
+	sc := l.screen.Load()
+	if sc == nil {
+		return l.nl.Accept()
+	}
+	if hl, ok := l.nl.(*hostListener); ok {
+		return hl.acceptScreened(sc)
+	}
+	for {
+		nc, err := l.nl.Accept()
+		if err != nil || sc.refuse(addrPortOf(nc.RemoteAddr()).Addr()) <= 0 {
+			return nc, err
+		}
+		// A test's network, whose writes may wait for the peer: the
+		// answer goes from a goroutine of its own.
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			nc.SetDeadline(time.Now().Add(l.fab.opts.HandshakeTimeout))
+			nc.Write(sc.frame)
+			nc.Close()
+		}()
 	}
 }
 

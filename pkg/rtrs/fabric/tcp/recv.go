@@ -37,13 +37,23 @@ func (c *conn) reader() {
 	if c.sio != nil {
 		src = c.sio
 	}
-	br := bufio.NewReaderSize(&burstReader{c: c, src: src}, readBufSize)
+	bsrc := &burstReader{c: c, src: src}
 	var hdr [frameHdrSize]byte
+	// The first frame's header is read on its own, and the read buffer
+	// made only then: a connection that goes before it sends a frame
+	// (what a peer churning paths leaves) costs none.
+	if _, err := io.ReadFull(bsrc, hdr[:]); err != nil {
+		c.fail(err)
+		return
+	}
+	br := bufio.NewReaderSize(bsrc, readBufSize)
 	var wc fabric.WC
-	for {
-		if _, err := io.ReadFull(br, hdr[:]); err != nil {
-			c.fail(err)
-			return
+	for first := true; ; first = false {
+		if !first {
+			if _, err := io.ReadFull(br, hdr[:]); err != nil {
+				c.fail(err)
+				return
+			}
 		}
 		op := fabric.Opcode(hdr[0])
 		n := binary.LittleEndian.Uint32(hdr[4:])

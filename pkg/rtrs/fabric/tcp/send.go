@@ -204,12 +204,15 @@ func (c *conn) next(b *sendBatch) int {
 // what the reader's write left because the socket was full.
 func (c *conn) writer() {
 	defer c.wg.Done()
-	b := newSendBatch(len(c.sq)) // +checklocksignore: the ring's length is fixed
+	var b *sendBatch // made at the first wake: a connection that never writes (a churned path's) costs none
 	for {
 		select {
 		case <-c.wake:
 		case <-c.closeCh:
 			return
+		}
+		if b == nil {
+			b = newSendBatch(len(c.sq)) // +checklocksignore: the ring's length is fixed
 		}
 		c.sqMu.Lock()
 		h := c.handoff
@@ -279,6 +282,10 @@ func (c *conn) flush(endBurst bool) {
 		return
 	}
 	b := c.rbatch
+	if b == nil {
+		b = newSendBatch(len(c.sq)) // at the first: a connection that never writes costs none
+		c.rbatch = b
+	}
 	c.take(b)
 	c.sqMu.Unlock()
 	b.frames()

@@ -17,15 +17,19 @@
 //	  linkWatch.mu (the connection stops being watched)
 //	listener.closeOnce (Close)
 //	  listener.perAddrMu
+//	  synFilter.mu, then synFilter.once (the listening socket closed)
 //	connReq.once (Accept)
 //	  conn.rqMu (newConn posts the first receives)
 //
 // No two mutexes are held at once: conn.sqMu, conn.rqMu, linkWatch.mu,
-// listener.perAddrMu and mrTable.mu are each let go before another is
-// taken (popRecv lets rqMu go to flush, which takes sqMu; linkWatch
-// fails its connections after it lets mu go). No handler is called under
-// a mutex; Handler.Disconnected runs inside conn.failOnce, and
-// Handler.Attached inside connReq.once.
+// listener.perAddrMu, synFilter.mu and mrTable.mu are each let go before
+// another is taken (popRecv lets rqMu go to flush, which takes sqMu;
+// linkWatch fails its connections after it lets mu go; the accept loop
+// notes a refusal under synFilter.mu and starts the filter's goroutine
+// after it lets it go). No handler is called under a mutex;
+// Handler.Disconnected runs inside conn.failOnce, and Handler.Attached
+// inside connReq.once. A listener's screen (fabric.Screener) is called
+// from its accept loop with none held.
 //
 // Which fields each lock guards, and which functions run with it held,
 // are +checklocks annotations, checked by gVisor's checklocks analyzer
