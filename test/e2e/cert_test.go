@@ -62,7 +62,7 @@ func TestCertCommands(t *testing.T) {
 		return []string{prefix + "cert", filepath.Join(pki, name+".crt"), prefix + "key", filepath.Join(pki, name+".key"),
 			prefix + "ca", filepath.Join(pki, "ca.crt")}
 	}
-	srv := startServerConf(t, dir, port, fmt.Sprintf("[admin]\nlisten = [\"127.0.0.1:%d\"]\nadmins = [\"ops\"]\n", admin), files("server", "--tls-")...)
+	srv := startServerConf(t, dir, port, fmt.Sprintf("[admin]\nlisten = [\"127.0.0.1:%d\"]\nadmins = [\"ops\"]\nexport_roots = [%q]\n", admin, dir), files("server", "--tls-")...)
 	kit.WaitFor(t, 10*time.Second, "the admin listener's start-up line", func() bool {
 		return strings.Contains(srv.out.String(), fmt.Sprintf("admin_listen=\"127.0.0.1:%d\"", admin))
 	})
