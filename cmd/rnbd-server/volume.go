@@ -94,7 +94,8 @@ export it under its name with the rules given (as map takes them). A
 clone without --size has its source's size. Creating a volume that
 exists with the same pool, size, source and labels succeeds and answers
 it; with other parameters it is refused (already_exists) saying what
-differs.`,
+differs. The export's rules of a volume that exists are not compared,
+nor changed: its grants change with volume grant and revoke.`,
 		Example: `  rnbd-server volume create pvc-1 --pool fast --size 10GiB --grants-only
   rnbd-server volume create pvc-2 --pool fast --from-snapshot snap-1 --label team=db`,
 		Args: cobra.ExactArgs(1),

@@ -86,6 +86,20 @@ func (s *Server) DeleteVolume(ctx context.Context, name string, force bool) (boo
 	return out.Deleted, err
 }
 
+// DeleteVolumeIf deletes a volume if it has the labels ifLabels (each
+// KEY=VALUE an if_label of the request), compared on the storage node
+// with no change of the volume between: one that differs is busy,
+// nothing deleted. False if there was no volume.
+func (s *Server) DeleteVolumeIf(ctx context.Context, name string, ifLabels map[string]string) (bool, error) {
+	q := url.Values{}
+	for k, v := range ifLabels {
+		q.Add("if_label", k+"="+v)
+	}
+	var out Deleted
+	err := Call(ctx, s.c, SrvVolumeDelete, []string{name}, q, nil, &out)
+	return out.Deleted, err
+}
+
 // ResizeVolume grows a volume to size ("20GiB" or bytes).
 func (s *Server) ResizeVolume(ctx context.Context, name, size string) (ResizeResponse, error) {
 	var out ResizeResponse

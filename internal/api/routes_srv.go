@@ -18,8 +18,11 @@ var (
 	SrvExportResize = Route{"POST", "/v1/exports/{name}/resize", ctl.RightAdmin}
 	SrvExportUnmap  = Route{"DELETE", "/v1/exports/{name}", ctl.RightAdmin}
 	SrvExportGrants = Route{"GET", "/v1/exports/{name}/grants", ctl.RightRead}
-	SrvExportGrant  = Route{"POST", "/v1/exports/{name}/grants", ctl.RightAdmin}
-	SrvExportRevoke = Route{"DELETE", "/v1/exports/{name}/grants/{identity}", ctl.RightAdmin}
+	// An export's grants: a provisioner's of the volumes' exports only
+	// (the routes of rnbd-csi's controller before the volume routes,
+	// kept for it); any export's for an admin.
+	SrvExportGrant  = Route{"POST", "/v1/exports/{name}/grants", ctl.RightProvision}
+	SrvExportRevoke = Route{"DELETE", "/v1/exports/{name}/grants/{identity}", ctl.RightProvision}
 
 	SrvSessions          = Route{"GET", "/v1/sessions", ctl.RightRead}
 	SrvSession           = Route{"GET", "/v1/sessions/{name}", ctl.RightRead}

@@ -209,6 +209,9 @@ func (c *controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequ
 	if err != nil {
 		return nil, toStatus(err, "volume "+req.GetVolumeId())
 	}
+	if v.State == api.VolumeCreating {
+		return nil, status.Errorf(codes.Unavailable, "volume %s is being made on its storage node: a change of it is under way; try again", req.GetVolumeId())
+	}
 	if v.Labels[labelName] == "" {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s was not made by rnbd-csi (it has no %s label): not deleted; "+
 			"delete it on the storage node (rnbd-server volume delete) if it is to go", req.GetVolumeId(), labelName)

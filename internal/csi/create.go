@@ -191,6 +191,9 @@ func (c *controller) lookup(ctx context.Context, vname, csiName string) ([]found
 // (not served yet) is finished first.
 func (c *controller) existing(ctx context.Context, r createRequest, f found) (*csi.CreateVolumeResponse, error) {
 	n, v := f.n, f.v
+	if v.State == api.VolumeCreating || v.State == api.VolumeDeleting {
+		return nil, status.Errorf(codes.Unavailable, "volume %s (CSI name %q) on %s is %s there: a change of it is under way; try again", v.Name, r.GetName(), n, v.State)
+	}
 	var why []string
 	if got, want := v.Labels[labelParams], r.p.canonical(); got != want {
 		why = append(why, fmt.Sprintf("parameters %q (asked %q)", got, want))

@@ -76,12 +76,14 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 	}
 	if mode != ModeController {
 		if err := cfg.ValidateNode(); err != nil {
+			d.closeController()
 			return nil, err
 		}
 		opts := NodeOptions{NodeID: cfg.Node.NodeID, Topology: cfg.Node.Labels, ClientSocket: cfg.Node.ClientSocket, Log: l}
 		if keys := cfg.Node.TopologyFromNode; len(keys) > 0 {
 			k, err := newKubeClient(cfg.Kubernetes)
 			if err != nil {
+				d.closeController()
 				return nil, fmt.Errorf("[node] topology_from_node: %w", err)
 			}
 			opts.NodeLabels = func(ctx context.Context) (map[string]string, error) {
@@ -99,6 +101,14 @@ func NewDriver(cfg Config, mode Mode, l *log.Entry) (*Driver, error) {
 		d.node = NewNodeServer(opts)
 	}
 	return d, nil
+}
+
+// closeController stops what a controller made runs (its reconciler, its
+// connections), where the driver is not made after all.
+func (d *Driver) closeController() {
+	if d.ctrl != nil {
+		d.ctrl.close()
+	}
 }
 
 // SocketPath is the file of an endpoint unix:///path (or unix:path, or

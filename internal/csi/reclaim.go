@@ -16,8 +16,11 @@
 // CO was told last: the one it holds. The others are reclaimed:
 //
 //   - by the reconciler, which lists every node that answers every
-//     reconcile_interval, and at once when a node answers again, and
-//     deletes each copy of a name older than its newest;
+//     reconcile_interval, and at once when a node answers again, reads
+//     the copies of a name found twice again with its lock held, and
+//     deletes each older than the newest, on the condition that it
+//     still has the csi.made it was read with (another replica's
+//     CreateVolume may have taken it as its answer since);
 //   - by DeleteVolume of a copy labelled csi.unchecked, which looks at
 //     each of those nodes first (Unavailable until each answers), so
 //     that the copy a node held is not left behind when the one the CO
@@ -25,7 +28,9 @@
 //
 // A copy that is in use (granted to a worker, or open) is never deleted:
 // it is reported (an error in the log, rnbd_csi_duplicate_volumes_total
-// with outcome kept) for the operator, who knows which data matters.
+// with outcome kept) for the operator, who knows which data matters. The
+// replicas' clocks (csi.made) must agree within the time between two
+// tries of one CreateVolume, as leader election's leases already ask.
 
 package csi
 
@@ -69,21 +74,28 @@ func (c *controller) wakeReconciler() {
 }
 
 // reconcile is one round: the copies of each CSI name on the storage
-// nodes that answer, all but the newest reclaimed. It returns how many
-// it reclaimed.
+// nodes that answer, all but the newest reclaimed. A name found on two
+// nodes is decided on what is read again with its lock held, every copy
+// of it answering (one that does not could be the newest): never on the
+// list, which a retry of CreateVolume may have made stale since. It
+// returns how many it reclaimed.
 func (c *controller) reconcile(ctx context.Context) int {
 	results := each(ctx, c.nodes, func(ctx context.Context, n *storageNode) ([]api.VolumeRecord, error) { return n.volumes(ctx) })
-	byName := map[string][]found{}
+	type copyOf struct {
+		n    *storageNode
+		name string // on n
+	}
+	byName := map[string][]copyOf{}
 	for _, r := range results {
 		for _, v := range r.v {
 			if name := v.Labels[labelName]; name != "" {
-				byName[name] = append(byName[name], found{r.n, v})
+				byName[name] = append(byName[name], copyOf{r.n, v.Name})
 			}
 		}
 	}
 	var names []string
-	for name, fs := range byName {
-		if len(fs) > 1 {
+	for name, cs := range byName {
+		if len(cs) > 1 {
 			names = append(names, name)
 		}
 	}
@@ -94,14 +106,27 @@ func (c *controller) reconcile(ctx context.Context) int {
 		if err != nil {
 			continue // a CreateVolume of it under way: the next round
 		}
-		fs := byName[name]
-		keep := newest(fs)
-		for _, f := range fs {
-			if f.n == keep.n && f.v.Name == keep.v.Name {
-				continue
+		var fs []found
+		fresh := true
+		for _, cp := range byName[name] {
+			v, err := cp.n.volume(ctx, cp.name)
+			switch {
+			case isNotFound(err):
+			case err != nil:
+				fresh = false
+			case v.Labels[labelName] == name:
+				fs = append(fs, found{cp.n, *v})
 			}
-			if c.reclaim(ctx, f, makeID(keep.n.cfg.Name, keep.v.Name)) == nil {
-				reclaimed++
+		}
+		if fresh && len(fs) > 1 {
+			keep := newest(fs)
+			for _, f := range fs {
+				if f.n == keep.n && f.v.Name == keep.v.Name {
+					continue
+				}
+				if c.reclaim(ctx, f, makeID(keep.n.cfg.Name, keep.v.Name)) == nil {
+					reclaimed++
+				}
 			}
 		}
 		unlock()
@@ -111,7 +136,10 @@ func (c *controller) reconcile(ctx context.Context) int {
 
 // reclaim deletes f, a copy of a CSI name older than the copy keep,
 // unless it is in use (granted, or open): then it is reported and kept,
-// and the error says so.
+// and the error says so. The delete is conditional on the storage node:
+// only if f still has the csi.made it was read with (a CreateVolume
+// that took f as its answer meanwhile, in this controller or another,
+// changed it), so the copy a CO holds is never the one deleted.
 func (c *controller) reclaim(ctx context.Context, f found, keep string) error {
 	id := makeID(f.n.cfg.Name, f.v.Name)
 	fields := log.Fields{"volume": id, "csi_name": f.v.Labels[labelName], "kept": keep, "made": f.v.Labels[labelMade]}
@@ -120,15 +148,18 @@ func (c *controller) reclaim(ctx context.Context, f found, keep string) error {
 		return err
 	}
 	defer unlock()
-	if len(f.v.AllowIdentities) > 0 || f.v.Sessions > 0 {
+	if len(f.v.AllowIdentities) > 0 || f.v.Sessions > 0 || f.v.State != api.VolumeServed {
 		c.m.duplicates.WithLabelValues(f.n.cfg.Name, "kept").Inc()
-		c.log.WithFields(fields).WithFields(log.Fields{"grants": strings.Join(f.v.AllowIdentities.Identities(), ","), "sessions": f.v.Sessions}).
-			Error("two copies of one CSI name, and the older is in use: not reclaimed; see which holds the data wanted and delete the other")
-		return status.Errorf(codes.FailedPrecondition, "volume %s, an older copy of CSI name %q than %s, is in use (granted or open): not reclaimed",
+		c.log.WithFields(fields).WithFields(log.Fields{"grants": strings.Join(f.v.AllowIdentities.Identities(), ","), "sessions": f.v.Sessions,
+			"state": f.v.State}).Error("two copies of one CSI name, and the older is in use (or changing): not reclaimed; see which holds the data wanted and delete the other")
+		return status.Errorf(codes.FailedPrecondition, "volume %s, an older copy of CSI name %q than %s, is in use (granted, open or changing): not reclaimed",
 			id, f.v.Labels[labelName], keep)
 	}
-	if err := f.n.deleteVolume(ctx, f.v.Name); err != nil {
-		c.log.WithError(err).WithFields(fields).Warn("reclaiming an older copy of a CSI name failed; tried again next round")
+	_, err = callOn(ctx, f.n, "a reclaim of volume "+f.v.Name, func(ctx context.Context) (bool, error) {
+		return f.n.api.DeleteVolumeIf(ctx, f.v.Name, map[string]string{labelMade: f.v.Labels[labelMade], labelName: f.v.Labels[labelName]})
+	})
+	if err != nil {
+		c.log.WithError(err).WithFields(fields).Warn("reclaiming an older copy of a CSI name failed (or it changed since it was read); looked at again next round")
 		return toStatus(err, "reclaiming volume "+id)
 	}
 	c.m.duplicates.WithLabelValues(f.n.cfg.Name, "reclaimed").Inc()
@@ -160,9 +191,11 @@ func (c *controller) reclaimUnchecked(ctx context.Context, n *storageNode, v *ap
 		case other.Labels[labelName] != v.Labels[labelName]:
 			continue // another name's
 		}
-		if err := c.reclaim(ctx, found{u, *other}, makeID(n.cfg.Name, v.Name)); err != nil {
+		if err := c.reclaim(ctx, found{u, *other}, makeID(n.cfg.Name, v.Name)); err != nil && status.Code(err) != codes.FailedPrecondition {
 			return fmt.Errorf("deleting volume %s: %w", makeID(n.cfg.Name, v.Name), err)
 		}
+		// A copy in use is reported (reclaim says so) and kept: the
+		// CO's delete of the copy it holds goes on all the same.
 	}
 	return nil
 }

@@ -30,8 +30,11 @@ type storageNode struct {
 	queue   *callQueue
 	m       *rpcMetrics
 	// up: the last call was answered (or none was made yet); changed
-	// is called when it turns (the reconciler's wake-up).
+	// is called when it turns (the reconciler's wake-up). While it is
+	// not, one call at a time goes to the node (probing), the others
+	// are refused at once: a node that does not answer holds no queue.
 	up      atomic.Bool
+	probing atomic.Bool
 	changed func(n *storageNode, up bool)
 }
 
@@ -43,32 +46,44 @@ func newStorageNode(cfg *StorageNode, cl *ctl.Client, cc ControllerConfig, m *rp
 	return n
 }
 
-// callOn runs one call f on n: in its turn, within n's deadline. A call
-// the node did not answer in time is unavailable, naming the node.
+// callOn runs one call f on n: in its turn, the wait for it and the call
+// together within n's deadline. A call the node did not answer in time
+// is unavailable, naming the node. While n does not answer, one call at
+// a time probes it and the others are refused unavailable at once.
 func callOn[T any](ctx context.Context, n *storageNode, what string, f func(ctx context.Context) (T, error)) (T, error) {
 	var zero T
+	if !n.up.Load() {
+		if !n.probing.CompareAndSwap(false, true) {
+			return zero, ctl.Errorf(ctl.CodeUnavailable, "%s does not answer (another call is finding out whether it does again)", n)
+		}
+		defer n.probing.Store(false)
+	}
+	cctx, cancel := context.WithTimeout(ctx, n.timeout)
+	defer cancel()
 	began := time.Now()
-	release, err := n.queue.acquire(ctx)
+	release, err := n.queue.acquire(cctx)
 	n.m.queueWait.WithLabelValues(n.cfg.Name).Observe(time.Since(began).Seconds())
 	if err != nil {
 		return zero, fmt.Errorf("%s: %w", n, err)
 	}
 	defer release()
-	cctx, cancel := context.WithTimeout(ctx, n.timeout)
-	defer cancel()
 	v, err := f(cctx)
 	if err != nil && ctx.Err() == nil && errors.Is(cctx.Err(), context.DeadlineExceeded) {
 		err = ctl.Errorf(ctl.CodeUnavailable, "%s did not answer %s within %v ([controller] storage_timeout)", n, what, n.timeout)
 	}
-	n.answered(err)
+	if ctx.Err() == nil {
+		// The caller giving up says nothing of the node.
+		n.answered(err)
+	}
 	return v, err
 }
 
 // answered records whether the node answered a call: a call it did not
-// answer (unavailable: nothing listens, no answer in time) marks it
-// down, any answer (an error of its own included) up.
+// answer (nothing listens, no answer in time, the connection broken)
+// marks it down, any answer (an error of its own included: a refusal,
+// one of its bounds) up.
 func (n *storageNode) answered(err error) {
-	up := err == nil || ctl.Classify(err) != ctl.CodeUnavailable
+	up := err == nil || ctl.Answered(err)
 	result := "ok"
 	switch {
 	case !up:

@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -89,6 +90,30 @@ func TestStorageNodeDown(t *testing.T) {
 			if !strings.HasPrefix(v.GetVolumeId(), "node-a/") {
 				t.Errorf("node-b %s: a volume placed at %s", how, v.GetVolumeId())
 			}
+		}
+		if how == "frozen" {
+			// As the sidecars call: many at once. A node that does not
+			// answer holds no queue: one call probes it, the others
+			// leave it out at once, and each still answers within the
+			// bound.
+			timed("60 CreateVolume at once in zone a", func() error {
+				errs := make(chan error, 60)
+				for i := range 60 {
+					go func() {
+						began := time.Now()
+						v, err := r.create(fmt.Sprintf("pvc-many-%d", i), 1<<20, nil, &csi.TopologyRequirement{Requisite: []*csi.Topology{zone("a")}})
+						if err == nil && time.Since(began) > bound {
+							err = fmt.Errorf("%s took %v", v.GetVolumeId(), time.Since(began))
+						}
+						errs <- err
+					}()
+				}
+				var all []error
+				for range 60 {
+					all = append(all, <-errs)
+				}
+				return errors.Join(all...)
+			})
 		}
 		timed("ListVolumes", func() error {
 			var hdr metadata.MD
@@ -251,5 +276,35 @@ func TestDuplicateReclaimed(t *testing.T) {
 	})
 	if !copies("node-a", hname) || !copies("node-b", hname) {
 		t.Errorf("a copy in use: node-a's there %v, node-b's %v; want both kept", copies("node-a", hname), copies("node-b", hname))
+	}
+}
+
+// TestReclaimConditional: the reclaim of an older copy is decided on
+// what was read, and done only if the copy has not changed since: a
+// copy a CreateVolume took as its answer meanwhile (its csi.made set
+// anew) is not deleted.
+func TestReclaimConditional(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	na := api.NewServer(r.admin["node-a"])
+	labels := map[string]string{labelName: "pvc-x", labelParams: volumeParams{}.canonical(), labelMade: "2020-01-01T00:00:00Z"}
+	if _, err := na.CreateVolume(ctx, api.VolumeRequest{Name: "pvc-x", Pool: "files", Size: "1MiB", Labels: labels,
+		Export: api.MapRequest{GrantsOnly: ptr(true)}}); err != nil {
+		t.Fatal(err)
+	}
+	stale, err := na.Volume(ctx, "pvc-x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A retry of CreateVolume takes it as its answer: made the newest.
+	if _, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-x", VolumeCapabilities: []*csi.VolumeCapability{rwo},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 20}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.d.ctrl.reclaim(ctx, found{r.d.ctrl.node("node-a"), *stale}, "node-b/pvc-x"); err == nil {
+		t.Fatal("the reclaim of a copy read before a retry took it: done")
+	}
+	if v, err := na.Volume(ctx, "pvc-x"); err != nil || v.Labels[labelMade] == stale.Labels[labelMade] {
+		t.Fatalf("the copy a retry took: %+v %v; want it there, made anew", v, err)
 	}
 }

@@ -26,8 +26,9 @@ const (
 	RoleNone Role = ""
 	// RoleReader may read everything (GET).
 	RoleReader Role = "reader"
-	// RoleProvisioner may read, and make and remove volumes,
-	// snapshots, exports and grants: what an orchestrator needs.
+	// RoleProvisioner may read, and make and remove the volumes of
+	// the pools, their snapshots and their grants: what an
+	// orchestrator needs (the rights of each route are package api's).
 	RoleProvisioner Role = "provisioner"
 	// RoleAdmin may do everything, as root on the unix socket does.
 	RoleAdmin Role = "admin"

@@ -99,18 +99,21 @@ func addrKey(addr net.Addr) netip.Prefix {
 	return netip.PrefixFrom(ip, ip.BitLen())
 }
 
-// startHandshake counts raw's handshake, or says why it may not start
-// (its address has max_handshakes_per_address under way). Past
+// startHandshake counts raw's handshake. With its address at
+// max_handshakes_per_address, the oldest handshake of that address is
+// the victim, which the caller closes: a peer that shares an address
+// with another (a node's SNAT, an IPv6 /64) and holds idle sockets
+// there makes way for the other's new ones, never locks it out. Past
 // MaxHandshakes, the oldest handshake of the address with the most is
-// the victim, which the caller closes.
-func (a *admission) startHandshake(raw net.Conn) (p *pending, victim net.Conn, why string) {
+// the victim.
+func (a *admission) startHandshake(raw net.Conn) (p *pending, victim net.Conn) {
 	key := addrKey(raw.RemoteAddr())
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if n := len(a.byAddr[key]); n >= a.perAddr {
-		return nil, nil, fmt.Sprintf("%d TLS handshakes from %s under way already (max_handshakes_per_address)", n, key)
-	}
-	if a.handshakes >= a.maxHandshakes {
+	if v := a.byAddr[key]; len(v) >= a.perAddr {
+		victim = v[0].raw
+		a.dropHandshake(v[0])
+	} else if a.handshakes >= a.maxHandshakes {
 		var most netip.Prefix
 		for k, ps := range a.byAddr {
 			m := a.byAddr[most]
@@ -129,7 +132,7 @@ func (a *admission) startHandshake(raw net.Conn) (p *pending, victim net.Conn, w
 	p = &pending{key: key, raw: raw, start: time.Now()}
 	a.byAddr[key] = append(a.byAddr[key], p)
 	a.handshakes++
-	return p, victim, ""
+	return p, victim
 }
 
 // dropHandshake stops counting p; false if it was not counted (made way

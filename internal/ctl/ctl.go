@@ -124,6 +124,18 @@ type Error struct {
 	// retryAfter, if not 0, is the seconds the answer's Retry-After
 	// gives: a refusal by a bound, which frees soon.
 	retryAfter int
+	// answered: the daemon answered with it (decoded from its reply),
+	// rather than no answer came (Answered).
+	answered bool
+}
+
+// Answered reports whether err is a daemon's own answer to a request
+// (a refusal, a not_found, one of its bounds), not the request failing
+// to get one (nothing listens, no answer in time, a broken
+// connection): what tells a peer that answers from one that does not.
+func Answered(err error) bool {
+	var ce *Error
+	return errors.As(err, &ce) && ce.answered
 }
 
 func (e *Error) Error() string { return e.Message }
@@ -264,6 +276,10 @@ func ClearStaleSocket(path string) error {
 	return nil
 }
 
+// AnswerTimeout bounds how long writing one answer to a peer of the
+// admin listener may take.
+const AnswerTimeout = 30 * time.Second
+
 // Handler answers a request: a value encoded as JSON, or an error.
 type Handler func(r *http.Request) (any, error)
 
@@ -275,6 +291,12 @@ func (s *Server) Handle(pattern string, h Handler) {
 	s.mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
 		defer s.busy(r)()
 		v, err := s.admit(pattern, h, r)
+		if !CallerOf(r).Local {
+			// A peer that does not read its answer holds its
+			// connection, busy, no longer than this: then the write
+			// fails and the connection goes.
+			http.NewResponseController(w).SetWriteDeadline(time.Now().Add(AnswerTimeout))
+		}
 		w.Header().Set("Content-Type", "application/json")
 		if err != nil {
 			code := Classify(err)
@@ -467,8 +489,11 @@ func (c *Client) Do(ctx context.Context, method, path string, body, out any) err
 	if resp.StatusCode != http.StatusOK {
 		var e Error
 		if json.NewDecoder(resp.Body).Decode(&e) != nil || e.Code == "" {
-			return Errorf(CodeInternal, "daemon answered %s", resp.Status)
+			e := Errorf(CodeInternal, "daemon answered %s", resp.Status)
+			e.answered = true
+			return e
 		}
+		e.answered = true
 		return &e
 	}
 	if out == nil {

@@ -232,16 +232,12 @@ func (l *tlsListener) accept() {
 			}
 			continue
 		}
-		p, victim, why := l.s.adm.startHandshake(raw)
+		p, victim := l.s.adm.startHandshake(raw)
 		if victim != nil {
 			victim.Close()
-			l.s.connLog.Log(l.s.logEntry().WithFields(log.Fields{"remote": victim.RemoteAddr().String(), "handshakes": l.s.adm.maxHandshakes}),
-				log.InfoLevel, "admin listener: TLS handshake not done when newer ones needed its place, connection closed")
-		}
-		if why != "" {
-			l.s.auditConn(raw.RemoteAddr().String(), "", "", string(CodeUnavailable), why+": connection closed")
-			raw.Close()
-			continue
+			l.s.auditConn(victim.RemoteAddr().String(), "", "", string(CodeUnavailable),
+				"TLS handshake not done when a newer one of its address, or of all, needed its place "+
+					"(max_handshakes_per_address, or 4 × max_connections): connection closed")
 		}
 		l.wg.Add(1)
 		go l.handshake(raw, p)

@@ -256,10 +256,10 @@ func TestAdminListener(t *testing.T) {
 			t.Errorf("a provisioner's %s: %v", c.rt.Pattern(), err)
 		}
 	}
-	// An admin maps only beneath export_roots, links resolved.
-	for _, p := range []string{vol, "/etc/shadow", filepath.Join(roots, "link-out"), filepath.Join(roots, "..", filepath.Base(dir), "vol")} {
-		if err := call("ada", api.SrvExportMap, nil, api.MapRequest{Name: "outside", Path: p}, nil); ctl.Classify(err) != ctl.CodePermission &&
-			ctl.Classify(err) != ctl.CodeNotFound {
+	// An admin maps only beneath export_roots, links and ".." (sent
+	// as they are, not cleaned here) resolved.
+	for _, p := range []string{vol, "/etc/shadow", filepath.Join(roots, "link-out"), roots + "/../" + filepath.Base(dir) + "/vol", roots + "/.."} {
+		if err := call("ada", api.SrvExportMap, nil, api.MapRequest{Name: "outside", Path: p}, nil); ctl.Classify(err) != ctl.CodePermission {
 			t.Errorf("an admin's map of %s outside export_roots: %v", p, err)
 		}
 	}
@@ -309,5 +309,61 @@ func TestExportNamesAddressable(t *testing.T) {
 	}
 	if _, err := exportOf(api.MapRequest{Name: "vg/lv.1", Path: "/srv/x.img"}); err != nil {
 		t.Errorf("a name with a slash and a dot: %v", err)
+	}
+}
+
+// TestProvisionerVolumes: over the network a provisioner's volume is
+// grants-only by default, and one open to every client is refused (an
+// admin may make it); a provisioner grants a volume's export through
+// the volume's routes and, as a controller of an earlier release does,
+// through the export's, which refuse it any export not a volume's.
+func TestProvisionerVolumes(t *testing.T) {
+	a := startAdmin(t, func(c *Config) {
+		c.Pools = []PoolConfig{{Name: "files", Type: "dir", Path: t.TempDir()}}
+	})
+	vol := filepath.Join(a.dir, "plain")
+	kit.SparseFile(t, vol, 1<<20)
+	if err := a.d.Map(rnbd.Export{Name: "plain", Path: vol}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	paul, ada := api.NewServer(a.client("paul")), api.NewServer(a.client("ada"))
+	rec, err := paul.CreateVolume(ctx, api.VolumeRequest{Name: "v", Pool: "files", Size: "1MiB"})
+	if err != nil || !rec.Record.GrantsOnly {
+		t.Fatalf("a provisioner's volume, grants_only unsaid: %+v %v; want grants-only", rec.Record, err)
+	}
+	_, err = paul.CreateVolume(ctx, api.VolumeRequest{Name: "open", Pool: "files", Size: "1MiB", Export: api.MapRequest{GrantsOnly: ptr(false)}})
+	if ctl.Classify(err) != ctl.CodePermission || !strings.Contains(err.Error(), "only an admin may") {
+		t.Fatalf("a provisioner's volume open to every client: %v, want permission_denied", err)
+	}
+	if rec, err := ada.CreateVolume(ctx, api.VolumeRequest{Name: "open", Pool: "files", Size: "1MiB", Export: api.MapRequest{GrantsOnly: ptr(false)}}); err != nil || rec.Record.GrantsOnly {
+		t.Fatalf("an admin's volume open to every client: %+v %v", rec.Record, err)
+	}
+	cl := a.client("paul")
+	grant := func(rt api.Route, export string) error {
+		return api.Call(ctx, cl, rt, []string{export}, nil, api.GrantRequest{Identity: "host-1"}, nil)
+	}
+	if err := grant(api.SrvVolumeGrant, "v"); err != nil {
+		t.Errorf("a provisioner's grant of a volume: %v", err)
+	}
+	if err := grant(api.SrvExportGrant, "v"); err != nil {
+		t.Errorf("a provisioner's grant of a volume's export on the export's route: %v", err)
+	}
+	for _, rt := range []api.Route{api.SrvExportGrant, api.SrvVolumeGrant} {
+		if err := grant(rt, "plain"); err == nil {
+			t.Errorf("a provisioner's grant of an export not a volume's on %s: granted", rt.Pattern())
+		}
+	}
+	if err := api.Call(ctx, cl, api.SrvExportRevoke, []string{"plain", "x"}, nil, nil, nil); ctl.Classify(err) != ctl.CodePermission {
+		t.Errorf("a provisioner's revoke on an export not a volume's: %v", err)
+	}
+	if gs, _ := ada.VolumeGrants(ctx, "v"); len(gs) != 1 || gs[0].Identity != "host-1" {
+		t.Errorf("the volume's grants: %+v", gs)
+	}
+	for _, e := range a.d.rnbd.Exports() {
+		if e.Name == "plain" && len(e.AllowIdentities) != 0 {
+			t.Errorf("the plain export was granted: %+v", e.AllowIdentities)
+		}
 	}
 }

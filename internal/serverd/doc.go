@@ -32,7 +32,10 @@
 //	                   look at the volume's path; several in sorted order
 //	  Daemon.stateMu   the exports, the volumes, the pools served, the
 //	                   state file and its saving; held over rnbd.Server's
-//	                   Map and Unmap of exports and the save after them,
+//	                   Map and Unmap of a mapped export and the save after
+//	                   them (a volume's export is mapped and unmapped with
+//	                   its name held and stateMu not: the save that
+//	                   follows keeps only the volumes the daemon knows),
 //	                   never over a pool's command or a look at a path
 //	    rnbd.Server's, rtrs.Server's own
 //	nameLocks.mu       the names held; held over no call

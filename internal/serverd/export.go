@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 )
@@ -107,20 +108,42 @@ func (d *Daemon) Unmap(name string, force bool) error {
 // Grant gives an identity access to an export, and Revoke takes it
 // back; both save the state. The configuration file's exports are
 // changed there.
-func (d *Daemon) Grant(export string, g rnbd.Grant) error {
-	return d.changeGrants(export, func() (bool, error) { return d.rnbd.Grant(export, g) },
+//
+// grants says which exports may be changed: any, or volumes' only (a
+// provisioner's), checked with the change under the state lock.
+func (d *Daemon) Grant(export string, g rnbd.Grant, grants grantScope) error {
+	return d.changeGrants(export, grants, func() (bool, error) { return d.rnbd.Grant(export, g) },
 		log.Fields{"export": export, "identity": g.Identity, "access": g.Access}, "grant given")
 }
 
 // Revoke: see Grant.
-func (d *Daemon) Revoke(export, identity string) error {
-	return d.changeGrants(export, func() (bool, error) { return d.rnbd.Revoke(export, identity) },
+func (d *Daemon) Revoke(export, identity string, grants grantScope) error {
+	return d.changeGrants(export, grants, func() (bool, error) { return d.rnbd.Revoke(export, identity) },
 		log.Fields{"export": export, "identity": identity}, "grant revoked")
 }
 
-func (d *Daemon) changeGrants(export string, change func() (bool, error), fields log.Fields, what string) error {
+// grantScope is which exports a grant or revoke may change.
+type grantScope int
+
+const (
+	anyExport grantScope = iota
+	// volumesOnly: a volume's export; another is not_found (no such
+	// volume).
+	volumesOnly
+	// volumesOnlyRefused: a volume's export; another is refused
+	// permission_denied (a provisioner on an export's route).
+	volumesOnlyRefused
+)
+
+func (d *Daemon) changeGrants(export string, grants grantScope, change func() (bool, error), fields log.Fields, what string) error {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
+	switch {
+	case grants == volumesOnly && d.volumes[export] == nil:
+		return ctl.Errorf(ctl.CodeNotFound, "no volume %s", export)
+	case grants == volumesOnlyRefused && d.volumes[export] == nil:
+		return ctl.Errorf(ctl.CodePermission, "export %s is not a volume's: a provisioner grants and revokes the volumes' exports only", export)
+	}
 	if d.configured[export] {
 		return fmt.Errorf("export %s is one of the configuration file's: change its allow_identities there: %w", export, syscall.EPERM)
 	}

@@ -281,7 +281,7 @@ func (d *Daemon) reconcileVolume(pname string, p pool.Pool, name string, listed 
 	}
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	v.Intent, v.notServed = "", ""
+	v.Intent, v.notServed, v.CreateLabels = "", "", nil
 	switch {
 	case missing != nil:
 		v.notServed = "missing from pool " + pname + ": " + missing.Error()

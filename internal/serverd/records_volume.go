@@ -6,8 +6,10 @@
 package serverd
 
 import (
+	"errors"
 	"maps"
 	"sort"
+	"syscall"
 	"time"
 
 	"github.com/rnbd/rnbd/internal/api"
@@ -17,8 +19,10 @@ import (
 )
 
 // volumeRecords are the volume records (of one volume if name is set):
-// each as its pool has it, with its export's rules as served.
-func (d *Daemon) volumeRecords(name string) []api.VolumeRecord {
+// each as its pool has it, with its export's rules as served. A pool
+// that cannot say what it has (lvs failing) is an error, not records
+// without what the pool keeps (their labels: whose they are).
+func (d *Daemon) volumeRecords(name string) ([]api.VolumeRecord, error) {
 	d.stateMu.Lock()
 	var known []volume
 	for _, v := range d.volumes {
@@ -37,12 +41,19 @@ func (d *Daemon) volumeRecords(name string) []api.VolumeRecord {
 	have := map[string]pool.Volume{}
 	for pname, p := range pools {
 		var vs []pool.Volume
+		var err error
 		if name == "" {
-			vs, _ = p.List()
+			vs, err = p.List()
 		} else if poolOf[name] == pname {
-			if x, err := p.Get(name); err == nil {
+			var x pool.Volume
+			if x, err = p.Get(name); err == nil {
 				vs = []pool.Volume{x}
+			} else if errors.Is(err, syscall.ENOENT) {
+				err = nil
 			}
+		}
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeUnavailable, "pool %s cannot say what it has: %v", pname, err)
 		}
 		for _, x := range vs {
 			if poolOf[x.Name] == pname {
@@ -60,7 +71,7 @@ func (d *Daemon) volumeRecords(name string) []api.VolumeRecord {
 		rows = append(rows, volumeRecord(v, pv, view))
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].Name < rows[j].Name })
-	return rows
+	return rows, nil
 }
 
 // exportView is what the volume records show of the exports: each
@@ -103,6 +114,8 @@ func volumeRecord(v volume, pv *pool.Volume, view exportView) api.VolumeRecord {
 		r.Size, r.Source, r.SourceSnapshot, r.Path = ptr(pv.Size), pv.Source, pv.SourceSnapshot, pv.Path
 		r.Created = pv.Created.Format(time.RFC3339)
 		maps.Copy(r.Labels, pv.Labels)
+	} else {
+		maps.Copy(r.Labels, v.CreateLabels) // being made: the labels asked
 	}
 	return r
 }

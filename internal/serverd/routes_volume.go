@@ -5,6 +5,7 @@ package serverd
 
 import (
 	"net/http"
+	"strings"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -14,10 +15,13 @@ import (
 
 func (d *Daemon) listPools(r *http.Request) (any, error) { return d.poolRecords(), nil }
 
-func (d *Daemon) listVolumes(r *http.Request) (any, error) { return d.volumeRecords(""), nil }
+func (d *Daemon) listVolumes(r *http.Request) (any, error) { return d.volumeRecords("") }
 
 func (d *Daemon) showVolume(r *http.Request) (any, error) {
-	rows := d.volumeRecords(r.PathValue("name"))
+	rows, err := d.volumeRecords(r.PathValue("name"))
+	if err != nil {
+		return nil, err
+	}
 	if len(rows) == 0 {
 		return nil, ctl.Errorf(ctl.CodeNotFound, "no volume %s", r.PathValue("name"))
 	}
@@ -47,7 +51,18 @@ func (d *Daemon) createVolume(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) deleteVolume(r *http.Request) (any, error) {
-	deleted, err := d.DeleteVolume(r.Context(), r.PathValue("name"), r.URL.Query().Get("force") == "true")
+	var ifLabels map[string]string
+	for _, kv := range r.URL.Query()["if_label"] {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "if_label %q: want KEY=VALUE", kv)
+		}
+		if ifLabels == nil {
+			ifLabels = map[string]string{}
+		}
+		ifLabels[k] = v
+	}
+	deleted, err := d.DeleteVolume(r.Context(), r.PathValue("name"), r.URL.Query().Get("force") == "true", ifLabels)
 	return api.Deleted{Deleted: deleted}, err
 }
 
@@ -107,12 +122,22 @@ func (d *Daemon) deleteSnapshot(r *http.Request) (any, error) {
 	return api.Deleted{Deleted: deleted}, err
 }
 
-// Grants of any export (the admin's), and of a volume's (a
-// provisioner's too): the same, but that the second are refused for an
-// export that is not a volume's.
+// Grants of any export (the admin's; a provisioner's of the volumes'
+// only, so that a controller of a release before the volume routes
+// keeps working with this storage node), and of a volume's (the
+// provisioner's routes).
 
 func (d *Daemon) listGrants(r *http.Request) (any, error) {
 	return d.grantRecords(r.PathValue("name"))
+}
+
+// exportGrants is which exports the caller of an export's grant route
+// may change: any for an admin, the volumes' for a provisioner.
+func exportGrants(r *http.Request) grantScope {
+	if ctl.CallerOf(r).Role == ctl.RoleAdmin {
+		return anyExport
+	}
+	return volumesOnlyRefused
 }
 
 func (d *Daemon) addGrant(r *http.Request) (any, error) {
@@ -120,49 +145,31 @@ func (d *Daemon) addGrant(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return nil, d.Grant(r.PathValue("name"), g)
+	return nil, d.Grant(r.PathValue("name"), g, exportGrants(r))
 }
 
 func (d *Daemon) revokeGrant(r *http.Request) (any, error) {
-	return nil, d.Revoke(r.PathValue("name"), r.PathValue("identity"))
-}
-
-// volumeNamed is the {name} of a request if it is a volume's; not_found
-// otherwise.
-func (d *Daemon) volumeNamed(r *http.Request) (string, error) {
-	name := r.PathValue("name")
-	if !d.isVolume(name) {
-		return "", ctl.Errorf(ctl.CodeNotFound, "no volume %s", name)
-	}
-	return name, nil
+	return nil, d.Revoke(r.PathValue("name"), r.PathValue("identity"), exportGrants(r))
 }
 
 func (d *Daemon) listVolumeGrants(r *http.Request) (any, error) {
-	name, err := d.volumeNamed(r)
-	if err != nil {
-		return nil, err
+	name := r.PathValue("name")
+	if !d.isVolume(name) {
+		return nil, ctl.Errorf(ctl.CodeNotFound, "no volume %s", name)
 	}
 	return d.grantRecords(name)
 }
 
 func (d *Daemon) addVolumeGrant(r *http.Request) (any, error) {
-	name, err := d.volumeNamed(r)
-	if err != nil {
-		return nil, err
-	}
 	g, err := grantOf(r)
 	if err != nil {
 		return nil, err
 	}
-	return nil, d.Grant(name, g)
+	return nil, d.Grant(r.PathValue("name"), g, volumesOnly)
 }
 
 func (d *Daemon) revokeVolumeGrant(r *http.Request) (any, error) {
-	name, err := d.volumeNamed(r)
-	if err != nil {
-		return nil, err
-	}
-	return nil, d.Revoke(name, r.PathValue("identity"))
+	return nil, d.Revoke(r.PathValue("name"), r.PathValue("identity"), volumesOnly)
 }
 
 // grantOf is the grant a request's body gives: an identity, and ro, rw

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -39,6 +40,10 @@ type VolumeState struct {
 	Pool   string      `json:"pool"`
 	Intent string      `json:"intent,omitempty"`
 	Export rnbd.Export `json:"export"`
+	// CreateLabels are the labels a create under way asked for, shown
+	// while the pool has nothing yet (a caller that looks for its name
+	// meanwhile sees whose it is); gone once it is made.
+	CreateLabels map[string]string `json:"create_labels,omitempty"`
 }
 
 // volume is a volume the daemon knows: its state, and why it is not
@@ -167,7 +172,7 @@ func (d *Daemon) CreateVolume(ctx context.Context, req api.VolumeRequest) (rec a
 	if err != nil {
 		return rec, false, err
 	}
-	v, err := d.createIntent(req.Name, req.Pool, e)
+	v, fresh, err := d.createIntent(req.Name, req.Pool, e, req.Labels)
 	if err != nil {
 		return rec, false, err
 	}
@@ -177,7 +182,7 @@ func (d *Daemon) CreateVolume(ctx context.Context, req api.VolumeRequest) (rec a
 	d.stateMu.Unlock()
 	pv, created, err := p.Create(spec)
 	if err != nil {
-		if vs.Intent == intentCreate {
+		if fresh {
 			d.dropVolume(req.Name)
 		}
 		return rec, false, err
@@ -192,7 +197,7 @@ func (d *Daemon) CreateVolume(ctx context.Context, req api.VolumeRequest) (rec a
 	view := d.exportView()
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
-	v.Intent, v.notServed, v.Export = "", "", e
+	v.Intent, v.notServed, v.Export, v.CreateLabels = "", "", e, nil
 	if err := d.saveState(); err != nil {
 		return rec, false, fmt.Errorf("volume %s made and exported, but saving the state file failed (a retry saves it): %w", req.Name, err)
 	}
@@ -206,30 +211,33 @@ func (d *Daemon) CreateVolume(ctx context.Context, req api.VolumeRequest) (rec a
 // createIntent is the first step of CreateVolume: the volume of that
 // name, checked against the request and the other exports, or a new one
 // with the intent create, saved. The name's lock is held.
-func (d *Daemon) createIntent(name, pname string, e rnbd.Export) (*volume, error) {
+// fresh is true where this call wrote the intent: only then is the
+// volume forgotten if the pool then fails to make it (an intent of an
+// earlier call may stand for a volume its pool has).
+func (d *Daemon) createIntent(name, pname string, e rnbd.Export, labels map[string]string) (v *volume, fresh bool, err error) {
 	d.stateMu.Lock()
 	defer d.stateMu.Unlock()
 	if d.configured[name] || (d.volumes[name] == nil && (d.exported(name) || d.isUnrestored(name))) {
-		return nil, ctl.Errorf(ctl.CodeExists, "an export %s exists that is not a volume", name)
+		return nil, false, ctl.Errorf(ctl.CodeExists, "an export %s exists that is not a volume", name)
 	}
-	v := d.volumes[name]
+	v = d.volumes[name]
 	switch {
 	case v != nil && v.Pool != pname:
-		return nil, ctl.Errorf(ctl.CodeExists, "volume %s exists in pool %s (asked %s)", name, v.Pool, pname)
+		return nil, false, ctl.Errorf(ctl.CodeExists, "volume %s exists in pool %s (asked %s)", name, v.Pool, pname)
 	case v != nil && v.Intent == intentDelete:
-		return nil, ctl.Errorf(ctl.CodeBusy, "volume %s is being deleted; delete it again to finish, then create it", name)
+		return nil, false, ctl.Errorf(ctl.CodeBusy, "volume %s is being deleted; delete it again to finish, then create it", name)
 	case v != nil:
-		return v, nil
+		return v, false, nil
 	}
-	v = &volume{VolumeState: VolumeState{Name: name, Pool: pname, Intent: intentCreate, Export: e}}
+	v = &volume{VolumeState: VolumeState{Name: name, Pool: pname, Intent: intentCreate, Export: e, CreateLabels: maps.Clone(labels)}}
 	d.volumes[name] = v
 	d.publishVolumeNames()
 	if err := d.saveState(); err != nil {
 		delete(d.volumes, name)
 		d.publishVolumeNames()
-		return nil, fmt.Errorf("saving the state file: %w", err)
+		return nil, false, fmt.Errorf("saving the state file: %w", err)
 	}
-	return v, nil
+	return v, true, nil
 }
 
 // dropVolume forgets a volume and saves the state; an error saving is
@@ -308,7 +316,13 @@ func parseVolume(req api.VolumeRequest) (pool.Spec, rnbd.Export, error) {
 // while a session has it open, unless force (their IO then fails). A
 // volume that is not there is success. Its name is held throughout
 // (as CreateVolume's).
-func (d *Daemon) DeleteVolume(ctx context.Context, name string, force bool) (deleted bool, err error) {
+//
+// ifLabels, if any, are labels the volume must have for the delete to
+// go on (a caller that decided on what it read, as rnbd-csi's reclaim
+// of an older copy): one that differs is busy, nothing deleted. They
+// are compared with the name held, so no change of the labels comes
+// between.
+func (d *Daemon) DeleteVolume(ctx context.Context, name string, force bool, ifLabels map[string]string) (deleted bool, err error) {
 	if err := pool.CheckName(name); err != nil {
 		return false, err
 	}
@@ -335,6 +349,17 @@ func (d *Daemon) DeleteVolume(ctx context.Context, name string, force bool) (del
 	pname := v.Pool
 	d.stateMu.Unlock()
 
+	if len(ifLabels) > 0 {
+		pv, err := p.Get(name)
+		if err != nil {
+			return true, err
+		}
+		for _, k := range slices.Sorted(maps.Keys(ifLabels)) {
+			if pv.Labels[k] != ifLabels[k] {
+				return true, ctl.Errorf(ctl.CodeBusy, "volume %s: its label %s is %q, not %q as the delete asked (if_label): not deleted", name, k, pv.Labels[k], ifLabels[k])
+			}
+		}
+	}
 	if err := d.rnbd.Unmap(name, force); err != nil && !errors.Is(err, syscall.ENOENT) {
 		return true, err // busy
 	}

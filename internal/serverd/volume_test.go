@@ -37,6 +37,7 @@ type slowPool struct {
 	creating atomic.Int32                  // of which Creates
 	maxMade  atomic.Int32                  // the most Creates under way at once
 	made     atomic.Int32                  // Creates that made a volume
+	failList atomic.Bool                   // List fails, as an lvs that does
 }
 
 func (p *slowPool) slow(create bool) func() {
@@ -74,6 +75,9 @@ func (p *slowPool) Delete(name string) error {
 
 func (p *slowPool) List() ([]pool.Volume, error) {
 	defer p.slow(false)()
+	if p.failList.Load() {
+		return nil, errors.New("lvs: volume group not found")
+	}
 	return p.Pool.List()
 }
 
@@ -540,4 +544,50 @@ func TestPoolRetry(t *testing.T) {
 func discard() *log.Entry {
 	lg, _ := kit.LogRecorder()
 	return lg
+}
+
+// TestCreatingShowsItsLabels: a volume whose create is under way (its
+// pool still making it) is shown with the labels the create asked for,
+// so a caller that looks for its name meanwhile (rnbd-csi's retry)
+// sees whose it is, not a volume of no one; a pool that cannot say
+// what it has is an error, not records without its labels.
+func TestCreatingShowsItsLabels(t *testing.T) {
+	sd := startSlowPools(t, map[string]string{"files": t.TempDir()})
+	p := sd.pools["files"]
+	hold := make(chan struct{})
+	p.hold.Store(&hold)
+	ctx := context.Background()
+	done := make(chan error, 1)
+	go func() {
+		_, err := sd.srv.CreateVolume(ctx, api.VolumeRequest{Name: "v", Pool: "files", Size: "1MiB", Labels: map[string]string{"csi.name": "pvc-v"}})
+		done <- err
+	}()
+	kit.WaitFor(t, 10*time.Second, "the create in the pool", func() bool { return p.creating.Load() == 1 })
+	v, err := sd.srv.Volume(ctx, "v")
+	if err != nil || v.State != api.VolumeCreating || v.Labels["csi.name"] != "pvc-v" {
+		t.Errorf("a volume being made: %+v %v; want state creating with its labels", v, err)
+	}
+	p.hold.Store(nil)
+	close(hold)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if v, err := sd.srv.Volume(ctx, "v"); err != nil || v.State != api.VolumeServed || v.Labels["csi.name"] != "pvc-v" {
+		t.Errorf("the volume made: %+v %v", v, err)
+	}
+	// A delete on a condition: the labels the caller read, or nothing.
+	if _, err := sd.srv.DeleteVolumeIf(ctx, "v", map[string]string{"csi.name": "pvc-other"}); ctl.Classify(err) != ctl.CodeBusy {
+		t.Errorf("a delete if a label the volume has not: %v, want busy", err)
+	}
+	if _, err := sd.srv.Volume(ctx, "v"); err != nil {
+		t.Fatalf("the volume after a delete refused for its labels: %v", err)
+	}
+	if ok, err := sd.srv.DeleteVolumeIf(ctx, "v", map[string]string{"csi.name": "pvc-v"}); err != nil || !ok {
+		t.Errorf("a delete if the labels it has: %v %v", ok, err)
+	}
+	// The pool's directory gone: the pool cannot list, and says so.
+	p.failList.Store(true)
+	if _, err := sd.srv.Volumes(ctx); ctl.Classify(err) != ctl.CodeUnavailable {
+		t.Errorf("the volumes of a pool that cannot list them: %v, want unavailable", err)
+	}
 }

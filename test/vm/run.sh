@@ -11,7 +11,7 @@
 #   VM_SUITE=suite the Debian suite of the kernel (default bookworm-backports;
 #                  trixie-backports has kernels with ublk's UPDATE_SIZE, 6.16+)
 #   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
-#   VM_TIMEOUT=s   bound on the guest run (default 1500)
+#   VM_TIMEOUT=s   bound on the guest run (default 2400: the csi-fleet part alone may take 20 minutes on a busy host)
 #   VM_LOG=file    keep the guest's whole serial console output there
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
@@ -29,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
 cache=${VM_CACHE:-/var/cache/rnbd-vm}
-timeout=${VM_TIMEOUT:-1500}
+timeout=${VM_TIMEOUT:-2400}
 log() { printf '== [%(%T)T] %s\n' -1 "$*" >&2; }
 die() { log "FAIL: $*"; exit 1; }
 
