@@ -13,6 +13,8 @@
 #   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
 #   VM_TIMEOUT=s   bound on the guest run (default 2400: the csi-fleet part alone may take 20 minutes on a busy host)
 #   VM_LOG=file    keep the guest's whole serial console output there
+#   VM_KERNEL_ONLY=1  fetch the kernel, print "VMLINUZ MODULE_ROOT VERSION", stop
+#                  (test/k8s boots the same kernel)
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
@@ -130,6 +132,12 @@ if ! vmlinuz >/dev/null; then
 	kr=$final
 fi
 log "kernel $kv"
+# The Kubernetes tier boots the same kernel: VM_KERNEL_ONLY=1 prints
+# "VMLINUZ MODULE_ROOT VERSION" once it is here and stops.
+if [ -n "${VM_KERNEL_ONLY:-}" ]; then
+	echo "$(vmlinuz) $kr $kv"
+	exit 0
+fi
 if [ -z "${VM_KMODS:-}" ]; then
 	if APT_OPTS="${apt[*]}" timeout 900 "$repo/test/vm/kmods.sh" "$kv" "$cache/kmods-$kv/out"; then
 		VM_KMODS=$cache/kmods-$kv/out

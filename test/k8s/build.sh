@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Builds the pinned Kubernetes the Kubernetes tier runs (make test-k8s)
+# from the Go module proxy: the control plane and kubelet, etcd,
+# containerd and runc, the CNI plugins, the CSI sidecars and the snapshot
+# controller with its CRDs. Each component goes to a directory of the
+# cache named by its version, built once: a warm run builds nothing.
+#
+#   test/k8s/build.sh            build what is missing; print the bin dir
+#   K8S_CACHE=DIR                the cache (default /var/cache/rnbd-k8s, as
+#                                the VM tier keeps its own in /var/cache/rnbd-vm)
+#
+# Every binary is built with -trimpath and says its version. The cold
+# build takes about 2,400 CPU-seconds (22–25 minutes on 2 idle cores;
+# docs/testing.md).
+set -euo pipefail
+
+K8S_VERSION=v1.37.2        # k8s.io/kubernetes; its staging modules are v0.37.2
+K8S_STAGING=v0.37.2
+ETCD_VERSION=v3.6.16
+CONTAINERD_VERSION=v2.4.2
+RUNC_VERSION=v1.5.3
+CNI_VERSION=v1.10.0
+PROVISIONER_VERSION=v6.4.0
+ATTACHER_VERSION=v4.13.0
+RESIZER_VERSION=v2.3.0
+SNAPSHOTTER_VERSION=v8.7.0
+
+CACHE=${K8S_CACHE:-/var/cache/rnbd-k8s}
+mkdir -p "$CACHE"
+CACHE=$(cd "$CACHE" && pwd)
+BIN=$CACHE/bin
+mkdir -p "$BIN"
+export GOTOOLCHAIN=local GOWORK=off GOFLAGS=
+ldflags="-s -w"
+
+say() { printf '== [%(%H:%M:%S)T] k8s build: %s\n' -1 "$*" >&2; }
+
+# built NAME VERSION: whether $CACHE/NAME-VERSION is complete.
+built() { [ -e "$CACHE/$1-$2/.done" ]; }
+
+# finish NAME VERSION DIR: DIR becomes $CACHE/NAME-VERSION, complete.
+finish() {
+	touch "$3/.done"
+	rm -rf "${CACHE:?}/$1-$2"
+	mv "$3" "$CACHE/$1-$2"
+}
+
+# moddir MODULE@VERSION: the module's directory in the module cache.
+moddir() { go mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p'; }
+
+# copymod MODULE@VERSION DIR: a writable copy of the module, to be built
+# as the main module (modules with replace directives cannot be go
+# installed).
+copymod() {
+	local src
+	src=$(moddir "$1")
+	[ -n "$src" ] || { echo "k8s build: $1: not served" >&2; return 1; }
+	mkdir -p "$2"
+	cp -a "$src/." "$2/"
+	chmod -R u+w "$2"
+}
+
+# timed NAME CMD...: runs CMD, saying how long it took.
+timed() {
+	local name=$1 t0=$SECONDS
+	shift
+	say "$name"
+	"$@"
+	say "$name: $((SECONDS - t0)) s"
+}
+
+kubernetes() {
+	local d=$CACHE/.work/kubernetes
+	rm -rf "$d" && mkdir -p "$d/out"
+	local gomod
+	gomod=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+	{
+		echo "module rnbd.test/k8s"
+		echo
+		echo "go 1.26"
+		echo
+		echo "require k8s.io/kubernetes $K8S_VERSION"
+		echo
+		echo "replace ("
+		# Each staging module at its release: the same list as
+		# k8s.io/kubernetes's own replace block, less the samples
+		# (not served, not needed).
+		sed -n '/^replace (/,/^)/p' "$gomod" | awk '$2 == "=>" && $1 !~ /sample-(cli-plugin|controller)$/ {print "\t" $1 " => " $1 " '"$K8S_STAGING"'"}'
+		echo ")"
+	} >"$d/go.mod"
+	local major=${K8S_VERSION#v} minor
+	minor=${major#*.}
+	minor=${minor%%.*}
+	major=${major%%.*}
+	local v=k8s.io/component-base/version
+	local kflags="$ldflags -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=$major -X $v.gitMinor=$minor -X $v.gitTreeState=clean -X $v.buildDate=1970-01-01T00:00:00Z"
+	kflags="$kflags -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=$major -X k8s.io/client-go/pkg/version.gitMinor=$minor"
+	(cd "$d" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "$kflags" -o out/ \
+		k8s.io/kubernetes/cmd/kubelet \
+		k8s.io/kubernetes/cmd/kube-apiserver \
+		k8s.io/kubernetes/cmd/kube-controller-manager \
+		k8s.io/kubernetes/cmd/kube-scheduler \
+		k8s.io/kubernetes/cmd/kubectl)
+	finish kubernetes "$K8S_VERSION" "$d/out"
+}
+
+etcd() {
+	local d=$CACHE/.work/etcd
+	rm -rf "$d" && mkdir -p "$d/out"
+	cat >"$d/go.mod" <<-EOF
+		module rnbd.test/etcd
+
+		go 1.26
+
+		require go.etcd.io/etcd/server/v3 $ETCD_VERSION
+	EOF
+	cat >"$d/main.go" <<-'EOF'
+		// etcd's own main: the server of go.etcd.io/etcd/server/v3.
+		package main
+
+		import (
+			"os"
+
+			"go.etcd.io/etcd/server/v3/etcdmain"
+		)
+
+		func main() { etcdmain.Main(os.Args) }
+	EOF
+	(cd "$d" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags" -o out/etcd .)
+	finish etcd "$ETCD_VERSION" "$d/out"
+}
+
+containerd() {
+	local d=$CACHE/.work/containerd
+	rm -rf "$d" && mkdir -p "$d/out"
+	local m=github.com/containerd/containerd/v2
+	CGO_ENABLED=0 GOBIN=$d/out go install -trimpath \
+		-ldflags "$ldflags -X $m/version.Version=$CONTAINERD_VERSION -X $m/version.Revision=release" \
+		"$m/cmd/containerd@$CONTAINERD_VERSION" \
+		"$m/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
+		"$m/cmd/ctr@$CONTAINERD_VERSION"
+	finish containerd "$CONTAINERD_VERSION" "$d/out"
+}
+
+runc() {
+	local d=$CACHE/.work/runc
+	rm -rf "$d" && mkdir -p "$d/out"
+	# cgo (nsenter), static, without the seccomp tag (no libseccomp).
+	CGO_ENABLED=1 GOBIN=$d/out go install -trimpath -tags "netgo osusergo" \
+		-ldflags "$ldflags -X main.version=${RUNC_VERSION#v} -extldflags -static" \
+		"github.com/opencontainers/runc@$RUNC_VERSION"
+	finish runc "$RUNC_VERSION" "$d/out"
+}
+
+cni() {
+	local d=$CACHE/.work/cni
+	rm -rf "$d" && mkdir -p "$d/out"
+	local m=github.com/containernetworking/plugins
+	CGO_ENABLED=0 GOBIN=$d/out go install -trimpath \
+		-ldflags "$ldflags -X $m/pkg/utils/buildversion.BuildVersion=$CNI_VERSION" \
+		"$m/plugins/main/bridge@$CNI_VERSION" \
+		"$m/plugins/main/loopback@$CNI_VERSION" \
+		"$m/plugins/ipam/host-local@$CNI_VERSION"
+	finish cni "$CNI_VERSION" "$d/out"
+}
+
+# sidecar NAME MODULE VERSION CMD...: a kubernetes-csi sidecar, built
+# from a copy of its module (they carry replace directives).
+sidecar() {
+	local name=$1 mod=$2 ver=$3
+	shift 3
+	local d=$CACHE/.work/$name
+	rm -rf "$d" && mkdir -p "$d/out"
+	copymod "$mod@$ver" "$d/src"
+	if [ "$name" = external-snapshotter ]; then
+		# Its client module is a directory the zip does not have: the
+		# released one instead.
+		# (the client of the same release).
+		(cd "$d/src" && go mod edit -dropreplace "${mod%/v8}/client/v8" -require "${mod%/v8}/client/v8@$ver")
+	fi
+	local c
+	for c in "$@"; do
+		(cd "$d/src" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags -X main.version=$ver" -o "$d/out/" "./cmd/$c")
+	done
+	if [ "$name" = external-snapshotter ]; then
+		mkdir -p "$d/out/crd"
+		# (its kustomization.yaml is no object to apply)
+		cp "$(moddir "${mod%/v8}/client/v8@$ver")"/config/crd/*storage.k8s.io_*.yaml "$d/out/crd/"
+		# The snapshot controller's own deployment and RBAC.
+		mkdir -p "$d/out/snapshot-controller-deploy"
+		cp "$d/src"/deploy/kubernetes/snapshot-controller/{rbac,setup}-snapshot-controller.yaml "$d/out/snapshot-controller-deploy/"
+		chmod u+w "$d/out/crd/"* "$d/out/snapshot-controller-deploy/"*
+	fi
+	rm -rf "$d/src"
+	finish "$name" "$ver" "$d/out"
+}
+
+total=$SECONDS
+built kubernetes "$K8S_VERSION" || timed "kubernetes $K8S_VERSION" kubernetes
+built etcd "$ETCD_VERSION" || timed "etcd $ETCD_VERSION" etcd
+built containerd "$CONTAINERD_VERSION" || timed "containerd $CONTAINERD_VERSION" containerd
+built runc "$RUNC_VERSION" || timed "runc $RUNC_VERSION" runc
+built cni "$CNI_VERSION" || timed "cni plugins $CNI_VERSION" cni
+built external-provisioner "$PROVISIONER_VERSION" ||
+	timed "external-provisioner $PROVISIONER_VERSION" sidecar external-provisioner \
+		github.com/kubernetes-csi/external-provisioner/v6 "$PROVISIONER_VERSION" csi-provisioner
+built external-attacher "$ATTACHER_VERSION" ||
+	timed "external-attacher $ATTACHER_VERSION" sidecar external-attacher \
+		github.com/kubernetes-csi/external-attacher/v4 "$ATTACHER_VERSION" csi-attacher
+built external-resizer "$RESIZER_VERSION" ||
+	timed "external-resizer $RESIZER_VERSION" sidecar external-resizer \
+		github.com/kubernetes-csi/external-resizer/v2 "$RESIZER_VERSION" csi-resizer
+built external-snapshotter "$SNAPSHOTTER_VERSION" ||
+	timed "external-snapshotter $SNAPSHOTTER_VERSION" sidecar external-snapshotter \
+		github.com/kubernetes-csi/external-snapshotter/v8 "$SNAPSHOTTER_VERSION" csi-snapshotter snapshot-controller
+rm -rf "$CACHE/.work"
+
+# One directory of links, for PATH.
+for c in "kubernetes-$K8S_VERSION" "etcd-$ETCD_VERSION" "containerd-$CONTAINERD_VERSION" \
+	"runc-$RUNC_VERSION" "cni-$CNI_VERSION" "external-provisioner-$PROVISIONER_VERSION" \
+	"external-attacher-$ATTACHER_VERSION" "external-resizer-$RESIZER_VERSION" \
+	"external-snapshotter-$SNAPSHOTTER_VERSION"; do
+	for f in "$CACHE/$c"/*; do
+		[ -f "$f" ] && [ -x "$f" ] && ln -sfn "$f" "$BIN/$(basename "$f")"
+	done
+done
+ln -sfn "$CACHE/external-snapshotter-$SNAPSHOTTER_VERSION/crd" "$BIN/snapshot-crd"
+ln -sfn "$CACHE/external-snapshotter-$SNAPSHOTTER_VERSION/snapshot-controller-deploy" "$BIN/snapshot-controller-deploy"
+say "done in $((SECONDS - total)) s: $BIN"
+echo "$BIN"
