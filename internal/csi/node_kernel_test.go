@@ -214,7 +214,7 @@ func TestNodeOnKernel(t *testing.T) {
 				t.Fatalf("health %v %v, want healthy", h, err)
 			}
 			before := st.Usage[0].Total
-			r.srv(t, "volume", "resize", vol, "128MiB")
+			r.srv(t, "volume", "resize", vol, "--size", "128MiB")
 			ex, err := n.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: target,
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 128 << 20}})
 			if fe == "ublk" && !kernelAtLeast(6, 16) {
