@@ -25,6 +25,12 @@ ATTACHER_VERSION=v4.13.0
 RESIZER_VERSION=v2.3.0
 SNAPSHOTTER_VERSION=v8.7.0
 
+# runc's seccomp: libseccomp's static library (Debian's libseccomp-dev).
+if [ ! -e /usr/lib/x86_64-linux-gnu/libseccomp.a ]; then
+	[ "$(id -u)" = 0 ] || { echo "k8s build: libseccomp-dev is needed (runc with seccomp)" >&2; exit 1; }
+	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq libseccomp-dev >/dev/null
+fi
+
 CACHE=${K8S_CACHE:-/var/cache/rnbd-k8s}
 mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
@@ -145,11 +151,13 @@ containerd() {
 runc() {
 	local d=$CACHE/.work/runc
 	rm -rf "$d" && mkdir -p "$d/out"
-	# cgo (nsenter), static, without the seccomp tag (no libseccomp).
-	CGO_ENABLED=1 GOBIN=$d/out go install -trimpath -tags "netgo osusergo" \
+	# cgo (nsenter, libseccomp), static: deploy/ runs every container
+	# with the RuntimeDefault seccomp profile, which a runc without
+	# seccomp refuses.
+	CGO_ENABLED=1 GOBIN=$d/out go install -trimpath -tags "seccomp netgo osusergo" \
 		-ldflags "$ldflags -X main.version=${RUNC_VERSION#v} -extldflags -static" \
 		"github.com/opencontainers/runc@$RUNC_VERSION"
-	finish runc "$RUNC_VERSION" "$d/out"
+	finish runc "$RUNC_VERSION-seccomp" "$d/out"
 }
 
 cni() {
@@ -199,7 +207,7 @@ total=$SECONDS
 built kubernetes "$K8S_VERSION" || timed "kubernetes $K8S_VERSION" kubernetes
 built etcd "$ETCD_VERSION" || timed "etcd $ETCD_VERSION" etcd
 built containerd "$CONTAINERD_VERSION" || timed "containerd $CONTAINERD_VERSION" containerd
-built runc "$RUNC_VERSION" || timed "runc $RUNC_VERSION" runc
+built runc "$RUNC_VERSION-seccomp" || timed "runc $RUNC_VERSION" runc
 built cni "$CNI_VERSION" || timed "cni plugins $CNI_VERSION" cni
 built external-provisioner "$PROVISIONER_VERSION" ||
 	timed "external-provisioner $PROVISIONER_VERSION" sidecar external-provisioner \
@@ -217,7 +225,7 @@ rm -rf "$CACHE/.work"
 
 # One directory of links, for PATH.
 for c in "kubernetes-$K8S_VERSION" "etcd-$ETCD_VERSION" "containerd-$CONTAINERD_VERSION" \
-	"runc-$RUNC_VERSION" "cni-$CNI_VERSION" "external-provisioner-$PROVISIONER_VERSION" \
+	"runc-$RUNC_VERSION-seccomp" "cni-$CNI_VERSION" "external-provisioner-$PROVISIONER_VERSION" \
 	"external-attacher-$ATTACHER_VERSION" "external-resizer-$RESIZER_VERSION" \
 	"external-snapshotter-$SNAPSHOTTER_VERSION"; do
 	for f in "$CACHE/$c"/*; do

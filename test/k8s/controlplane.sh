@@ -103,7 +103,7 @@ start() {
 		--tls-cert-file "$p/apiserver.crt" --tls-private-key-file "$p/apiserver.key" \
 		--client-ca-file "$p/ca.crt" \
 		--kubelet-client-certificate "$p/apiserver-kubelet-client.crt" --kubelet-client-key "$p/apiserver-kubelet-client.key" \
-		--kubelet-certificate-authority "$p/ca.crt" \
+		--kubelet-certificate-authority "$p/ca.crt" --kubelet-preferred-address-types InternalIP \
 		--service-account-key-file "$p/sa.pub" --service-account-signing-key-file "$p/sa.key" \
 		--service-account-issuer https://kubernetes.default.svc \
 		--service-cluster-ip-range 10.96.0.0/16 \

@@ -7,7 +7,7 @@
 #
 #   registry.k8s.io/pause:3.10.2            Kubernetes' own pause.c, static
 #   registry.k8s.io/e2e-test-images/busybox:1.37.0-2   busybox-static
-#   rnbd-csi:dev                            rnbd-csi with what its node plugin
+#   docker.io/library/rnbd-csi:dev          rnbd-csi (deploy/ says rnbd-csi:dev) with what its node plugin
 #                                           runs (mkfs, blkid, mount, …) from
 #                                           this machine's Debian packages
 #   registry.k8s.io/sig-storage/…           the sidecars test/k8s/build.sh
@@ -116,7 +116,9 @@ for t in mkfs.ext4 mke2fs e2fsck resize2fs dumpe2fs mkfs.xfs xfs_growfs xfs_io x
 done
 ln -sf "$(command -v e2fsck)" "$r$(dirname "$(command -v fsck)")/fsck.ext4"
 cp /etc/mke2fs.conf "$r/etc/"
-image rnbd-csi:dev "$r" /usr/bin/rnbd-csi
+# deploy/ says rnbd-csi:dev, which the kubelet asks of containerd as the
+# name it normalises to.
+image docker.io/library/rnbd-csi:dev "$r" /usr/bin/rnbd-csi
 
 # The sidecars: static binaries at the paths their images have them.
 sidecar() {

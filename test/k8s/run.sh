@@ -122,6 +122,9 @@ ready() {
 		sleep 5
 	done
 	say "node $node Ready $((SECONDS - t0)) s after the boot"
+	# Its zone, as an operator labels a node: the node plugin's topology
+	# (csi.toml's topology_from_node).
+	kc label node "$node" topology.kubernetes.io/zone=zone-a
 }
 
 apply() {

@@ -74,6 +74,13 @@ for i in /opt/k8s/images/*.tar; do
 done
 echo "K8S-IMAGES $(ctr -n k8s.io images list -q | grep -vc '^sha256:')"
 
+# rnbd-client, the host daemon the node plugin drives (as the
+# rnbd-client package runs it): its control socket in /run/rnbd.
+mkdir -p /run/rnbd /var/lib/rnbd
+/opt/k8s/bin/rnbd-client daemon --config /dev/null --control-socket /run/rnbd/client.sock \
+	--state-file /var/lib/rnbd/client.json --socket-dir /run/rnbd --log-level info >/var/log/rnbd-client.log 2>&1 &
+echo "K8S-RNBD-CLIENT started"
+
 # The kubelet.
 mkdir -p /var/lib/kubelet/pki
 cp /opt/k8s/etc/kubelet.kubeconfig /opt/k8s/etc/kubelet-config.yaml /var/lib/kubelet/
@@ -82,12 +89,12 @@ kubelet --config /var/lib/kubelet/kubelet-config.yaml --kubeconfig /var/lib/kube
 	--hostname-override "$NODE" --node-ip "$ADDR" --v=1 >/var/log/kubelet.log 2>&1 &
 echo "K8S-KUBELET started"
 
-# A kubelet or containerd that exits ends the guest, its last words on
+# A kubelet, containerd or rnbd-client that exits ends the guest, its last words on
 # the console; every 60 s the kubelet's last lines, for a failure's
 # diagnosis.
 n=0
 while sleep 10; do
-	for p in kubelet containerd; do
+	for p in kubelet containerd rnbd-client; do
 		pidof "$p" >/dev/null && continue
 		echo "K8S-FAIL $p exited: $(tail -5 "/var/log/$p.log" | tr '\n' ' ' | cut -c1-1500)"
 		poweroff -f
