@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm vet helm manifests bench bench-peers bench-fleet fuzz clean
+.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm test-k8s vet helm manifests bench bench-peers bench-fleet fuzz clean
 
 all: build
 
@@ -113,6 +113,15 @@ test-vm: deps
 	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then \
 		VM_SUITE=trixie-backports VM_MIN_KERNEL=6.16 VM_ONLY=nbd,ublk VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
 	fi
+
+# The Kubernetes tier, being built (issue 41): a pinned Kubernetes built
+# from the Go module proxy (test/k8s/build.sh, cached in
+# /var/cache/rnbd-k8s by version: about 37 minutes the first time), its
+# control plane in a network namespace of its own, a qemu node whose
+# kubelet joins it, deploy/ applied. Root. Not part of .ci/run yet: it
+# does not pass yet (docs/testing.md says where it stands).
+test-k8s: deps
+	@test/k8s/run.sh
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2s -count 1 ./pkg/...
