@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Kubernetes tier's node: a qemu guest on the VM tier's Debian kernel
-# (test/vm/run.sh VM_KERNEL_ONLY=1), its NIC the tap device of the tier's
+# (test/vm/run.sh VM_KERNEL_ONLY=1, which installs qemu and the rest the
+# VM tier needs, and fetches the kernel, the first time), its NIC the tap device of the tier's
 # network namespace. What it runs is test/k8s/guest/init.sh; what it runs
 # it from is a disk made here (read-only ext4, mkfs.ext4 -d): the
 # node's binaries, the images (test/k8s/images.sh), containerd's, the

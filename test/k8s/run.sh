@@ -34,7 +34,7 @@ main() {
 	cd "$(dirname "$0")/../.."
 	local t_start=$SECONDS
 	[ "$(id -u)" = 0 ] || die "the Kubernetes tier needs root (a network namespace)"
-	for c in openssl jq ip qemu-system-x86_64 mkfs.ext4; do command -v "$c" >/dev/null || die "$c is not installed"; done
+	for c in openssl jq ip mkfs.ext4; do command -v "$c" >/dev/null || die "$c is not installed"; done
 
 	work=$(mktemp -d /tmp/rnbd-k8s.XXXXXX)
 	ns=rnbd-k8s-$$
