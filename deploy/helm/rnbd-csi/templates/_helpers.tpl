@@ -85,14 +85,23 @@ capabilities:
 {{- end -}}
 {{- end }}
 
-{{/* The liveness probe of a controller sidecar on its --http-endpoint port (named by the argument): restarted when, as the leader, it stopped renewing its lease. */}}
+{{/* The liveness probe of a controller sidecar on its --http-endpoint port (the argument's port), within probes' bounds or a leader's own (10 s, every 20 s): restarted when, as the leader, it stopped renewing its lease. */}}
 {{- define "rnbd-csi.leaderProbe" -}}
 livenessProbe:
   httpGet:
     path: /healthz/leader-election
-    port: {{ . }}
+    port: {{ .port }}
   initialDelaySeconds: 10
-  periodSeconds: 20
-  timeoutSeconds: 10
+  periodSeconds: {{ max 20 .probes.periodSeconds }}
+  timeoutSeconds: {{ max 10 .probes.timeoutSeconds }}
   failureThreshold: 3
+{{- end }}
+
+{{/* The sidecars' leader election timings that controller.leaderElection sets (none: the sidecars' own), as arguments. */}}
+{{- define "rnbd-csi.leaderElectionArgs" -}}
+{{- $a := list -}}
+{{- with .leaseDuration }}{{ $a = append $a (printf "- --leader-election-lease-duration=%s" .) }}{{ end -}}
+{{- with .renewDeadline }}{{ $a = append $a (printf "- --leader-election-renew-deadline=%s" .) }}{{ end -}}
+{{- with .retryPeriod }}{{ $a = append $a (printf "- --leader-election-retry-period=%s" .) }}{{ end -}}
+{{- join "\n" $a -}}
 {{- end }}
