@@ -27,6 +27,7 @@ import (
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/blockdev"
+	"github.com/rnbd/rnbd/pkg/frontend/ublk"
 	"github.com/rnbd/rnbd/pkg/log"
 )
 
@@ -209,12 +210,7 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 	}
 	s.transport, s.policy, s.frontend = pc[PCTransport], pc[PCMpathPolicy], pc[PCFrontend]
 	if s.frontend == "" {
-		// ublk where the kernel has it (it survives a restart of the
-		// daemon), else the nbd driver.
-		s.frontend = "nbd"
-		if _, err := os.Stat("/dev/ublk-control"); err == nil {
-			s.frontend = "ublk"
-		}
+		s.frontend = defaultFrontend()
 	}
 	vc := req.GetVolumeCapability()
 	switch {
@@ -479,4 +475,17 @@ func (n *NodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	n.opts.Log.WithFields(log.Fields{"volume": id, "staging": staging}).Info("volume unstaged")
 	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// defaultFrontend is the frontend of a volume whose StorageClass names
+// none: ublk where the kernel can grow a ublk device while it is in use
+// (UPDATE_SIZE, Linux 6.16), so that a volume of a class that allows
+// expansion grows in its running pod whichever it is; the nbd driver
+// elsewhere. Both keep their devices across a restart of the client
+// daemon (ublk's user recovery, nbd's RECONFIGURE).
+func defaultFrontend() string {
+	if f, err := ublk.Probe(); err == nil && f&ublk.FlagUpdateSize != 0 {
+		return "ublk"
+	}
+	return "nbd"
 }
