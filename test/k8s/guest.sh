@@ -6,17 +6,20 @@
 # it from is a disk made here (read-only ext4, mkfs.ext4 -d): the
 # node's binaries, the images (test/k8s/images.sh), containerd's, the
 # CNI's and the kubelet's configuration, the kubelet's certificate from
-# the control plane's PKI.
+# the control plane's PKI; the storage node's and the worker's
+# certificates from RNBD_PKI (docs/kubernetes.md's install steps 1–3).
+# A second disk, XFS (reflink: snapshots and clones share blocks), is the
+# storage node's pool.
 #
-#   test/k8s/guest.sh K8S_BIN IMAGES CP_DIR WORK NETNS TAP ADDR GW NODE
+#   test/k8s/guest.sh K8S_BIN IMAGES CP_DIR RNBD_PKI WORK NETNS TAP ADDR GW NODE
 #
 # Starts qemu in the background (its console in WORK/serial.log, its PID
 # in WORK/qemu.pid) and returns; the caller ends it by that PID.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
-[ $# -eq 9 ] || { echo "usage: $0 K8S_BIN IMAGES CP_DIR WORK NETNS TAP ADDR GW NODE" >&2; exit 2; }
-kbin=$1 images=$2 cp=$3 work=$4 ns=$5 tap=$6 addr=$7 gw=$8 node=$9
+[ $# -eq 10 ] || { echo "usage: $0 K8S_BIN IMAGES CP_DIR RNBD_PKI WORK NETNS TAP ADDR GW NODE" >&2; exit 2; }
+kbin=$1 images=$2 cp=$3 pki=$4 work=$5 ns=$6 tap=$7 addr=$8 gw=$9 node=${10}
 say() { printf '== [%(%H:%M:%S)T] k8s guest: %s\n' -1 "$*" >&2; }
 die() { say "FAIL: $*"; exit 1; }
 
@@ -60,7 +63,7 @@ chmod +x "$root/init"
 
 # The disk: binaries, images, configuration, the kubelet's PKI.
 disk=$work/disk
-rm -rf "$disk" && mkdir -p "$disk"/{bin,images,etc,pki}
+rm -rf "$disk" && mkdir -p "$disk"/{bin,images,etc,pki,rnbd/tls}
 for b in kubelet kubectl containerd containerd-shim-runc-v2 ctr runc bridge host-local loopback; do
 	cp -L "$kbin/$b" "$disk/bin/"
 done
@@ -68,6 +71,29 @@ CGO_ENABLED=0 go build -trimpath -ldflags "$(scripts/version.sh)" -o "$disk/bin/
 cp "$images"/*.tar "$disk/images/"
 cp "$cp/pki/ca.crt" "$cp/pki/kubelet.crt" "$cp/pki/kubelet.key" "$disk/pki/"
 printf 'NODE=%s\nADDR=%s\nGW=%s\n' "$node" "$addr" "$gw" >"$disk/etc/node.env"
+# The storage node (install step 2) and the worker (step 3): the one
+# machine is both, as a small cluster's may be.
+cp "$pki/ca.crt" "$pki/storage-a.crt" "$pki/storage-a.key" "$pki/$node.crt" "$pki/$node.key" "$disk/rnbd/tls/"
+cat >"$disk/rnbd/server.toml" <<-EOF
+	# The tier's storage node, as docs/kubernetes.md's install step 2.
+	listen = ["tcp://$addr:1234"]
+	control_socket = "/run/rnbd/server.sock"
+	state_file = "/var/lib/rnbd/server.json"
+	[tls]
+	cert = "/opt/k8s/rnbd/tls/storage-a.crt"
+	key = "/opt/k8s/rnbd/tls/storage-a.key"
+	ca = "/opt/k8s/rnbd/tls/ca.crt"
+	[admin]
+	listen = ["$addr"]
+	provisioners = ["csi-controller"]
+	# A handshake on this emulated node may take longer than the 2 s
+	# a real one is given.
+	handshake_timeout = "10s"
+	[[pool]]
+	name = "fast"
+	type = "dir"
+	path = "/srv/pool"
+EOF
 sed -e "s|$cp/pki/|/var/lib/kubelet/pki/|g" "$cp/pki/kubelet.kubeconfig" >"$disk/etc/kubelet.kubeconfig"
 cat >"$disk/etc/containerd.toml" <<-'EOF'
 	# containerd 2.x for the tier's node: the CRI plugin, the native
@@ -128,11 +154,14 @@ cat >"$disk/etc/kubelet-config.yaml" <<-'EOF'
 EOF
 mkfs.ext4 -q -F -L k8s -d "$disk" "$work/k8s.img" "$(($(du -sm "$disk" | cut -f1) * 12 / 10 + 64))M"
 rm -rf "$disk" "$root"
+truncate -s 16G "$work/pool.img"
+mkfs.xfs -q -f -m reflink=1 "$work/pool.img"
 
 say "boot $kv (qemu TCG, 4 GiB, NIC $tap in netns $ns)"
 ip netns exec "$ns" qemu-system-x86_64 -kernel "$vmlinuz" -initrd "$work/initrd.gz" \
 	-nographic -m 4G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
 	-netdev "tap,id=n0,ifname=$tap,script=no,downscript=no" -device virtio-net-pci,netdev=n0 \
 	-drive "file=$work/k8s.img,if=virtio,format=raw,readonly=on" \
+	-drive "file=$work/pool.img,if=virtio,format=raw,cache=unsafe" \
 	-append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/serial.log" 2>&1 &
 echo $! >"$work/qemu.pid"

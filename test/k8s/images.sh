@@ -10,6 +10,8 @@
 #   docker.io/library/rnbd-csi:dev          rnbd-csi (deploy/ says rnbd-csi:dev) with what its node plugin
 #                                           runs (mkfs, blkid, mount, …) from
 #                                           this machine's Debian packages
+#   docker.io/library/rnbd-fio:test         fio on busybox: the tier's own
+#                                           failure case
 #   registry.k8s.io/sig-storage/…           the sidecars test/k8s/build.sh
 #                                           built; node-driver-registrar and
 #                                           livenessprobe are tools/k8s's
@@ -120,14 +122,18 @@ cp /etc/mke2fs.conf "$r/etc/"
 # name it normalises to.
 image docker.io/library/rnbd-csi:dev "$r" /usr/bin/rnbd-csi
 
-# The sidecars: static binaries at the paths their images have them.
-sidecar() {
-	local name=$1 bin=$2 at=$3
-	local r=$work/$(basename "$at") && minimal "$r"
-	cp "$bin" "$r$at"
-	image "$name" "$r" "$at"
-}
-# The sidecars under the names deploy/ gives them; a version there that
+# rnbd-fio:test: fio on busybox, for the tier's failure case (fio's
+# verify in a pod); the tests' own image, named nowhere in deploy/.
+r=$work/rnbd-fio && minimal "$r"
+mkdir -p "$r/bin"
+cp /bin/busybox "$r/bin/busybox"
+for a in $(/bin/busybox --list); do [ -e "$r/bin/$a" ] || ln -s busybox "$r/bin/$a"; done
+p=$(command -v fio) || { echo "images: fio is not installed" >&2; exit 1; }
+elf "$r" "$(readlink -f "$p")" /usr/bin/fio
+image docker.io/library/rnbd-fio:test "$r" /bin/sh
+
+# The sidecars: static binaries at the paths their images have them,
+# under the names deploy/ gives them; a version there that
 # is not the one build.sh built is an error (the image would lie).
 reg=registry.k8s.io/sig-storage
 named() {

@@ -74,12 +74,24 @@ for i in /opt/k8s/images/*.tar; do
 done
 echo "K8S-IMAGES $(ctr -n k8s.io images list -q | grep -vc '^sha256:')"
 
-# rnbd-client, the host daemon the node plugin drives (as the
-# rnbd-client package runs it): its control socket in /run/rnbd.
-mkdir -p /run/rnbd /var/lib/rnbd
-/opt/k8s/bin/rnbd-client daemon --config /dev/null --control-socket /run/rnbd/client.sock \
-	--state-file /var/lib/rnbd/client.json --socket-dir /run/rnbd --log-level info >/var/log/rnbd-client.log 2>&1 &
-echo "K8S-RNBD-CLIENT started"
+# The storage node's rnbd-server (its pool on the second disk) and the
+# worker's rnbd-client, the host daemon the node plugin drives, as their
+# packages run them (their control sockets in /run/rnbd), and started
+# again when they exit, as their units are (Restart=on-failure).
+mkdir -p /run/rnbd /var/lib/rnbd /srv/pool
+mount /dev/vdb /srv/pool || { echo "K8S-FAIL no pool disk"; poweroff -f; }
+start_rnbd() {
+	case $1 in
+	rnbd-server) /opt/k8s/bin/rnbd-server daemon --config /opt/k8s/rnbd/server.toml >>/var/log/rnbd-server.log 2>&1 & ;;
+	rnbd-client) /opt/k8s/bin/rnbd-client daemon --config /dev/null --control-socket /run/rnbd/client.sock \
+		--state-file /var/lib/rnbd/client.json --socket-dir /run/rnbd --log-level info \
+		--tls-cert "/opt/k8s/rnbd/tls/$NODE.crt" --tls-key "/opt/k8s/rnbd/tls/$NODE.key" \
+		--tls-ca /opt/k8s/rnbd/tls/ca.crt >>/var/log/rnbd-client.log 2>&1 & ;;
+	esac
+	echo "K8S-RNBD $1 started"
+}
+start_rnbd rnbd-server
+start_rnbd rnbd-client
 
 # The kubelet.
 mkdir -p /var/lib/kubelet/pki
@@ -89,16 +101,19 @@ kubelet --config /var/lib/kubelet/kubelet-config.yaml --kubeconfig /var/lib/kube
 	--hostname-override "$NODE" --node-ip "$ADDR" --v=1 >/var/log/kubelet.log 2>&1 &
 echo "K8S-KUBELET started"
 
-# A kubelet, containerd or rnbd-client that exits ends the guest, its last words on
-# the console; every 60 s the kubelet's last lines, for a failure's
-# diagnosis.
+# A kubelet or containerd that exits ends the guest, its last words on
+# the console; an rnbd daemon is started again, as its unit; every 60 s
+# the kubelet's last lines, for a failure's diagnosis.
 n=0
-while sleep 10; do
-	for p in kubelet containerd rnbd-client; do
+while sleep 2; do
+	for p in kubelet containerd; do
 		pidof "$p" >/dev/null && continue
 		echo "K8S-FAIL $p exited: $(tail -5 "/var/log/$p.log" | tr '\n' ' ' | cut -c1-1500)"
 		poweroff -f
 	done
+	for p in rnbd-server rnbd-client; do
+		pidof "$p" >/dev/null || start_rnbd "$p"
+	done
 	n=$((n + 1))
-	[ $((n % 6)) -ne 0 ] || echo "K8S-TAIL kubelet: $(tail -3 /var/log/kubelet.log | tr '\n' ' ' | cut -c1-600)"
+	[ $((n % 30)) -ne 0 ] || echo "K8S-TAIL kubelet: $(tail -3 /var/log/kubelet.log | tr '\n' ' ' | cut -c1-600)"
 done
