@@ -7,6 +7,9 @@
 #
 #   registry.k8s.io/pause:3.10.2            Kubernetes' own pause.c, static
 #   registry.k8s.io/e2e-test-images/busybox:1.37.0-2   busybox-static
+#   registry.k8s.io/e2e-test-images/{glibc-dns-testing:2.1.1,nginx:1.27.0-2}
+#                                           the same busybox: the storage e2e
+#                                           specs start them only for a shell
 #   docker.io/library/rnbd-csi:dev          rnbd-csi (deploy/ says rnbd-csi:dev) with what its node plugin
 #                                           runs (mkfs, blkid, mount, …) from
 #                                           this machine's Debian packages
@@ -107,6 +110,10 @@ mkdir -p "$r/bin"
 cp /bin/busybox "$r/bin/busybox"
 for a in $(/bin/busybox --list); do [ -e "$r/bin/$a" ] || ln -s busybox "$r/bin/$a"; done
 image registry.k8s.io/e2e-test-images/busybox:1.37.0-2 "$r" /bin/sh
+# The storage e2e specs start these only for a shell (multiVolume's pods,
+# the exec check's script): busybox under their names.
+image registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1 "$r" /bin/sh
+image registry.k8s.io/e2e-test-images/nginx:1.27.0-2 "$r" /bin/sh
 
 # rnbd-csi: the Containerfile's image, from this machine's packages.
 r=$work/rnbd-csi && minimal "$r"

@@ -461,7 +461,7 @@ e2e() {
 	local rc=0
 	ip netns exec "$ns" "$kbin/e2e.test" -kubeconfig "$work/cp/pki/admin.kubeconfig" -kubectl-path "$kbin/kubectl" \
 		-provider skeleton -storage.testdriver "$PWD/test/k8s/testdriver.yaml" -report-dir "$work/e2e" \
-		"${focus[@]}" -ginkgo.skip '\[Disruptive\]|\[Serial\]' -ginkgo.timeout 4h -ginkgo.no-color \
+		"${focus[@]}" -ginkgo.skip '\[Disruptive\]|\[Serial\]' -ginkgo.timeout 4h -ginkgo.no-color -ginkgo.v \
 		-ginkgo.json-report "$work/e2e/report.json" >"$work/e2e/e2e.log" 2>&1 || rc=$?
 	[ -s "$work/e2e/report.json" ] || { tail -40 "$work/e2e/e2e.log" >&2; die "the e2e suite wrote no report (exit $rc)"; }
 	# One line per spec that ran: its state, time and name.
