@@ -199,10 +199,7 @@ sidecar() {
 	local d=$CACHE/.work/$name
 	rm -rf "$d" && mkdir -p "$d/out"
 	kmod "$d"
-	local m
-	for m in "${SIDECARS[@]}"; do
-		(cd "$d" && go mod edit -require "$m")
-	done
+	(cd "$d" && go mod edit "${SIDECARS[@]/#/-require=}")
 	local c
 	for c in "$@"; do
 		(cd "$d" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags -X main.version=$ver" -o out/ "$mod/cmd/$c")

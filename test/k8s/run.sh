@@ -408,7 +408,9 @@ failure() {
 	on_node sh -c 'kill -9 $(pidof rnbd-server)'
 	say "failure: rnbd-server killed while fio writes"
 	! log_has fio WRITTEN || die "fio finished writing before the faults: make its job longer"
-	wait_until "fio done" 1200 done_pod fio
+	# About 20 IOs a second on the emulated node, slower beside other
+	# pods, and a request in flight at the kill waits nbd_io_timeout.
+	wait_until "fio done" 2400 done_pod fio
 	kc logs fio | tail -20
 	[ "$(phase fio)" = Succeeded ] && log_has fio VERIFIED || die "fio found lost or wrong blocks (above)"
 	say "failure: every block fio wrote reads back as written"
