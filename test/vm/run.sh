@@ -306,10 +306,12 @@ if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	die "the guest did not finish (qemu exit $rc after ${secs}s)"
 fi
 if grep -aq '^RESULT [^ ]* FAIL' <(tr -d '\r' <"$work/serial.log"); then
-	# What the failing checks printed (a Go test's output ends in DETAIL
-	# lines), then the daemons' last words.
-	tr -d '\r' <"$work/serial.log" | grep -a '^DETAIL ' >&2 || true
+	# The daemons' last words, what the failing checks printed (a Go
+	# test's output ends in DETAIL lines), then the failed checks
+	# themselves: last, where a log cut to its tail still shows them.
 	tr -d '\r' <"$work/serial.log" | sed -n '/^--- rnbd-client log/,/VMTEST-DONE/p' >&2
+	tr -d '\r' <"$work/serial.log" | grep -a '^DETAIL ' >&2 || true
+	tr -d '\r' <"$work/serial.log" | grep -a '^RESULT [^ ]* FAIL' >&2
 	die "a scenario failed (${secs}s)"
 fi
 log "VM tier passed in ${secs}s"
