@@ -10,6 +10,10 @@
 #   registry.k8s.io/e2e-test-images/{glibc-dns-testing:2.1.1,nginx:1.27.0-2}
 #                                           the same busybox: the storage e2e
 #                                           specs start them only for a shell
+#   registry.k8s.io/e2e-test-images/agnhost:2.66.1
+#                                           the same busybox with a /agnhost
+#                                           that does pause (the specs'
+#                                           host-exec pod)
 #   docker.io/library/rnbd-csi:dev          rnbd-csi (deploy/ says rnbd-csi:dev) with what its node plugin
 #                                           runs (mkfs, blkid, mount, …) from
 #                                           this machine's Debian packages
@@ -114,6 +118,27 @@ image registry.k8s.io/e2e-test-images/busybox:1.37.0-2 "$r" /bin/sh
 # the exec check's script): busybox under their names.
 image registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1 "$r" /bin/sh
 image registry.k8s.io/e2e-test-images/nginx:1.27.0-2 "$r" /bin/sh
+# agnhost: the storage specs' host-exec pod (privileged, the node's root
+# at /rootfs) runs agnhost's default, pause, and is exec'd into for
+# `nsenter --mount=/rootfs/proc/1/ns/mnt -- sh -c CMD`: busybox has both;
+# /agnhost does pause and says so of any other subcommand.
+cat >"$r/agnhost" <<'AGNHOST'
+#!/bin/sh
+# rnbd's Kubernetes tier: a stand-in for agnhost with its pause only.
+case ${1:-pause} in
+pause)
+	trap 'exit 0' TERM INT
+	while :; do sleep 3600 & wait $!; done
+	;;
+*)
+	echo "agnhost: this stand-in (rnbd test/k8s/images.sh) has pause only, not $1" >&2
+	exit 2
+	;;
+esac
+AGNHOST
+chmod 755 "$r/agnhost"
+image registry.k8s.io/e2e-test-images/agnhost:2.66.1 "$r" /agnhost
+rm "$r/agnhost"
 
 # rnbd-csi: the Containerfile's image, from this machine's packages.
 r=$work/rnbd-csi && minimal "$r"
