@@ -7,8 +7,8 @@
 #
 #   test/k8s/build.sh            build what is missing; print the bin dir
 #   test/k8s/build.sh --deps     install what the build needs from apt
-#                                and exit (.ci/run, before it starts the
-#                                build beside steps that use apt too)
+#                                and exit: for a caller that starts the
+#                                build beside steps that use apt too
 #   K8S_CACHE=DIR                the cache (default /var/cache/rnbd-k8s, as
 #                                the VM tier keeps its own in /var/cache/rnbd-vm)
 #
