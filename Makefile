@@ -119,8 +119,8 @@ test-vm: deps
 # /var/cache/rnbd-k8s by version), its control plane in a network
 # namespace of its own, a qemu node whose kubelet joins it, rnbd-csi
 # installed with the chart; pods get volumes, a failure case, the e2e
-# suite's focused run. Root. Not part of .ci/run yet: cold, its build
-# and run do not fit CI's time after the rest (docs/testing.md).
+# suite's focused run. Root. K8S_PROFILE=ci is .ci/run's shorter run (its
+# e2e specs stand in for the tier's own volume checks; docs/testing.md).
 test-k8s: deps $(HELM)
 	@RNBD_HELM=$(abspath $(HELM)) test/k8s/run.sh
 

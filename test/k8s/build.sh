@@ -6,6 +6,9 @@
 # cache named by its version, built once: a warm run builds nothing.
 #
 #   test/k8s/build.sh            build what is missing; print the bin dir
+#   test/k8s/build.sh --deps     install what the build needs from apt
+#                                and exit (.ci/run, before it starts the
+#                                build beside steps that use apt too)
 #   K8S_CACHE=DIR                the cache (default /var/cache/rnbd-k8s, as
 #                                the VM tier keeps its own in /var/cache/rnbd-vm)
 #
@@ -30,6 +33,8 @@ if [ ! -e /usr/lib/x86_64-linux-gnu/libseccomp.a ]; then
 	[ "$(id -u)" = 0 ] || { echo "k8s build: libseccomp-dev is needed (runc with seccomp)" >&2; exit 1; }
 	DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq libseccomp-dev >/dev/null
 fi
+[ "${1:-}" != --deps ] || exit 0
+[ $# = 0 ] || { echo "usage: test/k8s/build.sh [--deps]" >&2; exit 2; }
 
 CACHE=${K8S_CACHE:-/var/cache/rnbd-k8s}
 mkdir -p "$CACHE"
