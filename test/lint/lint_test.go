@@ -59,12 +59,14 @@ func TestCgoOnlyInIbverbs(t *testing.T) {
 // TestDependencyDirection: the floors, each importing only those below
 // it — cmd (the binaries) -> internal (the daemons, their control API,
 // configuration and command line) -> pkg (the libraries: pkg/rnbd ->
-// pkg/rtrs -> fabric -> pkg/ibverbs, pkg/rnbd -> pkg/blockdev, the
-// frontends, and the leaves pkg/log and pkg/tagpool; what only pkg/ uses
+// pkg/rtrs -> fabric -> pkg/ibverbs, pkg/mirror (a mapping over several
+// RNBD devices) -> pkg/rnbd -> pkg/blockdev, the frontends, and the
+// leaves pkg/log and pkg/tagpool; what only pkg/ uses
 // is under pkg/internal or its one user's internal/). test/ and tools/
 // sit beside them: no binary, daemon or library imports them (tests
 // may: TestImports are not the package's). Within pkg: pkg/rtrs knows
-// nothing of RNBD, NBD or ublk; pkg/rnbd knows nothing of the frontends;
+// nothing of RNBD, NBD or ublk; pkg/rnbd knows nothing of the frontends
+// or of mirrors, pkg/mirror nothing of the frontends;
 // the backends and the frontends know nothing of RNBD or RTRS, nor of
 // each other; the fabrics sit below the engine. No exceptions.
 func TestDependencyDirection(t *testing.T) {
@@ -73,10 +75,11 @@ func TestDependencyDirection(t *testing.T) {
 		module + "/pkg/":         append([]string{module + "/internal/"}, above...),
 		module + "/internal/":    above,
 		module + "/cmd/":         above[1:],
-		module + "/pkg/rtrs":     {module + "/pkg/rnbd", module + "/pkg/blockdev", module + "/pkg/frontend"},
-		module + "/pkg/rnbd":     {module + "/pkg/frontend"},
-		module + "/pkg/blockdev": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/frontend"},
-		module + "/pkg/frontend": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/blockdev"},
+		module + "/pkg/rtrs":     {module + "/pkg/rnbd", module + "/pkg/mirror", module + "/pkg/blockdev", module + "/pkg/frontend"},
+		module + "/pkg/rnbd":     {module + "/pkg/mirror", module + "/pkg/frontend"},
+		module + "/pkg/mirror":   {module + "/pkg/frontend"},
+		module + "/pkg/blockdev": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/mirror", module + "/pkg/frontend"},
+		module + "/pkg/frontend": {module + "/pkg/rnbd", module + "/pkg/rtrs", module + "/pkg/mirror", module + "/pkg/blockdev"},
 	}
 	for _, p := range packages(t) {
 		for _, imp := range p.Imports {

@@ -1,0 +1,14 @@
+// Package mirror is the replicated mapping of rnbd-client: one device
+// over 2 or 3 legs, each an RNBD device on a different storage node, and
+// an optional witness that holds only metadata. docs/replication.md is
+// the design: the metadata format, the generations and quorums, each
+// failure and what the mirror does.
+//
+// What is here so far is the part every other one rests on: the
+// superblock (superblock.go: its format, the checks of every field, the
+// choice between its two slots) and the assembly's decision
+// (assemble.go: from the superblocks of the voters reached, which legs
+// hold the last acknowledged writes, which resync, or a refusal naming
+// what is missing). Both are pure functions of their input. The IO path
+// over rnbd.CltDev legs comes next.
+package mirror
