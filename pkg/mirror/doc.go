@@ -6,9 +6,13 @@
 //
 // What is here so far is the part every other one rests on: the
 // superblock (superblock.go: its format, the checks of every field, the
-// choice between its two slots) and the assembly's decision
-// (assemble.go: from the superblocks of the voters reached, which legs
-// hold the last acknowledged writes, which resync, or a refusal naming
-// what is missing). Both are pure functions of their input. The IO path
-// over rnbd.CltDev legs comes next.
+// choice between its two slots), the assembly's decision (assemble.go:
+// from the superblocks of the voters reached, which legs hold the last
+// acknowledged writes, which resync, or a refusal naming what is
+// missing), both pure functions of their input, and the dirty-region
+// bitmap (bitmap.go: the bits a write sets before it goes out, the
+// blocks it waits for, cleaning, the union loaded at assembly, the runs
+// a resync copies). The IO path over rnbd.CltDev legs comes next.
+//
+// Lock order: Bitmap.mu is a leaf; nothing is taken while it is held.
 package mirror
