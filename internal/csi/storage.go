@@ -67,12 +67,17 @@ func callOn[T any](ctx context.Context, n *storageNode, what string, f func(ctx 
 		return zero, fmt.Errorf("%s: %w", n, err)
 	}
 	defer release()
+	waited, called := time.Since(began), time.Now()
 	v, err := f(cctx)
-	if err != nil && ctx.Err() == nil && errors.Is(cctx.Err(), context.DeadlineExceeded) {
-		err = ctl.Errorf(ctl.CodeUnavailable, "%s did not answer %s within %v ([controller] storage_timeout)", n, what, n.timeout)
+	timedOut := err != nil && ctx.Err() == nil && errors.Is(cctx.Err(), context.DeadlineExceeded)
+	if timedOut {
+		err = ctl.Errorf(ctl.CodeUnavailable, "%s did not answer %s within %v ([controller] storage_timeout; %v of it waiting for a turn)",
+			n, what, n.timeout, waited.Round(time.Millisecond))
 	}
-	if ctx.Err() == nil {
-		// The caller giving up says nothing of the node.
+	// The caller giving up says nothing of the node; nor does a call
+	// that its wait for a turn left less than half the deadline: a burst
+	// of calls to a busy node must not mark it down.
+	if ctx.Err() == nil && !(timedOut && time.Since(called) < n.timeout/2) {
 		n.answered(err)
 	}
 	return v, err
