@@ -2,6 +2,7 @@ package rtrs
 
 import (
 	"errors"
+	"fmt"
 
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric"
 )
@@ -32,6 +33,34 @@ func (s *CltSession) AllocBuffer(n int) (*Buffer, error) {
 	if err != nil {
 		return nil, err
 	}
+	b, err := s.addBuffer(mem, mem.Bytes())
+	if err != nil {
+		mem.Free()
+	}
+	return b, err
+}
+
+// ShareBuffer registers the memory of b, a buffer of another session,
+// with every path of s: one memory the requests of several sessions
+// use, as a mirror's writes go to each of its legs from one buffer. The
+// Buffer returned is s's; its Free deregisters it from s and leaves the
+// memory, which b owns and must keep until then. The two sessions must
+// be of one kind of fabric (memory allocated for RDMA is not TCP's).
+func (s *CltSession) ShareBuffer(b *Buffer) (*Buffer, error) {
+	switch {
+	case s.closed.Load():
+		return nil, ErrClosed
+	case b.local:
+		return nil, errors.New("rtrs: a session's header buffer is its own")
+	case b.sess.cfg.Fabric.Name() != s.cfg.Fabric.Name():
+		return nil, fmt.Errorf("rtrs: a buffer of a %s session shared with a %s one", b.sess.cfg.Fabric.Name(), s.cfg.Fabric.Name())
+	}
+	return s.addBuffer(nil, b.b)
+}
+
+// addBuffer registers p with every path under the lowest free id; mem
+// is the memory the buffer owns (nil: another buffer's, shared).
+func (s *CltSession) addBuffer(mem fabric.Memory, p []byte) (*Buffer, error) {
 	s.regMu.Lock()
 	defer s.regMu.Unlock()
 	// The lowest id a freed buffer left, else a new one: the tables of
@@ -44,13 +73,12 @@ func (s *CltSession) AllocBuffer(n int) (*Buffer, error) {
 			break
 		}
 	}
-	b := &Buffer{sess: s, idx: idx, mem: mem, b: mem.Bytes()}
+	b := &Buffer{sess: s, idx: idx, mem: mem, b: p}
 	for _, p := range s.Paths() {
 		if err := p.registerLocked(b); err != nil {
 			for _, q := range s.Paths() {
 				q.deregisterLocked(b)
 			}
-			mem.Free()
 			return nil, err
 		}
 	}
@@ -77,6 +105,9 @@ func (b *Buffer) Free() error {
 	s.regions[b.idx] = nil
 	for len(s.regions) > 1 && s.regions[len(s.regions)-1] == nil {
 		s.regions = s.regions[:len(s.regions)-1]
+	}
+	if b.mem == nil {
+		return nil // shared: the memory is its owner's
 	}
 	return b.mem.Free()
 }

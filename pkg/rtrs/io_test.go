@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -343,3 +344,67 @@ func TestInitRetriedByNextPath(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestShareBuffer: one memory, registered with two sessions to two
+// servers, carries a write to each and the reads back from each (a
+// mirror's legs); the shared buffer's Free leaves the memory to its
+// owner, which keeps working; a header buffer and a buffer of another
+// kind of fabric are refused.
+func TestShareBuffer(t *testing.T) {
+	_, fab := memNet()
+	a := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), ap("10.7.0.1:1234")), testClientConfig(fab, pa("10.7.0.3", "10.7.0.1:1234")))
+	b := newRig(t, fab, testServerConfig(fab, newMemDisk(1<<20), ap("10.7.0.2:1234")), testClientConfig(fab, pa("10.7.0.4", "10.7.0.2:1234")))
+	own, err := a.sess.AllocBuffer(8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Free()
+	shared, err := b.sess.ShareBuffer(own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if &shared.Bytes()[0] != &own.Bytes()[0] {
+		t.Fatal("the shared buffer is other memory")
+	}
+	want := bytes.Repeat([]byte("mirrored"), 512)
+	copy(own.Bytes(), want)
+	ctx := context.Background()
+	if err := a.sess.Do(ctx, IOCon, Write, offsetHdr(4096), own, 0, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.sess.Do(ctx, IOCon, Write, offsetHdr(4096), shared, 0, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(a.disk.bytes(4096, 4096), want) || !bytes.Equal(b.disk.bytes(4096, 4096), want) {
+		t.Fatal("a server did not get the buffer's bytes")
+	}
+	if err := b.sess.Do(ctx, IOCon, Read, offsetHdr(4096), shared, 4096, 4096); err != nil || !bytes.Equal(own.Bytes()[4096:], want) {
+		t.Fatalf("read through the shared buffer: %v", err)
+	}
+	if err := shared.Free(); err != nil {
+		t.Fatal(err)
+	}
+	clear(own.Bytes())
+	if err := a.sess.Do(ctx, IOCon, Read, offsetHdr(4096), own, 0, 4096); err != nil || !bytes.Equal(own.Bytes()[:4096], want) {
+		t.Fatalf("the owner after the shared buffer's Free: %v", err)
+	}
+	if _, err := b.sess.ShareBuffer(a.sess.regions[0]); err == nil { // +checklocksignore: the header buffer, fixed
+		t.Fatal("a header buffer was shared")
+	}
+	ccfg := testClientConfig(renamedFabric{fab}, pa("10.7.0.5", "10.7.0.1:1234"))
+	ccfg.SessName = "other-fabric"
+	c, err := DialSession(ctx, ccfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.ShareBuffer(own); err == nil || !strings.Contains(err.Error(), "shared with a") {
+		t.Fatalf("a buffer shared with a session of another kind of fabric: %v", err)
+	}
+}
+
+// renamedFabric is a fabric of another name: memory of the one it wraps
+// is not its memory.
+type renamedFabric struct{ fabric.Fabric }
+
+func (renamedFabric) Name() string { return "other" }
