@@ -3,6 +3,7 @@ package rtrs
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -263,7 +264,11 @@ func TestSessionFreesMemory(t *testing.T) {
 	defer srv.Close()
 	for _, holdPermit := range []bool{false, true} {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		sess, err := DialSession(ctx, testClientConfig(cf, pa("10.7.0.2", srvAddr.String())))
+		// A name per round: the server may not have let go of the
+		// last round's session when this one dials.
+		ccfg := testClientConfig(cf, pa("10.7.0.2", srvAddr.String()))
+		ccfg.SessName = fmt.Sprintf("testsess-%v", holdPermit)
+		sess, err := DialSession(ctx, ccfg)
 		cancel()
 		if err != nil {
 			t.Fatal(err)
