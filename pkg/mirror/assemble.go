@@ -210,7 +210,7 @@ func Assemble(l Layout, voters []Voter, force *Force, newID uint64) (Decision, e
 			}
 		}
 		return refuse(fmt.Sprintf("no leg reached is in sync at generation %s", G.Gen),
-			strings.Join(want, " or ")+", which hold writes no other leg has (or an operator's --force-from LEG)")
+			"a leg in sync then, with writes no other leg has: "+strings.Join(want, " or ")+" (or an operator's --force-from LEG)")
 	case !quorum:
 		d.Forced = true
 	}

@@ -276,6 +276,16 @@ func (b *Bitmap) Dirty(from uint64, f func(off, n int64) bool) {
 	}
 }
 
+// Runs is Dirty's runs from region from on, as [off, n] pairs.
+func (b *Bitmap) Runs(from uint64) [][2]int64 {
+	var rs [][2]int64
+	b.Dirty(from, func(off, n int64) bool {
+		rs = append(rs, [2]int64{off, n})
+		return true
+	})
+	return rs
+}
+
 // IsDirty says whether the region of byte off is marked.
 func (b *Bitmap) IsDirty(off int64) bool {
 	r := uint64(off) >> b.shift

@@ -12,7 +12,11 @@
 // missing), both pure functions of their input, and the dirty-region
 // bitmap (bitmap.go: the bits a write sets before it goes out, the
 // blocks it waits for, cleaning, the union loaded at assembly, the runs
-// a resync copies). The IO path over rnbd.CltDev legs comes next.
+// a resync copies), and the mirror itself (mirror.go: Create, Open —
+// assemble, commit, reconcile, resync —, and Submit, the IO over
+// rnbd.CltDev legs). docs/replication.md says what it does not do yet.
 //
-// Lock order: Bitmap.mu is a leaf; nothing is taken while it is held.
+// Lock order: Mirror.metaMu (metadata IO, the superblock), then
+// Bitmap.mu; Mirror.heldMu and Bitmap.mu are leaves. No IO completion
+// takes metaMu: a leg's failure is committed by the mirror's worker.
 package mirror

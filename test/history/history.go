@@ -47,14 +47,17 @@ func (o Outcome) String() string {
 	return [...]string{"pending", "acked", "failed", "unknown"}[o]
 }
 
-// Write is one recorded write. Its methods are safe for concurrent use.
+// Write is one recorded write: its block and the value it writes, fixed;
+// its times and outcome, under its history's lock (h.mu: checklocks
+// cannot tell that lock from the History's own, so this is prose). Its
+// methods are safe for concurrent use.
 type Write struct {
 	h       *History
 	Block   int64
 	Value   uint64
-	Begin   uint64
-	End     uint64 // 0 while pending
-	Outcome Outcome
+	begin   uint64
+	end     uint64 // 0 while pending
+	outcome Outcome
 }
 
 type read struct {
@@ -102,7 +105,7 @@ func (h *History) block(b int64) *blockHist {
 	bh := h.blocks[b]
 	if bh == nil {
 		// The block's first value, as a write acknowledged at time 0.
-		w := &Write{h: h, Block: b, Value: h.initial, Outcome: Acked}
+		w := &Write{h: h, Block: b, Value: h.initial, outcome: Acked}
 		bh = &blockHist{writes: []*Write{w}, byVal: map[uint64]*Write{h.initial: w}}
 		h.blocks[b] = bh
 	}
@@ -115,11 +118,18 @@ func (h *History) BeginWrite(b int64) *Write {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	bh := h.block(b)
-	w := &Write{h: h, Block: b, Value: h.nextVal, Begin: h.now()}
+	w := &Write{h: h, Block: b, Value: h.nextVal, begin: h.now()}
 	h.nextVal++
 	bh.writes = append(bh.writes, w)
 	bh.byVal[w.Value] = w
 	return w
+}
+
+// Outcome is how the write ended so far (Pending while it has not).
+func (w *Write) Outcome() Outcome {
+	w.h.mu.Lock()
+	defer w.h.mu.Unlock()
+	return w.outcome
 }
 
 // Done records how the write ended: acknowledged (err nil) or failed.
@@ -127,13 +137,13 @@ func (w *Write) Done(err error) {
 	h := w.h
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if w.Outcome != Pending {
+	if w.outcome != Pending {
 		panic(fmt.Sprintf("history: write %d to block %d ended twice", w.Value, w.Block))
 	}
-	w.End = h.now()
-	w.Outcome = Acked
+	w.end = h.now()
+	w.outcome = Acked
 	if err != nil {
-		w.Outcome = Failed
+		w.outcome = Failed
 	}
 }
 
@@ -145,8 +155,8 @@ func (h *History) Crash() {
 	t := h.now()
 	for _, bh := range h.blocks {
 		for _, w := range bh.writes {
-			if w.Outcome == Pending {
-				w.Outcome, w.End = Unknown, t
+			if w.outcome == Pending {
+				w.outcome, w.end = Unknown, t
 			}
 		}
 	}
@@ -211,7 +221,7 @@ func (h *History) Check() ([]Violation, Stats) {
 	st := Stats{Writes: map[Outcome]int{}, Reads: len(h.reads), Blocks: len(h.blocks)}
 	for _, bh := range h.blocks {
 		for _, w := range bh.writes[1:] {
-			st.Writes[w.Outcome]++
+			st.Writes[w.outcome]++
 		}
 	}
 	reads := slices.Clone(h.reads)
@@ -226,14 +236,14 @@ func (h *History) Check() ([]Violation, Stats) {
 		w := r.w // began before the read ended: Done found it
 		if by := supersededBy(h.blocks[r.block], w, r.begin); by != nil {
 			v.Why = fmt.Sprintf("stale: write %d (acknowledged [%d, %d]) had replaced it (%s [%d, %d]) before the read began",
-				by.Value, by.Begin, by.End, w.Outcome, w.Begin, w.End)
+				by.Value, by.begin, by.end, w.outcome, w.begin, w.end)
 			bad = append(bad, v)
 			continue
 		}
 		for _, p := range seen[r.block] {
-			if p.end < r.begin && w.Outcome != Pending && w.End < p.w.Begin {
+			if p.end < r.begin && w.outcome != Pending && w.end < p.w.begin {
 				v.Why = fmt.Sprintf("flip-flop: a read that ended at %d returned write %d (began %d), which overwrote this one (ended %d)",
-					p.end, p.w.Value, p.w.Begin, w.End)
+					p.end, p.w.Value, p.w.begin, w.end)
 				bad = append(bad, v)
 				break
 			}
@@ -247,11 +257,11 @@ func (h *History) Check() ([]Violation, Stats) {
 // and ended before t, or nil. A pending write never ends, so nothing
 // supersedes it.
 func supersededBy(bh *blockHist, w *Write, t uint64) *Write {
-	if w.Outcome == Pending {
+	if w.outcome == Pending {
 		return nil
 	}
 	for _, x := range bh.writes {
-		if x.Outcome == Acked && x.Begin > w.End && x.End < t {
+		if x.outcome == Acked && x.begin > w.end && x.end < t {
 			return x
 		}
 	}
