@@ -39,7 +39,15 @@ type Config struct {
 	Rand func() uint64
 	// Now is the clock the bitmap's cleaning goes by; nil: time.Now.
 	Now func() time.Time
+	// LegTimeout is how long a voter may hold requests without
+	// completing any before it is fenced: its session closed (its
+	// requests end with errors, none can touch a buffer after) and the
+	// leg taken out. Default 5 s.
+	LegTimeout time.Duration
 }
+
+// DefaultLegTimeout is Config.LegTimeout's default.
+const DefaultLegTimeout = 5 * time.Second
 
 // Leg states in memory, for IO (the superblock's say what is committed).
 const (
@@ -56,6 +64,36 @@ type voter struct {
 	buf   *rtrs.Buffer // SlotSize*2 on the device's session
 	slot  int          // the slot holding its newest superblock
 	seq   uint64
+	io    legIO
+	// fenced: its session was closed for a request outstanding past
+	// the leg timeout.
+	fenced atomic.Bool
+}
+
+// legIO is what the leg timeout watches: the requests outstanding on a
+// voter, and when it last made progress (Unix ns: a request done, or
+// the first sent after none was outstanding).
+type legIO struct {
+	inflight atomic.Int32
+	progress atomic.Int64
+}
+
+func (l *legIO) start() {
+	if l.inflight.Add(1) == 1 {
+		l.progress.Store(time.Now().UnixNano())
+	}
+}
+
+func (l *legIO) done() {
+	l.progress.Store(time.Now().UnixNano())
+	l.inflight.Add(-1)
+}
+
+// do runs one request on the voter, watched by the leg timeout.
+func (v *voter) do(ctx context.Context, op rnbd.Op, flags uint32, off int64, n int, buf *rtrs.Buffer) error {
+	v.io.start()
+	defer v.io.done()
+	return v.dev.Do(ctx, op, flags, off, n, buf, 0)
 }
 
 // Mirror is an assembled mirror: one device over its legs. Submit is
@@ -104,6 +142,7 @@ type Stats struct {
 	Commits    atomic.Uint64 // generations committed
 	ReadRetry  atomic.Uint64 // reads served by another leg after an error
 	Reconciled atomic.Uint64 // bytes copied at assembly (a crash's dirty regions, resyncs)
+	Fenced     atomic.Uint64 // voters fenced by the leg timeout
 }
 
 // Open reads the superblocks of the voters reached, decides with
@@ -125,47 +164,49 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 	if m.cfg.Now == nil {
 		m.cfg.Now = time.Now
 	}
-	var voters []Voter
+	if m.cfg.LegTimeout <= 0 {
+		m.cfg.LegTimeout = DefaultLegTimeout
+	}
 	var err error
 	for i, dev := range cfg.Legs {
-		v := Voter{Index: i, Name: m.name(i)}
 		if dev != nil {
-			if m.legs[i], err = newVoter(i, v.Name, dev); err != nil {
+			if m.legs[i], err = newVoter(i, m.name(i), dev); err != nil {
 				m.freeBuffers()
 				return nil, err
 			}
-			v.SB, v.Err = m.legs[i].read(ctx)
+		}
+	}
+	if l.Witness && cfg.Witness != nil {
+		if m.witness, err = newVoter(WitnessIndex, m.name(WitnessIndex), cfg.Witness); err != nil {
+			m.freeBuffers()
+			return nil, err
+		}
+	}
+	// From here a voter that holds a request past the leg timeout is
+	// fenced, during the assembly too.
+	m.wg.Add(1)
+	go m.watch()
+	var voters []Voter
+	for _, i := range l.indexes() {
+		v := Voter{Index: i, Name: m.name(i), Err: errors.New("not reached")}
+		if x := m.voter(i); x != nil {
+			v.SB, v.Err = x.read(ctx)
 			if v.SB == nil && v.Err == ErrNoSuperblock && contains(cfg.NewLegs, i) {
 				v.UUID = legDeviceUUID(m.rand)
 			}
-		} else {
-			v.Err = errors.New("not reached")
-		}
-		voters = append(voters, v)
-	}
-	if l.Witness {
-		v := Voter{Index: WitnessIndex, Name: m.name(WitnessIndex)}
-		if cfg.Witness != nil {
-			if m.witness, err = newVoter(WitnessIndex, v.Name, cfg.Witness); err != nil {
-				m.freeBuffers()
-				return nil, err
-			}
-			v.SB, v.Err = m.witness.read(ctx)
-		} else {
-			v.Err = errors.New("not reached")
 		}
 		voters = append(voters, v)
 	}
 	d, err := Assemble(l, voters, cfg.Force, m.rand())
 	if err != nil {
-		m.freeBuffers()
+		m.stop()
 		return nil, err
 	}
 	if d.Forced {
 		m.log.WithFields(log.Fields{"by": cfg.Force.By, "generation": d.Next.Gen.String()}).Warn("mirror assembled by force: writes only the legs left out had may be lost")
 	}
 	if err := m.serve(ctx, d); err != nil {
-		m.freeBuffers()
+		m.stop()
 		return nil, err
 	}
 	return m, nil
@@ -258,7 +299,7 @@ func newVoter(i int, name string, dev *rnbd.CltDev) (*voter, error) {
 
 // read reads and chooses the voter's superblock.
 func (v *voter) read(ctx context.Context) (*Superblock, error) {
-	if err := v.dev.Do(ctx, rnbd.OpRead, 0, Slot0Off, 2*SlotSize, v.buf, 0); err != nil {
+	if err := v.do(ctx, rnbd.OpRead, 0, Slot0Off, 2*SlotSize, v.buf); err != nil {
 		return nil, fmt.Errorf("reading its superblock: %w", err)
 	}
 	p := v.buf.Bytes()
@@ -281,7 +322,7 @@ func (v *voter) write(ctx context.Context, sb *Superblock) error {
 		return err
 	}
 	next := 1 - v.slot
-	if err := v.dev.Do(ctx, rnbd.OpWrite, rnbd.FFUA, Slot0Off+int64(next)*SlotSize, SlotSize, v.buf, 0); err != nil {
+	if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, Slot0Off+int64(next)*SlotSize, SlotSize, v.buf); err != nil {
 		return fmt.Errorf("mirror: %s: writing its superblock: %w", v.name, err)
 	}
 	v.slot, v.seq = next, c.Seq
@@ -327,7 +368,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 		}
 		v := m.legs[i]
 		for blk := range bm.Blocks() {
-			if err := v.dev.Do(ctx, rnbd.OpRead, 0, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf, 0); err != nil {
+			if err := v.do(ctx, rnbd.OpRead, 0, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
 				return fmt.Errorf("mirror: %s: reading its bitmap: %w", v.name, err)
 			}
 			if err := bm.Load(blk, v.buf.Bytes()); err != nil {
@@ -352,7 +393,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 	}
 	m.committedSeq.Store(m.memberSeq.Load())
 	m.wg.Add(1)
-	go m.worker()
+	go m.worker() // the watchdog runs since Open
 	return nil
 }
 
@@ -476,7 +517,7 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 		}
 	}
 	for _, i := range targets {
-		if err := m.legs[i].dev.Do(ctx, rnbd.OpFlush, 0, 0, 0, nil, 0); err != nil {
+		if err := m.legs[i].do(ctx, rnbd.OpFlush, 0, 0, 0, nil); err != nil {
 			return fmt.Errorf("mirror: flushing %s: %w", m.legs[i].name, err)
 		}
 		m.state[i].Store(legIn)
@@ -525,11 +566,11 @@ func (c copier) copy(ctx context.Context, off, n int64, to []int) error {
 	chunk := int64(len(c.buf.Bytes()))
 	for n > 0 {
 		l := min(n, chunk)
-		if err := c.src.dev.Do(ctx, rnbd.OpRead, 0, DataOff+off, int(l), c.buf, 0); err != nil {
+		if err := c.src.do(ctx, rnbd.OpRead, 0, DataOff+off, int(l), c.buf); err != nil {
 			return fmt.Errorf("mirror: reading %s to copy it: %w", c.src.name, err)
 		}
 		for _, i := range to {
-			if err := c.m.legs[i].dev.Do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.shared[i], 0); err != nil {
+			if err := c.m.legs[i].do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.shared[i]); err != nil {
 				return fmt.Errorf("mirror: copying to %s: %w", c.m.legs[i].name, err)
 			}
 		}
@@ -572,13 +613,13 @@ type Buffer struct {
 // Bytes is the buffer's memory.
 func (b *Buffer) Bytes() []byte { return b.b }
 
-// AllocBuffer allocates n bytes usable by every leg.
+// AllocBuffer allocates n bytes usable by every leg IO goes to.
 func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
 	b := &Buffer{}
 	var owner *rtrs.Buffer
 	for i, v := range m.legs {
-		if v == nil {
-			continue
+		if v == nil || v.fenced.Load() || m.state[i].Load() == legOut {
+			continue // no IO goes to it
 		}
 		s := v.dev.Session().Session()
 		var err error
@@ -733,6 +774,7 @@ func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags 
 	if op == rnbd.OpRead || op == rnbd.OpWrite {
 		lr.Buf, lr.BufOff = r.Buf.legs[i], r.BufOff
 	}
+	m.legs[i].io.start()
 	if err := m.legs[i].dev.Submit(ctx, lr); err != nil {
 		x.legDone(i, err)
 	}
@@ -765,6 +807,7 @@ func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
 
 // legDone is a leg's completion of x's piece.
 func (x *mreq) legDone(i int, err error) {
+	x.m.legs[i].io.done()
 	x.errs[i] = err
 	if x.pending.Add(-1) != 0 {
 		return
@@ -869,7 +912,7 @@ func (m *Mirror) storeBitmapLocked(ctx context.Context, blk int) error {
 			continue
 		}
 		copy(v.buf.Bytes(), m.bmBuf)
-		if err := v.dev.Do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf, 0); err != nil {
+		if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
 			m.markOut(i)
 			continue
 		}
@@ -937,11 +980,61 @@ func (m *Mirror) commitChanges() {
 }
 
 // Close stops the mirror: no request may be in flight. The legs'
-// devices stay the caller's.
-func (m *Mirror) Close() {
+// devices stay the caller's (a fenced leg's session is closed).
+func (m *Mirror) Close() { m.stop() }
+
+func (m *Mirror) stop() {
 	close(m.done)
 	m.wg.Wait()
 	m.freeBuffers()
+}
+
+// voter is voter i (a leg's index, or WitnessIndex), nil if not reached.
+func (m *Mirror) voter(i int) *voter {
+	if i == WitnessIndex {
+		return m.witness
+	}
+	return m.legs[i]
+}
+
+// watch fences a voter that holds requests past the leg timeout
+// without completing any.
+func (m *Mirror) watch() {
+	defer m.wg.Done()
+	t := time.NewTicker(m.cfg.LegTimeout / 4)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.done:
+			return
+		case <-t.C:
+		}
+		now := time.Now().UnixNano()
+		for _, i := range m.cfg.Layout.indexes() {
+			v := m.voter(i)
+			if v == nil || v.fenced.Load() || v.io.inflight.Load() == 0 {
+				continue
+			}
+			if now-v.io.progress.Load() > int64(m.cfg.LegTimeout) {
+				m.fence(v)
+			}
+		}
+	}
+}
+
+// fence closes v's session, so that every request outstanding on it
+// ends (with an error) and none can touch a buffer after, and takes a
+// leg out.
+func (m *Mirror) fence(v *voter) {
+	if !v.fenced.CompareAndSwap(false, true) {
+		return
+	}
+	m.stats.Fenced.Add(1)
+	m.log.WithField("voter", v.name).Warnf("mirror: no answer in %v: fenced, its session closed", m.cfg.LegTimeout)
+	if v.index != WitnessIndex {
+		m.markOut(v.index)
+	}
+	go v.dev.Session().Close()
 }
 
 func cryptoRand() uint64 {

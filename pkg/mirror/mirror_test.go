@@ -83,6 +83,9 @@ func (n *node) file(name string) []byte {
 	return b
 }
 
+// clientAddr is the client's address on the fabric.
+var clientAddr = netip.AddrFrom4([4]byte{10, 30, 9, 1})
+
 // legNoPath is the legs' no_path_timeout in the tests: IO to a leg
 // whose node is gone fails after it, and the leg is taken out.
 const legNoPath = 100 * time.Millisecond
@@ -94,10 +97,14 @@ func (n *node) client(ctx context.Context, sess, name string) (*rnbd.CltSession,
 	cfg.SessName, cfg.Fabric, cfg.Log = sess, n.net.Fabric(), log.Discard()
 	cfg.ConnsPerPath = 2
 	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
-	cfg.Paths = []rtrs.PathAddr{{Dst: n.addr}}
-	dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(clientAddr, 0), Dst: n.addr}}
+	// A frozen node is not waited for long: it is not reached.
+	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
 	s, err := rnbd.DialSession(dctx, cfg, legNoPath)
+	cancel()
+	dctx, cancel = context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -131,13 +138,15 @@ type fleet struct {
 	sess    []*rnbd.CltSession
 	m       *Mirror
 	buf     *Buffer
-	opened  int
-	seedRnd uint64
+	opened     int
+	seedRnd    uint64
+	legTimeout time.Duration
+	net        *fabrictest.Network
 }
 
 func newFleet(t testing.TB, nlegs int, witness bool) *fleet {
 	net := fabrictest.NewNetwork()
-	f := &fleet{t: t, layout: Layout{Mirror: testMirror, NLegs: nlegs, Witness: witness}}
+	f := &fleet{t: t, layout: Layout{Mirror: testMirror, NLegs: nlegs, Witness: witness}, net: net}
 	for i := range nlegs {
 		f.nodes = append(f.nodes, newNode(t, net, i, map[string]int64{"vol": legSize}))
 	}
@@ -158,7 +167,7 @@ func (f *fleet) devName(j int) string {
 // connect maps every voter whose node runs; the others are nil.
 func (f *fleet) connect() Config {
 	ctx := context.Background()
-	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard()}
+	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard(), LegTimeout: f.legTimeout}
 	f.opened++
 	f.seedRnd += 1000
 	next := f.seedRnd
@@ -169,7 +178,6 @@ func (f *fleet) connect() Config {
 		}
 		s, d, err := n.client(ctx, fmt.Sprintf("mirror-%d-%d", f.opened, j), f.devName(j))
 		if err != nil {
-			f.t.Logf("voter %d not mapped: %v", j, err)
 			continue
 		}
 		f.sess = append(f.sess, s)
@@ -464,6 +472,45 @@ func TestMirrorNoAckWithoutQuorum(t *testing.T) {
 	checkHistory(t, h)
 }
 
+// TestMirrorLegFrozen: a leg's node stops answering with its
+// connections up (the link blackholed, as a SIGSTOPped daemon or a
+// silent path loss): the leg timeout fences it, the write goes on with
+// the other leg in a bounded time, printed.
+func TestMirrorLegFrozen(t *testing.T) {
+	f := newFleet(t, 2, true)
+	f.legTimeout = 500 * time.Millisecond
+	f.create()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	h := history.New(0)
+	for blk := range int64(8) {
+		if err := f.write(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.net.SetLink(clientAddr, f.nodes[1].addr.Addr(), fabrictest.LinkBlackhole)
+	defer f.net.SetLink(clientAddr, f.nodes[1].addr.Addr(), fabrictest.LinkUp)
+	began := time.Now()
+	if err := f.write(h, 8); err != nil {
+		t.Fatalf("a write with a leg frozen: %v", err)
+	}
+	took := time.Since(began)
+	t.Logf("with a leg frozen the write took %v (leg timeout %v)", took, f.legTimeout)
+	if took > 5*time.Second {
+		t.Fatalf("a frozen leg held a write %v", took)
+	}
+	if f.m.Stats().Fenced.Load() != 1 || f.m.LegStates()[1] != "out" {
+		t.Fatalf("fenced %d, legs %v", f.m.Stats().Fenced.Load(), f.m.LegStates())
+	}
+	for blk := range int64(16) {
+		if err := f.read(h, blk%9); err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkHistory(t, h)
+}
+
 // TestMirrorLoneLegRefused: two legs and no witness: a restart that
 // reaches one leg refuses, whichever it is, until forced.
 func TestMirrorLoneLegRefused(t *testing.T) {
@@ -501,15 +548,16 @@ func TestMirrorLoneLegRefused(t *testing.T) {
 
 // TestMirrorHistoryUnderFaults: random schedules of writes, reads,
 // flushes and bursts of concurrent writes, under storage nodes killed
-// and started again in any order and the client crashed (writes in
-// flight) and assembled again from whatever runs; every read judged by
+// and started again in any order, frozen (their links silent) and
+// thawed, and the client crashed (writes in flight) and assembled again
+// from whatever runs; every read judged by
 // the history checker; at the end every node runs and every block is
 // read once more. Zero stale reads, zero lost or torn blocks; the
 // refusals are counted (an assembly that cannot prove it has the last
 // writes refuses). Seeded: the failing seed is printed;
-// RNBD_MIRROR_SCHEDULES sets how many (default 100, 12 with -short).
+// RNBD_MIRROR_SCHEDULES sets how many (default 40, 12 with -short).
 func TestMirrorHistoryUnderFaults(t *testing.T) {
-	n := 100
+	n := 40
 	if testing.Short() {
 		n = 12
 	}
@@ -526,13 +574,13 @@ func TestMirrorHistoryUnderFaults(t *testing.T) {
 		total.add(st)
 	}
 	t.Logf("%d schedules: %+v", n, total)
-	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 {
+	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 {
 		t.Fatalf("the schedules did not reach every case: %+v", total)
 	}
 }
 
 type scheduleStats struct {
-	writes, failedWrites, reads, opens, refused, kills, crashes, takenOut int
+	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut int
 }
 
 func (s *scheduleStats) add(o scheduleStats) {
@@ -542,6 +590,7 @@ func (s *scheduleStats) add(o scheduleStats) {
 	s.opens += o.opens
 	s.refused += o.refused
 	s.kills += o.kills
+	s.freezes += o.freezes
 	s.crashes += o.crashes
 	s.takenOut += o.takenOut
 }
@@ -554,8 +603,14 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	}{{2, false}, {2, true}, {3, false}}
 	shape := shapes[rng.IntN(len(shapes))]
 	f := newFleet(t, shape.legs, shape.witness)
+	f.legTimeout = 300 * time.Millisecond
 	f.create()
 	h := history.New(0)
+	frozen := map[int]bool{}
+	thaw := func(i int) {
+		f.net.SetLink(clientAddr, f.nodes[i].addr.Addr(), fabrictest.LinkUp)
+		delete(frozen, i)
+	}
 	const blocks = 64
 	var trail []string
 	note := func(s string, a ...any) { trail = append(trail, fmt.Sprintf(s, a...)) }
@@ -596,11 +651,23 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 				st.kills++
 				note("node %d killed", i)
 			}
-		case k < 18: // a node started
+		case k < 12: // a node frozen: its link silent
+			i := rng.IntN(len(f.nodes))
+			if !frozen[i] {
+				f.net.SetLink(clientAddr, f.nodes[i].addr.Addr(), fabrictest.LinkBlackhole)
+				frozen[i] = true
+				st.freezes++
+				note("node %d frozen", i)
+			}
+		case k < 22: // a node started, or thawed
 			i := rng.IntN(len(f.nodes))
 			if f.nodes[i].rs == nil {
 				f.nodes[i].start()
 				note("node %d started", i)
+			}
+			if frozen[i] {
+				thaw(i)
+				note("node %d thawed", i)
 			}
 		case k < 25: // the client crashes, with writes in flight
 			var drain func()
@@ -643,10 +710,11 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	// Everything back: the mirror serves, and every block reads as the
 	// history allows.
 	crash()
-	for _, n := range f.nodes {
+	for i, n := range f.nodes {
 		if n.rs == nil {
 			n.start()
 		}
+		thaw(i)
 	}
 	if err := f.open(nil); err != nil {
 		t.Fatalf("every node running, the mirror does not open: %v", err)
@@ -670,10 +738,12 @@ func burst(f *fleet, h *history.History, rng *rand.Rand, blocks int64, n int) (*
 	var bufs []*Buffer
 	done := make(chan error, n)
 	var crashed atomic.Bool
-	for range n {
+	for k := range n {
 		buf, err := f.m.AllocBuffer(blockSize)
 		if err != nil {
-			f.t.Fatal(err)
+			// Every leg out: the mirror failed, no IO to start.
+			n = k
+			break
 		}
 		bufs = append(bufs, buf)
 		blk := rng.Int64N(blocks)
