@@ -132,12 +132,12 @@ const (
 // fleet is the storage nodes of a mirror and a client of it that can
 // crash and come back.
 type fleet struct {
-	t       testing.TB
-	layout  Layout
-	nodes   []*node // legs, then the witness
-	sess    []*rnbd.CltSession
-	m       *Mirror
-	buf     *Buffer
+	t          testing.TB
+	layout     Layout
+	nodes      []*node // legs, then the witness
+	sess       []*rnbd.CltSession
+	m          *Mirror
+	buf        *Buffer
 	opened     int
 	seedRnd    uint64
 	legTimeout time.Duration
