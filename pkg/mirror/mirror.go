@@ -6,9 +6,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/rnbd/rnbd/pkg/log"
@@ -55,46 +55,6 @@ const (
 	legIn                // in sync: written and read
 	legSync              // being resynced: written, not read
 )
-
-// voter is one voter device and the metadata IO on it.
-type voter struct {
-	index int
-	name  string
-	dev   *rnbd.CltDev
-	buf   *rtrs.Buffer // SlotSize*2 on the device's session
-	slot  int          // the slot holding its newest superblock
-	seq   uint64
-	io    legIO
-	// fenced: its session was closed for a request outstanding past
-	// the leg timeout.
-	fenced atomic.Bool
-}
-
-// legIO is what the leg timeout watches: the requests outstanding on a
-// voter, and when it last made progress (Unix ns: a request done, or
-// the first sent after none was outstanding).
-type legIO struct {
-	inflight atomic.Int32
-	progress atomic.Int64
-}
-
-func (l *legIO) start() {
-	if l.inflight.Add(1) == 1 {
-		l.progress.Store(time.Now().UnixNano())
-	}
-}
-
-func (l *legIO) done() {
-	l.progress.Store(time.Now().UnixNano())
-	l.inflight.Add(-1)
-}
-
-// do runs one request on the voter, watched by the leg timeout.
-func (v *voter) do(ctx context.Context, op rnbd.Op, flags uint32, off int64, n int, buf *rtrs.Buffer) error {
-	v.io.start()
-	defer v.io.done()
-	return v.dev.Do(ctx, op, flags, off, n, buf, 0)
-}
 
 // Mirror is an assembled mirror: one device over its legs. Submit is
 // safe for concurrent use.
@@ -191,7 +151,7 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 		v := Voter{Index: i, Name: m.name(i), Err: errors.New("not reached")}
 		if x := m.voter(i); x != nil {
 			v.SB, v.Err = x.read(ctx)
-			if v.SB == nil && v.Err == ErrNoSuperblock && contains(cfg.NewLegs, i) {
+			if v.SB == nil && v.Err == ErrNoSuperblock && slices.Contains(cfg.NewLegs, i) {
 				v.UUID = legDeviceUUID(m.rand)
 			}
 		}
@@ -286,49 +246,6 @@ func Create(ctx context.Context, cfg Config) error {
 	return nil
 }
 
-func newVoter(i int, name string, dev *rnbd.CltDev) (*voter, error) {
-	if dev.Mode() != rnbd.AccessRW {
-		return nil, fmt.Errorf("mirror: %s is mapped %v: a mirror's voters are mapped rw, its one writer", name, dev.Mode())
-	}
-	buf, err := dev.Session().Session().AllocBuffer(2 * SlotSize)
-	if err != nil {
-		return nil, err
-	}
-	return &voter{index: i, name: name, dev: dev, buf: buf}, nil
-}
-
-// read reads and chooses the voter's superblock.
-func (v *voter) read(ctx context.Context) (*Superblock, error) {
-	if err := v.do(ctx, rnbd.OpRead, 0, Slot0Off, 2*SlotSize, v.buf); err != nil {
-		return nil, fmt.Errorf("reading its superblock: %w", err)
-	}
-	p := v.buf.Bytes()
-	sb, slot, err := ReadSlots(p[:SlotSize], p[SlotSize:2*SlotSize])
-	if err != nil {
-		return nil, err
-	}
-	v.slot, v.seq = slot, sb.Seq
-	return &sb, nil
-}
-
-// write writes sb (its Index and Seq set here) to the slot other than
-// the newest, with FUA.
-func (v *voter) write(ctx context.Context, sb *Superblock) error {
-	c := *sb
-	c.Index = uint8(v.index)
-	c.Seq = v.seq + 1
-	p := v.buf.Bytes()[:SlotSize]
-	if err := c.Encode(p); err != nil {
-		return err
-	}
-	next := 1 - v.slot
-	if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, Slot0Off+int64(next)*SlotSize, SlotSize, v.buf); err != nil {
-		return fmt.Errorf("mirror: %s: writing its superblock: %w", v.name, err)
-	}
-	v.slot, v.seq = next, c.Seq
-	return nil
-}
-
 func (m *Mirror) name(i int) string {
 	j := i
 	if i == WitnessIndex {
@@ -363,7 +280,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 	// The union of the bitmaps of the legs in sync and of those that
 	// resync from them: what may differ.
 	for _, i := range append(append([]int(nil), d.InSync...), d.Resync...) {
-		if contains(d.Full, i) {
+		if slices.Contains(d.Full, i) {
 			continue
 		}
 		v := m.legs[i]
@@ -497,7 +414,7 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 	}
 	var full, part []int
 	for _, i := range targets {
-		if contains(d.Full, i) {
+		if slices.Contains(d.Full, i) {
 			full = append(full, i)
 		} else {
 			part = append(part, i)
@@ -603,329 +520,6 @@ func (m *Mirror) Generation() Gen {
 	return m.sb.Gen
 }
 
-// Buffer is memory a mirror's requests carry data in: registered with
-// each leg's session.
-type Buffer struct {
-	legs [MaxLegs]*rtrs.Buffer
-	b    []byte
-}
-
-// Bytes is the buffer's memory.
-func (b *Buffer) Bytes() []byte { return b.b }
-
-// AllocBuffer allocates n bytes usable by every leg IO goes to.
-func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
-	b := &Buffer{}
-	var owner *rtrs.Buffer
-	for i, v := range m.legs {
-		if v == nil || v.fenced.Load() || m.state[i].Load() == legOut {
-			continue // no IO goes to it
-		}
-		s := v.dev.Session().Session()
-		var err error
-		if owner == nil {
-			owner, err = s.AllocBuffer(n)
-			b.legs[i] = owner
-		} else {
-			b.legs[i], err = s.ShareBuffer(owner)
-		}
-		if err != nil {
-			b.Free()
-			return nil, err
-		}
-	}
-	if owner == nil {
-		return nil, errors.New("mirror: no leg to allocate a buffer on")
-	}
-	b.b = owner.Bytes()
-	return b, nil
-}
-
-// Free releases the buffer; no request may be using it.
-func (b *Buffer) Free() {
-	// The shared registrations first, the owner's memory last.
-	owner := -1
-	for i, x := range b.legs {
-		if x == nil {
-			continue
-		}
-		if owner < 0 {
-			owner = i
-			continue
-		}
-		x.Free()
-	}
-	if owner >= 0 {
-		b.legs[owner].Free()
-	}
-	b.legs = [MaxLegs]*rtrs.Buffer{}
-}
-
-// Req is a request of a mirror's user (a frontend).
-type Req struct {
-	Op     rnbd.Op
-	Flags  uint32 // rnbd.FFUA
-	Off    int64
-	Len    int
-	Buf    *Buffer
-	BufOff int
-	// Done is called once, from any goroutine; it must not block.
-	Done func(r *Req, err error)
-}
-
-// mreq is a request in flight: one rnbd.IOReq per leg, reused.
-type mreq struct {
-	m       *Mirror
-	r       *Req
-	legs    [MaxLegs]rnbd.IOReq
-	errs    [MaxLegs]error
-	sent    [MaxLegs]bool
-	pending atomic.Int32
-	// readLeg is the leg a read went to; tried the legs it tried.
-	readLeg int
-	tried   [MaxLegs]bool
-	marked  bool // the bitmap counts it (EndWrite due)
-}
-
-func (m *Mirror) getReq() *mreq {
-	if x, ok := m.reqs.Get().(*mreq); ok {
-		return x
-	}
-	x := &mreq{m: m}
-	for i := range x.legs {
-		x.legs[i].Done = func(_ *rnbd.IOReq, err error) { x.legDone(i, err) }
-	}
-	return x
-}
-
-func (m *Mirror) putReq(x *mreq) {
-	x.r = nil
-	x.errs, x.sent, x.tried = [MaxLegs]error{}, [MaxLegs]bool{}, [MaxLegs]bool{}
-	x.marked = false
-	m.reqs.Put(x)
-}
-
-// errFailed is the error of IO on a mirror that lost its quorum or every
-// leg.
-var errFailed = fmt.Errorf("mirror: no quorum or no leg left: %w", syscall.EIO)
-
-// Submit starts r: a read goes to one leg in sync, anything else to
-// every leg written (in sync or resyncing). It returns an error without
-// calling Done only for a request that cannot be valid.
-func (m *Mirror) Submit(ctx context.Context, r *Req) error {
-	if r.Off < 0 || r.Off%512 != 0 || r.Len < 0 || (r.Op != rnbd.OpFlush && r.Off+int64(r.Len) > m.size) {
-		return syscall.EINVAL
-	}
-	if (r.Op == rnbd.OpRead || r.Op == rnbd.OpWrite) && (r.Buf == nil || r.BufOff < 0 || r.BufOff+r.Len > len(r.Buf.b)) {
-		return syscall.EINVAL
-	}
-	if m.failed.Load() {
-		r.Done(r, errFailed)
-		return nil
-	}
-	x := m.getReq()
-	x.r = r
-	if r.Op == rnbd.OpRead {
-		return m.sendRead(ctx, x)
-	}
-	if r.Op != rnbd.OpFlush && r.Len > 0 {
-		need := m.bm.StartWrite(r.Off, int64(r.Len))
-		x.marked = true
-		for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
-			if err := m.storeBitmap(ctx, blk); err != nil {
-				m.finish(x, err)
-				return nil
-			}
-		}
-	}
-	// Count every leg before sending to any: a completion must not see
-	// 0 while others are still to go.
-	n := int32(0)
-	for i := range m.cfg.Layout.NLegs {
-		if m.state[i].Load() != legOut {
-			x.sent[i] = true
-			n++
-		}
-	}
-	if n == 0 {
-		m.finish(x, errFailed)
-		return nil
-	}
-	x.pending.Store(n)
-	// x may be done, and reused, once its last piece is sent: the loop
-	// goes by a copy.
-	sent := x.sent
-	for i := range m.cfg.Layout.NLegs {
-		if sent[i] {
-			m.sendLeg(ctx, x, i, r.Op, r.Flags)
-		}
-	}
-	return nil
-}
-
-// sendLeg submits the request's piece for leg i.
-func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags uint32) {
-	r := x.r
-	lr := &x.legs[i]
-	*lr = rnbd.IOReq{Op: op, Flags: flags, Off: DataOff + r.Off, Len: r.Len, Done: lr.Done}
-	if op == rnbd.OpFlush {
-		lr.Off = 0
-	}
-	if op == rnbd.OpRead || op == rnbd.OpWrite {
-		lr.Buf, lr.BufOff = r.Buf.legs[i], r.BufOff
-	}
-	m.legs[i].io.start()
-	if err := m.legs[i].dev.Submit(ctx, lr); err != nil {
-		x.legDone(i, err)
-	}
-}
-
-// sendRead sends a read to an in-sync leg it has not tried, by round
-// robin, or completes it with the last error.
-func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
-	n := m.cfg.Layout.NLegs
-	start := int(m.rr.Add(1))
-	for k := range n {
-		i := (start + k) % n
-		if x.tried[i] || m.state[i].Load() != legIn {
-			continue
-		}
-		x.tried[i], x.readLeg = true, i
-		x.pending.Store(1)
-		m.sendLeg(ctx, x, i, rnbd.OpRead, 0)
-		return nil
-	}
-	err := errFailed
-	for _, e := range x.errs {
-		if e != nil {
-			err = fmt.Errorf("mirror: read failed on every leg in sync: %w", e)
-		}
-	}
-	m.finish(x, err)
-	return nil
-}
-
-// legDone is a leg's completion of x's piece.
-func (x *mreq) legDone(i int, err error) {
-	x.m.legs[i].io.done()
-	x.errs[i] = err
-	if x.pending.Add(-1) != 0 {
-		return
-	}
-	m := x.m
-	if x.r.Op == rnbd.OpRead {
-		if err == nil {
-			m.finish(x, nil)
-			return
-		}
-		if !legFault(err) {
-			m.finish(x, err)
-			return
-		}
-		m.markOut(i)
-		m.stats.ReadRetry.Add(1)
-		// Another leg; not from this callback, which must not block.
-		go m.sendRead(context.Background(), x)
-		return
-	}
-	ok := 0
-	for j, e := range x.errs {
-		if x.sent[j] && e == nil {
-			ok++
-		}
-	}
-	for j, e := range x.errs {
-		// A leg that failed where another did not now differs from
-		// it, whatever the error: out. Where none took it, only the
-		// legs' own faults are (a request every leg refuses changed
-		// nothing).
-		if x.sent[j] && e != nil && (ok > 0 || legFault(e)) {
-			m.markOut(j)
-		}
-	}
-	if ok == 0 {
-		m.finish(x, fmt.Errorf("mirror: no leg took it: %w", firstErr(x.errs[:])))
-		return
-	}
-	m.complete(x)
-}
-
-// legFault says whether err is a leg's failure (it is taken out) rather
-// than the request's own (every leg would say the same).
-func legFault(err error) bool {
-	for _, e := range []error{syscall.EINVAL, syscall.ENOSPC, syscall.EOPNOTSUPP, syscall.EROFS} {
-		if errors.Is(err, e) {
-			return false
-		}
-	}
-	return true
-}
-
-func firstErr(errs []error) error {
-	for _, e := range errs {
-		if e != nil {
-			return e
-		}
-	}
-	return syscall.EIO
-}
-
-// complete acknowledges a write once the legs' states it ran under are
-// committed, else holds it for the worker.
-func (m *Mirror) complete(x *mreq) {
-	if m.committedSeq.Load() >= m.memberSeq.Load() {
-		m.finish(x, nil)
-		return
-	}
-	m.heldMu.Lock()
-	m.held = append(m.held, x)
-	m.heldMu.Unlock()
-	select {
-	case m.wake <- struct{}{}:
-	default:
-	}
-}
-
-// finish ends x with err.
-func (m *Mirror) finish(x *mreq, err error) {
-	r := x.r
-	if x.marked {
-		m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
-	}
-	m.putReq(x)
-	r.Done(r, err)
-}
-
-// storeBitmap writes bitmap block blk to every leg written.
-func (m *Mirror) storeBitmap(ctx context.Context, blk int) error {
-	m.metaMu.Lock()
-	defer m.metaMu.Unlock()
-	return m.storeBitmapLocked(ctx, blk)
-}
-
-// +checklocks:m.metaMu
-func (m *Mirror) storeBitmapLocked(ctx context.Context, blk int) error {
-	change := m.bm.Snapshot(blk, m.bmBuf)
-	wrote := 0
-	for i, v := range m.legs {
-		if v == nil || m.state[i].Load() == legOut {
-			continue
-		}
-		copy(v.buf.Bytes(), m.bmBuf)
-		if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
-			m.markOut(i)
-			continue
-		}
-		wrote++
-	}
-	if wrote == 0 {
-		m.failed.Store(true)
-		return errFailed
-	}
-	m.bm.Written(blk, change)
-	return nil
-}
-
 // worker commits the legs' states when they change, then releases the
 // writes held for that.
 func (m *Mirror) worker() {
@@ -997,46 +591,6 @@ func (m *Mirror) voter(i int) *voter {
 	return m.legs[i]
 }
 
-// watch fences a voter that holds requests past the leg timeout
-// without completing any.
-func (m *Mirror) watch() {
-	defer m.wg.Done()
-	t := time.NewTicker(m.cfg.LegTimeout / 4)
-	defer t.Stop()
-	for {
-		select {
-		case <-m.done:
-			return
-		case <-t.C:
-		}
-		now := time.Now().UnixNano()
-		for _, i := range m.cfg.Layout.indexes() {
-			v := m.voter(i)
-			if v == nil || v.fenced.Load() || v.io.inflight.Load() == 0 {
-				continue
-			}
-			if now-v.io.progress.Load() > int64(m.cfg.LegTimeout) {
-				m.fence(v)
-			}
-		}
-	}
-}
-
-// fence closes v's session, so that every request outstanding on it
-// ends (with an error) and none can touch a buffer after, and takes a
-// leg out.
-func (m *Mirror) fence(v *voter) {
-	if !v.fenced.CompareAndSwap(false, true) {
-		return
-	}
-	m.stats.Fenced.Add(1)
-	m.log.WithField("voter", v.name).Warnf("mirror: no answer in %v: fenced, its session closed", m.cfg.LegTimeout)
-	if v.index != WitnessIndex {
-		m.markOut(v.index)
-	}
-	go v.dev.Session().Close()
-}
-
 func cryptoRand() uint64 {
 	var b [8]byte
 	crand.Read(b[:])
@@ -1050,13 +604,4 @@ func legDeviceUUID(rnd func() uint64) [16]byte {
 		binary.LittleEndian.PutUint64(u[8:], rnd())
 	}
 	return u
-}
-
-func contains(xs []int, x int) bool {
-	for _, y := range xs {
-		if y == x {
-			return true
-		}
-	}
-	return false
 }

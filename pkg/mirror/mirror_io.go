@@ -1,0 +1,335 @@
+package mirror
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// Buffer is memory a mirror's requests carry data in: registered with
+// each leg's session.
+type Buffer struct {
+	legs [MaxLegs]*rtrs.Buffer
+	b    []byte
+}
+
+// Bytes is the buffer's memory.
+func (b *Buffer) Bytes() []byte { return b.b }
+
+// AllocBuffer allocates n bytes usable by every leg IO goes to.
+func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
+	b := &Buffer{}
+	var owner *rtrs.Buffer
+	for i, v := range m.legs {
+		if v == nil || v.fenced.Load() || m.state[i].Load() == legOut {
+			continue // no IO goes to it
+		}
+		s := v.dev.Session().Session()
+		var err error
+		if owner == nil {
+			owner, err = s.AllocBuffer(n)
+			b.legs[i] = owner
+		} else {
+			b.legs[i], err = s.ShareBuffer(owner)
+		}
+		if err != nil {
+			b.Free()
+			return nil, err
+		}
+	}
+	if owner == nil {
+		return nil, errors.New("mirror: no leg to allocate a buffer on")
+	}
+	b.b = owner.Bytes()
+	return b, nil
+}
+
+// Free releases the buffer; no request may be using it.
+func (b *Buffer) Free() {
+	// The shared registrations first, the owner's memory last.
+	owner := -1
+	for i, x := range b.legs {
+		if x == nil {
+			continue
+		}
+		if owner < 0 {
+			owner = i
+			continue
+		}
+		x.Free()
+	}
+	if owner >= 0 {
+		b.legs[owner].Free()
+	}
+	b.legs = [MaxLegs]*rtrs.Buffer{}
+}
+
+// Req is a request of a mirror's user (a frontend).
+type Req struct {
+	Op     rnbd.Op
+	Flags  uint32 // rnbd.FFUA
+	Off    int64
+	Len    int
+	Buf    *Buffer
+	BufOff int
+	// Done is called once, from any goroutine; it must not block.
+	Done func(r *Req, err error)
+}
+
+// mreq is a request in flight: one rnbd.IOReq per leg, reused.
+type mreq struct {
+	m       *Mirror
+	r       *Req
+	legs    [MaxLegs]rnbd.IOReq
+	errs    [MaxLegs]error
+	sent    [MaxLegs]bool
+	pending atomic.Int32
+	// readLeg is the leg a read went to; tried the legs it tried.
+	readLeg int
+	tried   [MaxLegs]bool
+	marked  bool // the bitmap counts it (EndWrite due)
+}
+
+func (m *Mirror) getReq() *mreq {
+	if x, ok := m.reqs.Get().(*mreq); ok {
+		return x
+	}
+	x := &mreq{m: m}
+	for i := range x.legs {
+		x.legs[i].Done = func(_ *rnbd.IOReq, err error) { x.legDone(i, err) }
+	}
+	return x
+}
+
+func (m *Mirror) putReq(x *mreq) {
+	x.r = nil
+	x.errs, x.sent, x.tried = [MaxLegs]error{}, [MaxLegs]bool{}, [MaxLegs]bool{}
+	x.marked = false
+	m.reqs.Put(x)
+}
+
+// errFailed is the error of IO on a mirror that lost its quorum or every
+// leg.
+var errFailed = fmt.Errorf("mirror: no quorum or no leg left: %w", syscall.EIO)
+
+// Submit starts r: a read goes to one leg in sync, anything else to
+// every leg written (in sync or resyncing). It returns an error without
+// calling Done only for a request that cannot be valid.
+func (m *Mirror) Submit(ctx context.Context, r *Req) error {
+	if r.Off < 0 || r.Off%512 != 0 || r.Len < 0 || (r.Op != rnbd.OpFlush && r.Off+int64(r.Len) > m.size) {
+		return syscall.EINVAL
+	}
+	if (r.Op == rnbd.OpRead || r.Op == rnbd.OpWrite) && (r.Buf == nil || r.BufOff < 0 || r.BufOff+r.Len > len(r.Buf.b)) {
+		return syscall.EINVAL
+	}
+	if m.failed.Load() {
+		r.Done(r, errFailed)
+		return nil
+	}
+	x := m.getReq()
+	x.r = r
+	if r.Op == rnbd.OpRead {
+		return m.sendRead(ctx, x)
+	}
+	if r.Op != rnbd.OpFlush && r.Len > 0 {
+		need := m.bm.StartWrite(r.Off, int64(r.Len))
+		x.marked = true
+		for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
+			if err := m.storeBitmap(ctx, blk); err != nil {
+				m.finish(x, err)
+				return nil
+			}
+		}
+	}
+	// Count every leg before sending to any: a completion must not see
+	// 0 while others are still to go.
+	n := int32(0)
+	for i := range m.cfg.Layout.NLegs {
+		if m.state[i].Load() != legOut {
+			x.sent[i] = true
+			n++
+		}
+	}
+	if n == 0 {
+		m.finish(x, errFailed)
+		return nil
+	}
+	x.pending.Store(n)
+	// x may be done, and reused, once its last piece is sent: the loop
+	// goes by a copy.
+	sent := x.sent
+	for i := range m.cfg.Layout.NLegs {
+		if sent[i] {
+			m.sendLeg(ctx, x, i, r.Op, r.Flags)
+		}
+	}
+	return nil
+}
+
+// sendLeg submits the request's piece for leg i.
+func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags uint32) {
+	r := x.r
+	lr := &x.legs[i]
+	*lr = rnbd.IOReq{Op: op, Flags: flags, Off: DataOff + r.Off, Len: r.Len, Done: lr.Done}
+	if op == rnbd.OpFlush {
+		lr.Off = 0
+	}
+	if op == rnbd.OpRead || op == rnbd.OpWrite {
+		lr.Buf, lr.BufOff = r.Buf.legs[i], r.BufOff
+	}
+	m.legs[i].io.start()
+	if err := m.legs[i].dev.Submit(ctx, lr); err != nil {
+		x.legDone(i, err)
+	}
+}
+
+// sendRead sends a read to an in-sync leg it has not tried, by round
+// robin, or completes it with the last error.
+func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
+	n := m.cfg.Layout.NLegs
+	start := int(m.rr.Add(1))
+	for k := range n {
+		i := (start + k) % n
+		if x.tried[i] || m.state[i].Load() != legIn {
+			continue
+		}
+		x.tried[i], x.readLeg = true, i
+		x.pending.Store(1)
+		m.sendLeg(ctx, x, i, rnbd.OpRead, 0)
+		return nil
+	}
+	err := errFailed
+	for _, e := range x.errs {
+		if e != nil {
+			err = fmt.Errorf("mirror: read failed on every leg in sync: %w", e)
+		}
+	}
+	m.finish(x, err)
+	return nil
+}
+
+// legDone is a leg's completion of x's piece.
+func (x *mreq) legDone(i int, err error) {
+	x.m.legs[i].io.done()
+	x.errs[i] = err
+	if x.pending.Add(-1) != 0 {
+		return
+	}
+	m := x.m
+	if x.r.Op == rnbd.OpRead {
+		if err == nil {
+			m.finish(x, nil)
+			return
+		}
+		if !legFault(err) {
+			m.finish(x, err)
+			return
+		}
+		m.markOut(i)
+		m.stats.ReadRetry.Add(1)
+		// Another leg; not from this callback, which must not block.
+		go m.sendRead(context.Background(), x)
+		return
+	}
+	ok := 0
+	for j, e := range x.errs {
+		if x.sent[j] && e == nil {
+			ok++
+		}
+	}
+	for j, e := range x.errs {
+		// A leg that failed where another did not now differs from
+		// it, whatever the error: out. Where none took it, only the
+		// legs' own faults are (a request every leg refuses changed
+		// nothing).
+		if x.sent[j] && e != nil && (ok > 0 || legFault(e)) {
+			m.markOut(j)
+		}
+	}
+	if ok == 0 {
+		m.finish(x, fmt.Errorf("mirror: no leg took it: %w", firstErr(x.errs[:])))
+		return
+	}
+	m.complete(x)
+}
+
+// legFault says whether err is a leg's failure (it is taken out) rather
+// than the request's own (every leg would say the same).
+func legFault(err error) bool {
+	for _, e := range []error{syscall.EINVAL, syscall.ENOSPC, syscall.EOPNOTSUPP, syscall.EROFS} {
+		if errors.Is(err, e) {
+			return false
+		}
+	}
+	return true
+}
+
+func firstErr(errs []error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return syscall.EIO
+}
+
+// complete acknowledges a write once the legs' states it ran under are
+// committed, else holds it for the worker.
+func (m *Mirror) complete(x *mreq) {
+	if m.committedSeq.Load() >= m.memberSeq.Load() {
+		m.finish(x, nil)
+		return
+	}
+	m.heldMu.Lock()
+	m.held = append(m.held, x)
+	m.heldMu.Unlock()
+	select {
+	case m.wake <- struct{}{}:
+	default:
+	}
+}
+
+// finish ends x with err.
+func (m *Mirror) finish(x *mreq, err error) {
+	r := x.r
+	if x.marked {
+		m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
+	}
+	m.putReq(x)
+	r.Done(r, err)
+}
+
+// storeBitmap writes bitmap block blk to every leg written.
+func (m *Mirror) storeBitmap(ctx context.Context, blk int) error {
+	m.metaMu.Lock()
+	defer m.metaMu.Unlock()
+	return m.storeBitmapLocked(ctx, blk)
+}
+
+// +checklocks:m.metaMu
+func (m *Mirror) storeBitmapLocked(ctx context.Context, blk int) error {
+	change := m.bm.Snapshot(blk, m.bmBuf)
+	wrote := 0
+	for i, v := range m.legs {
+		if v == nil || m.state[i].Load() == legOut {
+			continue
+		}
+		copy(v.buf.Bytes(), m.bmBuf)
+		if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
+			m.markOut(i)
+			continue
+		}
+		wrote++
+	}
+	if wrote == 0 {
+		m.failed.Store(true)
+		return errFailed
+	}
+	m.bm.Written(blk, change)
+	return nil
+}
