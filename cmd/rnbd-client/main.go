@@ -4,6 +4,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -108,6 +109,7 @@ func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
 	f.DurationVar(&c.NBDIOTimeout.Duration, "nbd-io-timeout", c.NBDIOTimeout.Duration, "the kernel nbd driver's request timeout (0: longer than IO can wait in the daemon: no_path_timeout + failure detection + 10s)")
 	f.IntVar(&c.UblkQueueDepth, "ublk-queue-depth", c.UblkQueueDepth, "requests in flight per ublk queue (one queue per CPU; each takes ublk_max_io_kb of registered memory)")
 	f.IntVar(&c.UblkMaxIOKB, "ublk-max-io-kb", c.UblkMaxIOKB, "largest IO a ublk device takes in one request, KiB (4 to 1024; larger IO is split by the block layer)")
+	f.DurationVar(&c.MirrorLegTimeout.Duration, "mirror-leg-timeout", c.MirrorLegTimeout.Duration, "how long a mirror's leg may hold requests without completing any before it is fenced and taken out (IO goes on with the other legs)")
 	f.IntVar(&c.NBDBuffers, "nbd-buffers", c.NBDBuffers, "NBD requests of up to 1 MiB in flight per device served over NBD (each takes 1 MiB of registered memory)")
 	f.StringVar(&c.LogLevel, "log-level", c.LogLevel, "error, warn, info or debug")
 	f.StringVar(&c.LogFormat, "log-format", c.LogFormat, "text or json")
@@ -120,9 +122,11 @@ func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
 func newMap(g *cli.Globals) *cobra.Command {
 	var m api.Mapping
 	port := cli.Port(rtrs.DefaultPort)
-	var sets []string
+	var sets, legs []string
+	var witness, force string
+	forceFrom := -1
 	cmd := &cobra.Command{
-		Use:   `map [--sessname S --path P... --device-path D | "sessname=S path=P device_path=D ..."]`,
+		Use:   `map [--sessname S --path P... --device-path D | "sessname=S path=P device_path=D ..." | --mirror NAME --leg LEG...]`,
 		Short: "Map a remote device and serve it (prints the device and its NBD socket)",
 		Long: `Map a remote device. The parameters are the kernel's map_device tokens, as
 flags or as its one-line string:
@@ -130,7 +134,16 @@ flags or as its one-line string:
   rnbd-client map --sessname s1 --path ip:10.0.0.1 --path ip:10.0.1.1 --device-path vol1
   rnbd-client map "sessname=s1 path=ip:10.0.0.1 path=ip:10.0.1.1 device_path=vol1 access_mode=rw"
 
-A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
+A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).
+
+A mirror is one device over 2 or 3 legs, each a device on a different
+storage node, written to every leg and read from one (docs/replication.md).
+Each --leg is a map string of its own session; --create makes the mirror's
+metadata on new legs, once; a mirror that refuses to assemble (a leg that
+may hold stale data is all it reaches) is served only with --force BY:
+
+  rnbd-client map --mirror vol1 --create --leg "sessname=vol1-a path=ip:10.0.0.1 device_path=vol1" \
+      --leg "sessname=vol1-b path=ip:10.0.0.2 device_path=vol1"`,
 		Example: `  rnbd-client map --sessname host7 --path ip:10.0.0.5 --device-path vol1          # an NBD socket, or /dev/nbdN
   rnbd-client map --sessname host7 --path ip:10.0.0.5 --path ip:10.0.1.5 --device-path vol1 --as ublk
   rnbd-client map "sessname=host7 path=ip:10.0.0.5 device_path=vol1 access_mode=ro" --as socket:/run/rnbd/vol1.sock
@@ -156,7 +169,30 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 					return err
 				}
 			}
-			fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
+			for _, l := range legs {
+				leg, err := clientd.ParseLegString(l)
+				if err != nil {
+					return err
+				}
+				m.Legs = append(m.Legs, leg)
+			}
+			if witness != "" {
+				w, err := clientd.ParseLegString(witness)
+				if err != nil {
+					return err
+				}
+				m.Witness = &w
+			}
+			if force != "" {
+				m.Force = &api.MirrorForce{By: force, From: forceFrom}
+			} else if cmd.Flags().Changed("force-from") {
+				return ctl.Errorf(ctl.CodeInvalid, "--force-from goes with --force BY")
+			}
+			if m.Mirror != "" {
+				fmt.Fprintf(cmd.ErrOrStderr(), "mapping mirror %s over %d legs...\n", m.Mirror, len(m.Legs))
+			} else {
+				fmt.Fprintf(cmd.ErrOrStderr(), "mapping %s through session %s (%s)...\n", m.DevicePath, m.SessName, strings.Join(m.Paths, ", "))
+			}
 			var out api.MapResponse
 			if err := g.Call(api.CltMap, nil, nil, m, &out); err != nil {
 				return err
@@ -177,7 +213,7 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: %s\n", out.Device, out.Kernel)
 			} else {
 				sock := strings.TrimPrefix(out.As, "socket:")
-				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: nbd+unix:///%s?socket=%s\n", out.Device, out.DevicePath, sock)
+				fmt.Fprintf(cmd.OutOrStdout(), "%s mapped: nbd+unix:///%s?socket=%s\n", out.Device, cmp.Or(out.Mirror, out.DevicePath), sock)
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "unmap it with: rnbd-client unmap %s\n", out.Device)
 			return nil
@@ -190,6 +226,12 @@ A path is [ip:SRC@]ip:DST; the port is --dest-port (default 1234).`,
 	f.StringVar(&m.AccessMode, "access-mode", "rw", "ro, rw or migration")
 	f.Var(&port, "dest-port", "server port, 1 to 65535")
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
+	f.StringVar(&m.Mirror, "mirror", "", "map a mirror of this name over the --leg devices")
+	f.StringArrayVar(&legs, "leg", nil, `a mirror's leg: "sessname=S path=P... device_path=D [dest_port=N]", a session of its own to a storage node of its own (2 or 3)`)
+	f.StringVar(&witness, "witness", "", "a mirror's witness, as a leg: a small device on a third storage node that holds only metadata, so that two legs can lose one")
+	f.BoolVar(&m.Create, "create", false, "make the mirror's metadata on its legs (new devices: it refuses one that holds a mirror's)")
+	f.StringVar(&force, "force", "", "serve a mirror that refuses, without the proof that its legs are current; BY (who orders it) is logged and kept on the legs")
+	f.IntVar(&forceFrom, "force-from", -1, "with --force: the leg to keep as the only source (-1: the mirror's choice)")
 	f.StringArrayVar(&sets, "set", nil, "a setting of the session, KEY=VALUE: "+api.SettingKeys+" (repeatable; as session set, and kept across restarts)")
 	cli.CompleteFlag(cmd, "sessname", g.CompleteNames("sessname", api.CltSessions))
 	cli.CompleteFlag(cmd, "access-mode", cli.CompleteFrom("ro", "rw", "migration"))

@@ -35,6 +35,39 @@ type (
 		// with session set since: a restart dials the session with them.
 		// Unset ones are the daemon's configuration.
 		Settings SetRequest `json:"session_settings,omitzero"`
+		// Mirror names a mirror mapping: one device over Legs on
+		// different storage nodes (docs/replication.md). Its name is
+		// the mirror's identity on its legs' metadata. SessName, Paths
+		// and DevicePath are empty in a mirror's mapping.
+		Mirror  string `json:"mirror,omitempty"`
+		Legs    []Leg  `json:"legs,omitempty"`
+		Witness *Leg   `json:"witness,omitempty"`
+		// Create makes the mirror's metadata on its legs, new volumes
+		// holding no superblock: map only, not kept.
+		Create bool `json:"create,omitempty"`
+		// Force assembles the mirror without the proof of currency it
+		// asks for: map only, not kept; logged and audited.
+		Force *MirrorForce `json:"force,omitempty"`
+	}
+	// Leg is a leg or the witness of a mirror: an RNBD device on a
+	// storage node, through a session of its own (the mapping's
+	// transport, and its session settings).
+	Leg struct {
+		SessName   string   `json:"sessname"`
+		Paths      []string `json:"paths"`
+		DevicePath string   `json:"device_path"`
+		DestPort   uint16   `json:"dest_port"`
+		// SessUUID, as a Mapping's: the restarted daemon dials the
+		// leg's session with it.
+		SessUUID string `json:"sess_uuid,omitempty"`
+	}
+	// MirrorForce is an operator's order to serve a mirror that
+	// refused: By names who gives it (the audit line, and the legs'
+	// superblocks); From is the leg to keep as the only source, -1 for
+	// the mirror's choice.
+	MirrorForce struct {
+		By   string `json:"by"`
+		From int    `json:"from"`
 	}
 	// MapResponse is the answer of POST /v1/devices: the mapping made,
 	// and Note, what the operator should know of how it is served (a
@@ -147,6 +180,24 @@ type (
 		Socket      string `json:"socket"`
 		IOMode      string `json:"io_mode"`
 		Direction   string `json:"direction"`
+		// Mirror is a mirror's name, Legs its legs (empty for one
+		// device).
+		Mirror string         `json:"mirror"`
+		Legs   []CltLegRecord `json:"legs,omitempty"`
+	}
+	// CltLegRecord is a mirror's leg, or its witness (leg "witness").
+	CltLegRecord struct {
+		Leg        string `json:"leg"`
+		SessName   string `json:"sessname"`
+		DevicePath string `json:"device_path"`
+		// State: "in sync", "resyncing", "stale" (out: it missed
+		// writes) or "missing" (not reached); a witness "voting" or
+		// "missing".
+		State string `json:"state"`
+		// Resync is a resyncing leg's progress in bytes copied of
+		// ResyncTotal.
+		Resync      int64 `json:"resync_bytes"`
+		ResyncTotal int64 `json:"resync_total_bytes"`
 	}
 	// CltSessionRecord is a session to a server; durations in seconds,
 	// null for a timer that is off or a time left that does not run.

@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/pkg/mirror"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
@@ -68,6 +69,10 @@ type Config struct {
 	NBDBuffers     int           `toml:"nbd_buffers"`
 	NBDIOTimeout   conf.Duration `toml:"nbd_io_timeout"`
 	SizePoll       conf.Duration `toml:"size_poll"`
+	// MirrorLegTimeout is how long a mirror's leg may hold requests
+	// without completing any before it is fenced and taken out
+	// (docs/replication.md).
+	MirrorLegTimeout conf.Duration `toml:"mirror_leg_timeout"`
 	// DevLinksDir holds the stable names of kernel devices,
 	// DIR/SESSNAME/DEVICE_PATH (devlinks.go); empty: none.
 	DevLinksDir string `toml:"dev_links_dir"`
@@ -105,6 +110,7 @@ func DefaultConfig() Config {
 		UblkMaxIOKB:          512,
 		NBDBuffers:           64,
 		SizePoll:             conf.Duration{Duration: rnbd.DefaultSizePoll},
+		MirrorLegTimeout:     conf.Duration{Duration: mirror.DefaultLegTimeout},
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -153,6 +159,9 @@ func (c *Config) Validate() error {
 	}
 	if d := c.ReconnectDelay.Duration; d < rtrs.MinReconnectDelayLimit || d > rtrs.MaxReconnectDelayLimit {
 		return fmt.Errorf("reconnect_delay %v: want %v to %v", d, rtrs.MinReconnectDelayLimit, rtrs.MaxReconnectDelayLimit)
+	}
+	if c.MirrorLegTimeout.Duration < 100*time.Millisecond {
+		return errors.New("mirror_leg_timeout must be at least 100ms")
 	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")

@@ -36,7 +36,9 @@ type State struct {
 // through a frontend.
 type mapped struct {
 	api.Mapping
-	dev *rnbd.CltDev
+	dev *rnbd.CltDev // nil: a mirror
+	mir *mirrorDev   // a mirror's
+	io  ioDev        // what the frontend serves
 	fe  frontend
 }
 
@@ -229,6 +231,13 @@ func (d *Daemon) stop() error {
 	d.mu.Unlock()
 	for _, m := range maps {
 		m.fe.detach()
+		if m.mir != nil {
+			// What is in flight fails as the legs' sessions close,
+			// without taking a leg out for it.
+			m.mir.m.Quiesce()
+			m.mir.closeLegs(context.Background())
+			m.mir.m.Close()
+		}
 	}
 	for _, s := range sessions {
 		s.cs.Close()
@@ -274,14 +283,18 @@ func (d *Daemon) mapNoted(ctx context.Context, m api.Mapping) (api.Mapping, stri
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
 	d.mu.Lock()
+	if err := d.mirrorConflictLocked(spec); err != nil {
+		d.mu.Unlock()
+		return m, "", err
+	}
 	for _, x := range d.maps {
-		if x.SessName == spec.SessName && x.DevicePath == spec.DevicePath {
+		if spec.Mirror == "" && x.Mirror == "" && x.SessName == spec.SessName && x.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
 			return m, "", ctl.Errorf(ctl.CodeExists, "%s is already mapped through session %s as %s", spec.DevicePath, spec.SessName, x.Device)
 		}
 	}
 	for _, f := range d.failed {
-		if f.SessName == spec.SessName && f.DevicePath == spec.DevicePath {
+		if spec.Mirror == "" && f.Mirror == "" && f.SessName == spec.SessName && f.DevicePath == spec.DevicePath {
 			d.mu.Unlock()
 			return m, "", ctl.Errorf(ctl.CodeExists, "%s through session %s is %s, not restored at start (%s): unmap %s, then map it again",
 				spec.DevicePath, spec.SessName, f.Device, f.state(), f.Device)
@@ -429,6 +442,9 @@ func (d *Daemon) restore(m api.Mapping) error {
 // device, and the mapping registered. A restore dials a session with the
 // UUID it had, and is content with any one of its paths up.
 func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mapped, error) {
+	if s.Mirror != "" {
+		return d.mapMirror(ctx, s, restore)
+	}
 	sess, created, err := d.getSession(ctx, s, restore)
 	if err != nil {
 		return nil, err
@@ -437,8 +453,8 @@ func (d *Daemon) mapLocked(ctx context.Context, s mapSpec, restore bool) (*mappe
 	dev, err := sess.cs.Map(ctx, s.DevicePath, s.mode)
 	if err == nil {
 		var fe frontend
-		if fe, err = d.attach(s, dev); err == nil {
-			mp := d.register(s, dev, fe)
+		if fe, err = d.attach(s, rnbdDev{dev}); err == nil {
+			mp := d.register(s, dev, rnbdDev{dev}, fe)
 			d.sessionSettings(sess, mp, restore)
 			return mp, nil
 		}
@@ -495,8 +511,9 @@ func (d *Daemon) fabricFor(transport string) (fabric.Fabric, error) {
 }
 
 // register records a mapping that is being served and says where.
-func (d *Daemon) register(s mapSpec, dev *rnbd.CltDev, fe frontend) *mapped {
-	mp := &mapped{Mapping: s.Mapping, dev: dev, fe: fe}
+func (d *Daemon) register(s mapSpec, dev *rnbd.CltDev, io ioDev, fe frontend) *mapped {
+	mp := &mapped{Mapping: s.Mapping, dev: dev, io: io, fe: fe}
+	mp.mir, _ = io.(*mirrorDev)
 	whereKey := "socket"
 	if s.fe != feSocket {
 		mp.Kernel, whereKey = fe.path(), "kernel_device"
@@ -512,7 +529,7 @@ func (d *Daemon) register(s mapSpec, dev *rnbd.CltDev, fe frontend) *mapped {
 	d.maps[mp.Device] = mp
 	d.mu.Unlock()
 	d.log.WithFields(log.Fields{"device": mp.Device, "session": mp.SessName, "device_path": mp.DevicePath,
-		"access_mode": mp.AccessMode, whereKey: fe.path(), "size": dev.Size()}).Info("device mapped")
+		"access_mode": mp.AccessMode, "mirror": mp.Mirror, whereKey: fe.path(), "size": io.Size()}).Info("device mapped")
 	return mp
 }
 
@@ -532,12 +549,27 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 		}
 		return s, false, nil
 	}
-	fab, err := d.fabricFor(m.Transport)
+	cs, err := d.dial(ctx, m.SessName, m.SessUUID, m.Transport, m.paths, restore)
 	if err != nil {
 		return nil, false, err
 	}
+	cs.OnResize(func(dev *rnbd.CltDev) { d.resized(dev) })
+	s = &session{cs: cs, paths: m.Paths, transport: m.Transport}
+	d.mu.Lock()
+	d.sessions[m.SessName] = s
+	d.mu.Unlock()
+	return s, true, nil
+}
+
+// dial dials a session with the daemon's settings: its UUID the hex
+// given (a restart's), else a random one.
+func (d *Daemon) dial(ctx context.Context, name, uuid, transport string, paths []rtrs.PathAddr, restore bool) (*rnbd.CltSession, error) {
+	fab, err := d.fabricFor(transport)
+	if err != nil {
+		return nil, err
+	}
 	cfg := rtrs.DefaultCltConfig()
-	cfg.SessName, cfg.Fabric, cfg.Log = m.SessName, fab, d.log
+	cfg.SessName, cfg.Fabric, cfg.Log = name, fab, d.log
 	cfg.ConnsPerPath = d.cfg.ConnsPerPath
 	cfg.MPPolicy = d.cfg.MPPolicy
 	cfg.MaxReconnectAttempts = d.cfg.MaxReconnectAttempts
@@ -548,24 +580,19 @@ func (d *Daemon) getSession(ctx context.Context, m mapSpec, restore bool) (*sess
 	// state file: its paths' UUIDs derive from it, so after a restart
 	// the server sees the same paths coming back.
 	cfg.OpenAnyPath = restore
-	if u, err := hex.DecodeString(m.SessUUID); err == nil && len(u) == len(cfg.UUID) {
+	if u, err := hex.DecodeString(uuid); err == nil && len(u) == len(cfg.UUID) {
 		copy(cfg.UUID[:], u)
 	} else if _, err := rand.Read(cfg.UUID[:]); err != nil {
-		return nil, false, err
+		return nil, err
 	}
-	cfg.Paths = m.paths
+	cfg.Paths = paths
 	cs, err := rnbd.DialSession(ctx, cfg, d.cfg.NoPathTimeout.Duration)
 	if err != nil {
-		return nil, false, err
+		return nil, err
 	}
-	cs.OnResize(func(dev *rnbd.CltDev) { d.resized(dev) })
 	cs.SetSizePoll(d.cfg.SizePoll.Duration)
 	cs.SetFastIOFailTmo(d.cfg.fastIOFail())
-	s = &session{cs: cs, paths: m.Paths, transport: m.Transport}
-	d.mu.Lock()
-	d.sessions[m.SessName] = s
-	d.mu.Unlock()
-	return s, true, nil
+	return cs, nil
 }
 
 func (d *Daemon) dropSession(name string) {
@@ -621,8 +648,14 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	d.mu.Unlock()
 	m.fe.remove() // no request of the frontend is left after it
 	d.removeDevLink(m.Mapping)
-	err := m.dev.Unmap(ctx)
-	d.dropSession(m.SessName)
+	var err error
+	if m.mir != nil {
+		m.mir.m.Close()
+		m.mir.closeLegs(ctx)
+	} else {
+		err = m.dev.Unmap(ctx)
+		d.dropSession(m.SessName)
+	}
 	d.log.WithFields(log.Fields{"device": device, "force": force}).Info("device unmapped")
 	return err
 }

@@ -49,6 +49,9 @@ var udevRunning = func() bool {
 
 var tmpSeq atomic.Uint64
 
+// mirrorLinkDir holds the stable names of mirrors' kernel devices.
+const mirrorLinkDir = "mirror.d"
+
 // linkName is m's name below the links' directory, SESSNAME/DEVICE_PATH,
 // or "" when there is none (no DevLinksDir, no session name, or a device
 // path of no name). Each '/' of the device path separates directories
@@ -56,12 +59,18 @@ var tmpSeq atomic.Uint64
 // name never leaves the session's directory); a character udev does not
 // allow in a link (outside 0-9 A-Z a-z # + - . : = @ _ and UTF-8 beyond
 // ASCII) becomes '_', as udev makes it.
+//
+// A mirror's is mirror.d/NAME: no session's name has a '.'.
 func (d *Daemon) linkName(m api.Mapping) string {
-	if d.cfg.DevLinksDir == "" || m.SessName == "" {
+	dir, name := m.SessName, m.DevicePath
+	if m.Mirror != "" {
+		dir, name = mirrorLinkDir, m.Mirror
+	}
+	if d.cfg.DevLinksDir == "" || dir == "" {
 		return ""
 	}
 	var parts []string
-	for _, p := range append([]string{m.SessName}, strings.Split(m.DevicePath, "/")...) {
+	for _, p := range append([]string{dir}, strings.Split(name, "/")...) {
 		switch p {
 		case "":
 			continue

@@ -14,7 +14,6 @@ import (
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd"
 	"github.com/rnbd/rnbd/pkg/frontend/nbd/nbdnl"
-	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
 // kernelDeadConnTimeout is how long the kernel keeps a device's IO queued
@@ -33,12 +32,12 @@ type nbdFE struct {
 	ours    []net.Conn
 }
 
-func (d *Daemon) attachNBD(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
-	n, err := d.serveNBD(dev, s.Device, s.DevicePath)
+func (d *Daemon) attachNBD(dev ioDev, s mapSpec) (frontend, error) {
+	n, err := d.serveNBD(dev, s.Device, s.exportName())
 	if err != nil {
 		return nil, err
 	}
-	f, err := d.attachKernel(n.be.export(s.Device, s.DevicePath), backendID(s.Mapping), parseKernelIndex(s.Kernel))
+	f, err := d.attachKernel(n.be.export(s.Device, s.exportName()), backendID(s.Mapping), parseKernelIndex(s.Kernel))
 	if err != nil {
 		n.withdraw()
 		return nil, err

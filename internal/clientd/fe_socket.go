@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 
 	"github.com/rnbd/rnbd/internal/ctl"
-	"github.com/rnbd/rnbd/pkg/rnbd"
 )
 
 // socketFE serves a device on an NBD unix socket (--as socket:PATH, or
@@ -18,8 +17,8 @@ type socketFE struct {
 	sock string
 }
 
-func (d *Daemon) attachSocket(dev *rnbd.CltDev, s mapSpec) (frontend, error) {
-	n, err := d.serveNBD(dev, s.Device, s.DevicePath)
+func (d *Daemon) attachSocket(dev ioDev, s mapSpec) (frontend, error) {
+	n, err := d.serveNBD(dev, s.Device, s.exportName())
 	if err != nil {
 		return nil, err
 	}

@@ -1,7 +1,6 @@
 package clientd
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -23,7 +22,7 @@ import (
 // the memory RTRS sends from and receives into: no copy of ours, and no
 // wait for a buffer on the queue's thread.
 type ublkBackend struct {
-	dev  *rnbd.CltDev
+	dev  ioDev
 	reqs sync.Pool // *ublkIO
 
 	mu     sync.Mutex                   // serializes changes of queues
@@ -35,25 +34,24 @@ type ublkBackend struct {
 // (ublk.Batcher) so that they leave in one fabric post. Only the
 // queue's goroutine uses the plug (docs/rtrs.md, "Batching").
 type ublkQueue struct {
-	buf  *rtrs.Buffer
+	buf  ioBuf
 	plug rtrs.Plug
 }
 
 // ublkIO carries one ublk request through the device.
 type ublkIO struct {
-	rnbd.IOReq
-	ur     *ublk.Request
-	done   func(*ublk.Request, error)
-	b      *ublkBackend
-	doneFn func(*rnbd.IOReq, error)
+	devReq
+	ur      *ublk.Request
+	ublkEnd func(*ublk.Request, error)
+	b       *ublkBackend
 }
 
-func newUblkBackend(dev *rnbd.CltDev) *ublkBackend {
+func newUblkBackend(dev ioDev) *ublkBackend {
 	b := &ublkBackend{dev: dev}
 	b.queues.Store(new([]*ublkQueue))
 	b.reqs.New = func() any {
 		r := &ublkIO{b: b}
-		r.doneFn = r.complete // a method value allocates: once per ublkIO
+		r.init(r.complete) // a method value allocates: once per ublkIO
 		return r
 	}
 	return b
@@ -62,7 +60,7 @@ func newUblkBackend(dev *rnbd.CltDev) *ublkBackend {
 // QueueBuffers implements ublk.BufferProvider: n bytes of registered
 // memory for queue q.
 func (b *ublkBackend) QueueBuffers(q, n int) ([]byte, error) {
-	buf, err := b.dev.Session().Session().AllocBuffer(n)
+	buf, err := b.dev.AllocBuffer(n)
 	if err != nil {
 		return nil, err
 	}
@@ -95,9 +93,9 @@ func (b *ublkBackend) BatchEnd(q int) {
 	}
 }
 
-func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
-	ur, done := r.ur, r.done
-	r.ur, r.done = nil, nil
+func (r *ublkIO) complete(_ *devReq, err error) {
+	ur, done := r.ur, r.ublkEnd
+	r.ur, r.ublkEnd = nil, nil
 	r.b.reqs.Put(r)
 	done(ur, err)
 }
@@ -105,7 +103,7 @@ func (r *ublkIO) complete(_ *rnbd.IOReq, err error) {
 // Submit implements ublk.Backend.
 func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) {
 	r := b.reqs.Get().(*ublkIO)
-	r.ur, r.done = ur, done
+	r.ur, r.ublkEnd = ur, done
 	br := blockReq{off: ur.Offset, n: ur.Len, fua: ur.FUA, noUnmap: ur.NoUnmap}
 	switch ur.Op {
 	case ublk.OpRead:
@@ -121,17 +119,14 @@ func (b *ublkBackend) Submit(ur *ublk.Request, done func(*ublk.Request, error)) 
 	default:
 		// The kernel gets the errno of the error (EIO without one):
 		// EOPNOTSUPP, an op this device does not do.
-		r.complete(&r.IOReq, fmt.Errorf("ublk %v: %w", ur.Op, syscall.EOPNOTSUPP))
+		r.complete(&r.devReq, fmt.Errorf("ublk %v: %w", ur.Op, syscall.EOPNOTSUPP))
 		return
 	}
 	uq := (*b.queues.Load())[ur.Queue()]
 	br.buf, br.bufOff = uq.buf, ur.BufferOffset()
-	r.Done = r.doneFn
-	br.fill(&r.IOReq)
-	r.Plug = &uq.plug
-	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
-		r.complete(&r.IOReq, err)
-	}
+	r.blockReq = br
+	r.plug = &uq.plug
+	b.dev.Submit(&r.devReq)
 }
 
 // ublkCookie is what a ublk device carries in the kernel to name what it
@@ -180,9 +175,9 @@ func (f *ublkFE) detach() {
 // index >= 0 it first takes that device back from the daemon that served
 // it before (user recovery; the IO the kernel held then runs here), else
 // or if that fails it makes a new one.
-func (d *Daemon) attachUblk(dev *rnbd.CltDev, backendID string, index int) (frontend, error) {
+func (d *Daemon) attachUblk(dev ioDev, backendID string, index int) (frontend, error) {
 	info := dev.Info()
-	ro := dev.Mode() == rnbd.AccessRO
+	ro := dev.ReadOnly()
 	lbs := max(int(info.LogicalBlockSize), 512)
 	opts := ublk.Options{
 		Size:              dev.Size(),

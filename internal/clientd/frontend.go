@@ -62,7 +62,7 @@ func (d *Daemon) resized(dev *rnbd.CltDev) error {
 }
 
 // attach offers dev through the frontend s names.
-func (d *Daemon) attach(s mapSpec, dev *rnbd.CltDev) (frontend, error) {
+func (d *Daemon) attach(s mapSpec, dev ioDev) (frontend, error) {
 	switch s.fe {
 	case feUblk:
 		return d.attachUblk(dev, backendID(s.Mapping), parseUblkIndex(s.Kernel))
@@ -84,7 +84,7 @@ type nbdServed struct {
 // serveNBD adds dev to the daemon's NBD server under id (the mapping's
 // device name, unique in the daemon), named name (its device_path, which
 // mappings through other sessions may share).
-func (d *Daemon) serveNBD(dev *rnbd.CltDev, id, name string) (nbdServed, error) {
+func (d *Daemon) serveNBD(dev ioDev, id, name string) (nbdServed, error) {
 	be, err := newNBDBackend(dev, d.cfg.NBDBuffers)
 	if err != nil {
 		return nbdServed{}, err
@@ -110,26 +110,35 @@ type blockReq struct {
 	off          int64
 	n            int
 	fua, noUnmap bool
-	buf          *rtrs.Buffer // reads and writes
+	buf          ioBuf // reads and writes
 	bufOff       int
 }
 
-// fill makes r the RNBD request for b (r's Done kept): a flush carries
-// no range, FUA and NO_UNMAP become the request's flags (NO_UNMAP only
-// for write-zeroes, where it means something).
+// fill makes r the RNBD request for b (r's Done kept).
 func (b blockReq) fill(r *rnbd.IOReq) {
-	*r = rnbd.IOReq{Op: b.op, Off: b.off, Len: b.n, Done: r.Done}
+	*r = rnbd.IOReq{Op: b.op, Done: r.Done}
+	r.Flags, r.Off, r.Len = b.wire()
+	if b.op == rnbd.OpRead || b.op == rnbd.OpWrite {
+		r.Buf, _ = b.buf.(*rtrs.Buffer)
+		r.BufOff = b.bufOff
+	}
+}
+
+// wire is the request's flags and range as a device takes them: a flush
+// carries no range, FUA and NO_UNMAP become flags (NO_UNMAP only for
+// write-zeroes, where it means something).
+func (b blockReq) wire() (flags uint32, off int64, n int) {
+	off, n = b.off, b.n
 	switch b.op {
 	case rnbd.OpFlush:
-		r.Off, r.Len = 0, 0
-	case rnbd.OpRead, rnbd.OpWrite:
-		r.Buf, r.BufOff = b.buf, b.bufOff
+		off, n = 0, 0
 	case rnbd.OpWriteZeroes:
 		if b.noUnmap {
-			r.Flags |= rnbd.FNoUnmap
+			flags |= rnbd.FNoUnmap
 		}
 	}
 	if b.fua {
-		r.Flags |= rnbd.FFUA
+		flags |= rnbd.FFUA
 	}
+	return flags, off, n
 }

@@ -38,6 +38,8 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "the kernel nbd driver's request timeout for `/dev/nbdN` mappings; 0 derives it: `no_path_timeout` + `hb_interval` × (`hb_missed_max` + 1) + 10s, at least 30s, so the kernel never re-sends a request the daemon may still send to the server"},
 	{Keys: []string{"size_poll"}, Flag: "`--size-poll`", Default: "5s",
 		Doc: "how often each session asks its servers for its devices' sizes, which then reach `/dev/nbdN`, `/dev/ublkbN` and new NBD connections; 0 never (`remap` still does)"},
+	{Keys: []string{"mirror_leg_timeout"}, Flag: "`--mirror-leg-timeout`", Default: "5s",
+		Doc: "how long a mirror's leg (or witness) may hold requests without completing any before it is fenced — its session closed — and taken out, IO going on with the other legs ([replication.md](replication.md)); at least 100ms"},
 	{Keys: []string{"ublk_queue_depth"}, Flag: "`--ublk-queue-depth`", Default: "64",
 		Doc: "requests in flight per ublk queue (one queue per CPU); each takes a buffer of `ublk_max_io_kb`, registered with the session; 1 to 4096"},
 	{Keys: []string{"ublk_max_io_kb"}, Flag: "`--ublk-max-io-kb`", Default: "512",

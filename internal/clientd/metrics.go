@@ -19,7 +19,17 @@ var (
 	cltDescs   = struct {
 		pathReqs, pathBytes, pathInflight, pathFailovers, pathReconnects, pathUp, pathState, pathRTT, pathLat *prometheus.Desc
 		sessPaths, sessUp, devReqs, devBytes, devFUA, devSize, devState, devInflight                          *prometheus.Desc
+		mirLeg, mirEvents, mirCopied                                                                          *prometheus.Desc
 	}{
+		mirLeg: prometheus.NewDesc("rnbd_client_mirror_leg_state",
+			"1 for the state of the mirror's leg (in sync, resyncing, stale, missing; the witness voting or missing), 0 for the others.",
+			[]string{"device", "mirror", "leg", "state"}, nil),
+		mirEvents: prometheus.NewDesc("rnbd_client_mirror_events_total",
+			"What the mirror did, by event: taken_out (a leg), fenced (a voter that held requests past mirror_leg_timeout), "+
+				"commit (a generation), read_retry (a read served by another leg after an error).",
+			[]string{"device", "mirror", "event"}, nil),
+		mirCopied: prometheus.NewDesc("rnbd_client_mirror_copied_bytes_total",
+			"Bytes the mirror copied from one leg to others: resyncs, rebuilds, and a crash's dirty regions.", []string{"device", "mirror"}, nil),
 		pathReqs: prometheus.NewDesc("rnbd_client_path_requests_total",
 			"RTRS requests posted on the path (stats/rdma rd_cnt, wr_cnt), by direction.", append(pathLabels, "direction"), nil),
 		pathBytes: prometheus.NewDesc("rnbd_client_path_bytes_total",
@@ -66,7 +76,8 @@ type cltCollector struct{ d *Daemon }
 func (c cltCollector) Describe(ch chan<- *prometheus.Desc) {
 	x := cltDescs
 	for _, d := range []*prometheus.Desc{x.pathReqs, x.pathBytes, x.pathInflight, x.pathFailovers, x.pathReconnects,
-		x.pathUp, x.pathState, x.pathRTT, x.pathLat, x.sessPaths, x.sessUp, x.devReqs, x.devBytes, x.devFUA, x.devSize, x.devState, x.devInflight} {
+		x.pathUp, x.pathState, x.pathRTT, x.pathLat, x.sessPaths, x.sessUp, x.devReqs, x.devBytes, x.devFUA, x.devSize, x.devState, x.devInflight,
+		x.mirLeg, x.mirEvents, x.mirCopied} {
 		ch <- d
 	}
 }
@@ -128,6 +139,10 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.d.mu.Unlock()
 	for _, m := range maps {
+		if m.mir != nil {
+			c.collectMirror(e, m)
+			continue
+		}
 		l := []string{m.Device, m.SessName, m.DevicePath}
 		cn := m.dev.Counters()
 		for _, op := range rnbd.Ops() {
@@ -143,4 +158,31 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		gauge(x.devState, open, l...)
 	}
+}
+
+// legStates are the states a mirror's leg record may have, for
+// rnbd_client_mirror_leg_state.
+var legStates = []string{"in sync", "resyncing", "stale", "missing", "voting"}
+
+// collectMirror emits a mirror mapping's size, legs and counters.
+func (c cltCollector) collectMirror(e metrics.Emit, m *mapped) {
+	x := cltDescs
+	e.Gauge(x.devSize, float64(m.io.Size()), m.Device, "", "")
+	for _, r := range m.mir.legRecords(m.Mapping) {
+		for _, st := range legStates {
+			v := 0.0
+			if st == r.State {
+				v = 1
+			}
+			e.Gauge(x.mirLeg, v, m.Device, m.Mirror, r.Leg, st)
+		}
+	}
+	st := m.mir.m.Stats()
+	for _, ev := range []struct {
+		name string
+		n    uint64
+	}{{"taken_out", st.TakenOut.Load()}, {"fenced", st.Fenced.Load()}, {"commit", st.Commits.Load()}, {"read_retry", st.ReadRetry.Load()}} {
+		e.Counter(x.mirEvents, float64(ev.n), m.Device, m.Mirror, ev.name)
+	}
+	e.Counter(x.mirCopied, float64(st.Reconciled.Load()), m.Device, m.Mirror)
 }

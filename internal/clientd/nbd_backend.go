@@ -24,8 +24,8 @@ const maxPayload = 32 << 20
 // in registered transport memory, so it goes from the NBD socket to the
 // wire (and back) without another copy.
 type nbdBackend struct {
-	dev   *rnbd.CltDev
-	pool  *rtrs.Buffer // slots of slotSize
+	dev   ioDev
+	pool  ioBuf // slots of slotSize
 	slots []slotBuf
 	free  *tagpool.Pool // free slots, lowest first: the memory in use stays warm
 	reqs  sync.Pool     // *ioReq
@@ -36,8 +36,8 @@ type nbdBackend struct {
 	big *semaphore.Weighted
 }
 
-func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
-	pool, err := dev.Session().Session().AllocBuffer(nslots * slotSize)
+func newNBDBackend(dev ioDev, nslots int) (*nbdBackend, error) {
+	pool, err := dev.AllocBuffer(nslots * slotSize)
 	if err != nil {
 		return nil, err
 	}
@@ -48,7 +48,7 @@ func newNBDBackend(dev *rnbd.CltDev, nslots int) (*nbdBackend, error) {
 	}
 	b.reqs.New = func() any {
 		r := new(ioReq)
-		r.doneFn = r.complete // a method value allocates: once per ioReq
+		r.init(r.complete) // a method value allocates: once per ioReq
 		return r
 	}
 	return b, nil
@@ -61,7 +61,7 @@ func (b *nbdBackend) close() { b.pool.Free() }
 type slotBuf struct {
 	b    *nbdBackend
 	slot int // -1: own
-	buf  *rtrs.Buffer
+	buf  ioBuf
 	off  int
 	data []byte
 }
@@ -91,7 +91,7 @@ func (b *nbdBackend) Buffer(ctx context.Context, n int) (nbd.Buf, error) {
 				return nil, err
 			}
 		}
-		buf, err := b.dev.Session().Session().AllocBuffer(n)
+		buf, err := b.dev.AllocBuffer(n)
 		if err != nil {
 			b.big.Release(int64(n))
 			return nil, err
@@ -121,27 +121,26 @@ func (b *nbdBackend) NewPlug() nbd.Plug { return new(rtrs.Plug) }
 
 // ioReq carries one NBD request through the device.
 type ioReq struct {
-	rnbd.IOReq
+	devReq
 	nr     *nbd.Request
-	done   func(*nbd.Request, error)
+	nbdEnd func(*nbd.Request, error)
 	b      *nbdBackend
-	doneFn func(*rnbd.IOReq, error)
 }
 
-func (r *ioReq) complete(_ *rnbd.IOReq, err error) {
-	nr, done, b := r.nr, r.done, r.b
-	if r.Burst != nil {
+func (r *ioReq) complete(_ *devReq, err error) {
+	nr, done, b := r.nr, r.nbdEnd, r.b
+	if bu := r.burst(); bu != nil {
 		// The reply goes out with the others of the transport's burst.
-		nr.Batch = r.Burst
+		nr.Batch = bu
 	}
-	r.nr, r.done, r.Burst = nil, nil, nil
+	r.nr, r.nbdEnd = nil, nil
 	b.reqs.Put(r)
 	done(nr, err)
 }
 
 func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 	r := b.reqs.Get().(*ioReq)
-	r.nr, r.done, r.b = nr, done, b
+	r.nr, r.nbdEnd, r.b = nr, done, b
 	br := blockReq{off: nr.Offset, n: int(nr.Length), fua: nr.FUA, noUnmap: nr.NoHole}
 	switch nr.Cmd {
 	case nbd.CmdRead, nbd.CmdWrite:
@@ -158,18 +157,15 @@ func (b *nbdBackend) Submit(nr *nbd.Request, done func(*nbd.Request, error)) {
 	case nbd.CmdWriteZeroes:
 		br.op = rnbd.OpWriteZeroes
 	}
-	r.Done = r.doneFn
-	br.fill(&r.IOReq)
-	r.Plug, _ = nr.Plug.(*rtrs.Plug)
-	if err := b.dev.Submit(context.Background(), &r.IOReq); err != nil {
-		r.complete(&r.IOReq, err)
-	}
+	r.blockReq = br
+	r.plug, _ = nr.Plug.(*rtrs.Plug)
+	b.dev.Submit(&r.devReq)
 }
 
 // export describes the device to the NBD server.
 func (b *nbdBackend) export(id, name string) *nbd.Export {
 	info := b.dev.Info()
-	ro := b.dev.Mode() == rnbd.AccessRO
+	ro := b.dev.ReadOnly()
 	// Flush and FUA as the server's cache policy says (the kernel's
 	// client sets BLK_FEAT_WRITE_CACHE and BLK_FEAT_FUA the same way): a
 	// write-through device needs neither, and /dev/nbdN then shows
@@ -178,7 +174,7 @@ func (b *nbdBackend) export(id, name string) *nbd.Export {
 	return &nbd.Export{
 		ID:          id,
 		Name:        name,
-		Description: "rnbd " + b.dev.Session().Session().Name() + "/" + b.dev.Name(),
+		Description: b.dev.Describe(),
 		Size:        b.dev.Size(),
 		SizeNow:     b.dev.Size,
 		ReadOnly:    ro,

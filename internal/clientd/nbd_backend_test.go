@@ -23,7 +23,7 @@ func TestLargeBuffersBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	be, err := newNBDBackend(m.dev, r.cfg.NBDBuffers) // 4 slots: the bound is maxPayload
+	be, err := newNBDBackend(rnbdDev{m.dev}, r.cfg.NBDBuffers) // 4 slots: the bound is maxPayload
 	if err != nil {
 		t.Fatal(err)
 	}

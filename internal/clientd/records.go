@@ -44,6 +44,18 @@ func (d *Daemon) sessionList() []*session {
 	for _, s := range d.sessions {
 		ss = append(ss, s)
 	}
+	// The sessions of mirrors' legs, each a mirror's own.
+	for _, m := range d.maps {
+		if m.mir == nil {
+			continue
+		}
+		ls := m.legs()
+		for i, c := range m.mir.conns() {
+			if c.cs != nil {
+				ss = append(ss, &session{cs: c.cs, paths: ls[i].Paths, transport: m.Transport})
+			}
+		}
+	}
 	sort.Slice(ss, func(i, j int) bool { return ss[i].cs.Session().Name() < ss[j].cs.Session().Name() })
 	return ss
 }
@@ -73,16 +85,21 @@ func (d *Daemon) deviceRecords(name string) []api.CltDeviceRecord {
 	// stay until restored by a retry, or unmapped.
 	for _, m := range failed {
 		recs = append(recs, api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, MappingPath: m.DevicePath,
-			AccessMode: m.AccessMode, State: m.state(), Direction: "client"})
+			AccessMode: m.AccessMode, State: m.state(), Direction: "client", Mirror: m.Mirror})
 	}
 	for _, m := range ms {
 		socket := ""
 		if m.Kernel == "" {
 			socket = m.fe.path()
 		}
-		recs = append(recs, api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, DevPath: m.fe.path(), MappingPath: m.DevicePath,
-			AccessMode: m.AccessMode, State: m.dev.State().String(), Size: m.dev.Size(),
-			Socket: socket, IOMode: m.fe.ioMode(), Direction: "client"})
+		rec := api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, DevPath: m.fe.path(), MappingPath: m.DevicePath,
+			AccessMode: m.AccessMode, Size: m.io.Size(), Socket: socket, IOMode: m.fe.ioMode(), Direction: "client", Mirror: m.Mirror}
+		if m.mir != nil {
+			rec.State, rec.Legs = m.mir.state(), m.mir.legRecords(m.Mapping)
+		} else {
+			rec.State = m.dev.State().String()
+		}
+		recs = append(recs, rec)
 	}
 	sort.SliceStable(recs, func(i, j int) bool { return recs[i].DevName < recs[j].DevName })
 	return recs

@@ -59,10 +59,13 @@ func (d *Daemon) listDevices(r *http.Request) (any, error) {
 }
 
 func (d *Daemon) showDevice(r *http.Request) (any, error) {
-	if _, err := d.find(r.PathValue("name"), "device show"); err != nil {
-		return nil, err
+	// A mapping not restored at start is shown too, as device list
+	// shows it.
+	if recs := d.deviceRecords(r.PathValue("name")); len(recs) > 0 {
+		return recs, nil
 	}
-	return d.deviceRecords(r.PathValue("name")), nil
+	_, err := d.find(r.PathValue("name"), "device show")
+	return nil, err
 }
 
 func (d *Daemon) unmapDevice(r *http.Request) (any, error) {

@@ -1,6 +1,7 @@
 package clientd
 
 import (
+	"cmp"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -34,6 +35,8 @@ type mapSpec struct {
 	// sock is a socket mapping's path; empty until the device is named
 	// when it goes in socket_dir.
 	sock string
+	// legPaths are a mirror's legs' paths by leg, then the witness's.
+	legPaths [][]rtrs.PathAddr
 	// note is what map says beside its answer: how the device is
 	// served when that is not what the request implied (a socket where
 	// /dev/nbdN is the default).
@@ -83,14 +86,37 @@ func ParseMapString(s string) (api.Mapping, error) {
 	return m, nil
 }
 
+// ParseLegString parses a mirror's leg (or witness) as a map string:
+// "sessname=S path=P... device_path=D [dest_port=N]".
+func ParseLegString(s string) (api.Leg, error) {
+	m, err := ParseMapString(s)
+	if err != nil {
+		return api.Leg{}, err
+	}
+	if m.AccessMode != "" || m.Settings != (api.SetRequest{}) {
+		return api.Leg{}, ctl.Errorf(ctl.CodeInvalid, "leg %q: a leg takes sessname, path, device_path and dest_port; "+
+			"the mirror's access mode and session settings are the mapping's", s)
+	}
+	return api.Leg{SessName: m.SessName, Paths: m.Paths, DevicePath: m.DevicePath, DestPort: m.DestPort}, nil
+}
+
 // normalize checks a mapping request, fills the defaults and types it.
 func normalize(m api.Mapping) (mapSpec, error) {
 	s := mapSpec{Mapping: m}
-	if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {
-		return s, ctl.Errorf(ctl.CodeInvalid, "map needs sessname, at least one path and device_path")
-	}
-	if err := rtrs.ValidSessName(m.SessName); err != nil {
-		return s, ctl.Errorf(ctl.CodeInvalid, "sessname %q: %v", m.SessName, err)
+	if m.Mirror != "" || len(m.Legs) > 0 || m.Witness != nil {
+		if err := s.normalizeMirror(); err != nil {
+			return s, err
+		}
+	} else {
+		if m.Create || m.Force != nil {
+			return s, ctl.Errorf(ctl.CodeInvalid, "create and force are for a mirror (--mirror NAME --leg ...)")
+		}
+		if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {
+			return s, ctl.Errorf(ctl.CodeInvalid, "map needs sessname, at least one path and device_path")
+		}
+		if err := rtrs.ValidSessName(m.SessName); err != nil {
+			return s, ctl.Errorf(ctl.CodeInvalid, "sessname %q: %v", m.SessName, err)
+		}
 	}
 	if err := checkSettings(m.Settings); err != nil {
 		return s, err
@@ -102,19 +128,23 @@ func normalize(m api.Mapping) (mapSpec, error) {
 	if s.mode, err = rnbd.ParseAccessMode(s.AccessMode); err != nil {
 		return s, ctl.Errorf(ctl.CodeInvalid, "access_mode %q: want ro, rw or migration", s.AccessMode)
 	}
-	if s.DestPort == 0 {
-		s.DestPort = rtrs.DefaultPort
+	if s.Mirror != "" && s.mode != rnbd.AccessRW {
+		// Migration's second writer could order its writes to the
+		// legs differently; ro cannot assemble (it commits a
+		// generation).
+		return s, ctl.Errorf(ctl.CodeInvalid, "access_mode %s: a mirror is mapped rw by one client only", s.AccessMode)
 	}
-	for _, p := range m.Paths {
-		pa, err := rtrs.ParsePathAddr(p, s.DestPort)
-		if err != nil {
-			return s, ctl.Errorf(ctl.CodeInvalid, "path %q: %v", p, err)
+	if s.Mirror == "" {
+		if s.DestPort == 0 {
+			s.DestPort = rtrs.DefaultPort
 		}
-		s.paths = append(s.paths, pa)
+		if s.paths, err = parsePaths(m.Paths, s.DestPort); err != nil {
+			return s, err
+		}
 	}
 	switch s.Transport {
 	case "", "auto":
-		s.Transport = autoTransport(s.paths)
+		s.Transport = autoTransport(s.allPaths())
 	case "tcp":
 	case "rdma":
 		if !ibverbs.Supported {
@@ -161,6 +191,28 @@ func normalize(m api.Mapping) (mapSpec, error) {
 	return s, nil
 }
 
+// parsePaths parses a session's path arguments.
+func parsePaths(ps []string, port uint16) ([]rtrs.PathAddr, error) {
+	var out []rtrs.PathAddr
+	for _, p := range ps {
+		pa, err := rtrs.ParsePathAddr(p, port)
+		if err != nil {
+			return nil, ctl.Errorf(ctl.CodeInvalid, "path %q: %v", p, err)
+		}
+		out = append(out, pa)
+	}
+	return out, nil
+}
+
+// allPaths is every path the mapping dials: its session's, or its legs'.
+func (s *mapSpec) allPaths() []rtrs.PathAddr {
+	out := append([]rtrs.PathAddr(nil), s.paths...)
+	for _, l := range s.legPaths {
+		out = append(out, l...)
+	}
+	return out
+}
+
 // named gives the spec its device name, and a socket in dir to a socket
 // mapping that has none.
 func (s *mapSpec) named(device, dir string) {
@@ -185,6 +237,15 @@ func autoTransport(paths []rtrs.PathAddr) string {
 	return "rdma"
 }
 
+// exportName is the name NBD clients open the mapping's device by: its
+// device_path, or the mirror's name.
+func (s *mapSpec) exportName() string { return cmp.Or(s.Mirror, s.DevicePath) }
+
 // backendID names what a kernel device of m serves: nbd's
 // BACKEND_IDENTIFIER, the source of a ublk device's cookie.
-func backendID(m api.Mapping) string { return "rnbd:" + m.SessName + "/" + m.DevicePath }
+func backendID(m api.Mapping) string {
+	if m.Mirror != "" {
+		return "rnbd-mirror:" + m.Mirror
+	}
+	return "rnbd:" + m.SessName + "/" + m.DevicePath
+}

@@ -76,6 +76,8 @@ type Mirror struct {
 	committedSeq atomic.Uint64
 	// failed: the mirror lost its quorum or every leg: IO fails.
 	failed atomic.Bool
+	// closing: Quiesce was called.
+	closing atomic.Bool
 
 	// metaMu serializes metadata IO and changes of the superblock.
 	metaMu sync.Mutex
@@ -512,6 +514,16 @@ func (m *Mirror) LegStates() []string {
 	}
 	return out
 }
+
+// Failed says whether the mirror lost its quorum or every leg: its IO
+// fails until it is assembled again.
+func (m *Mirror) Failed() bool { return m.failed.Load() }
+
+// Quiesce makes the mirror end what is in flight with errors without
+// judging its legs: the caller is closing their sessions (the daemon
+// stops), so a leg's error from now on is not the leg's fault. Close
+// follows.
+func (m *Mirror) Quiesce() { m.closing.Store(true) }
 
 // Generation is the last generation committed.
 func (m *Mirror) Generation() Gen {

@@ -1,6 +1,7 @@
 package mirror
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -49,9 +50,11 @@ func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
 	return b, nil
 }
 
-// Free releases the buffer; no request may be using it.
-func (b *Buffer) Free() {
+// Free releases the buffer; no request may be using it. The error is
+// the first of the registrations'.
+func (b *Buffer) Free() error {
 	// The shared registrations first, the owner's memory last.
+	var errs []error
 	owner := -1
 	for i, x := range b.legs {
 		if x == nil {
@@ -61,12 +64,13 @@ func (b *Buffer) Free() {
 			owner = i
 			continue
 		}
-		x.Free()
+		errs = append(errs, x.Free())
 	}
 	if owner >= 0 {
-		b.legs[owner].Free()
+		errs = append(errs, b.legs[owner].Free())
 	}
 	b.legs = [MaxLegs]*rtrs.Buffer{}
+	return errors.Join(errs...)
 }
 
 // Req is a request of a mirror's user (a frontend).
@@ -221,6 +225,20 @@ func (x *mreq) legDone(i int, err error) {
 		return
 	}
 	m := x.m
+	if m.closing.Load() {
+		// The sessions are closing under it: no leg is judged.
+		var err error
+		for j, e := range x.errs {
+			if x.sent[j] || x.r.Op == rnbd.OpRead {
+				err = cmp.Or(err, e)
+			}
+		}
+		if err != nil {
+			err = fmt.Errorf("mirror: closing: %w", err)
+		}
+		m.finish(x, err)
+		return
+	}
 	if x.r.Op == rnbd.OpRead {
 		if err == nil {
 			m.finish(x, nil)

@@ -115,6 +115,9 @@ func (m *Mirror) watch() {
 			return
 		case <-t.C:
 		}
+		if m.closing.Load() {
+			continue // the sessions are closing: nothing to judge
+		}
 		now := time.Now()
 		for _, i := range m.cfg.Layout.indexes() {
 			if v := m.voter(i); v != nil && !v.fenced.Load() && v.io.stuck(now, m.cfg.LegTimeout) {

@@ -1,0 +1,411 @@
+package clientd
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+	"unicode"
+
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/mirror"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+)
+
+// A mirror mapping (docs/replication.md): one device over 2 or 3 legs,
+// each an RNBD device on a storage node of its own reached through a
+// session of its own (the mirror closes a leg's session to fence it, so
+// no other mapping may share it), and maybe a witness holding only
+// metadata.
+
+// maxMirrorName bounds a mirror's name (it goes in logs and metrics).
+const maxMirrorName = 128
+
+// legDialTimeout bounds the dialling of one leg at map: a leg's storage
+// node that does not answer in it is missing, and the mirror decides
+// whether it can serve without it.
+var legDialTimeout = 10 * time.Second
+
+// normalizeMirror checks a mirror mapping: its name, its legs and
+// witness (each a session to a different storage node), create and
+// force.
+func (s *mapSpec) normalizeMirror() error {
+	m := &s.Mapping
+	if m.Mirror == "" {
+		return ctl.Errorf(ctl.CodeInvalid, "a mirror needs its name (--mirror NAME)")
+	}
+	if len(m.Mirror) > maxMirrorName {
+		return ctl.Errorf(ctl.CodeInvalid, "mirror name of %d bytes: at most %d", len(m.Mirror), maxMirrorName)
+	}
+	for _, r := range m.Mirror {
+		if !unicode.IsPrint(r) || unicode.IsSpace(r) {
+			return ctl.Errorf(ctl.CodeInvalid, "mirror name %q: printable characters without spaces only", m.Mirror)
+		}
+	}
+	if m.SessName != "" || len(m.Paths) > 0 || m.DevicePath != "" {
+		return ctl.Errorf(ctl.CodeInvalid, "a mirror's sessions are its legs' (--leg for each), not sessname, path or device_path")
+	}
+	if len(m.Legs) < 2 || len(m.Legs) > mirror.MaxLegs {
+		return ctl.Errorf(ctl.CodeInvalid, "a mirror has 2 or 3 legs, not %d", len(m.Legs))
+	}
+	if m.Create && m.Force != nil {
+		return ctl.Errorf(ctl.CodeInvalid, "create and force together: a new mirror needs no force")
+	}
+	if f := m.Force; f != nil {
+		if f.By == "" {
+			return ctl.Errorf(ctl.CodeInvalid, "force needs who orders it (--force BY): it is logged and kept on the legs")
+		}
+		if f.From < -1 || f.From >= len(m.Legs) {
+			return ctl.Errorf(ctl.CodeInvalid, "force from leg %d: the mirror has legs 0 to %d", f.From, len(m.Legs)-1)
+		}
+	}
+	sessions := map[string]string{}
+	nodes := map[string]string{}
+	legs := s.legs()
+	for i, l := range legs {
+		what := s.legName(i)
+		if l.SessName == "" || len(l.Paths) == 0 || l.DevicePath == "" {
+			return ctl.Errorf(ctl.CodeInvalid, "%s needs sessname, at least one path and device_path", what)
+		}
+		if err := rtrs.ValidSessName(l.SessName); err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "%s: sessname %q: %v", what, l.SessName, err)
+		}
+		if other, ok := sessions[l.SessName]; ok {
+			return ctl.Errorf(ctl.CodeInvalid, "%s and %s have one session %s: each leg has a session of its own", other, what, l.SessName)
+		}
+		sessions[l.SessName] = what
+		if l.DestPort == 0 {
+			l.DestPort = rtrs.DefaultPort
+		}
+		ps, err := parsePaths(l.Paths, l.DestPort)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "%s: %v", what, err)
+		}
+		// A copy on the same storage node is no copy when the node
+		// goes: the legs' servers must differ.
+		for _, p := range ps {
+			node := p.Dst.String()
+			if other, ok := nodes[node]; ok && other != what {
+				return ctl.Errorf(ctl.CodeInvalid, "%s and %s are on one storage node (%s): a mirror's legs are on different ones", other, what, node)
+			}
+			nodes[node] = what
+		}
+		s.legPaths = append(s.legPaths, ps)
+	}
+	return nil
+}
+
+// legs are pointers to the spec's legs, then its witness.
+func (s *mapSpec) legs() []*api.Leg {
+	var out []*api.Leg
+	for i := range s.Legs {
+		out = append(out, &s.Legs[i])
+	}
+	if s.Witness != nil {
+		out = append(out, s.Witness)
+	}
+	return out
+}
+
+// legs are a mapping's legs, then its witness.
+func (m *mapped) legs() []*api.Leg { return (&mapSpec{Mapping: m.Mapping}).legs() }
+
+// mirrorConflictLocked refuses a mapping that would share a session with
+// a mirror's leg (a leg's session is the mirror's own: fencing a leg
+// closes it), or a second mapping of one mirror.
+//
+// +checklocks:d.mu
+func (d *Daemon) mirrorConflictLocked(spec mapSpec) error {
+	taken := map[string]string{} // session name → what has it
+	for name := range d.sessions {
+		taken[name] = "a mapping's session"
+	}
+	all := make([]api.Mapping, 0, len(d.maps)+len(d.failed))
+	for _, m := range d.maps {
+		all = append(all, m.Mapping)
+	}
+	for _, f := range d.failed {
+		all = append(all, f.Mapping)
+		if f.Mirror == "" {
+			taken[f.SessName] = "the session of " + f.Device
+		}
+	}
+	for _, m := range all {
+		if m.Mirror == "" {
+			continue
+		}
+		if m.Mirror == spec.Mirror {
+			return ctl.Errorf(ctl.CodeExists, "mirror %s is mapped already as %s", spec.Mirror, m.Device)
+		}
+		for _, l := range (&mapSpec{Mapping: m}).legs() {
+			taken[l.SessName] = "a leg's session of mirror " + m.Mirror + " (" + m.Device + ")"
+		}
+	}
+	if spec.Mirror == "" {
+		if what, ok := taken[spec.SessName]; ok && strings.HasPrefix(what, "a leg") {
+			return ctl.Errorf(ctl.CodeExists, "session %s is %s: choose another sessname", spec.SessName, what)
+		}
+		return nil
+	}
+	for _, l := range spec.legs() {
+		if what, ok := taken[l.SessName]; ok {
+			return ctl.Errorf(ctl.CodeExists, "session %s is %s: a mirror's leg needs a session of its own", l.SessName, what)
+		}
+	}
+	return nil
+}
+
+// legName names leg i of s.legs() in messages.
+func (s *mapSpec) legName(i int) string {
+	if i == len(s.Legs) {
+		return "the witness"
+	}
+	return "leg " + strconv.Itoa(i)
+}
+
+// mirrorID is a mirror's identity on its legs: derived from its name, so
+// that the same name maps the same mirror, and a device of another
+// mirror is refused as a leg.
+func mirrorID(name string) [16]byte {
+	h := sha256.Sum256([]byte("rnbd mirror\x00" + name))
+	var id [16]byte
+	copy(id[:], h[:])
+	return id
+}
+
+// legConn is a mirror's leg or witness as the daemon holds it: its
+// session and device, or why it was not reached.
+type legConn struct {
+	cs  *rnbd.CltSession
+	dev *rnbd.CltDev
+	err error
+}
+
+// mirrorDev is a mirror mapping's device (an ioDev).
+type mirrorDev struct {
+	name    string
+	m       *mirror.Mirror
+	info    rnbd.OpenRsp
+	legs    []legConn // by leg
+	witness *legConn
+}
+
+func (d *mirrorDev) Name() string       { return d.name }
+func (d *mirrorDev) Size() int64        { return d.m.Size() }
+func (d *mirrorDev) Info() rnbd.OpenRsp { return d.info }
+func (d *mirrorDev) ReadOnly() bool     { return false }
+func (d *mirrorDev) Describe() string {
+	return fmt.Sprintf("rnbd mirror %s (%d legs)", d.name, len(d.legs))
+}
+
+func (d *mirrorDev) AllocBuffer(n int) (ioBuf, error) {
+	b, err := d.m.AllocBuffer(n)
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (d *mirrorDev) Submit(r *devReq) {
+	mr := &r.mr
+	mr.Op = r.op
+	mr.Flags, mr.Off, mr.Len = r.wire()
+	mr.Buf, mr.BufOff = nil, 0
+	if r.op == rnbd.OpRead || r.op == rnbd.OpWrite {
+		mr.Buf, _ = r.buf.(*mirror.Buffer)
+		mr.BufOff = r.bufOff
+	}
+	if err := d.m.Submit(context.Background(), mr); err != nil {
+		r.done(r, err)
+	}
+}
+
+// conns are the legs, then the witness.
+func (d *mirrorDev) conns() []*legConn {
+	var out []*legConn
+	for i := range d.legs {
+		out = append(out, &d.legs[i])
+	}
+	if d.witness != nil {
+		out = append(out, d.witness)
+	}
+	return out
+}
+
+// closeLegs unmaps the legs' devices and closes their sessions.
+func (d *mirrorDev) closeLegs(ctx context.Context) {
+	for _, c := range d.conns() {
+		if c.dev != nil {
+			c.dev.Unmap(ctx) // a fenced leg's session is closed already
+		}
+		if c.cs != nil {
+			c.cs.Close()
+		}
+	}
+}
+
+// mapMirror dials the mirror's legs and witness (each bounded by
+// legDialTimeout; one not reached is missing), creates the mirror's
+// metadata if asked, assembles it (which may refuse: a
+// *mirror.RefusedError), attaches its frontend and registers it.
+func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mapped, error) {
+	md := &mirrorDev{name: s.Mirror, legs: make([]legConn, len(s.Legs))}
+	if s.Witness != nil {
+		md.witness = &legConn{}
+	}
+	conns := md.conns()
+	var wg sync.WaitGroup
+	for i, l := range s.legs() {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c := conns[i]
+			dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
+			defer cancel()
+			if c.cs, c.err = d.dial(dctx, l.SessName, l.SessUUID, s.Transport, s.legPaths[i], restore); c.err != nil {
+				return
+			}
+			if err := (&session{cs: c.cs}).set(s.Settings); err != nil { // checked by normalize
+				d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
+			}
+			if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err != nil {
+				c.cs.Close()
+				c.cs = nil
+			}
+		}()
+	}
+	wg.Wait()
+	fail := func(err error) (*mapped, error) {
+		md.closeLegs(context.Background())
+		return nil, err
+	}
+	cfg := mirror.Config{
+		Layout: mirror.Layout{Mirror: mirrorID(s.Mirror), NLegs: len(s.Legs), Witness: s.Witness != nil},
+		Log:    d.log.WithField("mirror", s.Mirror), LegTimeout: d.cfg.MirrorLegTimeout.Duration,
+	}
+	for i, l := range s.legs() {
+		c := conns[i]
+		cfg.Names = append(cfg.Names, fmt.Sprintf("%s (%s/%s)", s.legName(i), l.SessName, l.DevicePath))
+		if c.cs != nil {
+			u := c.cs.Session().UUID()
+			l.SessUUID = fmt.Sprintf("%x", u[:])
+		} else {
+			d.log.WithError(c.err).WithFields(log.Fields{"mirror": s.Mirror, "leg": cfg.Names[i]}).Warn("mirror: leg not reached")
+		}
+		if i < len(s.Legs) {
+			cfg.Legs = append(cfg.Legs, c.dev)
+		} else {
+			cfg.Witness = c.dev
+		}
+	}
+	if s.Create {
+		for i, c := range conns {
+			if c.dev == nil {
+				return fail(ctl.Errorf(ctl.CodeUnavailable, "mirror %s: create needs every leg: %s: %v", s.Mirror, cfg.Names[i], c.err))
+			}
+		}
+		if err := mirror.Create(ctx, cfg); err != nil {
+			return fail(ctl.Errorf(ctl.CodeInvalid, "mirror %s: %v", s.Mirror, err))
+		}
+		d.log.WithFields(log.Fields{"mirror": s.Mirror, "legs": len(s.Legs), "witness": s.Witness != nil}).Info("mirror created")
+	}
+	if f := s.Force; f != nil {
+		cfg.Force = &mirror.Force{By: f.By, From: f.From, At: time.Now().Unix()}
+		d.log.WithFields(log.Fields{"audit": true, "mirror": s.Mirror, "by": f.By, "from": f.From}).
+			Warn("mirror: assembly forced by the operator: writes only the legs left out had may be lost")
+	}
+	mir, err := mirror.Open(ctx, cfg)
+	if err != nil {
+		if _, ok := errors.AsType[*mirror.RefusedError](err); ok {
+			return fail(ctl.Errorf(ctl.CodeUnavailable, "mirror %s: %v", s.Mirror, err))
+		}
+		return fail(fmt.Errorf("mirror %s: %w", s.Mirror, err))
+	}
+	md.m = mir
+	md.info = mirrorInfo(md)
+	fe, err := d.attach(s, md)
+	if err != nil {
+		mir.Close()
+		return fail(err)
+	}
+	// What the state file keeps: never create or force again.
+	s.Create, s.Force = false, nil
+	return d.register(s, nil, md, fe), nil
+}
+
+// mirrorInfo is what the mirror offers: what every leg reached can do
+// (the smallest limits, the largest blocks), the cache of any.
+func mirrorInfo(md *mirrorDev) rnbd.OpenRsp {
+	var out rnbd.OpenRsp
+	first := true
+	for _, c := range md.legs {
+		if c.dev == nil {
+			continue
+		}
+		in := c.dev.Info()
+		if first {
+			out, first = in, false
+			continue
+		}
+		out.MaxHWSectors = min(out.MaxHWSectors, in.MaxHWSectors)
+		out.MaxWriteZeroesSectors = min(out.MaxWriteZeroesSectors, in.MaxWriteZeroesSectors)
+		out.MaxDiscardSectors = min(out.MaxDiscardSectors, in.MaxDiscardSectors)
+		out.DiscardGranularity = max(out.DiscardGranularity, in.DiscardGranularity)
+		out.PhysicalBlockSize = max(out.PhysicalBlockSize, in.PhysicalBlockSize)
+		out.LogicalBlockSize = max(out.LogicalBlockSize, in.LogicalBlockSize)
+		out.MaxSegments = min(out.MaxSegments, in.MaxSegments)
+		out.CachePolicy |= in.CachePolicy
+	}
+	out.SecureDiscard, out.DiscardAlignment = 0, 0
+	out.NSectors = uint64(md.m.Size()) / 512
+	return out
+}
+
+// legRecords are a mirror's legs and witness for its device record.
+func (d *mirrorDev) legRecords(s api.Mapping) []api.CltLegRecord {
+	states := d.m.LegStates()
+	var out []api.CltLegRecord
+	for i, c := range d.conns() {
+		r := api.CltLegRecord{Leg: strconv.Itoa(i)}
+		l := s.Witness
+		if i < len(s.Legs) {
+			l = &s.Legs[i]
+		} else {
+			r.Leg = "witness"
+		}
+		r.SessName, r.DevicePath = l.SessName, l.DevicePath
+		switch {
+		case c.dev == nil:
+			r.State = "missing"
+		case i == len(s.Legs):
+			r.State = "voting"
+		case states[i] == "out":
+			r.State = "stale"
+		default:
+			r.State = states[i]
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// state is the mirror's device state: open with every leg in sync,
+// degraded with one out, failed when it lost its quorum.
+func (d *mirrorDev) state() string {
+	if d.m.Failed() {
+		return "failed"
+	}
+	for _, st := range d.m.LegStates() {
+		if st != "in sync" {
+			return "degraded"
+		}
+	}
+	return "open"
+}

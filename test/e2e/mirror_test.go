@@ -1,0 +1,171 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/test/kit"
+)
+
+// storageNode is an rnbd-server process exporting one sparse file as
+// "vol", on a port of its own: a storage node of its own for the mirror.
+type storageNode struct {
+	dir, vol string
+	port     int
+	srv      *serverDaemon
+}
+
+func newStorageNode(t *testing.T, size int64) *storageNode {
+	t.Helper()
+	n := &storageNode{dir: t.TempDir(), port: freePort(t)}
+	n.vol = filepath.Join(n.dir, "vol.img")
+	kit.SparseFile(t, n.vol, size)
+	n.start(t)
+	n.srv.ok("map", "vol", n.vol)
+	return n
+}
+
+// start starts the node's server; its exports come back from its state
+// file.
+func (n *storageNode) start(t *testing.T) { n.srv = startServer(t, n.dir, n.port) }
+
+// kill ends the server with SIGKILL: a storage node lost.
+func (n *storageNode) kill(t *testing.T) {
+	t.Helper()
+	n.srv.cmd.Process.Kill()
+	select {
+	case err := <-n.srv.done:
+		n.srv.done <- err // for the cleanup
+	case <-time.After(30 * time.Second):
+		t.Fatal("rnbd-server did not die")
+	}
+}
+
+// leg is the node's volume as a mirror's leg, through session sess.
+func (n *storageNode) leg(sess string) string {
+	return fmt.Sprintf("sessname=%s path=ip:127.0.0.1 device_path=vol dest_port=%d", sess, n.port)
+}
+
+// data is n bytes of the leg's data region at off (past the mirror's
+// metadata, docs/replication.md).
+func (n *storageNode) data(t *testing.T, off, size int64) []byte {
+	t.Helper()
+	const dataOff = 8 << 20
+	f, err := os.Open(n.vol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, size)
+	if _, err := f.ReadAt(b, dataOff+off); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// legStates are the states of a mirror's legs in its device record.
+func legStates(t *testing.T, rec map[string]any) []string {
+	t.Helper()
+	var out []string
+	legs, _ := rec["legs"].([]any)
+	for _, l := range legs {
+		out = append(out, fmt.Sprint(l.(map[string]any)["state"]))
+	}
+	return out
+}
+
+// TestMirrorMapping drives a mirror as an operator does, with real
+// daemons and a real NBD client: created over two storage nodes, written
+// through its NBD socket onto both; a node killed under it (IO goes on,
+// the leg stale); mapped again with the node back (the leg resynced from
+// the bitmap before it is read); then the other node lost, where a lone
+// leg that may be stale is refused until forced, and a restart keeps the
+// mapping to restore.
+func TestMirrorMapping(t *testing.T) {
+	needTools(t, "qemu-io")
+	const size = 64 << 20
+	a, b := newStorageNode(t, size), newStorageNode(t, size)
+	dir := t.TempDir()
+	cl := startClient(t, dir, "--mirror-leg-timeout", "2s")
+	sock := filepath.Join(dir, "m.sock")
+	uri := "nbd+unix:///vol?socket=" + sock
+	mapArgs := []string{"map", "--mirror", "vol", "--leg", a.leg("m-a"), "--leg", b.leg("m-b"), "--as", "socket:" + sock}
+
+	if _, errOut, code := cl.ctl(mapArgs...); code == 0 || !strings.Contains(errOut, "no superblock") && !strings.Contains(errOut, "refused") {
+		t.Fatalf("map of new legs without --create: exit %d: %s", code, errOut)
+	}
+	out := cl.ok(append(mapArgs, "--create")...)
+	if !strings.Contains(out, "rnbd0 mapped: "+uri) {
+		t.Fatalf("map: %q", out)
+	}
+	rec := cl.records("device", "show", "rnbd0")[0]
+	if rec["mirror"] != "vol" || rec["state"] != "open" || rec["size"] != float64(size-8<<20) ||
+		strings.Join(legStates(t, rec), ",") != "in sync,in sync" {
+		t.Fatalf("record %v", rec)
+	}
+	qemuIO(t, uri, "write -P 0xa1 0 1M", "read -P 0xa1 0 1M")
+	for _, n := range []*storageNode{a, b} {
+		if !bytes.Equal(n.data(t, 0, 1<<20), bytes.Repeat([]byte{0xa1}, 1<<20)) {
+			t.Fatalf("leg on port %d does not hold the write", n.port)
+		}
+	}
+	// Two mappings of one mirror, or a session shared with a leg, are
+	// refused.
+	if _, errOut, code := cl.ctl(append(slices.Clone(mapArgs[:len(mapArgs)-2]), "--as", "socket:"+sock+"2")...); code == 0 || !strings.Contains(errOut, "mapped already") {
+		t.Fatalf("second map of the mirror: exit %d: %s", code, errOut)
+	}
+
+	// Node b lost under IO: the write completes on a, b is stale.
+	b.kill(t)
+	start := time.Now()
+	qemuIO(t, uri, "write -P 0xb2 1M 1M", "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M")
+	t.Logf("IO with a leg's node killed done in %v", time.Since(start))
+	rec = cl.records("device", "show", "rnbd0")[0]
+	if rec["state"] != "degraded" || strings.Join(legStates(t, rec), ",") != "in sync,stale" {
+		t.Fatalf("record after a leg's node died %v", rec)
+	}
+	cl.ok("unmap", "rnbd0")
+
+	// b back: the assembly resyncs it from a's bitmap before serving.
+	b.start(t)
+	cl.ok(mapArgs...)
+	rec = cl.records("device", "show", "rnbd0")[0]
+	if rec["state"] != "open" || strings.Join(legStates(t, rec), ",") != "in sync,in sync" {
+		t.Fatalf("record after b came back %v", rec)
+	}
+	if !bytes.Equal(b.data(t, 1<<20, 1<<20), bytes.Repeat([]byte{0xb2}, 1<<20)) {
+		t.Fatal("b was not resynced with the write it missed")
+	}
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M", "write -P 0xc3 2M 1M")
+	cl.ok("unmap", "rnbd0")
+
+	// a lost for good: b alone cannot prove it is current.
+	a.kill(t)
+	_, errOut, code := cl.ctl(mapArgs...)
+	if code == 0 || !strings.Contains(errOut, "mirror refused") {
+		t.Fatalf("map with one leg of two: exit %d: %s", code, errOut)
+	}
+	cl.ok(append(mapArgs, "--force", "e2e operator")...)
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M", "read -P 0xc3 2M 1M")
+	if log := cl.out.String(); !strings.Contains(log, "audit") || !strings.Contains(log, "e2e operator") {
+		t.Fatalf("no audit line for the forced assembly:\n%s", log)
+	}
+	// The state file keeps the mirror; a restart without a leaves it to
+	// restore, never forced again.
+	cl.stop()
+	st, _ := os.ReadFile(filepath.Join(dir, "client.json"))
+	cl = startClient(t, dir, "--mirror-leg-timeout", "2s")
+	if _, errOut, code := cl.ctl("device", "show", "rnbd0"); code != 0 {
+		t.Fatalf("after a restart: %s\nstate file: %s\n%s", errOut, st, cl.out.String())
+	}
+	rec = cl.records("device", "show", "rnbd0")[0]
+	if rec["mirror"] != "vol" || rec["state"] != "restoring" {
+		t.Fatalf("record after a restart with one leg %v", rec)
+	}
+}
