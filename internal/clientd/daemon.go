@@ -650,6 +650,7 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 	d.removeDevLink(m.Mapping)
 	var err error
 	if m.mir != nil {
+		m.mir.stopRejoiner()
 		m.mir.m.Close()
 		m.mir.closeLegs(ctx)
 	} else {

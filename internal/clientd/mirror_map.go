@@ -190,11 +190,16 @@ type legConn struct {
 
 // mirrorDev is a mirror mapping's device (an ioDev).
 type mirrorDev struct {
-	name    string
-	m       *mirror.Mirror
-	info    rnbd.OpenRsp
+	name string
+	m    *mirror.Mirror
+	info rnbd.OpenRsp
+	// mu guards the legs' conns, which a rejoin replaces.
+	mu      sync.Mutex
 	legs    []legConn // by leg
 	witness *legConn
+	// stop ends the rejoiner; done is closed when it has.
+	stop context.CancelFunc
+	done chan struct{}
 }
 
 func (d *mirrorDev) Name() string       { return d.name }
@@ -227,6 +232,15 @@ func (d *mirrorDev) Submit(r *devReq) {
 	}
 }
 
+// stopRejoiner stops the rejoiner and waits for it (any number of
+// times).
+func (d *mirrorDev) stopRejoiner() {
+	if d.stop != nil {
+		d.stop()
+		<-d.done
+	}
+}
+
 // conns are the legs, then the witness.
 func (d *mirrorDev) conns() []*legConn {
 	var out []*legConn
@@ -239,8 +253,12 @@ func (d *mirrorDev) conns() []*legConn {
 	return out
 }
 
-// closeLegs unmaps the legs' devices and closes their sessions.
+// closeLegs stops the rejoiner, unmaps the legs' devices and closes
+// their sessions.
 func (d *mirrorDev) closeLegs(ctx context.Context) {
+	d.stopRejoiner()
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	for _, c := range d.conns() {
 		if c.dev != nil {
 			c.dev.Unmap(ctx) // a fenced leg's session is closed already
@@ -337,7 +355,103 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	}
 	// What the state file keeps: never create or force again.
 	s.Create, s.Force = false, nil
-	return d.register(s, nil, md, fe), nil
+	mp := d.register(s, nil, md, fe)
+	rctx, cancel := context.WithCancel(context.Background())
+	md.stop, md.done = cancel, make(chan struct{})
+	go d.rejoiner(rctx, mp, md)
+	return mp, nil
+}
+
+// rejoinEvery is how often a mirror's legs out are tried again.
+var rejoinEvery = 5 * time.Second
+
+// rejoiner brings the mirror's legs that are out back while it is
+// mapped: every rejoinEvery, one leg out (its storage node lost, frozen
+// or cut off, or never reached) is dialled again through a new session
+// and, reached, rejoins: written at once, resynced in the background
+// (mirror.Mirror.Rejoin). Until ctx ends.
+func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
+	defer close(md.done)
+	t := time.NewTicker(rejoinEvery)
+	defer t.Stop()
+	failing := map[int]string{} // the last error said of each leg
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if md.m.Resync().Leg >= 0 || md.m.Failed() {
+			continue
+		}
+		for i, st := range md.m.LegStates() {
+			if st != "out" {
+				delete(failing, i)
+				continue
+			}
+			l := mp.legs()[i]
+			err := d.rejoin(ctx, mp, md, i)
+			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": l.SessName})
+			if err == nil {
+				delete(failing, i)
+				lg.Info("mirror: leg back")
+				break // one resync at a time
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			if failing[i] != err.Error() {
+				lg.WithError(err).Warn("mirror: leg not back yet; tried again")
+				failing[i] = err.Error()
+			}
+		}
+	}
+}
+
+// rejoin dials leg i of the mirror again, through a new session (the
+// old one closed: its name is the leg's), and has the mirror take it
+// back.
+func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) error {
+	l := mp.legs()[i]
+	s, err := normalize(mp.Mapping)
+	if err != nil {
+		return err
+	}
+	md.mu.Lock()
+	old := md.legs[i]
+	md.legs[i] = legConn{err: errors.New("rejoining")}
+	md.mu.Unlock()
+	if old.dev != nil {
+		old.dev.Unmap(ctx)
+	}
+	if old.cs != nil {
+		old.cs.Close()
+	}
+	c := legConn{}
+	dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
+	defer cancel()
+	if c.cs, c.err = d.dial(dctx, l.SessName, l.SessUUID, mp.Transport, s.legPaths[i], true); c.err == nil {
+		if err := (&session{cs: c.cs}).set(mp.Settings); err != nil {
+			d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
+		}
+		if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err == nil {
+			c.err = md.m.Rejoin(dctx, i, c.dev)
+		}
+	}
+	if c.err != nil {
+		if c.dev != nil {
+			c.dev.Unmap(context.Background())
+			c.dev = nil
+		}
+		if c.cs != nil {
+			c.cs.Close()
+			c.cs = nil
+		}
+	}
+	md.mu.Lock()
+	md.legs[i] = c
+	md.mu.Unlock()
+	return c.err
 }
 
 // mirrorInfo is what the mirror offers: what every leg reached can do
@@ -371,6 +485,9 @@ func mirrorInfo(md *mirrorDev) rnbd.OpenRsp {
 // legRecords are a mirror's legs and witness for its device record.
 func (d *mirrorDev) legRecords(s api.Mapping) []api.CltLegRecord {
 	states := d.m.LegStates()
+	p := d.m.Resync()
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	var out []api.CltLegRecord
 	for i, c := range d.conns() {
 		r := api.CltLegRecord{Leg: strconv.Itoa(i)}
@@ -390,6 +507,9 @@ func (d *mirrorDev) legRecords(s api.Mapping) []api.CltLegRecord {
 			r.State = "stale"
 		default:
 			r.State = states[i]
+		}
+		if i == p.Leg {
+			r.Resync, r.ResyncTotal = p.Copied, p.Total
 		}
 		out = append(out, r)
 	}

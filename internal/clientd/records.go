@@ -50,11 +50,13 @@ func (d *Daemon) sessionList() []*session {
 			continue
 		}
 		ls := m.legs()
+		m.mir.mu.Lock()
 		for i, c := range m.mir.conns() {
 			if c.cs != nil {
 				ss = append(ss, &session{cs: c.cs, paths: ls[i].Paths, transport: m.Transport})
 			}
 		}
+		m.mir.mu.Unlock()
 	}
 	sort.Slice(ss, func(i, j int) bool { return ss[i].cs.Session().Name() < ss[j].cs.Session().Name() })
 	return ss

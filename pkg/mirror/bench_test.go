@@ -38,7 +38,7 @@ func benchMirror(b *testing.B, op rnbd.Op, qd int, legOnly bool) {
 		b.Fatal(err)
 	}
 	defer buf.Free()
-	leg := f.m.legs[0].dev
+	leg := f.m.leg(0).dev
 	legBuf := buf.legs[0]
 	// Every block's bit set and stored: no metadata IO in the loop.
 	const blocks = 1024

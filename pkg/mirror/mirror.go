@@ -44,6 +44,9 @@ type Config struct {
 	// requests end with errors, none can touch a buffer after) and the
 	// leg taken out. Default 5 s.
 	LegTimeout time.Duration
+	// ResyncRate bounds a resync's copy, bytes per second; 0:
+	// DefaultResyncRate.
+	ResyncRate int64
 }
 
 // DefaultLegTimeout is Config.LegTimeout's default.
@@ -65,7 +68,9 @@ type Mirror struct {
 	bm   *Bitmap
 	rand func() uint64
 
-	legs    [MaxLegs]*voter // nil: not reached
+	// legs are the legs' voters (nil: not reached), replaced when a
+	// leg rejoins.
+	legs    [MaxLegs]atomic.Pointer[voter]
 	witness *voter
 	state   [MaxLegs]atomic.Int32
 
@@ -86,6 +91,11 @@ type Mirror struct {
 	// +checklocks:metaMu
 	bmBuf []byte // a bitmap block's bytes for the legs
 
+	// bufMu guards the buffers' registrations with the legs' sessions.
+	bufMu sync.Mutex
+	// +checklocks:bufMu
+	bufs map[*Buffer]struct{}
+
 	heldMu sync.Mutex
 	// +checklocks:heldMu
 	held []*mreq
@@ -93,9 +103,13 @@ type Mirror struct {
 	done chan struct{}
 	wg   sync.WaitGroup
 
-	rr    atomic.Uint32
-	reqs  sync.Pool
-	stats Stats
+	rs resyncGate
+	// copyRead, in tests, runs between a resync's read of a window and
+	// its write to the leg.
+	copyRead func(off, n int64)
+	rr       atomic.Uint32
+	reqs     sync.Pool
+	stats    Stats
 }
 
 // Stats counts what the mirror did, for its records and metrics.
@@ -116,7 +130,9 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 	if len(cfg.Legs) != l.NLegs {
 		return nil, fmt.Errorf("mirror: %d leg devices for %d legs", len(cfg.Legs), l.NLegs)
 	}
-	m := &Mirror{cfg: cfg, log: cfg.Log, rand: cfg.Rand, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	m := &Mirror{cfg: cfg, log: cfg.Log, rand: cfg.Rand, wake: make(chan struct{}, 1), done: make(chan struct{}),
+		bufs: map[*Buffer]struct{}{}}
+	m.rs.init()
 	if m.log == nil {
 		m.log = log.Discard()
 	}
@@ -132,10 +148,12 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 	var err error
 	for i, dev := range cfg.Legs {
 		if dev != nil {
-			if m.legs[i], err = newVoter(i, m.name(i), dev); err != nil {
+			v, err := newVoter(i, m.name(i), dev)
+			if err != nil {
 				m.freeBuffers()
 				return nil, err
 			}
+			m.legs[i].Store(v)
 		}
 	}
 	if l.Witness && cfg.Witness != nil {
@@ -260,7 +278,7 @@ func (m *Mirror) name(i int) string {
 }
 
 func (m *Mirror) freeBuffers() {
-	for _, v := range append(m.legs[:], m.witness) {
+	for _, v := range m.voters() {
 		if v != nil && v.buf != nil {
 			v.buf.Free()
 			v.buf = nil
@@ -285,7 +303,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 		if slices.Contains(d.Full, i) {
 			continue
 		}
-		v := m.legs[i]
+		v := m.leg(i)
 		for blk := range bm.Blocks() {
 			if err := v.do(ctx, rnbd.OpRead, 0, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
 				return fmt.Errorf("mirror: %s: reading its bitmap: %w", v.name, err)
@@ -324,7 +342,7 @@ func (m *Mirror) commitLocked(ctx context.Context, next Superblock) error {
 	for {
 		wrote := 0
 		lost := false
-		for _, v := range append(m.legs[:], m.witness) {
+		for _, v := range m.voters() {
 			if v == nil || v.index != WitnessIndex && m.state[v.index].Load() == legOut {
 				continue
 			}
@@ -398,9 +416,9 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 		}
 	}
 	if len(targets) == 0 {
-		return m.cleanLocked(ctx)
+		return m.cleanLocked(ctx, m.cfg.Now())
 	}
-	src := m.legs[d.Source]
+	src := m.leg(d.Source)
 	const chunk = 1 << 20
 	buf, err := src.dev.Session().Session().AllocBuffer(chunk)
 	if err != nil {
@@ -410,7 +428,7 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 	shared := map[int]*rtrs.Buffer{}
 	defer freeShared(shared)
 	for _, i := range targets {
-		if shared[i], err = m.legs[i].dev.Session().Session().ShareBuffer(buf); err != nil {
+		if shared[i], err = m.leg(i).dev.Session().Session().ShareBuffer(buf); err != nil {
 			return err
 		}
 	}
@@ -436,28 +454,28 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 		}
 	}
 	for _, i := range targets {
-		if err := m.legs[i].do(ctx, rnbd.OpFlush, 0, 0, 0, nil); err != nil {
-			return fmt.Errorf("mirror: flushing %s: %w", m.legs[i].name, err)
+		if err := m.leg(i).do(ctx, rnbd.OpFlush, 0, 0, 0, nil); err != nil {
+			return fmt.Errorf("mirror: flushing %s: %w", m.leg(i).name, err)
 		}
 		m.state[i].Store(legIn)
 	}
 	if err := m.commitLocked(ctx, m.stateSuperblock(&m.sb)); err != nil {
 		return err
 	}
-	return m.cleanLocked(ctx)
+	return m.cleanLocked(ctx, m.cfg.Now())
 }
 
 // cleanLocked clears the bitmap, on the legs too, when every leg is in
 // sync: nothing is in flight at assembly, and no leg is away to have
 // missed a marked region.
 // +checklocks:m.metaMu
-func (m *Mirror) cleanLocked(ctx context.Context) error {
+func (m *Mirror) cleanLocked(ctx context.Context, quiet time.Time) error {
 	for i := range m.cfg.Layout.NLegs {
 		if m.state[i].Load() != legIn {
 			return nil
 		}
 	}
-	for _, blk := range m.bm.Clean(m.cfg.Now()) {
+	for _, blk := range m.bm.Clean(quiet) {
 		if err := m.storeBitmapLocked(ctx, blk); err != nil {
 			return err
 		}
@@ -489,8 +507,8 @@ func (c copier) copy(ctx context.Context, off, n int64, to []int) error {
 			return fmt.Errorf("mirror: reading %s to copy it: %w", c.src.name, err)
 		}
 		for _, i := range to {
-			if err := c.m.legs[i].do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.shared[i]); err != nil {
-				return fmt.Errorf("mirror: copying to %s: %w", c.m.legs[i].name, err)
+			if err := c.m.leg(i).do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.shared[i]); err != nil {
+				return fmt.Errorf("mirror: copying to %s: %w", c.m.leg(i).name, err)
 			}
 		}
 		c.m.stats.Reconciled.Add(uint64(l) * uint64(len(to)))
@@ -536,13 +554,35 @@ func (m *Mirror) Generation() Gen {
 // writes held for that.
 func (m *Mirror) worker() {
 	defer m.wg.Done()
+	t := time.NewTicker(cleanEvery)
+	defer t.Stop()
 	for {
 		select {
 		case <-m.done:
 			return
 		case <-m.wake:
+			m.commitChanges()
+		case <-t.C:
+			m.cleanQuiet()
 		}
-		m.commitChanges()
+	}
+}
+
+// cleanEvery is how often the worker cleans the bitmap while every leg
+// is in sync: the regions of blocks with no write for that long.
+var cleanEvery = 5 * time.Second
+
+// cleanQuiet cleans the bitmap blocks quiet for cleanEvery, when every
+// leg is in sync and no resync runs: a leg that goes later needs only
+// what was written after.
+func (m *Mirror) cleanQuiet() {
+	if m.failed.Load() || m.closing.Load() || m.rs.leg.Load() >= 0 {
+		return
+	}
+	m.metaMu.Lock()
+	defer m.metaMu.Unlock()
+	if err := m.cleanLocked(context.Background(), m.cfg.Now().Add(-cleanEvery)); err != nil {
+		m.log.WithError(err).Warn("mirror: cleaning the bitmap")
 	}
 }
 
@@ -600,7 +640,20 @@ func (m *Mirror) voter(i int) *voter {
 	if i == WitnessIndex {
 		return m.witness
 	}
-	return m.legs[i]
+	return m.leg(i)
+}
+
+// leg is leg i's voter, nil if not reached.
+func (m *Mirror) leg(i int) *voter { return m.legs[i].Load() }
+
+// voters are the legs' voters, then the witness's (nil: not reached).
+func (m *Mirror) voters() []*voter {
+	var out [MaxLegs + 1]*voter
+	for i := range m.legs {
+		out[i] = m.leg(i)
+	}
+	out[MaxLegs] = m.witness
+	return out[:]
 }
 
 func cryptoRand() uint64 {

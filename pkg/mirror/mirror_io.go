@@ -13,8 +13,15 @@ import (
 )
 
 // Buffer is memory a mirror's requests carry data in: registered with
-// each leg's session.
+// each leg's session (with a leg's that rejoins too).
 type Buffer struct {
+	m *Mirror
+	// owner is the registration that owns the memory (a leg's when
+	// allocated; kept when that leg's session is replaced).
+	owner *rtrs.Buffer
+	// legs are the registrations by leg; written under m.bufMu, read
+	// by IO to legs not out (a rejoining leg's is set before it is
+	// written).
 	legs [MaxLegs]*rtrs.Buffer
 	b    []byte
 }
@@ -24,9 +31,12 @@ func (b *Buffer) Bytes() []byte { return b.b }
 
 // AllocBuffer allocates n bytes usable by every leg IO goes to.
 func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
-	b := &Buffer{}
+	b := &Buffer{m: m}
+	m.bufMu.Lock()
+	defer m.bufMu.Unlock()
 	var owner *rtrs.Buffer
-	for i, v := range m.legs {
+	for i := range m.legs {
+		v := m.leg(i)
 		if v == nil || v.fenced.Load() || m.state[i].Load() == legOut {
 			continue // no IO goes to it
 		}
@@ -39,38 +49,72 @@ func (m *Mirror) AllocBuffer(n int) (*Buffer, error) {
 			b.legs[i], err = s.ShareBuffer(owner)
 		}
 		if err != nil {
-			b.Free()
+			m.freeBufLocked(b)
 			return nil, err
 		}
 	}
 	if owner == nil {
 		return nil, errors.New("mirror: no leg to allocate a buffer on")
 	}
-	b.b = owner.Bytes()
+	b.owner, b.b = owner, owner.Bytes()
+	m.bufs[b] = struct{}{}
 	return b, nil
 }
 
 // Free releases the buffer; no request may be using it. The error is
 // the first of the registrations'.
 func (b *Buffer) Free() error {
+	m := b.m
+	m.bufMu.Lock()
+	defer m.bufMu.Unlock()
+	delete(m.bufs, b)
+	return m.freeBufLocked(b)
+}
+
+// freeBufLocked frees b's registrations and memory.
+//
+// +checklocks:m.bufMu
+func (m *Mirror) freeBufLocked(b *Buffer) error {
 	// The shared registrations first, the owner's memory last.
 	var errs []error
-	owner := -1
-	for i, x := range b.legs {
+	owner := b.owner
+	for _, x := range b.legs {
 		if x == nil {
 			continue
 		}
-		if owner < 0 {
-			owner = i
+		if owner == nil {
+			owner = x // AllocBuffer's failure: the first is the owner
 			continue
 		}
-		errs = append(errs, x.Free())
+		if x != owner {
+			errs = append(errs, x.Free())
+		}
 	}
-	if owner >= 0 {
-		errs = append(errs, b.legs[owner].Free())
+	if owner != nil {
+		errs = append(errs, owner.Free())
 	}
-	b.legs = [MaxLegs]*rtrs.Buffer{}
+	b.legs, b.owner = [MaxLegs]*rtrs.Buffer{}, nil
 	return errors.Join(errs...)
+}
+
+// shareLocked registers every live buffer with leg i's voter v, which
+// IO is about to go to.
+//
+// +checklocks:m.bufMu
+func (m *Mirror) shareLocked(i int, v *voter) error {
+	s := v.dev.Session().Session()
+	for b := range m.bufs {
+		if old := b.legs[i]; old != nil && old != b.owner {
+			old.Free() // the registration with the leg's old session
+		}
+		b.legs[i] = nil
+		x, err := s.ShareBuffer(b.owner)
+		if err != nil {
+			return err
+		}
+		b.legs[i] = x
+	}
+	return nil
 }
 
 // Req is a request of a mirror's user (a frontend).
@@ -90,6 +134,7 @@ type mreq struct {
 	m       *Mirror
 	r       *Req
 	legs    [MaxLegs]rnbd.IOReq
+	on      [MaxLegs]*voter // the voter each piece went to
 	errs    [MaxLegs]error
 	sent    [MaxLegs]bool
 	pending atomic.Int32
@@ -97,6 +142,9 @@ type mreq struct {
 	readLeg int
 	tried   [MaxLegs]bool
 	marked  bool // the bitmap counts it (EndWrite due)
+	// plain: a write counted in rs.plain; gated: one the resync gate
+	// admitted.
+	plain, gated bool
 }
 
 func (m *Mirror) getReq() *mreq {
@@ -113,7 +161,7 @@ func (m *Mirror) getReq() *mreq {
 func (m *Mirror) putReq(x *mreq) {
 	x.r = nil
 	x.errs, x.sent, x.tried = [MaxLegs]error{}, [MaxLegs]bool{}, [MaxLegs]bool{}
-	x.marked = false
+	x.marked, x.plain, x.gated = false, false, false
 	m.reqs.Put(x)
 }
 
@@ -139,6 +187,9 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 	x.r = r
 	if r.Op == rnbd.OpRead {
 		return m.sendRead(ctx, x)
+	}
+	if r.Op != rnbd.OpFlush && r.Len > 0 && !m.enter(x) {
+		return nil // held off a resync's window: submitted again after it
 	}
 	if r.Op != rnbd.OpFlush && r.Len > 0 {
 		need := m.bm.StartWrite(r.Off, int64(r.Len))
@@ -175,6 +226,23 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 	return nil
 }
 
+// enter counts write x in flight, or has the resync gate admit it; false:
+// the gate deferred it (x is put back).
+func (m *Mirror) enter(x *mreq) bool {
+	m.rs.plain.Add(1)
+	if !m.rs.active.Load() {
+		x.plain = true
+		return true
+	}
+	m.rs.plain.Add(-1)
+	if !m.rs.admit(x.r, x) {
+		m.putReq(x)
+		return false
+	}
+	x.gated = true
+	return true
+}
+
 // sendLeg submits the request's piece for leg i.
 func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags uint32) {
 	r := x.r
@@ -186,8 +254,10 @@ func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags 
 	if op == rnbd.OpRead || op == rnbd.OpWrite {
 		lr.Buf, lr.BufOff = r.Buf.legs[i], r.BufOff
 	}
-	m.legs[i].io.start()
-	if err := m.legs[i].dev.Submit(ctx, lr); err != nil {
+	v := m.leg(i)
+	x.on[i] = v
+	v.io.start()
+	if err := v.dev.Submit(ctx, lr); err != nil {
 		x.legDone(i, err)
 	}
 }
@@ -219,7 +289,7 @@ func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
 
 // legDone is a leg's completion of x's piece.
 func (x *mreq) legDone(i int, err error) {
-	x.m.legs[i].io.done()
+	x.on[i].io.done()
 	x.errs[i] = err
 	if x.pending.Add(-1) != 0 {
 		return
@@ -318,6 +388,12 @@ func (m *Mirror) finish(x *mreq, err error) {
 	if x.marked {
 		m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
 	}
+	if x.plain {
+		m.rs.plain.Add(-1)
+	}
+	if x.gated {
+		m.rs.ended(x)
+	}
 	m.putReq(x)
 	r.Done(r, err)
 }
@@ -333,7 +409,8 @@ func (m *Mirror) storeBitmap(ctx context.Context, blk int) error {
 func (m *Mirror) storeBitmapLocked(ctx context.Context, blk int) error {
 	change := m.bm.Snapshot(blk, m.bmBuf)
 	wrote := 0
-	for i, v := range m.legs {
+	for i := range m.legs {
+		v := m.leg(i)
 		if v == nil || m.state[i].Load() == legOut {
 			continue
 		}
