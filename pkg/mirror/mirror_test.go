@@ -141,6 +141,7 @@ type fleet struct {
 	opened     int
 	seedRnd    uint64
 	legTimeout time.Duration
+	resyncRate int64
 	net        *fabrictest.Network
 }
 
@@ -167,7 +168,8 @@ func (f *fleet) devName(j int) string {
 // connect maps every voter whose node runs; the others are nil.
 func (f *fleet) connect() Config {
 	ctx := context.Background()
-	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard(), LegTimeout: f.legTimeout}
+	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard(), LegTimeout: f.legTimeout,
+		ResyncRate: f.resyncRate}
 	f.opened++
 	f.seedRnd += 1000
 	next := f.seedRnd
@@ -574,13 +576,13 @@ func TestMirrorHistoryUnderFaults(t *testing.T) {
 		total.add(st)
 	}
 	t.Logf("%d schedules: %+v", n, total)
-	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 {
+	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 || total.rejoins == 0 {
 		t.Fatalf("the schedules did not reach every case: %+v", total)
 	}
 }
 
 type scheduleStats struct {
-	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut int
+	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut, rejoins int
 }
 
 func (s *scheduleStats) add(o scheduleStats) {
@@ -593,6 +595,7 @@ func (s *scheduleStats) add(o scheduleStats) {
 	s.freezes += o.freezes
 	s.crashes += o.crashes
 	s.takenOut += o.takenOut
+	s.rejoins += o.rejoins
 }
 
 func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
@@ -604,6 +607,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	shape := shapes[rng.IntN(len(shapes))]
 	f := newFleet(t, shape.legs, shape.witness)
 	f.legTimeout = 300 * time.Millisecond
+	f.resyncRate = 32 << 20 // a full copy takes an eighth of a second: faults land in it
 	f.create()
 	h := history.New(0)
 	frozen := map[int]bool{}
@@ -669,7 +673,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 				thaw(i)
 				note("node %d thawed", i)
 			}
-		case k < 25: // the client crashes, with writes in flight
+		case k < 25: // the client crashes, with writes in flight (a resync too)
 			var drain func()
 			if f.m != nil {
 				_, drain = burst(f, h, rng, blocks, 4)
@@ -679,6 +683,37 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 			open()
 		case f.m == nil:
 			open()
+		case k < 30: // a leg out comes back (its node started or thawed) and rejoins while mapped
+			var out []int
+			for i, st := range f.m.LegStates() {
+				if st == "out" {
+					out = append(out, i)
+				}
+			}
+			if len(out) == 0 {
+				continue
+			}
+			i := out[rng.IntN(len(out))]
+			if f.nodes[i].rs == nil {
+				f.nodes[i].start()
+				note("node %d started", i)
+			}
+			if frozen[i] {
+				thaw(i)
+				note("node %d thawed", i)
+			}
+			s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d-%d-%d", f.opened, i, len(f.sess)), "vol")
+			if err != nil {
+				note("leg %d not reached to rejoin: %v", i, err)
+				continue
+			}
+			f.sess = append(f.sess, s)
+			if err := f.m.Rejoin(context.Background(), i, d); err != nil {
+				note("leg %d rejoin: %v", i, err)
+				continue
+			}
+			st.rejoins++
+			note("leg %d rejoined: legs %v", i, f.m.LegStates())
 		case k < 55:
 			blk := rng.Int64N(blocks)
 			if err := f.write(h, blk); err != nil {
