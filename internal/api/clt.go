@@ -183,7 +183,7 @@ type (
 		// Mirror is a mirror's name, Legs its legs (empty for one
 		// device).
 		Mirror string         `json:"mirror"`
-		Legs   []CltLegRecord `json:"legs,omitempty"`
+		Legs   []CltLegRecord `json:"legs"`
 	}
 	// CltLegRecord is a mirror's leg, or its witness (leg "witness").
 	CltLegRecord struct {

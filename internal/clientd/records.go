@@ -87,7 +87,7 @@ func (d *Daemon) deviceRecords(name string) []api.CltDeviceRecord {
 	// stay until restored by a retry, or unmapped.
 	for _, m := range failed {
 		recs = append(recs, api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, MappingPath: m.DevicePath,
-			AccessMode: m.AccessMode, State: m.state(), Direction: "client", Mirror: m.Mirror})
+			AccessMode: m.AccessMode, State: m.state(), Direction: "client", Mirror: m.Mirror, Legs: []api.CltLegRecord{}})
 	}
 	for _, m := range ms {
 		socket := ""
@@ -95,7 +95,8 @@ func (d *Daemon) deviceRecords(name string) []api.CltDeviceRecord {
 			socket = m.fe.path()
 		}
 		rec := api.CltDeviceRecord{DevName: m.Device, SessName: m.SessName, DevPath: m.fe.path(), MappingPath: m.DevicePath,
-			AccessMode: m.AccessMode, Size: m.io.Size(), Socket: socket, IOMode: m.fe.ioMode(), Direction: "client", Mirror: m.Mirror}
+			AccessMode: m.AccessMode, Size: m.io.Size(), Socket: socket, IOMode: m.fe.ioMode(), Direction: "client", Mirror: m.Mirror,
+			Legs: []api.CltLegRecord{}}
 		if m.mir != nil {
 			rec.State, rec.Legs = m.mir.state(), m.mir.legRecords(m.Mapping)
 		} else {

@@ -88,6 +88,12 @@ func hasType(v any, typ string) bool {
 			ok = ok && hasType(x, "string")
 		}
 		return ok
+	case "array of objects":
+		l, ok := v.([]any)
+		for _, x := range l {
+			ok = ok && hasType(x, "object")
+		}
+		return ok
 	case "object of strings":
 		o, ok := v.(map[string]any)
 		for _, x := range o {
