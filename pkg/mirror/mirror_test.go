@@ -618,6 +618,16 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	const blocks = 64
 	var trail []string
 	note := func(s string, a ...any) { trail = append(trail, fmt.Sprintf(s, a...)) }
+	revive := func(i int) { // node i started, or thawed
+		if f.nodes[i].rs == nil {
+			f.nodes[i].start()
+			note("node %d started", i)
+		}
+		if frozen[i] {
+			thaw(i)
+			note("node %d thawed", i)
+		}
+	}
 	defer func() {
 		if t.Failed() {
 			t.Logf("seed %d, %d legs, witness %v:\n%s", seed, shape.legs, shape.witness, strings.Join(trail, "\n"))
@@ -664,15 +674,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 				note("node %d frozen", i)
 			}
 		case k < 22: // a node started, or thawed
-			i := rng.IntN(len(f.nodes))
-			if f.nodes[i].rs == nil {
-				f.nodes[i].start()
-				note("node %d started", i)
-			}
-			if frozen[i] {
-				thaw(i)
-				note("node %d thawed", i)
-			}
+			revive(rng.IntN(len(f.nodes)))
 		case k < 25: // the client crashes, with writes in flight (a resync too)
 			var drain func()
 			if f.m != nil {
@@ -694,14 +696,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 				continue
 			}
 			i := out[rng.IntN(len(out))]
-			if f.nodes[i].rs == nil {
-				f.nodes[i].start()
-				note("node %d started", i)
-			}
-			if frozen[i] {
-				thaw(i)
-				note("node %d thawed", i)
-			}
+			revive(i)
 			s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d-%d-%d", f.opened, i, len(f.sess)), "vol")
 			if err != nil {
 				note("leg %d not reached to rejoin: %v", i, err)

@@ -3,6 +3,7 @@ package mirror
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -14,6 +15,27 @@ import (
 	"github.com/rnbd/rnbd/test/history"
 	"github.com/rnbd/rnbd/test/kit"
 )
+
+// rejoin maps leg i's device through a new session and has the mirror
+// take it back; it returns the device.
+func (f *fleet) rejoin(i int) *rnbd.CltDev {
+	f.t.Helper()
+	s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d", len(f.sess)), "vol")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.sess = append(f.sess, s)
+	if err := f.m.Rejoin(context.Background(), i, d); err != nil {
+		f.t.Fatal(err)
+	}
+	return d
+}
+
+// waitResync waits for the resync running to end.
+func (f *fleet) waitResync() {
+	f.t.Helper()
+	kit.WaitFor(f.t, 20*time.Second, "the resync", func() bool { return f.m.Resync().Leg < 0 })
+}
 
 // writers writes random blocks of [0, blocks) from n goroutines, each
 // with a buffer of its own and blocks of its own (two writes of one
@@ -113,21 +135,14 @@ func TestMirrorRejoin(t *testing.T) {
 			f.nodes[1].start()
 			stop := make(chan struct{})
 			wait := writers(t, f, h, 4, blocks, stop)
-			s, d, err := f.nodes[1].client(context.Background(), "rejoin", "vol")
-			if err != nil {
-				t.Fatal(err)
-			}
-			f.sess = append(f.sess, s)
-			if err := f.m.Rejoin(context.Background(), 1, d); err != nil {
-				t.Fatal(err)
-			}
+			d := f.rejoin(1)
 			if st := f.m.LegStates(); st[1] != "resyncing" {
 				t.Fatalf("legs %v after the rejoin", st)
 			}
 			if err := f.m.Rejoin(context.Background(), 0, d); err == nil {
 				t.Fatal("a leg in sync rejoined")
 			}
-			kit.WaitFor(t, 20*time.Second, "the resync", func() bool { return f.m.Resync().Leg < 0 })
+			f.waitResync()
 			close(stop)
 			n := wait()
 			if st := f.m.LegStates(); st[0] != "in sync" || st[1] != "in sync" {
@@ -207,15 +222,8 @@ func TestMirrorResyncWindow(t *testing.T) {
 			})
 		})
 	}
-	s, d, err := f.nodes[1].client(context.Background(), "rejoin", "vol")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.sess = append(f.sess, s)
-	if err := f.m.Rejoin(context.Background(), 1, d); err != nil {
-		t.Fatal(err)
-	}
-	kit.WaitFor(t, 20*time.Second, "the resync", func() bool { return f.m.Resync().Leg < 0 })
+	f.rejoin(1)
+	f.waitResync()
 	if err := <-wrote; err != nil {
 		t.Fatal(err)
 	}
@@ -258,15 +266,8 @@ func TestMirrorCleansWhileMapped(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.nodes[1].start()
-	s, d, err := f.nodes[1].client(context.Background(), "rejoin", "vol")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.sess = append(f.sess, s)
-	if err := f.m.Rejoin(context.Background(), 1, d); err != nil {
-		t.Fatal(err)
-	}
-	kit.WaitFor(t, 20*time.Second, "the resync", func() bool { return f.m.Resync().Leg < 0 })
+	f.rejoin(1)
+	f.waitResync()
 	if got, want := f.m.Stats().Reconciled.Load(), uint64(f.m.bm.RegionSize()); got != want {
 		t.Fatalf("the resync copied %d bytes, want one region's %d", got, want)
 	}
