@@ -307,6 +307,11 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	cfg := mirror.Config{
 		Layout: mirror.Layout{Mirror: mirrorID(s.Mirror), NLegs: len(s.Legs), Witness: s.Witness != nil},
 		Log:    d.log.WithField("mirror", s.Mirror), LegTimeout: d.cfg.MirrorLegTimeout.Duration,
+		// Reads choose a leg as the legs' sessions choose a path.
+		ReadPolicy: d.cfg.MPPolicy,
+	}
+	if p := s.Settings.MPPolicy; p != nil {
+		cfg.ReadPolicy, _ = rtrs.ParseMPPolicy(*p) // checked by normalize
 	}
 	for i, l := range s.legs() {
 		c := conns[i]

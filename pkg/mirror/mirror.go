@@ -47,6 +47,12 @@ type Config struct {
 	// ResyncRate bounds a resync's copy, bytes per second; 0:
 	// DefaultResyncRate.
 	ResyncRate int64
+	// ReadPolicy chooses the leg of each read among those in sync, as
+	// a session's mpath_policy chooses a path: round-robin (the zero
+	// value), min-inflight (the leg with the fewest requests in flight)
+	// or min-latency (the leg whose session's paths answer heartbeats
+	// fastest, measured every quarter of LegTimeout).
+	ReadPolicy rtrs.MPPolicy
 }
 
 // DefaultLegTimeout is Config.LegTimeout's default.

@@ -262,16 +262,10 @@ func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags 
 	}
 }
 
-// sendRead sends a read to an in-sync leg it has not tried, by round
-// robin, or completes it with the last error.
+// sendRead sends a read to an in-sync leg it has not tried, chosen by
+// the read policy, or completes it with the last error.
 func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
-	n := m.cfg.Layout.NLegs
-	start := int(m.rr.Add(1))
-	for k := range n {
-		i := (start + k) % n
-		if x.tried[i] || m.state[i].Load() != legIn {
-			continue
-		}
+	if i := m.readLeg(x); i >= 0 {
 		x.tried[i], x.readLeg = true, i
 		x.pending.Store(1)
 		m.sendLeg(ctx, x, i, rnbd.OpRead, 0)
@@ -285,6 +279,36 @@ func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
 	}
 	m.finish(x, err)
 	return nil
+}
+
+// readLeg is the in-sync leg x has not tried that the read policy
+// chooses (as a session's mpath_policy chooses a path): the next by
+// round robin, the one with the fewest requests in flight, or the one
+// whose session's paths answer heartbeats fastest; -1 if none.
+func (m *Mirror) readLeg(x *mreq) int {
+	n := m.cfg.Layout.NLegs
+	start := int(m.rr.Add(1))
+	best := -1
+	var bestKey int64
+	for k := range n {
+		i := (start + k) % n
+		if x.tried[i] || m.state[i].Load() != legIn {
+			continue
+		}
+		var key int64
+		switch m.cfg.ReadPolicy {
+		case rtrs.MPRoundRobin:
+			return i
+		case rtrs.MPMinLatency:
+			key = m.leg(i).latency.Load()
+		default:
+			key = int64(m.leg(i).io.inflight.Load())
+		}
+		if best < 0 || key < bestKey {
+			best, bestKey = i, key
+		}
+	}
+	return best
 }
 
 // legDone is a leg's completion of x's piece.

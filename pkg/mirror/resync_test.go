@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/test/history"
 	"github.com/rnbd/rnbd/test/kit"
 )
@@ -275,5 +276,49 @@ func TestMirrorCleansWhileMapped(t *testing.T) {
 	a, b := f.nodes[0].file("vol"), f.nodes[1].file("vol")
 	if !bytes.Equal(a[DataOff:], b[DataOff:]) {
 		t.Fatal("the legs differ after the resync")
+	}
+}
+
+// TestMirrorReadPolicy: reads go to the leg the policy chooses among
+// those in sync: min-inflight away from a leg with requests in flight,
+// min-latency to the leg whose paths answer fastest; round robin to
+// both.
+func TestMirrorReadPolicy(t *testing.T) {
+	f := newFleet(t, 2, false)
+	f.legTimeout = time.Minute // the watchdog measures no latency meanwhile
+	f.create()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	reads := func() [2]uint64 {
+		var out [2]uint64
+		for i := range out {
+			out[i] = f.m.leg(i).dev.Counters().Requests[rnbd.OpRead]
+		}
+		return out
+	}
+	spread := func(p rtrs.MPPolicy) [2]uint64 {
+		f.m.cfg.ReadPolicy = p
+		before := reads()
+		for blk := range int64(64) {
+			if err := f.do(rnbd.OpRead, blk*blockSize); err != nil {
+				t.Fatal(err)
+			}
+		}
+		after := reads()
+		return [2]uint64{after[0] - before[0], after[1] - before[1]}
+	}
+	if got := spread(rtrs.MPRoundRobin); got != [2]uint64{32, 32} {
+		t.Errorf("round robin: reads per leg %v", got)
+	}
+	f.m.leg(0).io.inflight.Add(8) // leg 0 busy
+	if got := spread(rtrs.MPMinInflight); got != [2]uint64{0, 64} {
+		t.Errorf("min-inflight with leg 0 busy: reads per leg %v", got)
+	}
+	f.m.leg(0).io.inflight.Add(-8)
+	f.m.leg(0).latency.Store(int64(time.Millisecond))
+	f.m.leg(1).latency.Store(int64(10 * time.Millisecond))
+	if got := spread(rtrs.MPMinLatency); got != [2]uint64{64, 0} {
+		t.Errorf("min-latency with leg 0 faster: reads per leg %v", got)
 	}
 }

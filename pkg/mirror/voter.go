@@ -3,6 +3,7 @@ package mirror
 import (
 	"context"
 	"fmt"
+	"math"
 	"sync/atomic"
 	"time"
 
@@ -22,6 +23,21 @@ type voter struct {
 	// fenced: its session was closed for a request outstanding past
 	// the leg timeout.
 	fenced atomic.Bool
+	// latency is its session's fastest connected path's heartbeat round
+	// trip in nanoseconds (the min-latency read policy's key), kept by
+	// the watchdog; no path: the largest.
+	latency atomic.Int64
+}
+
+// measure keeps v.latency.
+func (v *voter) measure() {
+	l := int64(math.MaxInt64)
+	for _, p := range v.dev.Session().Session().Paths() {
+		if p.State() == rtrs.CltPathConnected {
+			l = min(l, int64(p.CurLatency()))
+		}
+	}
+	v.latency.Store(l)
 }
 
 // legIO is what the leg timeout watches: the requests outstanding on a
@@ -67,7 +83,9 @@ func newVoter(i int, name string, dev *rnbd.CltDev) (*voter, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &voter{index: i, name: name, dev: dev, buf: buf}, nil
+	v := &voter{index: i, name: name, dev: dev, buf: buf}
+	v.measure()
+	return v, nil
 }
 
 // read reads and chooses the voter's superblock.
@@ -120,9 +138,14 @@ func (m *Mirror) watch() {
 		}
 		now := time.Now()
 		for _, i := range m.cfg.Layout.indexes() {
-			if v := m.voter(i); v != nil && !v.fenced.Load() && v.io.stuck(now, m.cfg.LegTimeout) {
+			v := m.voter(i)
+			if v == nil || v.fenced.Load() {
+				continue
+			}
+			if v.io.stuck(now, m.cfg.LegTimeout) {
 				m.fence(v)
 			}
+			v.measure()
 		}
 	}
 }
