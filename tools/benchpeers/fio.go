@@ -25,6 +25,7 @@ var workloads = map[string]workload{
 	"rr4k_qd1":    {"read", []string{"--rw=randread", "--bs=4k", "--iodepth=1", "--norandommap", "--randrepeat=0"}, false},
 	"rr4k_qd32":   {"read", []string{"--rw=randread", "--bs=4k", "--iodepth=32", "--norandommap", "--randrepeat=0"}, false},
 	"rr4k_qd32x2": {"read", []string{"--rw=randread", "--bs=4k", "--iodepth=32", "--numjobs=2", "--norandommap", "--randrepeat=0"}, false},
+	"rw4k_qd1":    {"write", []string{"--rw=randwrite", "--bs=4k", "--iodepth=1", "--norandommap", "--randrepeat=0"}, false},
 	"rw4k_qd32":   {"write", []string{"--rw=randwrite", "--bs=4k", "--iodepth=32", "--norandommap", "--randrepeat=0"}, false},
 	"sr128k_qd8":  {"read", []string{"--rw=read", "--bs=128k", "--iodepth=8"}, true},
 	"sr1m_qd8":    {"read", []string{"--rw=read", "--bs=1m", "--iodepth=8"}, true},
@@ -71,13 +72,13 @@ func runFio(ctx context.Context, p *peer, w string, c config) (row, error) {
 	if w == "verify" {
 		limit = 5 * time.Minute
 	}
-	before := map[string]int64{}
-	for _, d := range p.daemons {
+	before := map[int]int64{}
+	for i, d := range p.daemons {
 		t, err := cpuTicks(d.cmd.Process.Pid)
 		if err != nil {
 			return row{}, fmt.Errorf("%s %s: %w", p.name, d.role, err)
 		}
-		before[d.role] = t
+		before[i] = t
 	}
 	fctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
@@ -98,13 +99,14 @@ func runFio(ctx context.Context, p *peer, w string, c config) (row, error) {
 	if err != nil && r.err == "" {
 		r.err = err.Error()
 	}
-	for _, d := range p.daemons {
+	// Per role: a mirror's two servers are summed.
+	for i, d := range p.daemons {
 		t, err := cpuTicks(d.cmd.Process.Pid)
 		if err != nil {
 			return r, fmt.Errorf("%s %s: %w", p.name, d.role, err)
 		}
 		if r.iops > 0 {
-			r.cpu[d.role] = float64(t-before[d.role]) / userHZ / wall / r.iops * 1e6
+			r.cpu[d.role] += float64(t-before[i]) / userHZ / wall / r.iops * 1e6
 		}
 	}
 	return r, nil

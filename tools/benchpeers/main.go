@@ -40,6 +40,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -165,6 +166,8 @@ func measure(ctx context.Context, c config) ([]row, string, error) {
 		return nil, "", err
 	}
 	defer os.Remove(img)
+	defer os.Remove(img + ".leg0") // rnbd-mirror/unix's
+	defer os.Remove(img + ".leg1")
 	env := describeEnv(c)
 	fmt.Fprint(os.Stderr, env)
 	var rows []row
@@ -378,8 +381,50 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			return command(ctx, clt, "--socket", cs, "map", "--sessname", "bench", "--path", "ip:127.0.0.1",
 				"--dest-port", port, "--device-path", export, "--as", "socket:"+sock)
 		}
+	case "rnbd-mirror/unix":
+		// A mirror over two storage nodes (two rnbd-servers on their own
+		// ports), each leg a copy of the image: writes go to both,
+		// reads to one.
+		srv, clt := filepath.Join(c.bin, "rnbd-server"), filepath.Join(c.bin, "rnbd-client")
+		p.uri = unixURI
+		cs := filepath.Join(dir, "c.sock")
+		var ports, socks []string
+		for i := range 2 {
+			ports = append(ports, strconv.Itoa(freePort()))
+			socks = append(socks, filepath.Join(dir, fmt.Sprintf("s%d.sock", i)))
+			p.daemons = append(p.daemons, &daemon{role: "server", args: []string{srv, "daemon", "--config", "/dev/null",
+				"--listen", "tcp://127.0.0.1:" + ports[i], "--control-socket", socks[i],
+				"--state-file", filepath.Join(dir, fmt.Sprintf("s%d.json", i)), "--log-level", "warn"}})
+		}
+		p.daemons = append(p.daemons, &daemon{role: "client", args: []string{clt, "daemon", "--config", "/dev/null", "--control-socket", cs,
+			"--state-file", filepath.Join(dir, "c.json"), "--socket-dir", dir, "--log-level", "warn"}})
+		p.setup = func(ctx context.Context) error {
+			for _, s := range append(slices.Clone(socks), cs) {
+				if err := waitFor(ctx, func() bool { _, err := os.Stat(s); return err == nil }); err != nil {
+					return fmt.Errorf("control socket %s: %w", s, err)
+				}
+			}
+			args := []string{"--socket", cs, "map", "--mirror", export, "--as", "socket:" + sock}
+			for i := range 2 {
+				leg := fmt.Sprintf("%s.leg%d", img, i)
+				if _, err := os.Stat(leg); err != nil {
+					if err := command(ctx, "cp", "--sparse=never", img, leg); err != nil {
+						return err
+					}
+				}
+				if err := command(ctx, srv, "--socket", socks[i], "map", export, leg); err != nil {
+					return err
+				}
+				args = append(args, "--leg", fmt.Sprintf("sessname=bench-%d path=ip:127.0.0.1 dest_port=%s device_path=%s", i, ports[i], export))
+			}
+			// The legs hold the mirror from the first repetition on.
+			if err := command(ctx, clt, args...); err == nil {
+				return nil
+			}
+			return command(ctx, clt, append(args, "--create")...)
+		}
 	default:
-		return nil, fmt.Errorf("unknown peer %q (have %s, gonbd/tcp, rnbd-base/unix, rnbd-tls/unix)", name, strings.Join(defaultPeers, ", "))
+		return nil, fmt.Errorf("unknown peer %q (have %s, gonbd/tcp, rnbd-base/unix, rnbd-tls/unix, rnbd-mirror/unix)", name, strings.Join(defaultPeers, ", "))
 	}
 	return p, nil
 }
@@ -422,8 +467,8 @@ func (p *peer) start(ctx context.Context) error {
 	if err := os.MkdirAll(p.dir, 0o700); err != nil {
 		return err
 	}
-	for _, d := range p.daemons {
-		lf, err := os.Create(filepath.Join(p.dir, d.role+".log"))
+	for i, d := range p.daemons {
+		lf, err := os.Create(filepath.Join(p.dir, fmt.Sprintf("%s-%d.log", d.role, i)))
 		if err != nil {
 			return err
 		}
