@@ -18,7 +18,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
+#                  ublk, mirror, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
 #                  lvm-bench, the fleet benchmark on a thin pool, only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by

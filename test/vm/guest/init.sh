@@ -497,7 +497,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
 	grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 fi
-want nbd || want ublk || want gonbd || [ $rdma_up = 1 ] || finish
+want nbd || want ublk || want mirror || want gonbd || [ $rdma_up = 1 ] || finish
 
 cd /tmp
 dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
@@ -506,6 +506,58 @@ listen2=""
 start_server || { res daemons FAIL "no server control socket"; finish; }
 start_client || { res daemons FAIL "no client control socket"; finish; }
 for d in disk0 disk1 disk2 disk3 disk4; do srv map $d /tmp/$d.img >/dev/null; done
+
+# A mirror over two storage nodes (two more rnbd-servers in the
+# guest, on ports 1240 and 1241, each exporting a file) as /dev/ublkbN:
+# a filesystem on it, checked; one node killed (-9) under a writer, which
+# goes on (the leg fenced after mirror_leg_timeout); the node started
+# again: the leg rejoins and is resynced while mapped; a filesystem again;
+# at the end both legs hold the same data.
+if want mirror; then
+	scenario mirror-map
+	mirror_srv() { # N: the mirror's storage node N, on port 124N
+		/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:124$1 --control-socket /tmp/m$1.sock \
+			--state-file /tmp/m$1.json --log-level info >>/tmp/m$1.log 2>&1 &
+		eval "mpid$1=\$!"
+		for _ in $(seq 100); do [ -S /tmp/m$1.sock ] && return 0; sleep 0.1; done
+		return 1
+	}
+	mleg() { echo "sessname=mleg$1 path=ip:127.0.0.1 dest_port=124$1 device_path=vol"; }
+	mstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
+	for n in 0 1; do
+		truncate -s 136M /tmp/leg$n.img
+		mirror_srv $n || res mirror-node-$n FAIL "no control socket"
+		/bin/rnbd-server --socket /tmp/m$n.sock map vol /tmp/leg$n.img >/dev/null
+	done
+	out=$(cli map --mirror mvol --create --leg "$(mleg 0)" --leg "$(mleg 1)" --as ublk 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	case $dev in /dev/ublkb*) res mirror-map PASS "$dev" ;; *) res mirror-map FAIL "$out" ;; esac
+	if [ -b "$dev" ]; then
+		size=$(/usr/sbin/blockdev --getsize64 "$dev")
+		[ "$size" = "$(mb 128)" ] && res mirror-size PASS "$size bytes" || res mirror-size FAIL "$size bytes"
+		fs_check mirror "$dev"
+		scenario mirror-node-kill
+		kill_leg1() { kill -9 "$mpid1"; }
+		t0=$(cut -d' ' -f1 /proc/uptime)
+		under_io mirror-node-kill "$dev" 32 kill_leg1
+		t1=$(cut -d' ' -f1 /proc/uptime)
+		st=$(mstate)
+		[ "$st" = degraded ] && res mirror-degraded PASS "writer done in $(awk "BEGIN {print $t1 - $t0}") s" || res mirror-degraded FAIL "state $st"
+		scenario mirror-rejoin
+		mirror_srv 1 || res mirror-node-restart FAIL "no control socket"
+		for _ in $(seq 600); do [ "$(mstate)" = open ] && break; sleep 0.1; done
+		st=$(mstate)
+		[ "$st" = open ] && res mirror-rejoin-resync PASS "" || res mirror-rejoin-resync FAIL "state $st: $(cli device show "$(devname)" 2>&1 | tr '\n' ' ')"
+		dd if="$dev" of=/tmp/backio bs=1M skip=32 count=32 iflag=direct 2>/dev/null
+		check mirror-rejoin-data cmp /tmp/patio /tmp/backio
+		fs_check mirror-rejoined "$dev"
+		check mirror-unmap cli unmap "$(devname)"
+		# The data past the 8 MiB of metadata: the same on both legs.
+		check mirror-legs-equal cmp /tmp/leg0.img /tmp/leg1.img 8388608 8388608
+	fi
+	kill "$mpid0" "$mpid1" 2>/dev/null
+	grep -h "mirror" /tmp/client.log | tail -8 | sed 's/^/DETAIL client: /'
+fi
 
 # RDMA: both daemons on soft-RoCE, a session of two paths (the two
 # addresses of the rxe netdev). /dev/nbdN first, then /dev/ublkbN.
