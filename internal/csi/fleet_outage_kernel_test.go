@@ -439,20 +439,26 @@ func (o *outage) duplicate() {
 	f.times = append(f.times, fmt.Sprintf("%s started again %.1fs", b.name, time.Since(began).Seconds()))
 	var after time.Duration
 	f.step(b.name+"'s copy of "+v.name+" reclaimed", 2*time.Minute, func(ctx context.Context) error {
+		// The volume goes on node-b a moment before the reconciler,
+		// its delete answered, counts it: both are waited for.
 		for {
 			_, err := api.NewServer(b.ctl).Volume(ctx, vname)
-			if isNotFound(err) {
+			n := testutil.ToFloat64(f.driver.rpcs.duplicates.WithLabelValues(b.name, "reclaimed"))
+			if isNotFound(err) && after == 0 {
+				after = time.Since(began)
+			}
+			if isNotFound(err) && n == was+1 {
 				break
+			}
+			if n > was+1 {
+				return fmt.Errorf("rnbd_csi_duplicate_volumes_total{%s,reclaimed} = %v, was %v: want one more (the reconciler's)", b.name, n, was)
 			}
 			select {
 			case <-ctx.Done():
-				return fmt.Errorf("%s's copy of %s not reclaimed (%v): %w", b.name, v.name, err, ctx.Err())
+				return fmt.Errorf("%s's copy of %s not reclaimed (%v; rnbd_csi_duplicate_volumes_total{%s,reclaimed} = %v, was %v): %w",
+					b.name, v.name, err, b.name, n, was, ctx.Err())
 			case <-time.After(100 * time.Millisecond):
 			}
-		}
-		after = time.Since(began)
-		if n := testutil.ToFloat64(f.driver.rpcs.duplicates.WithLabelValues(b.name, "reclaimed")); n != was+1 {
-			return fmt.Errorf("rnbd_csi_duplicate_volumes_total{%s,reclaimed} = %v, was %v: want one more (the reconciler's)", b.name, n, was)
 		}
 		if _, err := os.Stat(copyOnB); !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("%s: %v; want it removed with the volume", copyOnB, err)
