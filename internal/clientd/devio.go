@@ -40,7 +40,7 @@ type ioBuf interface {
 type devReq struct {
 	blockReq
 	plug *rtrs.Plug
-	// done is called once the request ended; set by newDevReq.
+	// done is called once the request ended; set by init.
 	done func(r *devReq, err error)
 	io   rnbd.IOReq // on an rnbdDev
 	mr   mirror.Req // on a mirrorDev
@@ -77,8 +77,7 @@ func (d rnbdDev) AllocBuffer(n int) (ioBuf, error) {
 }
 
 func (d rnbdDev) Submit(r *devReq) {
-	r.io.Burst = nil
-	r.blockReq.fill(&r.io)
+	r.blockReq.fill(&r.io) // Burst and the rest cleared, Done kept
 	r.io.Plug = r.plug
 	if err := d.CltDev.Submit(context.Background(), &r.io); err != nil {
 		r.done(r, err)
