@@ -58,8 +58,14 @@ func (r *devReq) ioDone(_ *rnbd.IOReq, err error)     { r.done(r, err) }
 func (r *devReq) mirrorDone(_ *mirror.Req, err error) { r.done(r, err) }
 
 // burst is, during done, the transport's burst the request completed in
-// (nil: none; a mirror's requests have none).
-func (r *devReq) burst() *rtrs.Burst { return r.io.Burst }
+// (nil: none): its own on an rnbdDev, that of its last leg on a
+// mirrorDev.
+func (r *devReq) burst() *rtrs.Burst {
+	if r.io.Burst != nil {
+		return r.io.Burst
+	}
+	return r.mr.Burst
+}
 
 // rnbdDev is one RNBD device of a session.
 type rnbdDev struct{ *rnbd.CltDev }

@@ -222,7 +222,7 @@ func (d *mirrorDev) Submit(r *devReq) {
 	mr := &r.mr
 	mr.Op = r.op
 	mr.Flags, mr.Off, mr.Len = r.wire()
-	mr.Buf, mr.BufOff = nil, 0
+	mr.Buf, mr.BufOff, mr.Plug = nil, 0, r.plug
 	if r.op == rnbd.OpRead || r.op == rnbd.OpWrite {
 		mr.Buf, _ = r.buf.(*mirror.Buffer)
 		mr.BufOff = r.bufOff

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/bits"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -47,6 +48,11 @@ type Config struct {
 	// ResyncRate bounds a resync's copy, bytes per second; 0:
 	// DefaultResyncRate.
 	ResyncRate int64
+	// RegionSize is the bitmap's region size Create gives a new mirror:
+	// a power of two from 64 KiB to 1 GiB; 0: 4 MiB, or more for a
+	// mirror too large for a bitmap of 4 MiB at that size
+	// (RegionShiftFor).
+	RegionSize int64
 	// ReadPolicy chooses the leg of each read among those in sync, as
 	// a session's mpath_policy chooses a path: round-robin (the zero
 	// value), min-inflight (the leg with the fewest requests in flight)
@@ -223,7 +229,17 @@ func Create(ctx context.Context, cfg Config) error {
 	if size <= 0 {
 		return fmt.Errorf("mirror: a leg of %d bytes holds no data after the %d of metadata", size+DataOff, DataOff)
 	}
-	sb := Superblock{Mirror: l.Mirror, NLegs: uint8(l.NLegs), RegionShift: RegionShiftFor(uint64(size)), DataSize: uint64(size),
+	shift := RegionShiftFor(uint64(size))
+	if r := cfg.RegionSize; r != 0 {
+		shift = uint8(bits.TrailingZeros64(uint64(r)))
+		if r < 0 || r&(r-1) != 0 || shift < minRegionShift || shift > maxRegionShift {
+			return fmt.Errorf("mirror: a region of %d bytes: a power of two from %d to %d", r, 1<<minRegionShift, 1<<maxRegionShift)
+		}
+		if fit := regionShiftFrom(uint64(size), shift); fit != shift {
+			return fmt.Errorf("mirror: a region of %d bytes is too small for %d bytes of data: the bitmap holds %d regions at most", r, size, BitmapMax*8)
+		}
+	}
+	sb := Superblock{Mirror: l.Mirror, NLegs: uint8(l.NLegs), RegionShift: shift, DataSize: uint64(size),
 		Gen: Gen{Epoch: 1, ID: rnd()}}
 	if l.Witness {
 		sb.Flags |= FlagWitness
@@ -613,9 +629,9 @@ func (m *Mirror) commitChanges() {
 	for _, x := range held {
 		switch {
 		case err != nil || m.failed.Load():
-			m.finish(x, errFailed)
+			m.finish(x, errFailed, nil)
 		case m.committedSeq.Load() >= m.memberSeq.Load():
-			m.finish(x, nil)
+			m.finish(x, nil, nil)
 		default:
 			again = append(again, x)
 		}

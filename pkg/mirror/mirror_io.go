@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -125,8 +126,16 @@ type Req struct {
 	Len    int
 	Buf    *Buffer
 	BufOff int
+	// Plug, if not nil, holds the pieces Submit sends to the legs
+	// until its owner unplugs it (rtrs.Plug): the caller's burst goes to
+	// each leg's session in one write. Submit takes it (nil on return).
+	Plug *rtrs.Plug
 	// Done is called once, from any goroutine; it must not block.
 	Done func(r *Req, err error)
+	// Burst is, during Done, the transport burst whose completion ended
+	// the request (that of its last leg), or nil: the caller may defer
+	// work to its end (rtrs.Burst.Defer), as with a single device.
+	Burst *rtrs.Burst
 }
 
 // mreq is a request in flight: one rnbd.IOReq per leg, reused.
@@ -153,7 +162,7 @@ func (m *Mirror) getReq() *mreq {
 	}
 	x := &mreq{m: m}
 	for i := range x.legs {
-		x.legs[i].Done = func(_ *rnbd.IOReq, err error) { x.legDone(i, err) }
+		x.legs[i].Done = func(lr *rnbd.IOReq, err error) { x.legDone(i, err, lr.Burst) }
 	}
 	return x
 }
@@ -185,8 +194,12 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 	}
 	x := m.getReq()
 	x.r = r
+	// The plug is this call's alone: a write the resync gate defers is
+	// submitted again by another goroutine, without it.
+	pl := r.Plug
+	r.Plug = nil
 	if r.Op == rnbd.OpRead {
-		return m.sendRead(ctx, x)
+		return m.sendRead(ctx, x, pl)
 	}
 	if r.Op != rnbd.OpFlush && r.Len > 0 && !m.enter(x) {
 		return nil // held off a resync's window: submitted again after it
@@ -195,8 +208,13 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 		need := m.bm.StartWrite(r.Off, int64(r.Len))
 		x.marked = true
 		for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
+			if pl != nil {
+				// The bitmap's write is waited for: what the plug
+				// holds (and the permits it took) goes out first.
+				pl.Unplug()
+			}
 			if err := m.storeBitmap(ctx, blk); err != nil {
-				m.finish(x, err)
+				m.finish(x, err, nil)
 				return nil
 			}
 		}
@@ -211,7 +229,7 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 		}
 	}
 	if n == 0 {
-		m.finish(x, errFailed)
+		m.finish(x, errFailed, nil)
 		return nil
 	}
 	x.pending.Store(n)
@@ -220,7 +238,7 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 	sent := x.sent
 	for i := range m.cfg.Layout.NLegs {
 		if sent[i] {
-			m.sendLeg(ctx, x, i, r.Op, r.Flags)
+			m.sendLeg(ctx, x, i, r.Op, r.Flags, pl)
 		}
 	}
 	return nil
@@ -243,11 +261,12 @@ func (m *Mirror) enter(x *mreq) bool {
 	return true
 }
 
-// sendLeg submits the request's piece for leg i.
-func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags uint32) {
+// sendLeg submits the request's piece for leg i, held in plug pl if not
+// nil.
+func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags uint32, pl *rtrs.Plug) {
 	r := x.r
 	lr := &x.legs[i]
-	*lr = rnbd.IOReq{Op: op, Flags: flags, Off: DataOff + r.Off, Len: r.Len, Done: lr.Done}
+	*lr = rnbd.IOReq{Op: op, Flags: flags, Off: DataOff + r.Off, Len: r.Len, Done: lr.Done, Plug: pl}
 	if op == rnbd.OpFlush {
 		lr.Off = 0
 	}
@@ -258,17 +277,18 @@ func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags 
 	x.on[i] = v
 	v.io.start()
 	if err := v.dev.Submit(ctx, lr); err != nil {
-		x.legDone(i, err)
+		x.legDone(i, err, nil)
 	}
 }
 
 // sendRead sends a read to an in-sync leg it has not tried, chosen by
-// the read policy, or completes it with the last error.
-func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
+// the read policy (held in plug pl if not nil), or completes it with the
+// last error.
+func (m *Mirror) sendRead(ctx context.Context, x *mreq, pl *rtrs.Plug) error {
 	if i := m.readLeg(x); i >= 0 {
 		x.tried[i], x.readLeg = true, i
 		x.pending.Store(1)
-		m.sendLeg(ctx, x, i, rnbd.OpRead, 0)
+		m.sendLeg(ctx, x, i, rnbd.OpRead, 0, pl)
 		return nil
 	}
 	err := errFailed
@@ -277,7 +297,7 @@ func (m *Mirror) sendRead(ctx context.Context, x *mreq) error {
 			err = fmt.Errorf("mirror: read failed on every leg in sync: %w", e)
 		}
 	}
-	m.finish(x, err)
+	m.finish(x, err, nil)
 	return nil
 }
 
@@ -311,8 +331,9 @@ func (m *Mirror) readLeg(x *mreq) int {
 	return best
 }
 
-// legDone is a leg's completion of x's piece.
-func (x *mreq) legDone(i int, err error) {
+// legDone is a leg's completion of x's piece, in that leg's transport
+// burst b (nil: none).
+func (x *mreq) legDone(i int, err error, b *rtrs.Burst) {
 	x.on[i].io.done()
 	x.errs[i] = err
 	if x.pending.Add(-1) != 0 {
@@ -330,22 +351,22 @@ func (x *mreq) legDone(i int, err error) {
 		if err != nil {
 			err = fmt.Errorf("mirror: closing: %w", err)
 		}
-		m.finish(x, err)
+		m.finish(x, err, b)
 		return
 	}
 	if x.r.Op == rnbd.OpRead {
 		if err == nil {
-			m.finish(x, nil)
+			m.finish(x, nil, b)
 			return
 		}
 		if !legFault(err) {
-			m.finish(x, err)
+			m.finish(x, err, b)
 			return
 		}
 		m.markOut(i)
 		m.stats.ReadRetry.Add(1)
 		// Another leg; not from this callback, which must not block.
-		go m.sendRead(context.Background(), x)
+		go m.sendRead(context.Background(), x, nil)
 		return
 	}
 	ok := 0
@@ -364,10 +385,10 @@ func (x *mreq) legDone(i int, err error) {
 		}
 	}
 	if ok == 0 {
-		m.finish(x, fmt.Errorf("mirror: no leg took it: %w", firstErr(x.errs[:])))
+		m.finish(x, fmt.Errorf("mirror: no leg took it: %w", firstErr(x.errs[:])), b)
 		return
 	}
-	m.complete(x)
+	m.complete(x, b)
 }
 
 // legFault says whether err is a leg's failure (it is taken out) rather
@@ -390,11 +411,11 @@ func firstErr(errs []error) error {
 	return syscall.EIO
 }
 
-// complete acknowledges a write once the legs' states it ran under are
-// committed, else holds it for the worker.
-func (m *Mirror) complete(x *mreq) {
+// complete acknowledges a write (in burst b) once the legs' states it ran
+// under are committed, else holds it for the worker.
+func (m *Mirror) complete(x *mreq, b *rtrs.Burst) {
 	if m.committedSeq.Load() >= m.memberSeq.Load() {
-		m.finish(x, nil)
+		m.finish(x, nil, b)
 		return
 	}
 	m.heldMu.Lock()
@@ -406,8 +427,8 @@ func (m *Mirror) complete(x *mreq) {
 	}
 }
 
-// finish ends x with err.
-func (m *Mirror) finish(x *mreq, err error) {
+// finish ends x with err, in burst b (nil: none).
+func (m *Mirror) finish(x *mreq, err error, b *rtrs.Burst) {
 	r := x.r
 	if x.marked {
 		m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
@@ -419,6 +440,7 @@ func (m *Mirror) finish(x *mreq, err error) {
 		m.rs.ended(x)
 	}
 	m.putReq(x)
+	r.Burst = b
 	r.Done(r, err)
 }
 
@@ -432,20 +454,26 @@ func (m *Mirror) storeBitmap(ctx context.Context, blk int) error {
 // +checklocks:m.metaMu
 func (m *Mirror) storeBitmapLocked(ctx context.Context, blk int) error {
 	change := m.bm.Snapshot(blk, m.bmBuf)
-	wrote := 0
+	// To every leg at once: the write that waits for it waits for the
+	// slowest leg, not for the sum of them.
+	var ok [MaxLegs]bool
+	var wg sync.WaitGroup
 	for i := range m.legs {
 		v := m.leg(i)
 		if v == nil || m.state[i].Load() == legOut {
 			continue
 		}
 		copy(v.buf.Bytes(), m.bmBuf)
-		if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
-			m.markOut(i)
-			continue
-		}
-		wrote++
+		wg.Go(func() {
+			if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
+				m.markOut(i)
+				return
+			}
+			ok[i] = true
+		})
 	}
-	if wrote == 0 {
+	wg.Wait()
+	if ok == [MaxLegs]bool{} {
 		m.failed.Store(true)
 		return errFailed
 	}

@@ -168,8 +168,9 @@ func (f *fleet) devName(j int) string {
 // connect maps every voter whose node runs; the others are nil.
 func (f *fleet) connect() Config {
 	ctx := context.Background()
+	// 64 KiB regions, the least: 64 of them in testData.
 	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard(), LegTimeout: f.legTimeout,
-		ResyncRate: f.resyncRate}
+		ResyncRate: f.resyncRate, RegionSize: 1 << minRegionShift}
 	f.opened++
 	f.seedRnd += 1000
 	next := f.seedRnd
@@ -806,5 +807,33 @@ func burst(f *fleet, h *history.History, rng *rand.Rand, blocks int64, n int) (*
 		for _, b := range bufs {
 			b.Free()
 		}
+	}
+}
+
+// TestMirrorRegionSize: Create gives a new mirror 4 MiB regions unless
+// told otherwise, and refuses a region size that is not one.
+func TestMirrorRegionSize(t *testing.T) {
+	f := newFleet(t, 2, false)
+	for _, bad := range []int64{-1, 3 << 16, 1 << 15, 1 << 31} {
+		cfg := f.connect()
+		cfg.RegionSize = bad
+		err := Create(context.Background(), cfg)
+		f.crash()
+		if err == nil || !strings.Contains(err.Error(), "power of two") {
+			t.Fatalf("region size %d: %v, want a refusal", bad, err)
+		}
+	}
+	cfg := f.connect()
+	cfg.RegionSize = 0
+	if err := Create(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	f.crash()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	defer f.crash()
+	if got := f.m.bm.RegionSize(); got != 4<<20 {
+		t.Fatalf("region size %d, want 4 MiB", got)
 	}
 }

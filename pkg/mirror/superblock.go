@@ -24,9 +24,10 @@ const (
 	WitnessIndex = 3 // a superblock's Index when it is the witness's
 	HistoryLen   = 8
 
-	minRegionShift = 16 // 64 KiB
-	maxRegionShift = 30 // 1 GiB
-	version        = 1
+	minRegionShift     = 16 // 64 KiB
+	maxRegionShift     = 30 // 1 GiB
+	defaultRegionShift = 22 // 4 MiB
+	version            = 1
 )
 
 var magic = [8]byte{'R', 'N', 'B', 'D', 'M', 'I', 'R', '1'}
@@ -179,10 +180,16 @@ func (sb *Superblock) historyCovers(g Gen) bool {
 	return last == (Gen{}) || !g.Before(last)
 }
 
-// RegionShiftFor is the log2 of the region size for a data size: 64 KiB,
-// or the smallest power of two that keeps the bitmap within BitmapMax.
+// RegionShiftFor is the log2 of the region size for a data size: 4 MiB,
+// or the smallest power of two that keeps the bitmap within BitmapMax
+// (docs/replication.md, "The bitmap", says why 4 MiB).
 func RegionShiftFor(dataSize uint64) uint8 {
-	s := uint8(minRegionShift)
+	return regionShiftFrom(dataSize, defaultRegionShift)
+}
+
+// regionShiftFrom is the smallest region shift from s up that keeps the
+// bitmap of dataSize within BitmapMax.
+func regionShiftFrom(dataSize uint64, s uint8) uint8 {
 	for s < maxRegionShift && (dataSize+1<<s-1)>>s > BitmapMax*8 {
 		s++
 	}

@@ -188,7 +188,7 @@ func TestRegionShiftFor(t *testing.T) {
 	for _, c := range []struct {
 		size  uint64
 		shift uint8
-	}{{1 << 20, 16}, {2 << 40, 16}, {2<<40 + 4096, 17}, {64 << 40, 21}} {
+	}{{1 << 20, 22}, {128 << 40, 22}, {128<<40 + 4096, 23}, {1 << 50, 25}} {
 		if got := RegionShiftFor(c.size); got != c.shift {
 			t.Errorf("RegionShiftFor(%d) = %d, want %d", c.size, got, c.shift)
 		}

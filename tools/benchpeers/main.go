@@ -67,7 +67,7 @@ func main() {
 	var c config
 	var workloads, peers, report string
 	flag.StringVar(&c.bin, "bin", "bin", "directory with rnbd-server and rnbd-client")
-	flag.StringVar(&c.baseBin, "base-bin", "", "directory with the daemons of a baseline build, measured as peer rnbd-base/unix (add it to -peers) to compare a change in one run")
+	flag.StringVar(&c.baseBin, "base-bin", "", "directory with the daemons of a baseline build, measured as peer rnbd-base/unix or rnbd-mirror-base/unix (add it to -peers) to compare a change in one run")
 	flag.IntVar(&c.reps, "reps", 3, "repetitions of each workload (the table shows the best)")
 	flag.DurationVar(&c.runtime, "runtime", 10*time.Second, "measured time of each run")
 	flag.DurationVar(&c.ramp, "ramp", 2*time.Second, "unmeasured warm-up before each run")
@@ -166,8 +166,9 @@ func measure(ctx context.Context, c config) ([]row, string, error) {
 		return nil, "", err
 	}
 	defer os.Remove(img)
-	defer os.Remove(img + ".leg0") // rnbd-mirror/unix's
-	defer os.Remove(img + ".leg1")
+	for _, leg := range []string{".leg0", ".leg1", ".base-leg0", ".base-leg1"} {
+		defer os.Remove(img + leg) // the mirror peers'
+	}
 	env := describeEnv(c)
 	fmt.Fprint(os.Stderr, env)
 	var rows []row
@@ -381,11 +382,18 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			return command(ctx, clt, "--socket", cs, "map", "--sessname", "bench", "--path", "ip:127.0.0.1",
 				"--dest-port", port, "--device-path", export, "--as", "socket:"+sock)
 		}
-	case "rnbd-mirror/unix":
+	case "rnbd-mirror/unix", "rnbd-mirror-base/unix":
 		// A mirror over two storage nodes (two rnbd-servers on their own
 		// ports), each leg a copy of the image: writes go to both,
-		// reads to one.
-		srv, clt := filepath.Join(c.bin, "rnbd-server"), filepath.Join(c.bin, "rnbd-client")
+		// reads to one. The baseline's legs are its own: each build
+		// creates its mirror with its own layout.
+		bin, legs := c.bin, img+".leg"
+		if name == "rnbd-mirror-base/unix" {
+			if bin, legs = c.baseBin, img+".base-leg"; bin == "" {
+				return nil, fmt.Errorf("peer %s needs -base-bin", name)
+			}
+		}
+		srv, clt := filepath.Join(bin, "rnbd-server"), filepath.Join(bin, "rnbd-client")
 		p.uri = unixURI
 		cs := filepath.Join(dir, "c.sock")
 		var ports, socks []string
@@ -406,7 +414,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			}
 			args := []string{"--socket", cs, "map", "--mirror", export, "--as", "socket:" + sock}
 			for i := range 2 {
-				leg := fmt.Sprintf("%s.leg%d", img, i)
+				leg := fmt.Sprintf("%s%d", legs, i)
 				if _, err := os.Stat(leg); err != nil {
 					if err := command(ctx, "cp", "--sparse=never", img, leg); err != nil {
 						return err
@@ -424,7 +432,7 @@ func newPeer(name string, c config, img, dir string) (*peer, error) {
 			return command(ctx, clt, append(args, "--create")...)
 		}
 	default:
-		return nil, fmt.Errorf("unknown peer %q (have %s, gonbd/tcp, rnbd-base/unix, rnbd-tls/unix, rnbd-mirror/unix)", name, strings.Join(defaultPeers, ", "))
+		return nil, fmt.Errorf("unknown peer %q (have %s, gonbd/tcp, rnbd-base/unix, rnbd-tls/unix, rnbd-mirror/unix, rnbd-mirror-base/unix)", name, strings.Join(defaultPeers, ", "))
 	}
 	return p, nil
 }
