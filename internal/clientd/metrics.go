@@ -181,7 +181,7 @@ func (c cltCollector) collectMirror(e metrics.Emit, m *mapped) {
 	for _, ev := range []struct {
 		name string
 		n    uint64
-	}{{"taken_out", st.TakenOut.Load()}, {"fenced", st.Fenced.Load()}, {"commit", st.Commits.Load()}, {"read_retry", st.ReadRetry.Load()}} {
+	}{{"taken_out", st.TakenOut.Load()}, {"fenced", st.Fenced.Load()}, {"commit", st.Commits.Load()}, {"read_retry", st.ReadRetry.Load()}, {"repaired", st.Repaired.Load()}} {
 		e.Counter(x.mirEvents, float64(ev.n), m.Device, m.Mirror, ev.name)
 	}
 	e.Counter(x.mirCopied, float64(st.Reconciled.Load()), m.Device, m.Mirror)

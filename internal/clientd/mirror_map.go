@@ -374,7 +374,8 @@ var rejoinEvery = 5 * time.Second
 // mapped: every rejoinEvery, one leg out (its storage node lost, frozen
 // or cut off, or never reached) is dialled again through a new session
 // and, reached, rejoins: written at once, resynced in the background
-// (mirror.Mirror.Rejoin). Until ctx ends.
+// (mirror.Mirror.Rejoin); so is a witness that does not vote
+// (mirror.Mirror.RejoinWitness). Until ctx ends.
 func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 	defer close(md.done)
 	t := time.NewTicker(rejoinEvery)
@@ -389,33 +390,49 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 		if md.m.Resync().Leg >= 0 || md.m.Failed() {
 			continue
 		}
+		// The legs out, then the witness if it does not vote.
+		var out []int
 		for i, st := range md.m.LegStates() {
-			if st != "out" {
+			if st == "out" {
+				out = append(out, i)
+			} else {
 				delete(failing, i)
-				continue
 			}
+		}
+		if w := len(mp.Legs); mp.Witness != nil {
+			if md.m.WitnessVoting() {
+				delete(failing, w)
+			} else {
+				out = append(out, w)
+			}
+		}
+		for _, i := range out {
 			l := mp.legs()[i]
 			err := d.rejoin(ctx, mp, md, i)
+			what := "leg"
+			if i == len(mp.Legs) {
+				what = "witness"
+			}
 			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": l.SessName})
 			if err == nil {
 				delete(failing, i)
-				lg.Info("mirror: leg back")
+				lg.Info("mirror: " + what + " back")
 				break // one resync at a time
 			}
 			if ctx.Err() != nil {
 				return
 			}
 			if failing[i] != err.Error() {
-				lg.WithError(err).Warn("mirror: leg not back yet; tried again")
+				lg.WithError(err).Warn("mirror: " + what + " not back yet; tried again")
 				failing[i] = err.Error()
 			}
 		}
 	}
 }
 
-// rejoin dials leg i of the mirror again, through a new session (the
-// old one closed: its name is the leg's), and has the mirror take it
-// back.
+// rejoin dials leg i of the mirror again (i = the number of legs: the
+// witness), through a new session (the old one closed: its name is the
+// leg's), and has the mirror take it back.
 func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) error {
 	l := mp.legs()[i]
 	s, err := normalize(mp.Mapping)
@@ -423,8 +440,9 @@ func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) e
 		return err
 	}
 	md.mu.Lock()
-	old := md.legs[i]
-	md.legs[i] = legConn{err: errors.New("rejoining")}
+	conn := md.conns()[i]
+	old := *conn
+	*conn = legConn{err: errors.New("rejoining")}
 	md.mu.Unlock()
 	if old.dev != nil {
 		old.dev.Unmap(ctx)
@@ -440,7 +458,11 @@ func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) e
 			d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
 		}
 		if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err == nil {
-			c.err = md.m.Rejoin(dctx, i, c.dev)
+			if i == len(mp.Legs) {
+				c.err = md.m.RejoinWitness(dctx, c.dev)
+			} else {
+				c.err = md.m.Rejoin(dctx, i, c.dev)
+			}
 		}
 	}
 	if c.err != nil {
@@ -454,7 +476,7 @@ func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) e
 		}
 	}
 	md.mu.Lock()
-	md.legs[i] = c
+	*conn = c
 	md.mu.Unlock()
 	return c.err
 }
@@ -506,6 +528,8 @@ func (d *mirrorDev) legRecords(s api.Mapping) []api.CltLegRecord {
 		switch {
 		case c.dev == nil:
 			r.State = "missing"
+		case i == len(s.Legs) && !d.m.WitnessVoting():
+			r.State = "missing" // dialled again
 		case i == len(s.Legs):
 			r.State = "voting"
 		case states[i] == "out":

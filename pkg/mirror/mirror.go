@@ -82,8 +82,10 @@ type Mirror struct {
 
 	// legs are the legs' voters (nil: not reached), replaced when a
 	// leg rejoins.
-	legs    [MaxLegs]atomic.Pointer[voter]
-	witness *voter
+	legs [MaxLegs]atomic.Pointer[voter]
+	// witness is the witness's voter (nil: not reached), replaced when
+	// it is dialled again (RejoinWitness).
+	witness atomic.Pointer[voter]
 	state   [MaxLegs]atomic.Int32
 
 	// memberSeq counts the changes of the legs' states in memory;
@@ -131,6 +133,7 @@ type Stats struct {
 	ReadRetry  atomic.Uint64 // reads served by another leg after an error
 	Reconciled atomic.Uint64 // bytes copied at assembly (a crash's dirty regions, resyncs)
 	Fenced     atomic.Uint64 // voters fenced by the leg timeout
+	Repaired   atomic.Uint64 // blocks a leg could not read, rewritten from another (repair.go)
 }
 
 // Open reads the superblocks of the voters reached, decides with
@@ -169,10 +172,12 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 		}
 	}
 	if l.Witness && cfg.Witness != nil {
-		if m.witness, err = newVoter(WitnessIndex, m.name(WitnessIndex), cfg.Witness); err != nil {
+		w, err := newVoter(WitnessIndex, m.name(WitnessIndex), cfg.Witness)
+		if err != nil {
 			m.freeBuffers()
 			return nil, err
 		}
+		m.witness.Store(w)
 	}
 	// From here a voter that holds a request past the leg timeout is
 	// fenced, during the assembly too.
@@ -368,11 +373,20 @@ func (m *Mirror) commitLocked(ctx context.Context, next Superblock) error {
 			if v == nil || v.index != WitnessIndex && m.state[v.index].Load() == legOut {
 				continue
 			}
+			if v.index == WitnessIndex && !v.votes() {
+				// Not waited for (its session would wait for a
+				// path): it misses this generation, and is
+				// dialled again to take the current one.
+				v.lost.Store(true)
+				continue
+			}
 			if err := v.write(ctx, &next); err != nil {
 				m.log.WithError(err).Warn("mirror: a voter did not take the new generation")
 				if v.index != WitnessIndex {
 					m.markOut(v.index)
 					lost = true
+				} else {
+					v.lost.Store(true) // until dialled again
 				}
 				continue
 			}
@@ -660,7 +674,7 @@ func (m *Mirror) stop() {
 // voter is voter i (a leg's index, or WitnessIndex), nil if not reached.
 func (m *Mirror) voter(i int) *voter {
 	if i == WitnessIndex {
-		return m.witness
+		return m.witness.Load()
 	}
 	return m.leg(i)
 }
@@ -674,7 +688,7 @@ func (m *Mirror) voters() []*voter {
 	for i := range m.legs {
 		out[i] = m.leg(i)
 	}
-	out[MaxLegs] = m.witness
+	out[MaxLegs] = m.witness.Load()
 	return out[:]
 }
 

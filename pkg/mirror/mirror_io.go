@@ -363,10 +363,17 @@ func (x *mreq) legDone(i int, err error, b *rtrs.Burst) {
 			m.finish(x, err, b)
 			return
 		}
-		m.markOut(i)
-		m.stats.ReadRetry.Add(1)
-		// Another leg; not from this callback, which must not block.
-		go m.sendRead(context.Background(), x, nil)
+		// Another leg; not from this callback, which must not block. A
+		// bad block (the leg's EIO) is rewritten from it (repair.go);
+		// a leg that failed otherwise is out.
+		go func() {
+			if mediaError(err) && m.repair(x, i) {
+				return
+			}
+			m.markOut(i)
+			m.stats.ReadRetry.Add(1)
+			m.sendRead(context.Background(), x, nil)
+		}()
 		return
 	}
 	ok := 0

@@ -577,13 +577,14 @@ func TestMirrorHistoryUnderFaults(t *testing.T) {
 		total.add(st)
 	}
 	t.Logf("%d schedules: %+v", n, total)
-	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 || total.rejoins == 0 {
+	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 || total.rejoins == 0 ||
+		total.witnessRejoins == 0 {
 		t.Fatalf("the schedules did not reach every case: %+v", total)
 	}
 }
 
 type scheduleStats struct {
-	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut, rejoins int
+	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut, rejoins, witnessRejoins int
 }
 
 func (s *scheduleStats) add(o scheduleStats) {
@@ -597,6 +598,7 @@ func (s *scheduleStats) add(o scheduleStats) {
 	s.crashes += o.crashes
 	s.takenOut += o.takenOut
 	s.rejoins += o.rejoins
+	s.witnessRejoins += o.witnessRejoins
 }
 
 func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
@@ -693,10 +695,34 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 					out = append(out, i)
 				}
 			}
+			if shape.witness && !f.m.WitnessVoting() {
+				out = append(out, shape.legs)
+			}
 			if len(out) == 0 {
 				continue
 			}
 			i := out[rng.IntN(len(out))]
+			if i == shape.legs {
+				// The witness, dialled again: its old session closed
+				// first (it holds the device), as rnbd-client does.
+				revive(i)
+				if old := f.m.witness.Load(); old != nil {
+					old.dev.Session().Close()
+				}
+				s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d-%d-%d", f.opened, i, len(f.sess)), "w")
+				if err != nil {
+					note("witness not reached to rejoin: %v", err)
+					continue
+				}
+				f.sess = append(f.sess, s)
+				if err := f.m.RejoinWitness(context.Background(), d); err != nil {
+					note("witness rejoin: %v", err)
+					continue
+				}
+				st.witnessRejoins++
+				note("witness rejoined")
+				continue
+			}
 			revive(i)
 			s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d-%d-%d", f.opened, i, len(f.sess)), "vol")
 			if err != nil {

@@ -21,8 +21,10 @@ type voter struct {
 	seq   uint64
 	io    legIO
 	// fenced: its session was closed for a request outstanding past
-	// the leg timeout.
+	// the leg timeout. lost: the witness did not take a generation (a
+	// leg is taken out instead).
 	fenced atomic.Bool
+	lost   atomic.Bool
 	// latency is its session's fastest connected path's heartbeat round
 	// trip in nanoseconds (the min-latency read policy's key), kept by
 	// the watchdog; no path: the largest.

@@ -1,0 +1,161 @@
+package mirror
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/test/history"
+	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/kit/badblock"
+)
+
+// TestMirrorReadRepair: a leg whose disk cannot read a block (its
+// storage node answers EIO) serves no wrong read: the read is served by
+// the other leg and the block written back to the bad one, which stays
+// in; a block that cannot be written either takes the leg out. The bad
+// disk is real to the storage node: a FUSE file with bad blocks.
+func TestMirrorReadRepair(t *testing.T) {
+	f := newFleet(t, 2, false)
+	n := f.nodes[1]
+	n.stop()
+	backing := filepath.Join(n.dir, "vol")
+	mnt := t.TempDir()
+	disk := badblock.Mount(t, mnt, "vol", backing)
+	n.dir = mnt
+	n.start()
+	t.Cleanup(func() { f.crash(); n.stop() }) // before the unmount
+	f.create()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	h := history.New(0)
+	for blk := range int64(8) {
+		if err := f.write(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Block 3 of leg 1 goes bad. Round robin sends one of two reads
+	// there.
+	disk.SetBad(DataOff+3*blockSize, false)
+	for range 4 {
+		if err := f.read(h, 3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if readErrs, mended, bad := disk.Counts(); readErrs != 1 || mended != 1 || bad != 0 {
+		t.Fatalf("the disk failed %d reads and had %d bad blocks mended, %d left; want 1, 1, 0", readErrs, mended, bad)
+	}
+	st := f.m.Stats()
+	if st.Repaired.Load() != 1 || st.TakenOut.Load() != 0 {
+		t.Fatalf("%d repaired, %d taken out; want 1 and 0", st.Repaired.Load(), st.TakenOut.Load())
+	}
+	if got := f.m.LegStates(); got[0] != "in sync" || got[1] != "in sync" {
+		t.Fatalf("legs %v after a repair, want both in sync", got)
+	}
+	if !legsEqual(t, f.nodes[0].dir, backing) {
+		t.Fatal("the legs differ after the repair")
+	}
+	// Repairs of blocks being written: a writer keeps writing blocks 0
+	// and 1 while they go bad on leg 1 and are read (a write mends a
+	// bad block too). Every read the disk failed is repaired; a rewrite
+	// that crossed a write would leave the legs different.
+	stop := make(chan struct{})
+	wait := writers(t, f, h, 1, 2, stop)
+	for i := range 100 {
+		blk := int64(i % 2)
+		disk.SetBad(DataOff+blk*blockSize, false)
+		for range 2 {
+			if err := f.read(h, blk); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	close(stop)
+	t.Logf("%d writes, %d repairs", wait(), st.Repaired.Load())
+	readErrs, _, bad := disk.Counts()
+	if bad != 0 || st.TakenOut.Load() != 0 || st.Repaired.Load() != uint64(readErrs) || readErrs < 2 {
+		t.Fatalf("%d blocks still bad, %d repaired of %d reads failed, %d taken out; want 0, all (more than 1), 0",
+			bad, st.Repaired.Load(), readErrs, st.TakenOut.Load())
+	}
+	if !legsEqual(t, f.nodes[0].dir, backing) {
+		t.Fatal("the legs differ after repairs under writes")
+	}
+	// Block 5 cannot be read nor written: the read is still served, and
+	// the leg goes.
+	// A write to the block in the moment between the repair's read of
+	// the good leg and its rewrite of the bad one: held off until the
+	// rewrite is done, or (without the gate) the rewrite lands over it.
+	buf, err := f.m.AllocBuffer(blockSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer buf.Free()
+	wrote := make(chan error, 1)
+	f.m.copyRead = func(off, n int64) {
+		f.m.copyRead = nil
+		w := h.BeginWrite(6)
+		fill(buf.Bytes(), 6, w.Value)
+		r := &Req{Op: rnbd.OpWrite, Off: 6 * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { w.Done(err); wrote <- err }}
+		if err := f.m.Submit(context.Background(), r); err != nil {
+			t.Error(err)
+		}
+		kit.WaitFor(t, 10*time.Second, "the write to end or wait", func() bool {
+			f.m.rs.mu.Lock()
+			deferred := len(f.m.rs.deferred)
+			f.m.rs.mu.Unlock()
+			return deferred > 0 || len(wrote) > 0
+		})
+	}
+	disk.SetBad(DataOff+6*blockSize, false)
+	for f.m.copyRead != nil {
+		if err := f.read(h, 6); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if err := f.read(h, 6); err != nil {
+		t.Fatal(err)
+	}
+	if !legsEqual(t, f.nodes[0].dir, backing) {
+		t.Fatal("a write in the middle of a repair: the legs differ")
+	}
+
+	repaired := st.Repaired.Load()
+	disk.SetBad(DataOff+5*blockSize, true)
+	for range 4 {
+		if err := f.read(h, 5); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := f.m.LegStates(); got[1] != "out" {
+		t.Fatalf("legs %v after a block that could not be rewritten, want leg 1 out", got)
+	}
+	if st.Repaired.Load() != repaired || st.TakenOut.Load() != 1 {
+		t.Fatalf("%d repaired, %d taken out; want %d and 1", st.Repaired.Load(), st.TakenOut.Load(), repaired)
+	}
+	for blk := range int64(8) {
+		if err := f.read(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// legsEqual compares the data of two legs' files.
+func legsEqual(t *testing.T, dir0, file1 string) bool {
+	a, err := os.ReadFile(filepath.Join(dir0, "vol"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(file1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bytes.Equal(a[DataOff:], b[DataOff:])
+}
