@@ -2,16 +2,13 @@ package mirror
 
 import (
 	"bytes"
-	"context"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
-	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/test/history"
-	"github.com/rnbd/rnbd/test/kit"
-	"github.com/rnbd/rnbd/test/kit/badblock"
+	"github.com/rnbd/rnbd/test/testfs"
 )
 
 // TestMirrorReadRepair: a leg whose disk cannot read a block (its
@@ -25,7 +22,7 @@ func TestMirrorReadRepair(t *testing.T) {
 	n.stop()
 	backing := filepath.Join(n.dir, "vol")
 	mnt := t.TempDir()
-	disk := badblock.Mount(t, mnt, "vol", backing)
+	disk := testfs.BadBlocks(t, mnt, "vol", backing)
 	n.dir = mnt
 	n.start()
 	t.Cleanup(func() { f.crash(); n.stop() }) // before the unmount
@@ -85,40 +82,24 @@ func TestMirrorReadRepair(t *testing.T) {
 	if !legsEqual(t, f.nodes[0].dir, backing) {
 		t.Fatal("the legs differ after repairs under writes")
 	}
-	// Block 5 cannot be read nor written: the read is still served, and
-	// the leg goes.
 	// A write to the block in the moment between the repair's read of
 	// the good leg and its rewrite of the bad one: held off until the
 	// rewrite is done, or (without the gate) the rewrite lands over it.
-	buf, err := f.m.AllocBuffer(blockSize)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer buf.Free()
-	wrote := make(chan error, 1)
-	f.m.copyRead = func(off, n int64) {
-		f.m.copyRead = nil
-		w := h.BeginWrite(6)
-		fill(buf.Bytes(), 6, w.Value)
-		r := &Req{Op: rnbd.OpWrite, Off: 6 * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { w.Done(err); wrote <- err }}
-		if err := f.m.Submit(context.Background(), r); err != nil {
-			t.Error(err)
-		}
-		kit.WaitFor(t, 10*time.Second, "the write to end or wait", func() bool {
-			f.m.rs.mu.Lock()
-			deferred := len(f.m.rs.deferred)
-			f.m.rs.mu.Unlock()
-			return deferred > 0 || len(wrote) > 0
-		})
-	}
+	var wrote <-chan error
+	f.m.copyRead, wrote = crossingWrite(t, f, h, 6)
 	disk.SetBad(DataOff+6*blockSize, false)
-	for f.m.copyRead != nil {
+	for range 2 { // one of them goes to leg 1
 		if err := f.read(h, 6); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := <-wrote; err != nil {
-		t.Fatal(err)
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no repair of block 6")
 	}
 	if err := f.read(h, 6); err != nil {
 		t.Fatal(err)
@@ -127,6 +108,8 @@ func TestMirrorReadRepair(t *testing.T) {
 		t.Fatal("a write in the middle of a repair: the legs differ")
 	}
 
+	// Block 5 cannot be read nor written: the read is still served, and
+	// the leg goes.
 	repaired := st.Repaired.Load()
 	disk.SetBad(DataOff+5*blockSize, true)
 	for range 4 {

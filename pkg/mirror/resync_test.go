@@ -177,6 +177,37 @@ func TestMirrorRejoin(t *testing.T) {
 	}
 }
 
+// crossingWrite is a copyRead hook that, the first time it is called,
+// writes block blk in the moment between a copy's read of the source
+// and its write to the leg (a resync's, a repair's): the gate defers
+// the write, or (without the gate) it lands before the copy's. The
+// channel has the write's result.
+func crossingWrite(t *testing.T, f *fleet, h *history.History, blk int64) (func(off, n int64), <-chan error) {
+	buf, err := f.m.AllocBuffer(blockSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { buf.Free() }) // before the fleet's: it was registered later
+	wrote := make(chan error, 1)
+	var once sync.Once
+	return func(off, n int64) {
+		once.Do(func() {
+			w := h.BeginWrite(blk)
+			fill(buf.Bytes(), blk, w.Value)
+			r := &Req{Op: rnbd.OpWrite, Off: blk * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { w.Done(err); wrote <- err }}
+			if err := f.m.Submit(context.Background(), r); err != nil {
+				t.Error(err)
+			}
+			kit.WaitFor(t, 10*time.Second, "the write to end or wait", func() bool {
+				f.m.rs.mu.Lock()
+				deferred := len(f.m.rs.deferred)
+				f.m.rs.mu.Unlock()
+				return deferred > 0 || len(wrote) > 0
+			})
+		})
+	}, wrote
+}
+
 // TestMirrorResyncWindow: a write to the window a resync has read and
 // not yet written to the leg waits for the copy, so the copy's old
 // bytes cannot land over it (without the gate the legs differ: checked
@@ -198,31 +229,8 @@ func TestMirrorResyncWindow(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.nodes[1].start()
-	buf, err := f.m.AllocBuffer(blockSize)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer buf.Free()
-	wrote := make(chan error, 1)
-	var once sync.Once
-	f.m.copyRead = func(off, n int64) {
-		once.Do(func() {
-			// A write into the window read: deferred, or (no gate)
-			// done before the copy writes.
-			w := h.BeginWrite(3)
-			fill(buf.Bytes(), 3, w.Value)
-			r := &Req{Op: rnbd.OpWrite, Off: 3 * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { w.Done(err); wrote <- err }}
-			if err := f.m.Submit(context.Background(), r); err != nil {
-				t.Error(err)
-			}
-			kit.WaitFor(t, 10*time.Second, "the write to end or wait", func() bool {
-				f.m.rs.mu.Lock()
-				deferred := len(f.m.rs.deferred)
-				f.m.rs.mu.Unlock()
-				return deferred > 0 || len(wrote) > 0
-			})
-		})
-	}
+	var wrote <-chan error
+	f.m.copyRead, wrote = crossingWrite(t, f, h, 3)
 	f.rejoin(1)
 	f.waitResync()
 	if err := <-wrote; err != nil {

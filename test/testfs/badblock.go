@@ -1,18 +1,18 @@
-// Package badblock serves a file with bad blocks, for tests of what a
-// storage stack does when a disk cannot read a block: a FUSE file system
-// of one file over a real one, whose reads of a block marked bad fail
-// with EIO, as a disk's medium error reaches a program. A write to a bad
-// block mends it (the disk remaps the sector), unless it is marked to
-// fail writes too (a disk that has run out of spare sectors). This is
-// the model of device-mapper's dust target, on a host whose kernel has
-// FUSE and no device mapper.
-package badblock
+package testfs
+
+// A file with bad blocks, for tests of what a storage stack does when a
+// disk cannot read a block: a FUSE file system of one file over a real
+// one, whose reads of a block marked bad fail with EIO, as a disk's
+// medium error reaches a program. A write to a bad block mends it (the
+// disk remaps the sector), unless it is marked to fail writes too (a
+// disk that has run out of spare sectors). This is the model of
+// device-mapper's dust target, on a host whose kernel has FUSE and no
+// device mapper.
 
 import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -21,11 +21,11 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
 
-// BlockSize is the size of a block that can be marked bad.
-const BlockSize = 4096
+// BadBlockSize is the size of a block that can be marked bad.
+const BadBlockSize = 4096
 
-// File is the file a Mount serves.
-type File struct {
+// BadFile is the file BadBlocks serves.
+type BadFile struct {
 	fs.Inode
 	f *os.File
 
@@ -38,23 +38,24 @@ type File struct {
 }
 
 var (
-	_ fs.NodeOpener    = (*File)(nil)
-	_ fs.NodeGetattrer = (*File)(nil)
-	_ fs.NodeReader    = (*File)(nil)
-	_ fs.NodeWriter    = (*File)(nil)
-	_ fs.NodeFsyncer   = (*File)(nil)
-	_ fs.NodeFlusher   = (*File)(nil)
+	_ fs.NodeOpener    = (*BadFile)(nil)
+	_ fs.NodeGetattrer = (*BadFile)(nil)
+	_ fs.NodeReader    = (*BadFile)(nil)
+	_ fs.NodeWriter    = (*BadFile)(nil)
+	_ fs.NodeFsyncer   = (*BadFile)(nil)
+	_ fs.NodeFlusher   = (*BadFile)(nil)
 )
 
-// Mount serves backing, an existing file, as dir/name on a FUSE mount at
-// dir, until the test ends (or Skip, where FUSE cannot be mounted).
-func Mount(t testing.TB, dir, name, backing string) *File {
+// BadBlocks serves backing, an existing file, as dir/name on a FUSE
+// mount at dir, with no bad block yet, until the test ends (it skips the
+// test where FUSE cannot be mounted).
+func BadBlocks(t testing.TB, dir, name, backing string) *BadFile {
 	t.Helper()
 	f, err := os.OpenFile(backing, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	file := &File{f: f, bad: map[int64]bool{}}
+	file := &BadFile{f: f, bad: map[int64]bool{}}
 	root := &fs.Inode{}
 	srv, err := fs.Mount(dir, root, &fs.Options{
 		MountOptions: fuse.MountOptions{DirectMount: true, DirectMountStrict: true, FsName: "badblock", Name: "badblock",
@@ -82,35 +83,32 @@ func Mount(t testing.TB, dir, name, backing string) *File {
 	return file
 }
 
-// Path is where a Mount at dir serves name.
-func Path(dir, name string) string { return filepath.Join(dir, name) }
-
-// SetBad marks the block at off (a multiple of BlockSize) bad: reads of
+// SetBad marks the block at off (a multiple of BadBlockSize) bad: reads of
 // it fail with EIO until a write mends it; with failWrites, writes to it
 // fail too, and it stays bad.
-func (b *File) SetBad(off int64, failWrites bool) {
-	if off%BlockSize != 0 {
-		panic(fmt.Sprintf("badblock: offset %d is not a block's", off))
+func (b *BadFile) SetBad(off int64, failWrites bool) {
+	if off%BadBlockSize != 0 {
+		panic(fmt.Sprintf("testfs: offset %d is not a block's", off))
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.bad[off/BlockSize] = failWrites
+	b.bad[off/BadBlockSize] = failWrites
 }
 
 // Counts are the reads failed, the bad blocks mended by a write, and the
 // blocks bad now.
-func (b *File) Counts() (readErrs, mended, bad int) {
+func (b *BadFile) Counts() (readErrs, mended, bad int) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.readErrs, b.mended, len(b.bad)
 }
 
 // Open opens it uncached: every read and write comes here.
-func (b *File) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+func (b *BadFile) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
 	return nil, fuse.FOPEN_DIRECT_IO, 0
 }
 
-func (b *File) Getattr(ctx context.Context, _ fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+func (b *BadFile) Getattr(ctx context.Context, _ fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(b.f.Fd()), &st); err != nil {
 		return fs.ToErrno(err)
@@ -121,9 +119,9 @@ func (b *File) Getattr(ctx context.Context, _ fs.FileHandle, out *fuse.AttrOut) 
 }
 
 // hits is the bad blocks [off, off+n) covers; the caller holds mu.
-func (b *File) hitsLocked(off int64, n int) []int64 {
+func (b *BadFile) hitsLocked(off int64, n int) []int64 {
 	var out []int64
-	for blk := off / BlockSize; blk*BlockSize < off+int64(n); blk++ {
+	for blk := off / BadBlockSize; blk*BadBlockSize < off+int64(n); blk++ {
 		if _, ok := b.bad[blk]; ok {
 			out = append(out, blk)
 		}
@@ -131,7 +129,7 @@ func (b *File) hitsLocked(off int64, n int) []int64 {
 	return out
 }
 
-func (b *File) Read(ctx context.Context, _ fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+func (b *BadFile) Read(ctx context.Context, _ fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	b.mu.Lock()
 	if len(b.hitsLocked(off, len(dest))) > 0 {
 		b.readErrs++
@@ -146,7 +144,7 @@ func (b *File) Read(ctx context.Context, _ fs.FileHandle, dest []byte, off int64
 	return fuse.ReadResultData(dest[:n]), 0
 }
 
-func (b *File) Write(ctx context.Context, _ fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+func (b *BadFile) Write(ctx context.Context, _ fs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	hits := b.hitsLocked(off, len(data))
@@ -162,7 +160,7 @@ func (b *File) Write(ctx context.Context, _ fs.FileHandle, data []byte, off int6
 	// A partial write of a bad block does not mend it: a disk remaps
 	// the whole sector only when all of it is written.
 	for _, blk := range hits {
-		if off <= blk*BlockSize && (blk+1)*BlockSize <= off+int64(len(data)) {
+		if off <= blk*BadBlockSize && (blk+1)*BadBlockSize <= off+int64(len(data)) {
 			delete(b.bad, blk)
 			b.mended++
 		}
@@ -170,8 +168,8 @@ func (b *File) Write(ctx context.Context, _ fs.FileHandle, data []byte, off int6
 	return uint32(n), 0
 }
 
-func (b *File) Fsync(ctx context.Context, _ fs.FileHandle, flags uint32) syscall.Errno {
+func (b *BadFile) Fsync(ctx context.Context, _ fs.FileHandle, flags uint32) syscall.Errno {
 	return fs.ToErrno(b.f.Sync())
 }
 
-func (b *File) Flush(ctx context.Context, _ fs.FileHandle) syscall.Errno { return 0 }
+func (b *BadFile) Flush(ctx context.Context, _ fs.FileHandle) syscall.Errno { return 0 }
