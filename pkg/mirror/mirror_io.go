@@ -367,8 +367,17 @@ func (x *mreq) legDone(i int, err error, b *rtrs.Burst) {
 		// bad block (the leg's EIO) is rewritten from it (repair.go);
 		// a leg that failed otherwise is out.
 		go func() {
-			if mediaError(err) && m.repair(x, i) {
-				return
+			if mediaError(err) {
+				if m.repair(x, i) {
+					return
+				}
+				if m.readLeg(x) < 0 {
+					// No other leg can serve it: the read fails,
+					// and the leg, the last in sync, stays (as md
+					// keeps its last device).
+					m.finish(x, fmt.Errorf("mirror: read failed on every leg in sync: %w", err), nil)
+					return
+				}
 			}
 			m.markOut(i)
 			m.stats.ReadRetry.Add(1)

@@ -3,7 +3,6 @@ package mirror
 import (
 	"context"
 	"errors"
-	"fmt"
 	"syscall"
 	"time"
 
@@ -39,10 +38,10 @@ func mediaError(err error) bool {
 }
 
 // repair serves read x, which failed on leg bad with a media error, from
-// another leg in sync and writes the bytes back to leg bad. It reports
-// false, having done nothing, if it cannot start (another repair or a
-// resync runs; no other leg in sync): the caller takes the leg out.
-// x is finished here otherwise.
+// another leg in sync and writes the bytes back to leg bad; if that
+// write fails too, leg bad is taken out. It reports false, x not
+// finished, if it served nothing: it could not start (another repair or
+// a resync runs) or no other leg could serve the read.
 func (m *Mirror) repair(x *mreq, bad int) bool {
 	if m.closing.Load() || !m.rs.leg.CompareAndSwap(-1, int32(bad)) {
 		return false
@@ -53,79 +52,71 @@ func (m *Mirror) repair(x *mreq, bad int) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), repairTimeout)
 	defer cancel()
 	m.rs.active.Store(true)
-	err := m.repairHeld(ctx, x, bad)
+	served, err := m.repairHeld(ctx, x, bad)
 	m.endResync()
-	switch {
-	case err == nil:
-		m.stats.Repaired.Add(1)
-		m.log.WithFields(log.Fields{"leg": m.name(bad), "offset": r.Off, "length": r.Len}).Warn("mirror: a read failed on the leg: served from another, and rewritten")
-	case errors.Is(err, errNoSource):
-		err = fmt.Errorf("mirror: read failed on every leg in sync: %w", x.errs[bad])
-	default:
-		m.log.WithError(err).WithFields(log.Fields{"leg": m.name(bad), "offset": r.Off, "length": r.Len}).Warn("mirror: a read failed on the leg and could not be rewritten: the leg is out")
-		m.markOut(bad)
-		err = nil // the read itself was served
+	if !served {
+		return false
 	}
-	m.finish(x, err, nil)
+	lg := m.log.WithFields(log.Fields{"leg": m.name(bad), "offset": r.Off, "length": r.Len})
+	if err == nil {
+		m.stats.Repaired.Add(1)
+		lg.Warn("mirror: a read failed on the leg: served from another, and rewritten")
+	} else {
+		lg.WithError(err).Warn("mirror: a read failed on the leg and could not be rewritten: the leg is out")
+		m.markOut(bad)
+	}
+	m.finish(x, nil, nil)
 	return true
 }
 
-// errNoSource: no leg in sync could serve the repair's read.
-var errNoSource = errors.New("mirror: no leg in sync to read from")
-
 // repairHeld is repair's work with the gate active: the blocks held, the
-// bytes read from a good leg into the read's buffer, written back to
-// leg bad.
-func (m *Mirror) repairHeld(ctx context.Context, x *mreq, bad int) error {
+// bytes read from a good leg into the read's buffer (served), then
+// written back to leg bad (err: the rewrite failed).
+func (m *Mirror) repairHeld(ctx context.Context, x *mreq, bad int) (served bool, err error) {
 	r := x.r
 	for m.rs.plain.Load() > 0 {
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return false, ctx.Err()
 		case <-time.After(time.Millisecond):
 		}
 	}
 	m.rs.hold(r.Off, r.Off+int64(r.Len))
 	defer m.releaseDeferred()
-	src := -1
-	for src < 0 {
+	for !served {
 		i := m.readLeg(x)
 		if i < 0 {
-			return errNoSource
+			return false, nil
 		}
 		x.tried[i] = true
 		err := m.legDo(ctx, i, rnbd.OpRead, 0, r)
+		x.errs[i] = err
 		switch {
 		case err == nil:
-			src = i
-			if m.copyRead != nil {
-				m.copyRead(r.Off, int64(r.Len))
-			}
+			served = true
 		case legFault(err):
-			x.errs[i] = err
 			m.markOut(i)
 		default:
-			return err
+			return false, err
 		}
 	}
 	m.stats.ReadRetry.Add(1)
+	if m.copyRead != nil {
+		m.copyRead(r.Off, int64(r.Len))
+	}
 	// The rewrite is a write: its regions marked before it, so that a
 	// crash in the middle of it leaves them to be made identical.
 	need := m.bm.StartWrite(r.Off, int64(r.Len))
 	defer m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
 	for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
 		if err := m.storeBitmap(ctx, blk); err != nil {
-			return err
+			return true, err
 		}
 	}
 	if m.state[bad].Load() == legOut {
-		return errors.New("taken out while it was repaired")
+		return true, errors.New("taken out while it was repaired")
 	}
-	if err := m.legDo(ctx, bad, rnbd.OpWrite, rnbd.FFUA, r); err != nil {
-		return err
-	}
-	m.rs.copied.Store(int64(r.Len))
-	return nil
+	return true, m.legDo(ctx, bad, rnbd.OpWrite, rnbd.FFUA, r)
 }
 
 // legDo does r's op on leg i with r's buffer, and waits.

@@ -2,11 +2,14 @@ package mirror
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/test/history"
 	"github.com/rnbd/rnbd/test/testfs"
 )
@@ -18,14 +21,23 @@ import (
 // disk is real to the storage node: a FUSE file with bad blocks.
 func TestMirrorReadRepair(t *testing.T) {
 	f := newFleet(t, 2, false)
-	n := f.nodes[1]
-	n.stop()
-	backing := filepath.Join(n.dir, "vol")
-	mnt := t.TempDir()
-	disk := testfs.BadBlocks(t, mnt, "vol", backing)
-	n.dir = mnt
-	n.start()
-	t.Cleanup(func() { f.crash(); n.stop() }) // before the unmount
+	var disks []*testfs.BadFile
+	var backing []string
+	for _, n := range f.nodes {
+		n.stop()
+		backing = append(backing, filepath.Join(n.dir, "vol"))
+		mnt := t.TempDir()
+		disks = append(disks, testfs.BadBlocks(t, mnt, "vol", backing[len(backing)-1]))
+		n.dir = mnt
+		n.start()
+	}
+	t.Cleanup(func() { // before the unmounts
+		f.crash()
+		for _, n := range f.nodes {
+			n.stop()
+		}
+	})
+	disk := disks[1]
 	f.create()
 	if err := f.open(nil); err != nil {
 		t.Fatal(err)
@@ -54,7 +66,7 @@ func TestMirrorReadRepair(t *testing.T) {
 	if got := f.m.LegStates(); got[0] != "in sync" || got[1] != "in sync" {
 		t.Fatalf("legs %v after a repair, want both in sync", got)
 	}
-	if !legsEqual(t, f.nodes[0].dir, backing) {
+	if !legsEqual(t, backing) {
 		t.Fatal("the legs differ after the repair")
 	}
 	// Repairs of blocks being written: a writer keeps writing blocks 0
@@ -79,7 +91,7 @@ func TestMirrorReadRepair(t *testing.T) {
 		t.Fatalf("%d blocks still bad, %d repaired of %d reads failed, %d taken out; want 0, all (more than 1), 0",
 			bad, st.Repaired.Load(), readErrs, st.TakenOut.Load())
 	}
-	if !legsEqual(t, f.nodes[0].dir, backing) {
+	if !legsEqual(t, backing) {
 		t.Fatal("the legs differ after repairs under writes")
 	}
 	// A write to the block in the moment between the repair's read of
@@ -104,7 +116,7 @@ func TestMirrorReadRepair(t *testing.T) {
 	if err := f.read(h, 6); err != nil {
 		t.Fatal(err)
 	}
-	if !legsEqual(t, f.nodes[0].dir, backing) {
+	if !legsEqual(t, backing) {
 		t.Fatal("a write in the middle of a repair: the legs differ")
 	}
 
@@ -128,15 +140,32 @@ func TestMirrorReadRepair(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A bad block on leg 0, the last in sync: the read fails with EIO,
+	// and the leg stays (the mirror goes on); a write mends the block.
+	disks[0].SetBad(DataOff+7*blockSize, false)
+	if err := f.do(rnbd.OpRead, 7*blockSize); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("a read of a bad block on the last leg in sync: %v, want EIO", err)
+	}
+	if got := f.m.LegStates(); got[0] != "in sync" || f.m.Failed() {
+		t.Fatalf("legs %v (failed %v) after a bad block on the last leg in sync", got, f.m.Failed())
+	}
+	if err := f.write(h, 7); err != nil {
+		t.Fatal(err)
+	}
+	for blk := range int64(8) {
+		if err := f.read(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // legsEqual compares the data of two legs' files.
-func legsEqual(t *testing.T, dir0, file1 string) bool {
-	a, err := os.ReadFile(filepath.Join(dir0, "vol"))
+func legsEqual(t *testing.T, files []string) bool {
+	a, err := os.ReadFile(files[0])
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := os.ReadFile(file1)
+	b, err := os.ReadFile(files[1])
 	if err != nil {
 		t.Fatal(err)
 	}
