@@ -31,10 +31,14 @@ type BadFile struct {
 
 	mu sync.Mutex
 	// bad maps a bad block to whether writes to it fail too.
+	// +checklocks:mu
 	bad map[int64]bool
 	// readErrs and mended count the reads failed and the bad blocks a
 	// write mended.
-	readErrs, mended int
+	// +checklocks:mu
+	readErrs int
+	// +checklocks:mu
+	mended int
 }
 
 var (
@@ -118,7 +122,9 @@ func (b *BadFile) Getattr(ctx context.Context, _ fs.FileHandle, out *fuse.AttrOu
 	return 0
 }
 
-// hits is the bad blocks [off, off+n) covers; the caller holds mu.
+// hitsLocked is the bad blocks [off, off+n) covers.
+//
+// +checklocks:b.mu
 func (b *BadFile) hitsLocked(off int64, n int) []int64 {
 	var out []int64
 	for blk := off / BadBlockSize; blk*BadBlockSize < off+int64(n); blk++ {
