@@ -364,22 +364,19 @@ func (x *mreq) legDone(i int, err error, b *rtrs.Burst) {
 			return
 		}
 		// Another leg; not from this callback, which must not block. A
-		// bad block (the leg's EIO) is rewritten from it (repair.go);
-		// a leg that failed otherwise is out.
+		// bad block (the leg's EIO) is rewritten from it (repair.go),
+		// the leg staying in; a leg that failed otherwise is out.
 		go func() {
-			if mediaError(err) {
-				if m.repair(x, i) {
-					return
-				}
-				if m.readLeg(x) < 0 {
-					// No other leg can serve it: the read fails,
-					// and the leg, the last in sync, stays (as md
-					// keeps its last device).
-					m.finish(x, fmt.Errorf("mirror: read failed on every leg in sync: %w", err), nil)
-					return
-				}
+			if mediaError(err) && m.repair(x, i) {
+				return
 			}
-			m.markOut(i)
+			if !mediaError(err) {
+				m.markOut(i)
+			}
+			// A bad block not repaired (another repair runs, or no
+			// other leg could serve it) leaves the leg in: it
+			// answers, and this read fails if no leg can serve it,
+			// as md keeps its last device.
 			m.stats.ReadRetry.Add(1)
 			m.sendRead(context.Background(), x, nil)
 		}()

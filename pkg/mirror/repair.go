@@ -23,7 +23,8 @@ import (
 // blocks through the resync's gate, as a resync's window does, and reads
 // the good leg only once the writes already in flight there have ended.
 // One repair or resync runs at a time; a read error that finds one
-// running takes the leg out, as before.
+// running is served by another leg, the block left bad until a later
+// read repairs it.
 
 // repairTimeout bounds a repair: the wait for writes in flight, the
 // read from a good leg and the rewrite.

@@ -157,6 +157,22 @@ func TestMirrorReadRepair(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Leg 1 rejoins, and its resync's source, leg 0, has a bad block in
+	// what it copies: the resync stops and leg 1 stays out, but leg 0,
+	// which answers, stays in and the mirror serves.
+	disk.SetBad(DataOff+5*blockSize, false) // writable again
+	disks[0].SetBad(DataOff+4*blockSize, false)
+	f.m.leg(1).dev.Session().Close() // it holds the device, as rnbd-client's rejoin closes it
+	f.rejoin(1)
+	f.waitResync()
+	if got := f.m.LegStates(); got[0] != "in sync" || got[1] != "out" || f.m.Failed() {
+		t.Fatalf("legs %v (failed %v) after a resync from a bad block, want leg 0 in sync and 1 out", got, f.m.Failed())
+	}
+	for _, blk := range []int64{0, 1, 2, 3, 5, 6, 7} {
+		if err := f.read(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // legsEqual compares the data of two legs' files.

@@ -342,7 +342,9 @@ func (m *Mirror) copyWindow(ctx context.Context, i int, off, n int64, buf *rtrs.
 		}
 		if err := src.do(ctx, rnbd.OpRead, 0, DataOff+off, int(n), shares[k]); err != nil {
 			if legFault(err) && ctx.Err() == nil {
-				m.markOut(k)
+				if !mediaError(err) {
+					m.markOut(k)
+				} // a bad block: the source answers and stays in
 				continue // another source
 			}
 			return err
