@@ -169,6 +169,7 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 				return nil, err
 			}
 			m.legs[i].Store(v)
+			m.watchReopen(v)
 		}
 	}
 	if l.Witness && cfg.Witness != nil {
@@ -178,6 +179,7 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 			return nil, err
 		}
 		m.witness.Store(w)
+		m.watchReopen(w)
 	}
 	// From here a voter that holds a request past the leg timeout is
 	// fenced, during the assembly too.
@@ -426,6 +428,27 @@ func (m *Mirror) stateSuperblock(base *Superblock) Superblock {
 	return next
 }
 
+// watchReopen has v taken out of use when its session opens its device
+// again after a reconnect (its storage node restarted, or every path
+// went down): what answers at the name may be another device, or one
+// that lost writes it had acknowledged from its cache. A leg goes out
+// and a witness stops voting; both are dialled again, and their
+// superblock checked, as any voter that comes back.
+func (m *Mirror) watchReopen(v *voter) {
+	v.dev.OnReopen(func() {
+		if m.voter(v.index) != v || m.closing.Load() {
+			return // replaced since, or the mirror is closing
+		}
+		m.log.WithField("voter", v.name).Warn("mirror: its device was opened again after its session reconnected: " +
+			"out of use until it is dialled again and its superblock checked")
+		if v.index == WitnessIndex {
+			v.lost.Store(true)
+			return
+		}
+		m.markOut(v.index)
+	})
+}
+
 // markOut takes leg i out in memory: no IO goes to it from now on, and
 // writes complete only after a commit that records it.
 func (m *Mirror) markOut(i int) {
@@ -501,14 +524,28 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 	return m.cleanLocked(ctx, m.cfg.Now())
 }
 
-// cleanLocked clears the bitmap, on the legs too, when every leg is in
-// sync: nothing is in flight at assembly, and no leg is away to have
-// missed a marked region.
+// cleanLocked clears the bitmap's quiet blocks, on the legs too, when
+// every leg is in sync (no leg is away to have missed a marked region),
+// after a flush of every leg.
 // +checklocks:m.metaMu
 func (m *Mirror) cleanLocked(ctx context.Context, quiet time.Time) error {
 	for i := range m.cfg.Layout.NLegs {
 		if m.state[i].Load() != legIn {
 			return nil
+		}
+	}
+	if len(m.bm.Runs(0)) > 0 {
+		// A region is cleaned only once what was written to it is
+		// durable on every leg: a leg whose storage node restarts
+		// and loses what it had cached is taken out at the reopen
+		// (watchReopen), and its resync copies the regions still
+		// marked, which must include every write it may have lost.
+		for i := range m.cfg.Layout.NLegs {
+			if err := m.leg(i).do(ctx, rnbd.OpFlush, 0, 0, 0, nil); err != nil {
+				m.log.WithError(err).WithField("leg", m.name(i)).Warn("mirror: a leg's flush before the bitmap's cleaning failed: it is out")
+				m.markOut(i)
+				return nil
+			}
 		}
 	}
 	for _, blk := range m.bm.Clean(quiet) {

@@ -144,6 +144,7 @@ type mreq struct {
 	r       *Req
 	legs    [MaxLegs]rnbd.IOReq
 	on      [MaxLegs]*voter // the voter each piece went to
+	opens   [MaxLegs]uint32 // its device's opens then (rnbd.CltDev.Opens)
 	errs    [MaxLegs]error
 	sent    [MaxLegs]bool
 	pending atomic.Int32
@@ -276,6 +277,14 @@ func (m *Mirror) sendLeg(ctx context.Context, x *mreq, i int, op rnbd.Op, flags 
 	v := m.leg(i)
 	x.on[i] = v
 	v.io.start()
+	// The count first, then the state: a reopen takes the leg out
+	// before it counts (rnbd.CltDev.OnReopen), so a piece is either
+	// refused here or answered under a count that says so (legDone).
+	x.opens[i] = v.dev.Opens()
+	if m.state[i].Load() == legOut {
+		x.legDone(i, errTakenOut, nil)
+		return
+	}
 	if err := v.dev.Submit(ctx, lr); err != nil {
 		x.legDone(i, err, nil)
 	}
@@ -335,6 +344,9 @@ func (m *Mirror) readLeg(x *mreq) int {
 // burst b (nil: none).
 func (x *mreq) legDone(i int, err error, b *rtrs.Burst) {
 	x.on[i].io.done()
+	if err == nil && x.on[i].dev.Opens() != x.opens[i] {
+		err = errReopened // another device may have answered
+	}
 	x.errs[i] = err
 	if x.pending.Add(-1) != 0 {
 		return

@@ -122,8 +122,5 @@ func (m *Mirror) repairHeld(ctx context.Context, x *mreq, bad int) (served bool,
 
 // legDo does r's op on leg i with r's buffer, and waits.
 func (m *Mirror) legDo(ctx context.Context, i int, op rnbd.Op, flags uint32, r *Req) error {
-	v := m.leg(i)
-	v.io.start()
-	defer v.io.done()
-	return v.dev.Do(ctx, op, flags, DataOff+r.Off, r.Len, r.Buf.legs[i], r.BufOff)
+	return m.leg(i).doAt(ctx, op, flags, DataOff+r.Off, r.Len, r.Buf.legs[i], r.BufOff)
 }

@@ -186,6 +186,7 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev) error {
 	if old := m.legs[i].Swap(v); old != nil && old.buf != nil {
 		old.buf.Free()
 	}
+	m.watchReopen(v)
 	want := m.memberSeq.Add(1)
 	m.state[i].Store(legSync) // written from here
 	m.bufMu.Unlock()

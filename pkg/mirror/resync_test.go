@@ -330,3 +330,111 @@ func TestMirrorReadPolicy(t *testing.T) {
 		t.Errorf("min-latency with leg 0 faster: reads per leg %v", got)
 	}
 }
+
+// TestMirrorLegReopened: leg 1's storage node restarts with its disk
+// replaced (an empty device at the same name) while the mirror runs. The
+// leg's session reconnects by itself and opens the device again; the
+// mirror must not read the new, empty device as the leg: the leg goes
+// out at the reopen, every read stays right, and dialled again it is
+// rebuilt in full (no superblock) and in sync again.
+func TestMirrorLegReopened(t *testing.T) {
+	f := newFleet(t, 2, false)
+	f.create()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	h := history.New(0)
+	const blocks = 32
+	for blk := range int64(blocks) {
+		if err := f.write(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n := f.nodes[1]
+	dev := f.m.leg(1).dev
+	opens := dev.Opens()
+	n.stop()
+	if err := os.Truncate(filepath.Join(n.dir, "vol"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(n.dir, "vol"), legSize); err != nil {
+		t.Fatal(err)
+	}
+	n.start()
+	// No IO meanwhile: the old session finds the node again (20 ms) and
+	// reopens the device; the leg is out from that moment.
+	kit.WaitFor(t, 5*time.Second, "leg 1's device to be reopened", func() bool { return dev.Opens() != opens })
+	if got := f.m.LegStates(); got[1] != "out" {
+		t.Fatalf("legs %v after leg 1's device was reopened, want it out", got)
+	}
+	for range 2 { // round robin would send every other read to leg 1
+		for blk := range int64(blocks) {
+			if err := f.read(h, blk); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if f.m.Failed() {
+		t.Fatal("the mirror failed")
+	}
+	// Requests in flight when the device is reopened: their answers
+	// come from what is there now, and are not taken (legDone).
+	f.m.leg(1).dev.Session().Close() // it holds the device, as rnbd-client's rejoin closes it
+	f.rejoin(1)
+	f.waitResync()
+	for blk := range int64(blocks) {
+		if err := f.write(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dev, opens = f.m.leg(1).dev, f.m.leg(1).dev.Opens()
+	n.stop()
+	if err := os.Truncate(filepath.Join(n.dir, "vol"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(n.dir, "vol"), legSize); err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	readers := make(chan error, 1)
+	go func() { // reads all along, some of them out when it reopens
+		for {
+			select {
+			case <-stop:
+				readers <- nil
+				return
+			default:
+			}
+			for blk := range int64(blocks) {
+				if err := f.read(h, blk); err != nil {
+					readers <- err
+					return
+				}
+			}
+		}
+	}()
+	n.start()
+	kit.WaitFor(t, 5*time.Second, "leg 1's device to be reopened", func() bool { return dev.Opens() != opens })
+	close(stop)
+	if err := <-readers; err != nil {
+		t.Fatal(err)
+	}
+	f.m.leg(1).dev.Session().Close() // it holds the device, as rnbd-client's rejoin closes it
+	f.rejoin(1)
+	f.waitResync()
+	if got := f.m.LegStates(); got[0] != "in sync" || got[1] != "in sync" {
+		t.Fatalf("legs %v after the rebuild", got)
+	}
+	if got, want := f.m.Stats().Reconciled.Load(), uint64(2*testData); got != want {
+		t.Fatalf("the two rebuilds copied %d bytes, want all twice, %d", got, want)
+	}
+	for blk := range int64(blocks) {
+		if err := f.read(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, b := f.nodes[0].file("vol"), n.file("vol")
+	if !bytes.Equal(a[DataOff:], b[DataOff:]) {
+		t.Fatal("the legs differ after the rebuild")
+	}
+}

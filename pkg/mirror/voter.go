@@ -2,6 +2,7 @@ package mirror
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"sync/atomic"
@@ -72,10 +73,31 @@ func (l *legIO) stuck(now time.Time, d time.Duration) bool {
 
 // do runs one request on the voter, watched by the leg timeout.
 func (v *voter) do(ctx context.Context, op rnbd.Op, flags uint32, off int64, n int, buf *rtrs.Buffer) error {
+	return v.doAt(ctx, op, flags, off, n, buf, 0)
+}
+
+// doAt is do with the data at bufOff in buf. An answer from a device
+// its session opened again meanwhile is errReopened: what answered may
+// not be the device the request went to.
+func (v *voter) doAt(ctx context.Context, op rnbd.Op, flags uint32, off int64, n int, buf *rtrs.Buffer, bufOff int) error {
 	v.io.start()
 	defer v.io.done()
-	return v.dev.Do(ctx, op, flags, off, n, buf, 0)
+	g := v.dev.Opens()
+	err := v.dev.Do(ctx, op, flags, off, n, buf, bufOff)
+	if err == nil && v.dev.Opens() != g {
+		err = errReopened
+	}
+	return err
 }
+
+// errReopened fails a leg's request whose device was opened again after
+// a reconnect while it was out (rnbd.CltDev.Opens): its storage node
+// restarted, or every path went down, and what answers at the name may
+// be another device; the leg is taken out, and checked when it rejoins.
+var errReopened = errors.New("mirror: the leg's device was opened again after its session reconnected")
+
+// errTakenOut fails a piece for a leg taken out before it was sent.
+var errTakenOut = errors.New("mirror: the leg was taken out")
 
 func newVoter(i int, name string, dev *rnbd.CltDev) (*voter, error) {
 	if dev.Mode() != rnbd.AccessRW {

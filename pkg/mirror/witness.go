@@ -67,6 +67,7 @@ func (m *Mirror) RejoinWitness(ctx context.Context, dev *rnbd.CltDev) error {
 	if old := m.witness.Swap(v); old != nil && old.buf != nil {
 		old.buf.Free()
 	}
+	m.watchReopen(v)
 	m.log.WithField("voter", v.name).Info("mirror: the witness is back and votes")
 	return nil
 }

@@ -68,6 +68,9 @@ type CltDev struct {
 	// without it where a completion must not wait for ioMu): an answer of
 	// ENOTCONN to IO sent under an earlier one says nothing of now.
 	gen atomic.Uint32
+	// onReopen is told of a reopen before IO goes to the device again
+	// (OnReopen).
+	onReopen atomic.Pointer[func()]
 	// localSectors is the size the device shows (resize); 0: the remote size.
 	localSectors atomic.Uint64
 	// remoteSectors is info.NSectors, read without ioMu: Size is asked
@@ -195,6 +198,9 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	}
 	old := d.info.NSectors
 	d.info = info
+	if f := d.onReopen.Load(); f != nil {
+		(*f)() // before the count: see Opens
+	}
 	d.gen.Add(1)
 	d.remoteSectors.Store(info.NSectors)
 	d.state.Store(int32(DevOpen))
@@ -206,6 +212,20 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	}
 	return nil
 }
+
+// Opens counts the device's opens after the first: each reopen after
+// its session reconnected (all its paths went down, or its server
+// restarted) adds one. What answers at the name then may not be what
+// answered before (a disk replaced, a file recreated): a caller that
+// must know keeps the count a request went out under and compares it at
+// its completion. The OnReopen function runs before the count changes.
+func (d *CltDev) Opens() uint32 { return d.gen.Load() }
+
+// OnReopen has f called at each reopen of the device after a reconnect,
+// before the reopen is counted (Opens) and before any request goes to
+// the device again: what holds the device and must check what it now is
+// (a mirror's leg) stops using it there. f must not block, nor do IO.
+func (d *CltDev) OnReopen(f func()) { d.onReopen.Store(&f) }
 
 // pollSize asks the server for the device's size: an OPEN of the device
 // the session has open, which the server answers with it as it is now.

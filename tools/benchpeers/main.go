@@ -78,7 +78,19 @@ func main() {
 	flag.StringVar(&c.doc, "doc", "docs/benchmarks.md", "Markdown file whose marked section gets the table (empty: print it)")
 	flag.StringVar(&c.date, "date", time.Now().UTC().Format("2006-01-02"), "date in the file names")
 	flag.StringVar(&report, "report", "", "render the table and plot from this TSV instead of measuring")
+	resync := flag.String("resync", "", "instead of the peers: measure the mirror's resync (from the bitmap, and a rebuild in full) with fio running this workload during the rebuild, and print the figures")
 	flag.Parse()
+	if *resync != "" {
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		out, err := measureResync(ctx, c, *resync)
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "benchpeers:", err)
+			os.Exit(1)
+		}
+		fmt.Print(out)
+		return
+	}
 	c.workloads = splitList(workloads)
 	c.peers = splitList(peers)
 	if err := run(c, report); err != nil {
