@@ -354,12 +354,7 @@ func TestMirrorLegReopened(t *testing.T) {
 	dev := f.m.leg(1).dev
 	opens := dev.Opens()
 	n.stop()
-	if err := os.Truncate(filepath.Join(n.dir, "vol"), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(filepath.Join(n.dir, "vol"), legSize); err != nil {
-		t.Fatal(err)
-	}
+	emptyFile(t, filepath.Join(n.dir, "vol"), legSize)
 	n.start()
 	// No IO meanwhile: the old session finds the node again (20 ms) and
 	// reopens the device; the leg is out from that moment.
@@ -389,12 +384,7 @@ func TestMirrorLegReopened(t *testing.T) {
 	}
 	dev, opens = f.m.leg(1).dev, f.m.leg(1).dev.Opens()
 	n.stop()
-	if err := os.Truncate(filepath.Join(n.dir, "vol"), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(filepath.Join(n.dir, "vol"), legSize); err != nil {
-		t.Fatal(err)
-	}
+	emptyFile(t, filepath.Join(n.dir, "vol"), legSize)
 	stop := make(chan struct{})
 	readers := make(chan error, 1)
 	go func() { // reads all along, some of them out when it reopens
@@ -436,5 +426,15 @@ func TestMirrorLegReopened(t *testing.T) {
 	a, b := f.nodes[0].file("vol"), n.file("vol")
 	if !bytes.Equal(a[DataOff:], b[DataOff:]) {
 		t.Fatal("the legs differ after the rebuild")
+	}
+}
+
+// emptyFile makes path an empty file of size bytes: a device replaced.
+func emptyFile(t *testing.T, path string, size int64) {
+	t.Helper()
+	for _, n := range []int64{0, size} {
+		if err := os.Truncate(path, n); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
