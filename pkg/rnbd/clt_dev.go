@@ -213,16 +213,16 @@ func (d *CltDev) reopen(ctx context.Context) error {
 	return nil
 }
 
-// Opens counts the device's opens after the first: each reopen after
-// its session reconnected (all its paths went down, or its server
-// restarted) adds one. What answers at the name then may not be what
+// Opens counts the device's opens after the first: each reopen (after
+// its session reconnected — all its paths went down, or its server
+// restarted — or a Remap) adds one. What answers at the name then may not be what
 // answered before (a disk replaced, a file recreated): a caller that
 // must know keeps the count a request went out under and compares it at
 // its completion. The OnReopen function runs before the count changes.
 func (d *CltDev) Opens() uint32 { return d.gen.Load() }
 
-// OnReopen has f called at each reopen of the device after a reconnect,
-// before the reopen is counted (Opens) and before any request goes to
+// OnReopen has f called at each reopen of the device (a reconnect, a
+// Remap), before the reopen is counted (Opens) and before any request goes to
 // the device again: what holds the device and must check what it now is
 // (a mirror's leg) stops using it there. f must not block, nor do IO.
 func (d *CltDev) OnReopen(f func()) { d.onReopen.Store(&f) }
