@@ -18,7 +18,8 @@ import (
 
 // WitnessVoting says whether the mirror has a witness that takes its
 // generations: false for a mirror without one, and for one whose
-// witness was not reached, was fenced or failed a commit.
+// witness was not reached, was fenced, has no connected path, missed a
+// commit or had its device reopened.
 func (m *Mirror) WitnessVoting() bool {
 	w := m.witness.Load()
 	return w != nil && w.votes()
