@@ -244,11 +244,17 @@ func TestDuplicateReclaimed(t *testing.T) {
 			}
 			t.Logf("%s: node-a came back with its copy; the reconciler reclaimed it, node-b's kept", name)
 		}
-		// Crash node-a in the next create again.
+		// Crash node-a in the next create again. The controller may
+		// have found it down while it restarted (its reconciler runs
+		// every 300 ms): the next create must find it up, or it is
+		// placed on node-b.
 		a.stop()
 		a.env = []string{crash}
 		a.start()
 		kit.WaitFor(t, 30*time.Second, "node-a's admin listener", func() bool { _, err := api.NewServer(r.admin["node-a"]).Pools(ctx); return err == nil })
+		kit.WaitFor(t, 30*time.Second, "the controller to find node-a up", func() bool {
+			return testutil.ToFloat64(r.d.rpcs.nodeUp.WithLabelValues("node-a")) == 1
+		})
 	}
 	if n := testutil.ToFloat64(r.d.rpcs.duplicates.WithLabelValues("node-a", "reclaimed")); n != 2 {
 		t.Errorf("rnbd_csi_duplicate_volumes_total{node-a,reclaimed} = %v, want 2", n)
