@@ -12,9 +12,13 @@
 // missing), both pure functions of their input, and the dirty-region
 // bitmap (bitmap.go: the bits a write sets before it goes out, the
 // blocks it waits for, cleaning, the union loaded at assembly, the runs
-// a resync copies), and the mirror itself (mirror.go: Create, Open —
-// assemble, commit, reconcile, resync —, and Submit, the IO over
-// rnbd.CltDev legs). docs/replication.md says what it does not do yet.
+// a resync copies), and the mirror itself: mirror.go (Create, Open —
+// assemble, commit —, the worker), reconcile.go (the legs made
+// identical at assembly, the bitmap cleaned), mirror_io.go (Submit, the
+// IO over rnbd.CltDev legs), resync.go (a leg rejoining while mapped),
+// repair.go (a bad block rewritten), witness.go (the witness dialled
+// again) and voter.go (a leg's or the witness's device, its timeout and
+// reopens). docs/replication.md says what it does not do yet.
 //
 // Lock order: Mirror.metaMu (metadata IO, the superblock), then
 // Bitmap.mu; Mirror.heldMu and Bitmap.mu are leaves. No IO completion

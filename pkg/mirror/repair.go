@@ -52,7 +52,6 @@ func (m *Mirror) repair(x *mreq, bad int) bool {
 	m.rs.total.Store(int64(r.Len))
 	ctx, cancel := context.WithTimeout(context.Background(), repairTimeout)
 	defer cancel()
-	m.rs.active.Store(true)
 	served, err := m.repairHeld(ctx, x, bad)
 	m.endResync()
 	if !served {
@@ -75,12 +74,8 @@ func (m *Mirror) repair(x *mreq, bad int) bool {
 // written back to leg bad (err: the rewrite failed).
 func (m *Mirror) repairHeld(ctx context.Context, x *mreq, bad int) (served bool, err error) {
 	r := x.r
-	for m.rs.plain.Load() > 0 {
-		select {
-		case <-ctx.Done():
-			return false, ctx.Err()
-		case <-time.After(time.Millisecond):
-		}
+	if err := m.gateWrites(ctx); err != nil {
+		return false, err
 	}
 	m.rs.hold(r.Off, r.Off+int64(r.Len))
 	defer m.releaseDeferred()

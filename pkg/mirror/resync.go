@@ -105,6 +105,21 @@ func (g *resyncGate) overlapsLocked(lo, hi int64) bool {
 	return false
 }
 
+// gateWrites has the writes from now on admitted through the gate
+// (m.rs.leg taken by the caller) and waits for those that were not to
+// end: from its return no write overlaps a window the caller holds.
+func (m *Mirror) gateWrites(ctx context.Context) error {
+	m.rs.active.Store(true)
+	for m.rs.plain.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return nil
+}
+
 // release clears the window and returns the writes it deferred.
 func (g *resyncGate) release() []*Req {
 	g.mu.Lock()
@@ -161,14 +176,9 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev) error {
 	// From here writes are admitted through the gate; the ones that
 	// were not end before the first copy (not under metaMu: a write
 	// may wait for it to store the bitmap).
-	m.rs.active.Store(true)
-	for m.rs.plain.Load() > 0 {
-		select {
-		case <-ctx.Done():
-			v.buf.Free()
-			return ctx.Err()
-		case <-time.After(time.Millisecond):
-		}
+	if err := m.gateWrites(ctx); err != nil {
+		v.buf.Free()
+		return err
 	}
 	m.metaMu.Lock()
 	defer m.metaMu.Unlock()
