@@ -3,7 +3,6 @@ package mirror
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -257,7 +256,7 @@ func (f *fleet) do(op rnbd.Op, off int64) error {
 // write writes the history's value for block blk.
 func (f *fleet) write(h *history.History, blk int64) error {
 	w := h.BeginWrite(blk)
-	fill(f.buf.Bytes(), blk, w.Value)
+	history.Fill(f.buf.Bytes(), blk, w.Value)
 	err := f.do(rnbd.OpWrite, blk*blockSize)
 	w.Done(err)
 	return err
@@ -270,32 +269,11 @@ func (f *fleet) read(h *history.History, blk int64) error {
 	if err := f.do(rnbd.OpRead, blk*blockSize); err != nil {
 		return err
 	}
-	v, err := valueOf(f.buf.Bytes(), blk)
+	v, err := history.ValueOf(f.buf.Bytes(), blk)
 	if err != nil {
 		return err
 	}
 	return r.Done(v)
-}
-
-// fill writes value and the block's number over b; zeroes are value 0.
-func fill(b []byte, blk int64, value uint64) {
-	for i := 0; i < len(b); i += 16 {
-		binary.LittleEndian.PutUint64(b[i:], value)
-		binary.LittleEndian.PutUint64(b[i+8:], uint64(blk))
-	}
-}
-
-func valueOf(b []byte, blk int64) (uint64, error) {
-	if allZero(b) {
-		return 0, nil
-	}
-	v := binary.LittleEndian.Uint64(b)
-	want := make([]byte, len(b))
-	fill(want, blk, v)
-	if !bytes.Equal(b, want) {
-		return 0, fmt.Errorf("block %d holds a torn or foreign block (value %d, block %d)", blk, v, binary.LittleEndian.Uint64(b[8:]))
-	}
-	return v, nil
 }
 
 func checkHistory(t testing.TB, h *history.History) history.Stats {
@@ -805,7 +783,7 @@ func burst(f *fleet, h *history.History, rng *rand.Rand, blocks int64, n int) (*
 		bufs = append(bufs, buf)
 		blk := rng.Int64N(blocks)
 		w := h.BeginWrite(blk)
-		fill(buf.Bytes(), blk, w.Value)
+		history.Fill(buf.Bytes(), blk, w.Value)
 		r := &Req{Op: rnbd.OpWrite, Off: blk * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) {
 			if w.Outcome() == history.Pending {
 				w.Done(err)

@@ -66,7 +66,7 @@ func writers(t *testing.T, f *fleet, h *history.History, n int, blocks int64, st
 				}
 				blk := rng.Int64N(blocks/int64(n))*int64(n) + int64(k)
 				w := h.BeginWrite(blk)
-				fill(buf.Bytes(), blk, w.Value)
+				history.Fill(buf.Bytes(), blk, w.Value)
 				done := make(chan error, 1)
 				r := &Req{Op: rnbd.OpWrite, Off: blk * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { done <- err }}
 				if err := f.m.Submit(context.Background(), r); err != nil {
@@ -193,7 +193,7 @@ func crossingWrite(t *testing.T, f *fleet, h *history.History, blk int64) (func(
 	return func(off, n int64) {
 		once.Do(func() {
 			w := h.BeginWrite(blk)
-			fill(buf.Bytes(), blk, w.Value)
+			history.Fill(buf.Bytes(), blk, w.Value)
 			r := &Req{Op: rnbd.OpWrite, Off: blk * blockSize, Len: blockSize, Buf: buf, Done: func(_ *Req, err error) { w.Done(err); wrote <- err }}
 			if err := f.m.Submit(context.Background(), r); err != nil {
 				t.Error(err)

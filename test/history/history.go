@@ -28,6 +28,7 @@ package history
 
 import (
 	"cmp"
+	"encoding/binary"
 	"fmt"
 	"slices"
 	"sync"
@@ -266,4 +267,38 @@ func supersededBy(bh *blockHist, w *Write, t uint64) *Write {
 		}
 	}
 	return nil
+}
+
+// Fill writes a block's content for a write of value to block blk: the
+// value and the block's number, over and over, so that a read can tell
+// a torn block or another block's content from the write's. Zeroes are
+// value 0 (History's initial value in the tests).
+func Fill(b []byte, blk int64, value uint64) {
+	for i := 0; i+16 <= len(b); i += 16 {
+		binary.LittleEndian.PutUint64(b[i:], value)
+		binary.LittleEndian.PutUint64(b[i+8:], uint64(blk))
+	}
+}
+
+// ValueOf is the value of block blk's content as Fill wrote it, or an
+// error for a block no Fill of blk could have written.
+func ValueOf(b []byte, blk int64) (uint64, error) {
+	zero := true
+	for _, c := range b {
+		if c != 0 {
+			zero = false
+			break
+		}
+	}
+	if zero {
+		return 0, nil
+	}
+	v := binary.LittleEndian.Uint64(b)
+	for i := 0; i+16 <= len(b); i += 16 {
+		if binary.LittleEndian.Uint64(b[i:]) != v || binary.LittleEndian.Uint64(b[i+8:]) != uint64(blk) {
+			return 0, fmt.Errorf("block %d holds a torn or foreign block (value %d, block %d; at byte %d: value %d, block %d)",
+				blk, v, binary.LittleEndian.Uint64(b[8:]), i, binary.LittleEndian.Uint64(b[i:]), binary.LittleEndian.Uint64(b[i+8:]))
+		}
+	}
+	return v, nil
 }

@@ -557,6 +557,18 @@ if want mirror; then
 	fi
 	kill "$mpid0" "$mpid1" 2>/dev/null
 	grep -h "mirror" /tmp/client.log | tail -8 | sed 's/^/DETAIL client: /'
+
+	# The mirror's fault schedules on a real device: real rnbd-servers
+	# killed, frozen and started again, the client daemon killed with
+	# writes in flight, every read of /dev/ublkbN judged by the history
+	# checker (test/e2e, TestMirrorSchedulesOnKernel; a RESULT line per
+	# schedule, the totals in a NOTE line).
+	scenario mirror-schedules
+	export RNBD_E2E_BIN=/bin RNBD_MIRROR_SCHEDULES=${RNBD_MIRROR_SCHEDULES:-24}
+	gotest_timeout=1300
+	gotest mirror-schedules /bin/e2e.test -test.run '^TestMirrorSchedulesOnKernel$' -test.timeout 1200s
+	unset gotest_timeout
+	grep -h "schedules in" /tmp/mirror-schedules.out | sed 's/^ *[^ ]*: /NOTE mirror-schedules: /'
 fi
 
 # RDMA: both daemons on soft-RoCE, a session of two paths (the two
@@ -899,6 +911,76 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		res interop-loop FAIL "no loop device"
 	fi
 	rm -f /tmp/kloop.img
+
+	# A mirror over the kernel's rnbd_server: two legs and a witness,
+	# each a loop device it exports, each through a session of its own
+	# (the kernel has one rnbd_server, so the legs' "storage nodes" are
+	# three of its addresses: leg 1 by 10.78.0.1, leg 2 by 10.78.0.2, the
+	# witness by 10.78.0.3). The mirror's metadata is ordinary RNBD IO to them. A
+	# filesystem on it; leg 2's path cut silently under a writer (IO goes
+	# on, the leg stale), then back (the client dials it again, a resync
+	# from the bitmap); leg 1's device closed by the kernel's server
+	# (force_close) under IO, and back the same way; at the end both
+	# legs' data regions are equal and a clean filesystem.
+	scenario interop-kernel-mirror
+	kml_ok=1
+	ip addr add 10.78.0.3/24 dev rxenet || kml_ok=0
+	for n in 1 2 3; do
+		sz=72M
+		[ $n = 3 ] && sz=1M
+		truncate -s $sz /tmp/kml$n.img && losetup /dev/loop$n /tmp/kml$n.img || kml_ok=0
+	done
+	kleg() { echo "sessname=kml$1 path=ip:10.78.0.$2@ip:10.78.0.$2 dest_port=1235 device_path=loop$1"; }
+	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1; }
+	kmstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
+	kmwait() { # STATE: up to 60 s for the mirror's state
+		for _ in $(seq 600); do [ "$(kmstate)" = "$1" ] && return 0; sleep 0.1; done
+		return 1
+	}
+	out=$(cli map --mirror kmir --create --leg "$(kleg 1 1)" --leg "$(kleg 2 2)" --witness "$(kleg 3 3)" \
+		--transport rdma --as ublk 2>&1)
+	dev=$(echo "$out" | awk '/mapped:/ {print $3}')
+	if [ $kml_ok = 1 ] && [ -b "$dev" ]; then
+		res interop-kernel-mirror-map PASS "$dev, legs $(kmstates)"
+		size=$(/usr/sbin/blockdev --getsize64 "$dev")
+		[ "$size" = "$(mb 64)" ] && res interop-kernel-mirror-size PASS "$size bytes" || res interop-kernel-mirror-size FAIL "$size bytes"
+		fs_check interop-kernel-mirror "$dev"
+
+		scenario interop-kernel-mirror-path-cut
+		kml_cut() { ip addr del 10.78.0.2/24 dev rxenet; }
+		t0=$(cut -d' ' -f1 /proc/uptime)
+		under_io interop-kernel-mirror-path-cut "$dev" 16 kml_cut
+		t1=$(cut -d' ' -f1 /proc/uptime)
+		st=$(kmstate)
+		[ "$st" = degraded ] && res interop-kernel-mirror-degraded PASS "writer done in $(awk "BEGIN {print $t1 - $t0}") s, legs $(kmstates)" ||
+			res interop-kernel-mirror-degraded FAIL "state $st, legs $(kmstates)"
+		ip addr add 10.78.0.2/24 dev rxenet
+		kmwait open && res interop-kernel-mirror-path-back PASS "legs $(kmstates)" ||
+			res interop-kernel-mirror-path-back FAIL "state $(kmstate), legs $(kmstates)"
+		dd if="$dev" of=/tmp/backio bs=1M skip=16 count=32 iflag=direct 2>/dev/null
+		check interop-kernel-mirror-path-back-data cmp /tmp/patio /tmp/backio
+
+		scenario interop-kernel-mirror-force-close
+		kml_close() { echo 1 >/sys/class/rnbd-server/ctl/devices/loop1/sessions/kml1/force_close; }
+		under_io interop-kernel-mirror-force-close "$dev" 24 kml_close
+		kmwait open && res interop-kernel-mirror-close-back PASS "legs $(kmstates)" ||
+			res interop-kernel-mirror-close-back FAIL "state $(kmstate), legs $(kmstates)"
+		fs_check interop-kernel-mirror-after "$dev"
+		check interop-kernel-mirror-unmap cli unmap "$(devname)"
+		# The legs' data (past the mirror's 8 MiB of metadata) is the
+		# same, and a filesystem e2fsck finds clean.
+		check interop-kernel-mirror-legs-equal cmp /tmp/kml1.img /tmp/kml2.img 8388608 8388608
+		if losetup -o 8388608 /dev/loop4 /tmp/kml2.img; then
+			check interop-kernel-mirror-leg-fsck /usr/sbin/e2fsck -fn /dev/loop4
+			losetup -d /dev/loop4
+		fi
+	else
+		res interop-kernel-mirror-map FAIL "$out $(dmesg | tail -5 | tr '\n' ' ')"
+	fi
+	grep -h "mirror" /tmp/client.log | grep kmir | tail -8 | sed 's/^/DETAIL client: /'
+	for n in 1 2 3; do losetup -d /dev/loop$n 2>/dev/null; done
+	ip addr del 10.78.0.3/24 dev rxenet 2>/dev/null
+	rm -f /tmp/kml?.img
 
 	# Speed of the four pairings on the one soft-RoCE device, in one
 	# boot: kernel client and server (kk), kernel client against
