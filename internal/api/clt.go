@@ -45,6 +45,9 @@ type (
 		// Create makes the mirror's metadata on its legs, new volumes
 		// holding no superblock: map only, not kept.
 		Create bool `json:"create,omitempty"`
+		// RegionSize, with Create, is the new mirror's bitmap region
+		// (a size, "4MiB"; empty: the default): map only, not kept.
+		RegionSize string `json:"region_size,omitempty"`
 		// Force assembles the mirror without the proof of currency it
 		// asks for: map only, not kept; logged and audited.
 		Force *MirrorForce `json:"force,omitempty"`
@@ -184,6 +187,9 @@ type (
 		// device).
 		Mirror string         `json:"mirror"`
 		Legs   []CltLegRecord `json:"legs"`
+		// RegionSize is a mirror's bitmap region, bytes (0 for one
+		// device, and for a mirror not served).
+		RegionSize int64 `json:"region_size"`
 	}
 	// CltLegRecord is a mirror's leg, or its witness (leg "witness").
 	CltLegRecord struct {

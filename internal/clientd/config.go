@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/mirror"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
@@ -73,6 +74,9 @@ type Config struct {
 	// without completing any before it is fenced and taken out
 	// (docs/replication.md).
 	MirrorLegTimeout conf.Duration `toml:"mirror_leg_timeout"`
+	// MirrorResyncRate bounds each mirror's resync copy, bytes per
+	// second (mirror.Config.ResyncRate).
+	MirrorResyncRate units.Size `toml:"mirror_resync_rate"`
 	// DevLinksDir holds the stable names of kernel devices,
 	// DIR/SESSNAME/DEVICE_PATH (devlinks.go); empty: none.
 	DevLinksDir string `toml:"dev_links_dir"`
@@ -111,6 +115,7 @@ func DefaultConfig() Config {
 		NBDBuffers:           64,
 		SizePoll:             conf.Duration{Duration: rnbd.DefaultSizePoll},
 		MirrorLegTimeout:     conf.Duration{Duration: mirror.DefaultLegTimeout},
+		MirrorResyncRate:     mirror.DefaultResyncRate,
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -162,6 +167,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MirrorLegTimeout.Duration < 100*time.Millisecond {
 		return errors.New("mirror_leg_timeout must be at least 100ms")
+	}
+	if c.MirrorResyncRate < 1<<20 {
+		return errors.New("mirror_resync_rate must be at least 1MiB (a second)")
 	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")

@@ -40,6 +40,8 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "how often each session asks its servers for its devices' sizes, which then reach `/dev/nbdN`, `/dev/ublkbN` and new NBD connections; 0 never (`remap` still does)"},
 	{Keys: []string{"mirror_leg_timeout"}, Flag: "`--mirror-leg-timeout`", Default: "5s",
 		Doc: "how long a mirror's leg (or witness) may hold requests without completing any before it is fenced — its session closed — and taken out, IO going on with the other legs ([replication.md](replication.md)); at least 100ms"},
+	{Keys: []string{"mirror_resync_rate"}, Flag: "`--mirror-resync-rate`", Default: "200MiB a second",
+		Doc: "how fast a mirror's resync copies, a size a second (each mirror's; IO goes on meanwhile): a leg that rejoins copies what it missed, a new one everything; at least 1MiB"},
 	{Keys: []string{"ublk_queue_depth"}, Flag: "`--ublk-queue-depth`", Default: "64",
 		Doc: "requests in flight per ublk queue (one queue per CPU); each takes a buffer of `ublk_max_io_kb`, registered with the session; 1 to 4096"},
 	{Keys: []string{"ublk_max_io_kb"}, Flag: "`--ublk-max-io-kb`", Default: "512",

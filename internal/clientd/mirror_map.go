@@ -13,6 +13,7 @@ import (
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/internal/units"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/mirror"
 	"github.com/rnbd/rnbd/pkg/rnbd"
@@ -57,6 +58,16 @@ func (s *mapSpec) normalizeMirror() error {
 	}
 	if m.Create && m.Force != nil {
 		return ctl.Errorf(ctl.CodeInvalid, "create and force together: a new mirror needs no force")
+	}
+	if m.RegionSize != "" {
+		if !m.Create {
+			return ctl.Errorf(ctl.CodeInvalid, "region_size is a new mirror's (with create): a mirror keeps the one it was created with")
+		}
+		n, err := units.ParseSize(m.RegionSize)
+		if err != nil {
+			return ctl.Errorf(ctl.CodeInvalid, "region_size %q: %v", m.RegionSize, err)
+		}
+		s.regionSize = n
 	}
 	if f := m.Force; f != nil {
 		if f.By == "" {
@@ -307,6 +318,7 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	cfg := mirror.Config{
 		Layout: mirror.Layout{Mirror: mirrorID(s.Mirror), NLegs: len(s.Legs), Witness: s.Witness != nil},
 		Log:    d.log.WithField("mirror", s.Mirror), LegTimeout: d.cfg.MirrorLegTimeout.Duration,
+		ResyncRate: int64(d.cfg.MirrorResyncRate), RegionSize: s.regionSize,
 		// Reads choose a leg as the legs' sessions choose a path.
 		ReadPolicy: d.cfg.MPPolicy,
 	}
@@ -359,7 +371,7 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		return fail(err)
 	}
 	// What the state file keeps: never create or force again.
-	s.Create, s.Force = false, nil
+	s.Create, s.Force, s.RegionSize = false, nil, ""
 	mp := d.register(s, nil, md, fe)
 	rctx, cancel := context.WithCancel(context.Background())
 	md.stop, md.done = cancel, make(chan struct{})

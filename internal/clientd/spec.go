@@ -37,6 +37,8 @@ type mapSpec struct {
 	sock string
 	// legPaths are a mirror's legs' paths by leg, then the witness's.
 	legPaths [][]rtrs.PathAddr
+	// regionSize is a new mirror's bitmap region (RegionSize, parsed).
+	regionSize int64
 	// note is what map says beside its answer: how the device is
 	// served when that is not what the request implied (a socket where
 	// /dev/nbdN is the default).

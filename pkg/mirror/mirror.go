@@ -466,6 +466,10 @@ func (m *Mirror) markOut(i int) {
 // Size is the mirror's size in bytes.
 func (m *Mirror) Size() int64 { return m.size }
 
+// RegionSize is the bitmap's region, bytes: what a resync copies for
+// each region written while a leg was away.
+func (m *Mirror) RegionSize() int64 { return m.bm.RegionSize() }
+
 // Stats is the mirror's counters.
 func (m *Mirror) Stats() *Stats { return &m.stats }
 

@@ -55,7 +55,7 @@ func TestMirrorSchedulesOnKernel(t *testing.T) {
 }
 
 type kernelScheduleStats struct {
-	writes, failedWrites, reads, failedReads, kills, freezes, crashes, refused, rejoined int
+	writes, failedWrites, reads, failedReads, kills, freezes, crashes, refused, rejoined, remapped int
 }
 
 func (s *kernelScheduleStats) add(o kernelScheduleStats) {
@@ -68,6 +68,7 @@ func (s *kernelScheduleStats) add(o kernelScheduleStats) {
 	s.crashes += o.crashes
 	s.refused += o.refused
 	s.rejoined += o.rejoined
+	s.remapped += o.remapped
 }
 
 const (
@@ -155,9 +156,7 @@ func runKernelSchedule(t *testing.T, seed uint64) (st kernelScheduleStats) {
 		case x < 26:
 			k.crash(rng, &st)
 		case x < 30:
-			if k.rejoined(&st) {
-				k.note("every leg back in sync")
-			}
+			k.rejoin(rng, &st)
 		case k.dev == "":
 			// Refused: every node back, and mapped again.
 			for i := range k.nodes {
@@ -272,7 +271,8 @@ func (k *kernelMirror) crash(rng *rand.Rand, st *kernelScheduleStats) {
 	}
 }
 
-// remap unmaps a mirror whose restore was refused and maps it again.
+// remap unmaps a mirror whose restore was refused, or that failed, and
+// maps it again (every node runs).
 func (k *kernelMirror) remap(st *kernelScheduleStats) {
 	k.cl.ctl("unmap", "rnbd0", "--force")
 	out, errOut, code := k.cl.ctl(k.mapArgs...)
@@ -280,23 +280,30 @@ func (k *kernelMirror) remap(st *kernelScheduleStats) {
 		k.t.Fatalf("every node running, the mirror does not map: %s", errOut)
 	}
 	k.dev = mappedDev(k.t, out)
+	st.remapped++
 	k.note("mapped again: %s", k.dev)
 }
 
-// rejoined waits, if every node runs, for the client to have every
-// leg in sync again; it says whether it did.
-func (k *kernelMirror) rejoined(st *kernelScheduleStats) bool {
-	if k.dev == "" || k.state() == "open" {
-		return false
+// rejoin, while the mirror is degraded, brings every node back (in a
+// random order) and waits for the client to dial the legs out again
+// and resync them while mapped. A mirror that failed (it lost its
+// quorum: IO fails until it is mapped again) is mapped again.
+func (k *kernelMirror) rejoin(rng *rand.Rand, st *kernelScheduleStats) {
+	s := k.state()
+	if k.dev == "" || s != "degraded" && s != "failed" {
+		return
 	}
-	for i := range k.nodes {
-		if k.down[i] || k.frozen[i] {
-			return false
-		}
+	for _, i := range rng.Perm(len(k.nodes)) {
+		k.revive(i)
 	}
+	if s == "failed" {
+		k.remap(st)
+		return
+	}
+	start := time.Now()
 	kit.WaitFor(k.t, 2*time.Minute, "the legs to rejoin", func() bool { return k.state() == "open" })
 	st.rejoined++
-	return true
+	k.note("every leg back in sync in %v", time.Since(start).Round(100*time.Millisecond))
 }
 
 // do runs op on the mapping's device, opened O_DIRECT, bounded by

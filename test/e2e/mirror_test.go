@@ -100,12 +100,12 @@ func TestMirrorMapping(t *testing.T) {
 	if _, errOut, code := cl.ctl(mapArgs...); code == 0 || !strings.Contains(errOut, "no superblock") && !strings.Contains(errOut, "refused") {
 		t.Fatalf("map of new legs without --create: exit %d: %s", code, errOut)
 	}
-	out := cl.ok(append(mapArgs, "--create")...)
+	out := cl.ok(append(mapArgs, "--create", "--region-size", "1MiB")...)
 	if !strings.Contains(out, "rnbd0 mapped: "+uri) {
 		t.Fatalf("map: %q", out)
 	}
 	rec := cl.records("device", "show", "rnbd0")[0]
-	if rec["mirror"] != "vol" || rec["state"] != "open" || rec["size"] != float64(size-8<<20) ||
+	if rec["mirror"] != "vol" || rec["state"] != "open" || rec["size"] != float64(size-8<<20) || rec["region_size"] != float64(1<<20) ||
 		strings.Join(legStates(t, rec), ",") != "in sync,in sync" {
 		t.Fatalf("record %v", rec)
 	}

@@ -931,7 +931,7 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		truncate -s $sz /tmp/kml$n.img && losetup /dev/loop$n /tmp/kml$n.img || kml_ok=0
 	done
 	kleg() { echo "sessname=kml$1 path=ip:10.78.0.$2@ip:10.78.0.$2 dest_port=1235 device_path=loop$1"; }
-	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1; }
+	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1 | grep -o "state=[^,\"]*" | cut -d= -f2 | tr "\n" / ; }
 	kmstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
 	kmwait() { # STATE: up to 60 s for the mirror's state
 		for _ in $(seq 600); do [ "$(kmstate)" = "$1" ] && return 0; sleep 0.1; done
