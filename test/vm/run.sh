@@ -19,7 +19,9 @@
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
 #                  ublk, mirror, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
-#                  lvm-bench, the fleet benchmark on a thin pool, only if named)
+#                  lvm-bench, the fleet benchmark on a thin pool, and
+#                  mirror-bench, the mirror against one device and md raid1,
+#                  only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by
 #                  default test/vm/kmods.sh builds them from Debian's
@@ -182,7 +184,9 @@ i=0
 # lvcreate -s wants present even for a thin snapshot. xfs for the
 # csi-sanity and csi-fleet parts' storage nodes (dir pools on XFS: reflink
 # snapshots); veth for the csi-fleet part's workers (network namespaces).
-for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth; do
+# raid1 (with md-mod) for the mirror-bench part's anchor: md raid1 over
+# two rnbd devices.
+for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth raid1; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -269,6 +273,17 @@ for b in sbin/lvm usr/sbin/pdata_tools; do
 		[ -e "$root$dest" ] || { mkdir -p "$root$(dirname "$dest")"; cp -L "$lib" "$root$dest"; }
 	done
 done
+# mdadm, for the mirror-bench part's md raid1 (Debian's package unpacked,
+# not installed: this machine's md stays as it is).
+md=$cache/mdadm-$(apt-cache policy mdadm 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
+if [ ! -x "$md/x/sbin/mdadm" ]; then
+	log "apt-get download mdadm"
+	rm -rf "$md.new" && mkdir -p "$md.new/x"
+	(cd "$md.new" && timeout 300 apt-get download mdadm >/dev/null 2>&1 && dpkg-deb -x mdadm_*.deb x) || die "apt-get download mdadm"
+	rm -rf "$md" && mv "$md.new" "$md"
+fi
+copy_elf "$md/x/sbin/mdadm"
+mv "$root$md/x/sbin/mdadm" "$root/sbin/mdadm"
 for t in lvs vgs pvs lvcreate lvremove lvextend lvchange pvcreate pvremove vgcreate vgremove; do ln -s lvm "$root/sbin/$t"; done
 ln -s pdata_tools "$root/usr/sbin/thin_check"
 # libibverbs dlopen()s its provider, chosen by /etc/libibverbs.d; glibc

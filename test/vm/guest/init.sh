@@ -15,6 +15,7 @@ ip link set lo up
 echo VMTEST-INIT
 only=$(sed -n 's/.*vmtest\.only=\([^ ]*\).*/\1/p' /proc/cmdline)
 want() { case ",${only:-all}," in *",all,"* | *",$1,"*) return 0 ;; esac; return 1; }
+named() { case ",$only," in *",$1,"*) return 0 ;; esac; return 1; } # a part run only when named
 pass=0 fail=0
 res() { # name PASS|FAIL detail (on one line: the host keeps only RESULT lines)
 	echo "RESULT $1 $2 $(printf '%s' "$3" | tr '\n' ' ')"
@@ -497,7 +498,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
 	grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 fi
-want nbd || want ublk || want mirror || want gonbd || [ $rdma_up = 1 ] || finish
+want nbd || want ublk || want mirror || want gonbd || named mirror-bench || [ $rdma_up = 1 ] || finish
 
 cd /tmp
 dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
@@ -568,7 +569,99 @@ if want mirror; then
 	gotest_timeout=1300
 	gotest mirror-schedules /bin/e2e.test -test.run '^TestMirrorSchedulesOnKernel$' -test.timeout 1200s
 	unset gotest_timeout
+	if grep -q '^--- FAIL' /tmp/mirror-schedules.out; then
+		# What is stuck, if anything: the tasks in D state and their
+		# kernel stacks.
+		echo 1 >/proc/sys/kernel/sysrq && echo w >/proc/sysrq-trigger
+		dmesg | tail -120 | sed 's/^/DETAIL kernel: /'
+	fi
 	grep -h "schedules in" /tmp/mirror-schedules.out | sed 's/^ *[^ ]*: /NOTE mirror-schedules: /'
+fi
+
+# mirror-bench (only when named): the mirror of two legs against one
+# device and against the usual answer, md raid1 over two rnbd devices
+# (an internal write-intent bitmap, as the mirror's), each a ublk device
+# over two rnbd-servers on the guest's loopback: 4 KiB random writes at
+# depth 1 (the median latency) and 32 (IOPS), random reads at depth 32
+# (IOPS). The CPU is emulated: only the ratios to one device mean
+# anything. Rounds interleaved, medians reported (TPUT lines).
+if named mirror-bench; then
+	scenario mirror-bench
+	bsrv() { # N: storage node N, on port 125N
+		/bin/rnbd-server daemon --config /dev/null --listen tcp://127.0.0.1:125$1 --control-socket /tmp/b$1.sock \
+			--state-file /tmp/b$1.json --log-level warning >>/tmp/b$1.log 2>&1 &
+		eval "bpid$1=\$!"
+		for _ in $(seq 100); do [ -S /tmp/b$1.sock ] && return 0; sleep 0.1; done
+		return 1
+	}
+	for n in 0 1; do
+		truncate -s 264M /tmp/bvol$n.img && truncate -s 256M /tmp/braw$n.img
+		bsrv $n || res mirror-bench-node-$n FAIL "no control socket"
+		/bin/rnbd-server --socket /tmp/b$n.sock map vol /tmp/bvol$n.img >/dev/null
+		/bin/rnbd-server --socket /tmp/b$n.sock map raw /tmp/braw$n.img >/dev/null
+	done
+	bleg() { echo "sessname=bm$1 path=ip:127.0.0.1 dest_port=125$1 device_path=vol"; }
+	cli map --mirror bm --create --leg "$(bleg 0)" --leg "$(bleg 1)" --as socket:/tmp/bm-create.sock >/dev/null 2>&1 &&
+		cli unmap "$(devname)" >/dev/null 2>&1 || res mirror-bench-create FAIL ""
+	bmap() { # sessname node: /dev/ublkbN of one device
+		cli map --sessname $1 --path ip:127.0.0.1 --dest-port 125$2 --device-path raw --as ublk 2>/dev/null | awk '/mapped:/ {print $3}'
+	}
+	# bfio DEV RW DEPTH: prints the write median latency (µs) for QD 1
+	# writes, else the IOPS.
+	bfio() {
+		fio --name=b --filename=$1 --direct=1 --ioengine=libaio --rw=$2 --bs=4k --iodepth=$3 --size=200M \
+			--runtime=5 --time_based --output-format=terse --terse-version=3 2>/dev/null | awk -F';' -v rw=$2 -v qd=$3 '
+			rw == "randread" {print $8; exit}
+			qd == 1 {for (i = 59; i <= 78; i++) if ($i ~ /^50\.0+%=/) {split($i, a, "="); print a[2]; exit}}
+			{print $49; exit}'
+	}
+	bround() { # name dev
+		local w key rw qd v
+		if [ ! -b "$2" ]; then
+			eval "bench_${1}_fail=1"
+			return
+		fi
+		for w in w1:randwrite:1 w32:randwrite:32 r32:randread:32; do
+			key=${w%%:*} rw=${w#*:}
+			qd=${rw#*:} rw=${rw%%:*}
+			v=$(bfio "$2" $rw $qd)
+			[ -n "$v" ] || eval "bench_${1}_fail=1"
+			eval "bench_${1}_$key=\"\${bench_${1}_$key:-} $v\""
+		done
+	}
+	for r in 1 2 3; do
+		d=$(bmap bs$r 0); bround single "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+		d=$(cli map --mirror bm --leg "$(bleg 0)" --leg "$(bleg 1)" --as ublk 2>/dev/null | awk '/mapped:/ {print $3}')
+		bround mirror "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+		d0=$(bmap bd0$r 0) d1=$(bmap bd1$r 1)
+		if [ -b "$d0" ] && [ -b "$d1" ] && mdadm --create /dev/md0 --run --quiet --level=1 --raid-devices=2 --assume-clean \
+			--bitmap=internal --metadata=1.2 "$d0" "$d1" >/tmp/mdadm.out 2>&1; then
+			bround md /dev/md0
+			mdadm --stop /dev/md0 >/dev/null 2>&1
+		else
+			res mirror-bench-md FAIL "$(tail -2 /tmp/mdadm.out | tr '\n' ' ')"
+			bench_md_fail=1
+		fi
+		for n in $(cli device list --format csv --fields devname 2>/dev/null | tail -n +2); do cli unmap "$n" >/dev/null; done
+	done
+	bmed() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }'; }
+	bratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
+	for p in single mirror md; do
+		eval "f=\${bench_${p}_fail:-}"
+		[ -z "$f" ] && res mirror-bench-$p PASS "" || res mirror-bench-$p FAIL "not mapped, or no figure, in every round"
+	done
+	for w in w1 w32 r32; do
+		eval "s=\$(bmed \$bench_single_$w) m=\$(bmed \$bench_mirror_$w) d=\$(bmed \$bench_md_$w)"
+		eval "all=\"single [\${bench_single_$w# }] mirror [\${bench_mirror_$w# }] md [\${bench_md_$w# }]\""
+		case $w in
+		w1) what="4 KiB random write QD1, median latency us" ;;
+		w32) what="4 KiB random write QD32, IOPS" ;;
+		r32) what="4 KiB random read QD32, IOPS" ;;
+		esac
+		echo "TPUT mirror-bench $what (emulated, median of 3 rounds): single $s, mirror $m ($(bratio "$m" "$s")x), md raid1 $d ($(bratio "$d" "$s")x); rounds: $all"
+	done
+	kill "$bpid0" "$bpid1" 2>/dev/null
+	rm -f /tmp/bvol?.img /tmp/braw?.img
 fi
 
 # RDMA: both daemons on soft-RoCE, a session of two paths (the two
