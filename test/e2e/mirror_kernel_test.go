@@ -418,6 +418,7 @@ func (k *kernelMirror) burst(rng *rand.Rand, n int, st *kernelScheduleStats) (wa
 func mappedDev(t *testing.T, out string) string {
 	t.Helper()
 	_, dev, ok := strings.Cut(out, "mapped: ")
+	dev, _, _ = strings.Cut(dev, "\n")
 	dev = strings.TrimSpace(dev)
 	if !ok || !strings.HasPrefix(dev, "/dev/ublkb") {
 		t.Fatalf("map: %q", out)

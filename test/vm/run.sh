@@ -18,7 +18,7 @@
 #   VM_MIN_KERNEL=X.Y  refuse a kernel older than X.Y (make test-vm's
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
-#                  ublk, mirror, gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
+#                  ublk, mirror, mirror-schedules (kernels from 6.16), gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
 #                  lvm-bench, the fleet benchmark on a thin pool, and
 #                  mirror-bench, the mirror against one device and md raid1,
 #                  only if named)

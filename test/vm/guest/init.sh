@@ -498,7 +498,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	RNBD_RDMA_ADDR=10.78.0.1 timeout 120 /bin/rdma.test -test.run '^$' -test.bench . -test.benchtime 2000x >/tmp/bench.out 2>&1
 	grep -E 'Benchmark|SKIP|FAIL' /tmp/bench.out | sed 's/^/TPUT fabric (emulated) /'
 fi
-want nbd || want ublk || want mirror || want gonbd || named mirror-bench || [ $rdma_up = 1 ] || finish
+want nbd || want ublk || want mirror || want mirror-schedules || want gonbd || named mirror-bench || [ $rdma_up = 1 ] || finish
 
 cd /tmp
 dd if=/dev/urandom of=/tmp/pat bs=1M count=16 2>/dev/null
@@ -558,24 +558,34 @@ if want mirror; then
 	fi
 	kill "$mpid0" "$mpid1" 2>/dev/null
 	grep -h "mirror" /tmp/client.log | tail -8 | sed 's/^/DETAIL client: /'
+fi
 
-	# The mirror's fault schedules on a real device: real rnbd-servers
-	# killed, frozen and started again, the client daemon killed with
-	# writes in flight, every read of /dev/ublkbN judged by the history
-	# checker (test/e2e, TestMirrorSchedulesOnKernel; a RESULT line per
-	# schedule, the totals in a NOTE line).
+# The mirror's fault schedules on a real device: real rnbd-servers
+# killed, frozen and started again, the client daemon killed with
+# writes in flight, every read of /dev/ublkbN judged by the history
+# checker (test/e2e, TestMirrorSchedulesOnKernel; a RESULT line per
+# schedule, the totals in a NOTE line). Not on kernels before 6.16: on
+# 6.12 a SIGKILL of the daemon serving ublk devices oopsed the kernel
+# in io_uring's exit path (io_fallback_tw, a ring's request left on the
+# dying task after the ring was freed: ublk's cancel racing its
+# dispatch) once in some twenty kills; make test-vm's second pass runs
+# them on trixie-backports' kernel.
+if want mirror-schedules && ! kernel_at_least 6 16; then
+	echo "NOTE mirror-schedules not run: $(uname -r) is older than 6.16 (its ublk oopses when the daemon is killed at the wrong moment; docs/testing.md)"
+fi
+if want mirror-schedules && kernel_at_least 6 16; then
 	scenario mirror-schedules
 	export RNBD_E2E_BIN=/bin RNBD_MIRROR_SCHEDULES=${RNBD_MIRROR_SCHEDULES:-24}
 	gotest_timeout=1300
 	gotest mirror-schedules /bin/e2e.test -test.run '^TestMirrorSchedulesOnKernel$' -test.timeout 1200s
 	unset gotest_timeout
+	grep -h "schedules in" /tmp/mirror-schedules.out | sed 's/^ *[^ ]*: /NOTE mirror-schedules: /'
 	if grep -q '^--- FAIL' /tmp/mirror-schedules.out; then
 		# What is stuck, if anything: the tasks in D state and their
 		# kernel stacks.
 		echo 1 >/proc/sys/kernel/sysrq && echo w >/proc/sysrq-trigger
 		dmesg | tail -120 | sed 's/^/DETAIL kernel: /'
 	fi
-	grep -h "schedules in" /tmp/mirror-schedules.out | sed 's/^ *[^ ]*: /NOTE mirror-schedules: /'
 fi
 
 # mirror-bench (only when named): the mirror of two legs against one
