@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 )
@@ -50,7 +51,11 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 			part = append(part, i)
 		}
 	}
-	c := copier{m: m, src: src, buf: buf, shared: shared}
+	// A block the source cannot read (its storage node answers EIO) is
+	// read from a leg that was in sync (a crash's dirty regions may
+	// hold either leg's version; outside them they are equal), and
+	// written to every other, the source's bad block mended too.
+	c := copier{m: m, src: src, buf: buf, shared: shared, alts: part}
 	if len(full) > 0 {
 		if err := c.copy(ctx, 0, m.size, full); err != nil {
 			return err
@@ -107,6 +112,24 @@ func (m *Mirror) cleanLocked(ctx context.Context, quiet time.Time) error {
 	return nil
 }
 
+// readElsewhere reads [off, off+l) of the data into the buffer from
+// another leg, after the source failed with err: only for a media error
+// (the source's storage node answered EIO: a bad block), from the first
+// of alts that can. It returns the leg read, or -1.
+func (c copier) readElsewhere(ctx context.Context, off int64, l int, err error) int {
+	if !mediaError(err) {
+		return -1
+	}
+	for _, i := range c.alts {
+		if e := c.m.leg(i).do(ctx, rnbd.OpRead, 0, DataOff+off, l, c.shared[i]); e == nil {
+			c.m.log.WithFields(log.Fields{"source": c.src.name, "leg": c.m.leg(i).name, "offset": off, "length": l}).WithError(err).
+				Warn("mirror: the reconcile's source cannot read a block; copied from another leg in sync, and mended")
+			return i
+		}
+	}
+	return -1
+}
+
 func freeShared(bs map[int]*rtrs.Buffer) {
 	for _, b := range bs {
 		b.Free()
@@ -120,6 +143,9 @@ type copier struct {
 	src    *voter
 	buf    *rtrs.Buffer
 	shared map[int]*rtrs.Buffer
+	// alts are the legs (targets, with a share of buf) a chunk the
+	// source cannot read is read from instead.
+	alts []int
 }
 
 // copy copies [off, off+n) of the data from the source to the legs to.
@@ -127,10 +153,19 @@ func (c copier) copy(ctx context.Context, off, n int64, to []int) error {
 	chunk := int64(len(c.buf.Bytes()))
 	for n > 0 {
 		l := min(n, chunk)
+		from := -1 // the source
 		if err := c.src.do(ctx, rnbd.OpRead, 0, DataOff+off, int(l), c.buf); err != nil {
-			return fmt.Errorf("mirror: reading %s to copy it: %w", c.src.name, err)
+			if from = c.readElsewhere(ctx, off, int(l), err); from < 0 {
+				return fmt.Errorf("mirror: reading %s to copy it: %w", c.src.name, err)
+			}
+			if err := c.src.do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.buf); err != nil {
+				return fmt.Errorf("mirror: mending %s from %s: %w", c.src.name, c.m.leg(from).name, err)
+			}
 		}
 		for _, i := range to {
+			if i == from {
+				continue
+			}
 			if err := c.m.leg(i).do(ctx, rnbd.OpWrite, 0, DataOff+off, int(l), c.shared[i]); err != nil {
 				return fmt.Errorf("mirror: copying to %s: %w", c.m.leg(i).name, err)
 			}

@@ -20,23 +20,7 @@ import (
 // in; a block that cannot be written either takes the leg out. The bad
 // disk is real to the storage node: a FUSE file with bad blocks.
 func TestMirrorReadRepair(t *testing.T) {
-	f := newFleet(t, 2, false)
-	var disks []*testfs.BadFile
-	var backing []string
-	for _, n := range f.nodes {
-		n.stop()
-		backing = append(backing, filepath.Join(n.dir, "vol"))
-		mnt := t.TempDir()
-		disks = append(disks, testfs.BadBlocks(t, mnt, "vol", backing[len(backing)-1]))
-		n.dir = mnt
-		n.start()
-	}
-	t.Cleanup(func() { // before the unmounts
-		f.crash()
-		for _, n := range f.nodes {
-			n.stop()
-		}
-	})
+	f, disks, backing := badDiskFleet(t)
 	disk := disks[1]
 	f.create()
 	if err := f.open(nil); err != nil {
@@ -172,6 +156,76 @@ func TestMirrorReadRepair(t *testing.T) {
 		if err := f.read(h, blk); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// badDiskFleet is a fleet of two legs whose storage nodes' disks are
+// FUSE files with bad blocks (test/testfs), and the files behind them.
+func badDiskFleet(t *testing.T) (*fleet, []*testfs.BadFile, []string) {
+	f := newFleet(t, 2, false)
+	var disks []*testfs.BadFile
+	var backing []string
+	for _, n := range f.nodes {
+		n.stop()
+		backing = append(backing, filepath.Join(n.dir, "vol"))
+		mnt := t.TempDir()
+		disks = append(disks, testfs.BadBlocks(t, mnt, "vol", backing[len(backing)-1]))
+		n.dir = mnt
+		n.start()
+	}
+	t.Cleanup(func() { // before the unmounts
+		f.crash()
+		for _, n := range f.nodes {
+			n.stop()
+		}
+	})
+	return f, disks, backing
+}
+
+// TestMirrorReconcileBadBlock: the assembly after a client crash copies
+// the crash's dirty regions from one leg to the other; a block its
+// source cannot read is read from the other leg instead, and written
+// back to the source, which mends it. Each leg's disk in turn has the
+// bad block: one of the two is the source.
+func TestMirrorReconcileBadBlock(t *testing.T) {
+	sourceReads := 0
+	for bad := range 2 {
+		f, disks, backing := badDiskFleet(t)
+		f.create()
+		if err := f.open(nil); err != nil {
+			t.Fatal(err)
+		}
+		h := history.New(0)
+		for blk := range int64(8) {
+			if err := f.write(h, blk); err != nil {
+				t.Fatal(err)
+			}
+		}
+		f.crash() // the region of blocks 0 to 7 stays dirty
+		disks[bad].SetBad(DataOff+3*blockSize, false)
+		if err := f.open(nil); err != nil {
+			t.Fatalf("bad block on leg %d: the assembly after a crash: %v", bad, err)
+		}
+		readErrs, _, left := disks[bad].Counts()
+		if left != 0 {
+			t.Fatalf("bad block on leg %d: not mended by the reconcile", bad)
+		}
+		sourceReads += readErrs
+		if got := f.m.LegStates(); got[0] != "in sync" || got[1] != "in sync" {
+			t.Fatalf("bad block on leg %d: legs %v after the assembly", bad, got)
+		}
+		if !legsEqual(t, backing) {
+			t.Fatalf("bad block on leg %d: the legs differ after the reconcile", bad)
+		}
+		for blk := range int64(8) {
+			if err := f.read(h, blk); err != nil {
+				t.Fatal(err)
+			}
+		}
+		checkHistory(t, h)
+	}
+	if sourceReads != 1 {
+		t.Fatalf("the reconcile's source read a bad block %d times in two assemblies, want once (one of the legs is the source)", sourceReads)
 	}
 }
 
