@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -78,6 +79,13 @@ func TestBadInput(t *testing.T) {
 		}, codes.InvalidArgument},
 		{"CreateVolume", "unknown parameter", func() error {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"colour": "red"}})
+			return err
+		}, codes.InvalidArgument},
+		{"CreateVolume", "replicas 2 (not yet)", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"replicas": "2"}})
+			if err != nil && !strings.Contains(err.Error(), "does not replicate volumes yet") {
+				return fmt.Errorf("%w (it must say replication is not there yet)", err)
+			}
 			return err
 		}, codes.InvalidArgument},
 		{"CreateVolume", "bad transport", func() error {

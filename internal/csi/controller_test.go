@@ -399,7 +399,8 @@ func TestController(t *testing.T) {
 	}
 
 	v1 := r.mustCreate("pvc-1", 128<<20, map[string]string{"writeThrough": "true"}, nil)
-	again := r.mustCreate("pvc-1", 128<<20, map[string]string{"writeThrough": "true"}, nil)
+	// replicas 1 is what a volume is: the same parameters.
+	again := r.mustCreate("pvc-1", 128<<20, map[string]string{"writeThrough": "true", "replicas": "1"}, nil)
 	if again.GetVolumeId() != v1.GetVolumeId() || again.GetCapacityBytes() != 128<<20 {
 		t.Fatalf("a retry of CreateVolume: %v, first %v", again, v1)
 	}

@@ -121,6 +121,14 @@ func parseParams(m map[string]string) (volumeParams, error) {
 				return p, status.Errorf(codes.InvalidArgument, "parameter frontend %q: want nbd or ublk", v)
 			}
 			p.frontend = v
+		case "replicas":
+			// A replicated volume is a mirror of rnbd-client's over
+			// storage nodes (docs/replication.md); the controller does
+			// not place one yet. 1 is what it does.
+			if v != "1" {
+				return p, status.Errorf(codes.InvalidArgument, "parameter replicas %q: rnbd-csi does not replicate volumes yet "+
+					"(a volume lives on one storage node; rnbd-client's mirror is not yet placed by the controller: docs/replication.md); 1 only", v)
+			}
 		case "writeThrough":
 			b, err := strconv.ParseBool(v)
 			if err != nil {
@@ -129,7 +137,7 @@ func parseParams(m map[string]string) (volumeParams, error) {
 			p.writeThrough = b
 		default:
 			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, frontend, writeThrough", k)
+				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, frontend, writeThrough, replicas", k)
 			}
 		}
 	}
