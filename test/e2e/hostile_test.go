@@ -308,8 +308,15 @@ func TestHostileBesideVerify(t *testing.T) {
 	if j.Error != 0 || j.Write.IOs < 50000 {
 		t.Fatalf("fio: error %d after %d writes", j.Error, j.Write.IOs)
 	}
-	if j.Write.Clat.Max > 2e9 {
-		t.Errorf("a legitimate write waited %.2f s beside the hostile peers, want at most 2 s", j.Write.Clat.Max/1e9)
+	// What the attack can hold it holds for 20 s or more (a half-open
+	// path until the server's connect timeout, an idle connection until
+	// it is found idle, a stalled reader's answers): a legitimate write
+	// caught behind any of it would wait that long. Under 5 s says the
+	// attack held none; a stall of a few seconds is the host's (make
+	// test runs this under -race beside other packages' tests on two
+	// cores, where one write once waited 2.9 s with nothing held).
+	if j.Write.Clat.Max > 5e9 {
+		t.Errorf("a legitimate write waited %.2f s beside the hostile peers, want at most 5 s (what the attack holds, it holds 20 s or more)", j.Write.Clat.Max/1e9)
 	}
 	// Chunks and connection buffers are within the budget; the rest of
 	// the daemon (Go runtime, goroutines of the flood) gets 128 MiB.
