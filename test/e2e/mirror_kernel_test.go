@@ -174,8 +174,9 @@ func runKernelSchedule(t *testing.T, seed uint64) (st kernelScheduleStats) {
 			k.read(rng.Int64N(kblocks), &st)
 		}
 	}
-	// Everything back; the client crashes once more and assembles from
-	// every node; the legs resync; every block is read.
+	// The client crashes once more (its restart restores what it can
+	// reach), then every node comes back (a mirror refused is mapped
+	// again) and the legs resync; every block is read.
 	k.crash(nil, &st)
 	for i := range k.nodes {
 		k.revive(i)

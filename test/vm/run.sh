@@ -164,8 +164,8 @@ CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/pool.test" ./internal/pool
 # csi-sanity's whole suite (TestSanity); and the csi-fleet part's fleet
 # scenario (TestFleetOnKernel).
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/csi.test" ./internal/csi
-# test/e2e's tests, for the mirror part: the mirror's fault schedules on
-# /dev/ublkbN with real daemons (TestMirrorSchedulesOnKernel).
+# test/e2e's tests, for the mirror-schedules part: the mirror's fault
+# schedules on /dev/ublkbN with real daemons (TestMirrorSchedulesOnKernel).
 CGO_ENABLED=0 go test -c -trimpath -o "$root/bin/e2e.test" ./test/e2e
 # cgo (RDMA): dynamic, copied below with their libraries.
 mkdir -p "$work/bin"
