@@ -22,16 +22,7 @@ import (
 func TestMirrorReadRepair(t *testing.T) {
 	f, disks, backing := badDiskFleet(t)
 	disk := disks[1]
-	f.create()
-	if err := f.open(nil); err != nil {
-		t.Fatal(err)
-	}
-	h := history.New(0)
-	for blk := range int64(8) {
-		if err := f.write(h, blk); err != nil {
-			t.Fatal(err)
-		}
-	}
+	h := f.openWritten(8)
 	// Block 3 of leg 1 goes bad. Round robin sends one of two reads
 	// there.
 	disk.SetBad(DataOff+3*blockSize, false)
@@ -191,16 +182,7 @@ func TestMirrorReconcileBadBlock(t *testing.T) {
 	sourceReads := 0
 	for bad := range 2 {
 		f, disks, backing := badDiskFleet(t)
-		f.create()
-		if err := f.open(nil); err != nil {
-			t.Fatal(err)
-		}
-		h := history.New(0)
-		for blk := range int64(8) {
-			if err := f.write(h, blk); err != nil {
-				t.Fatal(err)
-			}
-		}
+		h := f.openWritten(8)
 		f.crash() // the region of blocks 0 to 7 stays dirty
 		disks[bad].SetBad(DataOff+3*blockSize, false)
 		if err := f.open(nil); err != nil {
@@ -227,6 +209,23 @@ func TestMirrorReconcileBadBlock(t *testing.T) {
 	if sourceReads != 1 {
 		t.Fatalf("the reconcile's source read a bad block %d times in two assemblies, want once (one of the legs is the source)", sourceReads)
 	}
+}
+
+// openWritten creates the fleet's mirror, opens it and writes blocks 0
+// to n-1, recorded in the history it returns.
+func (f *fleet) openWritten(n int64) *history.History {
+	f.t.Helper()
+	f.create()
+	if err := f.open(nil); err != nil {
+		f.t.Fatal(err)
+	}
+	h := history.New(0)
+	for blk := range n {
+		if err := f.write(h, blk); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	return h
 }
 
 // legsEqual compares the data of two legs' files.
