@@ -104,8 +104,8 @@ test: deps vet $(HELM)
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from
 # apt). VM_ONLY=rdma runs one part. See docs/testing.md.
-# The whole tier on bookworm-backports' kernel (6.12), then the nbd and
-# ublk parts on trixie-backports' newest, which has ublk's UPDATE_SIZE
+# The whole tier on bookworm-backports' kernel (6.12), then the ublk
+# part on trixie-backports' newest, which has ublk's UPDATE_SIZE
 # (6.16+): a server-pushed resize reaches /dev/ublkbN; and the mirror's
 # fault schedules, which kill the ublk daemon at random moments (6.12's
 # ublk oopses on one now and then). A run that picks
@@ -113,7 +113,7 @@ test: deps vet $(HELM)
 test-vm: deps
 	@test/vm/run.sh
 	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then \
-		VM_SUITE=trixie-backports VM_MIN_KERNEL=6.16 VM_ONLY=nbd,ublk,mirror-schedules VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
+		VM_SUITE=trixie-backports VM_MIN_KERNEL=6.16 VM_ONLY=ublk,mirror-schedules VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
 	fi
 
 # The Kubernetes tier (docs/testing.md): a pinned Kubernetes and the e2e

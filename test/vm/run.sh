@@ -19,8 +19,9 @@
 #                  second pass: 6.16, for ublk's UPDATE_SIZE)
 #   VM_ONLY=list   run only these parts of the guest (ublk-package, nbd,
 #                  ublk, mirror, mirror-schedules (kernels from 6.16), gonbd, rdma, interop, lvm, csi, csi-sanity, csi-fleet; comma-separated; default all;
-#                  lvm-bench, the fleet benchmark on a thin pool, and
+#                  lvm-bench, the fleet benchmark on a thin pool,
 #                  mirror-bench, the mirror against one device and md raid1,
+#                  and interop-perf, the four pairings' speed on soft-RoCE,
 #                  only if named)
 #   VM_KMODS=dir   the kernel's own rtrs-core, rtrs-server, rtrs-client,
 #                  rnbd-server and rnbd-client modules for this kernel; by

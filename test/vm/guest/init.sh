@@ -16,6 +16,8 @@ echo VMTEST-INIT
 only=$(sed -n 's/.*vmtest\.only=\([^ ]*\).*/\1/p' /proc/cmdline)
 want() { case ",${only:-all}," in *",all,"* | *",$1,"*) return 0 ;; esac; return 1; }
 named() { case ",$only," in *",$1,"*) return 0 ;; esac; return 1; } # a part run only when named
+# interop-perf (only when named) needs the interop part's setup.
+want_interop() { want interop || named interop-perf; }
 pass=0 fail=0
 res() { # name PASS|FAIL detail (on one line: the host keeps only RESULT lines)
 	echo "RESULT $1 $2 $(printf '%s' "$3" | tr '\n' ' ')"
@@ -478,7 +480,7 @@ case ",$only," in *,lvm-bench,*)
 esac
 
 rdma_up=0 rdma_listen="" srv_extra=""
-if want rdma || want interop; then
+if want rdma || want_interop; then
 	scenario rdma-setup
 	if rdma_setup; then
 		res rxe-up PASS "$(cat /sys/class/infiniband/rxe0/ports/1/state)"
@@ -780,10 +782,10 @@ fi
 # Interoperability with the kernel's own RTRS/RNBD (when the tier was given
 # its modules, VM_KMODS): our client against the kernel's rnbd-server, and
 # the kernel's rnbd-client against ours, both over rdma_rxe.
-if want interop && [ $rdma_up = 1 ] && [ ! -e /lib/modules/extra/rnbd-server.ko ]; then
+if want_interop && [ $rdma_up = 1 ] && [ ! -e /lib/modules/extra/rnbd-server.ko ]; then
 	echo "NOTE interop not run: the tier was given no kernel RTRS/RNBD modules (VM_KMODS)"
 fi
-if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ]; then
+if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ]; then
 	scenario interop-setup
 	# Two RAM disks: ram0 for the kernel's server, ram1 for ours
 	# (interop-perf).
@@ -1091,89 +1093,94 @@ if want interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	# ours against ours (rr); each on a RAM disk of its server. The CPU
 	# is emulated: only the ratios to kk mean anything. rnbd-server is
 	# measured with always_invalidate on (the default, as the kernel's;
-	# by memory windows), by re-registration, and off. Reported as TPUT lines; a pairing that cannot be mapped
-	# fails.
-	scenario interop-perf
-	srv map pram /dev/ram1 >/dev/null || res interop-perf-export FAIL "srv map /dev/ram1"
-	perf_fio() { # device rw bs iodepth: prints IOPS
-		fio --name=p --filename="$1" --direct=1 --ioengine=libaio --rw=$2 --bs=$3 --iodepth=$4 \
-			--runtime=5 --time_based --output-format=terse 2>/dev/null | awk -F';' '{print $8}'
-	}
-	kmap() { # sessname port device: the kernel client's /dev/rnbdN
-		local d=""
-		echo "sessname=$1 dest_port=$2 path=ip:10.78.0.1@ip:10.78.0.1 device_path=$3" >/sys/class/rnbd-client/ctl/map_device 2>/dev/null || return 1
-		for _ in $(seq 50); do
-			for b in /sys/block/rnbd*; do [ "$(cat $b/rnbd/session 2>/dev/null)" = "$1" ] && d=/dev/${b##*/}; done
-			[ -n "$d" ] && break
-			sleep 0.1
+	# by memory windows), by re-registration, and off. Reported as TPUT
+	# lines; a pairing that cannot be mapped fails. Only when named
+	# (VM_ONLY=interop-perf, which runs the interop part before it): its
+	# figures are measured, not judged, and take four and a half
+	# minutes of the tier.
+	if named interop-perf; then
+		scenario interop-perf
+		srv map pram /dev/ram1 >/dev/null || res interop-perf-export FAIL "srv map /dev/ram1"
+		perf_fio() { # device rw bs iodepth: prints IOPS
+			fio --name=p --filename="$1" --direct=1 --ioengine=libaio --rw=$2 --bs=$3 --iodepth=$4 \
+				--runtime=5 --time_based --output-format=terse 2>/dev/null | awk -F';' '{print $8}'
+		}
+		kmap() { # sessname port device: the kernel client's /dev/rnbdN
+			local d=""
+			echo "sessname=$1 dest_port=$2 path=ip:10.78.0.1@ip:10.78.0.1 device_path=$3" >/sys/class/rnbd-client/ctl/map_device 2>/dev/null || return 1
+			for _ in $(seq 50); do
+				for b in /sys/block/rnbd*; do [ "$(cat $b/rnbd/session 2>/dev/null)" = "$1" ] && d=/dev/${b##*/}; done
+				[ -n "$d" ] && break
+				sleep 0.1
+			done
+			echo "$d"
+		}
+		kunmap() { echo normal >/sys/block/${1#/dev/}/rnbd/unmap_device; }
+		umap() { # sessname port device: our client's /dev/nbdN
+			cli map --sessname $1 --path ip:10.78.0.1@ip:10.78.0.1 --dest-port $2 --device-path $3 --transport rdma --as nbd 2>/dev/null |
+				awk '/mapped:/ {print $3}'
+		}
+		# One emulated run of a few seconds moves by a factor of two from
+		# one boot or mapping to the next: every pairing is measured in
+		# perf_rounds rounds, mapped afresh in each, the pairings
+		# interleaved; the medians are reported, with each round's figure.
+		perf_rounds=3
+		perf_pair() { # name device: one round of a pairing
+			if [ ! -b "$2" ]; then
+				eval "perf_${1}_fail=1"
+				return
+			fi
+			local a b
+			a=$(perf_fio $2 randread 4k 16)
+			b=$(perf_fio $2 read 1M 4)
+			[ -n "$a" ] && [ -n "$b" ] || eval "perf_${1}_fail=1"
+			eval "perf_${1}_4k=\"\${perf_${1}_4k:-} $a\" perf_${1}_1m=\"\${perf_${1}_1m:-} $b\""
+		}
+		restart_server() { # extra flags of rnbd-server
+			stop_server
+			srv_extra="$*"
+			start_server || res server-restart FAIL "no control socket"
+			srv map pram /dev/ram1 >/dev/null 2>&1
+		}
+		for r in $(seq $perf_rounds); do
+			d=$(kmap pkk$r 1235 ram0); perf_pair kk "$d"; [ -b "$d" ] && kunmap "$d"
+			d=$(kmap pkr$r 1234 pram); perf_pair kr "$d"; [ -b "$d" ] && kunmap "$d"
+			d=$(umap prk$r 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+			d=$(umap prr$r 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+			restart_server --invalidate-by=registration
+			d=$(kmap pkrr$r 1234 pram); perf_pair kr_reg "$d"; [ -b "$d" ] && kunmap "$d"
+			restart_server --always-invalidate=false
+			d=$(kmap pkrn$r 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
+			d=$(umap prrn$r 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
+			restart_server
 		done
-		echo "$d"
-	}
-	kunmap() { echo normal >/sys/block/${1#/dev/}/rnbd/unmap_device; }
-	umap() { # sessname port device: our client's /dev/nbdN
-		cli map --sessname $1 --path ip:10.78.0.1@ip:10.78.0.1 --dest-port $2 --device-path $3 --transport rdma --as nbd 2>/dev/null |
-			awk '/mapped:/ {print $3}'
-	}
-	# One emulated run of a few seconds moves by a factor of two from
-	# one boot or mapping to the next: every pairing is measured in
-	# perf_rounds rounds, mapped afresh in each, the pairings
-	# interleaved; the medians are reported, with each round's figure.
-	perf_rounds=3
-	perf_pair() { # name device: one round of a pairing
-		if [ ! -b "$2" ]; then
-			eval "perf_${1}_fail=1"
-			return
-		fi
-		local a b
-		a=$(perf_fio $2 randread 4k 16)
-		b=$(perf_fio $2 read 1M 4)
-		[ -n "$a" ] && [ -n "$b" ] || eval "perf_${1}_fail=1"
-		eval "perf_${1}_4k=\"\${perf_${1}_4k:-} $a\" perf_${1}_1m=\"\${perf_${1}_1m:-} $b\""
-	}
-	restart_server() { # extra flags of rnbd-server
-		stop_server
-		srv_extra="$*"
-		start_server || res server-restart FAIL "no control socket"
-		srv map pram /dev/ram1 >/dev/null 2>&1
-	}
-	for r in $(seq $perf_rounds); do
-		d=$(kmap pkk$r 1235 ram0); perf_pair kk "$d"; [ -b "$d" ] && kunmap "$d"
-		d=$(kmap pkr$r 1234 pram); perf_pair kr "$d"; [ -b "$d" ] && kunmap "$d"
-		d=$(umap prk$r 1235 ram0); perf_pair rk "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-		d=$(umap prr$r 1234 pram); perf_pair rr "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-		restart_server --invalidate-by=registration
-		d=$(kmap pkrr$r 1234 pram); perf_pair kr_reg "$d"; [ -b "$d" ] && kunmap "$d"
-		restart_server --always-invalidate=false
-		d=$(kmap pkrn$r 1234 pram); perf_pair kr_noinv "$d"; [ -b "$d" ] && kunmap "$d"
-		d=$(umap prrn$r 1234 pram); perf_pair rr_noinv "$d"; [ -b "$d" ] && cli unmap "$(devname)" >/dev/null
-		restart_server
-	done
-	# The middle figure; of two (a round failed), the lower.
-	median() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }'; }
-	ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
-	for p in kk kr rk rr kr_reg kr_noinv rr_noinv; do
-		eval "f=\${perf_${p}_fail:-} a=\${perf_${p}_4k:-} b=\${perf_${p}_1m:-}"
-		if [ -n "$f" ]; then
-			res interop-perf-$p FAIL "not mapped, or no figure, in every round"
-		else
-			res interop-perf-$p PASS "4k${a} IOPS, 1M${b} IOPS"
-		fi
-		eval "med_${p}_4k=\$(median \$a) med_${p}_1m=\$(median \$b)"
-	done
-	for w in 4k 1m; do
-		eval "kk=\$med_kk_$w all=\$perf_kk_$w"
-		line=""
-		for p in kr rk rr kr_reg kr_noinv rr_noinv; do
-			eval "v=\$med_${p}_$w all=\$perf_${p}_$w"
-			line="$line $p ${v:-?} ($(ratio "$v" "$kk")x) [${all# }]"
+		# The middle figure; of two (a round failed), the lower.
+		median() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }'; }
+		ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else printf "?" }'; }
+		for p in kk kr rk rr kr_reg kr_noinv rr_noinv; do
+			eval "f=\${perf_${p}_fail:-} a=\${perf_${p}_4k:-} b=\${perf_${p}_1m:-}"
+			if [ -n "$f" ]; then
+				res interop-perf-$p FAIL "not mapped, or no figure, in every round"
+			else
+				res interop-perf-$p PASS "4k${a} IOPS, 1M${b} IOPS"
+			fi
+			eval "med_${p}_4k=\$(median \$a) med_${p}_1m=\$(median \$b)"
 		done
-		eval "all=\$perf_kk_$w"
-		what="4 KiB random read QD16"
-		[ $w = 1m ] && what="1 MiB sequential read QD4"
-		echo "TPUT interop-perf $what, IOPS (emulated, median of $perf_rounds rounds [each round]): kk ${kk:-?} [${all# }]$line"
-	done
-	eval "inv=\$med_kr_4k reg=\$med_kr_reg_4k noinv=\$med_kr_noinv_4k"
-	echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server (medians): on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
+		for w in 4k 1m; do
+			eval "kk=\$med_kk_$w all=\$perf_kk_$w"
+			line=""
+			for p in kr rk rr kr_reg kr_noinv rr_noinv; do
+				eval "v=\$med_${p}_$w all=\$perf_${p}_$w"
+				line="$line $p ${v:-?} ($(ratio "$v" "$kk")x) [${all# }]"
+			done
+			eval "all=\$perf_kk_$w"
+			what="4 KiB random read QD16"
+			[ $w = 1m ] && what="1 MiB sequential read QD4"
+			echo "TPUT interop-perf $what, IOPS (emulated, median of $perf_rounds rounds [each round]): kk ${kk:-?} [${all# }]$line"
+		done
+		eval "inv=\$med_kr_4k reg=\$med_kr_reg_4k noinv=\$med_kr_noinv_4k"
+		echo "TPUT interop-perf always_invalidate cost at 4k, kernel client -> rnbd-server (medians): on/off by windows $(ratio "$inv" "$noinv")x, by registration $(ratio "$reg" "$noinv")x"
+	fi
 fi
 
 # go-nbd's client (github.com/pojntfx/go-nbd v0.3.2, through tools/gonbd
