@@ -11,7 +11,7 @@
 #   VM_SUITE=suite the Debian suite of the kernel (default bookworm-backports;
 #                  trixie-backports has kernels with ublk's UPDATE_SIZE, 6.16+)
 #   KPKG=linux-image-…  pin the kernel package (default: the suite's linux-image-amd64)
-#   VM_TIMEOUT=s   bound on the guest run (default 2400: the csi-fleet part alone may take 20 minutes on a busy host)
+#   VM_TIMEOUT=s   bound on the guest run (default 3000: the whole tier took 40 minutes on a host whose TCG ran at half speed, the csi-fleet part 20 of them)
 #   VM_LOG=file    keep the guest's whole serial console output there
 #   VM_KERNEL_ONLY=1  fetch the kernel, print "VMLINUZ MODULE_ROOT VERSION", stop
 #                  (test/k8s boots the same kernel)
@@ -34,7 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
 cache=${VM_CACHE:-/var/cache/rnbd-vm}
-timeout=${VM_TIMEOUT:-2400}
+timeout=${VM_TIMEOUT:-3000}
 log() { printf '== [%(%T)T] %s\n' -1 "$*" >&2; }
 die() { log "FAIL: $*"; exit 1; }
 

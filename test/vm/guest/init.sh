@@ -447,9 +447,9 @@ if want csi-fleet; then
 	mkdir -p /tmp/csi-fleet-logs
 	# Its steps' bounds add up to more than the others' (the storage
 	# outage, issue 40): 20 minutes at most, for a busy host.
-	gotest_timeout=1200
+	gotest_timeout=1530
 	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-logs RNBD_CSI_IP=/usr/sbin/ip RNBD_CSI_CONSOLE=1 \
-		gotest csi-fleet /bin/csi.test -test.run '^TestFleetOnKernel$' -test.timeout 1170s
+		gotest csi-fleet /bin/csi.test -test.run '^TestFleetOnKernel$' -test.timeout 1500s
 	unset gotest_timeout
 	grep '^TPUT ' /tmp/csi-fleet.out
 	if [ "$fail" != "$f0" ]; then
