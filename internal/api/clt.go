@@ -45,7 +45,13 @@ type (
 		// Create makes the mirror's metadata on its legs, new volumes
 		// holding no superblock: map only, not kept.
 		Create bool `json:"create,omitempty"`
-		// RegionSize, with Create, is the new mirror's bitmap region
+		// CreateIfNew makes the metadata where no assembly ever served
+		// the mirror (every voter blank, or a create that stopped part
+		// way), else assembles it as a map does: a new volume's first
+		// map and every retry of it (mirror.CreateIfNew). Map only, not
+		// kept.
+		CreateIfNew bool `json:"create_if_new,omitempty"`
+		// RegionSize, with Create or CreateIfNew, is the new mirror's bitmap region
 		// (a size, "4MiB"; empty: the default): map only, not kept.
 		RegionSize string `json:"region_size,omitempty"`
 		// Force assembles the mirror without the proof of currency it

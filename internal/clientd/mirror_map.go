@@ -56,11 +56,14 @@ func (s *mapSpec) normalizeMirror() error {
 	if len(m.Legs) < 2 || len(m.Legs) > mirror.MaxLegs {
 		return ctl.Errorf(ctl.CodeInvalid, "a mirror has 2 or 3 legs, not %d", len(m.Legs))
 	}
-	if m.Create && m.Force != nil {
+	if (m.Create || m.CreateIfNew) && m.Force != nil {
 		return ctl.Errorf(ctl.CodeInvalid, "create and force together: a new mirror needs no force")
 	}
+	if m.Create && m.CreateIfNew {
+		return ctl.Errorf(ctl.CodeInvalid, "create and create_if_new together: create refuses a mirror that exists, create_if_new assembles it")
+	}
 	if m.RegionSize != "" {
-		if !m.Create {
+		if !m.Create && !m.CreateIfNew {
 			return ctl.Errorf(ctl.CodeInvalid, "region_size is a new mirror's (with create): a mirror keeps the one it was created with")
 		}
 		n, err := units.ParseSize(m.RegionSize)
@@ -351,6 +354,19 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		}
 		d.log.WithFields(log.Fields{"mirror": s.Mirror, "legs": len(s.Legs), "witness": s.Witness != nil}).Info("mirror created")
 	}
+	if s.CreateIfNew {
+		created, err := mirror.CreateIfNew(ctx, cfg)
+		if err != nil {
+			code := ctl.CodeInvalid
+			if errors.Is(err, mirror.ErrCreateNeedsEvery) {
+				code = ctl.CodeUnavailable
+			}
+			return fail(ctl.Errorf(code, "mirror %s: %v", s.Mirror, err))
+		}
+		if created {
+			d.log.WithFields(log.Fields{"mirror": s.Mirror, "legs": len(s.Legs), "witness": s.Witness != nil}).Info("mirror created")
+		}
+	}
 	if f := s.Force; f != nil {
 		cfg.Force = &mirror.Force{By: f.By, From: f.From, At: time.Now().Unix()}
 		d.log.WithFields(log.Fields{"audit": true, "mirror": s.Mirror, "by": f.By, "from": f.From}).
@@ -371,7 +387,7 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		return fail(err)
 	}
 	// What the state file keeps: never create or force again.
-	s.Create, s.Force, s.RegionSize = false, nil, ""
+	s.Create, s.CreateIfNew, s.Force, s.RegionSize = false, false, nil, ""
 	mp := d.register(s, nil, md, fe)
 	rctx, cancel := context.WithCancel(context.Background())
 	md.stop, md.done = cancel, make(chan struct{})

@@ -110,7 +110,7 @@ func normalize(m api.Mapping) (mapSpec, error) {
 			return s, err
 		}
 	} else {
-		if m.Create || m.Force != nil {
+		if m.Create || m.CreateIfNew || m.Force != nil {
 			return s, ctl.Errorf(ctl.CodeInvalid, "create and force are for a mirror (--mirror NAME --leg ...)")
 		}
 		if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {

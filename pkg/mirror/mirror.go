@@ -215,35 +215,107 @@ func Open(ctx context.Context, cfg Config) (*Mirror, error) {
 // zeroed volumes): every leg in sync at epoch 1, the witness's record
 // too, the bitmaps clean. It refuses a device that holds a superblock.
 func Create(ctx context.Context, cfg Config) error {
+	_, err := create(ctx, cfg, false)
+	return err
+}
+
+// CreateIfNew makes a new mirror as Create does where none was ever
+// served on these voters: each holds no superblock, or one of this
+// mirror at epoch 1 — a Create that stopped part way, which no assembly
+// ever committed, so no write to it was ever acknowledged (an assembly
+// commits epoch 2 or later before it serves). That is what a volume's
+// first map does, and every retry of it (rnbd-csi's NodeStageVolume).
+// Where a voter holds a later generation of this mirror it writes
+// nothing and reports false: the mirror exists, Open assembles it. A
+// voter not reached, or a superblock of anything else, is an error.
+func CreateIfNew(ctx context.Context, cfg Config) (created bool, err error) {
+	return create(ctx, cfg, true)
+}
+
+// ErrCreateNeedsEvery: a new mirror is made on every voter at once.
+var ErrCreateNeedsEvery = errors.New("mirror: create needs every voter")
+
+// cfgName is cfg's name of voter j (legs, then the witness), if it has one.
+func cfgName(cfg Config, j int) string {
+	if j < len(cfg.Names) {
+		return cfg.Names[j]
+	}
+	return ""
+}
+
+func create(ctx context.Context, cfg Config, ifNew bool) (bool, error) {
 	l := cfg.Layout
-	if len(cfg.Legs) != l.NLegs || l.Witness != (cfg.Witness != nil) {
-		return fmt.Errorf("mirror: create needs every voter's device")
+	if len(cfg.Legs) != l.NLegs || !l.Witness && cfg.Witness != nil {
+		return false, fmt.Errorf("mirror: %d legs and a witness given for a layout of %d legs, witness %t", len(cfg.Legs), l.NLegs, l.Witness)
 	}
 	rnd := cfg.Rand
 	if rnd == nil {
 		rnd = cryptoRand
 	}
+	devs := append([]*rnbd.CltDev(nil), cfg.Legs...)
+	if l.Witness {
+		devs = append(devs, cfg.Witness)
+	}
+	// Every voter read before any is written: a create that stops part
+	// way leaves epoch-1 superblocks, which CreateIfNew writes over.
+	voters := make([]*voter, len(devs))
+	defer func() {
+		for _, v := range voters {
+			if v != nil {
+				v.buf.Free()
+			}
+		}
+	}()
+	var missing error
+	for j, dev := range devs {
+		idx := j
+		if j == l.NLegs {
+			idx = WitnessIndex
+		}
+		if dev == nil {
+			missing = fmt.Errorf("%w: %s was not reached", ErrCreateNeedsEvery, voterName(idx, cfgName(cfg, j)))
+			continue
+		}
+		v, err := newVoter(idx, voterName(idx, cfgName(cfg, j)), dev)
+		if err != nil {
+			return false, err
+		}
+		voters[j] = v
+		sb, rerr := v.read(ctx)
+		switch {
+		case errors.Is(rerr, ErrNoSuperblock):
+		case !ifNew || sb == nil:
+			return false, fmt.Errorf("mirror: %s holds a superblock already (or cannot be read): %v", v.name, rerr)
+		default:
+			if err := l.belongs(&Voter{Index: idx, Name: v.name, SB: sb}); err != nil {
+				return false, fmt.Errorf("%w: not creating over it", err)
+			}
+			if sb.Gen.Epoch > 1 {
+				return false, nil // served once: it exists
+			}
+		}
+	}
+	if missing != nil {
+		return false, missing
+	}
 	size := int64(-1)
 	for _, d := range cfg.Legs {
-		if d == nil {
-			return fmt.Errorf("mirror: create needs every leg")
-		}
 		if s := d.Size() - DataOff; size < 0 || s < size {
 			size = s
 		}
 	}
 	size &^= 4095
 	if size <= 0 {
-		return fmt.Errorf("mirror: a leg of %d bytes holds no data after the %d of metadata", size+DataOff, DataOff)
+		return false, fmt.Errorf("mirror: a leg of %d bytes holds no data after the %d of metadata", size+DataOff, DataOff)
 	}
 	shift := RegionShiftFor(uint64(size))
 	if r := cfg.RegionSize; r != 0 {
 		shift = uint8(bits.TrailingZeros64(uint64(r)))
 		if r < 0 || r&(r-1) != 0 || shift < minRegionShift || shift > maxRegionShift {
-			return fmt.Errorf("mirror: a region of %d bytes: a power of two from %d to %d", r, 1<<minRegionShift, 1<<maxRegionShift)
+			return false, fmt.Errorf("mirror: a region of %d bytes: a power of two from %d to %d", r, 1<<minRegionShift, 1<<maxRegionShift)
 		}
 		if fit := regionShiftFrom(uint64(size), shift); fit != shift {
-			return fmt.Errorf("mirror: a region of %d bytes is too small for %d bytes of data: the bitmap holds %d regions at most", r, size, BitmapMax*8)
+			return false, fmt.Errorf("mirror: a region of %d bytes is too small for %d bytes of data: the bitmap holds %d regions at most", r, size, BitmapMax*8)
 		}
 	}
 	sb := Superblock{Mirror: l.Mirror, NLegs: uint8(l.NLegs), RegionShift: shift, DataSize: uint64(size),
@@ -254,45 +326,25 @@ func Create(ctx context.Context, cfg Config) error {
 	for i := range cfg.Legs {
 		sb.Legs[i] = Leg{UUID: legDeviceUUID(rnd), State: LegInSync}
 	}
-	devs := append([]*rnbd.CltDev(nil), cfg.Legs...)
-	if l.Witness {
-		devs = append(devs, cfg.Witness)
-	}
-	for j, dev := range devs {
-		idx := j
-		if j == l.NLegs {
-			idx = WitnessIndex
-		}
-		v, err := newVoter(idx, fmt.Sprint(idx), dev)
-		if err != nil {
-			return err
-		}
-		_, rerr := v.read(ctx)
-		if !errors.Is(rerr, ErrNoSuperblock) {
-			v.buf.Free()
-			return fmt.Errorf("mirror: voter %d holds a superblock already (or cannot be read): %v", idx, rerr)
-		}
-		if idx != WitnessIndex {
+	for _, v := range voters {
+		if v.index != WitnessIndex {
 			// The bitmap, clean.
 			zero := make([]byte, BitmapBlock)
 			b, _ := NewBitmap(sb.DataSize, sb.RegionShift)
 			for blk := range b.Blocks() {
 				copy(v.buf.Bytes(), zero)
 				if err := v.dev.Do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf, 0); err != nil {
-					v.buf.Free()
-					return fmt.Errorf("mirror: leg %d: bitmap: %w", idx, err)
+					return false, fmt.Errorf("mirror: leg %d: bitmap: %w", v.index, err)
 				}
 			}
 		}
 		c := sb
-		c.Index = uint8(idx)
-		err = v.write(ctx, &c)
-		v.buf.Free()
-		if err != nil {
-			return err
+		c.Index = uint8(v.index)
+		if err := v.write(ctx, &c); err != nil {
+			return false, err
 		}
 	}
-	return nil
+	return true, nil
 }
 
 func (m *Mirror) name(i int) string {

@@ -841,3 +841,85 @@ func TestMirrorRegionSize(t *testing.T) {
 		t.Fatalf("region size %d, want 4 MiB", got)
 	}
 }
+
+// TestMirrorCreateIfNew: a volume's first map makes its mirror, and so
+// does any retry of it until an assembly served it — a create that
+// stopped part way is made again, never assembled from what it left —
+// and from then on it makes nothing, whatever a voter holds.
+func TestMirrorCreateIfNew(t *testing.T) {
+	f := newFleet(t, 2, true)
+	ctx := context.Background()
+	createIfNew := func() (bool, error) {
+		t.Helper()
+		defer f.crash()
+		return CreateIfNew(ctx, f.connect())
+	}
+	wipe := func(j int) {
+		t.Helper()
+		n := f.nodes[j]
+		if err := os.WriteFile(filepath.Join(n.dir, f.devName(j)), make([]byte, len(n.file(f.devName(j)))), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// A create that wrote leg 0 only: no assembly can serve it.
+	f.create()
+	wipe(1)
+	wipe(2)
+	if err := f.open(nil); err == nil {
+		t.Fatal("a create that wrote one voter of three was assembled")
+	}
+	if created, err := createIfNew(); err != nil || !created {
+		t.Fatalf("over a create that stopped part way: created %t, %v; want made anew", created, err)
+	}
+	if err := f.open(nil); err != nil {
+		t.Fatalf("the mirror made anew: %v", err)
+	}
+	h := history.New(0)
+	for blk := range int64(8) {
+		if err := f.write(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.crash()
+
+	// Served once: nothing is made, with every voter or without one.
+	if created, err := createIfNew(); err != nil || created {
+		t.Fatalf("a mirror that was served: created %t, %v; want it left as it is", created, err)
+	}
+	f.nodes[1].stop()
+	if created, err := createIfNew(); err != nil || created {
+		t.Fatalf("a served mirror with a leg's node down: created %t, %v; want it left as it is", created, err)
+	}
+	f.nodes[1].start()
+	if err := f.open(nil); err != nil {
+		t.Fatal(err)
+	}
+	for blk := range int64(8) {
+		if err := f.read(h, blk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkHistory(t, h)
+	f.crash()
+
+	// A voter of another mirror is never written over.
+	other := f.layout
+	other.Mirror[0] ^= 1
+	cfg := f.connect()
+	cfg.Layout = other
+	_, err := CreateIfNew(ctx, cfg)
+	f.crash()
+	if err == nil || !strings.Contains(err.Error(), "another mirror") {
+		t.Fatalf("over another mirror's voters: %v, want a refusal", err)
+	}
+
+	// A new mirror needs every voter.
+	g := newFleet(t, 2, true)
+	g.nodes[2].stop()
+	_, err = CreateIfNew(ctx, g.connect())
+	g.crash()
+	if err == nil || !strings.Contains(err.Error(), "was not reached") {
+		t.Fatalf("a new mirror without its witness: %v, want a refusal", err)
+	}
+}

@@ -148,12 +148,14 @@ func TestMirrorMapping(t *testing.T) {
 	if !bytes.Equal(b.data(t, 2<<20, 1<<20), bytes.Repeat([]byte{0xc3}, 1<<20)) {
 		t.Fatal("b, back in sync, missed a write")
 	}
-	// Mapped again: assembled from both.
+	// Mapped again, as a first map's retry maps it (--create-if-new):
+	// assembled from both, nothing made anew.
 	cl.ok("unmap", "rnbd0")
-	cl.ok(mapArgs...)
+	cl.ok(append(mapArgs, "--create-if-new")...)
 	if rec = cl.records("device", "show", "rnbd0")[0]; rec["state"] != "open" {
 		t.Fatalf("record mapped again %v", rec)
 	}
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M", "read -P 0xc3 2M 1M")
 	cl.ok("unmap", "rnbd0")
 
 	// a lost for good: b alone cannot prove it is current.
@@ -195,8 +197,9 @@ func TestMirrorWitness(t *testing.T) {
 	cl := startClient(t, dir, "--mirror-leg-timeout", "2s")
 	sock := filepath.Join(dir, "m.sock")
 	uri := "nbd+unix:///vol?socket=" + sock
+	// New legs: --create-if-new makes the mirror.
 	cl.ok("map", "--mirror", "vol", "--leg", a.leg("w-a"), "--leg", b.leg("w-b"), "--witness", w.leg("w-w"),
-		"--as", "socket:"+sock, "--create")
+		"--as", "socket:"+sock, "--create-if-new")
 	states := func() string {
 		return strings.Join(legStates(t, cl.records("device", "show", "rnbd0")[0]), ",")
 	}
