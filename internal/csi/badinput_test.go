@@ -81,13 +81,25 @@ func TestBadInput(t *testing.T) {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"colour": "red"}})
 			return err
 		}, codes.InvalidArgument},
-		{"CreateVolume", "replicas 2 (not yet)", func() error {
-			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"replicas": "2"}})
-			if err != nil && !strings.Contains(err.Error(), "does not replicate volumes yet") {
-				return fmt.Errorf("%w (it must say replication is not there yet)", err)
-			}
+		{"CreateVolume", "replicas 4", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"replicas": "4"}})
 			return err
 		}, codes.InvalidArgument},
+		{"CreateVolume", "replicas 3 on two storage nodes", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"replicas": "3"}})
+			if err != nil && !strings.Contains(err.Error(), "replicas 3 needs") {
+				return fmt.Errorf("%w (it must say what replicas 3 needs)", err)
+			}
+			return err
+		}, codes.ResourceExhausted},
+		{"CreateVolume", "replicas 2, spreadBy a label no node has", func() error {
+			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"replicas": "2", "spreadBy": "rack"}})
+			return err
+		}, codes.ResourceExhausted},
+		{"ControllerPublishVolume", "a replicated volume that is not there", func() error {
+			_, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "mirror:nope", NodeId: "host-1", VolumeCapability: rwo})
+			return err
+		}, codes.NotFound},
 		{"CreateVolume", "bad transport", func() error {
 			_, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: caps(rwo), Parameters: map[string]string{"transport": "udp"}})
 			return err

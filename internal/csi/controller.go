@@ -192,6 +192,9 @@ func (c *controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequ
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "no volume id")
 	}
+	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
+		return c.deleteMirror(ctx, req.GetVolumeId(), vname)
+	}
 	nodeName, name, ok := parseID(req.GetVolumeId())
 	n := c.node(nodeName)
 	if !ok || n == nil {
@@ -233,7 +236,17 @@ func (c *controller) ValidateVolumeCapabilities(ctx context.Context, req *csi.Va
 	if len(req.GetVolumeCapabilities()) == 0 {
 		return nil, status.Error(codes.InvalidArgument, "no volume capabilities")
 	}
-	if _, _, err := c.volumeOf(ctx, req.GetVolumeId()); err != nil {
+	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
+		if _, err := c.findMirror(ctx, vname); err != nil {
+			return nil, err
+		}
+		for _, vc := range req.GetVolumeCapabilities() {
+			if !singleNode(vc) {
+				return &csi.ValidateVolumeCapabilitiesResponse{Message: fmt.Sprintf("access mode %s: a replicated volume has one writer, on one node at a time",
+					vc.GetAccessMode().GetMode())}, nil
+			}
+		}
+	} else if _, _, err := c.volumeOf(ctx, req.GetVolumeId()); err != nil {
 		return nil, err
 	}
 	if _, err := parseParams(req.GetParameters()); err != nil {
@@ -256,6 +269,12 @@ func (c *controller) ControllerExpandVolume(ctx context.Context, req *csi.Contro
 		if err := checkCap(req.GetVolumeCapability()); err != nil {
 			return nil, err
 		}
+	}
+	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
+		if _, err := c.findMirror(ctx, vname); err != nil {
+			return nil, err
+		}
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is replicated: growing a replicated volume is not implemented yet (its mirror's size is fixed at its first stage)", req.GetVolumeId())
 	}
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
 	if err != nil {

@@ -90,6 +90,8 @@ type rigOptions struct {
 	reflinks bool
 	env      map[string][]string // by storage node name
 	edit     func(*Config)
+	// nodes is how many storage nodes (node-a, node-b, ...): 2 where 0.
+	nodes int
 }
 
 func newRigWith(t *testing.T, o rigOptions) *rig {
@@ -99,7 +101,14 @@ func newRigWith(t *testing.T, o rigOptions) *rig {
 	dir := t.TempDir()
 	r := &rig{t: t, pki: filepath.Join(dir, "pki"), admin: map[string]*ctl.Client{}, procs: map[string]*daemonProc{}}
 	names := []string{"node-a", "node-b"}
-	for _, args := range [][]string{{"ca"}, {"server", "node-a", "127.0.0.1"}, {"server", "node-b", "127.0.0.1"}, {"admin", "csi-controller"}} {
+	for i := 2; i < o.nodes; i++ {
+		names = append(names, "node-"+string(rune('a'+i)))
+	}
+	certs := [][]string{{"ca"}, {"admin", "csi-controller"}}
+	for _, name := range names {
+		certs = append(certs, []string{"server", name, "127.0.0.1"})
+	}
+	for _, args := range certs {
 		if out, err := exec.Command("bash", append([]string{"../../scripts/test-ca.sh", r.pki}, args...)...).CombinedOutput(); err != nil {
 			t.Fatalf("test-ca.sh %v: %v\n%s", args, err, out)
 		}

@@ -53,6 +53,9 @@ func (c *controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		return nil, err
 	}
 	defer unlock()
+	if r.p.replicas > 0 {
+		return c.createMirror(ctx, r)
+	}
 	if err := c.resolveSource(ctx, &r); err != nil {
 		return nil, err
 	}
@@ -106,6 +109,9 @@ func (c *controller) resolveSource(ctx context.Context, r *createRequest) error 
 		s.id = src.GetVolume().GetVolumeId()
 	default:
 		return status.Error(codes.InvalidArgument, "a volume content source of neither a snapshot nor a volume")
+	}
+	if _, ok := parseMirrorID(s.id); ok {
+		return status.Errorf(codes.InvalidArgument, "content source %s is a replicated volume: a clone of one is not implemented yet", s.id)
 	}
 	nodeName, name, ok := parseID(s.id)
 	if s.node = c.node(nodeName); !ok || s.node == nil {

@@ -83,11 +83,15 @@ func (c *controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 		return nil, err
 	}
 	byID := map[string]found{}
+	mirrors := c.mirrorEntries(results)
 	var ids []string
+	for id := range mirrors {
+		ids = append(ids, id)
+	}
 	for _, r := range results {
 		for _, v := range r.v {
-			if v.Labels[labelName] == "" {
-				continue // not one of the driver's
+			if v.Labels[labelName] == "" || v.Labels[labelMember] != "" {
+				continue // not one of the driver's, or a replicated volume's member
 			}
 			id := makeID(r.n.cfg.Name, v.Name)
 			byID[id] = found{r.n, v}
@@ -101,6 +105,10 @@ func (c *controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 	}
 	resp := &csi.ListVolumesResponse{NextToken: next}
 	for _, id := range ids[from:to] {
+		if m, ok := mirrors[id]; ok {
+			resp.Entries = append(resp.Entries, m)
+			continue
+		}
 		e := byID[id]
 		var size int64
 		if e.v.Size != nil {

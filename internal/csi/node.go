@@ -11,6 +11,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"maps"
 	"os"
 	"slices"
@@ -29,6 +30,7 @@ import (
 	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/pkg/frontend/ublk"
 	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/mirror"
 )
 
 // Publish context keys: what ControllerPublishVolume tells the node
@@ -142,11 +144,48 @@ func (n *NodeServer) sessName(storageNode string) string {
 	return strings.NewReplacer(".", "_", "/", "_").Replace(s) + "-" + hex.EncodeToString(sum[:4])
 }
 
+// legSessName is the session of a replicated volume's leg (or witness)
+// on a storage node: a session of its own (the mirror closes it to fence
+// the leg), named after the node's and the mirror's.
+func (n *NodeServer) legSessName(storageNode, mirrorName string) string {
+	sum := sha256.Sum256([]byte(mirrorName))
+	return n.sessName(storageNode) + "-m" + hex.EncodeToString(sum[:4])
+}
+
 // mapping is a device the worker's rnbd-client has mapped.
 type mapping struct {
 	device  string // rnbdN
 	devpath string // /dev/nbdN, /dev/ublkbN
 	state   string
+	legs    []api.CltLegRecord // a mirror's
+}
+
+// mappingOf finds the mapping of volume id: a replicated volume's
+// mirror, or the export of one storage node in the worker's session to
+// it. An id of neither form is InvalidArgument.
+func (n *NodeServer) mappingOf(ctx context.Context, id string) (mapping, error) {
+	if vname, ok := parseMirrorID(id); ok {
+		return n.findMirrorMapping(ctx, vname)
+	}
+	storageNode, export, ok := strings.Cut(id, "/")
+	if !ok {
+		return mapping{}, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME or mirror:VOLUME", id)
+	}
+	return n.findMapping(ctx, n.sessName(storageNode), export)
+}
+
+// findMirrorMapping finds the mapping of mirror name ("" device if none).
+func (n *NodeServer) findMirrorMapping(ctx context.Context, name string) (mapping, error) {
+	recs, err := n.client.Devices(ctx)
+	if err != nil {
+		return mapping{}, clientError(err)
+	}
+	for _, r := range recs {
+		if r.Mirror == name {
+			return mapping{device: r.DevName, devpath: r.DevPath, state: r.State, legs: r.Legs}, nil
+		}
+	}
+	return mapping{}, nil
 }
 
 // findMapping finds the mapping of export in session sess ("" device
@@ -179,9 +218,14 @@ type stageRequest struct {
 	transport, policy string
 	frontend          string
 	access            string // ro, rw or migration (a second writer)
-	readOnly, block   bool
-	fsType            string
-	mountFlags        []string
+	// mirror, legs and witness are a replicated volume's (mirror.go):
+	// mapped as a mirror, not as export.
+	mirror          string
+	legs            []api.Leg
+	witness         *api.Leg
+	readOnly, block bool
+	fsType          string
+	mountFlags      []string
 }
 
 func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, error) {
@@ -195,18 +239,12 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 		return s, status.Error(codes.InvalidArgument, "volume_capability is missing")
 	}
 	pc := req.GetPublishContext()
-	s.export, s.storageNode = pc[PCExport], pc[PCStorageNode]
-	if s.export == "" || s.storageNode == "" || pc[PCPaths] == "" {
-		return s, status.Errorf(codes.InvalidArgument, "publish_context lacks %s, %s or %s (was the volume published by rnbd-csi?)", PCExport, PCStorageNode, PCPaths)
-	}
-	s.sess = n.sessName(s.storageNode)
-	s.paths = strings.Split(pc[PCPaths], ",")
-	if p := pc[PCPort]; p != "" {
-		v, err := strconv.ParseUint(p, 10, 16)
-		if err != nil {
-			return s, status.Errorf(codes.InvalidArgument, "publish_context %s %q: %v", PCPort, p, err)
+	if pc[PCMirror] != "" {
+		if err := n.parseMirrorStage(&s, pc); err != nil {
+			return s, err
 		}
-		s.port = uint16(v)
+	} else if err := n.parseExportStage(&s, pc); err != nil {
+		return s, err
 	}
 	s.transport, s.policy, s.frontend = pc[PCTransport], pc[PCMpathPolicy], pc[PCFrontend]
 	if s.frontend == "" {
@@ -234,6 +272,14 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 	default:
 		return s, status.Error(codes.InvalidArgument, "volume_capability: neither block nor mount")
 	}
+	if s.mirror != "" {
+		// One writer, the mirror's, which also resyncs its legs.
+		if accessFor(vc, false) != accessRW || pc[PCAccess] != "" && pc[PCAccess] != accessRW {
+			return s, status.Errorf(codes.InvalidArgument, "volume %s is replicated: staged read-write on one node only", s.id)
+		}
+		s.access = accessRW
+		return s, nil
+	}
 	// What the capability asks (accessFor, the controller's policy),
 	// else, where it asks more than ro, the access the controller
 	// granted (publish_context access: ro for a read-only publish,
@@ -255,6 +301,62 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 	return s, nil
 }
 
+// parseMirrorStage reads a replicated volume's publish context: its
+// mirror's name, legs and witness, each a session of its own.
+func (n *NodeServer) parseMirrorStage(s *stageRequest, pc map[string]string) error {
+	s.mirror = pc[PCMirror]
+	if vname, ok := parseMirrorID(s.id); !ok || vname != s.mirror {
+		return status.Errorf(codes.InvalidArgument, "publish_context %s %q is not volume %s's", PCMirror, s.mirror, s.id)
+	}
+	var legs []legContext
+	if err := json.Unmarshal([]byte(pc[PCLegs]), &legs); err != nil || len(legs) < 2 || len(legs) > mirror.MaxLegs {
+		return status.Errorf(codes.InvalidArgument, "publish_context %s %q: want the JSON of 2 or 3 legs (%v)", PCLegs, pc[PCLegs], err)
+	}
+	leg := func(lc legContext) (api.Leg, error) {
+		if lc.StorageNode == "" || lc.Export == "" || len(lc.Paths) == 0 || lc.Port < 0 || lc.Port > 65535 {
+			return api.Leg{}, status.Errorf(codes.InvalidArgument, "publish_context: a member %+v without its storage node, export or paths (a node no longer configured?)", lc)
+		}
+		return api.Leg{SessName: n.legSessName(lc.StorageNode, s.mirror), Paths: lc.Paths, DevicePath: lc.Export, DestPort: uint16(lc.Port)}, nil
+	}
+	for _, lc := range legs {
+		l, err := leg(lc)
+		if err != nil {
+			return err
+		}
+		s.legs = append(s.legs, l)
+	}
+	if w := pc[PCWitness]; w != "" {
+		var lc legContext
+		if err := json.Unmarshal([]byte(w), &lc); err != nil {
+			return status.Errorf(codes.InvalidArgument, "publish_context %s %q: %v", PCWitness, w, err)
+		}
+		l, err := leg(lc)
+		if err != nil {
+			return err
+		}
+		s.witness = &l
+	}
+	return nil
+}
+
+// parseExportStage reads a volume of one storage node's publish context.
+func (n *NodeServer) parseExportStage(s *stageRequest, pc map[string]string) error {
+	s.export, s.storageNode = pc[PCExport], pc[PCStorageNode]
+	if s.export == "" || s.storageNode == "" || pc[PCPaths] == "" {
+		return status.Errorf(codes.InvalidArgument, "publish_context lacks %s, %s or %s (was the volume published by rnbd-csi?)", PCExport, PCStorageNode, PCPaths)
+	}
+	s.sess = n.sessName(s.storageNode)
+	s.paths = strings.Split(pc[PCPaths], ",")
+	if p := pc[PCPort]; p != "" {
+		v, err := strconv.ParseUint(p, 10, 16)
+		if err != nil {
+			return status.Errorf(codes.InvalidArgument, "publish_context %s %q: %v", PCPort, p, err)
+		}
+		s.port = uint16(v)
+	}
+	return nil
+}
+
 // NodeStageVolume implements csi.NodeServer: the export mapped through
 // the worker's rnbd-client (a mapping already there is taken), and for
 // a file system volume formatted if it holds none and mounted at the
@@ -269,7 +371,12 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, err
 	}
 	defer unlock()
-	m, err := n.findMapping(ctx, s.sess, s.export)
+	var m mapping
+	if s.mirror != "" {
+		m, err = n.findMirrorMapping(ctx, s.mirror)
+	} else {
+		m, err = n.findMapping(ctx, s.sess, s.export)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -398,10 +505,17 @@ func (n *NodeServer) refuseUnknownData(dev, id string) error {
 	return nil
 }
 
-// mapExport maps s's export through the worker's rnbd-client.
+// mapExport maps s's export (or mirror) through the worker's
+// rnbd-client.
 func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, error) {
 	m := api.Mapping{SessName: s.sess, Paths: s.paths, DevicePath: s.export, AccessMode: s.access,
 		DestPort: s.port, Transport: s.transport, As: s.frontend}
+	if s.mirror != "" {
+		// Its first stage makes the mirror's metadata; every other
+		// (and a retry of the first) assembles it.
+		m = api.Mapping{Mirror: s.mirror, Legs: s.legs, Witness: s.witness, CreateIfNew: true, AccessMode: accessRW,
+			Transport: s.transport, As: s.frontend}
+	}
 	if s.policy != "" {
 		m.Settings.MPPolicy = &s.policy
 	}
@@ -412,7 +526,7 @@ func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, er
 	if rsp.Kernel == "" {
 		// A socket: no kernel device to mount. Unmapped again.
 		n.unmap(context.Background(), rsp.Device)
-		return mapping{}, status.Errorf(codes.FailedPrecondition, "rnbd-client mapped %s as an NBD socket: this node has neither nbd nor ublk", s.export)
+		return mapping{}, status.Errorf(codes.FailedPrecondition, "rnbd-client mapped volume %s as an NBD socket: this node has neither nbd nor ublk", s.id)
 	}
 	return mapping{device: rsp.Device, devpath: rsp.Kernel}, nil
 }
@@ -460,11 +574,7 @@ func (n *NodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := mount.CleanupMountPoint(staging, n.mounter, true); err != nil {
 		return nil, status.Errorf(codes.Internal, "unmounting %s: %v", staging, err)
 	}
-	storageNode, export, ok := strings.Cut(id, "/")
-	if !ok {
-		return nil, status.Errorf(codes.InvalidArgument, "volume_id %q: want STORAGE-NODE/VOLUME", id)
-	}
-	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	m, err := n.mappingOf(ctx, id)
 	if err != nil {
 		return nil, err
 	}

@@ -34,7 +34,7 @@ type kernelRig struct {
 
 func (r *kernelRig) clientArgs() []string {
 	return []string{"daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
-		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s"}
+		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s", "--mirror-leg-timeout", "2s"}
 }
 
 // newKernelRig starts them, where the VM tier's csi part says the
@@ -45,22 +45,30 @@ func newKernelRig(t *testing.T) *kernelRig {
 	t.Helper()
 	needKernel(t)
 	r := &kernelRig{dir: t.TempDir(), bin: filepath.Dir(serverBin), port: 1250}
-	pool := filepath.Join(r.dir, "pool")
-	if err := os.Mkdir(pool, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	conf := filepath.Join(r.dir, "server.toml")
-	err := os.WriteFile(conf, []byte(fmt.Sprintf("listen = [\"tcp://127.0.0.1:%d\"]\ncontrol_socket = %q\nstate_file = %q\n"+
-		"[[pool]]\nname = \"p\"\ntype = \"dir\"\npath = %q\n", r.port, filepath.Join(r.dir, "s.sock"), filepath.Join(r.dir, "s.json"), pool)), 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.start(t, "rnbd-server", "daemon", "--config", conf)
+	r.start(t, "rnbd-server", "daemon", "--config", r.serverConfig(t, r.dir, r.port))
 	r.client = r.start(t, "rnbd-client", r.clientArgs()...)
 	for _, s := range []string{"s.sock", "c.sock"} {
 		kit.WaitFor(t, 20*time.Second, s, func() bool { _, err := os.Stat(filepath.Join(r.dir, s)); return err == nil })
 	}
 	return r
+}
+
+// serverConfig writes the configuration of a storage node in dir
+// listening on port: a directory pool "p", no TLS (its volumes open to
+// any client), its control socket dir/s.sock.
+func (r *kernelRig) serverConfig(t *testing.T, dir string, port int) string {
+	t.Helper()
+	pool := filepath.Join(dir, "pool")
+	if err := os.MkdirAll(pool, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(dir, "server.toml")
+	err := os.WriteFile(conf, []byte(fmt.Sprintf("listen = [\"tcp://127.0.0.1:%d\"]\ncontrol_socket = %q\nstate_file = %q\n"+
+		"[[pool]]\nname = \"p\"\ntype = \"dir\"\npath = %q\n", port, filepath.Join(dir, "s.sock"), filepath.Join(dir, "s.json"), pool)), 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conf
 }
 
 // needKernel skips the test unless the VM tier runs it (RNBD_CSI_KERNEL=1):
@@ -134,7 +142,13 @@ func (p prefixed) Write(b []byte) (int, error) {
 // srv runs an rnbd-server command against the storage node.
 func (r *kernelRig) srv(t *testing.T, args ...string) {
 	t.Helper()
-	out, err := exec.Command(filepath.Join(r.bin, "rnbd-server"), append(args, "--socket", filepath.Join(r.dir, "s.sock"))...).CombinedOutput()
+	r.srvIn(t, r.dir, args...)
+}
+
+// srvIn runs an rnbd-server command against the storage node of dir.
+func (r *kernelRig) srvIn(t *testing.T, dir string, args ...string) {
+	t.Helper()
+	out, err := exec.Command(filepath.Join(r.bin, "rnbd-server"), append(args, "--socket", filepath.Join(dir, "s.sock"))...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rnbd-server %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
@@ -507,4 +521,110 @@ func (r *kernelRig) nothingStaged(t *testing.T, n *NodeServer, staging string) {
 	if notMnt, err := n.mounter.IsLikelyNotMountPoint(staging); err == nil && !notMnt {
 		t.Fatalf("%s is still mounted", staging)
 	}
+}
+
+// TestNodeReplicatedOnKernel: a replicated volume as the node service
+// stages it from the publish context the controller gives (its legs on
+// two storage nodes, its witness on a third): the first stage makes the
+// mirror (create_if_new) and an ext4 on it; one leg's node killed (-9)
+// under a write, which completes, the volume DEGRADED; the node back:
+// the leg rejoins and is resynced, healthy again; unstaged and staged
+// again, the mirror is assembled, not made anew, and the files are there.
+func TestNodeReplicatedOnKernel(t *testing.T) {
+	r := newKernelRig(t)
+	ctx := context.Background()
+	const vol = "rv"
+	// sn1 is the rig's; sn2 and sn3 two more storage nodes.
+	dirs := map[string]string{"sn1": r.dir}
+	ports := map[string]int{"sn1": r.port}
+	servers := map[string]*exec.Cmd{}
+	for i, name := range []string{"sn2", "sn3"} {
+		dirs[name], ports[name] = filepath.Join(r.dir, name), r.port+1+i
+		servers[name] = r.run(t, "rnbd-server-"+name, filepath.Join(r.bin, "rnbd-server"), "daemon", "--config", r.serverConfig(t, dirs[name], ports[name]))
+		kit.WaitFor(t, 20*time.Second, name+"'s socket", func() bool { _, err := os.Stat(filepath.Join(dirs[name], "s.sock")); return err == nil })
+	}
+	r.srvIn(t, dirs["sn1"], "volume", "create", vol, "--pool", "p", "--size", "72MiB")
+	r.srvIn(t, dirs["sn2"], "volume", "create", vol, "--pool", "p", "--size", "72MiB")
+	r.srvIn(t, dirs["sn3"], "volume", "create", vol, "--pool", "p", "--size", "1MiB")
+	leg := func(name string) string {
+		return fmt.Sprintf(`{"storageNode":%q,"export":%q,"paths":["ip:127.0.0.1"],"port":%d}`, name, vol, ports[name])
+	}
+	pc := map[string]string{PCMirror: vol, PCLegs: "[" + leg("sn1") + "," + leg("sn2") + "]", PCWitness: leg("sn3"), PCAccess: accessRW, PCFrontend: "ublk"}
+	id, staging := mirrorID(vol), filepath.Join(r.dir, "rv-staging")
+	stage := &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, PublishContext: pc,
+		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)}
+	n := r.node()
+	t.Cleanup(func() { n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}) })
+	health := func() []*csi.VolumeHealth_VolumeHealthEntry {
+		t.Helper()
+		h, err := n.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h.GetVolumeHealth().GetHealthStatuses()
+	}
+	write := func(name string) {
+		t.Helper()
+		p := filepath.Join(staging, name)
+		if err := os.WriteFile(p, []byte(name), 0o600); err != nil {
+			t.Fatalf("writing %s: %v", name, err)
+		}
+		f, err := os.Open(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := f.Sync(); err != nil {
+			t.Fatalf("fsync of %s: %v", name, err)
+		}
+	}
+
+	for range 2 {
+		if _, err := n.NodeStageVolume(ctx, stage); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m := r.mappings(t, n)
+	if len(m) != 1 || m[0].Mirror != vol || m[0].State != "open" || m[0].Size != 64<<20 || len(m[0].Legs) != 3 {
+		t.Fatalf("mappings %+v, want the mirror of two legs and a witness, 64 MiB, open", m)
+	}
+	write("first")
+	if h := health(); len(h) != 0 {
+		t.Fatalf("health %v, want healthy", h)
+	}
+
+	// Leg 1's node lost: the write completes on leg 0, the volume is
+	// degraded.
+	servers["sn2"].Process.Kill()
+	servers["sn2"].Wait()
+	write("second")
+	if h := health(); len(h) != 1 || h[0].GetStatus() != csi.VolumeHealthErrorType_DEGRADED {
+		t.Fatalf("health with a leg's node down %v, want DEGRADED", h)
+	}
+	// Back: rejoined and resynced while staged.
+	servers["sn2"] = r.run(t, "rnbd-server-sn2", filepath.Join(r.bin, "rnbd-server"), "daemon", "--config", filepath.Join(dirs["sn2"], "server.toml"))
+	kit.WaitFor(t, 90*time.Second, "the leg to rejoin and resync", func() bool { return len(health()) == 0 })
+
+	for range 2 {
+		if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.nothingStaged(t, n, staging)
+	if h := health(); len(h) != 1 || h[0].GetStatus() != csi.VolumeHealthErrorType_INACCESSIBLE {
+		t.Fatalf("health unstaged %v, want INACCESSIBLE (not mapped here)", h)
+	}
+	// Staged again: assembled from both legs, the files there.
+	if _, err := n.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"first", "second"} {
+		if b, err := os.ReadFile(filepath.Join(staging, name)); err != nil || string(b) != name {
+			t.Fatalf("%s after staging again: %q %v", name, b, err)
+		}
+	}
+	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	r.nothingStaged(t, n, staging)
 }

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 	mount "k8s.io/mount-utils"
 
+	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/blockdev"
 )
 
@@ -48,8 +49,10 @@ func (n *NodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	source, block := staging, req.GetVolumeCapability().GetBlock() != nil
 	if block {
-		storageNode, export, _ := strings.Cut(id, "/")
-		m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+		m, err := n.mappingOf(ctx, id)
+		if status.Code(err) == codes.InvalidArgument {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node", id)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -140,17 +143,16 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	defer unlock()
-	storageNode, export, ok := strings.Cut(id, "/")
-	if !ok {
+	if _, ok := parseMirrorID(id); !ok && !strings.Contains(id, "/") {
 		// Not an id this driver gives: no such volume.
-		return nil, status.Errorf(codes.NotFound, "volume_id %q: no volume (ids are STORAGE-NODE/VOLUME)", id)
+		return nil, status.Errorf(codes.NotFound, "volume_id %q: no volume (ids are STORAGE-NODE/VOLUME or mirror:VOLUME)", id)
 	}
 	// The path first: the answer for one that is not there needs not
 	// the client daemon.
 	if _, err := os.Stat(path); errors.Is(err, fs.ErrNotExist) {
 		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", path, err)
 	}
-	m, err := n.findMapping(ctx, n.sessName(storageNode), export)
+	m, err := n.mappingOf(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -247,7 +249,9 @@ func (n *NodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVo
 		return nil, status.Error(codes.InvalidArgument, "volume_id is missing")
 	}
 	h := &csi.VolumeHealth{VolumeId: id}
-	if msg := n.noPath(ctx, id); msg != "" {
+	if vname, ok := parseMirrorID(id); ok {
+		h.HealthStatuses = n.mirrorHealth(ctx, vname)
+	} else if msg := n.noPath(ctx, id); msg != "" {
 		h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NoPath", Message: msg}}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
@@ -265,4 +269,48 @@ func (n *NodeServer) noPath(ctx context.Context, id string) string {
 		return ""
 	}
 	return "no path of the volume's session is connected"
+}
+
+// mirrorHealth is a replicated volume's health, from its mapping's
+// record: INACCESSIBLE where the mirror serves no IO (not mapped here,
+// failed, or waiting to assemble), DEGRADED where a leg is out or being
+// resynced (the legs' states and a resync's progress in the message);
+// healthy (none) where every leg is in sync.
+func (n *NodeServer) mirrorHealth(ctx context.Context, vname string) []*csi.VolumeHealth_VolumeHealthEntry {
+	m, err := n.findMirrorMapping(ctx, vname)
+	entry := func(t csi.VolumeHealthErrorType, reason, msg string) []*csi.VolumeHealth_VolumeHealthEntry {
+		return []*csi.VolumeHealth_VolumeHealthEntry{{Status: t, Reason: reason, Message: msg}}
+	}
+	switch {
+	case err != nil:
+		return entry(csi.VolumeHealthErrorType_INACCESSIBLE, "ClientUnavailable", fmt.Sprintf("rnbd-client: %v", err))
+	case m.device == "":
+		return entry(csi.VolumeHealthErrorType_INACCESSIBLE, "NotMapped", "the volume's mirror is not mapped on this node")
+	case m.state == "open":
+		return nil
+	case m.state != "degraded":
+		return entry(csi.VolumeHealthErrorType_INACCESSIBLE, "Mirror"+strings.ToUpper(m.state[:1])+strings.ReplaceAll(m.state[1:], " ", ""),
+			fmt.Sprintf("the volume's mirror is %s: %s", m.state, legWords(m.legs)))
+	}
+	reason := "LegOut"
+	for _, l := range m.legs {
+		if l.State == "resyncing" {
+			reason = "Resyncing"
+		}
+	}
+	return entry(csi.VolumeHealthErrorType_DEGRADED, reason, "the volume's mirror is degraded: "+legWords(m.legs))
+}
+
+// legWords says a mirror's legs' states: "leg 0 in sync, leg 1 resyncing
+// (12582912 of 67108864 bytes), witness voting".
+func legWords(legs []api.CltLegRecord) string {
+	var out []string
+	for _, l := range legs {
+		s := l.Leg + " " + l.State
+		if l.State == "resyncing" && l.ResyncTotal > 0 {
+			s += fmt.Sprintf(" (%d of %d bytes)", l.Resync, l.ResyncTotal)
+		}
+		out = append(out, s)
+	}
+	return strings.Join(out, ", ")
 }

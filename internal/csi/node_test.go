@@ -146,3 +146,61 @@ func TestPublishSingleWriter(t *testing.T) {
 		t.Fatalf("a second target, SINGLE_NODE_MULTI_WRITER: %v", err)
 	}
 }
+
+// A replicated volume's stage: every member a session of its own, named
+// after the worker, the storage node and the mirror; read-write only;
+// a publish context that is not the volume's, or without its legs, is
+// InvalidArgument.
+func TestParseStageMirror(t *testing.T) {
+	n := NewNodeServer(NodeOptions{NodeID: "host-a", ClientSocket: "/nonexistent"})
+	rwo := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	legs := `[{"storageNode":"sn1","export":"pvc-1","paths":["ip:10.0.8.5"],"port":1234},{"storageNode":"sn2","export":"pvc-1","paths":["ip:10.0.8.6","ip:10.0.9.6"]}]`
+	wit := `{"storageNode":"sn3","export":"pvc-1","paths":["ip:10.0.8.7"]}`
+	pc := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit, PCAccess: "rw"}
+	s, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "mirror:pvc-1", StagingTargetPath: "/st", VolumeCapability: rwo, PublishContext: pc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.mirror != "pvc-1" || len(s.legs) != 2 || s.witness == nil || s.access != "rw" || !s.block ||
+		s.legs[0].DestPort != 1234 || len(s.legs[1].Paths) != 2 || s.witness.DevicePath != "pvc-1" {
+		t.Fatalf("parsed %+v", s)
+	}
+	sess := map[string]bool{s.legs[0].SessName: true, s.legs[1].SessName: true, s.witness.SessName: true, n.sessName("sn1"): true}
+	if len(sess) != 4 || !strings.HasPrefix(s.legs[0].SessName, "host-a@sn1-m") {
+		t.Fatalf("sessions %v: each member's own, apart from the node's volumes' session", sess)
+	}
+	if other := n.legSessName("sn1", "pvc-2"); other == s.legs[0].SessName {
+		t.Fatalf("two mirrors on one node share session %s", other)
+	}
+	with := func(k, v string) map[string]string {
+		m := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit}
+		if v == "" {
+			delete(m, k)
+		} else {
+			m[k] = v
+		}
+		return m
+	}
+	reader := &csi.VolumeCapability{AccessType: rwo.AccessType,
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY}}
+	for name, tc := range map[string]struct {
+		id string
+		pc map[string]string
+		vc *csi.VolumeCapability
+	}{
+		"another volume's":   {"mirror:pvc-9", pc, rwo},
+		"one node's id":      {"sn1/pvc-1", pc, rwo},
+		"no legs":            {"mirror:pvc-1", with(PCLegs, ""), rwo},
+		"one leg":            {"mirror:pvc-1", with(PCLegs, `[{"storageNode":"sn1","export":"pvc-1","paths":["ip:10.0.8.5"]}]`), rwo},
+		"a leg without path": {"mirror:pvc-1", with(PCLegs, `[{"storageNode":"sn1","export":"pvc-1"},{"storageNode":"sn2","export":"pvc-1","paths":["ip:1.2.3.4"]}]`), rwo},
+		"a bad port":         {"mirror:pvc-1", with(PCLegs, `[{"storageNode":"sn1","export":"pvc-1","paths":["ip:1.2.3.4"],"port":70000},{"storageNode":"sn2","export":"pvc-1","paths":["ip:1.2.3.5"]}]`), rwo},
+		"a bad witness":      {"mirror:pvc-1", with(PCWitness, `{"storageNode":`), rwo},
+		"read-only":          {"mirror:pvc-1", with(PCAccess, "ro"), rwo},
+		"a reader mode":      {"mirror:pvc-1", pc, reader},
+	} {
+		if _, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: tc.id, StagingTargetPath: "/st", VolumeCapability: tc.vc, PublishContext: tc.pc}); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
+	}
+}

@@ -73,6 +73,13 @@ type volumeParams struct {
 	frontend     string
 	paths        []string
 	writeThrough bool
+	// replicas is how many legs a replicated volume has (2 or 3: a
+	// mirror of rnbd-client's over as many storage nodes, mirror.go);
+	// 0 for one volume on one node (replicas 1). spreadBy is the
+	// storage nodes' label whose values the legs' nodes must differ in
+	// ("": the nodes only).
+	replicas int
+	spreadBy string
 }
 
 var mpathPolicies = []string{"round-robin", "min-inflight", "min-latency"}
@@ -122,13 +129,20 @@ func parseParams(m map[string]string) (volumeParams, error) {
 			}
 			p.frontend = v
 		case "replicas":
-			// A replicated volume is a mirror of rnbd-client's over
-			// storage nodes (docs/replication.md); the controller does
-			// not place one yet. 1 is what it does.
-			if v != "1" {
-				return p, status.Errorf(codes.InvalidArgument, "parameter replicas %q: rnbd-csi does not replicate volumes yet "+
-					"(a volume lives on one storage node; rnbd-client's mirror is not yet placed by the controller: docs/replication.md); 1 only", v)
+			// 1 is one volume on one node; 2 or 3 a mirror of
+			// rnbd-client's over as many (mirror.go).
+			switch v {
+			case "1":
+			case "2", "3":
+				p.replicas = int(v[0] - '0')
+			default:
+				return p, status.Errorf(codes.InvalidArgument, "parameter replicas %q: want 1, 2 or 3", v)
 			}
+		case "spreadBy":
+			if v == "" {
+				return p, status.Errorf(codes.InvalidArgument, "parameter spreadBy is empty: want a label of the storage nodes (topology.rnbd.io/zone)")
+			}
+			p.spreadBy = v
 		case "writeThrough":
 			b, err := strconv.ParseBool(v)
 			if err != nil {
@@ -137,9 +151,15 @@ func parseParams(m map[string]string) (volumeParams, error) {
 			p.writeThrough = b
 		default:
 			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, frontend, writeThrough, replicas", k)
+				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q: rnbd-csi takes pool, fsType, transport, mpathPolicy, paths, frontend, writeThrough, replicas, spreadBy", k)
 			}
 		}
+	}
+	switch {
+	case p.spreadBy != "" && p.replicas == 0:
+		return p, status.Errorf(codes.InvalidArgument, "parameter spreadBy %q is for a replicated volume (replicas 2 or 3)", p.spreadBy)
+	case p.replicas > 0 && len(p.paths) > 0:
+		return p, status.Errorf(codes.InvalidArgument, "parameter paths names one storage node's addresses: a replicated volume's legs are on %d storage nodes, each mapped through its own paths", p.replicas)
 	}
 	return p, nil
 }
@@ -147,8 +167,13 @@ func parseParams(m map[string]string) (volumeParams, error) {
 // canonical is the parameters as one label value: what makes a volume
 // what it is (not the pool's name where the node's default is meant).
 func (p volumeParams) canonical() string {
-	return fmt.Sprintf("pool=%s;fsType=%s;transport=%s;mpathPolicy=%s;paths=%s;writeThrough=%t",
+	s := fmt.Sprintf("pool=%s;fsType=%s;transport=%s;mpathPolicy=%s;paths=%s;writeThrough=%t",
 		p.pool, p.fsType, p.transport, p.mpathPolicy, strings.Join(p.paths, ","), p.writeThrough)
+	if p.replicas > 0 {
+		// Only then: the volumes of one node keep the label they had.
+		s += fmt.Sprintf(";replicas=%d;spreadBy=%s", p.replicas, p.spreadBy)
+	}
+	return s
 }
 
 // pathsOn are the paths a volume on n is mapped through, and whether n

@@ -29,6 +29,9 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 	if err := checkCap(req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
+	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
+		return c.publishMirror(ctx, req, vname)
+	}
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -127,6 +130,9 @@ func (c *controller) reachable(ctx context.Context, n *storageNode, nodeID strin
 // where none is named). A volume that is no more is unpublished from
 // every node: success, as the spec asks.
 func (c *controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
+		return c.unpublishMirror(ctx, req, vname)
+	}
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
 	if status.Code(err) == codes.NotFound {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil

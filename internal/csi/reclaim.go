@@ -88,7 +88,9 @@ func (c *controller) reconcile(ctx context.Context) int {
 	byName := map[string][]copyOf{}
 	for _, r := range results {
 		for _, v := range r.v {
-			if name := v.Labels[labelName]; name != "" {
+			// A replicated volume's members are one name on several
+			// nodes by design (mirror.go).
+			if name := v.Labels[labelName]; name != "" && v.Labels[labelMember] == "" {
 				byName[name] = append(byName[name], copyOf{r.n, v.Name})
 			}
 		}

@@ -30,6 +30,12 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 			return nil, status.Errorf(codes.InvalidArgument, "unknown snapshot parameter %q: rnbd-csi takes none", k)
 		}
 	}
+	if vname, ok := parseMirrorID(req.GetSourceVolumeId()); ok {
+		if _, err := c.findMirror(ctx, vname); err != nil {
+			return nil, err
+		}
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is replicated: snapshots of a replicated volume are not implemented yet", req.GetSourceVolumeId())
+	}
 	n, v, err := c.volumeOf(ctx, req.GetSourceVolumeId())
 	if err != nil {
 		return nil, err

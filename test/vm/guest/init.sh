@@ -410,7 +410,7 @@ if want csi; then
 	f0=$fail
 	mkdir -p /tmp/csi-logs
 	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-logs RNBD_CSI_CONSOLE=1 \
-		gotest csi /bin/csi.test -test.run '^TestNode.*OnKernel$' -test.timeout 240s
+		gotest csi /bin/csi.test -test.run '^TestNode.*OnKernel$' -test.timeout 360s
 	[ "$fail" = "$f0" ] || grep -E '_test\.go:[0-9]+: ' /tmp/csi.out | grep -vE ': rnbd-(server|client):$' | head -20 | sed 's/^/DETAIL /' 
 fi
 

@@ -1,0 +1,230 @@
+package csi
+
+import (
+	"context"
+	"encoding/json"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/pkg/mirror"
+	"github.com/rnbd/rnbd/test/kit"
+)
+
+// members are the volumes of name on the rig's storage nodes that run,
+// by node.
+func (r *rig) members(name string) map[string]api.VolumeRecord {
+	r.t.Helper()
+	out := map[string]api.VolumeRecord{}
+	for node, c := range r.admin {
+		if r.procs[node].cmd == nil {
+			continue
+		}
+		v, err := api.NewServer(c).Volume(context.Background(), name)
+		if isNotFound(err) {
+			continue
+		}
+		if err != nil {
+			r.t.Fatalf("volume %s on %s: %v", name, node, err)
+		}
+		out[node] = *v
+	}
+	return out
+}
+
+// byPart are members by their csi.member.
+func byPart(ms map[string]api.VolumeRecord) map[string]string {
+	out := map[string]string{}
+	for node, v := range ms {
+		out[v.Labels[labelMember]] = node
+	}
+	return out
+}
+
+// TestControllerReplicated: a replicated volume's legs go to storage
+// nodes of distinct spreadBy values, its witness to another node; a
+// retry answers the same volume and finishes a create that stopped part
+// way; publish grants the worker on every member's node and gives the
+// node every member; list shows it once; what is not built yet for it
+// says so; unpublish revokes everywhere; delete waits for a member's
+// node that does not answer, then removes every member. The reconciler
+// never takes members for copies of one name.
+func TestControllerReplicated(t *testing.T) {
+	const zone = "topology.kubernetes.io/zone"
+	z := func(v string) map[string]string { return map[string]string{zone: v} }
+	r := newRigWith(t, rigOptions{nodes: 4, labels: []map[string]string{z("a"), z("a"), z("b"), z("b")}})
+	ctx := context.Background()
+	zoneOf := map[string]string{"node-a": "a", "node-b": "a", "node-c": "b", "node-d": "b"}
+	params := map[string]string{"replicas": "2", "spreadBy": zone}
+	const size = 64 << 20
+
+	v := r.mustCreate("pvc-r2", size, params, nil)
+	if v.GetVolumeId() != "mirror:pvc-r2" || v.GetCapacityBytes() != size || v.GetVolumeContext()[VCReplicas] != "2" {
+		t.Fatalf("replicated volume %v", v)
+	}
+	ms := r.members("pvc-r2")
+	parts := byPart(ms)
+	if len(ms) != 3 || parts["leg0"] == "" || parts["leg1"] == "" || parts["witness"] == "" {
+		t.Fatalf("members %v: want two legs and a witness, each on a node of its own", parts)
+	}
+	if zoneOf[parts["leg0"]] == zoneOf[parts["leg1"]] {
+		t.Fatalf("legs on %s and %s: one zone", parts["leg0"], parts["leg1"])
+	}
+	place := "leg0=" + parts["leg0"] + ",leg1=" + parts["leg1"] + ",witness=" + parts["witness"]
+	for node, m := range ms {
+		want := int64(size + mirror.DataOff)
+		if m.Labels[labelMember] == "witness" {
+			want = witnessSize
+		}
+		if m.Size == nil || *m.Size != want || m.Labels[labelMembers] != place || m.Labels[labelName] != "pvc-r2" {
+			t.Errorf("member on %s: size %v labels %v, want %d bytes and placement %s", node, m.Size, m.Labels, want, place)
+		}
+	}
+	if len(v.GetAccessibleTopology()) != 0 {
+		t.Errorf("legs in two zones, accessible from %v: want anywhere", v.GetAccessibleTopology())
+	}
+
+	// A retry: the same; another size or replicas 1: AlreadyExists.
+	if again := r.mustCreate("pvc-r2", size, params, nil); again.GetVolumeId() != v.GetVolumeId() || len(r.members("pvc-r2")) != 3 {
+		t.Fatalf("retry: %v, members %v", again, byPart(r.members("pvc-r2")))
+	}
+	_, err := r.create("pvc-r2", 2*size, params, nil)
+	wantCode(t, "the name with another size", err, codes.AlreadyExists)
+	_, err = r.create("pvc-r2", size, nil, nil)
+	wantCode(t, "the name as a volume of one node", err, codes.AlreadyExists)
+	// A create that stopped part way (leg 1 never made): the retry
+	// makes it where the placement says.
+	if _, err := api.NewServer(r.admin[parts["leg1"]]).DeleteVolume(ctx, "pvc-r2", false); err != nil {
+		t.Fatal(err)
+	}
+	r.mustCreate("pvc-r2", size, params, nil)
+	if got := byPart(r.members("pvc-r2")); got["leg1"] != parts["leg1"] || len(got) != 3 {
+		t.Fatalf("after a retry of a create that stopped part way: %v, want %v", got, parts)
+	}
+
+	// What a replicated volume is not yet, or never: said.
+	_, err = r.create("pvc-r2-paths", size, map[string]string{"replicas": "2", "paths": "ip:127.0.0.1"}, nil)
+	wantCode(t, "replicas with paths", err, codes.InvalidArgument)
+	_, err = r.create("pvc-r2-spread", size, map[string]string{"spreadBy": zone}, nil)
+	wantCode(t, "spreadBy without replicas", err, codes.InvalidArgument)
+	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-r2-rwx", Parameters: params, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: []*csi.VolumeCapability{blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}})
+	wantCode(t, "a replicated volume for several writers", err, codes.InvalidArgument)
+	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-r2-clone", Parameters: params, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}}})
+	wantCode(t, "a replicated clone", err, codes.InvalidArgument)
+	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-clone-of-r2", CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+		VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}}})
+	wantCode(t, "a clone of a replicated volume", err, codes.InvalidArgument)
+	_, err = r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
+	wantCode(t, "growing a replicated volume", err, codes.FailedPrecondition)
+	_, err = r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-r2", SourceVolumeId: v.GetVolumeId()})
+	wantCode(t, "a snapshot of a replicated volume", err, codes.FailedPrecondition)
+	_, err = r.create("pvc-r3-zones", size, map[string]string{"replicas": "3", "spreadBy": zone}, nil)
+	wantCode(t, "three legs over two zones", err, codes.ResourceExhausted)
+
+	// Publish: the worker granted on every member, every member told.
+	pub, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1",
+		VolumeCapability: rwo, VolumeContext: v.GetVolumeContext()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := pub.GetPublishContext()
+	var legs []legContext
+	var wit legContext
+	if err := json.Unmarshal([]byte(pc[PCLegs]), &legs); err != nil || json.Unmarshal([]byte(pc[PCWitness]), &wit) != nil || pc[PCMirror] != "pvc-r2" ||
+		len(legs) != 2 || legs[0].StorageNode != parts["leg0"] || legs[1].StorageNode != parts["leg1"] || wit.StorageNode != parts["witness"] ||
+		legs[0].Export != "pvc-r2" || len(legs[0].Paths) == 0 || legs[0].Port == 0 {
+		t.Fatalf("publish context %v (%v)", pc, err)
+	}
+	for part, node := range parts {
+		if g := r.grants(node + "/pvc-r2"); g["host-1"] != "rw" || len(g) != 1 {
+			t.Errorf("grants of %s on %s: %v, want host-1 rw", part, node, g)
+		}
+	}
+	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-2", VolumeCapability: rwo})
+	wantCode(t, "a second node", err, codes.FailedPrecondition)
+	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo, Readonly: true})
+	wantCode(t, "read-only", err, codes.InvalidArgument)
+
+	// Listed once, with its worker; its members are not volumes of
+	// their own.
+	list, err := r.cc.ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range list.GetEntries() {
+		if strings.HasSuffix(e.GetVolume().GetVolumeId(), "/pvc-r2") {
+			t.Errorf("a member listed as a volume: %v", e)
+		}
+		if e.GetVolume().GetVolumeId() == v.GetVolumeId() {
+			n++
+			if e.GetVolume().GetCapacityBytes() != size || strings.Join(e.GetStatus().GetPublishedNodeIds(), ",") != "host-1" {
+				t.Errorf("list entry %v", e)
+			}
+		}
+	}
+	if n != 1 {
+		t.Errorf("listed %d times", n)
+	}
+	if got := r.d.ctrl.reconcile(ctx); got != 0 || len(r.members("pvc-r2")) != 3 {
+		t.Fatalf("the reconciler reclaimed %d, members left %v", got, byPart(r.members("pvc-r2")))
+	}
+
+	// Unpublish: revoked on every member.
+	if _, err := r.cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, node := range parts {
+		if g := r.grants(node + "/pvc-r2"); len(g) != 0 {
+			t.Errorf("grants on %s after unpublish: %v", node, g)
+		}
+	}
+
+	// Three legs without spreadBy: three nodes, no witness.
+	v3 := r.mustCreate("pvc-r3", size, map[string]string{"replicas": "3"}, nil)
+	if p := byPart(r.members("pvc-r3")); len(p) != 3 || p["leg2"] == "" || p["witness"] != "" {
+		t.Errorf("three legs: %v", p)
+	}
+
+	// A member's node down: no replicated volume is made (it could
+	// hold an earlier try's member), and none of this one is deleted
+	// until it answers.
+	wnode := parts["witness"]
+	r.procs[wnode].stop()
+	_, err = r.create("pvc-r2-new", size, params, nil)
+	wantCode(t, "a create while a node does not answer", err, codes.Unavailable)
+	_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
+	wantCode(t, "a delete while a member's node does not answer", err, codes.Unavailable)
+	if len(r.members("pvc-r2")) != 2 {
+		t.Fatalf("members deleted while one's node was down: %v", byPart(r.members("pvc-r2")))
+	}
+	r.procs[wnode].start()
+	kit.WaitFor(t, 30*time.Second, wnode+" answering again", func() bool {
+		_, err := r.d.ctrl.node(wnode).pools(ctx)
+		return err == nil
+	})
+	for _, id := range []string{v.GetVolumeId(), v3.GetVolumeId()} {
+		for i := range 2 {
+			if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+				t.Fatalf("DeleteVolume %s (%s time): %v", id, strconv.Itoa(i+1), err)
+			}
+		}
+	}
+	if ms := r.members("pvc-r2"); len(ms) != 0 {
+		t.Fatalf("members left after delete: %v", byPart(ms))
+	}
+	if ms := r.members("pvc-r3"); len(ms) != 0 {
+		t.Fatalf("members left after delete: %v", byPart(ms))
+	}
+	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo})
+	wantCode(t, "publishing a deleted replicated volume", err, codes.NotFound)
+}
