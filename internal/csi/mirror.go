@@ -526,14 +526,18 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 		return nil, err
 	}
 	defer unlock()
+	// The worker must be where every member's node is: in the labels
+	// they share (those spreadBy spread them over are none of them).
+	if t := c.sharedTopology(mv.place); len(t) > 0 {
+		if err := c.reachableIn(ctx, t[0].GetSegments(), "replicated volume "+id+"'s storage nodes", node); err != nil {
+			return nil, err
+		}
+	}
 	var granted []string
 	for _, m := range mv.place.members() {
 		f, ok := mv.found[m.part]
 		if !ok {
 			continue
-		}
-		if err := c.reachable(ctx, f.n, node); err != nil {
-			return nil, err
 		}
 		grants, err := f.n.grants(ctx, f.v.Name)
 		if err != nil {

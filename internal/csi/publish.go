@@ -102,7 +102,13 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 // the source cannot tell (a list of workers), the publish is not held
 // to it.
 func (c *controller) reachable(ctx context.Context, n *storageNode, nodeID string) error {
-	if len(n.cfg.Labels) == 0 {
+	return c.reachableIn(ctx, n.cfg.Labels, "volumes on "+n.String(), nodeID)
+}
+
+// reachableIn refuses a publish to a worker whose topology has not
+// labels' values (what: whose topology they are).
+func (c *controller) reachableIn(ctx context.Context, labels map[string]string, what, nodeID string) error {
+	if len(labels) == 0 {
 		return nil
 	}
 	topo, known, err := c.workers.topology(ctx, nodeID)
@@ -113,14 +119,14 @@ func (c *controller) reachable(ctx context.Context, n *storageNode, nodeID strin
 		return nil
 	}
 	var keys []string
-	for k := range n.cfg.Labels {
+	for k := range labels {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
 	for _, k := range keys {
-		if topo[k] != n.cfg.Labels[k] {
-			return status.Errorf(codes.FailedPrecondition, "node %s is not in the topology of volumes on %s: its %s is %q, the storage node's %q",
-				nodeID, n, k, topo[k], n.cfg.Labels[k])
+		if topo[k] != labels[k] {
+			return status.Errorf(codes.FailedPrecondition, "node %s is not in the topology of %s: its %s is %q, theirs %q",
+				nodeID, what, k, topo[k], labels[k])
 		}
 	}
 	return nil
