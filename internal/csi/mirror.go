@@ -25,7 +25,9 @@
 // create_if_new, so that its first stage makes the mirror's metadata
 // and every later one assembles it. A member whose node does not answer
 // is left out of the grants: the mirror assembles without it where its
-// quorum allows.
+// quorum allows, and the reconciler grants it when its node answers
+// again (the members that answered say to whom: csi.published), so that
+// the leg can rejoin.
 
 package csi
 
@@ -60,6 +62,13 @@ const (
 	// labelMembers the placement of every member.
 	labelMember  = "csi.member"
 	labelMembers = "csi.members"
+	// labelPublished is the worker a replicated volume is published to
+	// ("" none), labelPublishedAt when the controller said so: the
+	// member that says it last is right, and the reconciler makes the
+	// grants of every other agree (a member whose node did not answer
+	// at publish or unpublish).
+	labelPublished   = "csi.published"
+	labelPublishedAt = "csi.published.at"
 	// witnessSize is a witness's volume: its superblock's slots.
 	witnessSize = 1 << 20
 	memberWit   = "witness"
@@ -572,6 +581,9 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 	if len(granted) == 0 {
 		return nil, status.Errorf(codes.Unavailable, "volume %s: no member's storage node answers", id)
 	}
+	if err := c.notePublished(ctx, mv, node); err != nil {
+		return nil, err
+	}
 	c.log.WithFields(log.Fields{"volume": id, "node": node, "members": strings.Join(granted, ",")}).Info("replicated volume published")
 	pc := map[string]string{PCMirror: vname, PCAccess: accessRW}
 	var legs []legContext
@@ -638,6 +650,9 @@ func (c *controller) unpublishMirror(ctx context.Context, req *csi.ControllerUnp
 	if err := errors.Join(errs...); err != nil {
 		return nil, toStatus(err, "unpublishing volume "+id)
 	}
+	if err := c.notePublished(ctx, mv, ""); err != nil {
+		return nil, err
+	}
 	if len(mv.silent) > 0 {
 		c.log.WithFields(log.Fields{"volume": id, "silent": strings.Join(mv.silent, ",")}).Warn("replicated volume unpublished but on storage nodes that do not answer: their grants stay until they answer and it is unpublished again")
 	}
@@ -676,4 +691,110 @@ func (c *controller) mirrorEntries(results []nodeResult[[]api.VolumeRecord]) map
 		}
 	}
 	return out
+}
+
+// notePublished records on every member found that the volume is
+// published to node ("": to none) as of now.
+func (c *controller) notePublished(ctx context.Context, mv *mirrorVolume, node string) error {
+	at := time.Now().UTC().Format(time.RFC3339Nano)
+	for part, f := range mv.found {
+		l := maps.Clone(f.v.Labels)
+		l[labelPublished], l[labelPublishedAt] = node, at
+		if err := f.n.setLabels(ctx, f.v.Name, l); err != nil && ctl.Classify(err) != ctl.CodeUnavailable {
+			return toStatus(err, fmt.Sprintf("volume %s: recording its publish on %s", mv.id(), part))
+		}
+	}
+	return nil
+}
+
+// reconcileGrants makes the grants of each replicated volume's members
+// among the storage nodes' records agree with the member that says last
+// to whom it is published: a member's node that did not answer at
+// publish is granted (its leg can rejoin), one that did not at
+// unpublish revoked. The members are read again with the volume's lock
+// held (a publish may have changed them since the list). It returns how
+// many members it changed.
+func (c *controller) reconcileGrants(ctx context.Context, results []nodeResult[[]api.VolumeRecord]) int {
+	byVol := map[string][]*storageNode{}
+	for _, r := range results {
+		for _, v := range r.v {
+			if v.Labels[labelMember] != "" && v.Labels[labelName] != "" {
+				byVol[v.Name] = append(byVol[v.Name], r.n)
+			}
+		}
+	}
+	changed := 0
+	for vname, nodes := range byVol {
+		unlock, err := c.locks.lockByVolumeID(mirrorID(vname))
+		if err != nil {
+			continue // a call of it under way: the next round
+		}
+		changed += c.mendGrants(ctx, vname, nodes)
+		unlock()
+	}
+	return changed
+}
+
+// mendGrants is reconcileGrants of one volume, its lock held.
+func (c *controller) mendGrants(ctx context.Context, vname string, nodes []*storageNode) int {
+	var fs []found
+	for _, n := range nodes {
+		if v, err := n.volume(ctx, vname); err == nil && v.Labels[labelMember] != "" {
+			fs = append(fs, found{n, *v})
+		}
+	}
+	if len(fs) == 0 {
+		return 0
+	}
+	last := fs[0]
+	for _, f := range fs[1:] {
+		if f.v.Labels[labelPublishedAt] > last.v.Labels[labelPublishedAt] {
+			last = f
+		}
+	}
+	if last.v.Labels[labelPublishedAt] == "" {
+		return 0 // never published
+	}
+	want, changed := last.v.Labels[labelPublished], 0
+	for _, f := range fs {
+		ids := f.v.AllowIdentities.Identities()
+		if f.v.Labels[labelPublishedAt] == last.v.Labels[labelPublishedAt] && slices.Equal(ids, nonEmpty(want)) {
+			continue
+		}
+		fields := log.Fields{"volume": mirrorID(vname), "member": f.v.Labels[labelMember], "storage_node": f.n.cfg.Name, "published": want}
+		if err := c.fixGrants(ctx, f, ids, want, last.v.Labels); err != nil {
+			c.log.WithError(err).WithFields(fields).Warn("a replicated volume's member's grants disagree with its publish and were not mended; tried again next round")
+			continue
+		}
+		changed++
+		c.log.WithFields(fields).Info("a replicated volume's member's grants mended to its publish")
+	}
+	return changed
+}
+
+func nonEmpty(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return []string{s}
+}
+
+// fixGrants gives member f the grant want (and no other) and the publish
+// labels of last.
+func (c *controller) fixGrants(ctx context.Context, f found, ids []string, want string, last map[string]string) error {
+	for _, id := range ids {
+		if id != want {
+			if err := f.n.revoke(ctx, f.v.Name, id); err != nil && !isNotFound(err) {
+				return err
+			}
+		}
+	}
+	if want != "" && !slices.Contains(ids, want) {
+		if err := f.n.grant(ctx, f.v.Name, want, accessRW); err != nil {
+			return err
+		}
+	}
+	l := maps.Clone(f.v.Labels)
+	l[labelPublished], l[labelPublishedAt] = last[labelPublished], last[labelPublishedAt]
+	return f.n.setLabels(ctx, f.v.Name, l)
 }

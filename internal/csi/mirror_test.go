@@ -189,6 +189,44 @@ func TestControllerReplicated(t *testing.T) {
 		}
 	}
 
+	// Published while a member's node does not answer: the others are
+	// granted, and that one by the reconciler once it answers (its leg
+	// can rejoin); unpublished while it does not: revoked there once it
+	// answers.
+	wnode := parts["witness"]
+	down := func() { r.procs[wnode].stop() }
+	up := func() {
+		r.procs[wnode].start()
+		kit.WaitFor(t, 30*time.Second, wnode+" answering again", func() bool {
+			_, err := r.d.ctrl.node(wnode).pools(ctx)
+			return err == nil
+		})
+	}
+	down()
+	if _, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-2", VolumeCapability: rwo}); err != nil {
+		t.Fatalf("publishing with the witness's node down: %v", err)
+	}
+	// The reconciler runs when a node answers again.
+	up()
+	kit.WaitFor(t, 30*time.Second, "the witness granted once its node is back", func() bool {
+		g := r.grants(wnode + "/pvc-r2")
+		return g["host-2"] == "rw" && len(g) == 1
+	})
+	down()
+	if _, err := r.cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-2"}); err != nil {
+		t.Fatalf("unpublishing with the witness's node down: %v", err)
+	}
+	up()
+	kit.WaitFor(t, 30*time.Second, "the witness revoked once its node is back", func() bool { return len(r.grants(wnode+"/pvc-r2")) == 0 })
+	for _, node := range parts {
+		if g := r.grants(node + "/pvc-r2"); len(g) != 0 {
+			t.Errorf("grants on %s after an unpublish while it was down: %v", node, g)
+		}
+	}
+	if got := r.d.ctrl.reconcile(ctx); got != 0 {
+		t.Errorf("the reconciler mended %d members of a volume whose members agree", got)
+	}
+
 	// Three legs without spreadBy: three nodes, no witness.
 	v3 := r.mustCreate("pvc-r3", size, map[string]string{"replicas": "3"}, nil)
 	if p := byPart(r.members("pvc-r3")); len(p) != 3 || p["leg2"] == "" || p["witness"] != "" {
@@ -198,8 +236,7 @@ func TestControllerReplicated(t *testing.T) {
 	// A member's node down: no replicated volume is made (it could
 	// hold an earlier try's member), and none of this one is deleted
 	// until it answers.
-	wnode := parts["witness"]
-	r.procs[wnode].stop()
+	down()
 	_, err = r.create("pvc-r2-new", size, params, nil)
 	wantCode(t, "a create while a node does not answer", err, codes.Unavailable)
 	_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
@@ -207,11 +244,7 @@ func TestControllerReplicated(t *testing.T) {
 	if len(r.members("pvc-r2")) != 2 {
 		t.Fatalf("members deleted while one's node was down: %v", byPart(r.members("pvc-r2")))
 	}
-	r.procs[wnode].start()
-	kit.WaitFor(t, 30*time.Second, wnode+" answering again", func() bool {
-		_, err := r.d.ctrl.node(wnode).pools(ctx)
-		return err == nil
-	})
+	up()
 	for _, id := range []string{v.GetVolumeId(), v3.GetVolumeId()} {
 		for i := range 2 {
 			if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {

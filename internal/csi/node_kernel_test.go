@@ -554,7 +554,9 @@ func TestNodeReplicatedOnKernel(t *testing.T) {
 	stage := &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, PublishContext: pc,
 		VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)}
 	n := r.node()
-	t.Cleanup(func() { n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}) })
+	t.Cleanup(func() {
+		n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+	})
 	health := func() []*csi.VolumeHealth_VolumeHealthEntry {
 		t.Helper()
 		h, err := n.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id})

@@ -77,8 +77,9 @@ func (c *controller) wakeReconciler() {
 // nodes that answer, all but the newest reclaimed. A name found on two
 // nodes is decided on what is read again with its lock held, every copy
 // of it answering (one that does not could be the newest): never on the
-// list, which a retry of CreateVolume may have made stale since. It
-// returns how many it reclaimed.
+// list, which a retry of CreateVolume may have made stale since. Then
+// the replicated volumes' grants are mended (mirror.go). It returns how
+// many copies it reclaimed and members it mended.
 func (c *controller) reconcile(ctx context.Context) int {
 	results := each(ctx, c.nodes, func(ctx context.Context, n *storageNode) ([]api.VolumeRecord, error) { return n.volumes(ctx) })
 	type copyOf struct {
@@ -133,7 +134,7 @@ func (c *controller) reconcile(ctx context.Context) int {
 		}
 		unlock()
 	}
-	return reclaimed
+	return reclaimed + c.reconcileGrants(ctx, results)
 }
 
 // reclaim deletes f, a copy of a CSI name older than the copy keep,
