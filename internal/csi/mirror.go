@@ -164,26 +164,6 @@ type mirrorVolume struct {
 // id is its CSI id.
 func (mv *mirrorVolume) id() string { return mirrorID(mv.vname) }
 
-// size is its size: a leg's less the mirror's metadata.
-func (mv *mirrorVolume) size() int64 {
-	for i := range mv.place.legs {
-		if f, ok := mv.found[legMember(i)]; ok && f.v.Size != nil {
-			return *f.v.Size - mirror.DataOff
-		}
-	}
-	return 0
-}
-
-// anyMember is a member found, the first leg found if any.
-func (mv *mirrorVolume) anyMember() (found, bool) {
-	for _, m := range mv.place.members() {
-		if f, ok := mv.found[m.part]; ok {
-			return f, true
-		}
-	}
-	return found{}, false
-}
-
 // findMirror asks every storage node at once for the members of the
 // replicated volume vname. None found where every node answered is
 // NotFound; none found where some did not, Unavailable.
