@@ -289,8 +289,7 @@ func (n *NodeServer) mirrorHealth(ctx context.Context, vname string) []*csi.Volu
 	case m.state == "open":
 		return nil
 	case m.state != "degraded":
-		return entry(csi.VolumeHealthErrorType_INACCESSIBLE, "Mirror"+strings.ToUpper(m.state[:1])+strings.ReplaceAll(m.state[1:], " ", ""),
-			fmt.Sprintf("the volume's mirror is %s: %s", m.state, legWords(m.legs)))
+		return entry(csi.VolumeHealthErrorType_INACCESSIBLE, "MirrorNotServing", fmt.Sprintf("the volume's mirror is %q: %s", m.state, legWords(m.legs)))
 	}
 	reason := "LegOut"
 	for _, l := range m.legs {
