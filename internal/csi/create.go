@@ -219,14 +219,7 @@ func (c *controller) existing(ctx context.Context, r createRequest, f found) (*c
 		return nil, status.Errorf(codes.AlreadyExists, "volume %s (CSI name %q) exists on %s with %s", v.Name, r.GetName(), n, strings.Join(why, "; "))
 	}
 	if v.State != api.VolumeServed {
-		// Made, not yet exported (or the daemon restarted between):
-		// the same create again, as it was made, finishes it.
-		req := api.VolumeRequest{Name: v.Name, Pool: v.Pool, Labels: v.Labels, FromVolume: v.Source, FromSnapshot: v.SourceSnapshot,
-			Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}}
-		if v.Size != nil {
-			req.Size = strconv.FormatInt(*v.Size, 10)
-		}
-		rec, err := n.createVolume(ctx, req)
+		rec, err := finish(ctx, f, r.p.writeThrough)
 		if err != nil {
 			return nil, toStatus(err, fmt.Sprintf("finishing volume %s (CSI name %q) on %s", v.Name, r.GetName(), n))
 		}
@@ -242,6 +235,18 @@ func (c *controller) existing(ctx context.Context, r createRequest, f found) (*c
 		return nil, toStatus(err, fmt.Sprintf("volume %s (CSI name %q) on %s", v.Name, r.GetName(), n))
 	}
 	return &csi.CreateVolumeResponse{Volume: c.csiVolume(n, v, r.p, r.GetVolumeContentSource())}, nil
+}
+
+// finish finishes volume f, made but not exported yet (or its daemon
+// restarted between): the same create again, as it was made.
+func finish(ctx context.Context, f found, writeThrough bool) (api.VolumeRecord, error) {
+	v := f.v
+	req := api.VolumeRequest{Name: v.Name, Pool: v.Pool, Labels: v.Labels, FromVolume: v.Source, FromSnapshot: v.SourceSnapshot,
+		Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: writeThrough}}
+	if v.Size != nil {
+		req.Size = strconv.FormatInt(*v.Size, 10)
+	}
+	return f.n.createVolume(ctx, req)
 }
 
 // makeVolume makes the volume on the best storage node that has room

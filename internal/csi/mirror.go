@@ -321,6 +321,12 @@ func (c *controller) existingMirror(ctx context.Context, r createRequest, fs []f
 			}
 			fs = append(fs, found{n, rec})
 			i = len(fs) - 1
+		} else if f := fs[i]; f.v.State != api.VolumeServed {
+			rec, err := finish(ctx, f, r.p.writeThrough)
+			if err != nil {
+				return nil, toStatus(err, fmt.Sprintf("finishing %s of volume %s on %s", m.part, mirrorID(r.vname), f.n))
+			}
+			fs[i].v = rec
 		}
 		if f := fs[i]; m.part != memberWit && f.v.Size != nil {
 			size = *f.v.Size - mirror.DataOff

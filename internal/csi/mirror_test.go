@@ -12,6 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/serverd"
 	"github.com/rnbd/rnbd/pkg/mirror"
 	"github.com/rnbd/rnbd/test/kit"
 )
@@ -260,4 +262,52 @@ func TestControllerReplicated(t *testing.T) {
 	}
 	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo})
 	wantCode(t, "publishing a deleted replicated volume", err, codes.NotFound)
+}
+
+// TestReplicatedCreateCrash: a storage node that dies in a replicated
+// volume's create (SIGKILL after its member is made, before it
+// answers): the create fails and removes what it made elsewhere; its
+// retry is Unavailable while that node does not answer (it could hold a
+// member: it does); once the node is back (its restart finishes the
+// member), the retry makes the others where that member's placement
+// says, and every member has the same placement.
+func TestReplicatedCreateCrash(t *testing.T) {
+	r := newRigWith(t, rigOptions{nodes: 3, env: map[string][]string{"node-c": {serverd.CrashEnv + "=volume-create-made"}},
+		edit: func(c *Config) { c.Controller.StorageTimeout = conf.Duration{Duration: 2 * time.Second} }})
+	ctx := context.Background()
+	params := map[string]string{"replicas": "3"}
+	_, err := r.create("pvc-crash", 32<<20, params, nil)
+	if err == nil {
+		t.Fatal("CreateVolume with a node that dies in it: success")
+	}
+	c := r.procs["node-c"]
+	c.reap()
+	if ms := r.members("pvc-crash"); len(ms) != 0 {
+		t.Fatalf("members left on the nodes that answered after a failed create: %v", byPart(ms))
+	}
+	_, err = r.create("pvc-crash", 32<<20, params, nil)
+	wantCode(t, "the retry while node-c does not answer", err, codes.Unavailable)
+	c.env = nil
+	c.start()
+	kit.WaitFor(t, 30*time.Second, "node-c answering again", func() bool {
+		_, err := r.d.ctrl.node("node-c").pools(ctx)
+		return err == nil
+	})
+	made, err := api.NewServer(r.admin["node-c"]).Volume(ctx, "pvc-crash")
+	if err != nil || made.Labels[labelMembers] == "" {
+		t.Fatalf("node-c's member after its restart: %+v %v", made, err)
+	}
+	v := r.mustCreate("pvc-crash", 32<<20, params, nil)
+	ms := r.members("pvc-crash")
+	if len(ms) != 3 {
+		t.Fatalf("members after the retry: %v", byPart(ms))
+	}
+	for node, m := range ms {
+		if m.Labels[labelMembers] != made.Labels[labelMembers] || m.State != api.VolumeServed {
+			t.Errorf("member on %s: placement %q, state %s; want %q, served", node, m.Labels[labelMembers], m.State, made.Labels[labelMembers])
+		}
+	}
+	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
 }
