@@ -104,17 +104,15 @@ test: deps vet $(HELM)
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from
 # apt). VM_ONLY=rdma runs one part. See docs/testing.md.
-# The whole tier on bookworm-backports' kernel (6.12), then the ublk
-# part on trixie-backports' newest, which has ublk's UPDATE_SIZE
-# (6.16+): a server-pushed resize reaches /dev/ublkbN; and the mirror's
-# fault schedules, which kill the ublk daemon at random moments (6.12's
-# ublk oopses on one now and then). A run that picks
-# its own part, kernel or suite (VM_ONLY, KPKG, VM_SUITE) is that run only.
+# The whole tier on bookworm-backports' kernel (6.12) and, beside it
+# (test/vm/both.sh: each qemu takes one core), the nbd and ublk parts on
+# trixie-backports' newest, which has ublk's UPDATE_SIZE (6.16+): a
+# server-pushed resize reaches /dev/ublkbN; and the mirror's fault
+# schedules, which kill the ublk daemon at random moments (6.12's ublk
+# oopses on one now and then). A run that picks its own part, kernel or
+# suite (VM_ONLY, KPKG, VM_SUITE) is that run only.
 test-vm: deps
-	@test/vm/run.sh
-	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then \
-		VM_SUITE=trixie-backports VM_MIN_KERNEL=6.16 VM_ONLY=ublk,mirror-schedules VM_KMODS=none VM_LOG=$${VM_LOG:+$$VM_LOG.trixie} test/vm/run.sh; \
-	fi
+	@if [ -z "$(VM_ONLY)$(KPKG)$(VM_SUITE)" ]; then test/vm/both.sh; else test/vm/run.sh; fi
 
 # The Kubernetes tier (docs/testing.md): a pinned Kubernetes and the e2e
 # suite built from the Go module proxy (test/k8s/build.sh, cached in

@@ -235,6 +235,17 @@ for b in "$work"/bin/*; do
 	copy_elf "$b"
 	mv "$root$b" "$root/bin/"
 done
+# settle TMP DIR CHECK: TMP, a download unpacked, becomes DIR in the
+# cache — unless a run beside this one (make test-vm runs two) made DIR
+# first: then TMP goes. A DIR without CHECK (an executable) is replaced.
+settle() {
+	mv -T "$1" "$2" 2>/dev/null && return
+	if [ -x "$3" ]; then
+		rm -rf "$1"
+	else
+		rm -rf "$2" && mv -T "$1" "$2"
+	fi
+}
 # systemd-udevd (udevadm under that name), from this machine's Debian udev
 # package unpacked, not installed (this machine's /dev stays as it is),
 # and the packages' rule: the guest's udev scenario makes the stable
@@ -242,9 +253,10 @@ done
 udev=$cache/udev-$(dpkg-query -W -f '${Version}' systemd 2>/dev/null || echo any)
 if [ ! -x "$udev/bin/udevadm" ]; then
 	log "apt-get download udev"
-	rm -rf "$udev.new" && mkdir -p "$udev.new"
-	(cd "$udev.new" && timeout 300 apt-get download udev >/dev/null 2>&1 && dpkg-deb -x udev_*.deb x) || die "apt-get download udev"
-	mkdir -p "$udev.new/bin" && mv "$udev.new/x/bin/udevadm" "$udev.new/bin/" && rm -rf "$udev" && mv "$udev.new" "$udev"
+	t=$udev.new.$$
+	rm -rf "$t" && mkdir -p "$t"
+	(cd "$t" && timeout 300 apt-get download udev >/dev/null 2>&1 && dpkg-deb -x udev_*.deb x) || die "apt-get download udev"
+	mkdir -p "$t/bin" && mv "$t/x/bin/udevadm" "$t/bin/" && settle "$t" "$udev" "$udev/bin/udevadm"
 fi
 copy_elf "$udev/bin/udevadm"
 mv "$root$udev/bin/udevadm" "$root/bin/udevadm"
@@ -259,10 +271,11 @@ mkdir -p "$root/lib/udev/rules.d" && cp "$repo/deploy/udev/60-rnbd.rules" "$root
 lvm=$cache/lvm2-$(apt-cache policy lvm2 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
 if [ ! -x "$lvm/x/sbin/lvm" ]; then
 	log "apt-get download lvm2 thin-provisioning-tools"
-	rm -rf "$lvm.new" && mkdir -p "$lvm.new/x"
-	(cd "$lvm.new" && timeout 300 apt-get download lvm2 libdevmapper-event1.02.1 thin-provisioning-tools libedit2 libexpat1 libbsd0 libmd0 \
+	t=$lvm.new.$$
+	rm -rf "$t" && mkdir -p "$t/x"
+	(cd "$t" && timeout 300 apt-get download lvm2 libdevmapper-event1.02.1 thin-provisioning-tools libedit2 libexpat1 libbsd0 libmd0 \
 		>/dev/null 2>&1 && for d in *.deb; do dpkg-deb -x "$d" x; done) || die "apt-get download lvm2"
-	rm -rf "$lvm" && mv "$lvm.new" "$lvm"
+	settle "$t" "$lvm" "$lvm/x/sbin/lvm"
 fi
 lvmlibs=$lvm/x/lib/x86_64-linux-gnu:$lvm/x/usr/lib/x86_64-linux-gnu
 for b in sbin/lvm usr/sbin/pdata_tools; do
@@ -279,9 +292,10 @@ done
 md=$cache/mdadm-$(apt-cache policy mdadm 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
 if [ ! -x "$md/x/sbin/mdadm" ]; then
 	log "apt-get download mdadm"
-	rm -rf "$md.new" && mkdir -p "$md.new/x"
-	(cd "$md.new" && timeout 300 apt-get download mdadm >/dev/null 2>&1 && dpkg-deb -x mdadm_*.deb x) || die "apt-get download mdadm"
-	rm -rf "$md" && mv "$md.new" "$md"
+	t=$md.new.$$
+	rm -rf "$t" && mkdir -p "$t/x"
+	(cd "$t" && timeout 300 apt-get download mdadm >/dev/null 2>&1 && dpkg-deb -x mdadm_*.deb x) || die "apt-get download mdadm"
+	settle "$t" "$md" "$md/x/sbin/mdadm"
 fi
 copy_elf "$md/x/sbin/mdadm"
 mv "$root$md/x/sbin/mdadm" "$root/sbin/mdadm"
