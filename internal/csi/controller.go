@@ -1,7 +1,8 @@
 // The controller service: volumes and snapshots on the storage nodes,
 // through their admin API with the provisioner's certificate. This file
 // has the service and what its calls share; create.go, publish.go,
-// list.go, snapshot.go and reclaim.go the calls.
+// list.go, snapshot.go and reclaim.go the calls; mirror.go and
+// mirror_publish.go those of replicated volumes.
 
 package csi
 
