@@ -37,7 +37,7 @@ func newRoot() *cobra.Command {
   rnbd-client unmap rnbd0`,
 	}
 	g.Add(root, clientd.DefaultControlSocket)
-	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g),
+	root.AddCommand(newDaemon(), newMap(&g), newUnmap(&g), newRemap(&g), newResize(&g), newReplaceLeg(&g),
 		newDevice(&g), newSession(&g), newPath(&g), newStats(&g), newWait(&g), newDiscover(&g))
 	root.AddCommand(cli.ConfigCmd("rnbd-client", clientd.DefaultConfigFile, func(path string, mustExist bool) conf.Findings {
 		_, f := clientd.CheckAll(path, mustExist)
@@ -303,6 +303,40 @@ func newResize(g *cli.Globals) *cobra.Command {
 		Body:  func(args []string) any { return api.DeviceResizeRequest{Size: args[1]} },
 		Done:  func(args []string) string { return args[0] + " resized to " + args[1] },
 	})
+}
+
+func newReplaceLeg(g *cli.Globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   `replace-leg DEV LEG "sessname=S path=P... device_path=D [dest_port=N]"`,
+		Short: "Put a new device in the place of a mirror's leg (0, 1, 2) or witness whose storage node is gone for good",
+		Long: `Put a new device, on a storage node of its own, in the place of a mirror's leg
+or witness that is out (its storage node gone for good). The new leg is
+written at once and rebuilt in full in the background (device show DEV shows
+the progress; rnbd-client wait waits for it), then read; the mapping keeps it
+across restarts. A leg in sync, or one resyncing, is not replaced.`,
+		Example: `  rnbd-client replace-leg rnbd0 1 "sessname=vol1-c path=ip:10.0.0.3 device_path=vol1"`,
+		Args:    cobra.ExactArgs(3),
+		ValidArgsFunction: func(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+			if len(args) == 0 {
+				return g.CompleteNames("devname", api.CltDevices)(cmd, args, toComplete)
+			}
+			if len(args) == 1 {
+				return []string{"0", "1", "2", "witness"}, cobra.ShellCompDirectiveNoFileComp
+			}
+			return nil, cobra.ShellCompDirectiveNoFileComp
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			l, err := clientd.ParseLegString(args[2])
+			if err != nil {
+				return err
+			}
+			if err := g.Call(api.CltDeviceLeg, args[:2], nil, l, nil); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: leg %s replaced by %s/%s; rebuilding\n", args[0], args[1], l.SessName, l.DevicePath)
+			return nil
+		},
+	}
 }
 
 func newDevice(g *cli.Globals) *cobra.Command {

@@ -11,6 +11,8 @@ var (
 	CltDeviceUnmap = Route{"POST", "/v1/devices/{name}/unmap", ctl.RightAdmin}
 	CltDeviceRemap = Route{"POST", "/v1/devices/{name}/remap", ctl.RightAdmin}
 	CltDeviceSize  = Route{"POST", "/v1/devices/{name}/resize", ctl.RightAdmin}
+	// CltDeviceLeg replaces a mirror's leg ({leg}: 0, 1, 2 or witness).
+	CltDeviceLeg = Route{"POST", "/v1/devices/{name}/legs/{leg}/replace", ctl.RightAdmin}
 
 	CltSessions         = Route{"GET", "/v1/sessions", ctl.RightAdmin}
 	CltSession          = Route{"GET", "/v1/sessions/{name}", ctl.RightAdmin}
@@ -30,7 +32,7 @@ var (
 
 // ClientRoutes are every route of rnbd-client.
 var ClientRoutes = Table{
-	CltMap, CltDevices, CltDevice, CltDeviceUnmap, CltDeviceRemap, CltDeviceSize,
+	CltMap, CltDevices, CltDevice, CltDeviceUnmap, CltDeviceRemap, CltDeviceSize, CltDeviceLeg,
 	CltSessions, CltSession, CltSessionSet, CltSessionReconnect,
 	CltPaths, CltPath, CltSessionAddPath, CltPathRemove, CltPathReconnect, CltPathDisconnect,
 	CltStats, CltStatsReset,

@@ -267,7 +267,7 @@ func (d *Daemon) mapNoted(ctx context.Context, m api.Mapping) (api.Mapping, stri
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
 	d.mu.Lock()
-	if err := d.mirrorConflictLocked(spec); err != nil {
+	if err := d.mirrorConflictLocked(spec, nil); err != nil {
 		d.mu.Unlock()
 		return m, "", err
 	}

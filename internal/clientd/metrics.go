@@ -168,7 +168,7 @@ var legStates = []string{"in sync", "resyncing", "stale", "missing", "voting"}
 func (c cltCollector) collectMirror(e metrics.Emit, m *mapped) {
 	x := cltDescs
 	e.Gauge(x.devSize, float64(m.io.Size()), m.Device, "", "")
-	for _, r := range m.mir.legRecords(m.Mapping) {
+	for _, r := range m.mir.legRecords() {
 		for _, st := range legStates {
 			v := 0.0
 			if st == r.State {

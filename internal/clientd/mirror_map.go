@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -133,17 +134,20 @@ func (m *mapped) legs() []*api.Leg { return (&mapSpec{Mapping: m.Mapping}).legs(
 
 // mirrorConflictLocked refuses a mapping that would share a session with
 // a mirror's leg (a leg's session is the mirror's own: fencing a leg
-// closes it), or a second mapping of one mirror.
+// closes it), or a second mapping of one mirror; self (a mirror whose
+// leg is replaced), if not nil, is left out.
 //
 // +checklocks:d.mu
-func (d *Daemon) mirrorConflictLocked(spec mapSpec) error {
+func (d *Daemon) mirrorConflictLocked(spec mapSpec, self *mapped) error {
 	taken := map[string]string{} // session name → what has it
 	for name := range d.sessions {
 		taken[name] = "a mapping's session"
 	}
 	all := make([]api.Mapping, 0, len(d.maps)+len(d.failed))
 	for _, m := range d.maps {
-		all = append(all, m.Mapping)
+		if m != self {
+			all = append(all, m.Mapping)
+		}
 	}
 	for _, f := range d.failed {
 		all = append(all, f.Mapping)
@@ -207,10 +211,18 @@ type mirrorDev struct {
 	name string
 	m    *mirror.Mirror
 	info rnbd.OpenRsp
-	// mu guards the legs' conns, which a rejoin replaces.
+	// mu guards the legs' conns, which a rejoin replaces, and spec.
 	mu      sync.Mutex
 	legs    []legConn // by leg
 	witness *legConn
+	// spec is the mapping as normalized: its legs, witness and their
+	// paths, which a replace-leg changes (the mapping's record too,
+	// under the daemon's mu).
+	// +checklocks:mu
+	spec mapSpec
+	// rejoinMu is held through each rejoin of a leg and through a
+	// replace-leg: one at a time.
+	rejoinMu sync.Mutex
 	// stop ends the rejoiner; done is closed when it has.
 	stop context.CancelFunc
 	done chan struct{}
@@ -294,23 +306,11 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	}
 	conns := md.conns()
 	var wg sync.WaitGroup
-	for i, l := range s.legs() {
+	for i := range s.legs() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := conns[i]
-			dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
-			defer cancel()
-			if c.cs, c.err = d.dial(dctx, l.SessName, l.SessUUID, s.Transport, s.legPaths[i], restore); c.err != nil {
-				return
-			}
-			if err := (&session{cs: c.cs}).set(s.Settings); err != nil { // checked by normalize
-				d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
-			}
-			if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err != nil {
-				c.cs.Close()
-				c.cs = nil
-			}
+			*conns[i] = d.dialLeg(ctx, &s, i, restore)
 		}()
 	}
 	wg.Wait()
@@ -330,10 +330,9 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	}
 	for i, l := range s.legs() {
 		c := conns[i]
-		cfg.Names = append(cfg.Names, fmt.Sprintf("%s (%s/%s)", s.legName(i), l.SessName, l.DevicePath))
+		cfg.Names = append(cfg.Names, s.legTitle(i))
 		if c.cs != nil {
-			u := c.cs.Session().UUID()
-			l.SessUUID = fmt.Sprintf("%x", u[:])
+			l.SessUUID = sessUUID(c.cs)
 		} else {
 			d.log.WithError(c.err).WithFields(log.Fields{"mirror": s.Mirror, "leg": cfg.Names[i]}).Warn("mirror: leg not reached")
 		}
@@ -388,10 +387,13 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	}
 	// What the state file keeps: never create or force again.
 	s.Create, s.CreateIfNew, s.Force, s.RegionSize = false, false, nil, ""
+	md.mu.Lock()
+	md.spec = s
+	md.mu.Unlock()
 	mp := d.register(s, nil, md, fe)
 	rctx, cancel := context.WithCancel(context.Background())
 	md.stop, md.done = cancel, make(chan struct{})
-	go d.rejoiner(rctx, mp, md)
+	go d.rejoiner(rctx, md)
 	return mp, nil
 }
 
@@ -404,7 +406,7 @@ var rejoinEvery = 5 * time.Second
 // and, reached, rejoins: written at once, resynced in the background
 // (mirror.Mirror.Rejoin); so is a witness that does not vote
 // (mirror.Mirror.RejoinWitness). Until ctx ends.
-func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
+func (d *Daemon) rejoiner(ctx context.Context, md *mirrorDev) {
 	defer close(md.done)
 	t := time.NewTicker(rejoinEvery)
 	defer t.Stop()
@@ -418,6 +420,9 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 		if md.m.Resync().Leg >= 0 || md.m.Failed() {
 			continue
 		}
+		md.mu.Lock()
+		s := md.spec
+		md.mu.Unlock()
 		// The legs out, then the witness if it does not vote.
 		var out []int
 		for i, st := range md.m.LegStates() {
@@ -427,7 +432,7 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 				delete(failing, i)
 			}
 		}
-		if w := len(mp.Legs); mp.Witness != nil {
+		if w := len(s.Legs); s.Witness != nil {
 			if md.m.WitnessVoting() {
 				delete(failing, w)
 			} else {
@@ -435,78 +440,217 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 			}
 		}
 		for _, i := range out {
-			l := mp.legs()[i]
-			err := d.rejoin(ctx, mp, md, i)
-			what := "leg"
-			if i == len(mp.Legs) {
-				what = "witness"
+			md.rejoinMu.Lock()
+			// A replace-leg may have changed the leg while this waited:
+			// the next round dials it as it is now.
+			md.mu.Lock()
+			now := md.spec
+			md.mu.Unlock()
+			err := errors.New("replaced a moment ago")
+			if a, b := now.legs()[i], s.legs()[i]; a.SessName == b.SessName && a.DevicePath == b.DevicePath && slices.Equal(a.Paths, b.Paths) {
+				err = d.rejoin(ctx, md, i, &now, true)
 			}
-			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": l.SessName})
+			md.rejoinMu.Unlock()
+			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": s.legs()[i].SessName})
 			if err == nil {
 				delete(failing, i)
-				lg.Info("mirror: " + what + " back")
+				lg.Info("mirror: " + s.legName(i) + " back")
 				break // one resync at a time
 			}
 			if ctx.Err() != nil {
 				return
 			}
 			if failing[i] != err.Error() {
-				lg.WithError(err).Warn("mirror: " + what + " not back yet; tried again")
+				lg.WithError(err).Warn("mirror: " + s.legName(i) + " not back yet; tried again")
 				failing[i] = err.Error()
 			}
 		}
 	}
 }
 
-// rejoin dials leg i of the mirror again (i = the number of legs: the
-// witness), through a new session (the old one closed: its name is the
-// leg's), and has the mirror take it back.
-func (d *Daemon) rejoin(ctx context.Context, mp *mapped, md *mirrorDev, i int) error {
-	l := mp.legs()[i]
-	s, err := normalize(mp.Mapping)
-	if err != nil {
-		return err
+// dialLeg dials leg i of s.legs() (bounded by legDialTimeout) and maps
+// its device read-write. A leg not reached has only err.
+func (d *Daemon) dialLeg(ctx context.Context, s *mapSpec, i int, restore bool) legConn {
+	l := s.legs()[i]
+	var c legConn
+	dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
+	defer cancel()
+	if c.cs, c.err = d.dial(dctx, l.SessName, l.SessUUID, s.Transport, s.legPaths[i], restore); c.err != nil {
+		return c
+	}
+	if err := (&session{cs: c.cs}).set(s.Settings); err != nil { // checked by normalize
+		d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
+	}
+	if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err != nil {
+		c.cs.Close()
+		c.cs = nil
+	}
+	return c
+}
+
+// rejoin dials leg i of the mirror (i = the number of legs: the
+// witness) as s says, through a new session, and has the mirror take it
+// back (a device new to it is rebuilt in full). The old conn is closed
+// first where the new session has its name, else once the new leg is
+// taken: a replacement that fails leaves the leg as it was. md.rejoinMu
+// is held.
+func (d *Daemon) rejoin(ctx context.Context, md *mirrorDev, i int, s *mapSpec, restore bool) error {
+	closeConn := func(c legConn) {
+		if c.dev != nil {
+			c.dev.Unmap(ctx) // a fenced leg's session is closed already
+		}
+		if c.cs != nil {
+			c.cs.Close()
+		}
 	}
 	md.mu.Lock()
 	conn := md.conns()[i]
 	old := *conn
-	*conn = legConn{err: errors.New("rejoining")}
+	same := md.spec.legs()[i].SessName == s.legs()[i].SessName
+	if same {
+		*conn = legConn{err: errors.New("rejoining")}
+	}
 	md.mu.Unlock()
-	if old.dev != nil {
-		old.dev.Unmap(ctx)
+	if same {
+		closeConn(old)
 	}
-	if old.cs != nil {
-		old.cs.Close()
-	}
-	c := legConn{}
-	dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
-	defer cancel()
-	if c.cs, c.err = d.dial(dctx, l.SessName, l.SessUUID, mp.Transport, s.legPaths[i], true); c.err == nil {
-		if err := (&session{cs: c.cs}).set(mp.Settings); err != nil {
-			d.log.WithError(err).WithField("session", l.SessName).Warn("session settings")
+	c := d.dialLeg(ctx, s, i, restore)
+	if c.err == nil {
+		if i == len(s.Legs) {
+			c.err = md.m.RejoinWitness(ctx, c.dev, s.legTitle(i))
+		} else {
+			c.err = md.m.Rejoin(ctx, i, c.dev, s.legTitle(i))
 		}
-		if c.dev, c.err = c.cs.Map(dctx, l.DevicePath, rnbd.AccessRW); c.err == nil {
-			if i == len(mp.Legs) {
-				c.err = md.m.RejoinWitness(dctx, c.dev)
-			} else {
-				c.err = md.m.Rejoin(dctx, i, c.dev)
-			}
+		if c.err != nil {
+			closeConn(c)
+			c.dev, c.cs = nil, nil
 		}
 	}
-	if c.err != nil {
-		if c.dev != nil {
-			c.dev.Unmap(context.Background())
-			c.dev = nil
-		}
-		if c.cs != nil {
-			c.cs.Close()
-			c.cs = nil
-		}
+	if !same && c.err != nil {
+		return c.err
 	}
 	md.mu.Lock()
 	*conn = c
 	md.mu.Unlock()
+	if !same {
+		closeConn(old)
+	}
 	return c.err
+}
+
+// ReplaceLeg puts the device l names in the place of leg which ("0",
+// "1", "2" or "witness") of mirror mapping name: for a storage node
+// gone for good. Only a leg out (stale or missing) or a witness that
+// does not vote is replaced; the new leg is written at once and rebuilt
+// in full in the background (a device of this mirror's, its old node
+// back under another address, only with what it missed), then read. The
+// mapping keeps the new leg from when this returns; nothing changes when
+// it fails.
+func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) error {
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	mp, err := d.find(name, "replace-leg")
+	if err != nil {
+		return err
+	}
+	md := mp.mir
+	if md == nil {
+		return ctl.Errorf(ctl.CodeInvalid, "%s is not a mirror: replace-leg replaces a mirror's leg", name)
+	}
+	md.rejoinMu.Lock()
+	defer md.rejoinMu.Unlock()
+	md.mu.Lock()
+	cur := md.spec
+	md.mu.Unlock()
+	i, err := cur.legIndex(which)
+	if err != nil {
+		return err
+	}
+	// A copy: normalize fills defaults in, and the rejoiner reads cur.
+	next := cur.Mapping
+	next.Legs = slices.Clone(cur.Legs)
+	if w := cur.Witness; w != nil {
+		c := *w
+		next.Witness = &c
+	}
+	if i < len(next.Legs) {
+		next.Legs[i] = l
+	} else {
+		next.Witness = &l
+	}
+	s, err := normalize(next) // one node and one session per leg
+	if err != nil {
+		return err
+	}
+	s.Device = mp.Device
+	d.mu.Lock()
+	err = d.mirrorConflictLocked(s, mp)
+	d.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	switch p := md.m.Resync(); {
+	case md.m.Failed():
+		return ctl.Errorf(ctl.CodeUnavailable, "mirror %s lost its quorum: unmap it and map it again (--force if it must) before replacing a leg", md.name)
+	case i == len(cur.Legs) && md.m.WitnessVoting():
+		return ctl.Errorf(ctl.CodeBusy, "mirror %s: the witness votes: only a witness that does not is replaced", md.name)
+	case i < len(cur.Legs) && md.m.LegStates()[i] != "out":
+		return ctl.Errorf(ctl.CodeBusy, "mirror %s: leg %d is %s: only a leg out (stale or missing) is replaced", md.name, i, md.m.LegStates()[i])
+	case i < len(cur.Legs) && p.Leg >= 0:
+		return ctl.Errorf(ctl.CodeBusy, "mirror %s: leg %d resyncs now (one at a time): replace leg %d once it is in sync", md.name, p.Leg, i)
+	}
+	if err := d.rejoin(ctx, md, i, &s, false); err != nil {
+		var re *mirror.RefusedError
+		if ctl.Classify(err) == ctl.CodeInternal || errors.As(err, &re) {
+			err = ctl.Errorf(ctl.CodeInvalid, "%v", err)
+		}
+		return fmt.Errorf("mirror %s: %s not taken: %w", md.name, s.legTitle(i), err)
+	}
+	md.mu.Lock()
+	conn := *md.conns()[i]
+	if conn.cs != nil {
+		s.legs()[i].SessUUID = sessUUID(conn.cs)
+	}
+	md.spec = s
+	md.mu.Unlock()
+	d.mu.Lock()
+	mp.Legs, mp.Witness = s.Legs, s.Witness
+	d.mu.Unlock()
+	d.log.WithFields(log.Fields{"audit": true, "mirror": md.name, "leg": which, "was": cur.legTitle(i), "now": s.legTitle(i)}).
+		Warn("mirror: leg replaced; rebuilding it")
+	if err := d.saveState(); err != nil {
+		return fmt.Errorf("%s replaced and rebuilding, but saving it in the state file failed: %w", cur.legName(i), err)
+	}
+	return nil
+}
+
+// legIndex is the index in s.legs() of leg which: its number, or
+// "witness".
+func (s *mapSpec) legIndex(which string) (int, error) {
+	if which == "witness" {
+		if s.Witness == nil {
+			return 0, ctl.Errorf(ctl.CodeInvalid, "mirror %s has no witness", s.Mirror)
+		}
+		return len(s.Legs), nil
+	}
+	i, err := strconv.Atoi(which)
+	if err != nil || i < 0 || i >= len(s.Legs) {
+		return 0, ctl.Errorf(ctl.CodeInvalid, "leg %q: mirror %s has legs 0 to %d (and a witness: witness)", which, s.Mirror, len(s.Legs)-1)
+	}
+	return i, nil
+}
+
+// legTitle names leg i of s.legs() with its session and device, for
+// logs and the mirror's messages.
+func (s *mapSpec) legTitle(i int) string {
+	l := s.legs()[i]
+	return fmt.Sprintf("%s (%s/%s)", s.legName(i), l.SessName, l.DevicePath)
+}
+
+// sessUUID is a session's UUID as the mapping keeps it.
+func sessUUID(cs *rnbd.CltSession) string {
+	u := cs.Session().UUID()
+	return fmt.Sprintf("%x", u[:])
 }
 
 // mirrorInfo is what the mirror offers: what every leg reached can do
@@ -538,11 +682,12 @@ func mirrorInfo(md *mirrorDev) rnbd.OpenRsp {
 }
 
 // legRecords are a mirror's legs and witness for its device record.
-func (d *mirrorDev) legRecords(s api.Mapping) []api.CltLegRecord {
+func (d *mirrorDev) legRecords() []api.CltLegRecord {
 	states := d.m.LegStates()
 	p := d.m.Resync()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	s := d.spec
 	var out []api.CltLegRecord
 	for i, c := range d.conns() {
 		r := api.CltLegRecord{Leg: strconv.Itoa(i)}

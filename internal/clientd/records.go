@@ -98,7 +98,7 @@ func (d *Daemon) deviceRecords(name string) []api.CltDeviceRecord {
 			AccessMode: m.AccessMode, Size: m.io.Size(), Socket: socket, IOMode: m.fe.ioMode(), Direction: "client", Mirror: m.Mirror,
 			Legs: []api.CltLegRecord{}}
 		if m.mir != nil {
-			rec.State, rec.Legs, rec.RegionSize = m.mir.state(), m.mir.legRecords(m.Mapping), m.mir.m.RegionSize()
+			rec.State, rec.Legs, rec.RegionSize = m.mir.state(), m.mir.legRecords(), m.mir.m.RegionSize()
 		} else {
 			rec.State = m.dev.State().String()
 		}

@@ -25,6 +25,7 @@ func (d *Daemon) routes() {
 		{api.CltDeviceUnmap, d.unmapDevice},
 		{api.CltDeviceRemap, d.remapDevice},
 		{api.CltDeviceSize, d.resizeDevice},
+		{api.CltDeviceLeg, d.replaceLeg},
 		{api.CltSessions, d.listSessions},
 		{api.CltSession, d.showSession},
 		{api.CltSessionSet, d.setSession},
@@ -101,6 +102,14 @@ func (d *Daemon) resizeDevice(r *http.Request) (any, error) {
 		return nil, err
 	}
 	return nil, d.resized(m.dev)
+}
+
+func (d *Daemon) replaceLeg(r *http.Request) (any, error) {
+	var l api.Leg
+	if err := ctl.Decode(r, &l); err != nil {
+		return nil, err
+	}
+	return nil, d.ReplaceLeg(r.Context(), r.PathValue("name"), r.PathValue("leg"), l)
 }
 
 func (d *Daemon) listSessions(r *http.Request) (any, error) {

@@ -348,6 +348,9 @@ func create(ctx context.Context, cfg Config, ifNew bool) (bool, error) {
 }
 
 func (m *Mirror) name(i int) string {
+	if v := m.voter(i); v != nil {
+		return v.name // a leg replaced has its new name
+	}
 	j := i
 	if i == WitnessIndex {
 		j = m.cfg.Layout.NLegs

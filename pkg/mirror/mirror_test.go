@@ -693,7 +693,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 					continue
 				}
 				f.sess = append(f.sess, s)
-				if err := f.m.RejoinWitness(context.Background(), d); err != nil {
+				if err := f.m.RejoinWitness(context.Background(), d, ""); err != nil {
 					note("witness rejoin: %v", err)
 					continue
 				}
@@ -708,7 +708,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 				continue
 			}
 			f.sess = append(f.sess, s)
-			if err := f.m.Rejoin(context.Background(), i, d); err != nil {
+			if err := f.m.Rejoin(context.Background(), i, d, ""); err != nil {
 				note("leg %d rejoin: %v", i, err)
 				continue
 			}

@@ -1,6 +1,7 @@
 package mirror
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -146,8 +147,10 @@ func (m *Mirror) Resync() Progress {
 // again, through a new session; the caller owns it): once it returns the
 // leg is written by every write, and a resync copies to it what it
 // missed, then it is read again. A device without a superblock is a
-// new one, rebuilt in full. One leg resyncs at a time.
-func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev) error {
+// new one, rebuilt in full (a leg replaced: its storage node gone for
+// good); name, if not empty, is what logs and errors call the leg from
+// here. One leg resyncs at a time.
+func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev, name string) error {
 	switch {
 	case i < 0 || i >= m.cfg.Layout.NLegs:
 		return fmt.Errorf("mirror: no leg %d", i)
@@ -164,7 +167,7 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev) error {
 			m.endResync()
 		}
 	}()
-	v, err := newVoter(i, m.name(i), dev)
+	v, err := newVoter(i, cmp.Or(name, m.name(i)), dev)
 	if err != nil {
 		return err
 	}

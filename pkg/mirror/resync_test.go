@@ -26,7 +26,7 @@ func (f *fleet) rejoin(i int) *rnbd.CltDev {
 		f.t.Fatal(err)
 	}
 	f.sess = append(f.sess, s)
-	if err := f.m.Rejoin(context.Background(), i, d); err != nil {
+	if err := f.m.Rejoin(context.Background(), i, d, ""); err != nil {
 		f.t.Fatal(err)
 	}
 	return d
@@ -140,7 +140,7 @@ func TestMirrorRejoin(t *testing.T) {
 			if st := f.m.LegStates(); st[1] != "resyncing" {
 				t.Fatalf("legs %v after the rejoin", st)
 			}
-			if err := f.m.Rejoin(context.Background(), 0, d); err == nil {
+			if err := f.m.Rejoin(context.Background(), 0, d, ""); err == nil {
 				t.Fatal("a leg in sync rejoined")
 			}
 			f.waitResync()

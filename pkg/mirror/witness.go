@@ -1,6 +1,7 @@
 package mirror
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -45,7 +46,8 @@ func (w *voter) votes() bool {
 // current generation is written to it, and it votes from then on. A
 // device without a superblock is a new witness. One that records a
 // generation this mirror never had is refused: it went on without it.
-func (m *Mirror) RejoinWitness(ctx context.Context, dev *rnbd.CltDev) error {
+// name, if not empty, is what logs call the witness from here.
+func (m *Mirror) RejoinWitness(ctx context.Context, dev *rnbd.CltDev, name string) error {
 	if !m.cfg.Layout.Witness {
 		return errors.New("mirror: it has no witness")
 	}
@@ -55,7 +57,7 @@ func (m *Mirror) RejoinWitness(ctx context.Context, dev *rnbd.CltDev) error {
 	if m.WitnessVoting() {
 		return errors.New("mirror: the witness votes: nothing to rejoin")
 	}
-	v, err := newVoter(WitnessIndex, m.name(WitnessIndex), dev)
+	v, err := newVoter(WitnessIndex, cmp.Or(name, m.name(WitnessIndex)), dev)
 	if err != nil {
 		return err
 	}

@@ -33,7 +33,7 @@ func TestMirrorWitnessRejoin(t *testing.T) {
 	if !f.m.WitnessVoting() {
 		t.Fatal("the witness does not vote after the assembly")
 	}
-	if err := f.m.RejoinWitness(context.Background(), nil); err == nil {
+	if err := f.m.RejoinWitness(context.Background(), nil, ""); err == nil {
 		t.Fatal("a witness that votes rejoined")
 	}
 	// Leg 1 goes (committed with the witness), the witness goes, leg 1
@@ -70,7 +70,7 @@ func TestMirrorWitnessRejoin(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.sess = append(f.sess, s)
-	if err := f.m.RejoinWitness(context.Background(), d); err != nil {
+	if err := f.m.RejoinWitness(context.Background(), d, ""); err != nil {
 		t.Fatal(err)
 	}
 	if !f.m.WitnessVoting() {

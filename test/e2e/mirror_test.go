@@ -230,3 +230,91 @@ func TestMirrorWitness(t *testing.T) {
 		t.Fatalf("record with a lost after the witness came back %v", rec)
 	}
 }
+
+// TestMirrorReplaceLeg: a leg's storage node gone for good is replaced
+// by a device on another (rnbd-client replace-leg), rebuilt in full
+// under IO, and is then a voter as the old one was: the other leg's
+// node lost too, the new leg and the witness serve on. The state file
+// keeps the new leg; the old node back is no leg any more. Refusals:
+// a leg in sync, a leg on a node another leg is on, a device the new
+// node does not export (nothing changed).
+func TestMirrorReplaceLeg(t *testing.T) {
+	needTools(t, "qemu-io")
+	const size = 24 << 20
+	a, b, w, c := newStorageNode(t, size), newStorageNode(t, size), newStorageNode(t, 1<<20), newStorageNode(t, size)
+	dir := t.TempDir()
+	cl := startClient(t, dir, "--mirror-leg-timeout", "2s")
+	sock := filepath.Join(dir, "m.sock")
+	uri := "nbd+unix:///vol?socket=" + sock
+	cl.ok("map", "--mirror", "vol", "--leg", a.leg("r-a"), "--leg", b.leg("r-b"), "--witness", w.leg("r-w"),
+		"--as", "socket:"+sock, "--create-if-new")
+	legs := func() string {
+		var out []string
+		for _, l := range cl.records("device", "show", "rnbd0")[0]["legs"].([]any) {
+			m := l.(map[string]any)
+			out = append(out, fmt.Sprint(m["sessname"], "=", m["state"]))
+		}
+		return strings.Join(out, ",")
+	}
+	qemuIO(t, uri, "write -P 0xa1 0 1M")
+
+	b.kill(t)
+	qemuIO(t, uri, "write -P 0xb2 1M 1M")
+	kit.WaitFor(t, time.Minute, "b stale", func() bool { return legs() == "r-a=in sync,r-b=stale,r-w=voting" })
+	for what, args := range map[string][]string{
+		"a leg in sync":     {"0", c.leg("r-c")},
+		"on a's node":       {"1", a.leg("r-c")},
+		"a's session":       {"1", c.leg("r-a")},
+		"no such leg":       {"3", c.leg("r-c")},
+		"no such export":    {"1", strings.Replace(c.leg("r-c"), "device_path=vol", "device_path=nope", 1)},
+		"the witness votes": {"witness", c.leg("r-c")},
+	} {
+		if _, errOut, code := cl.ctl(append([]string{"replace-leg", "rnbd0"}, args...)...); code == 0 {
+			t.Errorf("replace-leg, %s: exit 0", what)
+		} else {
+			t.Logf("replace-leg, %s: %s", what, strings.TrimSpace(errOut))
+		}
+	}
+	if got := legs(); got != "r-a=in sync,r-b=stale,r-w=voting" {
+		t.Fatalf("legs after the refusals: %s", got)
+	}
+
+	// c in b's place: rebuilt in full (it missed every write), under IO.
+	start := time.Now()
+	cl.ok("replace-leg", "rnbd0", "1", c.leg("r-c"))
+	qemuIO(t, uri, "write -P 0xc3 2M 1M")
+	cl.ok("wait", "--timeout", "2m")
+	t.Logf("replaced and rebuilt (%d MiB) in %v", (size-8<<20)>>20, time.Since(start))
+	if got := legs(); got != "r-a=in sync,r-c=in sync,r-w=voting" {
+		t.Fatalf("legs after the rebuild: %s", got)
+	}
+	for i, p := range []byte{0xa1, 0xb2, 0xc3} {
+		if !bytes.Equal(c.data(t, int64(i)<<20, 1<<20), bytes.Repeat([]byte{p}, 1<<20)) {
+			t.Fatalf("the new leg does not hold MiB %d (%#x)", i, p)
+		}
+	}
+	if !bytes.Equal(c.data(t, 3<<20, 1<<20), make([]byte, 1<<20)) {
+		t.Fatal("the new leg's unwritten data is not zero")
+	}
+
+	// a lost too: c and the witness are a quorum, and c is current.
+	a.kill(t)
+	qemuIO(t, uri, "write -P 0xd4 3M 1M", "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M", "read -P 0xc3 2M 1M", "read -P 0xd4 3M 1M")
+
+	// Restarted: the mapping comes back with c (a still down; c and the
+	// witness assemble), and b, back, is no leg of it.
+	b.start(t)
+	cl.stop()
+	cl = startClient(t, dir, "--mirror-leg-timeout", "2s")
+	kit.WaitFor(t, time.Minute, "the mirror restored", func() bool {
+		rec := cl.records("device", "show", "rnbd0")[0]
+		return rec["state"] == "degraded"
+	})
+	if got := legs(); got != "r-a=stale,r-c=in sync,r-w=voting" && got != "r-a=missing,r-c=in sync,r-w=voting" {
+		t.Fatalf("legs after a restart: %s", got)
+	}
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M", "read -P 0xc3 2M 1M", "read -P 0xd4 3M 1M")
+	if strings.Contains(cl.out.String(), "r-b") {
+		t.Fatalf("the restarted client dialled the replaced leg:\n%s", cl.out.String())
+	}
+}
