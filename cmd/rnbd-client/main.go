@@ -110,6 +110,7 @@ func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
 	f.IntVar(&c.UblkQueueDepth, "ublk-queue-depth", c.UblkQueueDepth, "requests in flight per ublk queue (one queue per CPU; each takes ublk_max_io_kb of registered memory)")
 	f.IntVar(&c.UblkMaxIOKB, "ublk-max-io-kb", c.UblkMaxIOKB, "largest IO a ublk device takes in one request, KiB (4 to 1024; larger IO is split by the block layer)")
 	f.Var(&c.MirrorResyncRate, "mirror-resync-rate", "how fast a mirror's resync copies, bytes a second (e.g. 200MiB), IO going on meanwhile")
+	f.DurationVar(&c.MirrorSpareAfter.Duration, "mirror-spare-after", c.MirrorSpareAfter.Duration, "how long a mirror's leg stays out (its storage node not back) before the first of the mapping's --spare devices takes its place, rebuilt in full")
 	f.DurationVar(&c.MirrorLegTimeout.Duration, "mirror-leg-timeout", c.MirrorLegTimeout.Duration, "how long a mirror's leg may hold requests without completing any before it is fenced and taken out (IO goes on with the other legs)")
 	f.IntVar(&c.NBDBuffers, "nbd-buffers", c.NBDBuffers, "NBD requests of up to 1 MiB in flight per device served over NBD (each takes 1 MiB of registered memory)")
 	f.StringVar(&c.LogLevel, "log-level", c.LogLevel, "error, warn, info or debug")
@@ -123,7 +124,7 @@ func bindDaemonFlags(f *pflag.FlagSet, c *clientd.Config) {
 func newMap(g *cli.Globals) *cobra.Command {
 	var m api.Mapping
 	port := cli.Port(rtrs.DefaultPort)
-	var sets, legs []string
+	var sets, legs, spares []string
 	var witness, force string
 	forceFrom := -1
 	cmd := &cobra.Command{
@@ -177,6 +178,13 @@ may hold stale data is all it reaches) is served only with --force BY:
 				}
 				m.Legs = append(m.Legs, leg)
 			}
+			for _, l := range spares {
+				leg, err := clientd.ParseLegString(l)
+				if err != nil {
+					return err
+				}
+				m.Spares = append(m.Spares, leg)
+			}
 			if witness != "" {
 				w, err := clientd.ParseLegString(witness)
 				if err != nil {
@@ -229,6 +237,7 @@ may hold stale data is all it reaches) is served only with --force BY:
 	f.StringVar(&m.Transport, "transport", "auto", "auto (RDMA when every path's addresses lead to an RDMA device, else TCP), tcp or rdma")
 	f.StringVar(&m.Mirror, "mirror", "", "map a mirror of this name over the --leg devices")
 	f.StringArrayVar(&legs, "leg", nil, `a mirror's leg: "sessname=S path=P... device_path=D [dest_port=N]", a session of its own to a storage node of its own (2 or 3)`)
+	f.StringArrayVar(&spares, "spare", nil, "a mirror's spare, as a leg: a device on another storage node that takes the place of a leg out longer than mirror_spare_after, rebuilt in full (repeatable, tried in order)")
 	f.StringVar(&witness, "witness", "", "a mirror's witness, as a leg: a small device on a third storage node that holds only metadata, so that two legs can lose one")
 	f.StringVar(&m.RegionSize, "region-size", "", "with --create or --create-if-new: the new mirror's bitmap region, what a resync copies for each region written while a leg was away (default 4MiB)")
 	f.BoolVar(&m.Create, "create", false, "make the mirror's metadata on its legs (new devices: it refuses one that holds a mirror's)")

@@ -42,6 +42,11 @@ type (
 		Mirror  string `json:"mirror,omitempty"`
 		Legs    []Leg  `json:"legs,omitempty"`
 		Witness *Leg   `json:"witness,omitempty"`
+		// Spares are devices on other storage nodes that take the
+		// place of a leg out longer than mirror_spare_after, in
+		// their order, each rebuilt in full (mapping.replace-leg
+		// by the daemon); one taken leaves the list.
+		Spares []Leg `json:"spares,omitempty"`
 		// Create makes the mirror's metadata on its legs, new volumes
 		// holding no superblock: map only, not kept.
 		Create bool `json:"create,omitempty"`
@@ -197,14 +202,15 @@ type (
 		// device, and for a mirror not served).
 		RegionSize int64 `json:"region_size"`
 	}
-	// CltLegRecord is a mirror's leg, or its witness (leg "witness").
+	// CltLegRecord is a mirror's leg, its witness (leg "witness") or a
+	// spare (leg "spare0", ...).
 	CltLegRecord struct {
 		Leg        string `json:"leg"`
 		SessName   string `json:"sessname"`
 		DevicePath string `json:"device_path"`
 		// State: "in sync", "resyncing", "stale" (out: it missed
 		// writes) or "missing" (not reached); a witness "voting" or
-		// "missing".
+		// "missing"; a spare "spare".
 		State string `json:"state"`
 		// Resync is a resyncing leg's progress in bytes copied of
 		// ResyncTotal.

@@ -42,6 +42,11 @@ const (
 	DefaultSocketDir     = "/run/rnbd"
 )
 
+// DefaultMirrorSpareAfter is mirror_spare_after: longer than a storage
+// node's reboot, which a resync from the bitmap mends at a fraction of a
+// rebuild's cost.
+const DefaultMirrorSpareAfter = 5 * time.Minute
+
 // ConfigVersion is the version of the configuration format.
 const ConfigVersion = 1
 
@@ -77,6 +82,10 @@ type Config struct {
 	// MirrorResyncRate bounds each mirror's resync copy, bytes per
 	// second (mirror.Config.ResyncRate).
 	MirrorResyncRate units.Size `toml:"mirror_resync_rate"`
+	// MirrorSpareAfter is how long a mirror's leg stays out (its
+	// storage node not back) before the first of the mapping's spares
+	// takes its place, rebuilt in full.
+	MirrorSpareAfter conf.Duration `toml:"mirror_spare_after"`
 	// DevLinksDir holds the stable names of kernel devices,
 	// DIR/SESSNAME/DEVICE_PATH (devlinks.go); empty: none.
 	DevLinksDir string `toml:"dev_links_dir"`
@@ -116,6 +125,7 @@ func DefaultConfig() Config {
 		SizePoll:             conf.Duration{Duration: rnbd.DefaultSizePoll},
 		MirrorLegTimeout:     conf.Duration{Duration: mirror.DefaultLegTimeout},
 		MirrorResyncRate:     mirror.DefaultResyncRate,
+		MirrorSpareAfter:     conf.Duration{Duration: DefaultMirrorSpareAfter},
 		LogLevel:             "info",
 		LogFormat:            "text",
 	}
@@ -170,6 +180,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MirrorResyncRate < 1<<20 {
 		return errors.New("mirror_resync_rate must be at least 1MiB (a second)")
+	}
+	if c.MirrorSpareAfter.Duration < 0 {
+		return errors.New("mirror_spare_after must not be negative")
 	}
 	if c.SizePoll.Duration < 0 {
 		return errors.New("size_poll must not be negative (0: never)")

@@ -22,7 +22,7 @@ var (
 		mirLeg, mirEvents, mirCopied                                                                          *prometheus.Desc
 	}{
 		mirLeg: prometheus.NewDesc("rnbd_client_mirror_leg_state",
-			"1 for the state of the mirror's leg (in sync, resyncing, stale, missing; the witness voting or missing), 0 for the others.",
+			"1 for the state of the mirror's leg (in sync, resyncing, stale, missing; the witness voting or missing; a spare, leg spareN, spare), 0 for the others.",
 			[]string{"device", "mirror", "leg", "state"}, nil),
 		mirEvents: prometheus.NewDesc("rnbd_client_mirror_events_total",
 			"What the mirror did, by event: taken_out (a leg), fenced (a voter that held requests past mirror_leg_timeout), "+
@@ -162,7 +162,7 @@ func (c cltCollector) Collect(ch chan<- prometheus.Metric) {
 
 // legStates are the states a mirror's leg record may have, for
 // rnbd_client_mirror_leg_state.
-var legStates = []string{"in sync", "resyncing", "stale", "missing", "voting"}
+var legStates = []string{"in sync", "resyncing", "stale", "missing", "voting", "spare"}
 
 // collectMirror emits a mirror mapping's size, legs and counters.
 func (c cltCollector) collectMirror(e metrics.Emit, m *mapped) {

@@ -81,9 +81,13 @@ func (s *mapSpec) normalizeMirror() error {
 			return ctl.Errorf(ctl.CodeInvalid, "force from leg %d: the mirror has legs 0 to %d", f.From, len(m.Legs)-1)
 		}
 	}
+	if len(m.Spares) > mirror.MaxLegs {
+		return ctl.Errorf(ctl.CodeInvalid, "%d spares: at most %d", len(m.Spares), mirror.MaxLegs)
+	}
 	sessions := map[string]string{}
 	nodes := map[string]string{}
-	legs := s.legs()
+	legs := s.withSpares()
+	s.legPaths = nil
 	for i, l := range legs {
 		what := s.legName(i)
 		if l.SessName == "" || len(l.Paths) == 0 || l.DevicePath == "" {
@@ -117,6 +121,25 @@ func (s *mapSpec) normalizeMirror() error {
 	return nil
 }
 
+// spare is spare j of s as s.legs() has leg i: a spec whose leg i is
+// the spare, the spare out of the list.
+func (s *mapSpec) spare(i, j int) mapSpec {
+	n := len(s.legs())
+	next := *s
+	next.Legs = slices.Clone(s.Legs)
+	next.Spares = slices.Delete(slices.Clone(s.Spares), j, j+1)
+	next.legPaths = slices.Clone(s.legPaths[:n])
+	next.legPaths = append(next.legPaths, slices.Delete(slices.Clone(s.legPaths[n:]), j, j+1)...)
+	next.legPaths[i] = s.legPaths[n+j]
+	if i < len(s.Legs) {
+		next.Legs[i] = s.Spares[j]
+	} else {
+		w := s.Spares[j]
+		next.Witness = &w
+	}
+	return next
+}
+
 // legs are pointers to the spec's legs, then its witness.
 func (s *mapSpec) legs() []*api.Leg {
 	var out []*api.Leg
@@ -125,6 +148,15 @@ func (s *mapSpec) legs() []*api.Leg {
 	}
 	if s.Witness != nil {
 		out = append(out, s.Witness)
+	}
+	return out
+}
+
+// withSpares are s.legs(), then the spares.
+func (s *mapSpec) withSpares() []*api.Leg {
+	out := s.legs()
+	for i := range s.Spares {
+		out = append(out, &s.Spares[i])
 	}
 	return out
 }
@@ -162,7 +194,7 @@ func (d *Daemon) mirrorConflictLocked(spec mapSpec, self *mapped) error {
 		if m.Mirror == spec.Mirror {
 			return ctl.Errorf(ctl.CodeExists, "mirror %s is mapped already as %s", spec.Mirror, m.Device)
 		}
-		for _, l := range (&mapSpec{Mapping: m}).legs() {
+		for _, l := range (&mapSpec{Mapping: m}).withSpares() {
 			taken[l.SessName] = "a leg's session of mirror " + m.Mirror + " (" + m.Device + ")"
 		}
 	}
@@ -172,7 +204,7 @@ func (d *Daemon) mirrorConflictLocked(spec mapSpec, self *mapped) error {
 		}
 		return nil
 	}
-	for _, l := range spec.legs() {
+	for _, l := range spec.withSpares() {
 		if what, ok := taken[l.SessName]; ok {
 			return ctl.Errorf(ctl.CodeExists, "session %s is %s: a mirror's leg needs a session of its own", l.SessName, what)
 		}
@@ -180,10 +212,13 @@ func (d *Daemon) mirrorConflictLocked(spec mapSpec, self *mapped) error {
 	return nil
 }
 
-// legName names leg i of s.legs() in messages.
+// legName names leg i of s.legs() in messages (past them: the spares).
 func (s *mapSpec) legName(i int) string {
-	if i == len(s.Legs) {
+	switch n := len(s.Legs); {
+	case i == n && s.Witness != nil:
 		return "the witness"
+	case i >= len(s.legs()):
+		return "spare " + strconv.Itoa(i-len(s.legs()))
 	}
 	return "leg " + strconv.Itoa(i)
 }
@@ -393,7 +428,7 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 	mp := d.register(s, nil, md, fe)
 	rctx, cancel := context.WithCancel(context.Background())
 	md.stop, md.done = cancel, make(chan struct{})
-	go d.rejoiner(rctx, md)
+	go d.rejoiner(rctx, mp, md)
 	return mp, nil
 }
 
@@ -406,11 +441,16 @@ var rejoinEvery = 5 * time.Second
 // and, reached, rejoins: written at once, resynced in the background
 // (mirror.Mirror.Rejoin); so is a witness that does not vote
 // (mirror.Mirror.RejoinWitness). Until ctx ends.
-func (d *Daemon) rejoiner(ctx context.Context, md *mirrorDev) {
+//
+// A leg (or witness) out since longer than mirror_spare_after and not
+// back is replaced by the first of the mapping's spares the mirror
+// takes (takeSpare).
+func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 	defer close(md.done)
 	t := time.NewTicker(rejoinEvery)
 	defer t.Stop()
-	failing := map[int]string{} // the last error said of each leg
+	failing := map[int]string{}     // the last error said of each leg
+	outSince := map[int]time.Time{} // when each leg out was first seen out
 	for {
 		select {
 		case <-ctx.Done():
@@ -430,13 +470,21 @@ func (d *Daemon) rejoiner(ctx context.Context, md *mirrorDev) {
 				out = append(out, i)
 			} else {
 				delete(failing, i)
+				delete(outSince, i)
 			}
 		}
 		if w := len(s.Legs); s.Witness != nil {
 			if md.m.WitnessVoting() {
 				delete(failing, w)
+				delete(outSince, w)
 			} else {
 				out = append(out, w)
+			}
+		}
+		now := time.Now()
+		for _, i := range out {
+			if _, ok := outSince[i]; !ok {
+				outSince[i] = now
 			}
 		}
 		for _, i := range out {
@@ -451,6 +499,14 @@ func (d *Daemon) rejoiner(ctx context.Context, md *mirrorDev) {
 				err = d.rejoin(ctx, md, i, &now, true)
 			}
 			md.rejoinMu.Unlock()
+			if err != nil && len(now.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
+				if serr := d.takeSpare(ctx, mp, i); serr == nil {
+					delete(outSince, i)
+					err = nil
+				} else {
+					err = fmt.Errorf("%w; and no spare taken: %w", err, serr)
+				}
+			}
 			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": s.legs()[i].SessName})
 			if err == nil {
 				delete(failing, i)
@@ -471,7 +527,7 @@ func (d *Daemon) rejoiner(ctx context.Context, md *mirrorDev) {
 // dialLeg dials leg i of s.legs() (bounded by legDialTimeout) and maps
 // its device read-write. A leg not reached has only err.
 func (d *Daemon) dialLeg(ctx context.Context, s *mapSpec, i int, restore bool) legConn {
-	l := s.legs()[i]
+	l := s.withSpares()[i]
 	var c legConn
 	dctx, cancel := context.WithTimeout(ctx, legDialTimeout)
 	defer cancel()
@@ -544,8 +600,8 @@ func (d *Daemon) rejoin(ctx context.Context, md *mirrorDev, i int, s *mapSpec, r
 // does not vote is replaced; the new leg is written at once and rebuilt
 // in full in the background (a device of this mirror's, its old node
 // back under another address, only with what it missed), then read. The
-// mapping keeps the new leg from when this returns; nothing changes when
-// it fails.
+// mapping keeps the new leg from when this returns (a spare it names
+// leaves the spares); nothing changes when it fails.
 func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) error {
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
@@ -578,6 +634,7 @@ func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) 
 	} else {
 		next.Witness = &l
 	}
+	next.Spares = slices.DeleteFunc(slices.Clone(cur.Spares), func(sp api.Leg) bool { return sp.SessName == l.SessName })
 	s, err := normalize(next) // one node and one session per leg
 	if err != nil {
 		return err
@@ -589,6 +646,15 @@ func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) 
 	if err != nil {
 		return err
 	}
+	if err := md.replaceable(&cur, i); err != nil {
+		return err
+	}
+	return d.takeLeg(ctx, mp, &cur, &s, i, "replaced by the operator")
+}
+
+// replaceable says why leg i of cur may not be replaced now, if it
+// may not.
+func (md *mirrorDev) replaceable(cur *mapSpec, i int) error {
 	switch p := md.m.Resync(); {
 	case md.m.Failed():
 		return ctl.Errorf(ctl.CodeUnavailable, "mirror %s lost its quorum: unmap it and map it again (--force if it must) before replacing a leg", md.name)
@@ -599,7 +665,15 @@ func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) 
 	case i < len(cur.Legs) && p.Leg >= 0:
 		return ctl.Errorf(ctl.CodeBusy, "mirror %s: leg %d resyncs now (one at a time): replace leg %d once it is in sync", md.name, p.Leg, i)
 	}
-	if err := d.rejoin(ctx, md, i, &s, false); err != nil {
+	return nil
+}
+
+// takeLeg has the mirror take leg i as s says in the place of cur's
+// (rejoin), then keeps s as the mapping: in the mirror, the record and
+// the state file. d.mapMu and md.rejoinMu are held.
+func (d *Daemon) takeLeg(ctx context.Context, mp *mapped, cur, s *mapSpec, i int, why string) error {
+	md := mp.mir
+	if err := d.rejoin(ctx, md, i, s, false); err != nil {
 		var re *mirror.RefusedError
 		if ctl.Classify(err) == ctl.CodeInternal || errors.As(err, &re) {
 			err = ctl.Errorf(ctl.CodeInvalid, "%v", err)
@@ -607,21 +681,49 @@ func (d *Daemon) ReplaceLeg(ctx context.Context, name, which string, l api.Leg) 
 		return fmt.Errorf("mirror %s: %s not taken: %w", md.name, s.legTitle(i), err)
 	}
 	md.mu.Lock()
-	conn := *md.conns()[i]
-	if conn.cs != nil {
-		s.legs()[i].SessUUID = sessUUID(conn.cs)
+	if c := md.conns()[i]; c.cs != nil {
+		s.legs()[i].SessUUID = sessUUID(c.cs)
 	}
-	md.spec = s
+	md.spec = *s
 	md.mu.Unlock()
 	d.mu.Lock()
-	mp.Legs, mp.Witness = s.Legs, s.Witness
+	mp.Legs, mp.Witness, mp.Spares = s.Legs, s.Witness, s.Spares
 	d.mu.Unlock()
-	d.log.WithFields(log.Fields{"audit": true, "mirror": md.name, "leg": which, "was": cur.legTitle(i), "now": s.legTitle(i)}).
-		Warn("mirror: leg replaced; rebuilding it")
+	d.log.WithFields(log.Fields{"audit": true, "mirror": md.name, "was": cur.legTitle(i), "now": s.legTitle(i)}).
+		Warn("mirror: " + cur.legName(i) + " " + why + "; rebuilding it")
 	if err := d.saveState(); err != nil {
 		return fmt.Errorf("%s replaced and rebuilding, but saving it in the state file failed: %w", cur.legName(i), err)
 	}
 	return nil
+}
+
+// takeSpare puts the first spare that the mirror takes in the place of
+// leg i, out since longer than mirror_spare_after. It does nothing while
+// a map or unmap holds the daemon (the next round tries again).
+func (d *Daemon) takeSpare(ctx context.Context, mp *mapped, i int) error {
+	if !d.mapMu.TryLock() {
+		return errors.New("the daemon maps or unmaps: tried again")
+	}
+	defer d.mapMu.Unlock()
+	md := mp.mir
+	md.rejoinMu.Lock()
+	defer md.rejoinMu.Unlock()
+	md.mu.Lock()
+	cur := md.spec
+	md.mu.Unlock()
+	if err := md.replaceable(&cur, i); err != nil {
+		return err
+	}
+	var errs []error
+	for j := range cur.Spares {
+		s := cur.spare(i, j)
+		err := d.takeLeg(ctx, mp, &cur, &s, i, "out longer than mirror_spare_after: a spare took its place")
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
 }
 
 // legIndex is the index in s.legs() of leg which: its number, or
@@ -714,6 +816,9 @@ func (d *mirrorDev) legRecords() []api.CltLegRecord {
 			r.Resync, r.ResyncTotal = p.Copied, p.Total
 		}
 		out = append(out, r)
+	}
+	for j, l := range s.Spares {
+		out = append(out, api.CltLegRecord{Leg: "spare" + strconv.Itoa(j), SessName: l.SessName, DevicePath: l.DevicePath, State: "spare"})
 	}
 	return out
 }

@@ -318,3 +318,55 @@ func TestMirrorReplaceLeg(t *testing.T) {
 		t.Fatalf("the restarted client dialled the replaced leg:\n%s", cl.out.String())
 	}
 }
+
+// TestMirrorSpare: a mirror mapped with a spare (map --spare); a leg's
+// storage node lost and not back within mirror_spare_after: the spare
+// takes its place by itself, is rebuilt in full under IO, and the state
+// file keeps it.
+func TestMirrorSpare(t *testing.T) {
+	needTools(t, "qemu-io")
+	const size = 24 << 20
+	a, b, w, c := newStorageNode(t, size), newStorageNode(t, size), newStorageNode(t, 1<<20), newStorageNode(t, size)
+	dir := t.TempDir()
+	cl := startClient(t, dir, "--mirror-leg-timeout", "2s", "--mirror-spare-after", "1s")
+	sock := filepath.Join(dir, "m.sock")
+	uri := "nbd+unix:///vol?socket=" + sock
+	cl.ok("map", "--mirror", "vol", "--leg", a.leg("s-a"), "--leg", b.leg("s-b"), "--witness", w.leg("s-w"),
+		"--spare", c.leg("s-c"), "--as", "socket:"+sock, "--create-if-new")
+	legs := func() string {
+		var out []string
+		for _, l := range cl.records("device", "show", "rnbd0")[0]["legs"].([]any) {
+			m := l.(map[string]any)
+			out = append(out, fmt.Sprint(m["leg"], ":", m["sessname"], "=", m["state"]))
+		}
+		return strings.Join(out, ",")
+	}
+	if got := legs(); got != "0:s-a=in sync,1:s-b=in sync,witness:s-w=voting,spare0:s-c=spare" {
+		t.Fatalf("legs after create: %s", got)
+	}
+	qemuIO(t, uri, "write -P 0xa1 0 1M")
+	b.kill(t)
+	start := time.Now()
+	qemuIO(t, uri, "write -P 0xb2 1M 1M")
+	kit.WaitFor(t, time.Minute, "the spare in b's place, in sync", func() bool {
+		return legs() == "0:s-a=in sync,1:s-c=in sync,witness:s-w=voting"
+	})
+	t.Logf("b's node lost: the spare in sync %v later", time.Since(start))
+	for i, p := range []byte{0xa1, 0xb2} {
+		if !bytes.Equal(c.data(t, int64(i)<<20, 1<<20), bytes.Repeat([]byte{p}, 1<<20)) {
+			t.Fatalf("the spare does not hold MiB %d (%#x)", i, p)
+		}
+	}
+	if log := cl.out.String(); !strings.Contains(log, "a spare took its place") || !strings.Contains(log, "audit") {
+		t.Fatalf("no audit line for the spare taken:\n%s", log)
+	}
+	cl.stop()
+	cl = startClient(t, dir, "--mirror-leg-timeout", "2s")
+	kit.WaitFor(t, time.Minute, "the mirror restored", func() bool {
+		return cl.records("device", "show", "rnbd0")[0]["state"] == "open"
+	})
+	if got := legs(); got != "0:s-a=in sync,1:s-c=in sync,witness:s-w=voting" {
+		t.Fatalf("legs after a restart: %s", got)
+	}
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M")
+}
