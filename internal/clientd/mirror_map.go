@@ -700,6 +700,8 @@ func (d *Daemon) takeLeg(ctx context.Context, mp *mapped, cur, s *mapSpec, i int
 // takeSpare puts the first spare that the mirror takes in the place of
 // leg i, out since longer than mirror_spare_after. It does nothing while
 // a map or unmap holds the daemon (the next round tries again).
+//
+// +checklocksignore: checklocks does not follow TryLock.
 func (d *Daemon) takeSpare(ctx context.Context, mp *mapped, i int) error {
 	if !d.mapMu.TryLock() {
 		return errors.New("the daemon maps or unmaps: tried again")
