@@ -43,9 +43,9 @@ type (
 		Legs    []Leg  `json:"legs,omitempty"`
 		Witness *Leg   `json:"witness,omitempty"`
 		// Spares are devices on other storage nodes that take the
-		// place of a leg out longer than mirror_spare_after, in
-		// their order, each rebuilt in full (mapping.replace-leg
-		// by the daemon); one taken leaves the list.
+		// place of a leg out longer than mirror_spare_after, tried
+		// in their order, rebuilt in full (as replace-leg does it);
+		// one taken leaves the list.
 		Spares []Leg `json:"spares,omitempty"`
 		// Create makes the mirror's metadata on its legs, new volumes
 		// holding no superblock: map only, not kept.

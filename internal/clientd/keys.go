@@ -43,7 +43,7 @@ var ConfigKeys = []conf.KeyDoc{
 	{Keys: []string{"mirror_resync_rate"}, Flag: "`--mirror-resync-rate`", Default: "200MiB a second",
 		Doc: "how fast a mirror's resync copies, a size a second (each mirror's; IO goes on meanwhile): a leg that rejoins copies what it missed, a new one everything; at least 1MiB"},
 	{Keys: []string{"mirror_spare_after"}, Flag: "`--mirror-spare-after`", Default: "5m0s",
-		Doc: "how long a mirror's leg (or witness) stays out, its storage node not back, before the first of the mapping's spares (`map --spare`) takes its place and is rebuilt in full; longer than a storage node's reboot, which a resync from the bitmap mends for less"},
+		Doc: "how long a mirror's leg (not the witness) stays out, its storage node not back, before the first of the mapping's spares (`map --spare`) takes its place and is rebuilt in full; longer than a storage node's reboot, which a resync from the bitmap mends for less"},
 	{Keys: []string{"ublk_queue_depth"}, Flag: "`--ublk-queue-depth`", Default: "64",
 		Doc: "requests in flight per ublk queue (one queue per CPU); each takes a buffer of `ublk_max_io_kb`, registered with the session; 1 to 4096"},
 	{Keys: []string{"ublk_max_io_kb"}, Flag: "`--ublk-max-io-kb`", Default: "512",

@@ -442,9 +442,9 @@ var rejoinEvery = 5 * time.Second
 // (mirror.Mirror.Rejoin); so is a witness that does not vote
 // (mirror.Mirror.RejoinWitness). Until ctx ends.
 //
-// A leg (or witness) out since longer than mirror_spare_after and not
-// back is replaced by the first of the mapping's spares the mirror
-// takes (takeSpare).
+// A leg out since longer than mirror_spare_after and not back is
+// replaced by the first of the mapping's spares the mirror takes
+// (takeSpare).
 func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 	defer close(md.done)
 	t := time.NewTicker(rejoinEvery)
@@ -499,7 +499,8 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 				err = d.rejoin(ctx, md, i, &now, true)
 			}
 			md.rejoinMu.Unlock()
-			if err != nil && len(now.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
+			// A spare is a leg's (the witness is replaced by hand).
+			if err != nil && i < len(now.Legs) && len(now.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
 				if serr := d.takeSpare(ctx, mp, i); serr == nil {
 					delete(outSince, i)
 					err = nil

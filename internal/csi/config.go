@@ -57,6 +57,10 @@ type ControllerConfig struct {
 	MaxCallsPerNode   int           `toml:"max_calls_per_node"`
 	MaxQueuedPerNode  int           `toml:"max_queued_per_node"`
 	ReconcileInterval conf.Duration `toml:"reconcile_interval"`
+	// MirrorReplaceAfter is how long a replicated volume's leg's
+	// storage node may not answer before the reconciler makes the leg
+	// anew on another (0: never; mirror_replace.go).
+	MirrorReplaceAfter conf.Duration `toml:"mirror_replace_after"`
 }
 
 // Defaults of [controller]. MaxCallsPerNode stays under a storage
@@ -67,6 +71,10 @@ const (
 	DefaultMaxCallsPerNode   = 16
 	DefaultMaxQueuedPerNode  = 512
 	DefaultReconcileInterval = time.Minute
+	// DefaultMirrorReplaceAfter is longer than a storage node's
+	// reboot, which the leg's resync from the mirror's bitmap mends for
+	// less than a rebuild.
+	DefaultMirrorReplaceAfter = 10 * time.Minute
 )
 
 func (c ControllerConfig) validate() error {
@@ -76,6 +84,9 @@ func (c ControllerConfig) validate() error {
 	}
 	if c.MaxCallsPerNode < 1 || c.MaxQueuedPerNode < 0 {
 		errs = append(errs, fmt.Errorf("[controller] max_calls_per_node %d, max_queued_per_node %d: want at least 1 and 0", c.MaxCallsPerNode, c.MaxQueuedPerNode))
+	}
+	if d := c.MirrorReplaceAfter.Duration; d < 0 {
+		errs = append(errs, fmt.Errorf("[controller] mirror_replace_after %v: want 0 (never) or more", d))
 	}
 	if d := c.ReconcileInterval.Duration; d < time.Second {
 		errs = append(errs, fmt.Errorf("[controller] reconcile_interval %v: want 1s or more", d))
@@ -130,7 +141,8 @@ func DefaultConfig() Config {
 	return Config{Version: configVersion, DriverName: DefaultDriverName, Node: NodeConfig{ClientSocket: DefaultClientSocket},
 		Workers: WorkersConfig{Source: WorkersKubernetes},
 		Controller: ControllerConfig{StorageTimeout: conf.Duration{Duration: DefaultStorageTimeout}, MaxCallsPerNode: DefaultMaxCallsPerNode,
-			MaxQueuedPerNode: DefaultMaxQueuedPerNode, ReconcileInterval: conf.Duration{Duration: DefaultReconcileInterval}}}
+			MaxQueuedPerNode: DefaultMaxQueuedPerNode, ReconcileInterval: conf.Duration{Duration: DefaultReconcileInterval},
+			MirrorReplaceAfter: conf.Duration{Duration: DefaultMirrorReplaceAfter}}}
 }
 
 // LoadConfig reads the configuration file at path (which must exist)

@@ -44,6 +44,8 @@ var ConfigKeys = []conf.KeyDoc{
 		Doc: "calls the controller has under way to one storage node at once, and how many more wait their turn (the wait is `rnbd_csi_storage_queue_wait_seconds`); one past both is refused Unavailable at once. Keep `max_calls_per_node` under the storage nodes' `[admin] max_requests_per_identity`"},
 	{Table: "[controller]", Keys: []string{"reconcile_interval"}, Default: "1m0s",
 		Doc: "how often the controller lists the storage nodes for the copies of one CSI name on two nodes (made while one did not answer) and reclaims the older ([kubernetes.md](kubernetes.md#a-storage-node-that-does-not-answer)); a node that answers again is looked at at once"},
+	{Table: "[controller]", Keys: []string{"mirror_replace_after"}, Default: "10m0s",
+		Doc: "how long a replicated volume's leg's storage node may not answer before the reconciler makes the leg anew on another node (one of the spares the worker was given at publish, in the members' topology and `spreadBy`) and grants it to the worker, whose rnbd-client takes it after its `mirror_spare_after` and rebuilds it in full ([kubernetes.md](kubernetes.md#replicated-volumes)); `0s`: never"},
 	{Table: "[kubernetes]", Keys: []string{"api_server", "token_file", "ca"}, Default: "the pod's own",
 		Doc: "the Kubernetes API server (`https://HOST:PORT`; unset, `KUBERNETES_SERVICE_HOST` and `_PORT`), the bearer token's file and the API server's authority (unset, the service account's), for `[workers] source = \"kubernetes\"` and `topology_from_node`; the token is read again at each call, as Kubernetes rotates it"},
 }

@@ -157,6 +157,11 @@ type mirrorVolume struct {
 	// placement that did not answer.
 	found  map[string]found
 	silent []string
+	// strays are volumes of its name and a member's labels that its
+	// placement does not name (retired by a replacement, mirror_replace.go);
+	// retired the nodes its placement says hold such.
+	strays  []found
+	retired []string
 }
 
 // id is its CSI id.
@@ -176,7 +181,6 @@ func (c *controller) findMirror(ctx context.Context, vname string) (*mirrorVolum
 		case r.err != nil:
 			silent = append(silent, r.n.cfg.Name)
 		case r.v.Labels[labelMember] != "" && r.v.Labels[labelName] != "":
-			mv.found[r.v.Labels[labelMember]] = found{r.n, *r.v}
 			if newest == nil || madeAt(*r.v).After(madeAt(*newest)) {
 				newest = r.v
 			}
@@ -193,10 +197,16 @@ func (c *controller) findMirror(ctx context.Context, vname string) (*mirrorVolum
 		return nil, status.Errorf(codes.Internal, "volume %s: its %s label: %v", mirrorID(vname), labelMembers, err)
 	}
 	mv.place = p
-	for part, f := range mv.found {
+	mv.retired = splitSet(newest.Labels[labelRetired])
+	for _, r := range results {
+		if r.err != nil || r.v.Labels[labelMember] == "" || r.v.Labels[labelName] == "" {
+			continue
+		}
 		// A member that is not where the placement says is no member.
-		if !slices.Contains(p.members(), member{part, f.n.cfg.Name}) {
-			delete(mv.found, part)
+		if part := r.v.Labels[labelMember]; slices.Contains(p.members(), member{part, r.n.cfg.Name}) {
+			mv.found[part] = found{r.n, *r.v}
+		} else {
+			mv.strays = append(mv.strays, found{r.n, *r.v})
 		}
 	}
 	for _, m := range p.members() {
@@ -468,6 +478,14 @@ func (c *controller) deleteMirror(ctx context.Context, id, vname string) (*csi.D
 			silent = append(silent, s)
 		}
 	}
+	// A retired member's node too: its member would be left behind.
+	for _, s := range mv.retired {
+		if n := c.node(s); n != nil && !slices.Contains(silent, s) && !slices.ContainsFunc(mv.strays, func(f found) bool { return f.n == n }) {
+			if _, err := n.volume(ctx, vname); err != nil && !isNotFound(err) {
+				silent = append(silent, s)
+			}
+		}
+	}
 	if len(silent) > 0 {
 		return nil, status.Errorf(codes.Unavailable, "volume %s has a member on %s, which does not answer: deleted once it does (or once it is "+
 			"taken out of the configuration)", id, strings.Join(silent, ", "))
@@ -482,6 +500,11 @@ func (c *controller) deleteMirror(ctx context.Context, id, vname string) (*csi.D
 		}
 		if err := f.n.deleteVolume(ctx, f.v.Name); err != nil && !isNotFound(err) {
 			return nil, toStatus(err, fmt.Sprintf("deleting %s of volume %s on %s", m.part, id, f.n))
+		}
+	}
+	for _, f := range mv.strays {
+		if err := f.n.deleteVolume(ctx, f.v.Name); err != nil && !isNotFound(err) {
+			return nil, toStatus(err, fmt.Sprintf("deleting a retired %s of volume %s on %s", f.v.Labels[labelMember], id, f.n))
 		}
 	}
 	c.log.WithFields(log.Fields{"volume": id, "placement": mv.place.String()}).Info("replicated volume deleted")

@@ -101,7 +101,8 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 	if len(granted) == 0 {
 		return nil, status.Errorf(codes.Unavailable, "volume %s: no member's storage node answers", id)
 	}
-	if err := c.notePublished(ctx, mv, node); err != nil {
+	spares := c.spareNodes(mv)
+	if err := c.notePublished(ctx, mv, node, spares); err != nil {
 		return nil, err
 	}
 	c.log.WithFields(log.Fields{"volume": id, "node": node, "members": strings.Join(granted, ",")}).Info("replicated volume published")
@@ -115,6 +116,14 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 	if w := mv.place.witness; w != "" {
 		b, _ := json.Marshal(c.legContext(w, vname))
 		pc[PCWitness] = string(b)
+	}
+	if len(spares) > 0 {
+		var sc []legContext
+		for _, n := range spares {
+			sc = append(sc, c.legContext(n, vname))
+		}
+		b, _ := json.Marshal(sc)
+		pc[PCSpares] = string(b)
 	}
 	for _, k := range []string{PCTransport, PCMpathPolicy, PCFrontend} {
 		if s := req.GetVolumeContext()[k]; s != "" {
@@ -170,7 +179,7 @@ func (c *controller) unpublishMirror(ctx context.Context, req *csi.ControllerUnp
 	if err := errors.Join(errs...); err != nil {
 		return nil, toStatus(err, "unpublishing volume "+id)
 	}
-	if err := c.notePublished(ctx, mv, ""); err != nil {
+	if err := c.notePublished(ctx, mv, "", nil); err != nil {
 		return nil, err
 	}
 	if len(mv.silent) > 0 {
@@ -181,12 +190,13 @@ func (c *controller) unpublishMirror(ctx context.Context, req *csi.ControllerUnp
 }
 
 // notePublished records on every member found that the volume is
-// published to node ("": to none) as of now.
-func (c *controller) notePublished(ctx context.Context, mv *mirrorVolume, node string) error {
+// published to node ("": to none) as of now, with the spares it was
+// given (mirror_replace.go).
+func (c *controller) notePublished(ctx context.Context, mv *mirrorVolume, node string, spares []string) error {
 	at := time.Now().UTC().Format(time.RFC3339Nano)
 	for part, f := range mv.found {
 		l := maps.Clone(f.v.Labels)
-		l[labelPublished], l[labelPublishedAt] = node, at
+		l[labelPublished], l[labelPublishedAt], l[labelSpares] = node, at, strings.Join(spares, ",")
 		if err := f.n.setLabels(ctx, f.v.Name, l); err != nil && ctl.Classify(err) != ctl.CodeUnavailable {
 			return toStatus(err, fmt.Sprintf("volume %s: recording its publish on %s", mv.id(), part))
 		}
@@ -282,6 +292,6 @@ func (c *controller) fixGrants(ctx context.Context, f found, ids []string, want 
 		}
 	}
 	l := maps.Clone(f.v.Labels)
-	l[labelPublished], l[labelPublishedAt] = last[labelPublished], last[labelPublishedAt]
+	l[labelPublished], l[labelPublishedAt], l[labelSpares] = last[labelPublished], last[labelPublishedAt], last[labelSpares]
 	return f.n.setLabels(ctx, f.v.Name, l)
 }

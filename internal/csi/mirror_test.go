@@ -3,6 +3,8 @@ package csi
 import (
 	"context"
 	"encoding/json"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -309,5 +311,106 @@ func TestReplicatedCreateCrash(t *testing.T) {
 	}
 	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestReplicatedLegReplaced: a published replicated volume whose leg's
+// storage node is gone for mirror_replace_after gets the leg anew on a
+// spare the worker was given at publish, in the dead leg's zone (the
+// other leg's is spreadBy's), granted to the worker; every member says
+// the new placement, the old member is retired. A delete waits for the
+// retired member's node, then removes it with the others.
+func TestReplicatedLegReplaced(t *testing.T) {
+	const zone = "topology.kubernetes.io/zone"
+	z := func(v string) map[string]string { return map[string]string{zone: v} }
+	r := newRigWith(t, rigOptions{nodes: 5, labels: []map[string]string{z("a"), z("a"), z("b"), z("b"), z("c")},
+		edit: func(c *Config) {
+			c.Controller.StorageTimeout = conf.Duration{Duration: 2 * time.Second}
+			c.Controller.MirrorReplaceAfter = conf.Duration{Duration: time.Second}
+		}})
+	ctx := context.Background()
+	zoneOf := map[string]string{"node-a": "a", "node-b": "a", "node-c": "b", "node-d": "b", "node-e": "c"}
+	const size = 32 << 20
+	v := r.mustCreate("pvc-rep", size, map[string]string{"replicas": "2", "spreadBy": zone}, nil)
+	parts := byPart(r.members("pvc-rep"))
+	pub, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var spares []legContext
+	if err := json.Unmarshal([]byte(pub.GetPublishContext()[PCSpares]), &spares); err != nil || len(spares) != 2 {
+		t.Fatalf("publish context spares %q (%v): want the two nodes with no member", pub.GetPublishContext()[PCSpares], err)
+	}
+	var spareNames []string
+	for _, s := range spares {
+		spareNames = append(spareNames, s.StorageNode)
+		if slices.Contains(slices.Collect(maps.Values(parts)), s.StorageNode) || s.Export != "pvc-rep" || len(s.Paths) == 0 {
+			t.Fatalf("spare %+v: a member's node, or without its export or paths (members %v)", s, parts)
+		}
+	}
+	// Replaced only once gone for mirror_replace_after: a reconcile now
+	// (every node answers) replaces nothing.
+	if got := r.d.ctrl.reconcile(ctx); got != 0 {
+		t.Fatalf("the reconciler changed %d with every node up", got)
+	}
+
+	// leg1's node: the first spare (in leg0's zone) is not for it.
+	dead := parts["leg1"]
+	r.procs[dead].stop()
+	var ms map[string]api.VolumeRecord
+	kit.WaitFor(t, time.Minute, "leg1 made anew", func() bool {
+		r.d.ctrl.reconcile(ctx)
+		ms = r.members("pvc-rep")
+		return byPart(ms)["leg1"] != "" && byPart(ms)["leg1"] != dead
+	})
+	now := byPart(ms)
+	to := now["leg1"]
+	if !slices.Contains(spareNames, to) || zoneOf[to] != zoneOf[dead] || now["leg0"] != parts["leg0"] || now["witness"] != parts["witness"] {
+		t.Fatalf("leg1 of %v made on %s (was %s, zone %s), spares %v: want a spare in zone %s, the others where they were", parts, to, dead, zoneOf[dead], spareNames, zoneOf[dead])
+	}
+	place := "leg0=" + parts["leg0"] + ",leg1=" + to + ",witness=" + parts["witness"]
+	for node, m := range ms {
+		if m.Labels[labelMembers] != place || m.Labels[labelRetired] != dead {
+			t.Errorf("member on %s: placement %q retired %q, want %q and %s", node, m.Labels[labelMembers], m.Labels[labelRetired], place, dead)
+		}
+	}
+	if m := ms[to]; m.Size == nil || *m.Size != size+mirror.DataOff {
+		t.Errorf("the new leg's size %v, want %d", m.Size, size+mirror.DataOff)
+	}
+	if g := r.grants(to + "/pvc-rep"); g["host-1"] != "rw" || len(g) != 1 {
+		t.Errorf("the new leg's grants %v: want the worker's, rw", g)
+	}
+	if got := r.d.ctrl.reconcile(ctx); got != 0 {
+		t.Errorf("a second reconcile changed %d: the leg is made once", got)
+	}
+	// Published again (the kubelet's retry, or the pod's next node): the
+	// new placement, the retired node no spare.
+	pub, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var legs []legContext
+	json.Unmarshal([]byte(pub.GetPublishContext()[PCLegs]), &legs)
+	if len(legs) != 2 || legs[1].StorageNode != to || strings.Contains(pub.GetPublishContext()[PCSpares], dead) {
+		t.Fatalf("publish context after the replacement: %v", pub.GetPublishContext())
+	}
+
+	// Deleted: not while the retired member's node does not answer,
+	// then every member, the retired one too.
+	_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
+	wantCode(t, "a delete while the retired member's node does not answer", err, codes.Unavailable)
+	r.procs[dead].start()
+	kit.WaitFor(t, 30*time.Second, dead+" answering again", func() bool {
+		_, err := r.d.ctrl.node(dead).pools(ctx)
+		return err == nil
+	})
+	if m, err := api.NewServer(r.admin[dead]).Volume(ctx, "pvc-rep"); err != nil || m.Labels[labelMember] != "leg1" {
+		t.Fatalf("the retired member on %s once back: %+v %v", dead, m, err)
+	}
+	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+	if ms := r.members("pvc-rep"); len(ms) != 0 {
+		t.Fatalf("members left after delete: %v", byPart(ms))
 	}
 }

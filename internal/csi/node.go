@@ -218,10 +218,10 @@ type stageRequest struct {
 	transport, policy string
 	frontend          string
 	access            string // ro, rw or migration (a second writer)
-	// mirror, legs and witness are a replicated volume's (mirror.go):
-	// mapped as a mirror, not as export.
+	// mirror, legs, witness and spares are a replicated volume's
+	// (mirror.go): mapped as a mirror, not as export.
 	mirror          string
-	legs            []api.Leg
+	legs, spares    []api.Leg
 	witness         *api.Leg
 	readOnly, block bool
 	fsType          string
@@ -335,6 +335,19 @@ func (n *NodeServer) parseMirrorStage(s *stageRequest, pc map[string]string) err
 			return err
 		}
 		s.witness = &l
+	}
+	if sp := pc[PCSpares]; sp != "" {
+		var spares []legContext
+		if err := json.Unmarshal([]byte(sp), &spares); err != nil || len(spares) > maxSpares {
+			return status.Errorf(codes.InvalidArgument, "publish_context %s %q: want the JSON of at most %d members (%v)", PCSpares, sp, maxSpares, err)
+		}
+		for _, lc := range spares {
+			l, err := leg(lc)
+			if err != nil {
+				return err
+			}
+			s.spares = append(s.spares, l)
+		}
 	}
 	return nil
 }
@@ -513,7 +526,7 @@ func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, er
 	if s.mirror != "" {
 		// Its first stage makes the mirror's metadata; every other
 		// (and a retry of the first) assembles it.
-		m = api.Mapping{Mirror: s.mirror, Legs: s.legs, Witness: s.witness, CreateIfNew: true, AccessMode: accessRW,
+		m = api.Mapping{Mirror: s.mirror, Legs: s.legs, Witness: s.witness, Spares: s.spares, CreateIfNew: true, AccessMode: accessRW,
 			Transport: s.transport, As: s.frontend}
 	}
 	if s.policy != "" {

@@ -157,17 +157,19 @@ func TestParseStageMirror(t *testing.T) {
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
 	legs := `[{"storageNode":"sn1","export":"pvc-1","paths":["ip:10.0.8.5"],"port":1234},{"storageNode":"sn2","export":"pvc-1","paths":["ip:10.0.8.6","ip:10.0.9.6"]}]`
 	wit := `{"storageNode":"sn3","export":"pvc-1","paths":["ip:10.0.8.7"]}`
-	pc := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit, PCAccess: "rw"}
+	spares := `[{"storageNode":"sn4","export":"pvc-1","paths":["ip:10.0.8.8"]}]`
+	pc := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit, PCSpares: spares, PCAccess: "rw"}
 	s, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "mirror:pvc-1", StagingTargetPath: "/st", VolumeCapability: rwo, PublishContext: pc})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s.mirror != "pvc-1" || len(s.legs) != 2 || s.witness == nil || s.access != "rw" || !s.block ||
-		s.legs[0].DestPort != 1234 || len(s.legs[1].Paths) != 2 || s.witness.DevicePath != "pvc-1" {
+		s.legs[0].DestPort != 1234 || len(s.legs[1].Paths) != 2 || s.witness.DevicePath != "pvc-1" ||
+		len(s.spares) != 1 || s.spares[0].DevicePath != "pvc-1" || s.spares[0].Paths[0] != "ip:10.0.8.8" {
 		t.Fatalf("parsed %+v", s)
 	}
-	sess := map[string]bool{s.legs[0].SessName: true, s.legs[1].SessName: true, s.witness.SessName: true, n.sessName("sn1"): true}
-	if len(sess) != 4 || !strings.HasPrefix(s.legs[0].SessName, "host-a@sn1-m") {
+	sess := map[string]bool{s.legs[0].SessName: true, s.legs[1].SessName: true, s.witness.SessName: true, s.spares[0].SessName: true, n.sessName("sn1"): true}
+	if len(sess) != 5 || !strings.HasPrefix(s.legs[0].SessName, "host-a@sn1-m") {
 		t.Fatalf("sessions %v: each member's own, apart from the node's volumes' session", sess)
 	}
 	if other := n.legSessName("sn1", "pvc-2"); other == s.legs[0].SessName {
@@ -196,6 +198,9 @@ func TestParseStageMirror(t *testing.T) {
 		"a leg without path": {"mirror:pvc-1", with(PCLegs, `[{"storageNode":"sn1","export":"pvc-1"},{"storageNode":"sn2","export":"pvc-1","paths":["ip:1.2.3.4"]}]`), rwo},
 		"a bad port":         {"mirror:pvc-1", with(PCLegs, `[{"storageNode":"sn1","export":"pvc-1","paths":["ip:1.2.3.4"],"port":70000},{"storageNode":"sn2","export":"pvc-1","paths":["ip:1.2.3.5"]}]`), rwo},
 		"a bad witness":      {"mirror:pvc-1", with(PCWitness, `{"storageNode":`), rwo},
+		"bad spares":         {"mirror:pvc-1", with(PCSpares, `{"storageNode":"sn4"}`), rwo},
+		"a spare, no paths":  {"mirror:pvc-1", with(PCSpares, `[{"storageNode":"sn4","export":"pvc-1"}]`), rwo},
+		"four spares":        {"mirror:pvc-1", with(PCSpares, "["+strings.Repeat(`{"storageNode":"sn4","export":"pvc-1","paths":["ip:1.2.3.4"]},`, 3)+`{"storageNode":"sn5","export":"pvc-1","paths":["ip:1.2.3.4"]}]`), rwo},
 		"read-only":          {"mirror:pvc-1", with(PCAccess, "ro"), rwo},
 		"a reader mode":      {"mirror:pvc-1", pc, reader},
 	} {

@@ -134,7 +134,7 @@ func (c *controller) reconcile(ctx context.Context) int {
 		}
 		unlock()
 	}
-	return reclaimed + c.reconcileGrants(ctx, results)
+	return reclaimed + c.reconcileGrants(ctx, results) + c.replaceLegs(ctx, results)
 }
 
 // reclaim deletes f, a copy of a CSI name older than the copy keep,

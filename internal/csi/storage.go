@@ -35,7 +35,9 @@ type storageNode struct {
 	// are refused at once: a node that does not answer holds no queue.
 	up      atomic.Bool
 	probing atomic.Bool
-	changed func(n *storageNode, up bool)
+	// downSince is when up turned false (unix nanoseconds; 0 while up).
+	downSince atomic.Int64
+	changed   func(n *storageNode, up bool)
 }
 
 func newStorageNode(cfg *StorageNode, cl *ctl.Client, cc ControllerConfig, m *rpcMetrics, changed func(*storageNode, bool)) *storageNode {
@@ -101,6 +103,9 @@ func (n *storageNode) answered(err error) {
 		v := 0.0
 		if up {
 			v = 1
+			n.downSince.Store(0)
+		} else {
+			n.downSince.Store(time.Now().UnixNano())
 		}
 		n.m.nodeUp.WithLabelValues(n.cfg.Name).Set(v)
 		if n.changed != nil {
