@@ -34,7 +34,7 @@ type kernelRig struct {
 
 func (r *kernelRig) clientArgs() []string {
 	return []string{"daemon", "--config", "/dev/null", "--control-socket", filepath.Join(r.dir, "c.sock"),
-		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s", "--mirror-leg-timeout", "2s"}
+		"--state-file", filepath.Join(r.dir, "c.json"), "--socket-dir", r.dir, "--size-poll", "1s", "--mirror-leg-timeout", "2s", "--mirror-spare-after", "1s"}
 }
 
 // newKernelRig starts them, where the VM tier's csi part says the
@@ -538,7 +538,7 @@ func TestNodeReplicatedOnKernel(t *testing.T) {
 	dirs := map[string]string{"sn1": r.dir}
 	ports := map[string]int{"sn1": r.port}
 	servers := map[string]*exec.Cmd{}
-	for i, name := range []string{"sn2", "sn3"} {
+	for i, name := range []string{"sn2", "sn3", "sn4"} {
 		dirs[name], ports[name] = filepath.Join(r.dir, name), r.port+1+i
 		servers[name] = r.run(t, "rnbd-server-"+name, filepath.Join(r.bin, "rnbd-server"), "daemon", "--config", r.serverConfig(t, dirs[name], ports[name]))
 		kit.WaitFor(t, 20*time.Second, name+"'s socket", func() bool { _, err := os.Stat(filepath.Join(dirs[name], "s.sock")); return err == nil })
@@ -616,14 +616,52 @@ func TestNodeReplicatedOnKernel(t *testing.T) {
 	if h := health(); len(h) != 1 || h[0].GetStatus() != csi.VolumeHealthErrorType_INACCESSIBLE {
 		t.Fatalf("health unstaged %v, want INACCESSIBLE (not mapped here)", h)
 	}
-	// Staged again: assembled from both legs, the files there.
+	// Staged again, published with a spare (sn4, no volume there yet):
+	// assembled from both legs, the files there.
+	pc[PCSpares] = "[" + leg("sn4") + "]"
 	if _, err := n.NodeStageVolume(ctx, stage); err != nil {
 		t.Fatal(err)
 	}
-	for _, name := range []string{"first", "second"} {
-		if b, err := os.ReadFile(filepath.Join(staging, name)); err != nil || string(b) != name {
-			t.Fatalf("%s after staging again: %q %v", name, b, err)
+	readAll := func(names ...string) {
+		t.Helper()
+		for _, name := range names {
+			if b, err := os.ReadFile(filepath.Join(staging, name)); err != nil || string(b) != name {
+				t.Fatalf("%s: %q %v", name, b, err)
+			}
 		}
+	}
+	readAll("first", "second")
+
+	// sn2 lost for good: the controller makes leg 1 anew on the spare
+	// (here by hand, as its reconciler does once the node is gone for
+	// mirror_replace_after); the worker's rnbd-client, the leg out for
+	// its mirror_spare_after, takes it and rebuilds it in full under
+	// IO, ext4 on it.
+	servers["sn2"].Process.Kill()
+	servers["sn2"].Wait()
+	write("third")
+	r.srvIn(t, dirs["sn4"], "volume", "create", vol, "--pool", "p", "--size", "72MiB")
+	start := time.Now()
+	kit.WaitFor(t, 2*time.Minute, "the spare to take leg 1's place and be rebuilt", func() bool {
+		m := r.mappings(t, n)
+		return len(health()) == 0 && len(m) == 1 && len(m[0].Legs) == 3 && strings.Contains(m[0].Legs[1].SessName, "sn4")
+	})
+	t.Logf("leg 1 replaced by the spare and rebuilt %v after its volume was made", time.Since(start))
+	write("fourth")
+	readAll("first", "second", "third", "fourth")
+	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	r.nothingStaged(t, n, staging)
+	// Published again with the new placement (leg 1 on sn4), sn2 still
+	// gone: assembled, every file there.
+	pc[PCLegs], pc[PCSpares] = "["+leg("sn1")+","+leg("sn4")+"]", ""
+	if _, err := n.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatal(err)
+	}
+	readAll("first", "second", "third", "fourth")
+	if h := health(); len(h) != 0 {
+		t.Fatalf("health over the new placement %v, want healthy", h)
 	}
 	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
