@@ -459,6 +459,22 @@ if want csi-fleet; then
 			tail -15 "$l" | sed 's/^/DETAIL /'
 		done
 	fi
+	# A replicated volume's fleet scenario (TestFleetReplicatedOnKernel):
+	# four storage nodes, a leg's frozen and thawed (resynced from the
+	# bitmap), the other's killed for good (the leg made anew on a spare
+	# and rebuilt).
+	f0=$fail
+	mkdir -p /tmp/csi-fleet-mirror-logs
+	PATH=/sbin:/usr/sbin:/usr/bin:/bin RNBD_CSI_KERNEL=1 RNBD_BIN=/bin RNBD_CSI_LOGS=/tmp/csi-fleet-mirror-logs RNBD_CSI_CONSOLE=1 \
+		gotest csi-fleet-mirror /bin/csi.test -test.run '^TestFleetReplicatedOnKernel$' -test.timeout 580s
+	grep '^TPUT ' /tmp/csi-fleet-mirror.out
+	if [ "$fail" != "$f0" ]; then
+		grep -E 'fleet_mirror_kernel_test\.go:[0-9]+: ' /tmp/csi-fleet-mirror.out | head -30 | sed 's/^/DETAIL /'
+		for l in /tmp/csi-fleet-mirror-logs/*.log; do
+			echo "DETAIL --- $l"
+			tail -25 "$l" | sed 's/^/DETAIL /'
+		done
+	fi
 fi
 
 # lvm-bench (only when named): tools/fleetbench on a thin pool of its

@@ -1,0 +1,348 @@
+package csi
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/test/kit"
+	"github.com/rnbd/rnbd/test/testca"
+	"github.com/rnbd/rnbd/test/testfs"
+)
+
+// TestFleetReplicatedOnKernel is the fleet scenario of a replicated
+// volume (replicas 2, a witness), driven through the CSI services over
+// gRPC as the sidecars and the kubelet would, on four real storage
+// nodes and a worker's rnbd-client, ext4 on /dev/ublkbN:
+//   - a leg's storage node frozen (SIGSTOP) under IO: the leg taken out,
+//     the IO going on; thawed, the leg rejoins and is resynced from the
+//     bitmap — the bytes copied printed against the volume's size;
+//   - the other leg's node killed for good under IO: the IO goes on, the
+//     controller makes the leg anew on the spare it gave the worker at
+//     publish (after mirror_replace_after), the worker's rnbd-client
+//     takes it (after mirror_spare_after) and rebuilds it in full;
+//   - every block read back as last written, a fio verify, the volume
+//     published again over its new placement, then deleted: nothing
+//     left on the nodes that answer.
+func TestFleetReplicatedOnKernel(t *testing.T) {
+	needKernel(t)
+	if _, err := exec.LookPath("fio"); err != nil {
+		t.Fatal("fio is missing: the VM guest has it (test/vm/run.sh copies it)")
+	}
+	f := &fleet{t: t, r: &kernelRig{dir: t.TempDir(), bin: filepath.Dir(serverBin)}, began: time.Now()}
+	if c, err := os.OpenFile("/dev/console", os.O_WRONLY, 0); err == nil && os.Getenv("RNBD_CSI_CONSOLE") == "1" {
+		t.Cleanup(func() { c.Close() })
+		f.console = c
+	}
+	f.dir = filepath.Join(f.r.dir, "kubelet")
+	pki := filepath.Join(f.r.dir, "pki")
+	if err := os.Mkdir(pki, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ca := testca.New(t, "rnbd replicated fleet CA")
+	caFile := ca.WriteCA(t, pki, "ca")
+
+	// Four storage nodes on the loopback, each its own port: legs in
+	// zones a and b (spreadBy), the witness in c, the spare in b.
+	zones := []string{"a", "b", "c", "b"}
+	for i, name := range []string{"rn-a", "rn-b", "rn-c", "rn-d"} {
+		s := &fleetStorage{name: name, addr: "127.0.0.1", dir: filepath.Join(f.r.dir, name), pool: testfs.ReflinkDir(t),
+			port: 1301 + i, aport: 1311 + i}
+		if err := os.Mkdir(s.dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		cert, key := testca.WriteCert(t, ca.Issue(t, name, "127.0.0.1"), pki, name)
+		s.conf, s.sock = filepath.Join(s.dir, "server.toml"), filepath.Join(s.dir, "s.sock")
+		if err := os.WriteFile(s.conf, storageNodeConfig(s.addr, s.port, s.aport, s.dir, cert, key, caFile, s.pool,
+			`handshake_timeout = "10s"`), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		s.ctl = ctl.Dial(s.sock)
+		s.cfg = StorageNode{Name: name, Admin: fmt.Sprintf("https://127.0.0.1:%d", s.aport), Paths: []string{"ip:127.0.0.1"},
+			Port: s.port, Pool: "files", Labels: map[string]string{zoneKey: zones[i]}}
+		f.startStorage(s)
+		f.storage = append(f.storage, s)
+	}
+	// The worker's rnbd-client: a leg that holds requests 2 s is taken
+	// out; a leg out 2 s takes a spare that opens.
+	w := &fleetWorker{name: "worker-r"}
+	cert, key := testca.WriteCert(t, ca.Issue(t, w.name), pki, w.name)
+	wd := filepath.Join(f.r.dir, w.name)
+	if err := os.Mkdir(wd, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	w.sock = filepath.Join(wd, "c.sock")
+	f.r.run(t, w.name+"-rnbd-client", filepath.Join(f.r.bin, "rnbd-client"), "daemon",
+		"--config", "/dev/null", "--control-socket", w.sock, "--state-file", filepath.Join(wd, "c.json"), "--socket-dir", wd,
+		"--dev-links-dir", "", "--tls-cert", cert, "--tls-key", key, "--tls-ca", caFile,
+		"--mirror-leg-timeout", "2s", "--mirror-spare-after", "2s")
+	w.client = ctl.Dial(w.sock)
+	kit.WaitFor(t, 30*time.Second, w.name+"'s rnbd-client", func() bool {
+		return w.client.Do(context.Background(), "GET", "/v1/devices", nil, nil) == nil
+	})
+	f.workers = []*fleetWorker{w}
+
+	cfg := DefaultConfig()
+	for _, s := range f.storage {
+		cfg.StorageNodes = append(cfg.StorageNodes, s.cfg)
+	}
+	ccert, ckey := testca.WriteCert(t, ca.Issue(t, "csi-controller"), pki, "csi-controller")
+	cfg.TLS.Cert, cfg.TLS.Key, cfg.TLS.CA = ccert, ckey, caFile
+	cfg.Workers = WorkersConfig{Source: WorkersList, Names: []string{w.name}}
+	cfg.Controller.StorageTimeout = conf.Duration{Duration: fleetStorageTimeout}
+	cfg.Controller.ReconcileInterval = conf.Duration{Duration: 2 * time.Second}
+	// Longer than the freeze below, which the leg's resync mends.
+	cfg.Controller.MirrorReplaceAfter = conf.Duration{Duration: 30 * time.Second}
+	conn := f.serve(cfg, ModeController, "controller")
+	f.ctrl = csi.NewControllerClient(conn)
+	nc := DefaultConfig()
+	nc.Node.NodeID, nc.Node.ClientSocket = w.name, w.sock
+	w.node = csi.NewNodeClient(f.serve(nc, ModeNode, w.name))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		for _, v := range f.vols {
+			if v.w != nil {
+				v.w.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: v.id, TargetPath: v.target})
+				v.w.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging})
+			}
+		}
+	})
+
+	const size = 48 << 20
+	v := &fleetVol{name: "fleet-mirror", frontend: "ublk", size: size,
+		vc: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}
+	var place map[string]string // part: storage node
+	f.step("create and publish the replicated volume", 2*time.Minute, func(ctx context.Context) error {
+		rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: v.name, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+			VolumeCapabilities: []*csi.VolumeCapability{v.vc},
+			Parameters:         map[string]string{"frontend": v.frontend, "replicas": "2", "spreadBy": zoneKey}})
+		if err != nil {
+			return err
+		}
+		v.id, v.volCtx = rsp.Volume.VolumeId, rsp.Volume.VolumeContext
+		f.vols = append(f.vols, v)
+		if place, err = f.placement(ctx, v.name); err != nil {
+			return err
+		}
+		return f.publish(ctx, v, w)
+	})
+	f.say("placement %v", place)
+	// The leg in zone a is frozen, the one in zone b (where the spare
+	// is) killed.
+	fi, di := 0, 1
+	if f.storageNode(place["leg1"]).cfg.Labels[zoneKey] == "a" {
+		fi, di = 1, 0
+	}
+	frozen, dead := f.storageNode(place[legMember(fi)]), f.storageNode(place[legMember(di)])
+	bw := newBlockWriter(filepath.Join(v.target, "under-faults"))
+	go bw.run()
+	t.Cleanup(bw.quitNoWait)
+
+	// A leg's node frozen under IO: taken out, the IO goes on; thawed:
+	// back, resynced from the bitmap with what it missed.
+	var resync int64
+	f.step("freeze "+frozen.name+" under IO, thaw it", 3*time.Minute, func(ctx context.Context) error {
+		if err := bw.waitFor(ctx, 16); err != nil {
+			return err
+		}
+		if err := frozen.cmd.Process.Signal(unix.SIGSTOP); err != nil {
+			return err
+		}
+		if err := f.waitLegs(ctx, w, v, func(ls []api.CltLegRecord) bool { return ls[fi].State == "stale" }); err != nil {
+			frozen.cmd.Process.Signal(unix.SIGCONT)
+			return fmt.Errorf("the leg on the frozen %s: %w", frozen.name, err)
+		}
+		at := bw.count.Load()
+		if err := bw.waitFor(ctx, at+32); err != nil {
+			frozen.cmd.Process.Signal(unix.SIGCONT)
+			return fmt.Errorf("IO with a leg's node frozen: %w", err)
+		}
+		if err := frozen.cmd.Process.Signal(unix.SIGCONT); err != nil {
+			return err
+		}
+		return f.waitLegs(ctx, w, v, func(ls []api.CltLegRecord) bool {
+			if ls[fi].State == "resyncing" && ls[fi].ResyncTotal > 0 {
+				resync = ls[fi].ResyncTotal
+			}
+			return ls[0].State == "in sync" && ls[1].State == "in sync"
+		})
+	})
+	logs := os.Getenv("RNBD_CSI_LOGS")
+	if logs == "" {
+		logs = f.r.dir
+	}
+	clientLog := filepath.Join(logs, w.name+"-rnbd-client.log")
+	rs := rejoins(t, clientLog)
+	if len(rs) != 1 || rs[0].full || rs[0].bytes <= 0 || rs[0].bytes >= size {
+		t.Fatalf("resyncs after the freeze %+v (record showed %d): want one, from the bitmap, less than the volume's %d bytes", rs, resync, size)
+	}
+	f.times = append(f.times, fmt.Sprintf("resync after the freeze: %d of the volume's %d bytes copied", rs[0].bytes, size))
+
+	// The other leg's node killed for good under IO: the IO goes on;
+	// the controller makes the leg on the spare, the worker takes it
+	// and rebuilds it.
+	f.step("kill -9 "+dead.name+" for good under IO; its leg made anew and rebuilt", 4*time.Minute, func(ctx context.Context) error {
+		if err := dead.cmd.Process.Kill(); err != nil {
+			return err
+		}
+		dead.cmd.Wait()
+		dead.down = true
+		at := bw.count.Load()
+		if err := bw.waitFor(ctx, at+32); err != nil {
+			return fmt.Errorf("IO with a leg's node dead: %w", err)
+		}
+		return f.waitLegs(ctx, w, v, func(ls []api.CltLegRecord) bool {
+			return ls[0].State == "in sync" && ls[1].State == "in sync" && !strings.Contains(ls[di].SessName, dead.name)
+		})
+	})
+	if rs := rejoins(t, clientLog); len(rs) != 2 || !rs[1].full || rs[1].bytes != size {
+		t.Fatalf("resyncs after the replacement %+v: want a rebuild in full of %d bytes", rs, size)
+	}
+	f.times = append(f.times, fmt.Sprintf("rebuild of the new leg: %d bytes", size))
+	now, err := f.placement(context.Background(), v.name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if to := f.storageNode(now[legMember(di)]); to == nil || to == dead || to.cfg.Labels[zoneKey] != dead.cfg.Labels[zoneKey] ||
+		now[legMember(fi)] != frozen.name {
+		t.Fatalf("placement after the replacement %v (was %v): want %s on the spare in %s's zone", now, place, legMember(di), dead.name)
+	}
+	f.step("every block as last written, fio verify", 3*time.Minute, func(ctx context.Context) error {
+		bw.stop()
+		if err := bw.err(); err != nil {
+			return err
+		}
+		if err := bw.verify(); err != nil {
+			return err
+		}
+		return f.fio(ctx, v, "after-replace")
+	})
+	// Published again over its new placement (the pod's next start):
+	// the files there, the volume healthy.
+	f.step("published again over the new placement", 3*time.Minute, func(ctx context.Context) error {
+		if err := f.unpublish(ctx, v); err != nil {
+			return err
+		}
+		if err := f.publish(ctx, v, w); err != nil {
+			return err
+		}
+		if err := f.fio(ctx, v, "after-replace"); err != nil {
+			return err
+		}
+		return f.waitLegs(ctx, w, v, func(ls []api.CltLegRecord) bool { return ls[0].State == "in sync" && ls[1].State == "in sync" })
+	})
+	f.step("unpublish and delete", 2*time.Minute, func(ctx context.Context) error {
+		if err := f.unpublish(ctx, v); err != nil {
+			return err
+		}
+		// The retired member's node is gone: delete waits for it until it
+		// is taken out of the configuration; here it is started again.
+		f.startStorage(dead)
+		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id}); err != nil {
+			return err
+		}
+		f.vols = nil
+		for _, s := range f.storage {
+			var recs []api.VolumeRecord
+			if err := s.ctl.Do(ctx, "GET", "/v1/volumes", nil, &recs); err != nil {
+				return err
+			}
+			if len(recs) != 0 {
+				return fmt.Errorf("%s still has %d volumes", s.name, len(recs))
+			}
+		}
+		return nil
+	})
+	fmt.Printf("TPUT csi-fleet replicated volume (%d MiB, 2 legs and a witness on 4 storage nodes): %.1fs in all; %s\n",
+		size>>20, time.Since(f.began).Seconds(), strings.Join(f.times, ", "))
+}
+
+// placement is a replicated volume's members by part, as the storage
+// nodes that answer hold them (the placement the newest member says).
+func (f *fleet) placement(ctx context.Context, vname string) (map[string]string, error) {
+	var newest api.VolumeRecord
+	for _, s := range f.storage {
+		if s.down {
+			continue
+		}
+		var v api.VolumeRecord
+		if err := s.ctl.Do(ctx, "GET", "/v1/volumes/"+vname, nil, &v); err != nil {
+			continue
+		}
+		if madeAt(v).After(madeAt(newest)) {
+			newest = v
+		}
+	}
+	p, err := parsePlacement(newest.Labels[labelMembers])
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, m := range p.members() {
+		out[m.part] = m.node
+	}
+	return out, nil
+}
+
+// waitLegs waits until the legs of v's mirror on w satisfy ok.
+func (f *fleet) waitLegs(ctx context.Context, w *fleetWorker, v *fleetVol, ok func([]api.CltLegRecord) bool) error {
+	var last []api.CltLegRecord
+	for {
+		var recs []api.CltDeviceRecord
+		if err := w.client.Do(ctx, "GET", "/v1/devices", nil, &recs); err == nil {
+			for _, r := range recs {
+				if r.Mirror == v.name && len(r.Legs) >= 2 {
+					last = r.Legs
+					if ok(r.Legs) {
+						return nil
+					}
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("legs %+v: %w", last, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// rejoinedRE is rnbd-client's log line of a leg that rejoins: what its
+// resync copies, and whether in full.
+var rejoinedRE = regexp.MustCompile(`leg rejoined; resyncing" bytes=(\d+) full=(true|false)`)
+
+// rejoins are the resyncs rnbd-client's log file says it started, in
+// order: bytes to copy, and whether in full.
+func rejoins(t *testing.T, logFile string) (out []struct {
+	bytes int64
+	full  bool
+}) {
+	t.Helper()
+	b, err := os.ReadFile(logFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range rejoinedRE.FindAllSubmatch(b, -1) {
+		n, _ := strconv.ParseInt(string(m[1]), 10, 64)
+		out = append(out, struct {
+			bytes int64
+			full  bool
+		}{n, string(m[2]) == "true"})
+	}
+	return out
+}
