@@ -501,12 +501,13 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 			md.rejoinMu.Unlock()
 			// A spare is a leg's (the witness is replaced by hand).
 			if err != nil && i < len(now.Legs) && len(now.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
-				if serr := d.takeSpare(ctx, mp, i); serr == nil {
+				serr := d.takeSpare(ctx, mp, i)
+				if serr == nil {
 					delete(outSince, i)
-					err = nil
-				} else {
-					err = fmt.Errorf("%w; and no spare taken: %w", err, serr)
+					delete(failing, i)
+					break // takeLeg said so; one resync at a time
 				}
+				err = fmt.Errorf("%w; and no spare taken: %w", err, serr)
 			}
 			lg := d.log.WithFields(log.Fields{"mirror": md.name, "leg": i, "session": s.legs()[i].SessName})
 			if err == nil {

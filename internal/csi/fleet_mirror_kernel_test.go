@@ -258,8 +258,8 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		}
 		f.vols = nil
 		for _, s := range f.storage {
-			var recs []api.VolumeRecord
-			if err := s.ctl.Do(ctx, "GET", "/v1/volumes", nil, &recs); err != nil {
+			recs, err := api.NewServer(s.ctl).Volumes(ctx)
+			if err != nil {
 				return err
 			}
 			if len(recs) != 0 {
@@ -280,12 +280,12 @@ func (f *fleet) placement(ctx context.Context, vname string) (map[string]string,
 		if s.down {
 			continue
 		}
-		var v api.VolumeRecord
-		if err := s.ctl.Do(ctx, "GET", "/v1/volumes/"+vname, nil, &v); err != nil {
+		v, err := api.NewServer(s.ctl).Volume(ctx, vname)
+		if err != nil {
 			continue
 		}
-		if madeAt(v).After(madeAt(newest)) {
-			newest = v
+		if madeAt(*v).After(madeAt(newest)) {
+			newest = *v
 		}
 	}
 	p, err := parsePlacement(newest.Labels[labelMembers])

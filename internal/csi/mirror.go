@@ -514,11 +514,24 @@ func (c *controller) deleteMirror(ctx context.Context, id, vname string) (*csi.D
 // mirrorEntries are the replicated volumes of the storage nodes'
 // records, one entry each, by id.
 func (c *controller) mirrorEntries(results []nodeResult[[]api.VolumeRecord]) map[string]*csi.ListVolumesResponse_Entry {
+	// The placement each volume's newest member says: a retired member
+	// (mirror_replace.go) is not listed.
+	newest := map[string]api.VolumeRecord{}
+	for _, r := range results {
+		for _, v := range r.v {
+			if v.Labels[labelMember] != "" && v.Labels[labelName] != "" && madeAt(v).After(madeAt(newest[v.Name])) {
+				newest[v.Name] = v
+			}
+		}
+	}
 	out := map[string]*csi.ListVolumesResponse_Entry{}
 	for _, r := range results {
 		for _, v := range r.v {
 			part := v.Labels[labelMember]
 			if part == "" || v.Labels[labelName] == "" {
+				continue
+			}
+			if p, err := parsePlacement(newest[v.Name].Labels[labelMembers]); err == nil && !slices.Contains(p.members(), member{part, r.n.cfg.Name}) {
 				continue
 			}
 			id := mirrorID(v.Name)

@@ -176,6 +176,18 @@ func (c *controller) unpublishMirror(ctx context.Context, req *csi.ControllerUnp
 			}
 		}
 	}
+	// A retired member too: the worker keeps no access to it.
+	for _, f := range mv.strays {
+		ids := []string{req.GetNodeId()}
+		if req.GetNodeId() == "" {
+			ids = f.v.AllowIdentities.Identities()
+		}
+		for _, node := range ids {
+			if err := f.n.revoke(ctx, f.v.Name, node); err != nil && !isNotFound(err) {
+				errs = append(errs, fmt.Errorf("retired %s on %s: %w", f.v.Labels[labelMember], f.n, err))
+			}
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, toStatus(err, "unpublishing volume "+id)
 	}

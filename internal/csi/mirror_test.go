@@ -12,6 +12,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
@@ -407,9 +408,36 @@ func TestReplicatedLegReplaced(t *testing.T) {
 	if m, err := api.NewServer(r.admin[dead]).Volume(ctx, "pvc-rep"); err != nil || m.Labels[labelMember] != "leg1" {
 		t.Fatalf("the retired member on %s once back: %+v %v", dead, m, err)
 	}
-	if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
-		t.Fatal(err)
+	// Listed once, over its placement; unpublished: revoked on every
+	// member, the retired one too.
+	list, err := r.cc.ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil || len(list.GetEntries()) != 1 || list.GetEntries()[0].GetVolume().GetCapacityBytes() != size {
+		t.Fatalf("ListVolumes %v %v: want the volume once, %d bytes", list, err, size)
 	}
+	// (Aborted while the reconciler, woken by the node's return, has
+	// the volume: the CO retries.)
+	kit.WaitFor(t, 30*time.Second, "the unpublish", func() bool {
+		_, err := r.cc.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1"})
+		if err != nil && status.Code(err) != codes.Aborted {
+			t.Fatal(err)
+		}
+		return err == nil
+	})
+	for _, node := range []string{parts["leg0"], to, parts["witness"], dead} {
+		if g := r.grants(node + "/pvc-rep"); len(g) != 0 {
+			t.Errorf("grants on %s after unpublish: %v", node, g)
+		}
+	}
+	if list, err = r.cc.ListVolumes(ctx, &csi.ListVolumesRequest{}); err != nil || len(list.GetEntries()[0].GetStatus().GetPublishedNodeIds()) != 0 {
+		t.Fatalf("ListVolumes after unpublish %v %v", list, err)
+	}
+	kit.WaitFor(t, 30*time.Second, "the delete", func() bool {
+		_, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
+		if err != nil && status.Code(err) != codes.Aborted {
+			t.Fatal(err)
+		}
+		return err == nil
+	})
 	if ms := r.members("pvc-rep"); len(ms) != 0 {
 		t.Fatalf("members left after delete: %v", byPart(ms))
 	}
