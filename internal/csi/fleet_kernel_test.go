@@ -318,10 +318,14 @@ func (f *fleet) setup() {
 		nc.Node.NodeID, nc.Node.ClientSocket = w.name, w.sock
 		w.node = csi.NewNodeClient(f.serve(nc, ModeNode, w.name))
 	}
-	// Whatever fails from here, nothing stays mounted or mapped once the
-	// daemons stop (a mount of a dead device hangs the test): run before
-	// the daemons' own cleanups.
-	t.Cleanup(func() {
+	f.unstageAtEnd()
+}
+
+// unstageAtEnd makes sure that, whatever fails from here, nothing stays
+// mounted or mapped once the daemons stop (a mount of a dead device
+// hangs the test): a cleanup that runs before the daemons' own.
+func (f *fleet) unstageAtEnd() {
+	f.t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
 		for _, v := range f.vols {
