@@ -26,7 +26,8 @@ import (
 // TestFleetReplicatedOnKernel is the fleet scenario of a replicated
 // volume (replicas 2, a witness), driven through the CSI services over
 // gRPC as the sidecars and the kubelet would, on four real storage
-// nodes and a worker's rnbd-client, ext4 on /dev/ublkbN:
+// nodes and a worker's rnbd-client, a raw block volume on /dev/ublkbN
+// (TestNodeReplicatedOnKernel has ext4 on one):
 //   - a leg's storage node frozen (SIGSTOP) under IO: the leg taken out,
 //     the IO going on; thawed, the leg rejoins and is resynced from the
 //     bitmap — the bytes copied printed against the volume's size;
@@ -114,8 +115,10 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 	f.unstageAtEnd()
 
 	const size = 48 << 20
-	v := &fleetVol{name: "fleet-mirror", frontend: "ublk", size: size,
-		vc: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	// Raw block: a file system's own background writes (ext4's
+	// inode tables) would keep the bitmap from cleaning (below).
+	v := &fleetVol{name: "fleet-mirror", frontend: "ublk", size: size, block: true,
+		vc: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
 			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}
 	var place map[string]string // part: storage node
 	f.step("create and publish the replicated volume", 2*time.Minute, func(ctx context.Context) error {
@@ -140,14 +143,10 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		fi, di = 1, 0
 	}
 	frozen, dead := f.storageNode(place[legMember(fi)]), f.storageNode(place[legMember(di)])
-	// The bitmap cleans a block of it (32,768 regions: here all of
-	// them) once no write to it is in flight for 5 s: mkfs's regions
-	// clean before the writer starts, so that what the freeze's resync
-	// copies is what was written since (docs/replication.md, "The
-	// bitmap": under writes that never pause, a leg away resyncs every
-	// region written since the block was last quiet).
-	time.Sleep(8 * time.Second)
-	bw := newBlockWriter(filepath.Join(v.target, "under-faults"))
+	// The writer's 64 blocks of 64 KiB at the device's start: the
+	// regions the freeze's resync copies (a new mirror's bitmap is
+	// clean; docs/replication.md, "The bitmap").
+	bw := newBlockWriter(v.target)
 	go bw.run()
 	t.Cleanup(bw.quitNoWait)
 
