@@ -492,15 +492,15 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 			// A replace-leg may have changed the leg while this waited:
 			// the next round dials it as it is now.
 			md.mu.Lock()
-			now := md.spec
+			cur := md.spec
 			md.mu.Unlock()
 			err := errors.New("replaced a moment ago")
-			if a, b := now.legs()[i], s.legs()[i]; a.SessName == b.SessName && a.DevicePath == b.DevicePath && slices.Equal(a.Paths, b.Paths) {
-				err = d.rejoin(ctx, md, i, &now, true)
+			if a, b := cur.legs()[i], s.legs()[i]; a.SessName == b.SessName && a.DevicePath == b.DevicePath && slices.Equal(a.Paths, b.Paths) {
+				err = d.rejoin(ctx, md, i, &cur, true)
 			}
 			md.rejoinMu.Unlock()
 			// A spare is a leg's (the witness is replaced by hand).
-			if err != nil && i < len(now.Legs) && len(now.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
+			if err != nil && i < len(cur.Legs) && len(cur.Spares) > 0 && time.Since(outSince[i]) >= d.cfg.MirrorSpareAfter.Duration && ctx.Err() == nil {
 				serr := d.takeSpare(ctx, mp, i)
 				if serr == nil {
 					delete(outSince, i)
@@ -574,11 +574,15 @@ func (d *Daemon) rejoin(ctx context.Context, md *mirrorDev, i int, s *mapSpec, r
 	}
 	c := d.dialLeg(ctx, s, i, restore)
 	if c.err == nil {
+		// Bounded as the dial: a leg that answers the dial and then
+		// hangs is not waited for (its resync runs on its own).
+		rctx, cancel := context.WithTimeout(ctx, legDialTimeout)
 		if i == len(s.Legs) {
-			c.err = md.m.RejoinWitness(ctx, c.dev, s.legTitle(i))
+			c.err = md.m.RejoinWitness(rctx, c.dev, s.legTitle(i))
 		} else {
-			c.err = md.m.Rejoin(ctx, i, c.dev, s.legTitle(i))
+			c.err = md.m.Rejoin(rctx, i, c.dev, s.legTitle(i))
 		}
+		cancel()
 		if c.err != nil {
 			closeConn(c)
 			c.dev, c.cs = nil, nil

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -126,10 +127,29 @@ func TestMirrorRejoin(t *testing.T) {
 				t.Fatalf("legs %v", st)
 			}
 			if c.wipe {
-				if err := os.Truncate(filepath.Join(f.nodes[1].dir, "vol"), 0); err != nil {
+				// A new device too small for the mirror is refused
+				// before anything changes.
+				vol := filepath.Join(f.nodes[1].dir, "vol")
+				if err := os.Truncate(vol, 0); err != nil {
 					t.Fatal(err)
 				}
-				if err := os.Truncate(filepath.Join(f.nodes[1].dir, "vol"), legSize); err != nil {
+				if err := os.Truncate(vol, legSize/2); err != nil {
+					t.Fatal(err)
+				}
+				f.nodes[1].start()
+				s, d, err := f.nodes[1].client(context.Background(), "small", "vol")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := f.m.Rejoin(context.Background(), 1, d, ""); err == nil || !strings.Contains(err.Error(), "needs") {
+					t.Fatalf("a leg of half the size rejoined: %v", err)
+				}
+				if st := f.m.LegStates(); st[1] != "out" || f.m.Resync().Leg >= 0 {
+					t.Fatalf("legs %v, resync %+v after a refused rejoin", st, f.m.Resync())
+				}
+				s.Close()
+				f.nodes[1].stop()
+				if err := os.Truncate(vol, legSize); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -57,6 +57,9 @@ func (m *Mirror) RejoinWitness(ctx context.Context, dev *rnbd.CltDev, name strin
 	if m.WitnessVoting() {
 		return errors.New("mirror: the witness votes: nothing to rejoin")
 	}
+	if dev.Size() < WitnessEnd {
+		return fmt.Errorf("mirror: %s: a device of %d bytes; a witness needs %d", cmp.Or(name, m.name(WitnessIndex)), dev.Size(), WitnessEnd)
+	}
 	v, err := newVoter(WitnessIndex, cmp.Or(name, m.name(WitnessIndex)), dev)
 	if err != nil {
 		return err
