@@ -451,6 +451,7 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 	defer t.Stop()
 	failing := map[int]string{}     // the last error said of each leg
 	outSince := map[int]time.Time{} // when each leg out was first seen out
+	said := map[int]time.Time{}     // when failing[i] was last logged
 	for {
 		select {
 		case <-ctx.Done():
@@ -518,9 +519,12 @@ func (d *Daemon) rejoiner(ctx context.Context, mp *mapped, md *mirrorDev) {
 			if ctx.Err() != nil {
 				return
 			}
-			if failing[i] != err.Error() {
-				lg.WithError(err).Warn("mirror: " + s.legName(i) + " not back yet; tried again")
-				failing[i] = err.Error()
+			// Said again once a minute while it does not change: the
+			// log shows a leg that keeps failing the same way.
+			if failing[i] != err.Error() || time.Since(said[i]) >= time.Minute {
+				lg.WithError(err).WithField("out_for", time.Since(outSince[i]).Round(time.Second).String()).
+					Warn("mirror: " + s.legName(i) + " not back yet; tried again")
+				failing[i], said[i] = err.Error(), time.Now()
 			}
 		}
 	}

@@ -1054,6 +1054,7 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	kleg() { echo "sessname=kml$1 path=ip:10.78.0.$2@ip:10.78.0.$2 dest_port=1235 device_path=loop$1"; }
 	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1 | grep -o "state=[^,\"]*" | cut -d= -f2 | tr "\n" / ; }
 	kmstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
+	kmlog() { grep -a 'mirror' /tmp/client.log | tail -30 | sed 's/^/DETAIL client: /'; }
 	kmwait() { # STATE: up to 60 s for the mirror's state
 		for _ in $(seq 600); do [ "$(kmstate)" = "$1" ] && return 0; sleep 0.1; done
 		return 1
@@ -1077,7 +1078,7 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 			res interop-kernel-mirror-degraded FAIL "state $st, legs $(kmstates)"
 		ip addr add 10.78.0.2/24 dev rxenet
 		kmwait open && res interop-kernel-mirror-path-back PASS "legs $(kmstates)" ||
-			res interop-kernel-mirror-path-back FAIL "state $(kmstate), legs $(kmstates)"
+			{ res interop-kernel-mirror-path-back FAIL "state $(kmstate), legs $(kmstates)"; kmlog; }
 		dd if="$dev" of=/tmp/backio bs=1M skip=16 count=32 iflag=direct 2>/dev/null
 		check interop-kernel-mirror-path-back-data cmp /tmp/patio /tmp/backio
 
@@ -1085,7 +1086,7 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		kml_close() { echo 1 >/sys/class/rnbd-server/ctl/devices/loop1/sessions/kml1/force_close; }
 		under_io interop-kernel-mirror-force-close "$dev" 24 kml_close
 		kmwait open && res interop-kernel-mirror-close-back PASS "legs $(kmstates)" ||
-			res interop-kernel-mirror-close-back FAIL "state $(kmstate), legs $(kmstates)"
+			{ res interop-kernel-mirror-close-back FAIL "state $(kmstate), legs $(kmstates)"; kmlog; }
 		fs_check interop-kernel-mirror-after "$dev"
 		check interop-kernel-mirror-unmap cli unmap "$(devname)"
 		# The legs' data (past the mirror's 8 MiB of metadata) is the
