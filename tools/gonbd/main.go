@@ -21,6 +21,17 @@
 // go-nbd one end of a socketpair and relays it to the server, writing that
 // one field right; every other byte, the kernel's requests and the
 // server's replies, passes as it is.
+//
+// NBD_DO_IT sleeps interruptibly until the device is disconnected. A
+// SIGINT that the kernel hands to the thread sleeping in it ends the
+// ioctl before our NBD_DISCONNECT (the kernel shuts the device down),
+// and the ioctl, restarted, fails: attach would exit 1 although the
+// device is gone. The kernel gives a signal sent to a process to its
+// main thread, unless that thread blocks signals at that moment (the Go
+// runtime does while it clones a thread) or has one pending; then to
+// any other thread that takes it, NBD_DO_IT's too. So main keeps the
+// main thread to itself (init locks it there) and waits: that thread
+// makes no thread and no system call of go-nbd's, and takes the signal.
 package main
 
 import (
@@ -33,6 +44,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime"
 	"strings"
 	"syscall"
 
@@ -41,6 +53,11 @@ import (
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 	"github.com/pojntfx/go-nbd/pkg/server"
 )
+
+// init keeps the main goroutine on the main thread, and so every other
+// goroutine off it: a SIGINT or SIGTERM reaches a thread that is not in
+// NBD_DO_IT.
+func init() { runtime.LockOSThread() }
 
 func main() {
 	log.SetFlags(log.Ltime | log.Lmicroseconds)

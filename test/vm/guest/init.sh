@@ -1240,6 +1240,13 @@ if want gonbd; then
 		else
 			res gonbd-attach FAIL "$gdev: $size bytes; $(tail -3 /tmp/gonbd.log)"
 		fi
+		# Which thread sleeps in NBD_DO_IT (ioctl, 16): the SIGINT must not
+		# land on it (tools/gonbd says why).
+		for t in /proc/$gpid/task/*; do
+			case "$(cat $t/syscall 2>/dev/null)" in "16 "*)
+				echo "NOTE gonbd: a thread in ioctl: ${t##*/}, the main thread: $gpid" ;;
+			esac
+		done
 		kill -INT $gpid
 		# Exited: gone, or a zombie (busybox kill -0 succeeds on zombies).
 		for _ in $(seq 100); do grep -q ') Z' /proc/$gpid/stat 2>/dev/null || [ ! -e /proc/$gpid ] && break; sleep 0.1; done
@@ -1247,7 +1254,7 @@ if want gonbd; then
 			wait $gpid
 			rc=$?
 			[ $rc = 0 ] && [ "$(cat /sys/block/${gdev#/dev/}/size)" = 0 ] && res gonbd-disconnect PASS "" ||
-				res gonbd-disconnect FAIL "exit $rc, $(cat /sys/block/${gdev#/dev/}/size) sectors left"
+				res gonbd-disconnect FAIL "exit $rc, $(cat /sys/block/${gdev#/dev/}/size) sectors left: $(tail -1 /tmp/gonbd.log); $(dmesg | grep -w ${gdev#/dev/} | tail -2 | tr '\n' ' ')"
 		else
 			kill -9 $gpid
 			res gonbd-disconnect FAIL "still running 10 s after SIGINT"
