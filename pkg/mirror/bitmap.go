@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"sync"
-	"time"
 )
 
 // BitmapBlock is the unit the bitmap is written in: 4 KiB, 32,768
@@ -19,11 +18,16 @@ const (
 // bitmap"): a set bit says its region may differ between legs. A write
 // sets the bits of its regions before it goes out (StartWrite), and may
 // go out only once every bitmap block it changed is on the legs
-// (Written); its regions become clean again, in memory, when their
-// block has had no write in flight for a while and every leg is in sync
-// (Clean), and on the legs lazily after that. Counting writes in flight
-// per block, not per region, keeps the memory at a few bytes per
-// 32,768 regions; a block's regions are cleaned together.
+// (Written).
+//
+// Regions become clean again, in memory, region by region, when every
+// leg is in sync: a cleaning pass (Settle, a flush of every leg, Clean)
+// clears the regions no write has touched since the pass before and no
+// write still in flight may touch; on the legs lazily after that. Which
+// regions a write touched since the last pass is a second bitmap; what
+// is in flight is counted per block, split by whether the write started
+// before the last pass or after it, so the memory stays at two bits per
+// region and a few bytes per 32,768 regions.
 //
 // It is safe for concurrent use.
 type Bitmap struct {
@@ -35,15 +39,21 @@ type Bitmap struct {
 	mu sync.Mutex
 	// +checklocks:mu
 	words []uint64
+	// recent marks the regions of the writes started since the last
+	// Settle.
+	// +checklocks:mu
+	recent []uint64
 	// +checklocks:mu
 	blocks []bitmapBlock
+	// pass counts the Settles.
+	// +checklocks:mu
+	pass uint64
 }
 
 type bitmapBlock struct {
-	inflight int32
-	// quiet is when the last write of the block ended (the clock of
-	// the caller).
-	quiet time.Time
+	// young counts writes in flight on the block that started after
+	// the last Settle, old those that started before it.
+	young, old int32
 	// changed counts the changes of the block's bits in memory; stored
 	// is the change a completed write of the block to the legs carried.
 	changed, stored uint64
@@ -63,7 +73,7 @@ func NewBitmap(dataSize uint64, shift uint8) (*Bitmap, error) {
 	if dataSize > 1<<60 {
 		return nil, fmt.Errorf("mirror: data size %d", dataSize)
 	}
-	return &Bitmap{shift: shift, size: int64(dataSize), regions: regions, nblocks: int(nb), words: make([]uint64, nb*wordsPerBlock), blocks: make([]bitmapBlock, nb)}, nil
+	return &Bitmap{shift: shift, size: int64(dataSize), regions: regions, nblocks: int(nb), words: make([]uint64, nb*wordsPerBlock), recent: make([]uint64, nb*wordsPerBlock), blocks: make([]bitmapBlock, nb)}, nil
 }
 
 // Blocks is the number of bitmap blocks: its bytes on a leg are
@@ -91,6 +101,8 @@ type Need struct {
 	// More is set when the write spans more than two blocks (over
 	// 2 GiB with 64 KiB regions): Pending then tells, block by block.
 	More bool
+	// Pass is the cleaning pass the write started in, for EndWrite.
+	Pass uint64
 }
 
 // StartWrite sets the bits of the regions [off, off+n) touches and
@@ -106,6 +118,7 @@ func (b *Bitmap) StartWrite(off, n int64) Need {
 	need.More = need.Last-need.First >= len(need.Changes)
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	need.Pass = b.pass
 	for r := first; r <= last; {
 		w, bit := r/64, r%64
 		// The bits of this word the range covers.
@@ -116,11 +129,12 @@ func (b *Bitmap) StartWrite(off, n int64) Need {
 			b.words[w] |= mask
 			b.blocks[blk].changed++
 		}
+		b.recent[w] |= mask
 		r += span
 	}
 	for blk := need.First; blk <= need.Last; blk++ {
 		bb := &b.blocks[blk]
-		bb.inflight++
+		bb.young++
 		if i := blk - need.First; i < len(need.Changes) && bb.stored < bb.changed {
 			need.Changes[i] = bb.changed
 		}
@@ -147,18 +161,20 @@ func (b *Bitmap) Pending(need Need) int {
 }
 
 // EndWrite counts the write of [off, off+n) done (on every leg, or
-// given up), at now.
-func (b *Bitmap) EndWrite(off, n int64, now time.Time) {
+// given up); pass is its StartWrite's Need.Pass.
+func (b *Bitmap) EndWrite(off, n int64, pass uint64) {
 	first, last := b.span(off, n)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for blk := first / regionsPerBlock; blk <= last/regionsPerBlock; blk++ {
-		bb := &b.blocks[blk]
-		if bb.inflight <= 0 {
+		c := &b.blocks[blk].old
+		if pass == b.pass {
+			c = &b.blocks[blk].young
+		}
+		if *c <= 0 {
 			panic("mirror: bitmap: a write ended that did not start")
 		}
-		bb.inflight--
-		bb.quiet = now
+		*c--
 	}
 }
 
@@ -183,27 +199,73 @@ func (b *Bitmap) Written(blk int, change uint64) {
 	}
 }
 
-// Clean clears, in memory, the bits of each block with no write in
-// flight since quiet or earlier, and returns the blocks it changed: the
-// caller writes them lazily (Snapshot, Written). Only while every leg is
-// in sync and nothing is left to reconcile after a crash: the bits of a
-// leg away are what it missed, those loaded at assembly what may differ.
-func (b *Bitmap) Clean(quiet time.Time) []int {
+// Quiet is what a Settle found may be cleaned, for Clean.
+type Quiet struct {
+	blocks []int
+	words  []uint64 // wordsPerBlock for each of blocks
+}
+
+// Settle begins a cleaning pass: it returns the marked regions that no
+// write has touched since the last Settle, in blocks with no write in
+// flight that started before it, and starts the next period. Every
+// write to a region it returns has ended: once every leg has been
+// flushed after Settle, Clean may clear them.
+func (b *Bitmap) Settle() Quiet {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var q Quiet
+	for blk := range b.blocks {
+		bb := &b.blocks[blk]
+		ws := b.words[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
+		rs := b.recent[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
+		if bb.old == 0 && !allZeroWords(ws) {
+			n := len(q.words)
+			some := false
+			for i, w := range ws {
+				c := w &^ rs[i]
+				some = some || c != 0
+				q.words = append(q.words, c)
+			}
+			if some {
+				q.blocks = append(q.blocks, blk)
+			} else {
+				q.words = q.words[:n]
+			}
+		}
+		bb.old += bb.young
+		bb.young = 0
+		clear(rs)
+	}
+	b.pass++
+	return q
+}
+
+// Clean clears, in memory, the regions of q (Settle's) that no write
+// has touched since, and returns the blocks it changed: the caller
+// writes them lazily (Snapshot, Written). Only while every leg is in
+// sync and nothing is left to reconcile after a crash (the bits of a leg
+// away are what it missed, those loaded at assembly what may differ),
+// and only after every leg was flushed since Settle (what was written to
+// a region is durable on every leg before its bit goes).
+func (b *Bitmap) Clean(q Quiet) []int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var changed []int
-	for blk := range b.blocks {
-		bb := &b.blocks[blk]
-		if bb.inflight > 0 || bb.quiet.After(quiet) {
-			continue
-		}
+	for k, blk := range q.blocks {
 		ws := b.words[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
-		if allZeroWords(ws) {
-			continue
+		rs := b.recent[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
+		cs := q.words[k*wordsPerBlock : (k+1)*wordsPerBlock]
+		was := false
+		for i := range ws {
+			if c := cs[i] &^ rs[i] & ws[i]; c != 0 {
+				ws[i] &^= c
+				was = true
+			}
 		}
-		clear(ws)
-		bb.changed++
-		changed = append(changed, blk)
+		if was {
+			b.blocks[blk].changed++
+			changed = append(changed, blk)
+		}
 	}
 	return changed
 }

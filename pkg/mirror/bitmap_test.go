@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 )
 
 const kib = 1 << 10
@@ -76,29 +75,82 @@ func TestBitmapWriteWaitsForItsBlock(t *testing.T) {
 	}
 }
 
+// TestBitmapClean: a pass (Settle, then Clean) clears the regions not
+// written since the pass before, region by region, while others in the
+// same block are written all along; never a region with a write in
+// flight, nor one written between Settle and Clean, nor any of a block
+// with a write in flight from before the last pass.
 func TestBitmapClean(t *testing.T) {
 	b := newTestBitmap(t, 4<<30)
-	t0 := time.Unix(1000, 0)
-	b.StartWrite(0, 4*kib)                   // block 0, ends at t0
-	b.StartWrite(regionsPerBlock<<16, 4*kib) // block 1, still in flight
-	b.EndWrite(0, 4*kib, t0)
-	if got := b.Clean(t0.Add(-time.Second)); len(got) != 0 {
-		t.Fatalf("cleaned %v before the block was quiet", got)
+	const hot, cold, blk1 = 0, 1 << 20, regionsPerBlock << 16
+	end := func(off int64, need Need) { b.EndWrite(off, 4*kib, need.Pass) }
+	write := func(off int64) { end(off, b.StartWrite(off, 4*kib)) }
+	write(cold)
+	write(hot)
+	need1 := b.StartWrite(blk1, 4*kib) // block 1: in flight until the end
+	if got := b.Clean(b.Settle()); len(got) != 0 {
+		t.Fatalf("cleaned %v in the period the regions were written", got)
 	}
-	if got := b.Clean(t0); !slices.Equal(got, []int{0}) {
-		t.Fatalf("cleaned %v, want block 0 (block 1 has a write in flight)", got)
+	// Writes to the hot region all along, always one in flight: each
+	// pass finds one that started before it and ends soon after, when
+	// the next has started. The cold region is cleaned at each pass
+	// after one it was not written in, the hot one never.
+	inflight := b.StartWrite(hot, 4*kib)
+	pass := func() []int {
+		got := b.Clean(b.Settle())
+		next := b.StartWrite(hot, 4*kib)
+		end(hot, inflight)
+		inflight = next
+		if !b.IsDirty(hot) {
+			t.Fatal("the region written all along was cleaned")
+		}
+		return got
 	}
-	if b.IsDirty(0) || !b.IsDirty(regionsPerBlock<<16) {
-		t.Fatal("wrong bits cleaned")
+	for i, want := range []struct {
+		changed []int
+		dirty   bool // the cold region, after
+	}{{[]int{0}, false}, {nil, false}, {nil, true}, {[]int{0}, false}} {
+		if i == 2 {
+			write(cold)
+		}
+		if got := pass(); !slices.Equal(got, want.changed) || b.IsDirty(cold) != want.dirty {
+			t.Fatalf("pass %d: blocks changed %v, the cold region marked %v; want %v, %v", i, got, b.IsDirty(cold), want.changed, want.dirty)
+		}
 	}
-	// The clean block goes to the legs like any change.
-	need := b.StartWrite(0, 4*kib)
+	if !b.IsDirty(blk1) {
+		t.Fatalf("dirty %v: want the hot region and block 1's", dirtyRuns(b, 0))
+	}
+	end(hot, inflight)
+	// A region written between Settle and Clean stays marked.
+	write(cold)
+	b.Settle()
+	q := b.Settle()
+	write(cold)
+	if b.Clean(q); !b.IsDirty(cold) {
+		t.Fatal("a region written after Settle was cleaned")
+	}
+	// Block 1's write started two passes ago and is still in flight:
+	// nothing of block 1 is cleaned, even a region it does not touch.
+	write(blk1 + 1<<20)
+	b.Settle()
+	if b.Clean(b.Settle()); !b.IsDirty(blk1) || !b.IsDirty(blk1+1<<20) {
+		t.Fatal("block 1 cleaned under a write in flight since before the last pass")
+	}
+	// The clean region goes to the legs like any change: a write to it
+	// waits for its bit.
+	b.Settle()
+	b.Clean(b.Settle())
+	if b.IsDirty(cold) {
+		t.Fatal("the cold region is still marked")
+	}
+	need := b.StartWrite(cold, 4*kib)
 	if b.Pending(need) != 0 {
 		t.Fatal("a write after a clean does not wait for its bit")
 	}
-	b.EndWrite(regionsPerBlock<<16, 4*kib, t0)
-	b.EndWrite(0, 4*kib, t0)
-	if got := b.Clean(t0); !slices.Equal(got, []int{0, 1}) || len(dirtyRuns(b, 0)) != 0 {
+	end(cold, need)
+	end(blk1, need1)
+	b.Settle()
+	if got := b.Clean(b.Settle()); !slices.Equal(got, []int{0, 1}) || len(dirtyRuns(b, 0)) != 0 {
 		t.Fatalf("cleaned %v, left %v", got, dirtyRuns(b, 0))
 	}
 	defer func() {
@@ -106,7 +158,7 @@ func TestBitmapClean(t *testing.T) {
 			t.Fatal("an EndWrite without a StartWrite passed")
 		}
 	}()
-	b.EndWrite(0, 4*kib, t0)
+	end(hot, need)
 }
 
 func TestBitmapLoad(t *testing.T) {

@@ -151,7 +151,8 @@ type mreq struct {
 	// readLeg is the leg a read went to; tried the legs it tried.
 	readLeg int
 	tried   [MaxLegs]bool
-	marked  bool // the bitmap counts it (EndWrite due)
+	marked  bool   // the bitmap counts it (EndWrite due)
+	pass    uint64 // its cleaning pass then (Need.Pass)
 	// plain: a write counted in rs.plain; gated: one the resync gate
 	// admitted.
 	plain, gated bool
@@ -207,7 +208,7 @@ func (m *Mirror) Submit(ctx context.Context, r *Req) error {
 	}
 	if r.Op != rnbd.OpFlush && r.Len > 0 {
 		need := m.bm.StartWrite(r.Off, int64(r.Len))
-		x.marked = true
+		x.marked, x.pass = true, need.Pass
 		for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
 			if pl != nil {
 				// The bitmap's write is waited for: what the plug
@@ -456,7 +457,7 @@ func (m *Mirror) complete(x *mreq, b *rtrs.Burst) {
 func (m *Mirror) finish(x *mreq, err error, b *rtrs.Burst) {
 	r := x.r
 	if x.marked {
-		m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
+		m.bm.EndWrite(r.Off, int64(r.Len), x.pass)
 	}
 	if x.plain {
 		m.rs.plain.Add(-1)

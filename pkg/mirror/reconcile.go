@@ -27,7 +27,7 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 		}
 	}
 	if len(targets) == 0 {
-		return m.cleanLocked(ctx, m.cfg.Now())
+		return m.cleanLocked(ctx, true)
 	}
 	src := m.leg(d.Source)
 	const chunk = 1 << 20
@@ -77,20 +77,29 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 	if err := m.commitLocked(ctx, m.stateSuperblock(&m.sb)); err != nil {
 		return err
 	}
-	return m.cleanLocked(ctx, m.cfg.Now())
+	return m.cleanLocked(ctx, true)
 }
 
-// cleanLocked clears the bitmap's quiet blocks, on the legs too, when
-// every leg is in sync (no leg is away to have missed a marked region),
-// after a flush of every leg.
+// cleanLocked clears the bitmap's quiet regions, on the legs too, when
+// every leg is in sync (no leg is away to have missed a marked region):
+// those no write has touched for a period of the worker's cleaning
+// (cleanEvery), or, now, those no write is in flight on. Either way
+// every write to them has ended before every leg is flushed, and the
+// flush comes before their bits are cleared.
 // +checklocks:m.metaMu
-func (m *Mirror) cleanLocked(ctx context.Context, quiet time.Time) error {
+func (m *Mirror) cleanLocked(ctx context.Context, now bool) error {
 	for i := range m.cfg.Layout.NLegs {
 		if m.state[i].Load() != legIn {
 			return nil
 		}
 	}
-	if len(m.bm.Runs(0)) > 0 {
+	if now {
+		// An empty period: what it leaves out is only what is
+		// written from here to the next Settle.
+		m.bm.Settle()
+	}
+	q := m.bm.Settle()
+	if len(q.blocks) > 0 {
 		// A region is cleaned only once what was written to it is
 		// durable on every leg: a leg whose storage node restarts
 		// and loses what it had cached is taken out at the reopen
@@ -104,7 +113,7 @@ func (m *Mirror) cleanLocked(ctx context.Context, quiet time.Time) error {
 			}
 		}
 	}
-	for _, blk := range m.bm.Clean(quiet) {
+	for _, blk := range m.bm.Clean(q) {
 		if err := m.storeBitmapLocked(ctx, blk); err != nil {
 			return err
 		}
@@ -177,19 +186,20 @@ func (c copier) copy(ctx context.Context, off, n int64, to []int) error {
 }
 
 // cleanEvery is how often the worker cleans the bitmap while every leg
-// is in sync: the regions of blocks with no write for that long.
+// is in sync: the regions with no write for one period are cleaned at
+// the end of the next, from one to two periods after their last write.
 var cleanEvery = 5 * time.Second
 
-// cleanQuiet cleans the bitmap blocks quiet for cleanEvery, when every
-// leg is in sync and no resync runs: a leg that goes later needs only
-// what was written after.
+// cleanQuiet cleans the bitmap's regions quiet for a period of
+// cleanEvery, when every leg is in sync and no resync runs: a leg that
+// goes later needs only what was written after.
 func (m *Mirror) cleanQuiet() {
 	if m.failed.Load() || m.closing.Load() || m.rs.leg.Load() >= 0 {
 		return
 	}
 	m.metaMu.Lock()
 	defer m.metaMu.Unlock()
-	if err := m.cleanLocked(context.Background(), m.cfg.Now().Add(-cleanEvery)); err != nil {
+	if err := m.cleanLocked(context.Background(), false); err != nil {
 		m.log.WithError(err).Warn("mirror: cleaning the bitmap")
 	}
 }

@@ -103,7 +103,7 @@ func (m *Mirror) repairHeld(ctx context.Context, x *mreq, bad int) (served bool,
 	// The rewrite is a write: its regions marked before it, so that a
 	// crash in the middle of it leaves them to be made identical.
 	need := m.bm.StartWrite(r.Off, int64(r.Len))
-	defer m.bm.EndWrite(r.Off, int64(r.Len), m.cfg.Now())
+	defer m.bm.EndWrite(r.Off, int64(r.Len), need.Pass)
 	for blk := m.bm.Pending(need); blk >= 0; blk = m.bm.Pending(need) {
 		if err := m.storeBitmap(ctx, blk); err != nil {
 			return true, err
