@@ -1054,7 +1054,13 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	kleg() { echo "sessname=kml$1 path=ip:10.78.0.$2@ip:10.78.0.$2 dest_port=1235 device_path=loop$1"; }
 	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1 | grep -o "state=[^,\"]*" | cut -d= -f2 | tr "\n" / ; }
 	kmstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
-	kmlog() { grep -a 'mirror' /tmp/client.log | tail -30 | sed 's/^/DETAIL client: /'; }
+	kmlog() { # the client's mirror lines; the kernel's last lines and its server's sessions
+		grep -a 'mirror' /tmp/client.log | tail -30 | sed 's/^/DETAIL client: /'
+		dmesg | tail -25 | sed 's/^/DETAIL kernel: /'
+		for p in /sys/class/rtrs-server/*/paths/*; do
+			[ -d "$p" ] && echo "DETAIL rtrs-server: ${p#/sys/class/rtrs-server/} $(cat $p/hca_name $p/hca_port 2>/dev/null | tr '\n' ' ')"
+		done
+	}
 	kmwait() { # STATE: up to 60 s for the mirror's state
 		for _ in $(seq 600); do [ "$(kmstate)" = "$1" ] && return 0; sleep 0.1; done
 		return 1
