@@ -26,7 +26,8 @@ var (
 			[]string{"device", "mirror", "leg", "state"}, nil),
 		mirEvents: prometheus.NewDesc("rnbd_client_mirror_events_total",
 			"What the mirror did, by event: taken_out (a leg), fenced (a voter that held requests past mirror_leg_timeout), "+
-				"commit (a generation), read_retry (a read served by another leg after an error).",
+				"commit (a generation), read_retry (a read served by another leg after an error), "+
+				"repaired (a block a leg could not read, rewritten from another), cleaned (a region's bit cleared in the bitmap).",
 			[]string{"device", "mirror", "event"}, nil),
 		mirCopied: prometheus.NewDesc("rnbd_client_mirror_copied_bytes_total",
 			"Bytes the mirror copied from one leg to others: resyncs, rebuilds, and a crash's dirty regions.", []string{"device", "mirror"}, nil),
@@ -181,7 +182,7 @@ func (c cltCollector) collectMirror(e metrics.Emit, m *mapped) {
 	for _, ev := range []struct {
 		name string
 		n    uint64
-	}{{"taken_out", st.TakenOut.Load()}, {"fenced", st.Fenced.Load()}, {"commit", st.Commits.Load()}, {"read_retry", st.ReadRetry.Load()}, {"repaired", st.Repaired.Load()}} {
+	}{{"taken_out", st.TakenOut.Load()}, {"fenced", st.Fenced.Load()}, {"commit", st.Commits.Load()}, {"read_retry", st.ReadRetry.Load()}, {"repaired", st.Repaired.Load()}, {"cleaned", st.Cleaned.Load()}} {
 		e.Counter(x.mirEvents, float64(ev.n), m.Device, m.Mirror, ev.name)
 	}
 	e.Counter(x.mirCopied, float64(st.Reconciled.Load()), m.Device, m.Mirror)

@@ -3,6 +3,7 @@ package mirror
 import (
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"sync"
 )
 
@@ -246,11 +247,11 @@ func (b *Bitmap) Settle() Quiet {
 // sync and nothing is left to reconcile after a crash (the bits of a leg
 // away are what it missed, those loaded at assembly what may differ),
 // and only after every leg was flushed since Settle (what was written to
-// a region is durable on every leg before its bit goes).
-func (b *Bitmap) Clean(q Quiet) []int {
+// a region is durable on every leg before its bit goes). regions is how
+// many it cleared.
+func (b *Bitmap) Clean(q Quiet) (changed []int, regions int) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	var changed []int
 	for k, blk := range q.blocks {
 		ws := b.words[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
 		rs := b.recent[blk*wordsPerBlock : (blk+1)*wordsPerBlock]
@@ -259,6 +260,7 @@ func (b *Bitmap) Clean(q Quiet) []int {
 		for i := range ws {
 			if c := cs[i] &^ rs[i] & ws[i]; c != 0 {
 				ws[i] &^= c
+				regions += bits.OnesCount64(c)
 				was = true
 			}
 		}
@@ -267,7 +269,7 @@ func (b *Bitmap) Clean(q Quiet) []int {
 			changed = append(changed, blk)
 		}
 	}
-	return changed
+	return changed, regions
 }
 
 // Load ORs block blk as read from a leg (p: BitmapBlock bytes) into the

@@ -134,6 +134,7 @@ type Stats struct {
 	Reconciled atomic.Uint64 // bytes copied at assembly (a crash's dirty regions, resyncs)
 	Fenced     atomic.Uint64 // voters fenced by the leg timeout
 	Repaired   atomic.Uint64 // blocks a leg could not read, rewritten from another (repair.go)
+	Cleaned    atomic.Uint64 // regions cleared in the bitmap by its cleaning (reconcile.go)
 }
 
 // Open reads the superblocks of the voters reached, decides with
@@ -414,7 +415,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 	}
 	m.committedSeq.Store(m.memberSeq.Load())
 	m.wg.Add(1)
-	go m.worker() // the watchdog runs since Open
+	go m.worker(time.NewTicker(cleanEvery)) // the watchdog runs since Open
 	return nil
 }
 
@@ -556,10 +557,9 @@ func (m *Mirror) Generation() Gen {
 }
 
 // worker commits the legs' states when they change, then releases the
-// writes held for that.
-func (m *Mirror) worker() {
+// writes held for that; it cleans the bitmap at each tick of t.
+func (m *Mirror) worker(t *time.Ticker) {
 	defer m.wg.Done()
-	t := time.NewTicker(cleanEvery)
 	defer t.Stop()
 	for {
 		select {

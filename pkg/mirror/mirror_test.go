@@ -531,7 +531,8 @@ func TestMirrorLoneLegRefused(t *testing.T) {
 // flushes and bursts of concurrent writes, under storage nodes killed
 // and started again in any order, frozen (their links silent) and
 // thawed, and the client crashed (writes in flight) and assembled again
-// from whatever runs; every read judged by
+// from whatever runs, the bitmap cleaned often in half of them; every
+// read judged by
 // the history checker; at the end every node runs and every block is
 // read once more. Zero stale reads, zero lost or torn blocks; the
 // refusals are counted (an assembly that cannot prove it has the last
@@ -556,13 +557,13 @@ func TestMirrorHistoryUnderFaults(t *testing.T) {
 	}
 	t.Logf("%d schedules: %+v", n, total)
 	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 || total.rejoins == 0 ||
-		total.witnessRejoins == 0 {
+		total.witnessRejoins == 0 || total.cleaned == 0 {
 		t.Fatalf("the schedules did not reach every case: %+v", total)
 	}
 }
 
 type scheduleStats struct {
-	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut, rejoins, witnessRejoins int
+	writes, failedWrites, reads, opens, refused, kills, freezes, crashes, takenOut, rejoins, witnessRejoins, cleaned int
 }
 
 func (s *scheduleStats) add(o scheduleStats) {
@@ -577,6 +578,7 @@ func (s *scheduleStats) add(o scheduleStats) {
 	s.takenOut += o.takenOut
 	s.rejoins += o.rejoins
 	s.witnessRejoins += o.witnessRejoins
+	s.cleaned += o.cleaned
 }
 
 func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
@@ -586,6 +588,12 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 		witness bool
 	}{{2, false}, {2, true}, {3, false}}
 	shape := shapes[rng.IntN(len(shapes))]
+	// Half the schedules clean the bitmap every few milliseconds: the
+	// crashes and faults land on regions cleaned and marked again.
+	if rng.IntN(2) == 0 {
+		defer func(d time.Duration) { cleanEvery = d }(cleanEvery)
+		cleanEvery = 5 * time.Millisecond
+	}
 	f := newFleet(t, shape.legs, shape.witness)
 	f.legTimeout = 300 * time.Millisecond
 	f.resyncRate = 32 << 20 // a full copy takes an eighth of a second: faults land in it
@@ -631,6 +639,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	crash := func(drain ...func()) {
 		if f.m != nil {
 			st.takenOut += int(f.m.Stats().TakenOut.Load())
+			st.cleaned += int(f.m.Stats().Cleaned.Load())
 		}
 		h.Crash() // what is in flight now ends with the client
 		f.crash(drain...)

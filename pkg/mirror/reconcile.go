@@ -113,7 +113,9 @@ func (m *Mirror) cleanLocked(ctx context.Context, now bool) error {
 			}
 		}
 	}
-	for _, blk := range m.bm.Clean(q) {
+	blocks, regions := m.bm.Clean(q)
+	m.stats.Cleaned.Add(uint64(regions))
+	for _, blk := range blocks {
 		if err := m.storeBitmapLocked(ctx, blk); err != nil {
 			return err
 		}
