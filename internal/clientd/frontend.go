@@ -37,6 +37,12 @@ type frontend interface {
 // `resize`, goes to the frontend of the device's mapping. The error says
 // what could not apply it (also logged).
 func (d *Daemon) resized(dev *rnbd.CltDev) error {
+	return d.showSize(func(x *mapped) bool { return x.dev == dev }, dev)
+}
+
+// showSize gives the frontend of the mapping that is (a mirror grown by
+// `resize`) dev's size now.
+func (d *Daemon) showSize(is func(*mapped) bool, dev interface{ Size() int64 }) error {
 	// In turn with map and unmap: the frontend found is the device's,
 	// not one a later map got in its place.
 	d.mapMu.Lock()
@@ -44,7 +50,7 @@ func (d *Daemon) resized(dev *rnbd.CltDev) error {
 	d.mu.Lock()
 	var m *mapped
 	for _, x := range d.maps {
-		if x.dev == dev {
+		if is(x) {
 			m = x
 		}
 	}

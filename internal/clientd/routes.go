@@ -98,6 +98,13 @@ func (d *Daemon) resizeDevice(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, ctl.Errorf(ctl.CodeInvalid, "%v", err)
 	}
+	if m.mir != nil {
+		// A mirror grows (pkg/mirror.Grow) once its legs have.
+		if err := m.mir.m.Grow(r.Context(), n); err != nil {
+			return nil, err
+		}
+		return nil, d.showSize(func(x *mapped) bool { return x == m }, m.io)
+	}
 	if err := m.dev.Resize(n); err != nil {
 		return nil, err
 	}

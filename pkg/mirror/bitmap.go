@@ -32,12 +32,15 @@ const (
 //
 // It is safe for concurrent use.
 type Bitmap struct {
-	shift   uint8
-	size    int64 // bytes of data
-	regions uint64
-	nblocks int // len(blocks), fixed
+	shift uint8
 
 	mu sync.Mutex
+	// size is the bytes of data, regions theirs: they grow with the
+	// mirror (Grow), and the blocks with them.
+	// +checklocks:mu
+	size int64
+	// +checklocks:mu
+	regions uint64
 	// +checklocks:mu
 	words []uint64
 	// recent marks the regions of the writes started since the last
@@ -74,15 +77,49 @@ func NewBitmap(dataSize uint64, shift uint8) (*Bitmap, error) {
 	if dataSize > 1<<60 {
 		return nil, fmt.Errorf("mirror: data size %d", dataSize)
 	}
-	return &Bitmap{shift: shift, size: int64(dataSize), regions: regions, nblocks: int(nb), words: make([]uint64, nb*wordsPerBlock), recent: make([]uint64, nb*wordsPerBlock), blocks: make([]bitmapBlock, nb)}, nil
+	return &Bitmap{shift: shift, size: int64(dataSize), regions: regions, words: make([]uint64, nb*wordsPerBlock), recent: make([]uint64, nb*wordsPerBlock), blocks: make([]bitmapBlock, nb)}, nil
+}
+
+// Grow makes the bitmap one of dataSize bytes (more than it has): the
+// regions added are clean, and so are the blocks added, which it
+// returns (the caller stores them on the legs before any write can reach
+// them). The region size stays: a size whose bitmap would not fit is an
+// error.
+func (b *Bitmap) Grow(dataSize uint64) (added []int, err error) {
+	regions := (dataSize + 1<<b.shift - 1) >> b.shift
+	if regions > BitmapMax*8 || dataSize > 1<<60 {
+		return nil, fmt.Errorf("mirror: %d bytes in regions of %d: more than the bitmap holds (%d regions)", dataSize, uint64(1)<<b.shift, BitmapMax*8)
+	}
+	nb := int((regions + regionsPerBlock - 1) / regionsPerBlock)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if int64(dataSize) <= b.size {
+		return nil, fmt.Errorf("mirror: the bitmap grows only (%d bytes, asked %d)", b.size, dataSize)
+	}
+	for blk := len(b.blocks); blk < nb; blk++ {
+		added = append(added, blk)
+	}
+	b.words = append(b.words, make([]uint64, (nb-len(b.blocks))*wordsPerBlock)...)
+	b.recent = append(b.recent, make([]uint64, (nb-len(b.blocks))*wordsPerBlock)...)
+	b.blocks = append(b.blocks, make([]bitmapBlock, nb-len(b.blocks))...)
+	b.size, b.regions = int64(dataSize), regions
+	return added, nil
 }
 
 // Blocks is the number of bitmap blocks: its bytes on a leg are
 // Blocks()*BitmapBlock from BitmapOff.
-func (b *Bitmap) Blocks() int { return b.nblocks }
+func (b *Bitmap) Blocks() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.blocks)
+}
 
 // Regions is the number of regions.
-func (b *Bitmap) Regions() uint64 { return b.regions }
+func (b *Bitmap) Regions() uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.regions
+}
 
 // RegionSize is the bytes of a region.
 func (b *Bitmap) RegionSize() int64 { return 1 << b.shift }
@@ -111,14 +148,14 @@ type Need struct {
 // Pending(need) is false: until then the caller writes the blocks
 // Pending names (Snapshot, then Written).
 func (b *Bitmap) StartWrite(off, n int64) Need {
-	if n <= 0 || off < 0 || off+n > b.size {
-		panic(fmt.Sprintf("mirror: bitmap: a write of [%d, +%d) outside the data", off, n))
-	}
 	first, last := b.span(off, n)
 	need := Need{First: int(first / regionsPerBlock), Last: int(last / regionsPerBlock)}
 	need.More = need.Last-need.First >= len(need.Changes)
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if n <= 0 || off < 0 || off+n > b.size {
+		panic(fmt.Sprintf("mirror: bitmap: a write of [%d, +%d) outside the data", off, n))
+	}
 	need.Pass = b.pass
 	for r := first; r <= last; {
 		w, bit := r/64, r%64
@@ -277,11 +314,11 @@ func (b *Bitmap) Clean(q Quiet) (changed []int, regions int) {
 // differ. Bits past the last region are refused: a leg's bitmap is
 // input like any other.
 func (b *Bitmap) Load(blk int, p []byte) error {
-	if blk < 0 || blk >= b.nblocks || len(p) < BitmapBlock {
-		return fmt.Errorf("mirror: bitmap block %d of %d (%d bytes)", blk, b.nblocks, len(p))
-	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if blk < 0 || blk >= len(b.blocks) || len(p) < BitmapBlock {
+		return fmt.Errorf("mirror: bitmap block %d of %d (%d bytes)", blk, len(b.blocks), len(p))
+	}
 	base := uint64(blk) * regionsPerBlock
 	for i := range wordsPerBlock {
 		w := binary.LittleEndian.Uint64(p[8*i:])
@@ -310,31 +347,32 @@ func (b *Bitmap) Load(blk int, p []byte) error {
 // [off, off+n), in order, from region from on; f returning false stops
 // it. It is the resync's list of what to copy.
 func (b *Bitmap) Dirty(from uint64, f func(off, n int64) bool) {
-	for r := from; r < b.regions; {
+	for r := from; ; {
 		b.mu.Lock()
-		for r < b.regions && b.words[r/64]&(1<<(r%64)) == 0 {
+		regions, size := b.regions, b.size
+		for r < regions && b.words[r/64]&(1<<(r%64)) == 0 {
 			if r%64 == 0 && b.words[r/64] == 0 {
 				r += 64
 				continue
 			}
 			r++
 		}
-		r = min(r, b.regions)
+		r = min(r, regions)
 		start := r
-		for r < b.regions && b.words[r/64]&(1<<(r%64)) != 0 {
+		for r < regions && b.words[r/64]&(1<<(r%64)) != 0 {
 			if r%64 == 0 && b.words[r/64] == ^uint64(0) {
 				r += 64
 				continue
 			}
 			r++
 		}
-		r = min(r, b.regions)
+		r = min(r, regions)
 		b.mu.Unlock()
 		if r == start {
 			return
 		}
 		off := int64(start) << b.shift
-		if !f(off, min(int64(r)<<b.shift, b.size)-off) {
+		if !f(off, min(int64(r)<<b.shift, size)-off) {
 			return
 		}
 	}

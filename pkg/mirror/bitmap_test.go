@@ -243,3 +243,40 @@ func TestBitmapBounds(t *testing.T) {
 		t.Fatalf("full: %v", got)
 	}
 }
+
+// TestBitmapGrow: the regions and blocks added are clean and take
+// writes; the marks of before stay; a smaller size or one past what the
+// bitmap holds at its region size is refused, and changes nothing.
+func TestBitmapGrow(t *testing.T) {
+	b, err := NewBitmap(3<<16, minRegionShift) // three regions of 64 KiB
+	if err != nil {
+		t.Fatal(err)
+	}
+	need := b.StartWrite(2<<16, 4096)
+	b.EndWrite(2<<16, 4096, need.Pass)
+	if _, err := b.Grow(3 << 16); err == nil {
+		t.Fatal("grown to the size it has")
+	}
+	if _, err := b.Grow(BitmapMax*8<<minRegionShift + 1<<16); err == nil {
+		t.Fatal("grown past what the bitmap holds")
+	}
+	added, err := b.Grow((regionsPerBlock + 1) << minRegionShift)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(added) != 1 || added[0] != 1 || b.Blocks() != 2 || b.Regions() != regionsPerBlock+1 {
+		t.Fatalf("added blocks %v; %d blocks, %d regions", added, b.Blocks(), b.Regions())
+	}
+	if got := b.Runs(0); len(got) != 1 || got[0] != [2]int64{2 << 16, 1 << 16} {
+		t.Fatalf("marked %v, want region 2 alone", got)
+	}
+	off := int64(regionsPerBlock) << minRegionShift
+	need = b.StartWrite(off, 4096)
+	if need.First != 1 || b.Pending(need) != 1 {
+		t.Fatalf("a write to the block added: %+v, pending %d", need, b.Pending(need))
+	}
+	b.EndWrite(off, 4096, need.Pass)
+	if !b.IsDirty(off) || b.IsDirty(off-1<<16) {
+		t.Fatal("the write to the block added marked the wrong region")
+	}
+}

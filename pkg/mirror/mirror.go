@@ -74,9 +74,10 @@ const (
 // Mirror is an assembled mirror: one device over its legs. Submit is
 // safe for concurrent use.
 type Mirror struct {
-	cfg  Config
-	log  *log.Entry
-	size int64
+	cfg Config
+	log *log.Entry
+	// size is the bytes of data; it grows (Grow), never shrinks.
+	size atomic.Int64
 	bm   *Bitmap
 	rand func() uint64
 
@@ -98,6 +99,8 @@ type Mirror struct {
 	// closing: Quiesce was called.
 	closing atomic.Bool
 
+	// growMu serializes Grows.
+	growMu sync.Mutex
 	// metaMu serializes metadata IO and changes of the superblock.
 	metaMu sync.Mutex
 	// +checklocks:metaMu
@@ -121,9 +124,11 @@ type Mirror struct {
 	// copyRead, in tests, runs between a resync's read of a window and
 	// its write to the leg.
 	copyRead func(off, n int64)
-	rr       atomic.Uint32
-	reqs     sync.Pool
-	stats    Stats
+	// grew, in tests, runs when Grow has zeroed the bytes added.
+	grew  func()
+	rr    atomic.Uint32
+	reqs  sync.Pool
+	stats Stats
 }
 
 // Stats counts what the mirror did, for its records and metrics.
@@ -376,7 +381,7 @@ func (m *Mirror) freeBuffers() {
 func (m *Mirror) serve(ctx context.Context, d Decision) error {
 	m.metaMu.Lock()
 	defer m.metaMu.Unlock()
-	m.size = int64(d.Next.DataSize)
+	m.size.Store(int64(d.Next.DataSize))
 	bm, err := NewBitmap(d.Next.DataSize, d.Next.RegionShift)
 	if err != nil {
 		return err
@@ -520,7 +525,7 @@ func (m *Mirror) markOut(i int) {
 }
 
 // Size is the mirror's size in bytes.
-func (m *Mirror) Size() int64 { return m.size }
+func (m *Mirror) Size() int64 { return m.size.Load() }
 
 // RegionSize is the bitmap's region, bytes: what a resync copies for
 // each region written while a leg was away.

@@ -184,7 +184,7 @@ var errFailed = fmt.Errorf("mirror: no quorum or no leg left: %w", syscall.EIO)
 // every leg written (in sync or resyncing). It returns an error without
 // calling Done only for a request that cannot be valid.
 func (m *Mirror) Submit(ctx context.Context, r *Req) error {
-	if r.Off < 0 || r.Off%512 != 0 || r.Len < 0 || (r.Op != rnbd.OpFlush && r.Off+int64(r.Len) > m.size) {
+	if r.Off < 0 || r.Off%512 != 0 || r.Len < 0 || (r.Op != rnbd.OpFlush && r.Off+int64(r.Len) > m.size.Load()) {
 		return syscall.EINVAL
 	}
 	if (r.Op == rnbd.OpRead || r.Op == rnbd.OpWrite) && (r.Buf == nil || r.BufOff < 0 || r.BufOff+r.Len > len(r.Buf.b)) {

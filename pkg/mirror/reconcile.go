@@ -57,7 +57,7 @@ func (m *Mirror) reconcileLocked(ctx context.Context, d Decision) error {
 	// written to every other, the source's bad block mended too.
 	c := copier{m: m, src: src, buf: buf, shared: shared, alts: part}
 	if len(full) > 0 {
-		if err := c.copy(ctx, 0, m.size, full); err != nil {
+		if err := c.copy(ctx, 0, m.size.Load(), full); err != nil {
 			return err
 		}
 	}

@@ -158,10 +158,10 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev, name strin
 		return errFailed
 	case m.state[i].Load() != legOut:
 		return fmt.Errorf("mirror: %s is not out", m.name(i))
-	case dev.Size() < DataOff+m.size:
+	case dev.Size() < DataOff+m.size.Load():
 		// A new leg too small would fail part way through its rebuild.
 		return fmt.Errorf("mirror: %s: a device of %d bytes; a leg of this mirror needs %d (its data and %d of metadata)",
-			cmp.Or(name, m.name(i)), dev.Size(), DataOff+m.size, DataOff)
+			cmp.Or(name, m.name(i)), dev.Size(), DataOff+m.size.Load(), DataOff)
 	case !m.rs.leg.CompareAndSwap(-1, int32(i)):
 		return fmt.Errorf("mirror: %s resyncs now; one leg at a time", m.name(int(m.rs.leg.Load())))
 	}
@@ -226,7 +226,7 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev, name strin
 	}
 	var runs [][2]int64
 	if full {
-		runs = [][2]int64{{0, m.size}}
+		runs = [][2]int64{{0, m.size.Load()}}
 	} else {
 		runs = m.bm.Runs(0)
 	}

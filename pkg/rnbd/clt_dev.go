@@ -227,6 +227,12 @@ func (d *CltDev) Opens() uint32 { return d.gen.Load() }
 // (a mirror's leg) stops using it there. f must not block, nor do IO.
 func (d *CltDev) OnReopen(f func()) { d.onReopen.Store(&f) }
 
+// PollSize asks the server for the device's size now, as the session's
+// size poll does every SetSizePoll: Size has it on return if the server
+// answered (what holds the device, a mirror growing, needs not wait for
+// the next poll). It may run beside the session's own poll.
+func (d *CltDev) PollSize(ctx context.Context) { d.pollSize(ctx) }
+
 // pollSize asks the server for the device's size: an OPEN of the device
 // the session has open, which the server answers with it as it is now.
 //

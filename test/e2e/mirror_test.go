@@ -370,3 +370,76 @@ func TestMirrorSpare(t *testing.T) {
 	}
 	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0xb2 1M 1M")
 }
+
+// TestMirrorGrow: `rnbd-client resize` grows a mapped mirror once both
+// storage nodes have grown its legs (`rnbd-server resize`): refused,
+// naming the leg, while one has not, and a mirror never shrinks. The
+// bytes added read as zeros — on the leg whose grown file held garbage
+// there too — and take writes; NBD clients that connect see the new
+// size, and so does the mirror mapped again.
+func TestMirrorGrow(t *testing.T) {
+	needTools(t, "qemu-io", "nbdinfo")
+	const size, grown = 64 << 20, 96 << 20 // the legs'; the data is 8 MiB less
+	a, b := newStorageNode(t, size), newStorageNode(t, size)
+	dir := t.TempDir()
+	cl := startClient(t, dir)
+	sock := filepath.Join(dir, "m.sock")
+	uri := "nbd+unix:///vol?socket=" + sock
+	mapArgs := []string{"map", "--mirror", "vol", "--leg", a.leg("g-a"), "--leg", b.leg("g-b"), "--as", "socket:" + sock}
+	cl.ok(append(mapArgs, "--create")...)
+	qemuIO(t, uri, "write -P 0xa1 0 1M", "write -P 0xa2 55M 1M")
+	nbdSize := func() string { return strings.TrimSpace(run(t, time.Minute, "nbdinfo", "--size", uri)) }
+
+	if _, errOut, code := cl.ctl("resize", "rnbd0", "48MiB"); code != 2 || !strings.Contains(errOut, "grows only") {
+		t.Fatalf("shrink: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := cl.ctl("resize", "rnbd0", "88MiB"); code != 9 || !strings.Contains(errOut, "grow its volume on its storage node first") {
+		t.Fatalf("grow before the legs: exit %d: %s", code, errOut)
+	}
+	a.srv.ok("resize", "vol", "96MiB")
+	// What a reused device may hold in the bytes it grows by.
+	f, err := os.OpenFile(a.vol, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = f.WriteAt(bytes.Repeat([]byte{0xee}, 1<<20), size)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, errOut, code := cl.ctl("resize", "rnbd0", "88MiB"); code != 9 || !strings.Contains(errOut, "leg 1") {
+		t.Fatalf("grow before leg 1: exit %d: %s", code, errOut)
+	}
+	if s := nbdSize(); s != fmt.Sprint(size-8<<20) {
+		t.Fatalf("refused grows changed the size: %s", s)
+	}
+	b.srv.ok("resize", "vol", "96MiB")
+	cl.ok("resize", "rnbd0", "88MiB")
+	if rec := cl.records("device", "show", "rnbd0")[0]; rec["size"] != float64(grown-8<<20) ||
+		strings.Join(legStates(t, rec), ",") != "in sync,in sync" {
+		t.Fatalf("record after the growth %v", rec)
+	}
+	if s := nbdSize(); s != fmt.Sprint(grown-8<<20) {
+		t.Fatalf("an NBD client sees %s bytes", s)
+	}
+	// Both legs' bytes added are zeros; read through the mirror from
+	// either (round-robin), written and read back.
+	for _, n := range []*storageNode{a, b} {
+		if !bytes.Equal(n.data(t, size-8<<20, 1<<20), make([]byte, 1<<20)) {
+			t.Fatalf("leg on port %d: the bytes added are not zeros", n.port)
+		}
+	}
+	qemuIO(t, uri, "read -P 0 56M 1M", "read -P 0 56M 1M", "write -P 0xb3 87M 1M", "read -P 0xb3 87M 1M",
+		"read -P 0xa1 0 1M", "read -P 0xa2 55M 1M")
+	cl.ok("unmap", "rnbd0")
+	cl.ok(mapArgs...)
+	if s := nbdSize(); s != fmt.Sprint(grown-8<<20) {
+		t.Fatalf("mapped again: %s bytes", s)
+	}
+	qemuIO(t, uri, "read -P 0xb3 87M 1M", "read -P 0xa1 0 1M", "read -P 0 60M 1M")
+	for _, n := range []*storageNode{a, b} {
+		if !bytes.Equal(n.data(t, 87<<20, 1<<20), bytes.Repeat([]byte{0xb3}, 1<<20)) {
+			t.Fatalf("leg on port %d does not hold the write past the old size", n.port)
+		}
+	}
+}
