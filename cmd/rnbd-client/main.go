@@ -307,7 +307,7 @@ func newRemap(g *cli.Globals) *cobra.Command {
 
 func newResize(g *cli.Globals) *cobra.Command {
 	return g.Command(cli.Action{Use: "resize DEV SIZE", Args: 2, Complete: g.CompleteNames("devname", api.CltDevices, cli.NoName),
-		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections)",
+		Short: "Set the size the device shows (at most the remote size; seen by new NBD connections); grow a mirror once its legs have",
 		Route: api.CltDeviceSize,
 		Body:  func(args []string) any { return api.DeviceResizeRequest{Size: args[1]} },
 		Done:  func(args []string) string { return args[0] + " resized to " + args[1] },

@@ -2,6 +2,7 @@ package api
 
 import (
 	"context"
+	"strconv"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 )
@@ -28,6 +29,12 @@ func (c *Client) Map(ctx context.Context, m Mapping) (MapResponse, error) {
 // Unmap unmaps device (rnbdN); force: even while it is open.
 func (c *Client) Unmap(ctx context.Context, device string, force bool) error {
 	return Call(ctx, c.c, CltDeviceUnmap, []string{device}, nil, UnmapRequest{Force: force}, nil)
+}
+
+// Resize sets device's size (rnbdN): a size the server's device has
+// room for; a mirror grows to it once its legs have.
+func (c *Client) Resize(ctx context.Context, device string, size int64) error {
+	return Call(ctx, c.c, CltDeviceSize, []string{device}, nil, DeviceResizeRequest{Size: strconv.FormatInt(size, 10)}, nil)
 }
 
 // Sessions are the session records.

@@ -272,10 +272,7 @@ func (c *controller) ControllerExpandVolume(ctx context.Context, req *csi.Contro
 		}
 	}
 	if vname, ok := parseMirrorID(req.GetVolumeId()); ok {
-		if _, err := c.findMirror(ctx, vname); err != nil {
-			return nil, err
-		}
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is replicated: growing a replicated volume is not implemented yet (its mirror's size is fixed at its first stage)", req.GetVolumeId())
+		return c.expandMirror(ctx, req, vname)
 	}
 	n, v, err := c.volumeOf(ctx, req.GetVolumeId())
 	if err != nil {

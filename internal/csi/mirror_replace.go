@@ -164,7 +164,7 @@ func (c *controller) replaceLeg(ctx context.Context, mv *mirrorVolume, i int) (s
 			pub = f
 		}
 		if f.v.Labels[labelMember] != memberWit && f.v.Size != nil {
-			size = *f.v.Size
+			size = max(size, *f.v.Size) // the largest: an expansion may have grown some legs only
 		}
 	}
 	if size < 0 {

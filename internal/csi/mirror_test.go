@@ -128,8 +128,30 @@ func TestControllerReplicated(t *testing.T) {
 		VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
 			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}}})
 	wantCode(t, "a clone of a replicated volume", err, codes.InvalidArgument)
-	_, err = r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
-	wantCode(t, "growing a replicated volume", err, codes.FailedPrecondition)
+	// Expand: every leg grown by what is asked, the witness not; the
+	// node's expansion required (the mirror grows there), raw block
+	// too; the same size again is success, a smaller one OutOfRange.
+	expand := func(id string, n int64) (*csi.ControllerExpandVolumeResponse, error) {
+		return r.cc.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: n},
+			VolumeCapability: blockCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)})
+	}
+	for range 2 {
+		ex, err := expand(v.GetVolumeId(), 2*size)
+		if err != nil || ex.GetCapacityBytes() != 2*size || !ex.GetNodeExpansionRequired() {
+			t.Fatalf("expand: %v, %v", ex, err)
+		}
+	}
+	for node, m := range r.members("pvc-r2") {
+		want := int64(2*size + mirror.DataOff)
+		if m.Labels[labelMember] == "witness" {
+			want = witnessSize
+		}
+		if m.Size == nil || *m.Size != want {
+			t.Errorf("member %s on %s expanded: %v bytes, want %d", m.Labels[labelMember], node, m.Size, want)
+		}
+	}
+	_, err = expand(v.GetVolumeId(), size)
+	wantCode(t, "shrinking a replicated volume", err, codes.OutOfRange)
 	_, err = r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-r2", SourceVolumeId: v.GetVolumeId()})
 	wantCode(t, "a snapshot of a replicated volume", err, codes.FailedPrecondition)
 	_, err = r.create("pvc-r3-zones", size, map[string]string{"replicas": "3", "spreadBy": zone}, nil)
@@ -172,7 +194,7 @@ func TestControllerReplicated(t *testing.T) {
 		}
 		if e.GetVolume().GetVolumeId() == v.GetVolumeId() {
 			n++
-			if e.GetVolume().GetCapacityBytes() != size || strings.Join(e.GetStatus().GetPublishedNodeIds(), ",") != "host-1" {
+			if e.GetVolume().GetCapacityBytes() != 2*size || strings.Join(e.GetStatus().GetPublishedNodeIds(), ",") != "host-1" {
 				t.Errorf("list entry %v", e)
 			}
 		}
@@ -200,13 +222,14 @@ func TestControllerReplicated(t *testing.T) {
 	// answers.
 	wnode := parts["witness"]
 	down := func() { r.procs[wnode].stop() }
-	up := func() {
-		r.procs[wnode].start()
-		kit.WaitFor(t, 30*time.Second, wnode+" answering again", func() bool {
-			_, err := r.d.ctrl.node(wnode).pools(ctx)
+	upNode := func(node string) {
+		r.procs[node].start()
+		kit.WaitFor(t, 30*time.Second, node+" answering again", func() bool {
+			_, err := r.d.ctrl.node(node).pools(ctx)
 			return err == nil
 		})
 	}
+	up := func() { upNode(wnode) }
 	down()
 	if _, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-2", VolumeCapability: rwo}); err != nil {
 		t.Fatalf("publishing with the witness's node down: %v", err)
@@ -244,6 +267,15 @@ func TestControllerReplicated(t *testing.T) {
 	down()
 	_, err = r.create("pvc-r2-new", size, params, nil)
 	wantCode(t, "a create while a node does not answer", err, codes.Unavailable)
+	if ex, err := expand(v.GetVolumeId(), 3*size); err != nil || ex.GetCapacityBytes() != 3*size {
+		t.Fatalf("expand with the witness's node down: %v, %v", ex, err)
+	}
+	if leg := byPart(r.members("pvc-r3"))["leg0"]; leg != wnode {
+		r.procs[leg].stop()
+		_, err = expand(v3.GetVolumeId(), 2*size)
+		wantCode(t, "an expand while a leg's node does not answer", err, codes.Unavailable)
+		upNode(leg)
+	}
 	_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
 	wantCode(t, "a delete while a member's node does not answer", err, codes.Unavailable)
 	if len(r.members("pvc-r2")) != 2 {

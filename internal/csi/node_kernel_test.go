@@ -654,8 +654,8 @@ func TestNodeReplicatedOnKernel(t *testing.T) {
 	}
 	r.nothingStaged(t, n, staging)
 	// Published again with the new placement (leg 1 on sn4), sn2 still
-	// gone: assembled, every file there.
-	pc[PCLegs], pc[PCSpares] = "["+leg("sn1")+","+leg("sn4")+"]", ""
+	// gone, as /dev/nbdN this time: assembled, every file there.
+	pc[PCLegs], pc[PCSpares], pc[PCFrontend] = "["+leg("sn1")+","+leg("sn4")+"]", "", "nbd"
 	if _, err := n.NodeStageVolume(ctx, stage); err != nil {
 		t.Fatal(err)
 	}
@@ -663,6 +663,24 @@ func TestNodeReplicatedOnKernel(t *testing.T) {
 	if h := health(); len(h) != 0 {
 		t.Fatalf("health over the new placement %v, want healthy", h)
 	}
+	// Expanded: its legs grown on their storage nodes (what the
+	// controller's ControllerExpandVolume does), then NodeExpandVolume
+	// grows the mirror, the device and ext4 on it, mounted.
+	r.srvIn(t, dirs["sn1"], "volume", "resize", vol, "--size", "104MiB")
+	r.srvIn(t, dirs["sn4"], "volume", "resize", vol, "--size", "104MiB")
+	ex, err := n.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: staging, CapacityRange: &csi.CapacityRange{RequiredBytes: 96 << 20}})
+	if err != nil || ex.GetCapacityBytes() != 96<<20 {
+		t.Fatalf("NodeExpandVolume: %v, %v", ex, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(staging, &st); err != nil || int64(st.Blocks)*int64(st.Bsize) < 80<<20 {
+		t.Fatalf("ext4 after the expansion: %d blocks of %d (%v), want more than 80 MiB", st.Blocks, st.Bsize, err)
+	}
+	if m := r.mappings(t, n); len(m) != 1 || m[0].Size != 96<<20 {
+		t.Fatalf("mappings after the expansion %+v, want 96 MiB", m)
+	}
+	write("fifth")
+	readAll("first", "second", "third", "fourth", "fifth")
 	if _, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}

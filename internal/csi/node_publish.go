@@ -131,8 +131,9 @@ func (n *NodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 }
 
 // NodeExpandVolume implements csi.NodeServer: once the mapping has
-// learnt the size asked (its size poll), the file system grown online
-// (resize2fs, xfs_growfs).
+// learnt the size asked (its size poll; a replicated volume's mirror
+// grown by its rnbd-client), the file system grown online (resize2fs,
+// xfs_growfs).
 func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
 	id, path := req.GetVolumeId(), req.GetVolumePath()
 	if id == "" || path == "" {
@@ -159,10 +160,18 @@ func (n *NodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if m.device == "" {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", id)
 	}
+	want := req.GetCapacityRange().GetRequiredBytes()
+	if _, ok := parseMirrorID(id); ok && want > 0 {
+		// Its legs grew (ControllerExpandVolume); the mirror grows
+		// here, when its legs' sessions see them grown.
+		if err := n.client.Resize(ctx, m.device, want); err != nil {
+			return nil, clientError(err)
+		}
+	}
 	// The storage node grew the volume (ControllerExpandVolume): the
 	// mapping learns it by its size poll (rnbd.DefaultSizePoll, 5 s),
 	// waited for here.
-	size, err := n.waitSize(ctx, m.devpath, req.GetCapacityRange().GetRequiredBytes())
+	size, err := n.waitSize(ctx, m.devpath, want)
 	if err != nil {
 		return nil, err
 	}
