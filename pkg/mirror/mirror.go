@@ -1,6 +1,7 @@
 package mirror
 
 import (
+	"cmp"
 	"context"
 	crand "crypto/rand"
 	"encoding/binary"
@@ -53,6 +54,8 @@ type Config struct {
 	// mirror too large for a bitmap of 4 MiB at that size
 	// (RegionShiftFor).
 	RegionSize int64
+	// cleanEvery, in tests, is the cleaning's period; 0: cleanEvery.
+	cleanEvery time.Duration
 	// ReadPolicy chooses the leg of each read among those in sync, as
 	// a session's mpath_policy chooses a path: round-robin (the zero
 	// value), min-inflight (the leg with the fewest requests in flight)
@@ -420,7 +423,7 @@ func (m *Mirror) serve(ctx context.Context, d Decision) error {
 	}
 	m.committedSeq.Store(m.memberSeq.Load())
 	m.wg.Add(1)
-	go m.worker(time.NewTicker(cleanEvery)) // the watchdog runs since Open
+	go m.worker(time.NewTicker(cmp.Or(m.cfg.cleanEvery, cleanEvery))) // the watchdog runs since Open
 	return nil
 }
 

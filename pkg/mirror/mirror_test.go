@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -141,6 +142,7 @@ type fleet struct {
 	seedRnd    uint64
 	legTimeout time.Duration
 	resyncRate int64
+	cleanEvery time.Duration
 	net        *fabrictest.Network
 }
 
@@ -169,7 +171,7 @@ func (f *fleet) connect() Config {
 	ctx := context.Background()
 	// 64 KiB regions, the least: 64 of them in testData.
 	cfg := Config{Layout: f.layout, Legs: make([]*rnbd.CltDev, f.layout.NLegs), Log: log.Discard(), LegTimeout: f.legTimeout,
-		ResyncRate: f.resyncRate, RegionSize: 1 << minRegionShift}
+		ResyncRate: f.resyncRate, RegionSize: 1 << minRegionShift, cleanEvery: f.cleanEvery}
 	f.opened++
 	f.seedRnd += 1000
 	next := f.seedRnd
@@ -539,22 +541,40 @@ func TestMirrorLoneLegRefused(t *testing.T) {
 // writes refuses). Seeded: the failing seed is printed;
 // RNBD_MIRROR_SCHEDULES sets how many (default 40, 12 with -short).
 func TestMirrorHistoryUnderFaults(t *testing.T) {
-	n := 40
+	n := 200
 	if testing.Short() {
-		n = 12
+		n = 24
 	}
 	if v := os.Getenv("RNBD_MIRROR_SCHEDULES"); v != "" {
 		fmt.Sscan(v, &n)
 	}
-	var total scheduleStats
+	// The schedules wait more than they work (timeouts, dials, a
+	// paced resync), each on a fabric of its own: several at once.
+	const atOnce = 8
+	var (
+		mu    sync.Mutex
+		total scheduleStats
+		wg    sync.WaitGroup
+		slots = make(chan struct{}, atOnce)
+	)
 	for seed := uint64(1); seed <= uint64(n); seed++ {
-		var st scheduleStats
-		ok := t.Run(fmt.Sprintf("seed-%d", seed), func(t *testing.T) { st = runSchedule(t, seed) })
-		if !ok {
-			t.Fatalf("seed %d failed: RNBD_MIRROR_SCHEDULES=%d go test -run 'TestMirrorHistoryUnderFaults/seed-%d$' ./pkg/mirror", seed, seed, seed)
-		}
-		total.add(st)
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			t.Run(fmt.Sprintf("seed-%d", seed), func(t *testing.T) {
+				defer func() {
+					if t.Failed() {
+						t.Logf("seed %d failed: RNBD_MIRROR_SCHEDULES=%d go test -run 'TestMirrorHistoryUnderFaults/seed-%d$' ./pkg/mirror", seed, seed, seed)
+					}
+				}()
+				st := runSchedule(t, seed)
+				mu.Lock()
+				total.add(st)
+				mu.Unlock()
+			})
+		})
 	}
+	wg.Wait()
 	t.Logf("%d schedules: %+v", n, total)
 	if total.opens == 0 || total.refused == 0 || total.takenOut == 0 || total.reads == 0 || total.freezes == 0 || total.rejoins == 0 ||
 		total.witnessRejoins == 0 || total.cleaned == 0 {
@@ -590,11 +610,10 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	shape := shapes[rng.IntN(len(shapes))]
 	// Half the schedules clean the bitmap every few milliseconds: the
 	// crashes and faults land on regions cleaned and marked again.
-	if rng.IntN(2) == 0 {
-		defer func(d time.Duration) { cleanEvery = d }(cleanEvery)
-		cleanEvery = 5 * time.Millisecond
-	}
 	f := newFleet(t, shape.legs, shape.witness)
+	if rng.IntN(2) == 0 {
+		f.cleanEvery = 5 * time.Millisecond
+	}
 	f.legTimeout = 300 * time.Millisecond
 	f.resyncRate = 32 << 20 // a full copy takes an eighth of a second: faults land in it
 	f.create()

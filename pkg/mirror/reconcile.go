@@ -190,7 +190,7 @@ func (c copier) copy(ctx context.Context, off, n int64, to []int) error {
 // cleanEvery is how often the worker cleans the bitmap while every leg
 // is in sync: the regions with no write for one period are cleaned at
 // the end of the next, from one to two periods after their last write.
-var cleanEvery = 5 * time.Second
+const cleanEvery = 5 * time.Second
 
 // cleanQuiet cleans the bitmap's regions quiet for a period of
 // cleanEvery, when every leg is in sync and no resync runs: a leg that

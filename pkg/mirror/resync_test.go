@@ -276,9 +276,8 @@ func TestMirrorResyncWindow(t *testing.T) {
 // resynced with only the region written since and the one written all
 // along.
 func TestMirrorCleansWhileMapped(t *testing.T) {
-	defer func(d time.Duration) { cleanEvery = d }(cleanEvery)
-	cleanEvery = 20 * time.Millisecond
 	f := newFleet(t, 2, false)
+	f.cleanEvery = 20 * time.Millisecond
 	f.create()
 	if err := f.open(nil); err != nil {
 		t.Fatal(err)
