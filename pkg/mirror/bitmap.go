@@ -80,30 +80,33 @@ func NewBitmap(dataSize uint64, shift uint8) (*Bitmap, error) {
 	return &Bitmap{shift: shift, size: int64(dataSize), regions: regions, words: make([]uint64, nb*wordsPerBlock), recent: make([]uint64, nb*wordsPerBlock), blocks: make([]bitmapBlock, nb)}, nil
 }
 
+// bitmapBlocks is the number of bitmap blocks of dataSize bytes in
+// regions of 1<<shift.
+func bitmapBlocks(dataSize uint64, shift uint8) int {
+	regions := (dataSize + 1<<shift - 1) >> shift
+	return int((regions + regionsPerBlock - 1) / regionsPerBlock)
+}
+
 // Grow makes the bitmap one of dataSize bytes (more than it has): the
-// regions added are clean, and so are the blocks added, which it
-// returns (the caller stores them on the legs before any write can reach
-// them). The region size stays: a size whose bitmap would not fit is an
-// error.
-func (b *Bitmap) Grow(dataSize uint64) (added []int, err error) {
+// regions and blocks added are clean (the caller stores those blocks on
+// the legs, bitmapBlocks, before a write can reach them). The region
+// size stays: a size whose bitmap would not fit is an error.
+func (b *Bitmap) Grow(dataSize uint64) error {
 	regions := (dataSize + 1<<b.shift - 1) >> b.shift
 	if regions > BitmapMax*8 || dataSize > 1<<60 {
-		return nil, fmt.Errorf("mirror: %d bytes in regions of %d: more than the bitmap holds (%d regions)", dataSize, uint64(1)<<b.shift, BitmapMax*8)
+		return fmt.Errorf("mirror: %d bytes in regions of %d: more than the bitmap holds (%d regions)", dataSize, uint64(1)<<b.shift, BitmapMax*8)
 	}
-	nb := int((regions + regionsPerBlock - 1) / regionsPerBlock)
+	nb := bitmapBlocks(dataSize, b.shift)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if int64(dataSize) <= b.size {
-		return nil, fmt.Errorf("mirror: the bitmap grows only (%d bytes, asked %d)", b.size, dataSize)
-	}
-	for blk := len(b.blocks); blk < nb; blk++ {
-		added = append(added, blk)
+		return fmt.Errorf("mirror: the bitmap grows only (%d bytes, asked %d)", b.size, dataSize)
 	}
 	b.words = append(b.words, make([]uint64, (nb-len(b.blocks))*wordsPerBlock)...)
 	b.recent = append(b.recent, make([]uint64, (nb-len(b.blocks))*wordsPerBlock)...)
 	b.blocks = append(b.blocks, make([]bitmapBlock, nb-len(b.blocks))...)
 	b.size, b.regions = int64(dataSize), regions
-	return added, nil
+	return nil
 }
 
 // Blocks is the number of bitmap blocks: its bytes on a leg are

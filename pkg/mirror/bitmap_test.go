@@ -254,18 +254,21 @@ func TestBitmapGrow(t *testing.T) {
 	}
 	need := b.StartWrite(2<<16, 4096)
 	b.EndWrite(2<<16, 4096, need.Pass)
-	if _, err := b.Grow(3 << 16); err == nil {
+	if err := b.Grow(3 << 16); err == nil {
 		t.Fatal("grown to the size it has")
 	}
-	if _, err := b.Grow(BitmapMax*8<<minRegionShift + 1<<16); err == nil {
+	if err := b.Grow(BitmapMax*8<<minRegionShift + 1<<16); err == nil {
 		t.Fatal("grown past what the bitmap holds")
 	}
-	added, err := b.Grow((regionsPerBlock + 1) << minRegionShift)
-	if err != nil {
+	if b.Blocks() != 1 || b.Regions() != 3 {
+		t.Fatalf("refused grows changed it: %d blocks, %d regions", b.Blocks(), b.Regions())
+	}
+	size := uint64(regionsPerBlock+1) << minRegionShift
+	if err := b.Grow(size); err != nil {
 		t.Fatal(err)
 	}
-	if len(added) != 1 || added[0] != 1 || b.Blocks() != 2 || b.Regions() != regionsPerBlock+1 {
-		t.Fatalf("added blocks %v; %d blocks, %d regions", added, b.Blocks(), b.Regions())
+	if b.Blocks() != 2 || bitmapBlocks(size, minRegionShift) != 2 || b.Regions() != regionsPerBlock+1 {
+		t.Fatalf("%d blocks, %d regions", b.Blocks(), b.Regions())
 	}
 	if got := b.Runs(0); len(got) != 1 || got[0] != [2]int64{2 << 16, 1 << 16} {
 		t.Fatalf("marked %v, want region 2 alone", got)

@@ -66,12 +66,8 @@ func (m *Mirror) Grow(ctx context.Context, size int64) error {
 			return fmt.Errorf("mirror: %s left or came back while the mirror grew; nothing changed, grow it again once every leg is in sync: %w", m.name(i), syscall.EBUSY)
 		}
 	}
-	bm, err := NewBitmap(uint64(size), shift)
-	if err != nil {
-		return err
-	}
 	zero := make([]byte, BitmapBlock)
-	for blk := m.bm.Blocks(); blk < bm.Blocks(); blk++ {
+	for blk := m.bm.Blocks(); blk < bitmapBlocks(uint64(size), shift); blk++ {
 		for _, v := range legs {
 			copy(v.buf.Bytes()[:BitmapBlock], zero)
 			if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
@@ -86,7 +82,7 @@ func (m *Mirror) Grow(ctx context.Context, size int64) error {
 	}
 	// Committed: the bitmap first, then the size writes are checked
 	// against.
-	if _, err := m.bm.Grow(uint64(size)); err != nil {
+	if err := m.bm.Grow(uint64(size)); err != nil {
 		m.failed.Store(true) // cannot be: checked above
 		return err
 	}
