@@ -82,6 +82,11 @@ func (d *Daemon) remapDevice(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
+	if m.mir != nil {
+		// A leg opened again is taken out and checked as it rejoins:
+		// a remap would only degrade the mirror.
+		return nil, ctl.Errorf(ctl.CodeNotSupported, "%s is a mirror: remap is for a device of one storage node; a mirror's leg that is out is dialled again every 5 s and rejoins by itself (replace-leg puts another device in its place)", m.Device)
+	}
 	return nil, m.dev.Remap(r.Context())
 }
 

@@ -376,7 +376,8 @@ func TestMirrorSpare(t *testing.T) {
 // naming the leg, while one has not, and a mirror never shrinks. The
 // bytes added read as zeros — on the leg whose grown file held garbage
 // there too — and take writes; NBD clients that connect see the new
-// size, and so does the mirror mapped again.
+// size, and so does the mirror mapped again. remap, a single device's,
+// is refused.
 func TestMirrorGrow(t *testing.T) {
 	needTools(t, "qemu-io", "nbdinfo")
 	const size, grown = 64 << 20, 96 << 20 // the legs'; the data is 8 MiB less
@@ -390,6 +391,10 @@ func TestMirrorGrow(t *testing.T) {
 	qemuIO(t, uri, "write -P 0xa1 0 1M", "write -P 0xa2 55M 1M")
 	nbdSize := func() string { return strings.TrimSpace(run(t, time.Minute, "nbdinfo", "--size", uri)) }
 
+	// remap is a single device's: refused for a mirror, saying why.
+	if _, errOut, code := cl.ctl("remap", "rnbd0"); code != 8 || !strings.Contains(errOut, "is a mirror") {
+		t.Fatalf("remap of a mirror: exit %d: %s", code, errOut)
+	}
 	if _, errOut, code := cl.ctl("resize", "rnbd0", "48MiB"); code != 2 || !strings.Contains(errOut, "grows only") {
 		t.Fatalf("shrink: exit %d: %s", code, errOut)
 	}
