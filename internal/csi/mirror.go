@@ -544,7 +544,11 @@ func (c *controller) mirrorEntries(results []nodeResult[[]api.VolumeRecord]) map
 				out[id] = e
 			}
 			if part != memberWit && v.Size != nil {
-				e.Volume.CapacityBytes = *v.Size - mirror.DataOff
+				// The smallest leg's: what the mirror holds (one
+				// expansion may have grown some legs only).
+				if c := *v.Size - mirror.DataOff; e.Volume.CapacityBytes == 0 || c < e.Volume.CapacityBytes {
+					e.Volume.CapacityBytes = c
+				}
 			}
 			for _, g := range v.AllowIdentities.Identities() {
 				if !slices.Contains(e.Status.PublishedNodeIds, g) {

@@ -181,8 +181,13 @@ func TestControllerReplicated(t *testing.T) {
 	_, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo, Readonly: true})
 	wantCode(t, "read-only", err, codes.InvalidArgument)
 
-	// Listed once, with its worker; its members are not volumes of
+	// Listed once, with its worker and the size its smallest leg
+	// holds (the leg on the node listed last grown alone, as by an
+	// expansion that stopped part way); its members are not volumes of
 	// their own.
+	if _, err := api.NewServer(r.admin[max(parts["leg0"], parts["leg1"])]).ResizeVolume(ctx, "pvc-r2", strconv.Itoa(3*size+mirror.DataOff)); err != nil {
+		t.Fatal(err)
+	}
 	list, err := r.cc.ListVolumes(ctx, &csi.ListVolumesRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -284,7 +289,14 @@ func TestControllerReplicated(t *testing.T) {
 	up()
 	for _, id := range []string{v.GetVolumeId(), v3.GetVolumeId()} {
 		for i := range 2 {
-			if _, err := r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			// The reconciler, woken by the nodes that came back, may
+			// hold the volume a moment: Aborted, which a CO retries.
+			var err error
+			kit.WaitFor(t, 30*time.Second, "DeleteVolume "+id, func() bool {
+				_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+				return status.Code(err) != codes.Aborted
+			})
+			if err != nil {
 				t.Fatalf("DeleteVolume %s (%s time): %v", id, strconv.Itoa(i+1), err)
 			}
 		}
