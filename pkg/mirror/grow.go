@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+	"time"
 
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/rnbd"
@@ -50,7 +51,7 @@ func (m *Mirror) Grow(ctx context.Context, size int64) error {
 		return err
 	}
 	for _, v := range legs {
-		if err := zeroLeg(ctx, v, DataOff+old, size-old); err != nil {
+		if err := m.zeroLeg(ctx, v, DataOff+old, size-old); err != nil {
 			return fmt.Errorf("mirror: %s: zeroing the bytes it grows by: %w", v.name, err)
 		}
 	}
@@ -117,9 +118,12 @@ func (m *Mirror) growable(ctx context.Context, size int64) ([]*voter, error) {
 }
 
 // zeroLeg zeroes [off, off+n) of v's device and flushes it: with
-// write-zeroes where the device has it, else with writes of zeroes.
-func zeroLeg(ctx context.Context, v *voter, off, n int64) error {
+// write-zeroes where the device has it, else with writes of zeroes paced
+// as a resync's copy.
+func (m *Mirror) zeroLeg(ctx context.Context, v *voter, off, n int64) error {
 	var buf *rtrs.Buffer
+	var start time.Time
+	var wrote int64
 	defer func() {
 		if buf != nil {
 			buf.Free()
@@ -128,7 +132,10 @@ func zeroLeg(ctx context.Context, v *voter, off, n int64) error {
 	for end := off + n; off < end; {
 		c := min(end-off, zeroChunk)
 		if buf == nil {
-			err := v.do(ctx, rnbd.OpWriteZeroes, 0, off, int(c), nil)
+			var err error = syscall.EOPNOTSUPP
+			if !m.zeroByWrites {
+				err = v.do(ctx, rnbd.OpWriteZeroes, 0, off, int(c), nil)
+			}
 			if !errors.Is(err, syscall.EOPNOTSUPP) {
 				if err != nil {
 					return err
@@ -140,12 +147,17 @@ func zeroLeg(ctx context.Context, v *voter, off, n int64) error {
 				return err
 			}
 			clear(buf.Bytes())
+			start = time.Now()
 		}
 		c = min(c, resyncChunk)
 		if err := v.do(ctx, rnbd.OpWrite, 0, off, int(c), buf); err != nil {
 			return err
 		}
 		off += c
+		wrote += c
+		if err := m.pace(ctx, start, wrote); err != nil {
+			return err
+		}
 	}
 	return v.do(ctx, rnbd.OpFlush, 0, 0, 0, nil)
 }

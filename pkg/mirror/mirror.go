@@ -127,11 +127,13 @@ type Mirror struct {
 	// copyRead, in tests, runs between a resync's read of a window and
 	// its write to the leg.
 	copyRead func(off, n int64)
-	// grew, in tests, runs when Grow has zeroed the bytes added.
-	grew  func()
-	rr    atomic.Uint32
-	reqs  sync.Pool
-	stats Stats
+	// grew, in tests, runs when Grow has zeroed the bytes added;
+	// zeroByWrites has it zero them as on a device without write-zeroes.
+	grew         func()
+	zeroByWrites bool
+	rr           atomic.Uint32
+	reqs         sync.Pool
+	stats        Stats
 }
 
 // Stats counts what the mirror did, for its records and metrics.

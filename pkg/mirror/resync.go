@@ -299,10 +299,6 @@ func (m *Mirror) resync(i int, runs [][2]int64) {
 // copyRuns copies each run, a window at a time, from a leg in sync to
 // leg i, paced to Config.ResyncRate.
 func (m *Mirror) copyRuns(ctx context.Context, i int, runs [][2]int64) error {
-	rate := m.cfg.ResyncRate
-	if rate <= 0 {
-		rate = DefaultResyncRate
-	}
 	dst := m.leg(i)
 	buf, err := dst.dev.Session().Session().AllocBuffer(resyncChunk)
 	if err != nil {
@@ -324,20 +320,33 @@ func (m *Mirror) copyRuns(ctx context.Context, i int, runs [][2]int64) error {
 			}
 			off += n
 			m.stats.Reconciled.Add(uint64(n))
-			copied := m.rs.copied.Add(n)
-			// Paced: copied bytes take copied/rate from the start.
-			if wait := time.Duration(float64(copied)/float64(rate)*float64(time.Second)) - time.Since(start); wait > 0 {
-				t := time.NewTimer(wait)
-				select {
-				case <-ctx.Done():
-					t.Stop()
-					return ctx.Err()
-				case <-t.C:
-				}
+			if err := m.pace(ctx, start, m.rs.copied.Add(n)); err != nil {
+				return err
 			}
 		}
 	}
 	return nil
+}
+
+// pace waits until the bytes done since start have taken their time at
+// Config.ResyncRate.
+func (m *Mirror) pace(ctx context.Context, start time.Time, done int64) error {
+	rate := m.cfg.ResyncRate
+	if rate <= 0 {
+		rate = DefaultResyncRate
+	}
+	wait := time.Duration(float64(done)/float64(rate)*float64(time.Second)) - time.Since(start)
+	if wait <= 0 {
+		return nil
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // copyWindow copies [off, off+n) from a leg in sync to leg i with the
