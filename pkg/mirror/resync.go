@@ -189,6 +189,11 @@ func (m *Mirror) Rejoin(ctx context.Context, i int, dev *rnbd.CltDev, name strin
 	}
 	m.metaMu.Lock()
 	defer m.metaMu.Unlock()
+	if dev.Size() < DataOff+m.size.Load() {
+		// Grown since the check above.
+		v.buf.Free()
+		return fmt.Errorf("mirror: %s: a device of %d bytes; the mirror grew meanwhile, a leg of it needs %d", v.name, dev.Size(), DataOff+m.size.Load())
+	}
 	uuid, full, err := m.rejoinsAsLocked(i, v, sb)
 	if err != nil {
 		v.buf.Free()
