@@ -90,16 +90,29 @@ var clientAddr = netip.AddrFrom4([4]byte{10, 30, 9, 1})
 // whose node is gone fails after it, and the leg is taken out.
 const legNoPath = 100 * time.Millisecond
 
+// Dials wait for a node that runs: on a loaded machine (the schedules
+// run eight at once, beside other packages' tests) a dial may take
+// more than a moment. A frozen node is not waited for long: it is not
+// reached.
+const (
+	dialWait       = 10 * time.Second
+	frozenDialWait = 300 * time.Millisecond
+)
+
 // client maps name on n through a session of its own; IO without a
 // path fails after legNoPath.
 func (n *node) client(ctx context.Context, sess, name string) (*rnbd.CltSession, *rnbd.CltDev, error) {
+	return n.clientWithin(ctx, sess, name, dialWait)
+}
+
+// clientWithin is client with the dial bounded by wait.
+func (n *node) clientWithin(ctx context.Context, sess, name string, wait time.Duration) (*rnbd.CltSession, *rnbd.CltDev, error) {
 	cfg := rtrs.DefaultCltConfig()
 	cfg.SessName, cfg.Fabric, cfg.Log = sess, n.net.Fabric(), log.Discard()
 	cfg.ConnsPerPath = 2
 	cfg.ReconnectDelay, cfg.ReconnectJitter = 20*time.Millisecond, time.Millisecond
 	cfg.Paths = []rtrs.PathAddr{{Src: netip.AddrPortFrom(clientAddr, 0), Dst: n.addr}}
-	// A frozen node is not waited for long: it is not reached.
-	dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	dctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	s, err := rnbd.DialSession(dctx, cfg, legNoPath)
 	cancel()
@@ -144,11 +157,14 @@ type fleet struct {
 	resyncRate int64
 	cleanEvery time.Duration
 	net        *fabrictest.Network
+	// frozen are the nodes whose link is silent (by index): dialled
+	// with frozenDialWait.
+	frozen map[int]bool
 }
 
 func newFleet(t testing.TB, nlegs int, witness bool) *fleet {
 	net := fabrictest.NewNetwork()
-	f := &fleet{t: t, layout: Layout{Mirror: testMirror, NLegs: nlegs, Witness: witness}, net: net}
+	f := &fleet{t: t, layout: Layout{Mirror: testMirror, NLegs: nlegs, Witness: witness}, net: net, frozen: map[int]bool{}}
 	for i := range nlegs {
 		f.nodes = append(f.nodes, newNode(t, net, i, map[string]int64{"vol": legSize}))
 	}
@@ -180,7 +196,11 @@ func (f *fleet) connect() Config {
 		if n.rs == nil {
 			continue
 		}
-		s, d, err := n.client(ctx, fmt.Sprintf("mirror-%d-%d", f.opened, j), f.devName(j))
+		wait := dialWait
+		if f.frozen[j] {
+			wait = frozenDialWait
+		}
+		s, d, err := n.clientWithin(ctx, fmt.Sprintf("mirror-%d-%d", f.opened, j), f.devName(j), wait)
 		if err != nil {
 			continue
 		}
@@ -618,7 +638,7 @@ func runSchedule(t *testing.T, seed uint64) (st scheduleStats) {
 	f.resyncRate = 32 << 20 // a full copy takes an eighth of a second: faults land in it
 	f.create()
 	h := history.New(0)
-	frozen := map[int]bool{}
+	frozen := f.frozen
 	thaw := func(i int) {
 		f.net.SetLink(clientAddr, f.nodes[i].addr.Addr(), fabrictest.LinkUp)
 		delete(frozen, i)
