@@ -20,9 +20,14 @@ import (
 )
 
 // rejoin maps leg i's device through a new session and has the mirror
-// take it back; it returns the device.
+// take it back; it returns the device. The leg's old session is closed
+// first, as rnbd-client's rejoin closes it: reconnected to the node
+// started again, it would hold the device (EBUSY for the new one).
 func (f *fleet) rejoin(i int) *rnbd.CltDev {
 	f.t.Helper()
+	if old := f.m.leg(i); old != nil {
+		old.dev.Session().Close()
+	}
 	s, d, err := f.nodes[i].client(context.Background(), fmt.Sprintf("rejoin-%d", len(f.sess)), "vol")
 	if err != nil {
 		f.t.Fatal(err)
