@@ -67,10 +67,9 @@ func (m *Mirror) Grow(ctx context.Context, size int64) error {
 			return fmt.Errorf("mirror: %s left or came back while the mirror grew; nothing changed, grow it again once every leg is in sync: %w", m.name(i), syscall.EBUSY)
 		}
 	}
-	zero := make([]byte, BitmapBlock)
 	for blk := m.bm.Blocks(); blk < bitmapBlocks(uint64(size), shift); blk++ {
 		for _, v := range legs {
-			copy(v.buf.Bytes()[:BitmapBlock], zero)
+			clear(v.buf.Bytes()[:BitmapBlock])
 			if err := v.do(ctx, rnbd.OpWrite, rnbd.FFUA, BitmapOff+int64(blk)*BitmapBlock, BitmapBlock, v.buf); err != nil {
 				return fmt.Errorf("mirror: %s: writing the bitmap block %d it grows by: %w", v.name, blk, err)
 			}
