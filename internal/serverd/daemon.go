@@ -374,6 +374,7 @@ func (d *Daemon) stop() error {
 	if d.metrics != nil {
 		d.metrics.Close()
 	}
+	d.rnbd.EndHolds() // the writes held run: the RTRS close waits for their answers
 	d.rtrs.Close()
 	d.stopRetry()
 	select {

@@ -134,6 +134,14 @@ type Server struct {
 	resizes map[string]resizing
 	// +checklocks:mu
 	resizeSeq uint64
+	// holds are the holds of backing stores' writes, on or expired and
+	// not yet released, by backend ID; holdSeq is the last one's token.
+	// +checklocks:mu
+	holds map[string]*hold
+	// +checklocks:mu
+	holdSeq uint64
+	// +checklocks:mu
+	noHolds bool // EndHolds was called
 
 	// shrinks counts the shrinks of backing files seen behind the
 	// server's back, by device name (the export's, or the name under
@@ -188,6 +196,7 @@ func NewServer(cfg SrvConfig) *Server {
 		devices:     make(map[string]*device),
 		exportOpens: make(map[string]int),
 		resizes:     make(map[string]resizing),
+		holds:       make(map[string]*hold),
 		shrinks:     make(map[string]uint64),
 		owners:      make(map[string]string),
 	}
@@ -212,6 +221,7 @@ func (s *Server) Close() {
 		return
 	}
 	close(s.done)
+	s.EndHolds()
 	close(s.ios)
 	s.wg.Wait()
 }
@@ -233,6 +243,10 @@ type device struct {
 	shrunk bool // problem is a shrink (blockdev.ShrinkError)
 	// +checklocks:mu
 	checking time.Time // when the health check under way began
+
+	// held is the hold of its writes on now (srv_hold.go), nil for
+	// none; set and cleared under Server.mu.
+	held atomic.Pointer[hold]
 }
 
 // SrvSession is a client session (struct rnbd_srv_session). It is safe

@@ -194,7 +194,9 @@ func (s *Server) serve(q *srvReq) {
 	}
 	switch typ {
 	case MsgIO:
-		op.Respond(x.processIO(q))
+		if err := x.processIO(q); err != errParked {
+			op.Respond(err)
+		}
 	case MsgOpen:
 		op.Respond(x.processOpen(op))
 	case MsgSessInfo:
@@ -248,7 +250,7 @@ func (s *Server) tryInline(q *srvReq) bool {
 	d.inflight.Add(1)
 	if m.Op() == OpRead {
 		done, err = d.backend.TryReadAt(op.Data(), off)
-	} else {
+	} else if d.dev.held.Load() == nil {
 		done, err = d.backend.TryWriteAt(op.Data(), off)
 	}
 	d.inflight.Add(-1)
@@ -286,7 +288,20 @@ func (x *SrvSession) processIO(q *srvReq) error {
 	if r != nil {
 		return x.refuse(ioFields(op, m, d.name), r)
 	}
-	d.inflight.Add(1)
+	// Counted in flight before it looks for a hold of its writes: a
+	// hold that finds none in flight knows every later one parks.
+	for {
+		d.inflight.Add(1)
+		h := d.dev.held.Load()
+		if h == nil || !ioRules[m.Op()].write {
+			break
+		}
+		d.inflight.Add(-1)
+		q.d = d // served again from here when the hold ends
+		if h.park(q) {
+			return errParked
+		}
+	}
 	err := d.run(m, op.Data(), off, n)
 	d.inflight.Add(-1)
 	if err != nil {

@@ -313,6 +313,9 @@ func (s *Server) takeDevice(d *SrvSessDev, secondWriter bool) error {
 	dev := s.devices[be.ID()]
 	if dev == nil {
 		dev = &device{id: be.ID(), path: be.Path()}
+		if h := s.holds[dev.id]; h != nil && h.on() {
+			dev.held.Store(h)
+		}
 		s.devices[dev.id] = dev
 	}
 	dev.mu.Lock()
