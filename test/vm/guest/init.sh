@@ -1054,9 +1054,11 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	kleg() { echo "sessname=kml$1 path=ip:10.78.0.$2@ip:10.78.0.$2 dest_port=1235 device_path=loop$1"; }
 	kmstates() { cli device show "$(devname)" --format csv --fields legs 2>/dev/null | tail -1 | grep -o "state=[^,\"]*" | cut -d= -f2 | tr "\n" / ; }
 	kmstate() { cli device show "$(devname)" --format csv --fields state 2>/dev/null | tail -1; }
-	kmlog() { # the client's mirror lines; the kernel's last lines and its server's sessions
+	kmlog() { # the client's mirror lines; the kernel's blocked tasks and last lines, its CM IDs and its server's sessions
 		grep -a 'mirror' /tmp/client.log | tail -30 | sed 's/^/DETAIL client: /'
-		dmesg | tail -25 | sed 's/^/DETAIL kernel: /'
+		echo w >/proc/sysrq-trigger 2>/dev/null # the stacks of tasks in D state, into dmesg
+		dmesg | grep -v 'I/O error\|Buffer I/O\|lost async page' | tail -80 | sed 's/^/DETAIL kernel: /'
+		/usr/bin/rdma res show cm_id 2>&1 | sed 's/^/DETAIL cm_id: /'
 		for p in /sys/class/rtrs-server/*/paths/*; do
 			[ -d "$p" ] && echo "DETAIL rtrs-server: ${p#/sys/class/rtrs-server/} $(cat $p/hca_name $p/hca_port 2>/dev/null | tr '\n' ' ')"
 		done
