@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/url"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -44,9 +45,56 @@ func newVolume(g *cli.Globals) *cobra.Command {
 	del.Flags().BoolVar(&force, "force", false, "close it for every session that has it open (their IO then fails with ENOTCONN), then delete it")
 	cmd.AddCommand(del)
 	cmd.AddCommand(newVolumeResize(g))
+	cmd.AddCommand(newVolumeHold(g)...)
 	cmd.AddCommand(newSnapshot(g))
 	cmd.AddCommand(volumeGrantCmds(g)...)
 	return cmd
+}
+
+// newVolumeHold is volume hold NAME --for D and volume release NAME
+// TOKEN: a volume's writes held while snapshots elsewhere are taken.
+func newVolumeHold(g *cli.Globals) []*cobra.Command {
+	var d time.Duration
+	hold := &cobra.Command{
+		Use:   "hold NAME --for D",
+		Short: "Hold a volume's writes, from every session, for at most D (reads go on); prints the token its release takes",
+		Long: `Hold a volume's writes for at most D (at most 10s): no write, discard or
+write-zeroes of any session starts on it until its release or until D is up;
+reads and flushes go on. Snapshots of several volumes, on several storage
+nodes, taken while all of them are held are one point in time. rnbd-csi
+holds a replicated volume's legs this way for its snapshots.`,
+		Example:           "  rnbd-server volume hold pvc-1 --for 2s",
+		Args:              cobra.ExactArgs(1),
+		ValidArgsFunction: g.CompleteNames("name", api.SrvVolumes),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var rsp api.Hold
+			if err := g.Call(api.SrvVolumeHold, args, nil, api.HoldRequest{For: d.String()}, &rsp); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "holding volume %s until %s: token %d\n", args[0], rsp.Until.Format(time.RFC3339Nano), rsp.Token)
+			return nil
+		},
+	}
+	hold.Flags().DurationVar(&d, "for", 2*time.Second, "how long at most, if not released")
+	release := &cobra.Command{
+		Use:               "release NAME TOKEN",
+		Short:             "End a hold of a volume's writes; says whether it held until now",
+		Args:              cobra.ExactArgs(2),
+		ValidArgsFunction: g.CompleteNames("name", api.SrvVolumes),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var rsp api.Released
+			if err := g.Call(api.SrvVolumeRelease, args, nil, nil, &rsp); err != nil {
+				return err
+			}
+			if !rsp.HeldThroughout {
+				fmt.Fprintf(cmd.OutOrStdout(), "released volume %s: its time had run out before (writes ran since)\n", args[0])
+				return nil
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "released volume %s: held until now\n", args[0])
+			return nil
+		},
+	}
+	return []*cobra.Command{hold, release}
 }
 
 // newVolumeResize is volume resize NAME --size SIZE, the size given as

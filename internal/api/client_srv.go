@@ -3,6 +3,8 @@ package api
 import (
 	"context"
 	"net/url"
+	"strconv"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/ctl"
 )
@@ -125,6 +127,21 @@ func (s *Server) GrantVolume(ctx context.Context, name string, g GrantRequest) e
 // RevokeVolume takes an identity's grant off a volume's export.
 func (s *Server) RevokeVolume(ctx context.Context, name, identity string) error {
 	return Call(ctx, s.c, SrvVolumeRevoke, []string{name, identity}, nil, nil, nil)
+}
+
+// HoldVolume holds the writes of volume name for at most d.
+func (s *Server) HoldVolume(ctx context.Context, name string, d time.Duration) (Hold, error) {
+	var out Hold
+	err := Call(ctx, s.c, SrvVolumeHold, []string{name}, nil, HoldRequest{For: d.String()}, &out)
+	return out, err
+}
+
+// ReleaseVolume ends the hold token of volume name: whether it held
+// until now.
+func (s *Server) ReleaseVolume(ctx context.Context, name string, token uint64) (bool, error) {
+	var out Released
+	err := Call(ctx, s.c, SrvVolumeRelease, []string{name, strconv.FormatUint(token, 10)}, nil, nil, &out)
+	return out.HeldThroughout, err
 }
 
 // Snapshot is the record of snapshot name (not_found if none).

@@ -49,6 +49,10 @@ var (
 	SrvVolumeGrants = Route{"GET", "/v1/volumes/{name}/grants", ctl.RightRead}
 	SrvVolumeGrant  = Route{"POST", "/v1/volumes/{name}/grants", ctl.RightProvision}
 	SrvVolumeRevoke = Route{"DELETE", "/v1/volumes/{name}/grants/{identity}", ctl.RightProvision}
+	// A hold of a volume's writes, for snapshots of several volumes that
+	// are one point in time (a replicated volume's legs).
+	SrvVolumeHold    = Route{"POST", "/v1/volumes/{name}/hold", ctl.RightProvision}
+	SrvVolumeRelease = Route{"DELETE", "/v1/volumes/{name}/hold/{token}", ctl.RightProvision}
 
 	SrvSnapshots      = Route{"GET", "/v1/snapshots", ctl.RightRead}
 	SrvSnapshot       = Route{"GET", "/v1/snapshots/{name}", ctl.RightRead}
@@ -72,5 +76,6 @@ var ServerRoutes = Table{
 	SrvSnapshots, SrvSnapshot, SrvSnapshotCreate, SrvSnapshotDelete,
 	SrvExportGrants, SrvExportGrant, SrvExportRevoke,
 	SrvVolumeGrants, SrvVolumeGrant, SrvVolumeRevoke,
+	SrvVolumeHold, SrvVolumeRelease,
 	SrvDiscover,
 }

@@ -3,6 +3,8 @@ package api
 // rnbd-server's requests, answers and records (docs/control-api.md has
 // each field with its JSON type and meaning).
 
+import "time"
+
 // Requests and answers.
 type (
 	// MapRequest is an export as map gives it (POST /v1/exports), and as
@@ -58,6 +60,22 @@ type (
 	SnapshotRequest struct {
 		Name   string `json:"name"`
 		Volume string `json:"volume"`
+	}
+	// HoldRequest holds a volume's writes (POST /v1/volumes/{name}/hold)
+	// for at most For ("2s"; at most rnbd.MaxHold).
+	HoldRequest struct {
+		For string `json:"for"`
+	}
+	// Hold is a hold on: its token, for its release, and when it ends by
+	// itself if not released.
+	Hold struct {
+		Token uint64    `json:"token"`
+		Until time.Time `json:"until"`
+	}
+	// Released: HeldThroughout false is a hold whose time ran out before
+	// its release (writes ran since).
+	Released struct {
+		HeldThroughout bool `json:"held_throughout"`
 	}
 	// GrantRequest gives an identity access to an export or a volume
 	// (POST …/grants): ro, rw (the default) or migration.

@@ -174,7 +174,7 @@ func Classify(err error) Code {
 		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
 			return CodePermission
 		case syscall.ENOTCONN, syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.ETIMEDOUT, syscall.EHOSTUNREACH,
-			syscall.ENETUNREACH, syscall.ECONNABORTED:
+			syscall.ENETUNREACH, syscall.ECONNABORTED, syscall.ESHUTDOWN:
 			return CodeUnavailable
 		case syscall.EOPNOTSUPP:
 			return CodeNotSupported

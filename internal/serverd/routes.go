@@ -51,6 +51,8 @@ func (d *Daemon) routes() {
 		{api.SrvVolumeGrants, d.listVolumeGrants},
 		{api.SrvVolumeGrant, d.addVolumeGrant},
 		{api.SrvVolumeRevoke, d.revokeVolumeGrant},
+		{api.SrvVolumeHold, d.holdVolume},
+		{api.SrvVolumeRelease, d.releaseVolume},
 		{api.SrvSnapshots, d.listSnapshots},
 		{api.SrvSnapshot, d.showSnapshot},
 		{api.SrvSnapshotCreate, d.createSnapshot},

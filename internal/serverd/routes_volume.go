@@ -5,7 +5,9 @@ package serverd
 
 import (
 	"net/http"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -91,6 +93,27 @@ func (d *Daemon) setVolumeLabels(r *http.Request) (any, error) {
 		return nil, err
 	}
 	return nil, d.SetVolumeLabels(r.Context(), r.PathValue("name"), req.Labels)
+}
+
+func (d *Daemon) holdVolume(r *http.Request) (any, error) {
+	var req api.HoldRequest
+	if err := ctl.Decode(r, &req); err != nil {
+		return nil, err
+	}
+	max, err := time.ParseDuration(req.For)
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "for %q: %v", req.For, err)
+	}
+	return d.HoldVolume(r.Context(), r.PathValue("name"), max)
+}
+
+func (d *Daemon) releaseVolume(r *http.Request) (any, error) {
+	token, err := strconv.ParseUint(r.PathValue("token"), 10, 64)
+	if err != nil {
+		return nil, ctl.Errorf(ctl.CodeInvalid, "token %q: %v", r.PathValue("token"), err)
+	}
+	held, err := d.ReleaseVolume(r.Context(), r.PathValue("name"), token)
+	return api.Released{HeldThroughout: held}, err
 }
 
 func (d *Daemon) listSnapshots(r *http.Request) (any, error) {

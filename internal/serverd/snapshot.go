@@ -5,8 +5,10 @@ package serverd
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -83,4 +85,38 @@ func (d *Daemon) DeleteSnapshot(ctx context.Context, name string) (deleted bool,
 		}
 	}
 	return deleted, nil
+}
+
+// HoldVolume holds the writes of volume name, from every session, for at
+// most max (rnbd.Server.Hold): snapshots of several volumes taken while
+// all are held are one point in time, as after a crash (a replicated
+// volume's legs and witness, docs/replication.md). Only a volume's: a
+// provisioner holds nothing else.
+func (d *Daemon) HoldVolume(ctx context.Context, name string, max time.Duration) (api.Hold, error) {
+	d.stateMu.Lock()
+	v := d.volumes[name]
+	served := v != nil && v.notServed == ""
+	d.stateMu.Unlock()
+	if v == nil {
+		return api.Hold{}, ctl.Errorf(ctl.CodeNotFound, "no volume %s", name)
+	}
+	if !served {
+		return api.Hold{}, ctl.Errorf(ctl.CodeUnavailable, "volume %s is not served now: nothing to hold", name)
+	}
+	start := time.Now()
+	token, err := d.rnbd.Hold(name, max)
+	if err != nil {
+		return api.Hold{}, fmt.Errorf("volume %s: %w", name, err)
+	}
+	return api.Hold{Token: token, Until: start.Add(max).UTC()}, nil
+}
+
+// ReleaseVolume ends the hold token of volume name: whether it held
+// until now (false: its time ran out first).
+func (d *Daemon) ReleaseVolume(ctx context.Context, name string, token uint64) (bool, error) {
+	held, err := d.rnbd.Release(name, token)
+	if err != nil {
+		return false, fmt.Errorf("volume %s: %w", name, err)
+	}
+	return held, nil
 }
