@@ -58,8 +58,9 @@ type (
 	}
 	// SnapshotRequest asks for a snapshot of a volume (POST /v1/snapshots).
 	SnapshotRequest struct {
-		Name   string `json:"name"`
-		Volume string `json:"volume"`
+		Name   string            `json:"name"`
+		Volume string            `json:"volume"`
+		Labels map[string]string `json:"labels,omitempty"`
 	}
 	// HoldRequest holds a volume's writes (POST /v1/volumes/{name}/hold)
 	// for at most For ("2s"; at most rnbd.MaxHold).
@@ -256,6 +257,7 @@ type (
 		Volume  string `json:"volume"`
 		Size    int64  `json:"size"`
 		Created string `json:"created"`
+		Labels  Labels `json:"labels"`
 	}
 	// GrantRecord is one identity's access to an export.
 	GrantRecord struct {

@@ -496,20 +496,23 @@ func (p *Dir) readSnapshot(name string) (Snapshot, error) {
 
 // CreateSnapshot implements Pool: a reflink of the volume's file
 // (FICLONE), EOPNOTSUPP where the file system has none.
-func (p *Dir) CreateSnapshot(volume, name string) (s Snapshot, created bool, err error) {
+func (p *Dir) CreateSnapshot(volume, name string, labels map[string]string) (s Snapshot, created bool, err error) {
+	if err := checkLabels(labels); err != nil {
+		return Snapshot{}, false, err
+	}
 	for _, n := range []string{volume, name} {
 		if err := CheckName(n); err != nil {
 			return Snapshot{}, false, err
 		}
 	}
 	err = p.change(kindSnapshot, name, func() error {
-		s, created, err = p.createSnapshot(volume, name)
+		s, created, err = p.createSnapshot(volume, name, labels)
 		return err
 	})
 	return s, created, err
 }
 
-func (p *Dir) createSnapshot(volume, name string) (Snapshot, bool, error) {
+func (p *Dir) createSnapshot(volume, name string, labels map[string]string) (Snapshot, bool, error) {
 	if old, err := p.readSnapshot(name); err == nil {
 		if old.Volume != volume {
 			return old, false, errorf(syscall.EEXIST, "pool %s: snapshot %s exists, of volume %s (asked %s)", p.name, name, old.Volume, volume)
@@ -525,7 +528,7 @@ func (p *Dir) createSnapshot(volume, name string) (Snapshot, bool, error) {
 	if err := os.MkdirAll(filepath.Join(p.dir, snapDir), 0o700); err != nil {
 		return Snapshot{}, false, fmt.Errorf("pool %s: %w", p.name, err)
 	}
-	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second)}
+	s := Snapshot{Name: name, Pool: p.name, Volume: volume, Size: v.Size, Created: p.now().UTC().Truncate(time.Second), Labels: maps.Clone(labels)}
 	if err := p.make(kindSnapshot, p.snapPath(name), v.Size, snapXattr, s, v.Path, 0o400); err != nil {
 		return Snapshot{}, false, err
 	}

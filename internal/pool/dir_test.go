@@ -293,17 +293,17 @@ func TestSnapshotsOnReflinks(t *testing.T) {
 		t.Fatal(err)
 	}
 	writeDev(t, v.Path, 4096, []byte("before"))
-	s, created, err := p.CreateSnapshot("v", "s1")
+	s, created, err := p.CreateSnapshot("v", "s1", nil)
 	if err != nil || !created || s.Volume != "v" || s.Size != 1<<20 {
 		t.Fatalf("snapshot: %+v %v %v", s, created, err)
 	}
-	if again, created, err := p.CreateSnapshot("v", "s1"); err != nil || created || again.Name != "s1" {
+	if again, created, err := p.CreateSnapshot("v", "s1", nil); err != nil || created || again.Name != "s1" {
 		t.Fatalf("the same snapshot again: %+v %v %v", again, created, err)
 	}
 	if _, _, err := p.Create(Spec{Name: "w", Size: 1 << 20}); err != nil {
 		t.Fatal(err)
 	}
-	_, _, err = p.CreateSnapshot("w", "s1")
+	_, _, err = p.CreateSnapshot("w", "s1", nil)
 	wantErrno(t, "s1 of another volume", err, syscall.EEXIST)
 	writeDev(t, v.Path, 4096, []byte("after!"))
 
@@ -367,7 +367,7 @@ func TestSnapshotNeedsReflinks(t *testing.T) {
 	if _, _, err := p.Create(Spec{Name: "v", Size: 1 << 20}); err != nil {
 		t.Fatal(err)
 	}
-	_, _, err := p.CreateSnapshot("v", "s")
+	_, _, err := p.CreateSnapshot("v", "s", nil)
 	if err == nil {
 		t.Fatalf("%s has reflinks: the test wants one without (ext4)", os.TempDir())
 	}
@@ -378,7 +378,7 @@ func TestSnapshotNeedsReflinks(t *testing.T) {
 	if ss, err := p.Snapshots(); err != nil || len(ss) != 0 {
 		t.Fatalf("a refused snapshot left %+v (%v)", ss, err)
 	}
-	_, _, err = p.CreateSnapshot("nope", "s")
+	_, _, err = p.CreateSnapshot("nope", "s", nil)
 	wantErrno(t, "a snapshot of no volume", err, syscall.ENOENT)
 }
 

@@ -164,7 +164,7 @@ func (p *LVMThin) volume(m lvmMeta, lv string) Volume {
 }
 
 func (p *LVMThin) snapshot(m lvmMeta, lv string) Snapshot {
-	return Snapshot{Name: m.Name, Pool: p.name, Volume: m.Volume, Size: m.Size, Created: m.Created, Path: p.devPath(lv)}
+	return Snapshot{Name: m.Name, Pool: p.name, Volume: m.Volume, Size: m.Size, Created: m.Created, Labels: m.Labels, Path: p.devPath(lv)}
 }
 
 // get finds a whole volume or snapshot (ENOENT if there is none, or
@@ -591,20 +591,23 @@ func (p *LVMThin) removeLV(kind, name string) error {
 // CreateSnapshot implements Pool: a read-only thin snapshot of the
 // volume's LV, activated (without LVM's activation-skip flag, which
 // thin snapshots otherwise get).
-func (p *LVMThin) CreateSnapshot(volume, name string) (s Snapshot, created bool, err error) {
+func (p *LVMThin) CreateSnapshot(volume, name string, labels map[string]string) (s Snapshot, created bool, err error) {
 	for _, n := range []string{volume, name} {
 		if err := CheckName(n); err != nil {
 			return Snapshot{}, false, err
 		}
 	}
+	if err := checkLabels(labels); err != nil {
+		return Snapshot{}, false, err
+	}
 	err = p.names.with(lockKey(kindSnapshot, name), func() error {
-		s, created, err = p.createSnapshot(volume, name)
+		s, created, err = p.createSnapshot(volume, name, labels)
 		return err
 	})
 	return s, created, err
 }
 
-func (p *LVMThin) createSnapshot(volume, name string) (Snapshot, bool, error) {
+func (p *LVMThin) createSnapshot(volume, name string, labels map[string]string) (Snapshot, bool, error) {
 	rows, err := p.scan()
 	if err != nil {
 		return Snapshot{}, false, err
@@ -636,7 +639,8 @@ func (p *LVMThin) createSnapshot(volume, name string) (Snapshot, bool, error) {
 	} else if full != "" {
 		return Snapshot{}, false, errorf(syscall.ENOSPC, "pool %s: %s", p.name, full)
 	}
-	m := lvmMeta{Kind: kindSnapshot, Name: name, Pool: p.name, Volume: volume, Size: v.meta.Size, Created: p.now().UTC().Truncate(time.Second)}
+	m := lvmMeta{Kind: kindSnapshot, Name: name, Pool: p.name, Volume: volume, Size: v.meta.Size, Created: p.now().UTC().Truncate(time.Second),
+		Labels: maps.Clone(labels)}
 	tags, err := encodeTags(m)
 	if err != nil {
 		return Snapshot{}, false, err

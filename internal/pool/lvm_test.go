@@ -387,7 +387,7 @@ func TestLVMSnapshotsAndClones(t *testing.T) {
 	first := bytes.Repeat([]byte("first..."), 512)
 	second := bytes.Repeat([]byte("second.."), 512)
 	writeDev(t, v.Path, 1<<20, first)
-	s, created, err := p.CreateSnapshot("v1", "s1")
+	s, created, err := p.CreateSnapshot("v1", "s1", nil)
 	if err != nil || !created || s.Volume != "v1" || s.Size != 8<<20 || s.Path != "/dev/"+vg+"/rnbd.s.s1" {
 		t.Fatalf("snapshot: %+v, %v, %v", s, created, err)
 	}
@@ -411,15 +411,15 @@ func TestLVMSnapshotsAndClones(t *testing.T) {
 	if got := readDev(t, s.Path, 1<<20, len(first)); !bytes.Equal(got, first) {
 		t.Fatal("the snapshot changed")
 	}
-	if again, created, err := p.CreateSnapshot("v1", "s1"); err != nil || created || !again.Created.Equal(s.Created) {
+	if again, created, err := p.CreateSnapshot("v1", "s1", nil); err != nil || created || !again.Created.Equal(s.Created) {
 		t.Fatalf("the same snapshot again: %+v, %v, %v", again, created, err)
 	}
 	if _, _, err := p.Create(Spec{Name: "v0", Size: 4 << 20}); err != nil {
 		t.Fatal(err)
 	}
-	_, _, err = p.CreateSnapshot("v0", "s1")
+	_, _, err = p.CreateSnapshot("v0", "s1", nil)
 	wantErrno(t, "a snapshot of that name of another volume", err, syscall.EEXIST)
-	_, _, err = p.CreateSnapshot("nope", "s2")
+	_, _, err = p.CreateSnapshot("nope", "s2", nil)
 	wantErrno(t, "a snapshot of nothing", err, syscall.ENOENT)
 
 	// A clone of the snapshot, grown: it has the snapshot's data and
@@ -527,7 +527,7 @@ func TestLVMCapacityAndFull(t *testing.T) {
 	}
 	_, err = p.Resize("big", (64<<20)+(4<<20))
 	wantErrno(t, "growth in a full pool", err, syscall.ENOSPC)
-	_, _, err = p.CreateSnapshot("big", "s")
+	_, _, err = p.CreateSnapshot("big", "s", nil)
 	wantErrno(t, "a snapshot in a full pool", err, syscall.ENOSPC)
 	if !strings.Contains(err.Error(), "full: data") {
 		t.Fatalf("the refusal does not say the data is full: %v", err)

@@ -71,7 +71,7 @@ type Pool interface {
 	// of that name if it is of the same volume (created false); of
 	// another volume, EEXIST. Where the pool cannot take one without a
 	// full copy, EOPNOTSUPP.
-	CreateSnapshot(volume, name string) (s Snapshot, created bool, err error)
+	CreateSnapshot(volume, name string, labels map[string]string) (s Snapshot, created bool, err error)
 	// Snapshots returns the pool's snapshots, by name.
 	Snapshots() ([]Snapshot, error)
 	// DeleteSnapshot removes a snapshot; one that is not there is
@@ -105,7 +105,10 @@ type Snapshot struct {
 	Volume  string    `json:"volume"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
-	Path    string    `json:"-"`
+	// Labels are the caller's, kept with the snapshot (rnbd-csi's
+	// member labels of a replicated volume's snapshot).
+	Labels map[string]string `json:"labels,omitempty"`
+	Path   string            `json:"-"`
 }
 
 // Spec asks for a volume.

@@ -141,7 +141,7 @@ func (d *Daemon) snapshotRecords(name, volume string) ([]api.SnapshotRecord, err
 }
 
 func snapshotRecord(s pool.Snapshot) api.SnapshotRecord {
-	return api.SnapshotRecord{Name: s.Name, Pool: s.Pool, Volume: s.Volume, Size: s.Size, Created: s.Created.Format(time.RFC3339)}
+	return api.SnapshotRecord{Name: s.Name, Pool: s.Pool, Volume: s.Volume, Size: s.Size, Created: s.Created.Format(time.RFC3339), Labels: s.Labels}
 }
 
 // poolRecords are the pool records, with each pool's capacity.

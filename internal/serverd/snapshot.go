@@ -51,7 +51,7 @@ func (d *Daemon) CreateSnapshot(ctx context.Context, req api.SnapshotRequest) (p
 			return pool.Snapshot{}, false, ctl.Errorf(ctl.CodeExists, "snapshot %s exists in pool %s", req.Name, name)
 		}
 	}
-	s, created, err := p.CreateSnapshot(req.Volume, req.Name)
+	s, created, err := p.CreateSnapshot(req.Volume, req.Name, req.Labels)
 	if err == nil && created {
 		d.log.WithFields(log.Fields{"snapshot": s.Name, "volume": s.Volume, "pool": s.Pool}).Info("snapshot created")
 	}

@@ -86,9 +86,9 @@ func (p *slowPool) Capacity() (pool.Capacity, error) {
 	return p.Pool.Capacity()
 }
 
-func (p *slowPool) CreateSnapshot(volume, name string) (pool.Snapshot, bool, error) {
+func (p *slowPool) CreateSnapshot(volume, name string, labels map[string]string) (pool.Snapshot, bool, error) {
 	defer p.slow(false)()
-	return p.Pool.CreateSnapshot(volume, name)
+	return p.Pool.CreateSnapshot(volume, name, labels)
 }
 
 // slowDaemon is a daemon whose pools are slowPools (delay 0 until a
