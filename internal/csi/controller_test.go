@@ -71,6 +71,7 @@ type rig struct {
 	pki   string
 	nodes []StorageNode
 	procs map[string]*daemonProc // the storage nodes' processes, by name
+	pools map[string]string      // their pools' directories, by name
 	admin map[string]*ctl.Client
 	d     *Driver
 	cc    csi.ControllerClient
@@ -99,7 +100,7 @@ func newRigWith(t *testing.T, o rigOptions) *rig {
 		t.Skip("no openssl: scripts/test-ca.sh needs it")
 	}
 	dir := t.TempDir()
-	r := &rig{t: t, pki: filepath.Join(dir, "pki"), admin: map[string]*ctl.Client{}, procs: map[string]*daemonProc{}}
+	r := &rig{t: t, pki: filepath.Join(dir, "pki"), admin: map[string]*ctl.Client{}, procs: map[string]*daemonProc{}, pools: map[string]string{}}
 	names := []string{"node-a", "node-b"}
 	for i := 2; i < o.nodes; i++ {
 		names = append(names, "node-"+string(rune('a'+i)))
@@ -126,7 +127,7 @@ func newRigWith(t *testing.T, o rigOptions) *rig {
 		if i < len(o.labels) {
 			sn.Labels = o.labels[i]
 		}
-		r.procs[name] = proc
+		r.procs[name], r.pools[name] = proc, pool
 		r.nodes = append(r.nodes, sn)
 	}
 	cfg := DefaultConfig()

@@ -111,7 +111,10 @@ func (c *controller) resolveSource(ctx context.Context, r *createRequest) error 
 		return status.Error(codes.InvalidArgument, "a volume content source of neither a snapshot nor a volume")
 	}
 	if _, ok := parseMirrorID(s.id); ok {
-		return status.Errorf(codes.InvalidArgument, "content source %s is a replicated volume: a clone of one is not implemented yet", s.id)
+		// Its members' snapshots are one point in time (mirror_snapshot.go);
+		// assembling new legs from them under a new mirror is what is
+		// missing.
+		return status.Errorf(codes.InvalidArgument, "content source %s is a replicated volume's %s: a volume from one is not implemented yet", s.id, s.what)
 	}
 	nodeName, name, ok := parseID(s.id)
 	if s.node = c.node(nodeName); !ok || s.node == nil {

@@ -7,6 +7,7 @@ package csi
 
 import (
 	"context"
+	"slices"
 	"sort"
 	"strings"
 
@@ -163,20 +164,55 @@ func (c *controller) GetCapacity(ctx context.Context, req *csi.GetCapacityReques
 }
 
 func (c *controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
-	type entry struct {
-		n *storageNode
-		s api.SnapshotRecord
-	}
-	byID := map[string]entry{}
+	byID := map[string]*csi.Snapshot{}
 	var ids []string
 	add := func(n *storageNode, ss ...api.SnapshotRecord) {
 		for _, s := range ss {
+			if s.Labels[labelMember] != "" {
+				continue // a replicated volume's (mirrors below)
+			}
 			id := makeID(n.cfg.Name, s.Name)
-			byID[id] = entry{n, s}
+			byID[id] = csiSnapshot(n, s)
 			ids = append(ids, id)
 		}
 	}
+	mirrors := func(results []nodeResult[[]api.SnapshotRecord]) {
+		for id, s := range mirrorSnapshotEntries(results) {
+			byID[id] = s
+			ids = append(ids, id)
+		}
+	}
+	// A replicated volume's snapshots, or a snapshot of one: its members
+	// are on several nodes.
+	mirrorSnap, isMirrorSnap := parseMirrorID(req.GetSnapshotId())
+	mirrorVol, isMirrorVol := parseMirrorID(req.GetSourceVolumeId())
 	switch {
+	case isMirrorSnap || isMirrorVol:
+		results := each(ctx, c.nodes, func(ctx context.Context, n *storageNode) ([]api.SnapshotRecord, error) {
+			if isMirrorSnap {
+				s, err := n.snapshot(ctx, mirrorSnap)
+				if err != nil || s == nil {
+					return nil, err
+				}
+				return []api.SnapshotRecord{*s}, nil
+			}
+			return n.snapshots(ctx, mirrorVol)
+		})
+		for i := range results {
+			if isNotFound(results[i].err) {
+				results[i].err = nil
+			}
+		}
+		if err := leftOut(ctx, c, "ListSnapshots", results); err != nil {
+			return nil, err
+		}
+		mirrors(results)
+		for id, s := range byID {
+			if (isMirrorSnap && id != req.GetSnapshotId()) || (req.GetSourceVolumeId() != "" && s.SourceVolumeId != req.GetSourceVolumeId()) {
+				delete(byID, id)
+				ids = slices.DeleteFunc(ids, func(x string) bool { return x == id })
+			}
+		}
 	case req.GetSnapshotId() != "":
 		nodeName, name, ok := parseID(req.GetSnapshotId())
 		if n := c.node(nodeName); ok && n != nil {
@@ -205,6 +241,7 @@ func (c *controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRe
 		for _, r := range results {
 			add(r.n, r.v...)
 		}
+		mirrors(results)
 	}
 	sort.Strings(ids)
 	from, to, next, err := page(ids, req.GetStartingToken(), req.GetMaxEntries())
@@ -213,8 +250,7 @@ func (c *controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRe
 	}
 	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, id := range ids[from:to] {
-		e := byID[id]
-		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(e.n, e.s)})
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: byID[id]})
 	}
 	return resp, nil
 }

@@ -152,8 +152,6 @@ func TestControllerReplicated(t *testing.T) {
 	}
 	_, err = expand(v.GetVolumeId(), size)
 	wantCode(t, "shrinking a replicated volume", err, codes.OutOfRange)
-	_, err = r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-r2", SourceVolumeId: v.GetVolumeId()})
-	wantCode(t, "a snapshot of a replicated volume", err, codes.FailedPrecondition)
 	_, err = r.create("pvc-r3-zones", size, map[string]string{"replicas": "3", "spreadBy": zone}, nil)
 	wantCode(t, "three legs over two zones", err, codes.ResourceExhausted)
 

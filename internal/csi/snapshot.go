@@ -1,6 +1,8 @@
 // CreateSnapshot and DeleteSnapshot: a snapshot of a volume on its
 // storage node. Snapshot names are a storage node's across its pools,
-// and the driver's across the storage nodes.
+// and the driver's across the storage nodes (a replicated volume's
+// snapshot has one of the name on each member's node:
+// mirror_snapshot.go).
 
 package csi
 
@@ -31,10 +33,7 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 		}
 	}
 	if vname, ok := parseMirrorID(req.GetSourceVolumeId()); ok {
-		if _, err := c.findMirror(ctx, vname); err != nil {
-			return nil, err
-		}
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is replicated: snapshots of a replicated volume are not implemented yet", req.GetSourceVolumeId())
+		return c.createMirrorSnapshot(ctx, req, vname)
 	}
 	n, v, err := c.volumeOf(ctx, req.GetSourceVolumeId())
 	if err != nil {
@@ -57,6 +56,8 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	}) {
 		switch {
 		case r.n == n || isNotFound(r.err):
+		case r.err == nil && r.v.Labels[labelMember] != "":
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists, of replicated volume %s", req.GetName(), mirrorID(r.v.Volume))
 		case r.err != nil:
 			return nil, toStatus(r.err, fmt.Sprintf("looking for snapshot %s on %s (a name is made once)", req.GetName(), r.n))
 		default:
@@ -81,6 +82,17 @@ func csiSnapshot(n *storageNode, s api.SnapshotRecord) *csi.Snapshot {
 func (c *controller) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
 	if req.GetSnapshotId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "no snapshot id")
+	}
+	if sname, ok := parseMirrorID(req.GetSnapshotId()); ok {
+		unlock, err := c.locks.lockBySnapshotID(req.GetSnapshotId())
+		if err != nil {
+			return nil, err
+		}
+		defer unlock()
+		if err := c.deleteMirrorSnapshot(ctx, sname); err != nil {
+			return nil, err
+		}
+		return &csi.DeleteSnapshotResponse{}, nil
 	}
 	nodeName, name, ok := parseID(req.GetSnapshotId())
 	n := c.node(nodeName)

@@ -1,0 +1,301 @@
+// Snapshots of replicated volumes: one point in time across the members.
+//
+// A replicated volume's snapshot is a snapshot of every member (legs and
+// witness), each on its member's storage node, all of the name the CSI
+// name gives and each with its part (csi.member), the placement
+// (csi.members) and the CSI name (csi.name) as labels; its id is
+// "mirror:<name>". The members are snapshotted while the writes of every
+// one of them are held (rnbd-server volume hold, at most holdFor): no
+// write of the worker's mirror lands on any member from the moment all
+// are held until all are snapshotted, so that the snapshots are one
+// point in time of the whole mirror — what a crash of its client would
+// have left, which the mirror's assembly makes consistent (its
+// bitmap and generations are in the snapshots too). A hold whose time
+// ran out before its release leaves no snapshot: the ones taken are
+// deleted and the call fails (Unavailable), for the CO to try again.
+//
+// Every member's node must answer: a member left out could be the only
+// leg in sync. Restoring such a snapshot (a volume from it, or a clone of
+// a replicated volume) is not implemented yet: CreateVolume says so.
+
+package csi
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/mirror"
+)
+
+// holdFor bounds each member's hold: well inside the mirror's leg
+// timeout (mirror.DefaultLegTimeout), after which the worker would take
+// a leg whose writes wait out.
+const holdFor = 2 * time.Second
+
+// memberSnap is a member's snapshot found on its node.
+type memberSnap struct {
+	n *storageNode
+	s api.SnapshotRecord
+}
+
+func (c *controller) createMirrorSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest, vname string) (*csi.CreateSnapshotResponse, error) {
+	mv, err := c.findMirror(ctx, vname)
+	if err != nil {
+		return nil, err
+	}
+	if len(mv.silent) > 0 {
+		return nil, status.Errorf(codes.Unavailable, "volume %s: a snapshot needs every member, and %s did not answer",
+			mv.id(), strings.Join(mv.silent, ", "))
+	}
+	members := mv.place.members()
+	for _, m := range members {
+		if _, ok := mv.found[m.part]; !ok {
+			return nil, status.Errorf(codes.Unavailable, "volume %s: its %s on %s is missing (a replacement under way?): no snapshot until it is there",
+				mv.id(), m.part, m.node)
+		}
+	}
+	unlock, err := c.locks.lockBySnapshotName(req.GetName())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	sname := storageName(req.GetName())
+	have, err := c.mirrorSnapshotMembers(ctx, sname)
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range have {
+		if h.s.Volume != vname || h.s.Labels[labelMember] == "" {
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists on %s, of volume %s", req.GetName(), h.n, h.s.Volume)
+		}
+	}
+	if done := completeSnapshot(have, mv.place); done {
+		return &csi.CreateSnapshotResponse{Snapshot: mirrorSnapshot(sname, vname, have)}, nil
+	}
+	// Some members of an earlier try, taken at another moment than
+	// the others would be: not mixed with new ones.
+	if err := c.deleteMemberSnaps(ctx, have); err != nil {
+		return nil, err
+	}
+	labels := map[string]string{labelName: req.GetName(), labelMembers: mv.place.String()}
+	taken, err := c.heldSnapshots(ctx, mv, sname, labels)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.CreateSnapshotResponse{Snapshot: mirrorSnapshot(sname, vname, taken)}, nil
+}
+
+// heldSnapshots holds every member's writes, snapshots each, and
+// releases them; if a hold ran out before its release, or anything
+// failed, the snapshots taken are deleted.
+func (c *controller) heldSnapshots(ctx context.Context, mv *mirrorVolume, sname string, labels map[string]string) ([]memberSnap, error) {
+	members := mv.place.members()
+	tokens := make([]uint64, len(members))
+	held := make([]bool, len(members))
+	release := func() error {
+		var failed []string
+		errs := parallel(len(members), func(i int) error {
+			if !held[i] {
+				return nil
+			}
+			n := mv.found[members[i].part].n
+			ok, err := callOn(ctx, n, "a release of volume "+mv.vname, func(ctx context.Context) (bool, error) {
+				return n.api.ReleaseVolume(ctx, mv.vname, tokens[i])
+			})
+			if err == nil && !ok {
+				err = fmt.Errorf("its hold ran out (%v) before the release", holdFor)
+			}
+			return err
+		})
+		for i, err := range errs {
+			if err != nil {
+				failed = append(failed, fmt.Sprintf("%s on %s: %v", members[i].part, members[i].node, err))
+			}
+		}
+		if failed != nil {
+			return fmt.Errorf("the members were not all held until their snapshots were taken: %s", strings.Join(failed, "; "))
+		}
+		return nil
+	}
+	errs := parallel(len(members), func(i int) error {
+		n := mv.found[members[i].part].n
+		h, err := callOn(ctx, n, "a hold of volume "+mv.vname, func(ctx context.Context) (api.Hold, error) {
+			return n.api.HoldVolume(ctx, mv.vname, holdFor)
+		})
+		tokens[i], held[i] = h.Token, err == nil
+		return err
+	})
+	if err := firstErr(errs, members); err != nil {
+		release()
+		return nil, status.Errorf(codes.Unavailable, "volume %s: holding its writes for a snapshot: %v", mv.id(), err)
+	}
+	taken := make([]memberSnap, len(members))
+	errs = parallel(len(members), func(i int) error {
+		n := mv.found[members[i].part].n
+		l := map[string]string{labelMember: members[i].part}
+		for k, v := range labels {
+			l[k] = v
+		}
+		out, err := callOn(ctx, n, "a snapshot "+sname, func(ctx context.Context) (api.CreatedSnapshot, error) {
+			return n.api.CreateSnapshot(ctx, api.SnapshotRequest{Name: sname, Volume: mv.vname, Labels: l})
+		})
+		taken[i] = memberSnap{n, out.Record}
+		if err != nil {
+			taken[i].n = nil
+		}
+		return err
+	})
+	snapErr := firstErr(errs, members)
+	relErr := release()
+	if snapErr == nil && relErr == nil {
+		return taken, nil
+	}
+	var made []memberSnap
+	for _, t := range taken {
+		if t.n != nil {
+			made = append(made, t)
+		}
+	}
+	if err := c.deleteMemberSnaps(ctx, made); err != nil {
+		log.L.WithError(err).WithField("snapshot", sname).Warn("csi: a replicated volume's member snapshots of a failed try are left; the next try or DeleteSnapshot deletes them")
+	}
+	if snapErr != nil {
+		return nil, toStatus(snapErr, fmt.Sprintf("snapshot %s of volume %s", sname, mv.id()))
+	}
+	return nil, status.Errorf(codes.Unavailable, "snapshot %s of volume %s: %v; its snapshots were deleted, try again", sname, mv.id(), relErr)
+}
+
+// parallel runs f for 0..n-1 at once and returns their errors.
+func parallel(n int, f func(i int) error) []error {
+	errs := make([]error, n)
+	done := make(chan struct{}, n)
+	for i := range n {
+		go func() {
+			errs[i] = f(i)
+			done <- struct{}{}
+		}()
+	}
+	for range n {
+		<-done
+	}
+	return errs
+}
+
+// firstErr names the first member whose call failed.
+func firstErr(errs []error, members []member) error {
+	for i, err := range errs {
+		if err != nil {
+			return fmt.Errorf("%s on %s: %w", members[i].part, members[i].node, err)
+		}
+	}
+	return nil
+}
+
+// mirrorSnapshotMembers are the snapshots named sname on every storage
+// node; a node that does not answer could hold one: Unavailable.
+func (c *controller) mirrorSnapshotMembers(ctx context.Context, sname string) ([]memberSnap, error) {
+	var out []memberSnap
+	var silent []string
+	for _, r := range each(ctx, c.nodes, func(ctx context.Context, n *storageNode) (*api.SnapshotRecord, error) { return n.snapshot(ctx, sname) }) {
+		switch {
+		case isNotFound(r.err):
+		case r.err != nil:
+			silent = append(silent, r.n.cfg.Name)
+		default:
+			out = append(out, memberSnap{r.n, *r.v})
+		}
+	}
+	if silent != nil {
+		return nil, status.Errorf(codes.Unavailable, "snapshot %s: %s did not answer, and may hold a part of it", sname, strings.Join(silent, ", "))
+	}
+	return out, nil
+}
+
+// completeSnapshot says whether have is a snapshot of every member of p,
+// each on its node and taken with p.
+func completeSnapshot(have []memberSnap, p placement) bool {
+	for _, m := range p.members() {
+		if !slices.ContainsFunc(have, func(h memberSnap) bool {
+			return h.n.cfg.Name == m.node && h.s.Labels[labelMember] == m.part && h.s.Labels[labelMembers] == p.String()
+		}) {
+			return false
+		}
+	}
+	return len(have) == len(p.members())
+}
+
+func (c *controller) deleteMemberSnaps(ctx context.Context, ms []memberSnap) error {
+	errs := parallel(len(ms), func(i int) error { return ms[i].n.deleteSnapshot(ctx, ms[i].s.Name) })
+	for i, err := range errs {
+		if err != nil {
+			return toStatus(err, fmt.Sprintf("deleting snapshot %s on %s", ms[i].s.Name, ms[i].n))
+		}
+	}
+	return nil
+}
+
+// mirrorSnapshot is the CSI snapshot of members ms of a snapshot of
+// replicated volume vname: its size the smallest leg's data.
+func mirrorSnapshot(sname, vname string, ms []memberSnap) *csi.Snapshot {
+	out := &csi.Snapshot{SnapshotId: mirrorID(sname), SourceVolumeId: mirrorID(vname), ReadyToUse: true}
+	for _, m := range ms {
+		if m.s.Labels[labelMember] == memberWit {
+			continue
+		}
+		if sz := m.s.Size - mirror.DataOff; out.SizeBytes == 0 || sz < out.SizeBytes {
+			out.SizeBytes = sz
+		}
+		if t, err := time.Parse(time.RFC3339Nano, m.s.Created); err == nil && (out.CreationTime == nil || t.Before(out.CreationTime.AsTime())) {
+			out.CreationTime = timestamppb.New(t)
+		}
+	}
+	return out
+}
+
+// deleteMirrorSnapshot deletes every member of snapshot "mirror:<sname>";
+// a node that does not answer may hold one: Unavailable, for a retry.
+func (c *controller) deleteMirrorSnapshot(ctx context.Context, sname string) error {
+	have, err := c.mirrorSnapshotMembers(ctx, sname)
+	if err != nil {
+		return err
+	}
+	var ms []memberSnap
+	for _, h := range have {
+		if h.s.Labels[labelMember] != "" {
+			ms = append(ms, h) // a single node's snapshot of that name is not this one's
+		}
+	}
+	return c.deleteMemberSnaps(ctx, ms)
+}
+
+// mirrorSnapshotEntries groups the member snapshots among what the nodes
+// listed into the replicated volumes' snapshots, by id; a snapshot
+// without all of its members is not ready to use.
+func mirrorSnapshotEntries(results []nodeResult[[]api.SnapshotRecord]) map[string]*csi.Snapshot {
+	byName := map[string][]memberSnap{}
+	for _, r := range results {
+		for _, s := range r.v {
+			if s.Labels[labelMember] != "" && s.Labels[labelName] != "" {
+				byName[s.Name] = append(byName[s.Name], memberSnap{r.n, s})
+			}
+		}
+	}
+	out := map[string]*csi.Snapshot{}
+	for name, ms := range byName {
+		snap := mirrorSnapshot(name, ms[0].s.Volume, ms)
+		p, err := parsePlacement(ms[0].s.Labels[labelMembers])
+		snap.ReadyToUse = err == nil && completeSnapshot(ms, p)
+		out[snap.SnapshotId] = snap
+	}
+	return out
+}

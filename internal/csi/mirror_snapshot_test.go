@@ -1,0 +1,246 @@
+package csi
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/rnbd/rnbd/internal/api"
+	"github.com/rnbd/rnbd/internal/conf"
+	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/mirror"
+	"github.com/rnbd/rnbd/pkg/rnbd"
+	"github.com/rnbd/rnbd/pkg/rtrs"
+	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+)
+
+// legWriter writes a counter to every leg of a replicated volume in
+// turn, as the worker's mirror writes a block: leg 0, and once it
+// answered, leg 1; the next only once both answered. So at any moment
+// leg 0 holds the counter leg 1 holds, or the one after it — and so
+// must any set of snapshots that is one point in time.
+type legWriter struct {
+	devs []*rnbd.CltDev
+	bufs []*rtrs.Buffer
+	n    uint64 // writes of both legs done
+	err  error
+}
+
+// dialLegs opens volume vname on each leg's node as identity host-1 (the
+// worker it is published to), through the node's TLS port.
+func (r *rig) dialLegs(vname string, legNodes []string) *legWriter {
+	r.t.Helper()
+	if out, err := exec.Command("bash", "../../scripts/test-ca.sh", r.pki, "client", "host-1").CombinedOutput(); err != nil {
+		r.t.Fatalf("test-ca.sh: %v\n%s", err, out)
+	}
+	tlsc := conf.TLS{Cert: filepath.Join(r.pki, "host-1.crt"), Key: filepath.Join(r.pki, "host-1.key"), CA: filepath.Join(r.pki, "ca.crt")}
+	fab, err := tlsc.Fabric(nil, "", tcp.Options{})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	w := &legWriter{}
+	for i, node := range legNodes {
+		var sn StorageNode
+		for _, n := range r.nodes {
+			if n.Name == node {
+				sn = n
+			}
+		}
+		cfg := rtrs.DefaultCltConfig()
+		cfg.SessName, cfg.Fabric, cfg.Log = fmt.Sprintf("snapw%d", i), fab, log.Discard()
+		cfg.Paths = []rtrs.PathAddr{{Dst: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(sn.Port))}}
+		s, err := rnbd.DialSession(context.Background(), cfg, 0)
+		if err != nil {
+			r.t.Fatalf("session to %s: %v", node, err)
+		}
+		r.t.Cleanup(func() { s.Close() })
+		d, err := s.Map(context.Background(), vname, rnbd.AccessRW)
+		if err != nil {
+			r.t.Fatalf("open %s on %s: %v", vname, node, err)
+		}
+		buf, err := s.Session().AllocBuffer(4096)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		w.devs, w.bufs = append(w.devs, d), append(w.bufs, buf)
+	}
+	return w
+}
+
+// run writes until stop is closed.
+func (w *legWriter) run(stop <-chan struct{}) {
+	for k := uint64(1); ; k++ {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		for i, d := range w.devs {
+			binary.LittleEndian.PutUint64(w.bufs[i].Bytes(), k)
+			if err := d.Do(context.Background(), rnbd.OpWrite, 0, mirror.DataOff, 4096, w.bufs[i], 0); err != nil {
+				w.err = fmt.Errorf("write %d to leg %d: %w", k, i, err)
+				return
+			}
+		}
+		w.n = k
+	}
+}
+
+// snapCounter is the counter in member snapshot sname on node.
+func (r *rig) snapCounter(node, sname string) uint64 {
+	r.t.Helper()
+	f, err := os.Open(filepath.Join(r.pools[node], ".rnbd-snap", sname+".img"))
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer f.Close()
+	var b [8]byte
+	if _, err := f.ReadAt(b[:], mirror.DataOff); err != nil {
+		r.t.Fatal(err)
+	}
+	return binary.LittleEndian.Uint64(b[:])
+}
+
+// TestControllerReplicatedSnapshot: a replicated volume's snapshot is one
+// of every member, each on its node, taken while the writes of all of
+// them were held: under a writer that writes leg 0 then leg 1, every
+// snapshot's leg 0 holds leg 1's counter or the next, never less nor
+// more. The same name again answers the same snapshot; list shows it
+// once (by id, by its volume, in the whole list), not its members;
+// delete takes every member; a member's node that does not answer
+// makes no snapshot; a volume from one says it is not built yet.
+func TestControllerReplicatedSnapshot(t *testing.T) {
+	r := newRigWith(t, rigOptions{nodes: 3, reflinks: true})
+	ctx := context.Background()
+	const size = 16 << 20
+	v := r.mustCreate("pvc-s", size, map[string]string{"replicas": "2"}, nil)
+	parts := byPart(r.members("pvc-s"))
+	if _, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "host-1", VolumeCapability: rwo}); err != nil {
+		t.Fatal(err)
+	}
+	w := r.dialLegs("pvc-s", []string{parts["leg0"], parts["leg1"]})
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); w.run(stop) }()
+	var snaps []*csi.Snapshot
+	for i := range 20 {
+		s, err := r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: fmt.Sprintf("snap-%d", i), SourceVolumeId: v.GetVolumeId()})
+		if err != nil {
+			close(stop)
+			wg.Wait()
+			t.Fatalf("snapshot %d: %v", i, err)
+		}
+		snaps = append(snaps, s.GetSnapshot())
+		time.Sleep(5 * time.Millisecond) // writes between snapshots
+	}
+	close(stop)
+	wg.Wait()
+	if w.err != nil {
+		t.Fatalf("the writer, whose writes the holds only delay: %v", w.err)
+	}
+	for i, s := range snaps {
+		sname := fmt.Sprintf("snap-%d", i)
+		if s.GetSnapshotId() != "mirror:"+sname || s.GetSourceVolumeId() != v.GetVolumeId() || s.GetSizeBytes() != size || !s.GetReadyToUse() {
+			t.Errorf("snapshot %d: %v", i, s)
+		}
+		c0, c1 := r.snapCounter(parts["leg0"], sname), r.snapCounter(parts["leg1"], sname)
+		if c0 != c1 && c0 != c1+1 {
+			t.Errorf("snapshot %s: leg 0 holds write %d, leg 1 write %d: not one point in time", sname, c0, c1)
+		}
+		t.Logf("snapshot %s: leg 0 at write %d, leg 1 at %d", sname, c0, c1)
+	}
+	if last := r.snapCounter(parts["leg1"], "snap-19"); last < 10 || w.n < last {
+		t.Errorf("the writer wrote %d times, the last snapshot holds write %d: too few writes to prove anything", w.n, last)
+	}
+	// Each member's snapshot on its node, with its part.
+	for part, node := range parts {
+		rec, err := api.NewServer(r.admin[node]).Snapshot(ctx, "snap-0")
+		if err != nil || rec.Volume != "pvc-s" || rec.Labels[labelMember] != part || rec.Labels[labelName] != "snap-0" {
+			t.Errorf("snap-0's %s on %s: %v %v", part, node, rec, err)
+		}
+	}
+
+	// The same again: the same snapshot, not another.
+	again, err := r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-0", SourceVolumeId: v.GetVolumeId()})
+	if err != nil || again.GetSnapshot().GetCreationTime().AsTime() != snaps[0].GetCreationTime().AsTime() {
+		t.Fatalf("snap-0 again: %v, %v", again, err)
+	}
+	// A single node's volume may not take the name.
+	one := r.mustCreate("pvc-one", size, nil, nil)
+	_, err = r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-0", SourceVolumeId: one.GetVolumeId()})
+	wantCode(t, "a replicated volume's snapshot name for another volume", err, codes.AlreadyExists)
+
+	list := func(req *csi.ListSnapshotsRequest) []string {
+		t.Helper()
+		out, err := r.cc.ListSnapshots(ctx, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, e := range out.GetEntries() {
+			ids = append(ids, e.GetSnapshot().GetSnapshotId()+"@"+e.GetSnapshot().GetSourceVolumeId())
+		}
+		slices.Sort(ids)
+		return ids
+	}
+	all := []string{}
+	for i := range snaps {
+		all = append(all, fmt.Sprintf("mirror:snap-%d@mirror:pvc-s", i))
+	}
+	slices.Sort(all)
+	if got := list(&csi.ListSnapshotsRequest{}); !slices.Equal(got, all) {
+		t.Errorf("list: %v, want %v", got, all)
+	}
+	if got := list(&csi.ListSnapshotsRequest{SourceVolumeId: v.GetVolumeId()}); !slices.Equal(got, all) {
+		t.Errorf("list of its volume: %v, want %v", got, all)
+	}
+	if got := list(&csi.ListSnapshotsRequest{SnapshotId: "mirror:snap-2"}); strings.Join(got, ",") != "mirror:snap-2@mirror:pvc-s" {
+		t.Errorf("list by id: %v", got)
+	}
+
+	// Delete: every member.
+	if _, err := r.cc.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "mirror:snap-2"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, node := range parts {
+		if _, err := api.NewServer(r.admin[node]).Snapshot(ctx, "snap-2"); !isNotFound(err) {
+			t.Errorf("snap-2 on %s after its delete: %v", node, err)
+		}
+	}
+	if got := list(&csi.ListSnapshotsRequest{SnapshotId: "mirror:snap-2"}); len(got) != 0 {
+		t.Errorf("list of a deleted snapshot: %v", got)
+	}
+	if _, err := r.cc.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "mirror:snap-2"}); err != nil {
+		t.Fatalf("delete again: %v", err)
+	}
+
+	// A volume from it: not built yet, and said.
+	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-from-s", Parameters: map[string]string{"replicas": "2"},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: size}, VolumeCapabilities: []*csi.VolumeCapability{rwo},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: "mirror:snap-0"}}}})
+	wantCode(t, "a volume from a replicated volume's snapshot", err, codes.InvalidArgument)
+
+	// A member's node down: no snapshot, and none left behind.
+	r.procs[parts["leg1"]].stop()
+	_, err = r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-down", SourceVolumeId: v.GetVolumeId()})
+	wantCode(t, "a snapshot with a leg's node down", err, codes.Unavailable)
+	for _, node := range []string{parts["leg0"], parts["witness"]} {
+		if _, err := api.NewServer(r.admin[node]).Snapshot(ctx, "snap-down"); !isNotFound(err) {
+			t.Errorf("snap-down on %s: %v", node, err)
+		}
+	}
+}
