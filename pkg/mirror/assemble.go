@@ -12,6 +12,12 @@ type Layout struct {
 	Mirror  [16]byte
 	NLegs   int  // 2 or 3
 	Witness bool // a metadata-only voter on a third storage node
+	// Adopt, if set, is another mirror's identity that the voters may
+	// carry: copies of its voters, snapshotted at one point in time, that
+	// make a new mirror (a volume restored from a replicated volume's
+	// snapshot). They are assembled as that mirror's after a crash, and
+	// the first generation committed carries Mirror.
+	Adopt [16]byte
 }
 
 // Voters is the number of voters: the legs and the witness.
@@ -221,6 +227,7 @@ func Assemble(l Layout, voters []Voter, force *Force, newID uint64) (Decision, e
 	base := d.Next
 	next := &d.Next
 	next.pushHistory(&base)
+	next.Mirror = l.Mirror // an adopted mirror's voters take its identity
 	if d.Forced {
 		next.Flags |= FlagForced
 		next.ForcedAt, next.ForcedBy = force.At, truncUTF8(force.By, forcedByLen)
@@ -277,7 +284,7 @@ func Assemble(l Layout, voters []Voter, force *Force, newID uint64) (Decision, e
 func (l Layout) belongs(v *Voter) error {
 	sb := v.SB
 	switch {
-	case sb.Mirror != l.Mirror:
+	case sb.Mirror != l.Mirror && (l.Adopt == [16]byte{} || sb.Mirror != l.Adopt):
 		return fmt.Errorf("mirror: %s belongs to another mirror (%x)", v.Name, sb.Mirror)
 	case int(sb.NLegs) != l.NLegs:
 		return fmt.Errorf("mirror: %s records %d legs, the mapping %d", v.Name, sb.NLegs, l.NLegs)

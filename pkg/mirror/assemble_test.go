@@ -152,6 +152,42 @@ func TestAssembleRefusesOthers(t *testing.T) {
 	}
 }
 
+// TestAssembleAdopt: voters of another mirror (copies of its members,
+// one point in time) assemble under Layout.Adopt as that mirror's would,
+// and the next generation carries the new identity; without Adopt, or
+// of a third mirror, they are refused.
+func TestAssembleAdopt(t *testing.T) {
+	src := testMirror
+	src[0] ^= 0x55
+	w := func(sb *Superblock) *Superblock { sb.Flags |= FlagWitness; return sb }
+	old := func(sb *Superblock) *Superblock { sb.Mirror = src; return w(sb) }
+	l := Layout{Mirror: testMirror, NLegs: 2, Witness: true, Adopt: src}
+	vs := voters(l, old(sbOf(0, 7, LegInSync, LegInSync)), old(sbOf(1, 7, LegInSync, LegInSync)), old(sbOf(WitnessIndex, 7, LegInSync, LegInSync)))
+	d, err := Assemble(l, vs, nil, 99)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Next.Mirror != testMirror || d.Next.Gen.Epoch != 8 || d.Source < 0 {
+		t.Fatalf("adopted: next %x at %v, source %d; want the new identity at epoch 8", d.Next.Mirror, d.Next.Gen, d.Source)
+	}
+	// A leg that took the new identity beside one that did not (it
+	// was away at the adoption): one mirror.
+	vs = voters(l, w(sbOf(0, 8, LegInSync, LegOutdated)), old(sbOf(1, 7, LegInSync, LegInSync)), w(sbOf(WitnessIndex, 8, LegInSync, LegOutdated)))
+	if _, err := Assemble(l, vs, nil, 100); err != nil {
+		t.Fatalf("adopted, one leg away at the adoption: %v", err)
+	}
+	l.Adopt = [16]byte{}
+	vs = voters(l, old(sbOf(0, 7, LegInSync, LegInSync)), old(sbOf(1, 7, LegInSync, LegInSync)), old(sbOf(WitnessIndex, 7, LegInSync, LegInSync)))
+	if _, err := Assemble(l, vs, nil, 99); err == nil || !strings.Contains(err.Error(), "another mirror") {
+		t.Fatalf("another mirror's voters without Adopt: %v", err)
+	}
+	l.Adopt = src
+	l.Adopt[1] ^= 1
+	if _, err := Assemble(l, vs, nil, 99); err == nil || !strings.Contains(err.Error(), "another mirror") {
+		t.Fatalf("a third mirror's voters: %v", err)
+	}
+}
+
 func TestAssembleNewLeg(t *testing.T) {
 	l := Layout{Mirror: testMirror, NLegs: 2, Witness: true}
 	vs := voters(l, sbOf(0, 8, LegInSync, LegOutdated), nil, sbOf(0, 8, LegInSync, LegOutdated))

@@ -409,7 +409,9 @@ func ReadSlots(s0, s1 []byte) (Superblock, int, error) {
 	b, eb := Decode(s1)
 	switch {
 	case ea == nil && eb == nil:
-		if a.Mirror != b.Mirror || a.Index != b.Index {
+		// Of two mirrors at two seqs: a voter adopted (Layout.Adopt),
+		// whose older slot keeps the identity it was copied with.
+		if a.Index != b.Index || (a.Mirror != b.Mirror && a.Seq == b.Seq) {
 			return Superblock{}, 0, errors.New("mirror: the two superblock slots are of different mirrors or legs")
 		}
 		if a.Seq == b.Seq {

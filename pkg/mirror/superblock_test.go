@@ -154,6 +154,8 @@ func TestReadSlots(t *testing.T) {
 	torn := bytes.Clone(newer)
 	clear(torn[100:]) // the write stopped part way
 	empty := make([]byte, SlotSize)
+	adopted := sbOf(0, 5, LegInSync, LegOutdated)
+	adopted.Mirror[0] ^= 1
 	for _, c := range []struct {
 		name     string
 		s0, s1   []byte
@@ -169,6 +171,7 @@ func TestReadSlots(t *testing.T) {
 		{"a new device", empty, empty, 0, 0, ErrNoSuperblock, ""},
 		{"both damaged", torn, torn, 0, 0, nil, "no valid superblock"},
 		{"other leg's slot", older, encode(t, sbOf(1, 5, LegInSync, LegInSync)), 0, 0, nil, "different mirrors or legs"},
+		{"adopted: the newer slot another mirror's", older, encode(t, adopted), 1, 5, nil, ""},
 	} {
 		sb, slot, err := ReadSlots(c.s0, c.s1)
 		switch {
