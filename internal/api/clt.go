@@ -47,6 +47,12 @@ type (
 		// in their order, rebuilt in full (as replace-leg does it);
 		// one taken leaves the list.
 		Spares []Leg `json:"spares,omitempty"`
+		// Adopt names the mirror whose voters the legs and witness are
+		// copies of, one point in time (a volume restored from a
+		// replicated volume's snapshots): their metadata may carry that
+		// mirror's identity, which the first assembly replaces with
+		// Mirror's. Kept: a leg away at that assembly still carries it.
+		Adopt string `json:"adopt,omitempty"`
 		// Create makes the mirror's metadata on its legs, new volumes
 		// holding no superblock: map only, not kept.
 		Create bool `json:"create,omitempty"`

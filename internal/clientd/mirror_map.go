@@ -60,6 +60,9 @@ func (s *mapSpec) normalizeMirror() error {
 	if (m.Create || m.CreateIfNew) && m.Force != nil {
 		return ctl.Errorf(ctl.CodeInvalid, "create and force together: a new mirror needs no force")
 	}
+	if m.Adopt != "" && (m.Create || m.Adopt == m.Mirror || len(m.Adopt) > maxMirrorName) {
+		return ctl.Errorf(ctl.CodeInvalid, "adopt %q: the name of another mirror (at most %d bytes) whose voters the legs are copies of, not with create", m.Adopt, maxMirrorName)
+	}
 	if m.Create && m.CreateIfNew {
 		return ctl.Errorf(ctl.CodeInvalid, "create and create_if_new together: create refuses a mirror that exists, create_if_new assembles it")
 	}
@@ -340,6 +343,9 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		ResyncRate: int64(d.cfg.MirrorResyncRate), RegionSize: s.regionSize,
 		// Reads choose a leg as the legs' sessions choose a path.
 		ReadPolicy: d.cfg.MPPolicy,
+	}
+	if s.Adopt != "" {
+		cfg.Layout.Adopt = mirrorID(s.Adopt)
 	}
 	if p := s.Settings.MPPolicy; p != nil {
 		cfg.ReadPolicy, _ = rtrs.ParseMPPolicy(*p) // checked by normalize
