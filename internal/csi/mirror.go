@@ -77,6 +77,7 @@ const (
 	PCMirror  = "mirror"  // the mirror's name: its volumes' name on the storage nodes
 	PCLegs    = "legs"    // JSON: [{"storageNode","export","paths","port"}] by leg index
 	PCWitness = "witness" // JSON: one of them, or absent
+	PCAdopt   = "adopt"   // the mirror a restored volume's members are copies of (api.Mapping.Adopt), or absent
 )
 
 // VCReplicas is the volume context's key of a replicated volume's legs.
@@ -219,9 +220,11 @@ func (c *controller) findMirror(ctx context.Context, vname string) (*mirrorVolum
 
 // checkMirrorCreate refuses what a replicated volume cannot be yet.
 func checkMirrorCreate(r createRequest) error {
-	if r.GetVolumeContentSource() != nil {
-		return status.Errorf(codes.InvalidArgument, "a replicated volume (replicas %d) from a snapshot or a volume: not implemented yet; "+
-			"restore or clone with replicas 1", r.p.replicas)
+	if src := r.GetVolumeContentSource(); src != nil {
+		if _, ok := parseMirrorID(src.GetSnapshot().GetSnapshotId()); !ok {
+			return status.Errorf(codes.InvalidArgument, "a replicated volume (replicas %d) from a volume, or from a snapshot of a volume of one storage node: "+
+				"not implemented yet; a replicated volume is made from a replicated volume's snapshot (mirror:…), or empty", r.p.replicas)
+		}
 	}
 	for _, vc := range r.GetVolumeCapabilities() {
 		if !singleNode(vc) {
@@ -248,12 +251,16 @@ func (c *controller) createMirror(ctx context.Context, r createRequest) (*csi.Cr
 	if len(fs) > 0 {
 		return c.existingMirror(ctx, r, fs)
 	}
-	p, err := c.place(ctx, r)
-	if err != nil {
+	var p placement
+	labels := map[string]string{labelName: r.GetName(), labelParams: r.p.canonical(), labelMade: time.Now().UTC().Format(time.RFC3339Nano)}
+	if sname, ok := parseMirrorID(r.GetVolumeContentSource().GetSnapshot().GetSnapshotId()); ok {
+		if p, err = c.restorePlacement(ctx, &r, sname, labels); err != nil {
+			return nil, err
+		}
+	} else if p, err = c.place(ctx, r); err != nil {
 		return nil, err
 	}
-	labels := map[string]string{labelName: r.GetName(), labelParams: r.p.canonical(), labelMembers: p.String(),
-		labelMade: time.Now().UTC().Format(time.RFC3339Nano)}
+	labels[labelMembers] = p.String()
 	var made []found
 	for _, m := range p.members() {
 		n := c.node(m.node)
@@ -277,7 +284,8 @@ func (c *controller) createMirror(ctx context.Context, r createRequest) (*csi.Cr
 	return &csi.CreateVolumeResponse{Volume: c.mirrorCSIVolume(r.vname, p, r.size, r.p)}, nil
 }
 
-// makeMember makes (or finishes) member part of a replicated volume on n.
+// makeMember makes (or finishes) member part of a replicated volume on n:
+// empty, or restored from that member's snapshot (labelFromSnap).
 func (c *controller) makeMember(ctx context.Context, r createRequest, n *storageNode, part string, labels map[string]string) (api.VolumeRecord, error) {
 	size := r.size + mirror.DataOff
 	if part == memberWit {
@@ -285,8 +293,17 @@ func (c *controller) makeMember(ctx context.Context, r createRequest, n *storage
 	}
 	l := maps.Clone(labels)
 	l[labelMember] = part
-	return n.createVolume(ctx, api.VolumeRequest{Name: r.vname, Pool: r.p.poolOn(n.cfg), Size: strconv.FormatInt(size, 10), Labels: l,
-		Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}})
+	req := api.VolumeRequest{Name: r.vname, Pool: r.p.poolOn(n.cfg), Size: strconv.FormatInt(size, 10), Labels: l,
+		Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}}
+	if s := labels[labelFromSnap]; s != "" {
+		// In the snapshot's pool, of its size.
+		rec, err := n.snapshot(ctx, s)
+		if err != nil {
+			return api.VolumeRecord{}, fmt.Errorf("its snapshot %s: %w", s, err)
+		}
+		req.FromSnapshot, req.Size, req.Pool = s, "", rec.Pool
+	}
+	return n.createVolume(ctx, req)
 }
 
 // existingMirror answers a retry of a replicated volume's create: the

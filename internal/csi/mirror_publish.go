@@ -113,6 +113,11 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 	}
 	b, _ := json.Marshal(legs)
 	pc[PCLegs] = string(b)
+	for _, f := range mv.found {
+		if a := f.v.Labels[labelAdopt]; a != "" {
+			pc[PCAdopt] = a
+		}
+	}
 	if w := mv.place.witness; w != "" {
 		b, _ := json.Marshal(c.legContext(w, vname))
 		pc[PCWitness] = string(b)

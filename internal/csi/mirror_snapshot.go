@@ -15,8 +15,12 @@
 // deleted and the call fails (Unavailable), for the CO to try again.
 //
 // Every member's node must answer: a member left out could be the only
-// leg in sync. Restoring such a snapshot (a volume from it, or a clone of
-// a replicated volume) is not implemented yet: CreateVolume says so.
+// leg in sync. A volume from such a snapshot is made of its members'
+// snapshots on their nodes (the same placement), each member a clone of
+// its own snapshot; the worker's mirror adopts them (api.Mapping.Adopt):
+// the voters carry the snapshotted mirror's identity, and its first
+// assembly, as after a crash, gives them the new one's. A clone of a
+// replicated volume is not implemented yet: CreateVolume says so.
 
 package csi
 
@@ -35,6 +39,14 @@ import (
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/pkg/log"
 	"github.com/rnbd/rnbd/pkg/mirror"
+)
+
+// Labels of a member restored from a replicated volume's snapshot: the
+// snapshot (each member's of that name on its node), and the mirror
+// whose voters they are copies of (api.Mapping.Adopt).
+const (
+	labelFromSnap = "csi.from-snapshot"
+	labelAdopt    = "csi.adopt"
 )
 
 // holdFor bounds each member's hold: well inside the mirror's leg
@@ -298,4 +310,45 @@ func mirrorSnapshotEntries(results []nodeResult[[]api.SnapshotRecord]) map[strin
 		out[snap.SnapshotId] = snap
 	}
 	return out
+}
+
+// restorePlacement is the placement of a replicated volume made from
+// snapshot "mirror:<sname>": its members' nodes, each member a clone of
+// the snapshot there. It sets r's size to the snapshot's (a larger one
+// asked is refused: expand the volume made) and adds the labels every
+// member carries.
+func (c *controller) restorePlacement(ctx context.Context, r *createRequest, sname string, labels map[string]string) (placement, error) {
+	id := mirrorID(sname)
+	have, err := c.mirrorSnapshotMembers(ctx, sname)
+	if err != nil {
+		return placement{}, err
+	}
+	have = slices.DeleteFunc(have, func(h memberSnap) bool { return h.s.Labels[labelMember] == "" })
+	if len(have) == 0 {
+		return placement{}, status.Errorf(codes.NotFound, "content source %s: no such snapshot", id)
+	}
+	p, err := parsePlacement(have[0].s.Labels[labelMembers])
+	if err != nil || !completeSnapshot(have, p) {
+		return placement{}, status.Errorf(codes.FailedPrecondition, "content source %s is not whole (%d members of %q): it cannot be restored", id, len(have), have[0].s.Labels[labelMembers])
+	}
+	if len(p.legs) != r.p.replicas {
+		return placement{}, status.Errorf(codes.InvalidArgument, "content source %s has %d legs, the StorageClass asks replicas %d: restore with replicas %d",
+			id, len(p.legs), r.p.replicas, len(p.legs))
+	}
+	for _, m := range p.members() {
+		if c.node(m.node) == nil {
+			return placement{}, status.Errorf(codes.FailedPrecondition, "content source %s: its %s's storage node %s is not configured", id, m.part, m.node)
+		}
+	}
+	snap := mirrorSnapshot(sname, have[0].s.Volume, have)
+	switch {
+	case r.GetCapacityRange().GetRequiredBytes() > snap.GetSizeBytes():
+		return placement{}, status.Errorf(codes.InvalidArgument, "a volume of %d bytes from snapshot %s of %d: not implemented yet; restore at its size and expand it",
+			r.GetCapacityRange().GetRequiredBytes(), id, snap.GetSizeBytes())
+	case !fits(snap.GetSizeBytes(), r.GetCapacityRange()):
+		return placement{}, status.Errorf(codes.OutOfRange, "snapshot %s has %d bytes, outside the capacity range asked", id, snap.GetSizeBytes())
+	}
+	r.size = snap.GetSizeBytes()
+	labels[labelFromSnap], labels[labelAdopt] = sname, have[0].s.Volume
+	return p, nil
 }

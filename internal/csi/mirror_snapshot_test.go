@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"maps"
 	"encoding/binary"
 	"fmt"
 	"net/netip"
@@ -227,12 +228,57 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 		t.Fatalf("delete again: %v", err)
 	}
 
-	// A volume from it: not built yet, and said.
-	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-from-s", Parameters: map[string]string{"replicas": "2"},
-		CapacityRange: &csi.CapacityRange{RequiredBytes: size}, VolumeCapabilities: []*csi.VolumeCapability{rwo},
-		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: "mirror:snap-0"}}}})
-	wantCode(t, "a volume from a replicated volume's snapshot", err, codes.InvalidArgument)
+	// A volume from it: each member a clone of its snapshot, on its
+	// node; published with the mirror its members are copies of.
+	restore := func(name string, params map[string]string, required int64, snap string) (*csi.Volume, error) {
+		out, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, Parameters: params,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: required}, VolumeCapabilities: []*csi.VolumeCapability{rwo},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap}}}})
+		return out.GetVolume(), err
+	}
+	two := map[string]string{"replicas": "2"}
+	rv, err := restore("pvc-from-s", two, 0, "mirror:snap-3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rv.GetVolumeId() != "mirror:pvc-from-s" || rv.GetCapacityBytes() != size {
+		t.Fatalf("restored: %v", rv)
+	}
+	if got := byPart(r.members("pvc-from-s")); !maps.Equal(got, parts) {
+		t.Fatalf("restored members %v, want the snapshot's nodes %v", got, parts)
+	}
+	for part, node := range parts {
+		m := r.members("pvc-from-s")[node]
+		if m.Labels[labelAdopt] != "pvc-s" || m.Labels[labelFromSnap] != "snap-3" || m.Labels[labelMember] != part {
+			t.Errorf("restored %s on %s: labels %v", part, node, m.Labels)
+		}
+		if part == memberWit {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(r.pools[node], "pvc-from-s.img"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := binary.LittleEndian.Uint64(b[mirror.DataOff:]); got != r.snapCounter(node, "snap-3") {
+			t.Errorf("restored %s holds write %d, its snapshot %d", part, got, r.snapCounter(node, "snap-3"))
+		}
+	}
+	if again, err := restore("pvc-from-s", two, 0, "mirror:snap-3"); err != nil || again.GetVolumeId() != rv.GetVolumeId() {
+		t.Fatalf("the restore again: %v, %v", again, err)
+	}
+	pub, err := r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: rv.GetVolumeId(), NodeId: "host-2", VolumeCapability: rwo})
+	if err != nil || pub.GetPublishContext()[PCAdopt] != "pvc-s" || pub.GetPublishContext()[PCMirror] != "pvc-from-s" {
+		t.Fatalf("publish of the restored volume: %v, %v", pub.GetPublishContext(), err)
+	}
+	_, err = restore("pvc-from-s3", map[string]string{"replicas": "3"}, 0, "mirror:snap-3")
+	wantCode(t, "replicas 3 from a snapshot of two legs", err, codes.InvalidArgument)
+	_, err = restore("pvc-from-s-big", two, 2*size, "mirror:snap-3")
+	wantCode(t, "a restore larger than its snapshot", err, codes.InvalidArgument)
+	_, err = restore("pvc-from-none", two, 0, "mirror:nosuch")
+	wantCode(t, "a restore of no snapshot", err, codes.NotFound)
+	_, err = restore("pvc-from-one", two, 0, one.GetVolumeId())
+	wantCode(t, "a replicated volume from a snapshot of one node's", err, codes.InvalidArgument)
 
 	// A member's node down: no snapshot, and none left behind.
 	r.procs[parts["leg1"]].stop()

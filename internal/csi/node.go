@@ -220,7 +220,7 @@ type stageRequest struct {
 	access            string // ro, rw or migration (a second writer)
 	// mirror, legs, witness and spares are a replicated volume's
 	// (mirror.go): mapped as a mirror, not as export.
-	mirror          string
+	mirror, adopt   string
 	legs, spares    []api.Leg
 	witness         *api.Leg
 	readOnly, block bool
@@ -304,7 +304,7 @@ func (n *NodeServer) parseStage(req *csi.NodeStageVolumeRequest) (stageRequest, 
 // parseMirrorStage reads a replicated volume's publish context: its
 // mirror's name, legs and witness, each a session of its own.
 func (n *NodeServer) parseMirrorStage(s *stageRequest, pc map[string]string) error {
-	s.mirror = pc[PCMirror]
+	s.mirror, s.adopt = pc[PCMirror], pc[PCAdopt]
 	if vname, ok := parseMirrorID(s.id); !ok || vname != s.mirror {
 		return status.Errorf(codes.InvalidArgument, "publish_context %s %q is not volume %s's", PCMirror, s.mirror, s.id)
 	}
@@ -526,7 +526,7 @@ func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, er
 	if s.mirror != "" {
 		// Its first stage makes the mirror's metadata; every other
 		// (and a retry of the first) assembles it.
-		m = api.Mapping{Mirror: s.mirror, Legs: s.legs, Witness: s.witness, Spares: s.spares, CreateIfNew: true, AccessMode: accessRW,
+		m = api.Mapping{Mirror: s.mirror, Adopt: s.adopt, Legs: s.legs, Witness: s.witness, Spares: s.spares, CreateIfNew: true, AccessMode: accessRW,
 			Transport: s.transport, As: s.frontend}
 	}
 	if s.policy != "" {
