@@ -448,3 +448,53 @@ func TestMirrorGrow(t *testing.T) {
 		}
 	}
 }
+
+// TestMirrorAdopt: copies of a mapped mirror's legs, taken while it is
+// idle but not closed (its bitmap as a crash leaves it), mapped on other
+// storage nodes as another mirror with --adopt: the data reads back, and
+// from then on they are that mirror's — mapped again without --adopt,
+// and refused under the old name. --adopt with --create is refused.
+func TestMirrorAdopt(t *testing.T) {
+	needTools(t, "qemu-io")
+	const size = 32 << 20
+	a, b := newStorageNode(t, size), newStorageNode(t, size)
+	c, d := newStorageNode(t, size), newStorageNode(t, size)
+	dir := t.TempDir()
+	cl := startClient(t, dir)
+	sock, sock2 := filepath.Join(dir, "m.sock"), filepath.Join(dir, "m2.sock")
+	cl.ok("map", "--mirror", "vol", "--leg", a.leg("ad-a"), "--leg", b.leg("ad-b"), "--as", "socket:"+sock, "--create")
+	qemuIO(t, "nbd+unix:///vol?socket="+sock, "write -P 0xc1 0 1M", "write -P 0xc2 20M 2M")
+	for _, cp := range [][2]*storageNode{{a, c}, {b, d}} {
+		data, err := os.ReadFile(cp[0].vol)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(cp[1].vol, data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	restored := []string{"map", "--mirror", "restored", "--leg", c.leg("ad-c"), "--leg", d.leg("ad-d"), "--as", "socket:" + sock2}
+	if _, errOut, code := cl.ctl(append(restored, "--adopt", "vol", "--create")...); code != 2 || !strings.Contains(errOut, "adopt") {
+		t.Fatalf("--adopt with --create: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := cl.ctl(restored...); code == 0 || !strings.Contains(errOut, "another mirror") {
+		t.Fatalf("the copies without --adopt: exit %d: %s", code, errOut)
+	}
+	cl.ok(append(restored, "--adopt", "vol")...)
+	uri2 := "nbd+unix:///restored?socket=" + sock2
+	qemuIO(t, uri2, "read -P 0xc1 0 1M", "read -P 0xc2 20M 2M", "write -P 0xd3 4M 1M")
+	// The source goes on by itself.
+	qemuIO(t, "nbd+unix:///vol?socket="+sock, "read -P 0 4M 1M")
+	rec := cl.records("device", "show", "rnbd1")[0]
+	cl.ok("unmap", "rnbd1")
+	cl.ok(restored...)
+	qemuIO(t, uri2, "read -P 0xc1 0 1M", "read -P 0xd3 4M 1M")
+	cl.ok("unmap", "rnbd1")
+	cl.ok("unmap", "rnbd0")
+	if _, errOut, code := cl.ctl("map", "--mirror", "vol", "--leg", c.leg("ad-c2"), "--leg", d.leg("ad-d2"), "--as", "socket:"+sock2); code == 0 || !strings.Contains(errOut, "another mirror") {
+		t.Fatalf("the adopted legs under the old name: exit %d: %s", code, errOut)
+	}
+	if rec["mirror"] != "restored" {
+		t.Errorf("record of the adopted mirror: %v", rec)
+	}
+}
