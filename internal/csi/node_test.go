@@ -175,6 +175,15 @@ func TestParseStageMirror(t *testing.T) {
 	if other := n.legSessName("sn1", "pvc-2"); other == s.legs[0].SessName {
 		t.Fatalf("two mirrors on one node share session %s", other)
 	}
+	if s.adopt != "" {
+		t.Fatalf("adopt %q without the publish context's", s.adopt)
+	}
+	// A volume restored from a replicated volume's snapshot: its
+	// members adopted, as the publish context says.
+	pc[PCAdopt] = "pvc-0"
+	if s, err = n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "mirror:pvc-1", StagingTargetPath: "/st", VolumeCapability: rwo, PublishContext: pc}); err != nil || s.adopt != "pvc-0" {
+		t.Fatalf("adopt: %q, %v", s.adopt, err)
+	}
 	with := func(k, v string) map[string]string {
 		m := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit}
 		if v == "" {
