@@ -2,9 +2,9 @@ package csi
 
 import (
 	"context"
-	"maps"
 	"encoding/binary"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"os/exec"

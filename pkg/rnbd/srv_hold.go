@@ -40,10 +40,10 @@ var errParked = errors.New("rnbd: held")
 type hold struct {
 	name  string // the export it was asked for
 	token uint64
-	until time.Time
-	timer *time.Timer
 
 	mu sync.Mutex
+	// +checklocks:mu
+	timer *time.Timer // ends it when its time is up
 	// +checklocks:mu
 	ended bool // released or expired: park takes no more
 	// +checklocks:mu
@@ -101,7 +101,7 @@ func (s *Server) Hold(name string, max time.Duration) (token uint64, err error) 
 		return 0, errorf(syscall.EBUSY, "export %s: its backing store is held already (by export %s)", name, old.name)
 	}
 	s.holdSeq++
-	h := &hold{name: name, token: s.holdSeq, until: start.Add(max)}
+	h := &hold{name: name, token: s.holdSeq}
 	s.holds[id] = h
 	if dev := s.devices[id]; dev != nil {
 		dev.held.Store(h)
@@ -119,7 +119,7 @@ func (s *Server) Hold(name string, max time.Duration) (token uint64, err error) 
 		time.Sleep(time.Millisecond)
 	}
 	h.mu.Lock()
-	h.timer = time.AfterFunc(time.Until(h.until), func() { s.end(id, h, true) })
+	h.timer = time.AfterFunc(time.Until(start.Add(max)), func() { s.end(id, h, true) })
 	h.mu.Unlock()
 	s.log.WithFields(log.Fields{"export": name, "token": h.token, "max": max.String()}).Info("export's writes held")
 	return h.token, nil
