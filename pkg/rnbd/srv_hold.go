@@ -72,15 +72,9 @@ func (s *Server) Hold(name string, max time.Duration) (token uint64, err error) 
 	if max <= 0 || max > MaxHold {
 		return 0, errorf(syscall.EINVAL, "a hold of %v: want more than 0 and at most %v", max, MaxHold)
 	}
-	s.mu.Lock()
-	e := s.exports[name]
-	var path string
-	if e != nil && !e.withdrawing {
-		path = e.Path
-	}
-	s.mu.Unlock()
-	if path == "" {
-		return 0, errorf(syscall.ENOENT, "no export %s", name)
+	path, err := s.exportPath(name)
+	if err != nil {
+		return 0, err
 	}
 	st, err := s.statExport(name, path) // bounded: the mount may not answer
 	if err != nil {

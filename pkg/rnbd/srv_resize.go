@@ -28,15 +28,9 @@ import (
 // resized here (EOPNOTSUPP): resize it
 // (lvextend, …) and clients learn its new size the same way.
 func (s *Server) Resize(name string, size int64, force bool) (was int64, err error) {
-	s.mu.Lock()
-	e := s.exports[name]
-	var path string
-	if e != nil && !e.withdrawing {
-		path = e.Path
-	}
-	s.mu.Unlock()
-	if path == "" {
-		return 0, errorf(syscall.ENOENT, "no export %s", name)
+	path, err := s.exportPath(name)
+	if err != nil {
+		return 0, err
 	}
 	if size <= 0 || size%512 != 0 {
 		return 0, errorf(syscall.EINVAL, "size %d: want a positive multiple of 512", size)
@@ -149,6 +143,17 @@ func sessionNames(devs []*SrvSessDev) string {
 		return "session " + names[0]
 	}
 	return "sessions " + strings.Join(names, ", ")
+}
+
+// exportPath is the path of export name, ENOENT if there is none (or it
+// is being withdrawn).
+func (s *Server) exportPath(name string) (string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if e := s.exports[name]; e != nil && !e.withdrawing {
+		return e.Path, nil
+	}
+	return "", errorf(syscall.ENOENT, "no export %s", name)
 }
 
 // openOn returns the session devices on the backend id: those open, and
