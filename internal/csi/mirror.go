@@ -221,9 +221,11 @@ func (c *controller) findMirror(ctx context.Context, vname string) (*mirrorVolum
 // checkMirrorCreate refuses what a replicated volume cannot be yet.
 func checkMirrorCreate(r createRequest) error {
 	if src := r.GetVolumeContentSource(); src != nil {
-		if _, ok := parseMirrorID(src.GetSnapshot().GetSnapshotId()); !ok {
-			return status.Errorf(codes.InvalidArgument, "a replicated volume (replicas %d) from a volume, or from a snapshot of a volume of one storage node: "+
-				"not implemented yet; a replicated volume is made from a replicated volume's snapshot (mirror:…), or empty", r.p.replicas)
+		_, snap := parseMirrorID(src.GetSnapshot().GetSnapshotId())
+		_, vol := parseMirrorID(src.GetVolume().GetVolumeId())
+		if !snap && !vol {
+			return status.Errorf(codes.InvalidArgument, "a replicated volume (replicas %d) from a volume or a snapshot of one storage node: "+
+				"not implemented yet; a replicated volume is made from a replicated volume or its snapshot (mirror:…), or empty", r.p.replicas)
 		}
 	}
 	for _, vc := range r.GetVolumeCapabilities() {
@@ -253,6 +255,9 @@ func (c *controller) createMirror(ctx context.Context, r createRequest) (*csi.Cr
 	}
 	var p placement
 	labels := map[string]string{labelName: r.GetName(), labelParams: r.p.canonical(), labelMade: time.Now().UTC().Format(time.RFC3339Nano)}
+	if svname, ok := parseMirrorID(r.GetVolumeContentSource().GetVolume().GetVolumeId()); ok {
+		return c.cloneMirror(ctx, r, svname, labels)
+	}
 	if sname, ok := parseMirrorID(r.GetVolumeContentSource().GetSnapshot().GetSnapshotId()); ok {
 		if p, err = c.restorePlacement(ctx, &r, sname, labels); err != nil {
 			return nil, err
@@ -329,6 +334,17 @@ func (c *controller) existingMirror(ctx context.Context, r createRequest, fs []f
 	p, err := parsePlacement(labels[labelMembers])
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "volume %s: its %s label: %v", mirrorID(r.vname), labelMembers, err)
+	}
+	if labels[labelFromVol] != "" && len(fs) < len(p.members()) {
+		// A clone that stopped part way: its members were made while
+		// the source was held, the missing one cannot be now. Made
+		// anew by the next try.
+		for _, f := range fs {
+			if err := f.n.deleteVolume(ctx, f.v.Name); err != nil {
+				return nil, toStatus(err, fmt.Sprintf("deleting %s of the clone %s that stopped part way", f.v.Labels[labelMember], mirrorID(r.vname)))
+			}
+		}
+		return nil, status.Errorf(codes.Unavailable, "clone %s had stopped part way: its members were deleted; try again", mirrorID(r.vname))
 	}
 	size := int64(-1)
 	for _, m := range p.members() {

@@ -20,13 +20,15 @@
 // its own snapshot; the worker's mirror adopts them (api.Mapping.Adopt):
 // the voters carry the snapshotted mirror's identity, and its first
 // assembly, as after a crash, gives them the new one's. A clone of a
-// replicated volume is not implemented yet: CreateVolume says so.
+// replicated volume is made the same way without the snapshots: every
+// member a clone of the source's, made while the source's are held.
 
 package csi
 
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -46,6 +48,7 @@ import (
 // whose voters they are copies of (api.Mapping.Adopt).
 const (
 	labelFromSnap = "csi.from-snapshot"
+	labelFromVol  = "csi.from-volume" // a clone's source
 	labelAdopt    = "csi.adopt"
 )
 
@@ -111,11 +114,39 @@ func (c *controller) createMirrorSnapshot(ctx context.Context, req *csi.CreateSn
 // releases them; if a hold ran out before its release, or anything
 // failed, the snapshots taken are deleted.
 func (c *controller) heldSnapshots(ctx context.Context, mv *mirrorVolume, sname string, labels map[string]string) ([]memberSnap, error) {
+	taken := make([]memberSnap, len(mv.place.members()))
+	err := c.whileHeld(ctx, mv, "snapshot "+sname, func(i int, m member, n *storageNode) error {
+		l := maps.Clone(labels)
+		l[labelMember] = m.part
+		out, err := callOn(ctx, n, "a snapshot "+sname, func(ctx context.Context) (api.CreatedSnapshot, error) {
+			return n.api.CreateSnapshot(ctx, api.SnapshotRequest{Name: sname, Volume: mv.vname, Labels: l})
+		})
+		if err == nil {
+			taken[i] = memberSnap{n, out.Record}
+		}
+		return err
+	}, func() {
+		made := slices.DeleteFunc(slices.Clone(taken), func(t memberSnap) bool { return t.n == nil })
+		if err := c.deleteMemberSnaps(ctx, made); err != nil {
+			c.log.WithError(err).WithField("snapshot", sname).Warn("a replicated volume's member snapshots of a failed try are left; the next try or DeleteSnapshot deletes them")
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	return taken, nil
+}
+
+// whileHeld holds the writes of every member of mv, runs do for each once
+// all are held, and releases them. If a hold could not be taken, do
+// failed, or a hold ran out before its release (writes ran since: what
+// do made is not of one point in time), undo runs and the error says
+// why; Unavailable where a retry may succeed.
+func (c *controller) whileHeld(ctx context.Context, mv *mirrorVolume, what string, do func(i int, m member, n *storageNode) error, undo func()) error {
 	members := mv.place.members()
 	tokens := make([]uint64, len(members))
 	held := make([]bool, len(members))
 	release := func() error {
-		var failed []string
 		errs := parallel(len(members), func(i int) error {
 			if !held[i] {
 				return nil
@@ -129,15 +160,7 @@ func (c *controller) heldSnapshots(ctx context.Context, mv *mirrorVolume, sname 
 			}
 			return err
 		})
-		for i, err := range errs {
-			if err != nil {
-				failed = append(failed, fmt.Sprintf("%s on %s: %v", members[i].part, members[i].node, err))
-			}
-		}
-		if failed != nil {
-			return fmt.Errorf("the members were not all held until their snapshots were taken: %s", strings.Join(failed, "; "))
-		}
-		return nil
+		return firstErr(errs, members)
 	}
 	errs := parallel(len(members), func(i int) error {
 		n := mv.found[members[i].part].n
@@ -149,42 +172,20 @@ func (c *controller) heldSnapshots(ctx context.Context, mv *mirrorVolume, sname 
 	})
 	if err := firstErr(errs, members); err != nil {
 		release()
-		return nil, status.Errorf(codes.Unavailable, "volume %s: holding its writes for a snapshot: %v", mv.id(), err)
+		return status.Errorf(codes.Unavailable, "volume %s: holding its writes for %s: %v", mv.id(), what, err)
 	}
-	taken := make([]memberSnap, len(members))
-	errs = parallel(len(members), func(i int) error {
-		n := mv.found[members[i].part].n
-		l := map[string]string{labelMember: members[i].part}
-		for k, v := range labels {
-			l[k] = v
-		}
-		out, err := callOn(ctx, n, "a snapshot "+sname, func(ctx context.Context) (api.CreatedSnapshot, error) {
-			return n.api.CreateSnapshot(ctx, api.SnapshotRequest{Name: sname, Volume: mv.vname, Labels: l})
-		})
-		taken[i] = memberSnap{n, out.Record}
-		if err != nil {
-			taken[i].n = nil
-		}
-		return err
-	})
-	snapErr := firstErr(errs, members)
+	doErr := firstErr(parallel(len(members), func(i int) error {
+		return do(i, members[i], mv.found[members[i].part].n)
+	}), members)
 	relErr := release()
-	if snapErr == nil && relErr == nil {
-		return taken, nil
+	if doErr == nil && relErr == nil {
+		return nil
 	}
-	var made []memberSnap
-	for _, t := range taken {
-		if t.n != nil {
-			made = append(made, t)
-		}
+	undo()
+	if doErr != nil {
+		return toStatus(doErr, fmt.Sprintf("%s of volume %s", what, mv.id()))
 	}
-	if err := c.deleteMemberSnaps(ctx, made); err != nil {
-		log.L.WithError(err).WithField("snapshot", sname).Warn("csi: a replicated volume's member snapshots of a failed try are left; the next try or DeleteSnapshot deletes them")
-	}
-	if snapErr != nil {
-		return nil, toStatus(snapErr, fmt.Sprintf("snapshot %s of volume %s", sname, mv.id()))
-	}
-	return nil, status.Errorf(codes.Unavailable, "snapshot %s of volume %s: %v; its snapshots were deleted, try again", sname, mv.id(), relErr)
+	return status.Errorf(codes.Unavailable, "%s of volume %s: the members were not all held until it was made (%v); what was made is deleted, try again", what, mv.id(), relErr)
 }
 
 // parallel runs f for 0..n-1 at once and returns their errors.
@@ -351,4 +352,68 @@ func (c *controller) restorePlacement(ctx context.Context, r *createRequest, sna
 	r.size = snap.GetSizeBytes()
 	labels[labelFromSnap], labels[labelAdopt] = sname, have[0].s.Volume
 	return p, nil
+}
+
+// cloneMirror makes replicated volume r a clone of replicated volume
+// svname: each member a clone of the source's on its node (the same
+// placement), made while the writes of every member of the source are
+// held — one point in time, as a snapshot's — and adopted at its first
+// stage. A member not made, or a hold that ran out first, leaves
+// nothing (Unavailable: the CO tries again).
+func (c *controller) cloneMirror(ctx context.Context, r createRequest, svname string, labels map[string]string) (*csi.CreateVolumeResponse, error) {
+	id := mirrorID(svname)
+	mv, err := c.findMirror(ctx, svname)
+	if err != nil {
+		return nil, err
+	}
+	if len(mv.silent) > 0 {
+		return nil, status.Errorf(codes.Unavailable, "volume %s: a clone needs every member, and %s did not answer", id, strings.Join(mv.silent, ", "))
+	}
+	size := int64(-1)
+	for _, m := range mv.place.members() {
+		f, ok := mv.found[m.part]
+		if !ok {
+			return nil, status.Errorf(codes.Unavailable, "volume %s: its %s on %s is missing (a replacement under way?): no clone until it is there", id, m.part, m.node)
+		}
+		if m.part != memberWit && f.v.Size != nil && (size < 0 || *f.v.Size-mirror.DataOff < size) {
+			size = *f.v.Size - mirror.DataOff
+		}
+	}
+	switch {
+	case len(mv.place.legs) != r.p.replicas:
+		return nil, status.Errorf(codes.InvalidArgument, "content source %s has %d legs, the StorageClass asks replicas %d: clone with replicas %d",
+			id, len(mv.place.legs), r.p.replicas, len(mv.place.legs))
+	case r.GetCapacityRange().GetRequiredBytes() > size:
+		return nil, status.Errorf(codes.InvalidArgument, "a clone of %d bytes of volume %s of %d: not implemented yet; clone at its size and expand it",
+			r.GetCapacityRange().GetRequiredBytes(), id, size)
+	case !fits(size, r.GetCapacityRange()):
+		return nil, status.Errorf(codes.OutOfRange, "volume %s has %d bytes, outside the capacity range asked", id, size)
+	}
+	labels[labelFromVol], labels[labelAdopt], labels[labelMembers] = svname, svname, mv.place.String()
+	made := make([]*found, len(mv.place.members()))
+	err = c.whileHeld(ctx, mv, "a clone "+mirrorID(r.vname), func(i int, m member, n *storageNode) error {
+		l := maps.Clone(labels)
+		l[labelMember] = m.part
+		rec, err := n.createVolume(ctx, api.VolumeRequest{Name: r.vname, Pool: mv.found[m.part].v.Pool, FromVolume: svname, Labels: l,
+			Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}})
+		if err == nil {
+			made[i] = &found{n, rec}
+		}
+		return err
+	}, func() {
+		for _, f := range made {
+			if f == nil {
+				continue
+			}
+			if err := f.n.deleteVolume(context.Background(), f.v.Name); err != nil {
+				c.log.WithError(err).WithFields(log.Fields{"volume": mirrorID(r.vname), "storage_node": f.n.cfg.Name}).
+					Warn("a member of a replicated clone whose create failed was not deleted: its CreateVolume's retry takes it")
+			}
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	c.log.WithFields(log.Fields{"volume": mirrorID(r.vname), "csi_name": r.GetName(), "clone_of": id, "placement": mv.place.String()}).Info("replicated volume cloned")
+	return &csi.CreateVolumeResponse{Volume: c.mirrorCSIVolume(r.vname, mv.place, size, r.p)}, nil
 }

@@ -118,10 +118,14 @@ func (r *rig) snapCounter(node, sname string) uint64 {
 // of every member, each on its node, taken while the writes of all of
 // them were held: under a writer that writes leg 0 then leg 1, every
 // snapshot's leg 0 holds leg 1's counter or the next, never less nor
-// more. The same name again answers the same snapshot; list shows it
-// once (by id, by its volume, in the whole list), not its members;
-// delete takes every member; a member's node that does not answer
-// makes no snapshot; a volume from one says it is not built yet.
+// more; so does every clone taken among them. The same name again
+// answers the same snapshot; list shows it once (by id, by its volume,
+// in the whole list), not its members; delete takes every member; a
+// volume from a snapshot is made of clones of its members on their
+// nodes, published with the mirror to adopt; what does not fit (other
+// replicas, a larger size, a volume of one node) is refused; a clone
+// that stopped part way is made anew; a member's node that does not
+// answer makes no snapshot.
 func TestControllerReplicatedSnapshot(t *testing.T) {
 	r := newRigWith(t, rigOptions{nodes: 3, reflinks: true})
 	ctx := context.Background()
@@ -137,7 +141,25 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 	wg.Add(1)
 	go func() { defer wg.Done(); w.run(stop) }()
 	var snaps []*csi.Snapshot
+	clone := func(name string, params map[string]string, required int64, src string) (*csi.Volume, error) {
+		out, err := r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, Parameters: params,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: required}, VolumeCapabilities: []*csi.VolumeCapability{rwo},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+				Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: src}}}})
+		return out.GetVolume(), err
+	}
+	var clones []string
 	for i := range 20 {
+		if i%5 == 4 {
+			// A clone, under the writer too: one point in time.
+			name := fmt.Sprintf("pvc-clone-%d", i)
+			if _, err := clone(name, map[string]string{"replicas": "2"}, 0, v.GetVolumeId()); err != nil {
+				close(stop)
+				wg.Wait()
+				t.Fatalf("clone %d: %v", i, err)
+			}
+			clones = append(clones, name)
+		}
 		s, err := r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: fmt.Sprintf("snap-%d", i), SourceVolumeId: v.GetVolumeId()})
 		if err != nil {
 			close(stop)
@@ -162,6 +184,23 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 			t.Errorf("snapshot %s: leg 0 holds write %d, leg 1 write %d: not one point in time", sname, c0, c1)
 		}
 		t.Logf("snapshot %s: leg 0 at write %d, leg 1 at %d", sname, c0, c1)
+	}
+	volCounter := func(node, name string) uint64 {
+		b, err := os.ReadFile(filepath.Join(r.pools[node], name+".img"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return binary.LittleEndian.Uint64(b[mirror.DataOff:])
+	}
+	for _, name := range clones {
+		c0, c1 := volCounter(parts["leg0"], name), volCounter(parts["leg1"], name)
+		if c0 != c1 && c0 != c1+1 {
+			t.Errorf("clone %s: leg 0 holds write %d, leg 1 write %d: not one point in time", name, c0, c1)
+		}
+		m := r.members(name)
+		if got := byPart(m); !maps.Equal(got, parts) || m[parts["leg0"]].Labels[labelAdopt] != "pvc-s" || m[parts["leg0"]].Labels[labelFromVol] != "pvc-s" {
+			t.Errorf("clone %s: members %v, labels %v", name, got, m[parts["leg0"]].Labels)
+		}
 	}
 	if last := r.snapCounter(parts["leg1"], "snap-19"); last < 10 || w.n < last {
 		t.Errorf("the writer wrote %d times, the last snapshot holds write %d: too few writes to prove anything", w.n, last)
@@ -279,6 +318,23 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 	wantCode(t, "a restore of no snapshot", err, codes.NotFound)
 	_, err = restore("pvc-from-one", two, 0, one.GetVolumeId())
 	wantCode(t, "a replicated volume from a snapshot of one node's", err, codes.InvalidArgument)
+	if again, err := clone("pvc-clone-4", two, 0, v.GetVolumeId()); err != nil || again.GetVolumeId() != "mirror:pvc-clone-4" || again.GetCapacityBytes() != size {
+		t.Fatalf("the clone again: %v, %v", again, err)
+	}
+	_, err = clone("pvc-clone-3legs", map[string]string{"replicas": "3"}, 0, v.GetVolumeId())
+	wantCode(t, "a clone of two legs with replicas 3", err, codes.InvalidArgument)
+	_, err = clone("pvc-clone-one", two, 0, one.GetVolumeId())
+	wantCode(t, "a replicated clone of a volume of one node", err, codes.InvalidArgument)
+	// A clone that stopped part way (a member lost): made anew by the
+	// tries after.
+	if _, err := api.NewServer(r.admin[parts["leg1"]]).DeleteVolume(ctx, "pvc-clone-9", false); err != nil {
+		t.Fatal(err)
+	}
+	_, err = clone("pvc-clone-9", two, 0, v.GetVolumeId())
+	wantCode(t, "a clone that stopped part way", err, codes.Unavailable)
+	if _, err := clone("pvc-clone-9", two, 0, v.GetVolumeId()); err != nil || len(r.members("pvc-clone-9")) != 3 {
+		t.Fatalf("the clone made anew: %v, members %v", err, byPart(r.members("pvc-clone-9")))
+	}
 
 	// A member's node down: no snapshot, and none left behind.
 	r.procs[parts["leg1"]].stop()

@@ -120,10 +120,6 @@ func TestControllerReplicated(t *testing.T) {
 	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-r2-rwx", Parameters: params, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
 		VolumeCapabilities: []*csi.VolumeCapability{blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}})
 	wantCode(t, "a replicated volume for several writers", err, codes.InvalidArgument)
-	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-r2-clone", Parameters: params, CapacityRange: &csi.CapacityRange{RequiredBytes: size},
-		VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
-			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}}})
-	wantCode(t, "a replicated clone", err, codes.InvalidArgument)
 	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-clone-of-r2", CapacityRange: &csi.CapacityRange{RequiredBytes: size},
 		VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
 			Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}}})
