@@ -298,8 +298,10 @@ type SrvSessDev struct {
 	fuas     atomic.Uint64
 	discards atomic.Uint64
 	wzeros   atomic.Uint64
-	// inflight counts the requests running on the backend now.
+	// inflight counts the requests running on the backend now, writing
+	// the writes among them (what a hold waits for, srv_hold.go).
 	inflight atomic.Int64
+	writing  atomic.Int64
 
 	// refs counts IO in flight plus one for being open; closing waits
 	// for it to drain.

@@ -102,8 +102,9 @@ func (s *Server) Hold(name string, max time.Duration) (token uint64, err error) 
 	}
 	s.mu.Unlock()
 	// The writes that started before the hold was seen: each counts
-	// itself in flight before it looks for a hold (processIO), so once
-	// none is in flight every later one parks.
+	// itself (SrvSessDev.writing) before it looks for a hold
+	// (processIO), so once none is counted every later one parks.
+	// Reads are not waited for: they go on.
 	drain := min(max, holdDrain)
 	for n := s.writesOn(id); n > 0; n = s.writesOn(id) {
 		if time.Since(start) >= drain {
@@ -193,14 +194,14 @@ func (s *Server) end(id string, h *hold, expire bool) (expired bool) {
 	return expire
 }
 
-// writesOn counts the requests running on the backing store id now.
+// writesOn counts the writes running on the backing store id now.
 func (s *Server) writesOn(id string) int64 {
 	s.mu.Lock()
 	open, closing := s.openOn(id)
 	s.mu.Unlock()
 	var n int64
 	for _, d := range append(open, closing...) {
-		n += d.inflight.Load()
+		n += d.writing.Load()
 	}
 	return n
 }

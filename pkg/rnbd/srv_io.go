@@ -250,8 +250,13 @@ func (s *Server) tryInline(q *srvReq) bool {
 	d.inflight.Add(1)
 	if m.Op() == OpRead {
 		done, err = d.backend.TryReadAt(op.Data(), off)
-	} else if d.dev.held.Load() == nil {
-		done, err = d.backend.TryWriteAt(op.Data(), off)
+	} else {
+		// Counted before it looks for a hold (processIO).
+		d.writing.Add(1)
+		if d.dev.held.Load() == nil {
+			done, err = d.backend.TryWriteAt(op.Data(), off)
+		}
+		d.writing.Add(-1)
 	}
 	d.inflight.Add(-1)
 	if !done || err != nil {
@@ -288,22 +293,28 @@ func (x *SrvSession) processIO(q *srvReq) error {
 	if r != nil {
 		return x.refuse(ioFields(op, m, d.name), r)
 	}
-	// Counted in flight before it looks for a hold of its writes: a
-	// hold that finds none in flight knows every later one parks.
-	for {
-		d.inflight.Add(1)
+	// A write is counted before it looks for a hold of the device's
+	// writes: a hold that finds none counted knows every later one
+	// parks.
+	write := ioRules[m.Op()].write
+	for write {
+		d.writing.Add(1)
 		h := d.dev.held.Load()
-		if h == nil || !ioRules[m.Op()].write {
+		if h == nil {
 			break
 		}
-		d.inflight.Add(-1)
+		d.writing.Add(-1)
 		q.d = d // served again from here when the hold ends
 		if h.park(q) {
 			return errParked
 		}
 	}
+	d.inflight.Add(1)
 	err := d.run(m, op.Data(), off, n)
 	d.inflight.Add(-1)
+	if write {
+		d.writing.Add(-1)
+	}
 	if err != nil {
 		x.srv.rl.Log(x.log().WithFields(ioFields(op, m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
 		return err
