@@ -414,3 +414,28 @@ func TestExportShowsRules(t *testing.T) {
 		t.Errorf("device list --fields devname,allow_from:\n%s", out)
 	}
 }
+
+// TestVolumeHold: rnbd-server volume hold prints the token its release
+// takes; the release says the hold lasted; a second release, or a hold
+// longer than 10 s, is refused with the API's exit code.
+func TestVolumeHold(t *testing.T) {
+	r := newRecordsRig(t)
+	out := r.srv.ok("volume", "hold", "pv", "--for", "5s")
+	i := strings.LastIndex(out, "token ")
+	if i < 0 {
+		t.Fatalf("hold printed %q", out)
+	}
+	token := strings.TrimSpace(out[i+len("token "):])
+	if out := r.srv.ok("volume", "release", "pv", token); !strings.Contains(out, "held until now") {
+		t.Fatalf("release printed %q", out)
+	}
+	if _, errOut, code := r.srv.ctl("volume", "release", "pv", token); code != 3 {
+		t.Fatalf("a second release: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := r.srv.ctl("volume", "hold", "pv", "--for", "1m"); code != 2 || !strings.Contains(errOut, "at most") {
+		t.Fatalf("a hold of a minute: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := r.srv.ctl("volume", "hold", "nosuch"); code != 3 {
+		t.Fatalf("a hold of no volume: exit %d: %s", code, errOut)
+	}
+}
