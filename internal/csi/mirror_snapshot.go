@@ -94,8 +94,12 @@ func (c *controller) createMirrorSnapshot(ctx context.Context, req *csi.CreateSn
 			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists on %s, of volume %s", req.GetName(), h.n, h.s.Volume)
 		}
 	}
-	if done := completeSnapshot(have, mv.place); done {
-		return &csi.CreateSnapshotResponse{Snapshot: mirrorSnapshot(sname, vname, have)}, nil
+	// Whole, as its own placement says (the volume's may have changed
+	// since, a leg replaced): the snapshot asked again.
+	if len(have) > 0 {
+		if p, err := parsePlacement(have[0].s.Labels[labelMembers]); err == nil && completeSnapshot(have, p) {
+			return &csi.CreateSnapshotResponse{Snapshot: mirrorSnapshot(sname, vname, have)}, nil
+		}
 	}
 	// Some members of an earlier try, taken at another moment than
 	// the others would be: not mixed with new ones.
@@ -147,6 +151,10 @@ func (c *controller) whileHeld(ctx context.Context, mv *mirrorVolume, what strin
 	tokens := make([]uint64, len(members))
 	held := make([]bool, len(members))
 	release := func() error {
+		// Released even when the caller gave up meanwhile: a hold left
+		// to run out delays the worker's writes for nothing.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
 		errs := parallel(len(members), func(i int) error {
 			if !held[i] {
 				return nil

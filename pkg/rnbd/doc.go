@@ -17,12 +17,13 @@
 //	  Server.mu        exports, sessions, devices, resizes under way
 //	    device.mu      a backing store: its writers, sessions, health
 //	      SrvSessDev.mu  a session's device: whether it is closing
+//	    hold.mu        a hold of a store's writes: the writes it keeps
 //	Server.shrinkMu    shrinks seen behind the server's back
 //
 // SrvSession.mu is never taken while Server.mu is held: what needs both
 // snapshots the sessions (Server.Sessions) first. SrvSessDev.mu is
 // taken under SrvSession.mu too (an IO's reference), without the locks
-// between. Server.ownMu, SrvSessDev.mu and Server.shrinkMu are leaves:
+// between. Server.ownMu, SrvSessDev.mu, hold.mu and Server.shrinkMu are leaves:
 // nothing is taken while one of them is held.
 //
 // The client (clt*.go):
