@@ -64,7 +64,11 @@ type Daemon struct {
 	// +checklocks:mu
 	sessions map[string]*session
 	// +checklocks:mu
-	maps    map[string]*mapped
+	maps map[string]*mapped
+	// closed are when the sessions closed last were, by name: a dial of
+	// the name soon after may find the server still holding the old one.
+	// +checklocks:mu
+	closed  map[string]time.Time
 	metrics *metrics.Server // nil without metrics_listen
 	// hints, where udev runs, is where the daemon leaves the stable
 	// names of kernel devices for udev (devlinks.go); "": it makes the
@@ -136,7 +140,7 @@ func Start(cfg Config, opts Options) (*Daemon, error) {
 	}
 	opts.Fabric = f
 	d := &Daemon{cfg: cfg, log: opts.Log, fabric: opts.Fabric, rdma: opts.RDMA, served: make(chan error, 1),
-		sessions: map[string]*session{}, maps: map[string]*mapped{},
+		sessions: map[string]*session{}, maps: map[string]*mapped{}, closed: map[string]time.Time{},
 		nbd: nbd.NewServer(nbd.Options{Log: opts.Log}), sysBlock: "/sys/block"}
 	if cfg.DevLinksDir != "" && udevRunning() {
 		d.hints = udevHints

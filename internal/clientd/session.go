@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"strings"
+	"time"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -127,6 +129,16 @@ func (d *Daemon) dial(ctx context.Context, name, uuid, transport string, paths [
 	}
 	cfg.Paths = paths
 	cs, err := rnbd.DialSession(ctx, cfg, d.cfg.NoPathTimeout.Duration)
+	// A session of this name closed here a moment ago: the server may
+	// not have seen it go yet, and refuses the name until it does. Dialled
+	// again for a while (unmap, then map of the same session at once).
+	for end := d.closedAt(name).Add(renameWait); err != nil && errors.Is(err, rtrs.ErrInfoUnanswered) && time.Now().Before(end) && ctx.Err() == nil; {
+		select {
+		case <-ctx.Done():
+		case <-time.After(100 * time.Millisecond):
+		}
+		cs, err = rnbd.DialSession(ctx, cfg, d.cfg.NoPathTimeout.Duration)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -146,7 +158,26 @@ func (d *Daemon) dropSession(name string) {
 	d.mu.Unlock()
 	if s != nil {
 		s.cs.Close()
+		d.mu.Lock()
+		d.closed[name] = time.Now()
+		for n, t := range d.closed {
+			if time.Since(t) > renameWait {
+				delete(d.closed, n)
+			}
+		}
+		d.mu.Unlock()
 	}
+}
+
+// renameWait is how long after closing a session the daemon dials its
+// name again when the server refuses it (dial).
+const renameWait = 5 * time.Second
+
+// closedAt is when the session name last closed here (zero: not lately).
+func (d *Daemon) closedAt(name string) time.Time {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.closed[name]
 }
 
 func (d *Daemon) findSession(name string) (*session, error) {

@@ -34,7 +34,11 @@ var (
 	// errInfoUnanswered: the path's connections went down while it
 	// waited for INFO_RSP. INFO_REQ has no error answer: a server that
 	// refuses the session's name closes the path.
-	errInfoUnanswered = fmt.Errorf("rtrs: the path went down before the server answered its INFO_REQ "+
+	errInfoUnanswered = ErrInfoUnanswered
+	// ErrInfoUnanswered is errInfoUnanswered, for a caller that knows why
+	// (it closed a session of that name a moment ago, which the server
+	// may not have seen go yet).
+	ErrInfoUnanswered = fmt.Errorf("rtrs: the path went down before the server answered its INFO_REQ "+
 		"(a server closes it so when it refuses a session name in use, or bound to another client's identity; its log says why): %w", syscall.ECONNRESET)
 )
 

@@ -439,3 +439,25 @@ func TestVolumeHold(t *testing.T) {
 		t.Fatalf("a hold of no volume: exit %d: %s", code, errOut)
 	}
 }
+
+// TestRemapSessionAtOnce: a device unmapped, its session closed with it,
+// and mapped again at once through a session of the same name: the
+// server may not have seen the old session go yet (it refuses the name
+// until it has), and the client dials again rather than fail the map.
+// This host rarely loses that race (the test passes without the dial
+// again too); the VM tier's csi part lost it once, TestNodeReadOnlyOnKernel
+// on 2026-12-04.
+func TestRemapSessionAtOnce(t *testing.T) {
+	dir := t.TempDir()
+	port := freePort(t)
+	kit.SparseFile(t, filepath.Join(dir, "vol.img"), 16<<20)
+	srv := startServer(t, dir, port)
+	srv.ok("map", "vol", filepath.Join(dir, "vol.img"))
+	cl := startClient(t, dir)
+	for i := range 20 {
+		if _, errOut, code := cl.ctl("map", "--sessname", "again", "--path", "ip:127.0.0.1", "--device-path", "vol", "--dest-port", fmt.Sprint(port)); code != 0 {
+			t.Fatalf("map %d: exit %d: %s", i, code, errOut)
+		}
+		cl.ok("unmap", "rnbd0")
+	}
+}
