@@ -298,8 +298,9 @@ type SrvSessDev struct {
 	fuas     atomic.Uint64
 	discards atomic.Uint64
 	wzeros   atomic.Uint64
-	// inflight counts the requests running on the backend now, writing
-	// the writes among them (what a hold waits for, srv_hold.go).
+	// inflight and writing count the requests running on the backend
+	// now: the writes (what a hold waits for, srv_hold.go) in writing,
+	// the others in inflight; each request in one counter only.
 	inflight atomic.Int64
 	writing  atomic.Int64
 

@@ -97,7 +97,7 @@ func (s *Server) OpenDevices() []SessDevInfo {
 			Session: d.sess.name, Name: d.name, Export: d.export, Path: d.backend.Path(),
 			DeviceID: d.id, AccessMode: d.access, ReadOnly: d.readonly,
 			ReadSectors: d.rdSect.Load(), WrittenSectors: d.wrSect.Load(), Reads: d.reads.Load(), Writes: d.writes.Load(),
-			Inflight: d.inflight.Load(),
+			Inflight: d.inflight.Load() + d.writing.Load(),
 			Flushes:  d.flushes.Load(), FUAWrites: d.fuas.Load(), Discards: d.discards.Load(), WriteZeroes: d.wzeros.Load(),
 			WriteCache: d.backend.Caps().WriteCache, BackingProblem: d.backingProblem(),
 		})

@@ -247,9 +247,10 @@ func (s *Server) tryInline(q *srvReq) bool {
 	}
 	var done bool
 	var err error
-	d.inflight.Add(1)
 	if m.Op() == OpRead {
+		d.inflight.Add(1)
 		done, err = d.backend.TryReadAt(op.Data(), off)
+		d.inflight.Add(-1)
 	} else {
 		// Counted before it looks for a hold (processIO).
 		d.writing.Add(1)
@@ -258,7 +259,6 @@ func (s *Server) tryInline(q *srvReq) bool {
 		}
 		d.writing.Add(-1)
 	}
-	d.inflight.Add(-1)
 	if !done || err != nil {
 		return false // the worker does it again and reports the error
 	}
@@ -309,11 +309,14 @@ func (x *SrvSession) processIO(q *srvReq) error {
 			return errParked
 		}
 	}
-	d.inflight.Add(1)
-	err := d.run(m, op.Data(), off, n)
-	d.inflight.Add(-1)
+	var err error
 	if write {
+		err = d.run(m, op.Data(), off, n)
 		d.writing.Add(-1)
+	} else {
+		d.inflight.Add(1)
+		err = d.run(m, op.Data(), off, n)
+		d.inflight.Add(-1)
 	}
 	if err != nil {
 		x.srv.rl.Log(x.log().WithFields(ioFields(op, m, d.name)).WithError(err), log.ErrorLevel, "IO failed on the backend")
