@@ -275,7 +275,12 @@ func TestControllerReplicated(t *testing.T) {
 		wantCode(t, "an expand while a leg's node does not answer", err, codes.Unavailable)
 		upNode(leg)
 	}
-	_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
+	// The reconciler may hold the volume a moment (Aborted, which a CO
+	// retries): retried as a CO does, the delete waits for the node.
+	kit.WaitFor(t, 30*time.Second, "DeleteVolume "+v.GetVolumeId()+" not Aborted", func() bool {
+		_, err = r.cc.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()})
+		return status.Code(err) != codes.Aborted
+	})
 	wantCode(t, "a delete while a member's node does not answer", err, codes.Unavailable)
 	if len(r.members("pvc-r2")) != 2 {
 		t.Fatalf("members deleted while one's node was down: %v", byPart(r.members("pvc-r2")))
