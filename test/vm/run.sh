@@ -2,7 +2,9 @@
 # The VM tier: proves the kernel paths on a real kernel. Boots a stock
 # Debian kernel (bookworm-backports 6.12: nbd, ublk_drv, rdma_rxe) under
 # qemu with an initramfs holding busybox, our two binaries and the guest
-# scenarios (test/vm/guest/init.sh), with no network device (-nic none).
+# scenarios (test/vm/guest/init.sh), with no network device (-nic none;
+# for the interop part, one NIC shared with a second guest, the peer:
+# VM_PEER below).
 # Prints the guest's RESULT lines and exits non-zero on any FAIL, on a
 # missing result or on a timeout. Run as root on Debian 12: it installs
 # qemu-system-x86, busybox-static, cpio, xz-utils and kmod from apt.
@@ -30,6 +32,12 @@
 #                  "interop" part runs our client against the kernel's
 #                  server and the kernel's client against our server, over
 #                  rdma_rxe. VM_KMODS=none skips that.
+#   VM_PEER=0      no second guest: with the interop part and the kernel's
+#                  modules, a second qemu (the peer: its own kernel's
+#                  rnbd_server exporting a loop device, nothing else) is
+#                  booted beside the guest, their NICs joined by a unix
+#                  socket of the host (-netdev stream), for the part's
+#                  mirror over two kernels' rnbd_servers
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$PWD
@@ -153,7 +161,7 @@ fi
 
 # The initramfs: busybox, our binaries, the modules, the scenarios.
 work=$(mktemp -d /tmp/rnbd-vm.XXXXXX)
-trap '[ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -rf "$work"' EXIT
+trap '! declare -F stop_peer >/dev/null || stop_peer; [ -z "${VM_LOG:-}" ] || cp "$work/serial.log" "$VM_LOG" 2>/dev/null; rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,proc,sys,dev,tmp,run,mnt,lib/modules}
 cp "$bb" "$root/bin/busybox"
@@ -186,8 +194,8 @@ i=0
 # csi-sanity and csi-fleet parts' storage nodes (dir pools on XFS: reflink
 # snapshots); veth for the csi-fleet part's workers (network namespaces).
 # raid1 (with md-mod) for the mirror-bench part's anchor: md raid1 over
-# two rnbd devices.
-for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth raid1; do
+# two rnbd devices. virtio_net for the NIC the guest and its peer share.
+for m in ext4 xfs nbd dummy ublk_drv loop crc32_generic crc32-pclmul rdma_rxe ib_uverbs rdma_ucm dm-thin-pool dm-snapshot veth raid1 virtio_net; do
 	for ko in $(modprobe -C /nonexistent -d "$kr" -S "$kv" --show-depends "$m" | awk '$1 == "insmod" {print $2}'); do
 		name=$(basename "${ko%.xz}")
 		grep -q -- "-$name\$" "$root/lib/modules/order" && continue
@@ -315,13 +323,46 @@ chmod +x "$root/init"
 # seven boots here when the harness was written, and was no faster. A
 # kernel that dies before /init (no VMTEST-INIT) is booted once more, so
 # a flaky boot does not fail the tier by itself.
-boot() {
-	log "boot (qemu TCG, -nic none, bounded by ${timeout}s)"
+#
+# The peer (VM_PEER): a second guest of the same kernel and initramfs
+# (vmtest.role=peer: the kernel's rnbd_server exporting a loop device
+# over soft-RoCE on its NIC, nothing else), whose NIC and the guest's
+# are joined by a unix socket here (-netdev stream: no address of the
+# host's), each NIC with a MAC of its own (qemu gives both the same by
+# default: soft-RoCE then never connects, though ping answers). It idles
+# while the guest runs and is stopped (by its PID) when the guest ends.
+peer_pid= peer_arg=
+nic=(-nic none)
+case ,${VM_ONLY:-all}, in *,all,* | *,interop,* | *,interop-perf,*) want_peer=1 ;; *) want_peer=0 ;; esac
+if [ -n "$VM_KMODS" ] && [ "${VM_PEER:-1}" != 0 ] && [ $want_peer = 1 ]; then
+	nic=(-netdev "stream,id=p0,server=off,addr.type=unix,addr.path=$work/pair.sock" -device virtio-net-pci,netdev=p0,mac=52:54:00:79:00:01)
+fi
+start_peer() {
+	[ "${nic[0]}" = -netdev ] || return 0
+	log "boot the peer (qemu TCG, 1.5 GiB, its NIC on $work/pair.sock)"
 	timeout "$timeout" qemu-system-x86_64 -kernel "$(vmlinuz)" -initrd "$work/initrd.gz" \
-		-nographic -nic none -m 2G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
-		-append "console=ttyS0 panic=-1 quiet vmtest.only=${VM_ONLY:-all}" </dev/null >"$work/serial.log" 2>&1
+		-nographic -m 1536M -smp 1 -no-reboot -accel tcg,thread=single -cpu max \
+		-netdev "stream,id=p0,server=on,addr.type=unix,addr.path=$work/pair.sock" -device virtio-net-pci,netdev=p0,mac=52:54:00:79:00:02 \
+		-append "console=ttyS0 panic=-1 quiet vmtest.role=peer" </dev/null >"$work/peer.log" 2>&1 &
+	peer_pid=$!
+	for _ in $(seq 100); do [ -S "$work/pair.sock" ] && break; sleep 0.1; done
+	[ -S "$work/pair.sock" ] || die "the peer's socket $work/pair.sock did not appear (qemu: $(tail -3 "$work/peer.log"))"
+	peer_arg=" vmtest.peer=1"
+}
+stop_peer() {
+	[ -n "$peer_pid" ] || return 0
+	kill "$peer_pid" 2>/dev/null || true
+	wait "$peer_pid" 2>/dev/null || true
+	peer_pid=
+}
+boot() {
+	log "boot (qemu TCG, ${nic[*]:0:2}, bounded by ${timeout}s)"
+	timeout "$timeout" qemu-system-x86_64 -kernel "$(vmlinuz)" -initrd "$work/initrd.gz" \
+		-nographic "${nic[@]}" -m 2G -smp 2 -no-reboot -accel tcg,thread=single -cpu max \
+		-append "console=ttyS0 panic=-1 quiet vmtest.only=${VM_ONLY:-all}$peer_arg" </dev/null >"$work/serial.log" 2>&1
 }
 start=$(date +%s)
+start_peer
 set +e
 boot
 rc=$?
@@ -332,7 +373,10 @@ if ! grep -aq VMTEST-INIT "$work/serial.log"; then
 	rc=$?
 fi
 set -e
+stop_peer
 secs=$(($(date +%s) - start))
+# The peer's own lines (its setup), then the guest's.
+[ ! -e "$work/peer.log" ] || tr -d '\r' <"$work/peer.log" | grep -a '^PEER' || true
 tr -d '\r' <"$work/serial.log" | grep -a -E '^(RESULT|TPUT|SCENARIO|NOTE|[0-9]+ passed)' || true
 if ! grep -aq VMTEST-DONE "$work/serial.log"; then
 	tr -d '\r' <"$work/serial.log" | tail -40 >&2

@@ -12,6 +12,21 @@ mount -t devtmpfs d /dev
 mount -t tmpfs t /tmp
 mkdir -p /run /mnt
 ip link set lo up
+# The peer (test/vm/run.sh, VM_PEER): a second kernel whose rnbd_server
+# exports loop1 (72 MiB) over soft-RoCE on the NIC it shares with the
+# guest, at 10.79.0.2, for the interop part's mirror over two kernels'
+# rnbd_servers. Prints PEER lines, then idles until the host stops it.
+if grep -q 'vmtest\.role=peer' /proc/cmdline; then
+	for m in $(cat /lib/modules/order); do insmod "/lib/modules/$m" 2>/dev/null; done
+	ok=1
+	for m in rtrs-core rtrs-server; do insmod /lib/modules/extra/$m.ko || ok=0; done
+	insmod /lib/modules/extra/rnbd-server.ko port_nr=1235 dev_search_path=/dev || ok=0
+	ip link set eth0 up && ip addr add 10.79.0.2/24 dev eth0 && /usr/bin/rdma link add rxe0 type rxe netdev eth0 || ok=0
+	truncate -s 72M /tmp/leg.img && losetup /dev/loop1 /tmp/leg.img || ok=0
+	[ $ok = 1 ] && echo "PEER ready: $(uname -r), rnbd_server on port $(cat /sys/module/rnbd_server/parameters/port_nr), loop1 at 10.79.0.2" ||
+		echo "PEER FAILED to set up: $(dmesg | tail -3 | tr '\n' ' ')"
+	while :; do sleep 3600; done
+fi
 echo VMTEST-INIT
 only=$(sed -n 's/.*vmtest\.only=\([^ ]*\).*/\1/p' /proc/cmdline)
 want() { case ",${only:-all}," in *",all,"* | *",$1,"*) return 0 ;; esac; return 1; }
@@ -1111,6 +1126,69 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 	for n in 1 2 3; do losetup -d /dev/loop$n 2>/dev/null; done
 	ip addr del 10.78.0.3/24 dev rxenet 2>/dev/null
 	rm -f /tmp/kml?.img
+
+	# A mirror over two kernels' rnbd_servers: this one's and the peer's
+	# (a second guest, test/vm/run.sh VM_PEER, on the NIC they share).
+	# Leg 1 is this kernel's loop5 (by 10.78.0.5), leg 2 the peer's loop1
+	# (10.79.0.1 to 10.79.0.2), the witness this kernel's loop6 (by
+	# 10.78.0.6); a member's path is cut by taking its client address
+	# away (silent: no link goes down). TestMirrorOnKernelPair (test/e2e)
+	# runs a seeded fault schedule on it, every read judged by the
+	# history checker, with the stale-only-leg case, which must refuse.
+	if grep -q 'vmtest\.peer=1' /proc/cmdline; then
+		scenario interop-kernel-pair
+		kp_ok=1
+		ip link set eth0 up && ip addr add 10.79.0.1/24 dev eth0 && /usr/bin/rdma link add rxe1 type rxe netdev eth0 || kp_ok=0
+		ip addr add 10.78.0.5/24 dev rxenet && ip addr add 10.78.0.6/24 dev rxenet || kp_ok=0
+		truncate -s 72M /tmp/kp1.img && losetup /dev/loop5 /tmp/kp1.img || kp_ok=0
+		truncate -s 1M /tmp/kpw.img && losetup /dev/loop6 /tmp/kpw.img || kp_ok=0
+		for _ in $(seq 90); do ping -c1 -W1 10.79.0.2 >/dev/null 2>&1 && break; sleep 1; done
+		if ping -c1 -W2 10.79.0.2 >/dev/null 2>&1; then
+			res interop-kernel-pair-peer PASS ""
+		else
+			res interop-kernel-pair-peer FAIL "the peer (10.79.0.2) does not answer"
+			kp_ok=0
+		fi
+		kpm() { # ADDR DEV SERVER DEVICE_PATH [witness]
+			printf '{"path": "ip:%s@ip:%s", "device_path": "%s", "port": 1235, "cut": "ip addr del %s/24 dev %s", "mend": "ip addr add %s/24 dev %s"%s}' \
+				"$1" "$3" "$4" "$1" "$2" "$1" "$2" "${5:+, \"witness\": true}"
+		}
+		if [ $kp_ok = 1 ]; then
+			# The wire first: the kernel's own client maps the peer's
+			# device (kernel to kernel over the NIC), then ours does.
+			kdev=""
+			if echo "sessname=kpk dest_port=1235 path=ip:10.79.0.1@ip:10.79.0.2 device_path=loop1 access_mode=ro" >/sys/class/rnbd-client/ctl/map_device 2>/tmp/kmap.err; then
+				for b in /sys/block/rnbd*; do [ "$(cat $b/rnbd/session 2>/dev/null)" = kpk ] && kdev=${b##*/}; done
+				res interop-kernel-pair-kernel-client PASS "$kdev"
+			else
+				res interop-kernel-pair-kernel-client FAIL "$(cat /tmp/kmap.err) $(dmesg | tail -4 | tr '\n' ' ')"
+				/usr/bin/rdma link 2>&1 | sed 's/^/DETAIL rdma link: /'
+				ip addr show eth0 2>&1 | sed 's/^/DETAIL eth0: /'
+			fi
+			[ -z "$kdev" ] || echo normal >/sys/block/$kdev/rnbd/unmap_device
+			out=$(cli map --sessname kpprobe --path ip:10.79.0.1@ip:10.79.0.2 --dest-port 1235 --device-path loop1 --access-mode ro --transport rdma --as ublk 2>&1)
+			if echo "$out" | grep -q 'mapped:'; then
+				res interop-kernel-pair-client PASS "$out"
+				cli unmap "$(echo "$out" | awk '{print $1}')"
+			else
+				res interop-kernel-pair-client FAIL "$out"
+			fi
+			export RNBD_E2E_BIN=/bin
+			export RNBD_KERNEL_PAIR="[$(kpm 10.78.0.5 rxenet 10.78.0.5 loop5), $(kpm 10.79.0.1 eth0 10.79.0.2 loop1), $(kpm 10.78.0.6 rxenet 10.78.0.6 loop6 w)]"
+			gotest_timeout=900
+			gotest interop-kernel-pair /bin/e2e.test -test.run '^TestMirrorOnKernelPair$' -test.timeout 840s
+			unset gotest_timeout RNBD_KERNEL_PAIR
+			# Its own lines on a failure (the client daemon's log,
+			# which follows them, fills gotest's DETAIL tail).
+			grep -q '^--- FAIL' /tmp/interop-kernel-pair.out &&
+				grep -av 'level=\|^=== ' /tmp/interop-kernel-pair.out | tail -60 | sed 's/^/DETAIL pair: /'
+			grep -h 'seed [0-9]*: ' /tmp/interop-kernel-pair.out | sed 's/^ *[^ ]*: /NOTE interop-kernel-pair: /'
+		fi
+		for n in 5 6; do losetup -d /dev/loop$n 2>/dev/null; done
+		ip addr del 10.78.0.5/24 dev rxenet 2>/dev/null
+		ip addr del 10.78.0.6/24 dev rxenet 2>/dev/null
+		rm -f /tmp/kp1.img /tmp/kpw.img
+	fi
 
 	# Speed of the four pairings on the one soft-RoCE device, in one
 	# boot: kernel client and server (kk), kernel client against
