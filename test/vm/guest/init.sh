@@ -1169,7 +1169,7 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 			out=$(cli map --sessname kpprobe --path ip:10.79.0.1@ip:10.79.0.2 --dest-port 1235 --device-path loop1 --access-mode ro --transport rdma --as ublk 2>&1)
 			if echo "$out" | grep -q 'mapped:'; then
 				res interop-kernel-pair-client PASS "$out"
-				cli unmap "$(echo "$out" | awk '{print $1}')"
+				check interop-kernel-pair-client-unmap cli unmap "$(echo "$out" | awk '/mapped:/ {print $1}')"
 			else
 				res interop-kernel-pair-client FAIL "$out"
 			fi
