@@ -521,6 +521,15 @@ func (d *Daemon) unmapLocked(ctx context.Context, device string, force bool) err
 		m.mir.stopRejoiner()
 		m.mir.m.Close()
 		m.mir.closeLegs(ctx)
+		// Its legs' and witness's sessions, as a device's own below.
+		names := make([]string, 0, len(m.Legs)+1)
+		for _, l := range m.Legs {
+			names = append(names, l.SessName)
+		}
+		if m.Witness != nil {
+			names = append(names, m.Witness.SessName)
+		}
+		d.noteClosed(names...)
 	} else {
 		err = m.dev.Unmap(ctx)
 		d.dropSession(m.SessName)

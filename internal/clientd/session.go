@@ -158,14 +158,24 @@ func (d *Daemon) dropSession(name string) {
 	d.mu.Unlock()
 	if s != nil {
 		s.cs.Close()
-		d.mu.Lock()
-		d.closed[name] = time.Now()
-		for n, t := range d.closed {
-			if time.Since(t) > renameWait {
-				delete(d.closed, n)
-			}
+		d.noteClosed(name)
+	}
+}
+
+// noteClosed records that the sessions of names closed now: a dial of
+// one of them within renameWait is tried again while the server still
+// holds the old session (dial).
+func (d *Daemon) noteClosed(names ...string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	now := time.Now()
+	for _, n := range names {
+		d.closed[n] = now
+	}
+	for n, t := range d.closed {
+		if now.Sub(t) > renameWait {
+			delete(d.closed, n)
 		}
-		d.mu.Unlock()
 	}
 }
 
