@@ -240,6 +240,7 @@ may hold stale data is all it reaches) is served only with --force BY:
 	f.StringArrayVar(&spares, "spare", nil, "a mirror's spare, as a leg: a device on another storage node that takes the place of a leg out longer than mirror_spare_after, rebuilt in full (repeatable, tried in order)")
 	f.StringVar(&witness, "witness", "", "a mirror's witness, as a leg: a small device on a third storage node that holds only metadata, so that two legs can lose one")
 	f.StringVar(&m.RegionSize, "region-size", "", "with --create or --create-if-new: the new mirror's bitmap region, what a resync copies for each region written while a leg was away (default 4MiB)")
+	f.StringVar(&m.Size, "size", "", "a mirror's data size at least: one with less (its legs made larger, a restore larger than its snapshot) grows to it before its device is made, if every leg is in sync")
 	f.BoolVar(&m.Create, "create", false, "make the mirror's metadata on its legs (new devices: it refuses one that holds a mirror's)")
 	f.StringVar(&m.Adopt, "adopt", "", "the mirror whose legs and witness these are copies of, one point in time (restored from its snapshots): assembled as after a crash, they take this mirror's name")
 	f.BoolVar(&m.CreateIfNew, "create-if-new", false, "make the mirror's metadata where no assembly ever served it (blank devices, or a create that stopped part way), else map the mirror as it is: a script's first map and its retries")

@@ -65,6 +65,13 @@ type (
 		// RegionSize, with Create or CreateIfNew, is the new mirror's bitmap region
 		// (a size, "4MiB"; empty: the default): map only, not kept.
 		RegionSize string `json:"region_size,omitempty"`
+		// Size is the data a mirror must have at least ("20GiB"): one
+		// with less (a volume restored from a smaller snapshot, its legs
+		// made larger) grows to it before its device is made, as resize
+		// grows it, if every leg is in sync; else it is mapped at its
+		// size, and grows by resize once its legs are. Map only, not
+		// kept.
+		Size string `json:"size,omitempty"`
 		// Force assembles the mirror without the proof of currency it
 		// asks for: map only, not kept; logged and audited.
 		Force *MirrorForce `json:"force,omitempty"`

@@ -298,6 +298,10 @@ func (d *Daemon) mapNoted(ctx context.Context, m api.Mapping) (api.Mapping, stri
 		d.unmapLocked(ctx, mp.Device, true)
 		return mp.Mapping, "", fmt.Errorf("saving the state file: %w", err)
 	}
+	if mp.mir != nil && spec.growTo > mp.mir.m.Size() {
+		spec.note = fmt.Sprintf("mirror %s is mapped at its %d bytes, not the %d asked: a leg is not in sync (device show); it grows by resize once every leg is",
+			spec.Mirror, mp.mir.m.Size(), spec.growTo)
+	}
 	if spec.note != "" {
 		d.log.WithFields(log.Fields{"device": mp.Device, "socket": strings.TrimPrefix(mp.As, "socket:")}).Warn(spec.note)
 	}

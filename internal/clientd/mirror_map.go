@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 	"unicode"
 
@@ -75,6 +76,13 @@ func (s *mapSpec) normalizeMirror() error {
 			return ctl.Errorf(ctl.CodeInvalid, "region_size %q: %v", m.RegionSize, err)
 		}
 		s.regionSize = n
+	}
+	if m.Size != "" {
+		n, err := units.ParseSize(m.Size)
+		if err != nil || n <= 0 || n%4096 != 0 {
+			return ctl.Errorf(ctl.CodeInvalid, "size %q: a mirror's data size, a multiple of 4096 bytes", m.Size)
+		}
+		s.growTo = n
 	}
 	if f := m.Force; f != nil {
 		if f.By == "" {
@@ -400,6 +408,19 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		}
 		return fail(fmt.Errorf("mirror %s: %w", s.Mirror, err))
 	}
+	if s.growTo > mir.Size() {
+		if err := mir.Grow(ctx, s.growTo); err != nil {
+			if !errors.Is(err, syscall.EBUSY) {
+				mir.Close()
+				return fail(fmt.Errorf("mirror %s: growing it to the size asked: %w", s.Mirror, err))
+			}
+			// A leg resyncs or is out: the mirror serves at its size
+			// and grows by resize once its legs are in sync (Map's
+			// answer says so).
+			d.log.WithError(err).WithFields(log.Fields{"mirror": s.Mirror, "size": mir.Size(), "asked": s.growTo}).
+				Info("mirror: not grown to the size asked as it is mapped")
+		}
+	}
 	md.m = mir
 	md.info = mirrorInfo(md)
 	fe, err := d.attach(s, md)
@@ -408,7 +429,7 @@ func (d *Daemon) mapMirror(ctx context.Context, s mapSpec, restore bool) (*mappe
 		return fail(err)
 	}
 	// What the state file keeps: never create or force again.
-	s.Create, s.CreateIfNew, s.Force, s.RegionSize = false, false, nil, ""
+	s.Create, s.CreateIfNew, s.Force, s.RegionSize, s.Size = false, false, nil, "", ""
 	md.mu.Lock()
 	md.spec = s
 	md.mu.Unlock()

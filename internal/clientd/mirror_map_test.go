@@ -60,6 +60,8 @@ func TestMirrorMapRefusals(t *testing.T) {
 		"create, force":               {with(func(m *api.Mapping) { m.Create, m.Force = true, &api.MirrorForce{By: "me", From: -1} }), ctl.CodeInvalid, "together"},
 		"region, no create":           {with(func(m *api.Mapping) { m.RegionSize = "1MiB" }), ctl.CodeInvalid, "with create"},
 		"bad region":                  {with(func(m *api.Mapping) { m.Create, m.RegionSize = true, "4 furlongs" }), ctl.CodeInvalid, "region_size"},
+		"size of one":                 {api.Mapping{SessName: "s1", Paths: []string{"ip:10.30.0.1"}, DevicePath: "a", Size: "1GiB"}, ctl.CodeInvalid, "for a mirror"},
+		"bad size":                    {with(func(m *api.Mapping) { m.Size = "1000" }), ctl.CodeInvalid, "multiple of 4096"},
 		"create one":                  {api.Mapping{SessName: "s1", Paths: []string{"ip:10.30.0.1"}, DevicePath: "a", Create: true}, ctl.CodeInvalid, "for a mirror"},
 		// Only one storage node answers (the rig's, 10.30.0.1).
 		"create without a leg": {with(func(m *api.Mapping) { m.Create = true }), ctl.CodeUnavailable, "create needs every leg"},

@@ -37,6 +37,9 @@ type mapSpec struct {
 	sock string
 	// legPaths are a mirror's legs' paths by leg, then the witness's.
 	legPaths [][]rtrs.PathAddr
+	// growTo is the data size a mirror grows to before its device is
+	// made (Size, parsed).
+	growTo int64
 	// regionSize is a new mirror's bitmap region (RegionSize, parsed).
 	regionSize int64
 	// note is what map says beside its answer: how the device is
@@ -110,8 +113,8 @@ func normalize(m api.Mapping) (mapSpec, error) {
 			return s, err
 		}
 	} else {
-		if m.Create || m.CreateIfNew || m.Force != nil {
-			return s, ctl.Errorf(ctl.CodeInvalid, "create and force are for a mirror (--mirror NAME --leg ...)")
+		if m.Create || m.CreateIfNew || m.Force != nil || m.Size != "" {
+			return s, ctl.Errorf(ctl.CodeInvalid, "create, force and size are for a mirror (--mirror NAME --leg ...); a device of one storage node has its volume's size")
 		}
 		if m.SessName == "" || len(m.Paths) == 0 || m.DevicePath == "" {
 			return s, ctl.Errorf(ctl.CodeInvalid, "map needs sessname, at least one path and device_path")

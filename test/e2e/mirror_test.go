@@ -449,13 +449,62 @@ func TestMirrorGrow(t *testing.T) {
 	}
 }
 
+// TestMirrorMapSize: a mirror mapped with --size while a leg's node is
+// down cannot grow (a leg not in sync would come back without the bytes
+// added): it is mapped at its size and map says so, resize is refused
+// (busy) until the leg is back and resynced, then grows it. The map and
+// the refused resize leave the size the NBD clients see as it was.
+func TestMirrorMapSize(t *testing.T) {
+	needTools(t, "qemu-io", "nbdinfo")
+	const size = 32 << 20
+	a, b, w := newStorageNode(t, size), newStorageNode(t, size), newStorageNode(t, 1<<20)
+	dir := t.TempDir()
+	cl := startClient(t, dir, "--mirror-leg-timeout", "2s")
+	sock := filepath.Join(dir, "m.sock")
+	uri := "nbd+unix:///vol?socket=" + sock
+	mapArgs := []string{"map", "--mirror", "vol", "--leg", a.leg("z-a"), "--leg", b.leg("z-b"), "--witness", w.leg("z-w"), "--as", "socket:" + sock}
+	cl.ok(append(mapArgs, "--create-if-new")...)
+	qemuIO(t, uri, "write -P 0xa1 0 1M")
+	cl.ok("unmap", "rnbd0")
+	// Both legs' volumes grown, then b's node lost.
+	b.kill(t)
+	for _, n := range []*storageNode{a, b} {
+		if err := os.Truncate(n.vol, size+16<<20); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nbdSize := func() string { return strings.TrimSpace(run(t, time.Minute, "nbdinfo", "--size", uri)) }
+	_, errOut, code := cl.ctl(append(mapArgs, "--size", "40MiB")...)
+	if code != 0 || !strings.Contains(errOut, "not the 41943040 asked") {
+		t.Fatalf("map --size with a leg's node down: exit %d: %s", code, errOut)
+	}
+	if s := nbdSize(); s != fmt.Sprint(size-8<<20) {
+		t.Fatalf("mapped degraded with --size 40MiB: %s bytes, want its %d", s, size-8<<20)
+	}
+	if _, errOut, code := cl.ctl("resize", "rnbd0", "40MiB"); code != 5 || !strings.Contains(errOut, "leg 1") {
+		t.Fatalf("resize with leg 1 out: exit %d: %s", code, errOut)
+	}
+	b.start(t)
+	kit.WaitFor(t, time.Minute, "leg 1 back in sync", func() bool {
+		return strings.Join(legStates(t, cl.records("device", "show", "rnbd0")[0]), ",") == "in sync,in sync,voting"
+	})
+	cl.ok("resize", "rnbd0", "40MiB")
+	if s := nbdSize(); s != fmt.Sprint(40<<20) {
+		t.Fatalf("grown once leg 1 was back: %s bytes", s)
+	}
+	qemuIO(t, uri, "read -P 0xa1 0 1M", "read -P 0 24M 16M", "write -P 0xb2 39M 1M", "read -P 0xb2 39M 1M")
+}
+
 // TestMirrorAdopt: copies of a mapped mirror's legs, taken while it is
 // idle but not closed (its bitmap as a crash leaves it), mapped on other
 // storage nodes as another mirror with --adopt: the data reads back, and
 // from then on they are that mirror's — mapped again without --adopt,
-// and refused under the old name. --adopt with --create is refused.
+// and refused under the old name. --adopt with --create is refused. The
+// copies are made larger (a restore larger than its snapshot) and the
+// map's --size grows the mirror to it, the bytes added zeros; a size
+// its legs do not hold is refused.
 func TestMirrorAdopt(t *testing.T) {
-	needTools(t, "qemu-io")
+	needTools(t, "qemu-io", "nbdinfo")
 	const size = 32 << 20
 	a, b := newStorageNode(t, size), newStorageNode(t, size)
 	c, d := newStorageNode(t, size), newStorageNode(t, size)
@@ -480,9 +529,35 @@ func TestMirrorAdopt(t *testing.T) {
 	if _, errOut, code := cl.ctl(restored...); code == 0 || !strings.Contains(errOut, "another mirror") {
 		t.Fatalf("the copies without --adopt: exit %d: %s", code, errOut)
 	}
-	cl.ok(append(restored, "--adopt", "vol")...)
+	// The copies made larger, as a restore larger than its snapshot
+	// makes them: the mirror grows to the size asked before its device
+	// is made, the bytes added zeros.
+	for _, n := range []*storageNode{c, d} {
+		if err := os.Truncate(n.vol, size+16<<20); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.OpenFile(n.vol, os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = f.WriteAt(bytes.Repeat([]byte{0xee}, 1<<20), size+8<<20) // what a reused device may hold
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, errOut, code := cl.ctl(append(restored, "--adopt", "vol", "--size", "40001KiB")...); code != 2 || !strings.Contains(errOut, "multiple of 4096") {
+		t.Fatalf("--size 40001KiB: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := cl.ctl(append(restored, "--adopt", "vol", "--size", "48MiB")...); code != 9 || !strings.Contains(errOut, "grow its volume") {
+		t.Fatalf("--size more than the legs hold: exit %d: %s", code, errOut)
+	}
+	cl.ok(append(restored, "--adopt", "vol", "--size", "40MiB")...)
 	uri2 := "nbd+unix:///restored?socket=" + sock2
-	qemuIO(t, uri2, "read -P 0xc1 0 1M", "read -P 0xc2 20M 2M", "write -P 0xd3 4M 1M")
+	if s := strings.TrimSpace(run(t, time.Minute, "nbdinfo", "--size", uri2)); s != fmt.Sprint(40<<20) {
+		t.Fatalf("mapped with --size 40MiB: %s bytes", s)
+	}
+	qemuIO(t, uri2, "read -P 0xc1 0 1M", "read -P 0xc2 20M 2M", "write -P 0xd3 4M 1M", "read -P 0 24M 16M")
 	// The source goes on by itself.
 	qemuIO(t, "nbd+unix:///vol?socket="+sock, "read -P 0 4M 1M")
 	rec := cl.records("device", "show", "rnbd1")[0]
