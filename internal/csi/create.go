@@ -316,3 +316,12 @@ func (c *controller) csiVolume(n *storageNode, rec api.VolumeRecord, p volumePar
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// deref is what p points at, or T's zero for nil.
+func deref[T any](p *T) T {
+	if p == nil {
+		var z T
+		return z
+	}
+	return *p
+}

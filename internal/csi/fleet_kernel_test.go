@@ -195,7 +195,7 @@ func TestFleetOnKernel(t *testing.T) {
 	f.deleteAll()
 	f.nothingLeft(devsBefore)
 
-	fmt.Printf("TPUT csi-fleet %d volumes, 1 restored, 1 shared and 5 made during node-b's outage, placed on 2 storage nodes (%d and %d), "+
+	fmt.Printf("TPUT csi-fleet %d volumes, 2 restored, 1 shared and 5 made during node-b's outage, placed on 2 storage nodes (%d and %d), "+
 		"2 workers: %.1fs in all; %s\n", fleetVolumes, f.storage[0].volumeCount, f.storage[1].volumeCount, time.Since(f.began).Seconds(),
 		strings.Join(f.times, ", "))
 }
@@ -972,7 +972,9 @@ func writeReadDirect(from, to string, off, g int64) error {
 
 // snapshotRestore snapshots a volume with a file in it, changes the
 // file, restores the snapshot into a new volume, publishes that on the
-// other worker: the file is as it was at the snapshot.
+// other worker: the file is as it was at the snapshot; so it is in the
+// volume restored again 1 MiB larger than the snapshot, whose file
+// system grows to it.
 func (f *fleet) snapshotRestore() {
 	v := f.pick(func(v *fleetVol) bool { return v.storage == f.storage[0].name })
 	var snapID string
@@ -1017,6 +1019,36 @@ func (f *fleet) snapshotRestore() {
 		got, err := sumFile(filepath.Join(r.target, "snapped"))
 		if err != nil || got != want {
 			return fmt.Errorf("the restored volume's file has sha256 %x (%v), %x at the snapshot", got, err, want)
+		}
+		// Made again 1 MiB larger than the snapshot (the pool has room
+		// for it once the first is deleted): the file system grown to
+		// the volume at its stage, the file as it was.
+		var was unix.Statfs_t
+		if err := unix.Statfs(r.target, &was); err != nil {
+			return err
+		}
+		if err := f.unpublish(ctx, r); err != nil {
+			return err
+		}
+		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: r.id}); err != nil {
+			return fmt.Errorf("DeleteVolume %s: %w", r.id, err)
+		}
+		f.vols = slices.DeleteFunc(f.vols, func(x *fleetVol) bool { return x == r })
+		big := &fleetVol{name: "fleet-restored-big", frontend: "nbd", vc: v.vc, size: rsp.Snapshot.SizeBytes + 1<<20}
+		if err := f.create(ctx, big, &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}); err != nil {
+			return err
+		}
+		if err := f.publish(ctx, big, other); err != nil {
+			return err
+		}
+		if got, err := sumFile(filepath.Join(big.target, "snapped")); err != nil || got != want {
+			return fmt.Errorf("the volume restored larger: its file has sha256 %x (%v), %x at the snapshot", got, err, want)
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(big.target, &st); err != nil || st.Blocks*uint64(st.Bsize) <= was.Blocks*uint64(was.Bsize) {
+			return fmt.Errorf("the volume restored at %d bytes from a snapshot of %d: its file system has %d blocks of %d (%v), the one restored at its size %d: not grown",
+				big.size, rsp.Snapshot.SizeBytes, st.Blocks, st.Bsize, err, was.Blocks)
 		}
 		return nil
 	})

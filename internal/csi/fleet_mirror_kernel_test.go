@@ -1,7 +1,9 @@
 package csi
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -18,6 +20,7 @@ import (
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
+	"github.com/rnbd/rnbd/pkg/blockdev"
 	"github.com/rnbd/rnbd/test/kit"
 	"github.com/rnbd/rnbd/test/testca"
 	"github.com/rnbd/rnbd/test/testfs"
@@ -36,8 +39,10 @@ import (
 //     publish (after mirror_replace_after), the worker's rnbd-client
 //     takes it (after mirror_spare_after) and rebuilds it in full;
 //   - every block read back as last written, a fio verify, the volume
-//     published again over its new placement, then deleted: nothing
-//     left on the nodes that answer.
+//     published again over its new placement;
+//   - a snapshot restored into a volume twice as large: the source's
+//     bytes, zeros after them;
+//   - then deleted: nothing left on the nodes that answer.
 func TestFleetReplicatedOnKernel(t *testing.T) {
 	needKernel(t)
 	if _, err := exec.LookPath("fio"); err != nil {
@@ -243,13 +248,70 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		}
 		return f.waitLegs(ctx, w, v, func(ls []api.CltLegRecord) bool { return ls[0].State == "in sync" && ls[1].State == "in sync" })
 	})
+	// The dead node's replacement: a new one under its name and
+	// address, its pool empty — as the retired member's node, back, it
+	// lets volumes be made again (a create needs every node's answer)
+	// and the delete below finish.
+	f.startStorage(dead)
+	// A snapshot (one point in time of both legs and the witness, the
+	// writes held) restored into a replicated volume twice as large:
+	// made on the snapshot's nodes, its mirror grown at its stage before
+	// its device is made; the source's bytes there, zeros after them.
+	f.step("snapshot, restored twice as large", 3*time.Minute, func(ctx context.Context) error {
+		snap, err := f.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: v.id, Name: "fleet-mirror-snap"})
+		if err != nil {
+			return fmt.Errorf("CreateSnapshot: %w", err)
+		}
+		sid := snap.GetSnapshot().GetSnapshotId()
+		f.t.Cleanup(func() { f.ctrl.DeleteSnapshot(context.Background(), &csi.DeleteSnapshotRequest{SnapshotId: sid}) })
+		rv := &fleetVol{name: "fleet-mirror-restored", frontend: v.frontend, size: 2 * size, block: true, vc: v.vc}
+		rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: rv.name, CapacityRange: &csi.CapacityRange{RequiredBytes: rv.size},
+			VolumeCapabilities: []*csi.VolumeCapability{rv.vc}, Parameters: map[string]string{"frontend": rv.frontend, "replicas": "2", "spreadBy": zoneKey},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid}}}})
+		if err != nil {
+			return fmt.Errorf("CreateVolume from %s at %d bytes: %w", sid, rv.size, err)
+		}
+		if rsp.Volume.CapacityBytes != rv.size {
+			return fmt.Errorf("restored at %d bytes, asked %d", rsp.Volume.CapacityBytes, rv.size)
+		}
+		rv.id, rv.volCtx = rsp.Volume.VolumeId, rsp.Volume.VolumeContext
+		if err := f.publish(ctx, rv, w); err != nil {
+			return err
+		}
+		if n, err := blockdev.DeviceSize(rv.target); err != nil || n != rv.size {
+			return fmt.Errorf("the restored volume's device %s has %d bytes (%v), want %d", rv.target, n, err, rv.size)
+		}
+		src, err := os.ReadFile(v.target)
+		if err != nil {
+			return err
+		}
+		got, err := os.ReadFile(rv.target)
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(got[:size], src) {
+			return errors.New("the restored volume does not hold its source's bytes")
+		}
+		if !bytes.Equal(got[size:], make([]byte, rv.size-size)) {
+			return errors.New("the restored volume's bytes past its snapshot's size are not zeros")
+		}
+		if err := f.fio(ctx, rv, "restored"); err != nil {
+			return err
+		}
+		if err := f.unpublish(ctx, rv); err != nil {
+			return err
+		}
+		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: rv.id}); err != nil {
+			return err
+		}
+		_, err = f.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid})
+		return err
+	})
 	f.step("unpublish and delete", 2*time.Minute, func(ctx context.Context) error {
 		if err := f.unpublish(ctx, v); err != nil {
 			return err
 		}
-		// The retired member's node is gone: delete waits for it until it
-		// is taken out of the configuration; here it is started again.
-		f.startStorage(dead)
 		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id}); err != nil {
 			return err
 		}

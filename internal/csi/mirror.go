@@ -78,6 +78,7 @@ const (
 	PCLegs    = "legs"    // JSON: [{"storageNode","export","paths","port"}] by leg index
 	PCWitness = "witness" // JSON: one of them, or absent
 	PCAdopt   = "adopt"   // the mirror a restored volume's members are copies of (api.Mapping.Adopt), or absent
+	PCSize    = "size"    // bytes of data the mirror has at least: its smallest leg's less the metadata (api.Mapping.Size)
 )
 
 // VCReplicas is the volume context's key of a replicated volume's legs.
@@ -301,12 +302,12 @@ func (c *controller) makeMember(ctx context.Context, r createRequest, n *storage
 	req := api.VolumeRequest{Name: r.vname, Pool: r.p.poolOn(n.cfg), Size: strconv.FormatInt(size, 10), Labels: l,
 		Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}}
 	if s := labels[labelFromSnap]; s != "" {
-		// In the snapshot's pool, of its size.
+		// In the snapshot's pool, of its size or the larger one asked.
 		rec, err := n.snapshot(ctx, s)
 		if err != nil {
 			return api.VolumeRecord{}, fmt.Errorf("its snapshot %s: %w", s, err)
 		}
-		req.FromSnapshot, req.Size, req.Pool = s, "", rec.Pool
+		req.FromSnapshot, req.Size, req.Pool = s, memberSize(part, r.size, rec.Size), rec.Pool
 	}
 	return n.createVolume(ctx, req)
 }

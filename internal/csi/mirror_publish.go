@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -22,6 +23,7 @@ import (
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/ctl"
 	"github.com/rnbd/rnbd/pkg/log"
+	"github.com/rnbd/rnbd/pkg/mirror"
 )
 
 // legContext is a member as the publish context gives it to the node.
@@ -113,10 +115,20 @@ func (c *controller) publishMirror(ctx context.Context, req *csi.ControllerPubli
 	}
 	b, _ := json.Marshal(legs)
 	pc[PCLegs] = string(b)
-	for _, f := range mv.found {
+	size := int64(-1)
+	for part, f := range mv.found {
 		if a := f.v.Labels[labelAdopt]; a != "" {
 			pc[PCAdopt] = a
 		}
+		if part != memberWit && f.v.Size != nil && (size < 0 || *f.v.Size < size) {
+			size = *f.v.Size
+		}
+	}
+	if size > mirror.DataOff {
+		// A volume restored or cloned larger than its source (its legs
+		// made larger), or grown while not staged: the mirror grows to
+		// it at its stage.
+		pc[PCSize] = strconv.FormatInt(size-mirror.DataOff, 10)
 	}
 	if w := mv.place.witness; w != "" {
 		b, _ := json.Marshal(c.legContext(w, vname))

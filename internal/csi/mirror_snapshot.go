@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -323,9 +324,10 @@ func mirrorSnapshotEntries(results []nodeResult[[]api.SnapshotRecord]) map[strin
 
 // restorePlacement is the placement of a replicated volume made from
 // snapshot "mirror:<sname>": its members' nodes, each member a clone of
-// the snapshot there. It sets r's size to the snapshot's (a larger one
-// asked is refused: expand the volume made) and adds the labels every
-// member carries.
+// the snapshot there. It sets r's size to the snapshot's, or to the
+// larger one asked (its legs are made that large; the mirror grows to
+// it at its first stage, PCSize), and adds the labels every member
+// carries.
 func (c *controller) restorePlacement(ctx context.Context, r *createRequest, sname string, labels map[string]string) (placement, error) {
 	id := mirrorID(sname)
 	have, err := c.mirrorSnapshotMembers(ctx, sname)
@@ -350,16 +352,38 @@ func (c *controller) restorePlacement(ctx context.Context, r *createRequest, sna
 		}
 	}
 	snap := mirrorSnapshot(sname, have[0].s.Volume, have)
-	switch {
-	case r.GetCapacityRange().GetRequiredBytes() > snap.GetSizeBytes():
-		return placement{}, status.Errorf(codes.InvalidArgument, "a volume of %d bytes from snapshot %s of %d: not implemented yet; restore at its size and expand it",
-			r.GetCapacityRange().GetRequiredBytes(), id, snap.GetSizeBytes())
-	case !fits(snap.GetSizeBytes(), r.GetCapacityRange()):
-		return placement{}, status.Errorf(codes.OutOfRange, "snapshot %s has %d bytes, outside the capacity range asked", id, snap.GetSizeBytes())
+	size, err := sizeFrom(snap.GetSizeBytes(), r.size, r.GetCapacityRange())
+	if err != nil {
+		return placement{}, status.Errorf(codes.OutOfRange, "snapshot %s has %d bytes: %v", id, snap.GetSizeBytes(), err)
 	}
-	r.size = snap.GetSizeBytes()
+	r.size = size
 	labels[labelFromSnap], labels[labelAdopt] = sname, have[0].s.Volume
 	return p, nil
+}
+
+// sizeFrom is the size of a replicated volume made from a source of
+// src bytes of data: the source's where the range asks none more (the
+// CO asked none, or less), else sized, the range's size rounded (the
+// legs made that large, the mirror grown to it at its first stage).
+func sizeFrom(src, sized int64, cr *csi.CapacityRange) (int64, error) {
+	size := src
+	if cr.GetRequiredBytes() > src {
+		size = sized
+	}
+	if !fits(size, cr) {
+		return 0, fmt.Errorf("a volume of %d bytes made of it is outside the capacity range asked (%d to %d)", size, cr.GetRequiredBytes(), cr.GetLimitBytes())
+	}
+	return size, nil
+}
+
+// memberSize is the size to make a member of a replicated volume of
+// size bytes as a clone of a source member of src bytes: a leg the
+// data and the metadata, the witness its source's ("": the source's).
+func memberSize(part string, size, src int64) string {
+	if part == memberWit || size+mirror.DataOff <= src {
+		return ""
+	}
+	return strconv.FormatInt(size+mirror.DataOff, 10)
 }
 
 // cloneMirror makes replicated volume r a clone of replicated volume
@@ -387,22 +411,20 @@ func (c *controller) cloneMirror(ctx context.Context, r createRequest, svname st
 			size = *f.v.Size - mirror.DataOff
 		}
 	}
-	switch {
-	case len(mv.place.legs) != r.p.replicas:
+	if len(mv.place.legs) != r.p.replicas {
 		return nil, status.Errorf(codes.InvalidArgument, "content source %s has %d legs, the StorageClass asks replicas %d: clone with replicas %d",
 			id, len(mv.place.legs), r.p.replicas, len(mv.place.legs))
-	case r.GetCapacityRange().GetRequiredBytes() > size:
-		return nil, status.Errorf(codes.InvalidArgument, "a clone of %d bytes of volume %s of %d: not implemented yet; clone at its size and expand it",
-			r.GetCapacityRange().GetRequiredBytes(), id, size)
-	case !fits(size, r.GetCapacityRange()):
-		return nil, status.Errorf(codes.OutOfRange, "volume %s has %d bytes, outside the capacity range asked", id, size)
+	}
+	if size, err = sizeFrom(size, r.size, r.GetCapacityRange()); err != nil {
+		return nil, status.Errorf(codes.OutOfRange, "volume %s: %v", id, err)
 	}
 	labels[labelFromVol], labels[labelAdopt], labels[labelMembers] = svname, svname, mv.place.String()
 	made := make([]*found, len(mv.place.members()))
 	err = c.whileHeld(ctx, mv, "a clone "+mirrorID(r.vname), func(i int, m member, n *storageNode) error {
 		l := maps.Clone(labels)
 		l[labelMember] = m.part
-		rec, err := n.createVolume(ctx, api.VolumeRequest{Name: r.vname, Pool: mv.found[m.part].v.Pool, FromVolume: svname, Labels: l,
+		src := mv.found[m.part].v
+		rec, err := n.createVolume(ctx, api.VolumeRequest{Name: r.vname, Pool: src.Pool, FromVolume: svname, Labels: l, Size: memberSize(m.part, size, deref(src.Size)),
 			Export: api.MapRequest{GrantsOnly: ptr(true), WriteThrough: r.p.writeThrough}})
 		if err == nil {
 			made[i] = &found{n, rec}

@@ -99,6 +99,21 @@ func (w *legWriter) run(stop <-chan struct{}) {
 	}
 }
 
+// wantMemberSizes checks the members of replicated volume vname: each
+// leg size bytes of data and the metadata, the witness its 1 MiB.
+func (r *rig) wantMemberSizes(t *testing.T, vname string, parts map[string]string, size int64) {
+	t.Helper()
+	for part, node := range parts {
+		want := size + mirror.DataOff
+		if part == memberWit {
+			want = witnessSize
+		}
+		if m := r.members(vname)[node]; m.Size == nil || *m.Size != want {
+			t.Errorf("%s's %s on %s: %v bytes, want %d", vname, part, node, m.Size, want)
+		}
+	}
+}
+
 // snapCounter is the counter in member snapshot sname on node.
 func (r *rig) snapCounter(node, sname string) uint64 {
 	r.t.Helper()
@@ -122,8 +137,11 @@ func (r *rig) snapCounter(node, sname string) uint64 {
 // answers the same snapshot; list shows it once (by id, by its volume,
 // in the whole list), not its members; delete takes every member; a
 // volume from a snapshot is made of clones of its members on their
-// nodes, published with the mirror to adopt; what does not fit (other
-// replicas, a larger size, a volume of one node) is refused; a clone
+// nodes, published with the mirror to adopt, and one larger than its
+// snapshot (or a clone larger than its source) has its legs made that
+// large, its publish context the size its mirror grows to; what does
+// not fit (other replicas, a limit below the source, a volume of one
+// node) is refused; a clone
 // that stopped part way is made anew; a member's node that does not
 // answer makes no snapshot.
 func TestControllerReplicatedSnapshot(t *testing.T) {
@@ -312,8 +330,30 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 	}
 	_, err = restore("pvc-from-s3", map[string]string{"replicas": "3"}, 0, "mirror:snap-3")
 	wantCode(t, "replicas 3 from a snapshot of two legs", err, codes.InvalidArgument)
-	_, err = restore("pvc-from-s-big", two, 2*size, "mirror:snap-3")
-	wantCode(t, "a restore larger than its snapshot", err, codes.InvalidArgument)
+	// Larger than its snapshot: its legs made that large and the
+	// witness as its snapshot; the publish context gives the size its
+	// mirror grows to at its stage.
+	big, err := restore("pvc-from-s-big", two, 2*size, "mirror:snap-3")
+	if err != nil || big.GetCapacityBytes() != 2*size {
+		t.Fatalf("a restore at twice its snapshot's size: %v, %v", big, err)
+	}
+	r.wantMemberSizes(t, "pvc-from-s-big", parts, 2*size)
+	if again, err := restore("pvc-from-s-big", two, 2*size, "mirror:snap-3"); err != nil || again.GetCapacityBytes() != 2*size {
+		t.Fatalf("the larger restore again: %v, %v", again, err)
+	}
+	pub, err = r.cc.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: big.GetVolumeId(), NodeId: "host-2", VolumeCapability: rwo})
+	if err != nil || pub.GetPublishContext()[PCSize] != fmt.Sprint(2*size) || pub.GetPublishContext()[PCAdopt] != "pvc-s" {
+		t.Fatalf("publish of the larger restore: %v, %v", pub.GetPublishContext(), err)
+	}
+	_, err = restore("pvc-from-s-small", two, size/2, "mirror:snap-3")
+	if err != nil {
+		t.Fatalf("a restore asking less than its snapshot (it has the snapshot's size): %v", err)
+	}
+	_, err = r.cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-from-s-lim", Parameters: two,
+		CapacityRange: &csi.CapacityRange{LimitBytes: size / 2}, VolumeCapabilities: []*csi.VolumeCapability{rwo},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: "mirror:snap-3"}}}})
+	wantCode(t, "a restore limited below its snapshot's size", err, codes.OutOfRange)
 	_, err = restore("pvc-from-none", two, 0, "mirror:nosuch")
 	wantCode(t, "a restore of no snapshot", err, codes.NotFound)
 	_, err = restore("pvc-from-one", two, 0, one.GetVolumeId())
@@ -321,6 +361,10 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 	if again, err := clone("pvc-clone-4", two, 0, v.GetVolumeId()); err != nil || again.GetVolumeId() != "mirror:pvc-clone-4" || again.GetCapacityBytes() != size {
 		t.Fatalf("the clone again: %v, %v", again, err)
 	}
+	if cv, err := clone("pvc-clone-big", two, 3*size, v.GetVolumeId()); err != nil || cv.GetCapacityBytes() != 3*size {
+		t.Fatalf("a clone at three times its source's size: %v, %v", cv, err)
+	}
+	r.wantMemberSizes(t, "pvc-clone-big", parts, 3*size)
 	_, err = clone("pvc-clone-3legs", map[string]string{"replicas": "3"}, 0, v.GetVolumeId())
 	wantCode(t, "a clone of two legs with replicas 3", err, codes.InvalidArgument)
 	_, err = clone("pvc-clone-one", two, 0, one.GetVolumeId())

@@ -221,6 +221,7 @@ type stageRequest struct {
 	// mirror, legs, witness and spares are a replicated volume's
 	// (mirror.go): mapped as a mirror, not as export.
 	mirror, adopt   string
+	size            int64 // bytes of data the mirror has at least (PCSize), 0: as it is
 	legs, spares    []api.Leg
 	witness         *api.Leg
 	readOnly, block bool
@@ -307,6 +308,13 @@ func (n *NodeServer) parseMirrorStage(s *stageRequest, pc map[string]string) err
 	s.mirror, s.adopt = pc[PCMirror], pc[PCAdopt]
 	if vname, ok := parseMirrorID(s.id); !ok || vname != s.mirror {
 		return status.Errorf(codes.InvalidArgument, "publish_context %s %q is not volume %s's", PCMirror, s.mirror, s.id)
+	}
+	if v, ok := pc[PCSize]; ok {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n <= 0 || n%4096 != 0 {
+			return status.Errorf(codes.InvalidArgument, "publish_context %s %q: want the mirror's bytes of data, a multiple of 4096", PCSize, v)
+		}
+		s.size = n
 	}
 	var legs []legContext
 	if err := json.Unmarshal([]byte(pc[PCLegs]), &legs); err != nil || len(legs) < 2 || len(legs) > mirror.MaxLegs {
@@ -415,6 +423,11 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		undo()
 		return nil, err
 	}
+	if err := n.growMirror(ctx, s, m); err != nil {
+		// Kept mapped: the leg that is not in sync resyncs meanwhile,
+		// and the stage's retry grows it.
+		return nil, err
+	}
 	if s.block {
 		return &csi.NodeStageVolumeResponse{}, nil
 	}
@@ -460,8 +473,51 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		undo()
 		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
 	}
+	// A file system smaller than its device (a volume restored or
+	// cloned larger than its source) grows to it: the size the CO asked.
+	// ext4 and xfs are given to their grow tools (resize2fs, xfs_growfs:
+	// nothing to do is success), btrfs where it is smaller; another
+	// file system keeps its size.
+	if !s.readOnly {
+		if need, err := n.resizer.NeedResize(m.devpath, s.staging); err != nil {
+			n.opts.Log.WithError(err).WithField("volume", s.id).Warn("not checked whether the file system fills its device")
+		} else if need {
+			if _, err := n.resizer.Resize(m.devpath, s.staging); err != nil {
+				return nil, status.Errorf(codes.Internal, "growing the file system of %s (volume %s) at %s to its device: %v", m.devpath, s.id, s.staging, err)
+			}
+		}
+	}
 	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// growMirror grows a replicated volume's mirror to the size its publish
+// context gives, where it has less: mapped by a map that could not grow
+// it (a leg not in sync), or found mapped before its legs grew. A
+// mirror that cannot grow yet is Unavailable, for the stage's retry.
+func (n *NodeServer) growMirror(ctx context.Context, s stageRequest, m mapping) error {
+	if s.mirror == "" || s.size == 0 {
+		return nil
+	}
+	have, err := blockdev.DeviceSize(m.devpath)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%s (volume %s): %v", m.devpath, s.id, err)
+	}
+	if have >= s.size {
+		return nil
+	}
+	if err := n.client.Resize(ctx, m.device, s.size); err != nil {
+		code := grpcCode(err)
+		if code == codes.FailedPrecondition {
+			code = codes.Unavailable // busy: a leg resyncs or is out
+		}
+		return status.Errorf(code, "volume %s has %d bytes of the %d its legs hold; growing its mirror: %v", s.id, have, s.size, err)
+	}
+	if _, err := n.waitSize(ctx, m.devpath, s.size); err != nil {
+		return err
+	}
+	n.opts.Log.WithFields(log.Fields{"volume": s.id, "was": have, "now": s.size}).Info("replicated volume's mirror grown to its legs")
+	return nil
 }
 
 // deviceMounted: a mount has the block device at dev for its source.
@@ -528,6 +584,9 @@ func (n *NodeServer) mapExport(ctx context.Context, s stageRequest) (mapping, er
 		// (and a retry of the first) assembles it.
 		m = api.Mapping{Mirror: s.mirror, Adopt: s.adopt, Legs: s.legs, Witness: s.witness, Spares: s.spares, CreateIfNew: true, AccessMode: accessRW,
 			Transport: s.transport, As: s.frontend}
+		if s.size > 0 {
+			m.Size = strconv.FormatInt(s.size, 10)
+		}
 	}
 	if s.policy != "" {
 		m.Settings.MPPolicy = &s.policy

@@ -179,10 +179,11 @@ func TestParseStageMirror(t *testing.T) {
 		t.Fatalf("adopt %q without the publish context's", s.adopt)
 	}
 	// A volume restored from a replicated volume's snapshot: its
-	// members adopted, as the publish context says.
-	pc[PCAdopt] = "pvc-0"
-	if s, err = n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "mirror:pvc-1", StagingTargetPath: "/st", VolumeCapability: rwo, PublishContext: pc}); err != nil || s.adopt != "pvc-0" {
-		t.Fatalf("adopt: %q, %v", s.adopt, err)
+	// members adopted, as the publish context says, and grown to the
+	// size its legs hold.
+	pc[PCAdopt], pc[PCSize] = "pvc-0", "134217728"
+	if s, err = n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: "mirror:pvc-1", StagingTargetPath: "/st", VolumeCapability: rwo, PublishContext: pc}); err != nil || s.adopt != "pvc-0" || s.size != 128<<20 {
+		t.Fatalf("adopt: %q, size %d, %v", s.adopt, s.size, err)
 	}
 	with := func(k, v string) map[string]string {
 		m := map[string]string{PCMirror: "pvc-1", PCLegs: legs, PCWitness: wit}
@@ -211,6 +212,9 @@ func TestParseStageMirror(t *testing.T) {
 		"a spare, no paths":  {"mirror:pvc-1", with(PCSpares, `[{"storageNode":"sn4","export":"pvc-1"}]`), rwo},
 		"four spares":        {"mirror:pvc-1", with(PCSpares, "["+strings.Repeat(`{"storageNode":"sn4","export":"pvc-1","paths":["ip:1.2.3.4"]},`, 3)+`{"storageNode":"sn5","export":"pvc-1","paths":["ip:1.2.3.4"]}]`), rwo},
 		"read-only":          {"mirror:pvc-1", with(PCAccess, "ro"), rwo},
+		"a size not of 4096": {"mirror:pvc-1", with(PCSize, "1000"), rwo},
+		"a size of no bytes": {"mirror:pvc-1", with(PCSize, "0"), rwo},
+		"a size not a size":  {"mirror:pvc-1", with(PCSize, "1GiB"), rwo},
 		"a reader mode":      {"mirror:pvc-1", pc, reader},
 	} {
 		if _, err := n.parseStage(&csi.NodeStageVolumeRequest{VolumeId: tc.id, StagingTargetPath: "/st", VolumeCapability: tc.vc, PublishContext: tc.pc}); status.Code(err) != codes.InvalidArgument {
