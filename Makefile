@@ -100,6 +100,9 @@ manifests: $(HELM)
 test: deps vet $(HELM)
 	RNBD_HELM=$(abspath $(HELM)) RNBD_REQUIRE_PROMTOOL=$$([ "$$(id -u)" = 0 ] && echo 1) $(GO) test -race -count=1 -parallel 3 -timeout 30m ./...
 	RNBD_E2E_TLS=1 $(GO) test -count=1 -parallel 3 -timeout 30m ./test/e2e
+	# The hot paths' allocations per IO, which the race detector's own
+	# hide above: none.
+	$(GO) test -count=1 -run 'Allocs$$' ./pkg/rtrs ./pkg/mirror
 
 # The VM tier: the kernel paths (/dev/nbdN, /dev/ublkbN) and RDMA
 # (rdma_rxe) on a real Debian kernel under qemu (root; installs qemu from

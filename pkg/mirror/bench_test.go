@@ -40,11 +40,23 @@ func benchMirror(b *testing.B, op rnbd.Op, qd int, legOnly bool) {
 	defer buf.Free()
 	leg := f.m.leg(0).dev
 	legBuf := buf.legs[0]
-	// Every block's bit set and stored: no metadata IO in the loop.
-	const blocks = 1024
-	for blk := range blocks {
+	if legOnly {
+		dirtyAll(b, f.m, buf)
+		runIO(b, qd, func(i, _ int, off int64, lr *rnbd.IOReq, _ *Req, lfin func(*rnbd.IOReq, error), _ func(*Req, error)) error {
+			*lr = rnbd.IOReq{Op: op, Off: DataOff + off, Len: size, Buf: legBuf, BufOff: i * size, Done: lfin}
+			return leg.Submit(context.Background(), lr)
+		})
+		return
+	}
+	benchRun(b, f.m, buf, op, qd)
+}
+
+// dirtyAll writes every block of the benchmarks once: each bitmap bit
+// set and stored, so that the loop does no metadata IO.
+func dirtyAll(b *testing.B, m *Mirror, buf *Buffer) {
+	for blk := range benchBlocks {
 		done := make(chan error, 1)
-		if err := f.m.Submit(context.Background(), &Req{Op: rnbd.OpWrite, Off: int64(blk) * size, Len: size, Buf: buf,
+		if err := m.Submit(context.Background(), &Req{Op: rnbd.OpWrite, Off: int64(blk) * 4096, Len: 4096, Buf: buf,
 			Done: func(_ *Req, err error) { done <- err }}); err != nil {
 			b.Fatal(err)
 		}
@@ -52,6 +64,27 @@ func benchMirror(b *testing.B, op rnbd.Op, qd int, legOnly bool) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// benchBlocks are the 4 KiB blocks the benchmarks go over, their bitmap
+// bits set first.
+const benchBlocks = 1024
+
+// benchRun runs b.N requests of op on m, qd at a time, over benchBlocks
+// blocks.
+func benchRun(b *testing.B, m *Mirror, buf *Buffer, op rnbd.Op, qd int) {
+	dirtyAll(b, m, buf)
+	runIO(b, qd, func(i, _ int, off int64, _ *rnbd.IOReq, r *Req, _ func(*rnbd.IOReq, error), fin func(*Req, error)) error {
+		*r = Req{Op: op, Off: off, Len: 4096, Buf: buf, BufOff: i * 4096, Done: fin}
+		return m.Submit(context.Background(), r)
+	})
+}
+
+// runIO runs b.N requests from qd goroutines, each submitting its next
+// once its last completed: submit gives goroutine i's j-th, at block
+// offset off, with the goroutine's own requests and callbacks (made
+// once: the loop allocates nothing of its own).
+func runIO(b *testing.B, qd int, submit func(i, j int, off int64, lr *rnbd.IOReq, r *Req, lfin func(*rnbd.IOReq, error), fin func(*Req, error)) error) {
 	var wg sync.WaitGroup
 	per := b.N / qd
 	b.ReportAllocs()
@@ -62,21 +95,11 @@ func benchMirror(b *testing.B, op rnbd.Op, qd int, legOnly bool) {
 		go func() {
 			defer wg.Done()
 			done := make(chan error, 1)
-			r := &Req{}
+			r, lr := &Req{}, &rnbd.IOReq{}
 			fin := func(_ *Req, err error) { done <- err }
-			lr := &rnbd.IOReq{}
 			lfin := func(_ *rnbd.IOReq, err error) { done <- err }
 			for j := range per {
-				off := int64((i*per+j)%blocks) * size
-				var err error
-				if legOnly {
-					*lr = rnbd.IOReq{Op: op, Off: DataOff + off, Len: size, Buf: legBuf, BufOff: i * size, Done: lfin}
-					err = leg.Submit(context.Background(), lr)
-				} else {
-					*r = Req{Op: op, Off: off, Len: size, Buf: buf, BufOff: i * size, Done: fin}
-					err = f.m.Submit(context.Background(), r)
-				}
-				if err != nil {
+				if err := submit(i, j, int64((i*per+j)%benchBlocks)*4096, lr, r, lfin, fin); err != nil {
 					b.Error(err)
 					return
 				}
