@@ -452,7 +452,9 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			undo()
 			return nil, status.Errorf(codes.Internal, "staging path %s holds %s, but volume %s is %s now: unmount it (NodeUnstageVolume) and stage again", s.staging, dev, s.id, m.devpath)
 		}
-		return &csi.NodeStageVolumeResponse{}, nil
+		// A retry of a stage whose growth of the file system failed
+		// grows it.
+		return &csi.NodeStageVolumeResponse{}, n.growFS(s, m.devpath)
 	}
 	opts := append([]string(nil), s.mountFlags...)
 	if s.readOnly {
@@ -473,22 +475,35 @@ func (n *NodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		undo()
 		return nil, status.Errorf(codes.Internal, "mounting %s (volume %s) at %s: %v", m.devpath, s.id, s.staging, err)
 	}
-	// A file system smaller than its device (a volume restored or
-	// cloned larger than its source) grows to it: the size the CO asked.
-	// ext4 and xfs are given to their grow tools (resize2fs, xfs_growfs:
-	// nothing to do is success), btrfs where it is smaller; another
-	// file system keeps its size.
-	if !s.readOnly {
-		if need, err := n.resizer.NeedResize(m.devpath, s.staging); err != nil {
-			n.opts.Log.WithError(err).WithField("volume", s.id).Warn("not checked whether the file system fills its device")
-		} else if need {
-			if _, err := n.resizer.Resize(m.devpath, s.staging); err != nil {
-				return nil, status.Errorf(codes.Internal, "growing the file system of %s (volume %s) at %s to its device: %v", m.devpath, s.id, s.staging, err)
-			}
-		}
+	if err := n.growFS(s, m.devpath); err != nil {
+		return nil, err
 	}
 	n.opts.Log.WithFields(log.Fields{"volume": s.id, "device": m.devpath, "staging": s.staging, "fs": s.fsType}).Info("volume staged")
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// growFS grows the file system mounted at s's staging path to its
+// device dev where it is smaller (a volume restored or cloned larger
+// than its source): the size the CO asked. ext4 and xfs are given to
+// their grow tools (resize2fs, xfs_growfs: nothing to do is success),
+// btrfs where it is smaller; another file system keeps its size (said
+// in the log), as does a read-only one.
+func (n *NodeServer) growFS(s stageRequest, dev string) error {
+	if s.readOnly {
+		return nil
+	}
+	need, err := n.resizer.NeedResize(dev, s.staging)
+	if err != nil {
+		n.opts.Log.WithError(err).WithField("volume", s.id).Warn("not checked whether the file system fills its device")
+		return nil
+	}
+	if !need {
+		return nil
+	}
+	if _, err := n.resizer.Resize(dev, s.staging); err != nil {
+		return status.Errorf(codes.Internal, "growing the file system of %s (volume %s) at %s to its device: %v", dev, s.id, s.staging, err)
+	}
+	return nil
 }
 
 // growMirror grows a replicated volume's mirror to the size its publish
@@ -508,8 +523,8 @@ func (n *NodeServer) growMirror(ctx context.Context, s stageRequest, m mapping) 
 	}
 	if err := n.client.Resize(ctx, m.device, s.size); err != nil {
 		code := grpcCode(err)
-		if code == codes.FailedPrecondition {
-			code = codes.Unavailable // busy: a leg resyncs or is out
+		if ctl.Classify(err) == ctl.CodeBusy {
+			code = codes.Unavailable // a leg resyncs or is out: later
 		}
 		return status.Errorf(code, "volume %s has %d bytes of the %d its legs hold; growing its mirror: %v", s.id, have, s.size, err)
 	}
