@@ -16,6 +16,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
@@ -258,17 +260,23 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 	// made on the snapshot's nodes, its mirror grown at its stage before
 	// its device is made; the source's bytes there, zeros after them.
 	f.step("snapshot, restored twice as large", 3*time.Minute, func(ctx context.Context) error {
-		snap, err := f.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: v.id, Name: "fleet-mirror-snap"})
+		// The node started again is answered once the controller has
+		// seen it back: Unavailable until then, which the CO retries.
+		snap, err := untilAnswered(ctx, func() (*csi.CreateSnapshotResponse, error) {
+			return f.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: v.id, Name: "fleet-mirror-snap"})
+		})
 		if err != nil {
 			return fmt.Errorf("CreateSnapshot: %w", err)
 		}
 		sid := snap.GetSnapshot().GetSnapshotId()
 		f.t.Cleanup(func() { f.ctrl.DeleteSnapshot(context.Background(), &csi.DeleteSnapshotRequest{SnapshotId: sid}) })
 		rv := &fleetVol{name: "fleet-mirror-restored", frontend: v.frontend, size: 2 * size, block: true, vc: v.vc}
-		rsp, err := f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: rv.name, CapacityRange: &csi.CapacityRange{RequiredBytes: rv.size},
-			VolumeCapabilities: []*csi.VolumeCapability{rv.vc}, Parameters: map[string]string{"frontend": rv.frontend, "replicas": "2", "spreadBy": zoneKey},
-			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid}}}})
+		rsp, err := untilAnswered(ctx, func() (*csi.CreateVolumeResponse, error) {
+			return f.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: rv.name, CapacityRange: &csi.CapacityRange{RequiredBytes: rv.size},
+				VolumeCapabilities: []*csi.VolumeCapability{rv.vc}, Parameters: map[string]string{"frontend": rv.frontend, "replicas": "2", "spreadBy": zoneKey},
+				VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+					Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid}}}})
+		})
 		if err != nil {
 			return fmt.Errorf("CreateVolume from %s at %d bytes: %w", sid, rv.size, err)
 		}
@@ -329,6 +337,22 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 	})
 	fmt.Printf("TPUT csi-fleet replicated volume (%d MiB, 2 legs and a witness on 4 storage nodes): %.1fs in all; %s\n",
 		size>>20, time.Since(f.began).Seconds(), strings.Join(f.times, ", "))
+}
+
+// untilAnswered calls call until it answers anything but Unavailable,
+// as a CO retries, or ctx ends.
+func untilAnswered[T any](ctx context.Context, call func() (T, error)) (T, error) {
+	for {
+		v, err := call()
+		if status.Code(err) != codes.Unavailable {
+			return v, err
+		}
+		select {
+		case <-ctx.Done():
+			return v, err
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 // placement is a replicated volume's members by part, as the storage

@@ -220,10 +220,28 @@ func (p *kernelPair) back(st *kernelScheduleStats) {
 		p.mapMirror(false)
 		st.remapped++
 	}
-	kit.WaitFor(p.t, 3*time.Minute, "every leg in sync and the witness voting", p.whole)
+	// Whole for pairSettle on end: a cut mended at once may be seen
+	// late (the kernel server drops a session whose address went away
+	// a second or two after, mended or not), and the next cut of
+	// another member would then find no quorum.
+	var since time.Time
+	kit.WaitFor(p.t, 3*time.Minute, "every leg in sync and the witness voting", func() bool {
+		if !p.whole() {
+			since = time.Time{}
+			return false
+		}
+		if since.IsZero() {
+			since = time.Now()
+		}
+		return time.Since(since) >= pairSettle
+	})
 	st.rejoined++
 	p.note("every leg in sync, the witness voting, in %v", time.Since(start).Round(100*time.Millisecond))
 }
+
+// pairSettle is how long back wants the mirror whole before the next
+// fault.
+const pairSettle = 5 * time.Second
 
 // whole: the mirror serves with every leg in sync and its witness
 // voting (its state says the legs only: a witness whose session the
