@@ -98,7 +98,8 @@ type (
 	}
 	// MapResponse is the answer of POST /v1/devices: the mapping made,
 	// and Note, what the operator should know of how it is served (a
-	// socket where the request implied /dev/nbdN); empty when nothing.
+	// socket where the request implied /dev/nbdN, a mirror mapped at less
+	// than its Size); empty when nothing.
 	MapResponse struct {
 		Mapping
 		Note string `json:"note,omitempty"`
