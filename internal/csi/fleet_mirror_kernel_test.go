@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -284,6 +285,7 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 			return fmt.Errorf("restored at %d bytes, asked %d", rsp.Volume.CapacityBytes, rv.size)
 		}
 		rv.id, rv.volCtx = rsp.Volume.VolumeId, rsp.Volume.VolumeContext
+		f.vols = append(f.vols, rv) // unstaged at the end if this step fails
 		if err := f.publish(ctx, rv, w); err != nil {
 			return err
 		}
@@ -313,6 +315,7 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: rv.id}); err != nil {
 			return err
 		}
+		f.vols = slices.DeleteFunc(f.vols, func(x *fleetVol) bool { return x == rv })
 		_, err = f.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid})
 		return err
 	})
