@@ -296,6 +296,17 @@ rdma_setup() {
 	done
 	return 1
 }
+# A path cut here takes an address off rxenet (its GID goes); rdma_rxe
+# can then lose its GSI QP for good (docs/testing.md, "What the kernel
+# allows"): every cut is followed by gsi_ok, which names that case.
+gsi_ok() { # NAME [DEV]: DEV's (rxe0's) GSI QP, the CM's, still works after a cut
+	local q
+	q=$(/usr/bin/rdma res show qp lqpn 1 2>&1 | grep -m1 "${2:-rxe0}/")
+	case $q in
+	*"state ERR"*) res "$1" FAIL "soft-RoCE's GSI QP is in the error state: no RDMA connection to ${2:-rxe0} can be made any more (an rdma_rxe defect, docs/testing.md): $q" ;;
+	*) res "$1" PASS "$q" ;;
+	esac
+}
 # ublk: pkg/frontend/ublk on its own, over an asynchronous RAM backend
 # (test/vm/ublkcheck prints its own RESULT lines).
 if want ublk-package; then
@@ -757,6 +768,7 @@ if want rdma && [ $rdma_up = 1 ]; then
 	under_io rdma-path-cut "$dev" 64 rdma_cut
 	st=$(cli path list --format csv --fields dst_addr,state,reconnects.successful,reconnects.failed 2>/dev/null | grep 10.78.0.2)
 	case $st in *,connected,0,0 | "") res rdma-path-cut-seen FAIL "$st" ;; *) res rdma-path-cut-seen PASS "$st" ;; esac
+	gsi_ok rdma-path-cut-gsi
 	ip addr add 10.78.0.2/24 dev rxenet
 	# The address is back: the path's own reconnects bring it up again
 	# (their delay has grown to several seconds by now).
@@ -1078,14 +1090,6 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 			[ -d "$p" ] && echo "DETAIL rtrs-server: ${p#/sys/class/rtrs-server/} $(cat $p/hca_name $p/hca_port 2>/dev/null | tr '\n' ' ')"
 		done
 	}
-	gsi_ok() { # NAME: rxe0's GSI QP (the CM's MADs) still works after a cut
-		local q
-		q=$(/usr/bin/rdma res show qp lqpn 1 2>&1 | grep -m1 'rxe0/')
-		case $q in
-		*"state ERR"*) res "$1" FAIL "soft-RoCE's GSI QP is in the error state: no RDMA connection to rxe0 can be made any more (an rdma_rxe defect, docs/testing.md): $q" ;;
-		*) res "$1" PASS "$q" ;;
-		esac
-	}
 	kmwait() { # STATE: up to 60 s for the mirror's state
 		for _ in $(seq 600); do [ "$(kmstate)" = "$1" ] && return 0; sleep 0.1; done
 		return 1
@@ -1205,6 +1209,8 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 			export RNBD_KERNEL_PAIR="[$(kpm 10.78.0.5 rxenet 10.78.0.5 loop5), $(kpm 10.79.0.1 eth0 10.79.0.2 loop1), $(kpm 10.78.0.6 rxenet 10.78.0.6 loop6 w)]"
 			gotest_timeout=900
 			gotest interop-kernel-pair /bin/e2e.test -test.run '^TestMirrorOnKernelPair$' -test.timeout 840s
+			gsi_ok interop-kernel-pair-gsi-rxe0 rxe0
+			gsi_ok interop-kernel-pair-gsi-rxe1 rxe1
 			unset gotest_timeout RNBD_KERNEL_PAIR
 			# Its own lines on a failure (the client daemon's log,
 			# which follows them, fills gotest's DETAIL tail).
