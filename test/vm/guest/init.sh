@@ -1106,15 +1106,14 @@ if want_interop && [ $rdma_up = 1 ] && [ -e /lib/modules/extra/rnbd-server.ko ];
 		scenario interop-kernel-mirror-path-cut
 		# The cut falls between two of the writer's requests: the writer
 		# (under_io's $ddpid, and its dd) stops for half a second, so
-		# nothing of leg 2 is in flight, and goes on once the address
-		# is gone. A cut at the instant the
-		# kernel's rtrs_server answers a request kills soft-RoCE's CM on
-		# 6.12: the server's QP fails at once, it closes the path, and
-		# the CM message it sends from the address just deleted puts
-		# rdma_rxe's GSI QP (QP 1) in the error state for good, so no
-		# connection to any address of rxe0 is made again (seen here 1
-		# cut in 7 and 1 in 12; docs/testing.md). gsi_ok below tells that
-		# case by name.
+		# nothing of leg 2 is in flight, and goes on once the address is
+		# gone. A cut at the instant the kernel's rtrs_server answers a
+		# request kills soft-RoCE's CM on 6.12: the server's QP fails at
+		# once, it closes the path, and the CM message it sends from the
+		# address just deleted puts rdma_rxe's GSI QP (QP 1) in the error
+		# state for good, so no connection to any address of rxe0 is
+		# made again (seen here 1 cut in 7 and 1 in 12; docs/testing.md).
+		# gsi_ok below tells that case by name.
 		kml_cut() {
 			local d
 			kill -STOP "$ddpid"
