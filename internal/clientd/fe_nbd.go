@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -211,13 +212,24 @@ func (d *Daemon) attachKernel(e *nbd.Export, backendID string, index int) (*nbdF
 // driver allows: fewer, larger NBD requests, each split into RTRS
 // messages by the RNBD device, instead of the block layer's split at its
 // default max_sectors_kb. Best effort: the device works without it.
+//
+// A device that has the value already (one taken back by RECONFIGURE
+// keeps its queue) is not written: the kernel freezes the queue for
+// every write of its attributes, waiting for the requests in flight, and
+// after a crash of the daemon those include the ones stranded on its
+// dead sockets, which wait out the request timeout (nbdIOTimeout) before
+// the kernel sends them again — the restart would wait that long in the
+// kernel, its mappings with it.
 func (d *Daemon) setQueueLimits(k *nbdFE) {
-	q := fmt.Sprintf("/sys/block/nbd%d/queue/", k.index)
+	q := filepath.Join(d.sysBlock, fmt.Sprintf("nbd%d", k.index), "queue") + "/"
 	want := slotSize >> 10
 	if b, err := os.ReadFile(q + "max_hw_sectors_kb"); err == nil {
 		if hw, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && hw > 0 {
 			want = min(want, hw)
 		}
+	}
+	if b, err := os.ReadFile(q + "max_sectors_kb"); err == nil && strings.TrimSpace(string(b)) == strconv.Itoa(want) {
+		return
 	}
 	if err := os.WriteFile(q+"max_sectors_kb", []byte(strconv.Itoa(want)), 0); err != nil {
 		d.log.WithError(err).WithField("nbd", k.index).Warn("setting max_sectors_kb")

@@ -1456,6 +1456,31 @@ scenario nbd-restart-busy
 under_io nbd-restart "$dev" 64 restart_client
 [ "$(devpath)" = "$dev" ] && res nbd-restart-busy-same-device PASS "" || res nbd-restart-busy-same-device FAIL "$(cli device list 2>&1)"
 
+# 7b. the client daemon killed (SIGKILL) under 4 KiB writes at queue
+# depth 16: the requests the kernel had sent whole on the dead sockets
+# wait there until nbd_io_timeout (38 s here), then go out again on the
+# new daemon's. The new daemon must answer meanwhile, its mappings
+# restored — a write to the device's queue attributes in sysfs would
+# wait for those requests (the kernel freezes the queue for it) — take
+# the same device back, and fio sees no error and reads back what it
+# wrote.
+scenario nbd-crash-busy
+fio --name=k --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k --size=32M --iodepth=16 \
+	--verify=crc32c --verify_fatal=1 --verify_state_save=0 --randrepeat=0 >/tmp/fiok.out 2>&1 &
+fpid=$!
+sleep 1
+kill -0 $fpid 2>/dev/null && during=1 || during=0
+t0=$(cut -d. -f1 /proc/uptime)
+stop_client -9
+if start_client && timeout 10 /bin/rnbd-client --socket /tmp/c.sock device list >/dev/null 2>&1; then
+	res nbd-client-kill-restart PASS "answering in $(($(cut -d. -f1 /proc/uptime) - t0)) s"
+else
+	res nbd-client-kill-restart FAIL "not answering in 10 s: $(tail -3 /tmp/client.log | tr '\n' ' ')"
+	echo w >/proc/sysrq-trigger
+fi
+if wait $fpid && [ $during = 1 ]; then res nbd-client-kill-fio-verify PASS ""; else res nbd-client-kill-fio-verify FAIL "during=$during $(tail -3 /tmp/fiok.out | tr '\n' ' ')"; fi
+[ "$(devpath)" = "$dev" ] && res nbd-client-kill-same-device PASS "" || res nbd-client-kill-same-device FAIL "$(cli device list 2>&1)"
+
 # 8. BACKEND_IDENTIFIER: a mapping that now names another export must not
 # take the old device back. The state file is edited while the daemon is
 # down; the kernel refuses the RECONFIGURE and a new device is attached.
