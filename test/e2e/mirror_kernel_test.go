@@ -89,10 +89,12 @@ type kernelMirror struct {
 	dir     string
 	cl      *clientDaemon
 	mapArgs []string
-	dev     string // /dev/ublkbN while mapped, "" while refused
-	h       *history.History
-	start   time.Time
-	trail   []string
+	// clientArgs are the client daemon's flags beyond startClient's.
+	clientArgs []string
+	dev        string // /dev/ublkbN (or /dev/nbdN) while mapped, "" while refused
+	h          *history.History
+	start      time.Time
+	trail      []string
 }
 
 func (k *kernelMirror) note(s string, a ...any) {
@@ -207,7 +209,7 @@ func runKernelSchedule(t *testing.T, seed uint64) (st kernelScheduleStats) {
 // startClient starts the client daemon; a test that fails leaves no
 // ublk device behind it (one whose daemon is killed waits for another).
 func (k *kernelMirror) startClient() {
-	cl := startClient(k.t, k.dir, "--mirror-leg-timeout", "1s")
+	cl := startClient(k.t, k.dir, append([]string{"--mirror-leg-timeout", "1s"}, k.clientArgs...)...)
 	k.t.Cleanup(func() { cl.ctl("unmap", "rnbd0", "--force") })
 	k.cl = cl
 }
@@ -421,7 +423,7 @@ func mappedDev(t *testing.T, out string) string {
 	_, dev, ok := strings.Cut(out, "mapped: ")
 	dev, _, _ = strings.Cut(dev, "\n")
 	dev = strings.TrimSpace(dev)
-	if !ok || !strings.HasPrefix(dev, "/dev/ublkb") {
+	if !ok || !strings.HasPrefix(dev, "/dev/ublkb") && !strings.HasPrefix(dev, "/dev/nbd") {
 		t.Fatalf("map: %q", out)
 	}
 	return dev
