@@ -287,12 +287,7 @@ func (p *kernelPair) crash(rng *rand.Rand, st *kernelScheduleStats) {
 	p.mapMirror(false)
 	wait := p.burst(rng, 4, st)
 	time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
-	p.cl.cmd.Process.Kill()
-	err := <-p.cl.done
-	p.cl.done <- err
-	p.h.Crash()
-	st.crashes++
-	p.note("client killed")
+	p.killClient(st)
 	p.startClient()
 	wait()
 	kit.WaitFor(p.t, 2*time.Minute, "the mirror restored", func() bool {

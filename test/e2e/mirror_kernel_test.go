@@ -248,12 +248,7 @@ func (k *kernelMirror) crash(rng *rand.Rand, st *kernelScheduleStats) {
 		wait = k.burst(rng, 4, st)
 		time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
 	}
-	k.cl.cmd.Process.Kill()
-	err := <-k.cl.done
-	k.cl.done <- err
-	k.h.Crash()
-	st.crashes++
-	k.note("client killed")
+	k.killClient(st)
 	for i := range k.nodes {
 		if k.frozen[i] {
 			k.revive(i)
@@ -272,6 +267,17 @@ func (k *kernelMirror) crash(rng *rand.Rand, st *kernelScheduleStats) {
 		k.dev = ""
 		k.note("client back, the mirror %v (refused)", rec["state"])
 	}
+}
+
+// killClient kills the client daemon (-9): the writes in flight become
+// unknown in the history.
+func (k *kernelMirror) killClient(st *kernelScheduleStats) {
+	k.cl.cmd.Process.Kill()
+	err := <-k.cl.done
+	k.cl.done <- err
+	k.h.Crash()
+	st.crashes++
+	k.note("client killed")
 }
 
 // remap unmaps a mirror whose restore was refused, or that failed, and
