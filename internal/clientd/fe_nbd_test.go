@@ -21,18 +21,18 @@ func TestQueueLimitsWrittenOnce(t *testing.T) {
 	if err := os.MkdirAll(q, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	hw := strconv.Itoa(slotSize>>10/2) + "\n" // the driver allows less than a buffer
-	os.WriteFile(filepath.Join(q, "max_hw_sectors_kb"), []byte(hw), 0o644)
+	want := strconv.Itoa(slotSize >> 10 / 2) // the driver allows less than a buffer
+	os.WriteFile(filepath.Join(q, "max_hw_sectors_kb"), []byte(want+"\n"), 0o644)
 	kb := filepath.Join(q, "max_sectors_kb")
 	os.WriteFile(kb, []byte("128\n"), 0o644)
 	d := &Daemon{log: log.Discard(), sysBlock: sys}
 	d.setQueueLimits(&nbdFE{index: 3})
-	if b, _ := os.ReadFile(kb); string(b) != strconv.Itoa(slotSize>>10/2) {
-		t.Fatalf("max_sectors_kb %q, want the driver's %q", b, hw)
+	if b, _ := os.ReadFile(kb); string(b) != want {
+		t.Fatalf("max_sectors_kb %q, want the driver's %s", b, want)
 	}
 	// As sysfs shows it, with its newline; the write's time kept in the
 	// past, so that another write would show.
-	os.WriteFile(kb, []byte(hw), 0o644)
+	os.WriteFile(kb, []byte(want+"\n"), 0o644)
 	old := time.Now().Add(-time.Hour).Truncate(time.Second)
 	os.Chtimes(kb, old, old)
 	d.setQueueLimits(&nbdFE{index: 3})
