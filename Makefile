@@ -3,7 +3,7 @@ SHELL := /bin/bash
 GO    ?= go
 BIN   := bin
 
-.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm test-k8s vet helm manifests bench bench-peers bench-fleet fuzz clean
+.PHONY: all deps build man deb test-deb demo demo-rtrs test test-vm test-k8s vet helm manifests bench bench-peers bench-mirror bench-fleet fuzz clean
 
 all: build
 
@@ -138,6 +138,17 @@ bench: deps
 # docs/benchmarks.md. BENCH_PEERS_ARGS="-reps 1 -runtime 3s" for a quick look.
 bench-peers: build
 	$(GO) run ./tools/benchpeers -bin $(BIN) $(BENCH_PEERS_ARGS)
+
+# The mirror of two legs against one device (issue 42's targets), the
+# servers pinned to half the CPUs and fio and the client to the other
+# half: storage nodes that do not take the client's CPU
+# (docs/benchmarks.md, "Storage nodes on CPUs of their own"). Best of 5,
+# about 12 minutes. Writes docs/bench/peers-DATE-mirror-pinned.{tsv,svg}
+# and prints the tables.
+bench-mirror: build
+	$(GO) run ./tools/benchpeers -bin $(BIN) -pin -reps 5 -runtime 5s \
+		-peers rnbd/unix,rnbd-mirror/unix -workloads rw4k_qd1,rw4k_qd32,rr4k_qd32 \
+		-date $$(date -u +%F)-mirror-pinned -doc "" $(BENCH_MIRROR_ARGS)
 
 # rnbd-server at a fleet's scale (issue 33): 100 volumes made, granted
 # and deleted one after the other in a directory pool under $TMPDIR

@@ -83,7 +83,8 @@ func runFio(ctx context.Context, p *peer, w string, c config) (row, error) {
 	fctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	t0 := time.Now()
-	fout, ferr := exec.CommandContext(fctx, "fio", args...).CombinedOutput()
+	fa := c.argv("fio", append([]string{"fio"}, args...))
+	fout, ferr := exec.CommandContext(fctx, fa[0], fa[1:]...).CombinedOutput()
 	wall := time.Since(t0).Seconds()
 	if ctx.Err() != nil {
 		return row{}, ctx.Err()

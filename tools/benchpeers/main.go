@@ -61,6 +61,11 @@ type config struct {
 	outDir    string
 	doc       string
 	date      string
+	// pin puts the storage side (the servers) on the upper half of the
+	// CPUs and the client side (fio, the client daemon, a relay) on the
+	// lower: a client host and storage nodes of their own, as far as one
+	// machine can (docs/benchmarks.md, "Storage nodes on their own CPU").
+	pin bool
 }
 
 func main() {
@@ -78,9 +83,14 @@ func main() {
 	flag.StringVar(&c.doc, "doc", "docs/benchmarks.md", "Markdown file whose marked section gets the table (empty: print it)")
 	flag.StringVar(&c.date, "date", time.Now().UTC().Format("2006-01-02"), "date in the file names")
 	flag.StringVar(&report, "report", "", "render the table and plot from this TSV instead of measuring")
+	flag.BoolVar(&c.pin, "pin", false, "run the servers on the upper half of the CPUs and fio and the client daemons on the lower (taskset): storage nodes on CPUs of their own, not taken from the client's")
 	resync := flag.String("resync", "", "instead of the peers: measure the mirror's resync (from the bitmap, and a rebuild in full) with fio running this workload during the rebuild, and print the figures")
 	flag.Parse()
 	if *resync != "" {
+		if err := c.checkPin(); err != nil {
+			fmt.Fprintln(os.Stderr, "benchpeers:", err)
+			os.Exit(2)
+		}
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		out, err := measureResync(ctx, c, *resync)
 		stop()
@@ -127,6 +137,9 @@ func run(c config, report string) error {
 			if _, err := newPeer(p, c, "", ""); err != nil {
 				return err
 			}
+		}
+		if err := c.checkPin(); err != nil {
+			return err
 		}
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		defer stop()
@@ -191,7 +204,7 @@ func measure(ctx context.Context, c config) ([]row, string, error) {
 				return rows, env, err
 			}
 			fmt.Fprintf(os.Stderr, "== rep %d: %s\n", rep, name)
-			if err := p.start(ctx); err != nil {
+			if err := p.start(ctx, c); err != nil {
 				p.stop()
 				return rows, env, fmt.Errorf("%s: %w", name, err)
 			}
@@ -241,8 +254,14 @@ func describeEnv(c config) string {
 		out("git", "describe", "--always", "--dirty"))
 	fmt.Fprintf(&b, "# file: %d MiB of random data in /dev/shm; runtime %s, ramp %s, %d repetitions\n",
 		c.sizeMB, c.runtime, c.ramp, c.reps)
-	fmt.Fprintf(&b, "# command: go run ./tools/benchpeers -reps %d -runtime %s -workloads %s -peers %s\n",
-		c.reps, c.runtime, strings.Join(c.workloads, ","), strings.Join(c.peers, ","))
+	pin := ""
+	if c.pin {
+		pin = " -pin"
+		client, storage := c.cpus("client"), c.cpus("server")
+		fmt.Fprintf(&b, "# pinned: fio and the client side on CPUs %s, the servers on CPUs %s\n", client, storage)
+	}
+	fmt.Fprintf(&b, "# command: go run ./tools/benchpeers%s -reps %d -runtime %s -workloads %s -peers %s\n",
+		pin, c.reps, c.runtime, strings.Join(c.workloads, ","), strings.Join(c.peers, ","))
 	return b.String()
 }
 
@@ -482,7 +501,7 @@ func waitFor(ctx context.Context, ok func() bool) error {
 	return nil
 }
 
-func (p *peer) start(ctx context.Context) error {
+func (p *peer) start(ctx context.Context, c config) error {
 	os.RemoveAll(p.dir) // sockets and state of an earlier repetition
 	if err := os.MkdirAll(p.dir, 0o700); err != nil {
 		return err
@@ -493,7 +512,7 @@ func (p *peer) start(ctx context.Context) error {
 			return err
 		}
 		d.log = lf
-		d.cmd = exec.Command(d.args[0], d.args[1:]...)
+		d.cmd = c.command(d.role, d.args...)
 		d.cmd.Stdout, d.cmd.Stderr = lf, lf
 		if err := d.cmd.Start(); err != nil {
 			return err

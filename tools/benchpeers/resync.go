@@ -42,7 +42,7 @@ func measureResync(ctx context.Context, c config, w string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if err := p.start(ctx); err != nil {
+	if err := p.start(ctx, c); err != nil {
 		p.stop()
 		return "", err
 	}
@@ -50,6 +50,9 @@ func measureResync(ctx context.Context, c config, w string) (string, error) {
 	clt := []string{filepath.Join(c.bin, "rnbd-client"), "--socket", filepath.Join(p.dir, "c.sock")}
 	var out strings.Builder
 	fmt.Fprintf(&out, "mirror of two legs of %d MiB on rnbd-servers on loopback, %s; fio %s (%s runs)\n", c.sizeMB, img, w, c.runtime)
+	if c.pin {
+		fmt.Fprintf(&out, "pinned: fio and the client on CPUs %s, the servers on CPUs %s\n", c.cpus("client"), c.cpus("server"))
+	}
 
 	before, err := runFio(ctx, p, w, c)
 	if err != nil || before.err != "" {
@@ -80,7 +83,7 @@ func measureResync(ctx context.Context, c config, w string) (string, error) {
 				return "", err
 			}
 		}
-		srv.cmd = exec.Command(srv.args[0], srv.args[1:]...)
+		srv.cmd = c.command(srv.role, srv.args...)
 		srv.cmd.Stdout, srv.cmd.Stderr = srv.log, srv.log
 		if err := srv.cmd.Start(); err != nil {
 			return "", err
