@@ -136,12 +136,15 @@ func contains(l []string, s string) bool {
 }
 
 const (
-	refUnix  = "nbdkit-file/unix"
-	refTCP   = "nbdkit-file/tcp"
-	relay    = "nbdkit-relay/unix"
-	ourPeer  = "rnbd/unix"
-	beginTag = "<!-- benchpeers:begin (written by tools/benchpeers: make bench-peers) -->"
-	endTag   = "<!-- benchpeers:end -->"
+	refUnix = "nbdkit-file/unix"
+	refTCP  = "nbdkit-file/tcp"
+	relay   = "nbdkit-relay/unix"
+	ourPeer = "rnbd/unix"
+	// mirrorPeer is the mirror of two legs, set against ourPeer: the
+	// targets of issue 42 (mirrorTarget).
+	mirrorPeer = "rnbd-mirror/unix"
+	beginTag   = "<!-- benchpeers:begin (written by tools/benchpeers: make bench-peers) -->"
+	endTag     = "<!-- benchpeers:end -->"
 )
 
 // figure is what a workload is judged by: p50 latency at QD1 (lower is
@@ -263,6 +266,54 @@ func (s summary) target(w string) string {
 	return ""
 }
 
+// mirrorTarget states issue 42's goal for the mirror of two legs against
+// one device in w, and whether the run meets it; "" when w has none or
+// the run lacks either peer.
+func (s summary) mirrorTarget(w string) string {
+	r, ok := s.ratio(w, mirrorPeer, ourPeer)
+	if !ok {
+		return ""
+	}
+	check := func(ok bool, text string) string {
+		if ok {
+			return text + " — met"
+		}
+		return text + " — **missed**"
+	}
+	switch w {
+	case "rw4k_qd1":
+		return check(1/r <= 1.3, "p50 ≤ 1.3×")
+	case "rw4k_qd32":
+		return check(r >= 0.8, "≥ 0.8×")
+	case "rr4k_qd32":
+		return check(r >= 1, "≥ 1.0×")
+	}
+	return ""
+}
+
+// mirrorTable is the mirror against one device, if the run has both:
+// the figure of 2 legs as a multiple of 1 (latency: how many times
+// longer; throughput: what fraction) and issue 42's targets.
+func (s summary) mirrorTable() string {
+	var b strings.Builder
+	for _, w := range s.workloads {
+		r, ok := s.ratio(w, mirrorPeer, ourPeer)
+		if !ok || w == "verify" {
+			continue
+		}
+		if b.Len() == 0 {
+			fmt.Fprintf(&b, "\nTwo legs against one (docs/replication.md):\n\n| workload | %s | %s | 2 legs ÷ 1 | target (issue 42) |\n|---|---|---|---|---|\n", ourPeer, mirrorPeer)
+		}
+		ratio := fmt.Sprintf("%.2f×", r)
+		if _, lower := figure(w, row{}); lower {
+			ratio = fmt.Sprintf("p50 %.2f×", 1/r)
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", w, formatFigure(w, s.cells[w][ourPeer]),
+			formatFigure(w, s.cells[w][mirrorPeer]), ratio, s.mirrorTarget(w))
+	}
+	return b.String()
+}
+
 func markdown(s summary, env, tsv, svg string) string {
 	var b strings.Builder
 	b.WriteString(beginTag + "\n\n")
@@ -315,6 +366,7 @@ func markdown(s summary, env, tsv, svg string) string {
 			b.WriteString(" |\n")
 		}
 	}
+	b.WriteString(s.mirrorTable())
 	fmt.Fprintf(&b, "\n![rnbd and the relay against nbdkit](bench/%s)\n\n%s\n", svg, endTag)
 	return b.String()
 }

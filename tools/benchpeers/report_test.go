@@ -131,3 +131,36 @@ func TestCPUTicksOfSelf(t *testing.T) {
 		t.Fatal("no error for a process that does not exist")
 	}
 }
+
+func TestMirrorTable(t *testing.T) {
+	rows := []row{
+		{peer: ourPeer, workload: "rw4k_qd1", rep: 1, p50: 70},
+		{peer: mirrorPeer, workload: "rw4k_qd1", rep: 1, p50: 84},
+		{peer: ourPeer, workload: "rw4k_qd32", rep: 1, iops: 100000},
+		{peer: mirrorPeer, workload: "rw4k_qd32", rep: 1, iops: 79000},
+		{peer: ourPeer, workload: "rr4k_qd32", rep: 1, iops: 100000},
+		{peer: mirrorPeer, workload: "rr4k_qd32", rep: 1, iops: 110000},
+	}
+	s := summarize(rows)
+	for w, want := range map[string]string{
+		"rw4k_qd1":  "p50 ≤ 1.3× — met",
+		"rw4k_qd32": "≥ 0.8× — **missed**",
+		"rr4k_qd32": "≥ 1.0× — met",
+	} {
+		if got := s.mirrorTarget(w); got != want {
+			t.Errorf("%s: %q, want %q", w, got, want)
+		}
+	}
+	tab := s.mirrorTable()
+	for _, want := range []string{"| rw4k_qd1 |", "p50 1.20×", "| 0.79× |", "| 1.10× |"} {
+		if !strings.Contains(tab, want) {
+			t.Errorf("the mirror table lacks %q:\n%s", want, tab)
+		}
+	}
+	if got := summarize(rows[:2]).mirrorTarget("rw4k_qd32"); got != "" {
+		t.Errorf("a run without both peers judged rw4k_qd32: %q", got)
+	}
+	if tab := summarize(testRows()).mirrorTable(); tab != "" {
+		t.Errorf("a run without the mirror has a mirror table:\n%s", tab)
+	}
+}
