@@ -30,25 +30,34 @@ const LeftOutHeader = "rnbd-left-out"
 // without, and says which in the call's header; none answering is
 // Unavailable (what there is cannot be told).
 func leftOut[T any](ctx context.Context, c *controller, method string, results []nodeResult[T]) error {
-	var names []string
+	var failed []nodeResult[T]
 	for _, r := range results {
-		if r.err == nil {
-			continue
+		if r.err != nil {
+			failed = append(failed, r)
 		}
+	}
+	leaveOut(ctx, c, method, failed)
+	if len(failed) > 0 && len(failed) == len(results) {
+		return status.Errorf(codes.Unavailable, "no storage node answered: %v", results[0].err)
+	}
+	return nil
+}
+
+// leaveOut says that method answered without the nodes of failed: a
+// warning each, rnbd_csi_storage_node_left_out_total and the gRPC
+// header LeftOutHeader naming them.
+func leaveOut[T any](ctx context.Context, c *controller, method string, failed []nodeResult[T]) {
+	var names []string
+	for _, r := range failed {
 		names = append(names, r.n.cfg.Name)
 		c.m.leftOut.WithLabelValues(r.n.cfg.Name, method).Inc()
 		c.log.WithError(r.err).WithFields(log.Fields{"storage_node": r.n.cfg.Name, "method": method}).Warn("answered without a storage node that did not answer")
 	}
-	if len(names) == 0 {
-		return nil
+	if len(names) > 0 {
+		// Only a gRPC call has a header to set (not a test calling
+		// the method).
+		_ = grpc.SetHeader(ctx, metadata.Pairs(LeftOutHeader, strings.Join(names, ",")))
 	}
-	// Only a gRPC call has a header to set (not a test calling the
-	// method).
-	_ = grpc.SetHeader(ctx, metadata.Pairs(LeftOutHeader, strings.Join(names, ",")))
-	if len(names) == len(results) {
-		return status.Errorf(codes.Unavailable, "no storage node answered: %v", results[0].err)
-	}
-	return nil
 }
 
 // page is one page of a sorted list of ids: from after the token (the

@@ -86,7 +86,11 @@ func (c *controller) createMirrorSnapshot(ctx context.Context, req *csi.CreateSn
 	}
 	defer unlock()
 	sname := storageName(req.GetName())
-	have, err := c.mirrorSnapshotMembers(ctx, sname)
+	// Only a node that holds or held a member can hold a part of an
+	// earlier try: those must answer. Another that does not is left out
+	// (the name's uniqueness across volumes is checked on the nodes
+	// that answer, as a volume's name is).
+	have, err := c.mirrorSnapshotMembersOn(ctx, sname, "CreateSnapshot", mv.nodes())
 	if err != nil {
 		return nil, err
 	}
@@ -226,11 +230,24 @@ func firstErr(errs []error, members []member) error {
 // mirrorSnapshotMembers are the snapshots named sname on every storage
 // node; a node that does not answer could hold one: Unavailable.
 func (c *controller) mirrorSnapshotMembers(ctx context.Context, sname string) ([]memberSnap, error) {
+	return c.mirrorSnapshotMembersOn(ctx, sname, "", nil)
+}
+
+// mirrorSnapshotMembersOn is mirrorSnapshotMembers where only the nodes
+// in must can hold a part of the snapshot asked for (nil: any node): a
+// node not in must that does not answer can hold only another volume's
+// snapshot of that name, which its silence does not hide for long (it
+// is found once the node answers), so method answers without it, as a
+// list does.
+func (c *controller) mirrorSnapshotMembersOn(ctx context.Context, sname, method string, must []string) ([]memberSnap, error) {
 	var out []memberSnap
 	var silent []string
+	var skipped []nodeResult[*api.SnapshotRecord]
 	for _, r := range each(ctx, c.nodes, func(ctx context.Context, n *storageNode) (*api.SnapshotRecord, error) { return n.snapshot(ctx, sname) }) {
 		switch {
 		case isNotFound(r.err):
+		case r.err != nil && must != nil && !slices.Contains(must, r.n.cfg.Name):
+			skipped = append(skipped, r)
 		case r.err != nil:
 			silent = append(silent, r.n.cfg.Name)
 		default:
@@ -240,7 +257,24 @@ func (c *controller) mirrorSnapshotMembers(ctx context.Context, sname string) ([
 	if silent != nil {
 		return nil, status.Errorf(codes.Unavailable, "snapshot %s: %s did not answer, and may hold a part of it", sname, strings.Join(silent, ", "))
 	}
+	leaveOut(ctx, c, method, skipped)
 	return out, nil
+}
+
+// nodes are the storage nodes that hold, or held, a member of mv: its
+// placement's, its retired members', and any other holding a volume of
+// its name with a member's labels.
+func (mv *mirrorVolume) nodes() []string {
+	var out []string
+	for _, m := range mv.place.members() {
+		out = append(out, m.node)
+	}
+	out = append(out, mv.retired...)
+	for _, s := range mv.strays {
+		out = append(out, s.n.cfg.Name)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
 }
 
 // completeSnapshot says whether have is a snapshot of every member of p,

@@ -16,7 +16,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
@@ -25,6 +27,7 @@ import (
 	"github.com/rnbd/rnbd/pkg/rnbd"
 	"github.com/rnbd/rnbd/pkg/rtrs"
 	"github.com/rnbd/rnbd/pkg/rtrs/fabric/tcp"
+	"github.com/rnbd/rnbd/test/kit"
 )
 
 // legWriter writes a counter to every leg of a replicated volume in
@@ -388,5 +391,66 @@ func TestControllerReplicatedSnapshot(t *testing.T) {
 		if _, err := api.NewServer(r.admin[node]).Snapshot(ctx, "snap-down"); !isNotFound(err) {
 			t.Errorf("snap-down on %s: %v", node, err)
 		}
+	}
+}
+
+// TestSnapshotsWithANodeDown: a storage node that holds nothing of a
+// volume, stopped, stops no snapshot of it, of one node or replicated:
+// it is left out, and the left-out header names it. A replicated
+// snapshot's delete waits for it (it could hold a part: the id names no
+// node) and goes once it answers. (A member's node, or a retired
+// member's, that does not answer: TestReplicatedLegReplaced.)
+func TestSnapshotsWithANodeDown(t *testing.T) {
+	r := newRigWith(t, rigOptions{nodes: 5, reflinks: true, edit: func(c *Config) {
+		c.Controller.StorageTimeout = conf.Duration{Duration: 2 * time.Second}
+	}})
+	ctx := context.Background()
+	rep := r.mustCreate("pvc-r", 16<<20, map[string]string{"replicas": "2"}, nil)
+	one := r.mustCreate("pvc-1", 16<<20, nil, nil)
+	oneNode, _, _ := strings.Cut(one.GetVolumeId(), "/")
+	used := append(slices.Collect(maps.Values(byPart(r.members("pvc-r")))), oneNode)
+	var idle string
+	for _, sn := range r.nodes {
+		if !slices.Contains(used, sn.Name) {
+			idle = sn.Name
+			break
+		}
+	}
+	if idle == "" {
+		t.Fatalf("every node holds a volume (%v)", used)
+	}
+	r.procs[idle].stop()
+	var ids []string
+	for name, v := range map[string]*csi.Volume{"snap-of-1": one, "snap-of-r": rep} {
+		var hdr metadata.MD
+		snap, err := r.cc.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: v.GetVolumeId()}, grpc.Header(&hdr))
+		if err != nil {
+			t.Fatalf("a snapshot of %s with %s, which holds nothing of it, stopped: %v", v.GetVolumeId(), idle, err)
+		}
+		if got := strings.Join(hdr.Get(LeftOutHeader), ","); got != idle {
+			t.Errorf("the snapshot of %s: left out %q, want %s", v.GetVolumeId(), got, idle)
+		}
+		ids = append(ids, snap.GetSnapshot().GetSnapshotId())
+	}
+	slices.Sort(ids) // "mirror:…" before "node-…"
+	ids[0], ids[1] = ids[1], ids[0]
+	if !strings.HasPrefix(ids[0], oneNode+"/") || !strings.HasPrefix(ids[1], "mirror:") {
+		t.Fatalf("snapshot ids %v: want one on %s and a replicated one", ids, oneNode)
+	}
+	if _, err := r.cc.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: ids[0]}); err != nil {
+		t.Errorf("deleting %s, whose id names its node: %v", ids[0], err)
+	}
+	_, err := r.cc.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: ids[1]})
+	wantCode(t, "deleting a replicated snapshot while a node does not answer", err, codes.Unavailable)
+	r.procs[idle].start()
+	kit.WaitFor(t, 30*time.Second, idle+" answering again", func() bool {
+		_, err := r.d.ctrl.node(idle).pools(ctx)
+		return err == nil
+	})
+	if _, err := r.cc.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: ids[1]}); err != nil {
+		t.Fatalf("deleting %s once every node answers: %v", ids[1], err)
+	}
+	if left, err := r.d.ctrl.mirrorSnapshotMembers(ctx, storageName("snap-of-r")); err != nil || len(left) != 0 {
+		t.Errorf("after the delete, member snapshots %v (%v): want none", left, err)
 	}
 }

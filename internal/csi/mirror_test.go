@@ -401,6 +401,12 @@ func TestReplicatedLegReplaced(t *testing.T) {
 	// leg1's node: the first spare (in leg0's zone) is not for it.
 	dead := parts["leg1"]
 	r.procs[dead].stop()
+	// No snapshot while a member's node does not answer: its leg could
+	// be the only one in sync (docs/replication.md, "Snapshots and
+	// restores"); the CO retries.
+	snapReq := &csi.CreateSnapshotRequest{Name: "snap-degraded", SourceVolumeId: v.GetVolumeId()}
+	_, err = r.cc.CreateSnapshot(ctx, snapReq)
+	wantCode(t, "a snapshot while leg1's node does not answer", err, codes.Unavailable)
 	var ms map[string]api.VolumeRecord
 	kit.WaitFor(t, time.Minute, "leg1 made anew", func() bool {
 		r.d.ctrl.reconcile(ctx)
@@ -426,6 +432,14 @@ func TestReplicatedLegReplaced(t *testing.T) {
 	}
 	if got := r.d.ctrl.reconcile(ctx); got != 0 {
 		t.Errorf("a second reconcile changed %d: the leg is made once", got)
+	}
+	// Made anew, the old node still down: still none, for that node may
+	// hold a part of an earlier try of the snapshot (a retired member's
+	// node must answer, as for a delete).
+	_, err = r.cc.CreateSnapshot(ctx, snapReq)
+	wantCode(t, "a snapshot while the retired member's node does not answer", err, codes.Unavailable)
+	if err == nil || !strings.Contains(err.Error(), dead) {
+		t.Errorf("the refusal %v does not name %s", err, dead)
 	}
 	// Published again (the kubelet's retry, or the pod's next node): the
 	// new placement, the retired node no spare.

@@ -46,8 +46,11 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	defer unlock()
 	sname := storageName(req.GetName())
 	// The snapshot name taken on another storage node, by a snapshot of
-	// another volume: AlreadyExists as the spec asks. A node that does
-	// not answer could have it: not made until it does.
+	// another volume: AlreadyExists as the spec asks. An earlier try of
+	// this one is on n, so another node that does not answer can hold
+	// only another volume's: it is left out, as a list leaves it out,
+	// and not a reason to refuse a snapshot of a volume elsewhere.
+	var skipped []nodeResult[*api.SnapshotRecord]
 	for _, r := range each(ctx, c.nodes, func(ctx context.Context, o *storageNode) (*api.SnapshotRecord, error) {
 		if o == n {
 			return nil, nil
@@ -56,14 +59,15 @@ func (c *controller) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	}) {
 		switch {
 		case r.n == n || isNotFound(r.err):
-		case r.err == nil && r.v.Labels[labelMember] != "":
-			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists, of replicated volume %s", req.GetName(), mirrorID(r.v.Volume))
 		case r.err != nil:
-			return nil, toStatus(r.err, fmt.Sprintf("looking for snapshot %s on %s (a name is made once)", req.GetName(), r.n))
+			skipped = append(skipped, r)
+		case r.v.Labels[labelMember] != "":
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists, of replicated volume %s", req.GetName(), mirrorID(r.v.Volume))
 		default:
 			return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists on %s, of volume %s", req.GetName(), r.n, r.v.Volume)
 		}
 	}
+	leaveOut(ctx, c, "CreateSnapshot", skipped)
 	rec, err := n.createSnapshot(ctx, sname, v.Name)
 	if err != nil {
 		return nil, toStatus(err, fmt.Sprintf("snapshot %s of volume %s", req.GetName(), req.GetSourceVolumeId()))
