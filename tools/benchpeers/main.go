@@ -64,7 +64,7 @@ type config struct {
 	// pin puts the storage side (the servers) on the upper half of the
 	// CPUs and the client side (fio, the client daemon, a relay) on the
 	// lower: a client host and storage nodes of their own, as far as one
-	// machine can (docs/benchmarks.md, "Storage nodes on their own CPU").
+	// machine can (docs/benchmarks.md, "Storage nodes on CPUs of their own").
 	pin bool
 }
 

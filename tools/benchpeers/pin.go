@@ -2,23 +2,43 @@ package main
 
 import (
 	"errors"
-	"fmt"
 	"os/exec"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // cpus is the CPU list taskset gets for a process of role ("server": the
 // storage side; anything else, fio included: the client side) when
-// pinned: the upper half of the CPUs for the servers, the lower for the
-// rest.
-func (c config) cpus(role string) string { return cpuList(role, numCPU()) }
-
-// cpuList is cpus for a machine of n CPUs (n ≥ 2).
-func cpuList(role string, n int) string {
-	half := n / 2
-	if role == "server" {
-		return fmt.Sprintf("%d-%d", half, n-1)
+// pinned: the upper half of the CPUs this process may run on for the
+// servers, the lower half for the rest.
+func (c config) cpus(role string) string {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return ""
 	}
-	return fmt.Sprintf("0-%d", half-1)
+	var allowed []int
+	for i := 0; i < len(set)*64; i++ {
+		if set.IsSet(i) {
+			allowed = append(allowed, i)
+		}
+	}
+	return cpuList(role, allowed)
+}
+
+// cpuList is cpus for a process allowed the CPUs allowed (at least 2).
+func cpuList(role string, allowed []int) string {
+	half := len(allowed) / 2
+	side := allowed[:half]
+	if role == "server" {
+		side = allowed[half:]
+	}
+	s := make([]string, len(side))
+	for i, c := range side {
+		s[i] = strconv.Itoa(c)
+	}
+	return strings.Join(s, ",")
 }
 
 // argv is args run as role: as they are, or under taskset when pinned.
@@ -41,8 +61,8 @@ func (c config) checkPin() error {
 	if !c.pin {
 		return nil
 	}
-	if numCPU() < 2 {
-		return errors.New("-pin needs at least 2 CPUs: one side each")
+	if c.cpus("fio") == "" || c.cpus("server") == "" {
+		return errors.New("-pin needs at least 2 CPUs this process may run on, one for each side")
 	}
 	if _, err := exec.LookPath("taskset"); err != nil {
 		return errors.New("-pin needs taskset (util-linux)")

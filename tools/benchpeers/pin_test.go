@@ -7,16 +7,17 @@ import (
 
 func TestCPUList(t *testing.T) {
 	for _, tc := range []struct {
-		role string
-		n    int
-		want string
+		role    string
+		allowed []int
+		want    string
 	}{
-		{"server", 2, "1-1"}, {"client", 2, "0-0"}, {"fio", 2, "0-0"},
-		{"server", 3, "1-2"}, {"client", 3, "0-0"},
-		{"server", 8, "4-7"}, {"client", 8, "0-3"},
+		{"server", []int{0, 1}, "1"}, {"client", []int{0, 1}, "0"}, {"fio", []int{0, 1}, "0"},
+		{"server", []int{0, 1, 2}, "1,2"}, {"client", []int{0, 1, 2}, "0"},
+		{"server", []int{2, 3, 6, 7}, "6,7"}, {"client", []int{2, 3, 6, 7}, "2,3"},
+		{"server", []int{5}, "5"}, {"client", []int{5}, ""},
 	} {
-		if got := cpuList(tc.role, tc.n); got != tc.want {
-			t.Errorf("cpuList(%q, %d) = %q, want %q", tc.role, tc.n, got, tc.want)
+		if got := cpuList(tc.role, tc.allowed); got != tc.want {
+			t.Errorf("cpuList(%q, %v) = %q, want %q", tc.role, tc.allowed, got, tc.want)
 		}
 	}
 }
