@@ -25,6 +25,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/rnbd/rnbd/internal/conf"
 	"github.com/rnbd/rnbd/internal/ctl"
@@ -480,8 +482,10 @@ func (f *fleet) storageNode(name string) *fleetStorage {
 // publish is what the attacher and the kubelet do for a pod of w using
 // v: ControllerPublishVolume, NodeStageVolume, NodePublishVolume.
 func (f *fleet) publish(ctx context.Context, v *fleetVol, w *fleetWorker) error {
-	pr, err := f.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.id, NodeId: w.name,
-		VolumeCapability: v.vc, VolumeContext: v.volCtx})
+	pr, err := retryOn(ctx, func() (*csi.ControllerPublishVolumeResponse, error) {
+		return f.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.id, NodeId: w.name,
+			VolumeCapability: v.vc, VolumeContext: v.volCtx})
+	}, codes.Aborted)
 	if err != nil {
 		return fmt.Errorf("ControllerPublishVolume %s to %s: %w", v.id, w.name, err)
 	}
@@ -499,6 +503,24 @@ func (f *fleet) publish(ctx context.Context, v *fleetVol, w *fleetWorker) error 
 	return nil
 }
 
+// retryOn calls call again while it answers one of the codes, as the
+// CO's sidecars do (Aborted: an operation on the volume in progress,
+// such as the reconciler's round every reconcile_interval), until ctx
+// ends.
+func retryOn[T any](ctx context.Context, call func() (T, error), retry ...codes.Code) (T, error) {
+	for {
+		v, err := call()
+		if err == nil || !slices.Contains(retry, status.Code(err)) {
+			return v, err
+		}
+		select {
+		case <-ctx.Done():
+			return v, err
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
 // unpublish undoes publish: NodeUnpublishVolume, NodeUnstageVolume,
 // ControllerUnpublishVolume.
 func (f *fleet) unpublish(ctx context.Context, v *fleetVol) error {
@@ -510,7 +532,9 @@ func (f *fleet) unpublish(ctx context.Context, v *fleetVol) error {
 		return fmt.Errorf("NodeUnstageVolume %s on %s: %w", v.id, w.name, err)
 	}
 	v.w = nil
-	if _, err := f.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.id, NodeId: w.name}); err != nil {
+	if _, err := retryOn(ctx, func() (*csi.ControllerUnpublishVolumeResponse, error) {
+		return f.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.id, NodeId: w.name})
+	}, codes.Aborted); err != nil {
 		return fmt.Errorf("ControllerUnpublishVolume %s from %s: %w", v.id, w.name, err)
 	}
 	return nil

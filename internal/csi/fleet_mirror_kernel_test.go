@@ -18,7 +18,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/rnbd/rnbd/internal/api"
 	"github.com/rnbd/rnbd/internal/conf"
@@ -312,18 +311,24 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		if err := f.unpublish(ctx, rv); err != nil {
 			return err
 		}
-		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: rv.id}); err != nil {
+		if _, err := retryOn(ctx, func() (*csi.DeleteVolumeResponse, error) {
+			return f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: rv.id})
+		}, codes.Aborted); err != nil {
 			return err
 		}
 		f.vols = slices.DeleteFunc(f.vols, func(x *fleetVol) bool { return x == rv })
-		_, err = f.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid})
+		_, err = retryOn(ctx, func() (*csi.DeleteSnapshotResponse, error) {
+			return f.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid})
+		}, codes.Aborted)
 		return err
 	})
 	f.step("unpublish and delete", 2*time.Minute, func(ctx context.Context) error {
 		if err := f.unpublish(ctx, v); err != nil {
 			return err
 		}
-		if _, err := f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id}); err != nil {
+		if _, err := retryOn(ctx, func() (*csi.DeleteVolumeResponse, error) {
+			return f.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.id})
+		}, codes.Aborted); err != nil {
 			return err
 		}
 		f.vols = nil
@@ -342,20 +347,10 @@ func TestFleetReplicatedOnKernel(t *testing.T) {
 		size>>20, time.Since(f.began).Seconds(), strings.Join(f.times, ", "))
 }
 
-// untilAnswered calls call until it answers anything but Unavailable,
-// as a CO retries, or ctx ends.
+// untilAnswered calls call until it answers anything but Unavailable
+// or Aborted, as a CO retries, or ctx ends.
 func untilAnswered[T any](ctx context.Context, call func() (T, error)) (T, error) {
-	for {
-		v, err := call()
-		if status.Code(err) != codes.Unavailable {
-			return v, err
-		}
-		select {
-		case <-ctx.Done():
-			return v, err
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
+	return retryOn(ctx, call, codes.Unavailable, codes.Aborted)
 }
 
 // placement is a replicated volume's members by part, as the storage
