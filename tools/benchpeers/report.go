@@ -223,14 +223,16 @@ func (s summary) ratio(w, ours, ref string) (float64, bool) {
 	return x / y, true
 }
 
+// judged is a target's text and whether the run meets it.
+func judged(ok bool, text string) string {
+	if ok {
+		return text + " — met"
+	}
+	return text + " — **missed**"
+}
+
 // target states issue 14's goal for w and whether the run meets it.
 func (s summary) target(w string) string {
-	check := func(ok bool, text string) string {
-		if ok {
-			return text + " — met"
-		}
-		return text + " — **missed**"
-	}
 	ru, okU := s.ratio(w, ourPeer, refUnix)
 	rt, okT := s.ratio(w, ourPeer, refTCP)
 	cpuRatio := func() float64 {
@@ -245,23 +247,23 @@ func (s summary) target(w string) string {
 		if !okU {
 			return ""
 		}
-		return check(1/ru <= 1.6, "p50 ≤ 1.6×") + "; " + check(cpuRatio() <= 2, "CPU ≤ 2×")
+		return judged(1/ru <= 1.6, "p50 ≤ 1.6×") + "; " + judged(cpuRatio() <= 2, "CPU ≤ 2×")
 	case "rr4k_qd32", "rw4k_qd32":
 		if !okU || !okT {
 			return ""
 		}
-		return check(ru >= 0.9, "≥ 0.9× unix") + "; " + check(rt >= 1, "≥ 1× tcp") + "; " + check(cpuRatio() <= 1.3, "CPU ≤ 1.3×")
+		return judged(ru >= 0.9, "≥ 0.9× unix") + "; " + judged(rt >= 1, "≥ 1× tcp") + "; " + judged(cpuRatio() <= 1.3, "CPU ≤ 1.3×")
 	case "sr1m_qd8", "sw1m_qd8":
 		if !okU {
 			return ""
 		}
-		return check(ru >= 1, "≥ 1× unix")
+		return judged(ru >= 1, "≥ 1× unix")
 	case "verify":
 		c := s.cells[w][ourPeer]
 		if c == nil {
 			return ""
 		}
-		return check(c.failed == "", "data verified")
+		return judged(c.failed == "", "data verified")
 	}
 	return ""
 }
@@ -274,19 +276,13 @@ func (s summary) mirrorTarget(w string) string {
 	if !ok {
 		return ""
 	}
-	check := func(ok bool, text string) string {
-		if ok {
-			return text + " — met"
-		}
-		return text + " — **missed**"
-	}
 	switch w {
 	case "rw4k_qd1":
-		return check(1/r <= 1.3, "p50 ≤ 1.3×")
+		return judged(1/r <= 1.3, "p50 ≤ 1.3×")
 	case "rw4k_qd32":
-		return check(r >= 0.8, "≥ 0.8×")
+		return judged(r >= 0.8, "≥ 0.8×")
 	case "rr4k_qd32":
-		return check(r >= 1, "≥ 1.0×")
+		return judged(r >= 1, "≥ 1.0×")
 	}
 	return ""
 }
